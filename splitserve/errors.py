@@ -1,0 +1,107 @@
+"""One error root, ``SplitServeError``; each subclass maps one-to-one to a wire status.
+
+The fast path carries ``status`` (a u16 in the control header); HTTP and gRPC map the
+same classes to their own codes through ``http_status`` and ``grpc_code``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    """Status codes of the fast-path control header (docs/protocol.md)."""
+
+    OK = 0
+    BAD_FRAME = 1  # magic, version, kind or lengths wrong
+    UNKNOWN_MODEL = 2
+    BAD_SIZE = 3  # payload length does not match the model's inputs
+    QUEUE_FULL = 4
+    DEADLINE_MISSED = 5
+    WORKER_FAILED = 6
+    SHUTTING_DOWN = 7
+    DUPLICATE_REQUEST = 8  # req_id already in flight on this connection
+    BAD_SEGMENT = 9  # seq_num / seg_count out of range
+    INVALID_INPUT = 10  # anything else the caller got wrong
+    MODEL_NOT_READY = 11
+    UNAUTHORIZED = 12
+    REFUSED = 13  # refused by policy (e.g. best-effort in rt-only mode)
+    INTERNAL = 99
+
+
+class SplitServeError(Exception):
+    """Root of every error splitserve raises on purpose."""
+
+    status: Status = Status.INTERNAL
+    http_status: int = 500
+    grpc_code: str = "INTERNAL"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__name__)
+        self.message = message or self.__class__.__name__
+
+
+class BadFrame(SplitServeError):
+    status, http_status, grpc_code = Status.BAD_FRAME, 400, "INVALID_ARGUMENT"
+
+
+class UnknownModel(SplitServeError):
+    status, http_status, grpc_code = Status.UNKNOWN_MODEL, 404, "NOT_FOUND"
+
+
+class BadSize(SplitServeError):
+    status, http_status, grpc_code = Status.BAD_SIZE, 400, "INVALID_ARGUMENT"
+
+
+class QueueFull(SplitServeError):
+    status, http_status, grpc_code = Status.QUEUE_FULL, 503, "UNAVAILABLE"
+
+
+class DeadlineMissed(SplitServeError):
+    status, http_status, grpc_code = Status.DEADLINE_MISSED, 504, "DEADLINE_EXCEEDED"
+
+
+class WorkerFailed(SplitServeError):
+    status, http_status, grpc_code = Status.WORKER_FAILED, 500, "INTERNAL"
+
+
+class ShuttingDown(SplitServeError):
+    status, http_status, grpc_code = Status.SHUTTING_DOWN, 503, "UNAVAILABLE"
+
+
+class DuplicateRequest(SplitServeError):
+    status, http_status, grpc_code = Status.DUPLICATE_REQUEST, 409, "ALREADY_EXISTS"
+
+
+class BadSegment(SplitServeError):
+    status, http_status, grpc_code = Status.BAD_SEGMENT, 400, "INVALID_ARGUMENT"
+
+
+class InvalidInput(SplitServeError):
+    status, http_status, grpc_code = Status.INVALID_INPUT, 400, "INVALID_ARGUMENT"
+
+
+class ModelNotReady(SplitServeError):
+    status, http_status, grpc_code = Status.MODEL_NOT_READY, 503, "UNAVAILABLE"
+
+
+class Unauthorized(SplitServeError):
+    status, http_status, grpc_code = Status.UNAUTHORIZED, 401, "UNAUTHENTICATED"
+
+
+class Refused(SplitServeError):
+    status, http_status, grpc_code = Status.REFUSED, 429, "RESOURCE_EXHAUSTED"
+
+
+_BY_STATUS: dict[int, type[SplitServeError]] = {
+    cls.status: cls
+    for cls in (
+        BadFrame, UnknownModel, BadSize, QueueFull, DeadlineMissed, WorkerFailed, ShuttingDown,
+        DuplicateRequest, BadSegment, InvalidInput, ModelNotReady, Unauthorized, Refused,
+    )
+}
+
+
+def error_for_status(status: int, message: str) -> SplitServeError:
+    """Rebuild the typed error a peer reported with ``status`` (client side)."""
+    return _BY_STATUS.get(status, SplitServeError)(message)
