@@ -1,0 +1,3 @@
+from splitserve.cli import main
+
+main()

@@ -1,0 +1,396 @@
+"""Fast-path clients: TCP and Unix streams (sync and asyncio) and UDP (sync).
+
+A request is one gather write of the 64-byte header and the input arrays' own buffers.
+Many calls may be in flight on one connection; answers are matched by ``req_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from splitserve.client.common import Endpoint, InferResult, ModelInfo, decode_outputs, encode_inputs
+from splitserve.errors import InvalidInput, SplitServeError, error_for_status
+from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, unpack_header
+
+
+def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None) -> Header:
+    return Header(
+        Kind.REQUEST, req_id=req_id, func_id=info.func_id, cls=int(RequestClass.parse(cls)),
+        deadline_us=int(deadline_ms * 1000) if deadline_ms else 0,
+        payload_len=sum(a.nbytes for a in arrays),
+    )
+
+
+def _result(info: ModelInfo, h: Header, payload: bytes, count: int, batched: bool) -> InferResult:
+    if h.kind == Kind.ERROR:
+        raise error_for_status(h.status, payload.decode(errors="replace"))
+    return InferResult(decode_outputs(info, payload, count, batched), h.queue_us, h.compute_us, h.total_us)
+
+
+class PendingCall:
+    """A call in flight on a sync client; ``result()`` waits for (and helps read) its answer."""
+
+    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error")
+
+    def __init__(self, client: "Client", req_id: int, decode: Callable[[Header, bytes], Any]) -> None:
+        self._client = client
+        self.req_id = req_id
+        self._decode = decode
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def _set(self, h: Header, payload: bytes) -> None:
+        try:
+            self._value = self._decode(h, payload)
+        except BaseException as e:
+            self._error = e
+        self._done = True
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._client._wait(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Client:
+    """Synchronous fast-path client for ``tcp://host:port`` or ``unix:///path``.
+
+    Thread-safe. The thread that waits for an answer reads the socket itself (whoever
+    waits first reads for everyone), so a single caller pays no thread hand-off.
+    """
+
+    def __init__(self, url: str, timeout: float = 60.0) -> None:
+        self.endpoint = Endpoint.parse(url)
+        self.timeout = timeout
+        ep = self.endpoint
+        if ep.scheme == "tcp":
+            self.sock = socket.create_connection((ep.host, ep.port), timeout=timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif ep.scheme == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(ep.path)
+        else:
+            raise InvalidInput(f"{type(self).__name__} speaks tcp:// and unix://; use UdpClient or splitserve.connect()")
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._reading = False
+        self._pending: dict[int, PendingCall] = {}
+        self._models: dict[str, ModelInfo] = {}
+        self._hdr = bytearray(HEADER_SIZE)
+        self.closed = False
+
+    # -- public API -------------------------------------------------------------------
+
+    def lookup(self, model: str) -> ModelInfo:
+        """Resolve a model name to its func_id, shapes and datatypes (cached)."""
+        info = self._models.get(model)
+        if info is None:
+            body = model.encode()
+            call = self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+                              lambda h, p: self._check(h, p, ModelInfo.from_json))
+            info = self._models[model] = call.result()
+        return info
+
+    def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> PendingCall:
+        """Send a call and return at once; ``.result()`` gives an ``InferResult``."""
+        info = self.lookup(model)
+        arrays, count, batched = encode_inputs(info, x)
+        req_id = next(self._ids)
+        h = _request_header(info, req_id, arrays, cls, deadline_ms)
+        return self._call([h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched))
+
+    def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
+        return self.submit(model, x, **kw).result()
+
+    def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
+        """numpy in, numpy out: the single output, or a dict of outputs."""
+        return self.infer_result(model, x, **kw).value()
+
+    def ping(self) -> float:
+        t = time.perf_counter()
+        self._call([Header(Kind.PING, req_id=next(self._ids)).pack()], lambda h, p: None).result()
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    @staticmethod
+    def _check(h: Header, payload: bytes, parse: Callable[[bytes], Any]) -> Any:
+        if h.kind == Kind.ERROR:
+            raise error_for_status(h.status, payload.decode(errors="replace"))
+        return parse(payload)
+
+    def _call(self, parts: list, decode: Callable[[Header, bytes], Any]) -> PendingCall:
+        req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
+        call = PendingCall(self, req_id, decode)
+        with self._cond:
+            self._pending[req_id] = call
+        total = sum(memoryview(p).nbytes for p in parts)
+        with self._send_lock:
+            sent = self.sock.sendmsg(parts)
+            if sent < total:  # rare on blocking sockets; finish with a joined copy
+                rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[sent:]
+                self.sock.sendall(rest)
+        return call
+
+    def _recv_exact(self, buf: "bytearray | memoryview") -> None:
+        mv = memoryview(buf)
+        while len(mv):
+            n = self.sock.recv_into(mv)
+            if n == 0:
+                raise ConnectionError("server closed the connection")
+            mv = mv[n:]
+
+    def _read_one(self) -> None:
+        self._recv_exact(self._hdr)
+        h = unpack_header(self._hdr)
+        payload = bytearray(h.payload_len)
+        self._recv_exact(payload)
+        with self._cond:
+            call = self._pending.pop(h.req_id, None)
+        if call is None:
+            return  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
+        if h.kind == Kind.ERROR and h.status == 8 and not call.done():
+            # the server refused a duplicate of a call still in flight: that call's own answer comes later
+            with self._cond:
+                self._pending[h.req_id] = call
+            return
+        call._set(h, bytes(payload) if h.kind == Kind.ERROR else payload)
+
+    def _wait(self, call: PendingCall, timeout: float | None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        while True:
+            with self._cond:
+                while not call.done() and self._reading:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left):
+                        raise TimeoutError(f"no answer to call {call.req_id}")
+                if call.done():
+                    return
+                self._reading = True
+            try:
+                self._read_one()
+            except BaseException as e:
+                self._fail_all(e)
+                raise
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+
+    def _fail_all(self, e: BaseException) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, {}
+        err = e if isinstance(e, SplitServeError) else ConnectionError(f"connection lost: {e}")
+        for c in pending.values():
+            c._error, c._done = err, True
+
+
+class AsyncClient:
+    """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight."""
+
+    def __init__(self, url: str, timeout: float = 60.0) -> None:
+        self.endpoint = Endpoint.parse(url)
+        self.timeout = timeout
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
+        self._pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any]]] = {}
+        self._models: dict[str, ModelInfo] = {}
+        self._reader_task: asyncio.Task | None = None
+
+    async def connect(self) -> "AsyncClient":
+        ep = self.endpoint
+        if ep.scheme == "tcp":
+            self._r, self._w = await asyncio.open_connection(ep.host, ep.port)
+            self._w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif ep.scheme == "unix":
+            self._r, self._w = await asyncio.open_unix_connection(ep.path)
+        else:
+            raise InvalidInput("AsyncClient speaks tcp:// and unix://")
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        return self
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            self._w.close()
+            try:
+                await self._w.wait_closed()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            self._reader_task = None
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                hdr = await self._r.readexactly(HEADER_SIZE)
+                h = unpack_header(hdr)
+                payload = await self._r.readexactly(h.payload_len) if h.payload_len else b""
+                entry = self._pending.get(h.req_id)
+                if entry is None or (h.kind == Kind.ERROR and h.status == 8):
+                    continue
+                del self._pending[h.req_id]
+                fut, decode = entry
+                if not fut.done():
+                    try:
+                        fut.set_result(decode(h, payload))
+                    except BaseException as e:
+                        fut.set_exception(e)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            for fut, _ in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"connection lost: {e}"))
+            self._pending.clear()
+
+    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any]) -> Any:
+        req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = (fut, decode)
+        self._w.writelines(parts)
+        await self._w.drain()
+        return await asyncio.wait_for(fut, self.timeout)
+
+    async def lookup(self, model: str) -> ModelInfo:
+        info = self._models.get(model)
+        if info is None:
+            body = model.encode()
+            info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+                                    lambda h, p: Client._check(h, p, ModelInfo.from_json))
+            self._models[model] = info
+        return info
+
+    async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> InferResult:
+        info = await self.lookup(model)
+        arrays, count, batched = encode_inputs(info, x)
+        h = _request_header(info, next(self._ids), arrays, cls, deadline_ms)
+        return await self._call([h.pack(), *(memoryview(a).cast("B") for a in arrays)],
+                                lambda hh, p: _result(info, hh, p, count, batched))
+
+    async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
+        return (await self.infer_result(model, x, **kw)).value()
+
+
+class UdpClient:
+    """Synchronous UDP fast-path client: segments big requests, retransmits on timeout."""
+
+    def __init__(self, url: str, timeout: float = 60.0, retry_s: float = 0.5, segment: int = 60000) -> None:
+        self.endpoint = ep = Endpoint.parse(url)
+        if ep.scheme != "udp":
+            raise InvalidInput("UdpClient speaks udp://")
+        self.addr = (ep.host, ep.port)
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self.segment = segment
+        family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.connect(self.addr)
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
+        self._models: dict[str, ModelInfo] = {}
+        self._buf = bytearray(65536)
+        self._lock = threading.Lock()
+        self.retransmits = 0
+
+    def _exchange(self, datagrams: list[list], req_id: int) -> tuple[Header, bytes]:
+        """Send all datagrams, gather the (possibly segmented) answer; retransmit on silence."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            parts: dict[int, bytes] = {}
+            first: Header | None = None
+            while True:
+                for d in datagrams:
+                    self.sock.sendmsg(d)
+                resend_at = time.monotonic() + self.retry_s
+                while time.monotonic() < resend_at:
+                    self.sock.settimeout(max(1e-3, resend_at - time.monotonic()))
+                    try:
+                        n = self.sock.recv_into(self._buf)
+                    except TimeoutError:
+                        break
+                    h = unpack_header(self._buf)
+                    if h.req_id != req_id:
+                        continue  # a late answer to an earlier, retransmitted call
+                    if h.kind != Kind.RESPONSE:
+                        return h, bytes(self._buf[HEADER_SIZE:n])
+                    first = first or h
+                    parts[h.seq_num] = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + h.payload_len])
+                    if len(parts) == h.seg_count:
+                        return first, b"".join(parts[i] for i in range(h.seg_count))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no answer to UDP call {req_id} after {self.timeout:.1f}s")
+                self.retransmits += 1
+
+    def lookup(self, model: str) -> ModelInfo:
+        info = self._models.get(model)
+        if info is None:
+            rid = next(self._ids)
+            body = model.encode()
+            h, p = self._exchange([[Header(Kind.LOOKUP, req_id=rid, payload_len=len(body)).pack(), body]], rid)
+            info = self._models[model] = Client._check(h, p, ModelInfo.from_json)
+        return info
+
+    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> InferResult:
+        info = self.lookup(model)
+        arrays, count, batched = encode_inputs(info, x)
+        rid = next(self._ids)
+        payload = memoryview(b"".join(memoryview(a).cast("B") for a in arrays)) if len(arrays) > 1 else memoryview(arrays[0]).cast("B")
+        total = len(payload)
+        segs = max(1, -(-total // self.segment))
+        base = _request_header(info, rid, arrays, cls, deadline_ms)
+        dgrams = []
+        for i in range(segs):
+            chunk = payload[i * self.segment : (i + 1) * self.segment]
+            base.seq_num, base.seg_count, base.payload_offset = i, segs, i * self.segment
+            base.payload_len, base.total_len = len(chunk), total
+            base.flags = int(Flags.SEGMENTED) if segs > 1 else 0
+            dgrams.append([base.pack(), chunk])
+        h, p = self._exchange(dgrams, rid)
+        return _result(info, h, p, count, batched)
+
+    def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
+        return self.infer_result(model, x, **kw).value()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "UdpClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(url: str, **kw: Any) -> "Client | UdpClient":
+    """A sync client for any fast-path URL scheme (``tcp://``, ``unix://``, ``udp://``)."""
+    return UdpClient(url, **kw) if url.startswith("udp://") else Client(url, **kw)

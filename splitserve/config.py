@@ -1,0 +1,82 @@
+"""Every server tunable in one place: a default, a ``SPLITSERVE_*`` environment name and a
+one-line reason. ``ServerConfig`` is built once (CLI or tests) and passed down explicitly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from splitserve.errors import InvalidInput
+
+
+def _env(name: str, default: Any, kind: type) -> Any:
+    raw = os.environ.get(f"SPLITSERVE_{name.upper()}")
+    if raw is None or raw == "":
+        return default
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError:
+        raise InvalidInput(f"SPLITSERVE_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("SPLITSERVE_DATA_DIR") or Path.cwd() / ".splitserve")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server-wide settings. Ports set to 0 pick a free port; None turns a front end off."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    fast_port: int | None = 8100  # fast path over TCP
+    udp_port: int | None = 8101  # fast path over UDP
+    unix_path: Path | None = None  # fast path over a Unix socket (default: data_dir/fast.sock)
+    http_port: int | None = 8000  # Open Inference Protocol over HTTP
+    grpc_port: int | None = 8001  # Open Inference Protocol over gRPC
+    data_dir: Path = field(default_factory=default_data_dir)  # registry, repository, token, cache
+    repository: Path | None = None  # extra model repository (directories with config.toml)
+    load: tuple[str, ...] = ()  # models to load at start-up; others load on first use
+    queue_slots: int = 256  # default tensor-queue slots per model and class (bounded queue)
+    udp_segment: int = 60000  # payload bytes per UDP datagram (below the 65507 B limit)
+    udp_response_cache: int = 1024  # answered UDP requests remembered for retransmits
+    worker_start_timeout_s: float = 120.0  # a worker that is not ready by then is restarted
+    worker_restart_backoff_s: float = 0.2  # first delay before restarting a dead worker
+    max_upload_bytes: int = 512 << 20  # model registration upload limit
+    preemption: str = "reef"  # reef | seq | concurrent | rt-only
+    log_level: str = "INFO"
+    cache_dir: Path | None = None  # trained/derived weights (default: SPLITSERVE_CACHE_DIR or data_dir/cache)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ServerConfig":
+        """Defaults, then SPLITSERVE_* variables, then explicit overrides (CLI flags)."""
+        base = cls()
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            current = getattr(base, f.name)
+            if isinstance(current, (bool, int, float, str)) and not isinstance(current, tuple):
+                values[f.name] = _env(f.name, current, type(current))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = replace(base, **values)
+        return cfg.checked()
+
+    def checked(self) -> "ServerConfig":
+        if self.queue_slots < 2:
+            raise InvalidInput("queue_slots must be at least 2")
+        if not 1024 <= self.udp_segment <= 65507 - 64:
+            raise InvalidInput("udp_segment must be between 1024 and 65443 bytes")
+        if self.preemption not in ("reef", "seq", "concurrent", "rt-only"):
+            raise InvalidInput(f"preemption {self.preemption!r}: use reef, seq, concurrent or rt-only")
+        return self
+
+    @property
+    def cache_path(self) -> Path:
+        env = os.environ.get("SPLITSERVE_CACHE_DIR")
+        return self.cache_dir or (Path(env) if env else self.data_dir / "cache")
+
+    @property
+    def unix_socket(self) -> Path:
+        return self.unix_path or self.data_dir / "fast.sock"

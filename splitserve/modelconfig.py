@@ -1,0 +1,181 @@
+"""A model's configuration: what ``config.toml`` in its repository directory says.
+
+Example (every key but ``name`` and ``[artifact]`` has a default; a zoo artifact also
+fills in inputs and outputs)::
+
+    name = "lenet"
+    max_batch_size = 32
+    instances = 1
+    threads = 1
+    default_class = "be"          # "rt" (real-time / strict) or "be" (best-effort)
+    [batching]
+    policy = "work_conserving"    # "work_conserving" | "timeout" | "none"
+    max_delay_ms = 2.0            # timeout policy: longest wait for a fuller batch
+    preferred_batch = 8           # timeout policy: dispatch at once at this size
+    [artifact]
+    kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export"
+    arch = "lenet"                # zoo architecture (zoo and safetensors kinds)
+    file = "model.safetensors"    # artifact file in the model's directory
+    [[inputs]]
+    name = "x"
+    datatype = "UINT8"
+    shape = [1, 28, 28]
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitserve.errors import InvalidInput
+from splitserve.types import TensorSpec
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ARTIFACT_KINDS = ("zoo", "safetensors", "torchscript", "export")
+POLICIES = ("work_conserving", "timeout", "none")
+
+
+def check_model_name(name: str) -> str:
+    """Model names become directory names: letters, digits, '_', '-', '.', no traversal."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+        raise InvalidInput(
+            f"bad model name {name!r}: use 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    policy: str = "work_conserving"
+    max_delay_ms: float = 2.0
+    preferred_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidInput(f"batching.policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        if self.max_delay_ms < 0 or self.preferred_batch < 1:
+            raise InvalidInput("batching.max_delay_ms must be >= 0 and batching.preferred_batch >= 1")
+
+
+@dataclass(frozen=True)
+class ArtifactConfig:
+    kind: str = "zoo"
+    arch: str | None = None
+    file: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARTIFACT_KINDS:
+            raise InvalidInput(
+                f"artifact.kind {self.kind!r}: use one of {', '.join(ARTIFACT_KINDS)} (pickled files are never loaded)"
+            )
+        if self.kind in ("zoo", "safetensors") and not self.arch:
+            raise InvalidInput(f"artifact.arch is required for a {self.kind} artifact")
+        if self.kind != "zoo" and not self.file:
+            raise InvalidInput(f"artifact.file is required for a {self.kind} artifact")
+        if self.file is not None and (Path(self.file).name != self.file or self.file.startswith(".")):
+            raise InvalidInput(f"artifact.file {self.file!r} must be a plain file name inside the model directory")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the server needs to serve one model."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    artifact: ArtifactConfig
+    version: int = 1
+    max_batch_size: int = 8
+    instances: int = 1
+    threads: int = 1
+    device: str = "cpu"
+    default_class: str = "be"
+    queue_slots: int | None = None
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "packrat", "threads": 2}
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_model_name(self.name)
+        if not self.inputs or not self.outputs:
+            raise InvalidInput(f"model {self.name!r} needs at least one input and one output")
+        for group in (self.inputs, self.outputs):
+            names = [t.name for t in group]
+            if len(set(names)) != len(names):
+                raise InvalidInput(f"model {self.name!r}: duplicate tensor names {names}")
+        if not 1 <= self.max_batch_size <= 4096:
+            raise InvalidInput("max_batch_size must be between 1 and 4096")
+        if not 1 <= self.instances <= 64 or not 1 <= self.threads <= 256:
+            raise InvalidInput("instances must be 1..64 and threads 1..256")
+        if self.default_class not in ("rt", "be"):
+            raise InvalidInput(f"default_class {self.default_class!r}: use 'rt' or 'be'")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidInput(f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
+
+    @property
+    def request_bytes(self) -> int:
+        """Payload bytes of one sample's inputs (fast path: payload_len / this = samples)."""
+        return sum(t.nbytes for t in self.inputs)
+
+    @property
+    def response_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+    def with_changes(self, **changes: Any) -> "ModelConfig":
+        d = self.to_dict()
+        d.update(changes)
+        return ModelConfig.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["inputs"] = [t.to_dict() for t in self.inputs]
+        d["outputs"] = [t.to_dict() for t in self.outputs]
+        d["labels"] = list(self.labels)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        unknown = set(d) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise InvalidInput(f"unknown config keys: {', '.join(sorted(unknown))}")
+        if "name" not in d:
+            raise InvalidInput("config has no 'name'")
+        try:
+            art = ArtifactConfig(**d.pop("artifact", {}))
+            batching = BatchingConfig(**d.pop("batching", {}))
+        except TypeError as e:
+            raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
+        inputs = d.pop("inputs", None)
+        outputs = d.pop("outputs", None)
+        if (inputs is None or outputs is None) and art.kind in ("zoo", "safetensors"):
+            from splitserve.models import zoo_entry  # torch import only when needed
+
+            entry = zoo_entry(art.arch or "")
+            inputs = inputs if inputs is not None else [t.to_dict() for t in entry.inputs]
+            outputs = outputs if outputs is not None else [t.to_dict() for t in entry.outputs]
+            d.setdefault("max_batch_size", entry.max_batch)
+        if inputs is None or outputs is None:
+            raise InvalidInput(f"model {d.get('name')!r}: inputs and outputs must be declared")
+        try:
+            return cls(
+                inputs=tuple(TensorSpec.from_dict(t) for t in inputs),
+                outputs=tuple(TensorSpec.from_dict(t) for t in outputs),
+                artifact=art,
+                batching=batching,
+                labels=tuple(d.pop("labels", ())),
+                **d,
+            )
+        except TypeError as e:
+            raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
+
+    @classmethod
+    def from_toml(cls, text: str) -> "ModelConfig":
+        try:
+            return cls.from_dict(tomllib.loads(text))
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidInput(f"config.toml is not valid TOML: {e}") from None

@@ -1,0 +1,126 @@
+"""The fast path's 64-byte control header (docs/protocol.md is the normative text).
+
+The header is all the CPU needs to route a call: everything after it is payload that the
+server receives straight into tensor-queue memory. Little-endian, fixed size, versioned.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+
+from splitserve.errors import BadFrame
+
+MAGIC = b"SPRC"
+VERSION = 1
+HEADER_SIZE = 64
+# magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status,
+# deadline_us, payload_len, payload_offset, total_len, queue_us, compute_us, total_us, reserved
+_FORMAT = struct.Struct("<4sBBBBQHHHHQIIIIIIQ")
+assert _FORMAT.size == HEADER_SIZE
+
+# Largest payload one frame may carry; bigger frames are refused before any byte is read.
+MAX_PAYLOAD = 1 << 30
+
+
+class Kind(IntEnum):
+    REQUEST = 1
+    RESPONSE = 2
+    ERROR = 3
+    LOOKUP = 4
+    LOOKUP_REPLY = 5
+    PING = 6
+    PONG = 7
+
+
+class Flags(IntFlag):
+    NONE = 0
+    # UDP only: the request's payload is split over seg_count datagrams.
+    SEGMENTED = 1
+
+
+class RequestClass(IntEnum):
+    """Service class of a call: real-time/strict or best-effort (PROTEAN, REEF)."""
+
+    RT = 0
+    BE = 1
+    DEFAULT = 255  # use the model's configured default
+
+    @classmethod
+    def parse(cls, value: "str | int | RequestClass | None") -> "RequestClass":
+        """Accept 'rt'/'real-time'/'strict', 'be'/'best-effort', ints, or None (= DEFAULT)."""
+        if value is None:
+            return cls.DEFAULT
+        if isinstance(value, str):
+            key = value.strip().lower().replace("_", "-")
+            for names, member in (
+                (("rt", "real-time", "realtime", "strict"), cls.RT),
+                (("be", "best-effort", "besteffort"), cls.BE),
+                (("default", ""), cls.DEFAULT),
+            ):
+                if key in names:
+                    return member
+            raise ValueError(f"unknown request class {value!r}; use 'rt' or 'be'")
+        return cls(int(value))
+
+
+@dataclass(slots=True)
+class Header:
+    """A decoded control header. Field meanings are in docs/protocol.md."""
+
+    kind: int
+    req_id: int = 0
+    func_id: int = 0
+    cls: int = RequestClass.DEFAULT
+    flags: int = 0
+    seq_num: int = 0
+    seg_count: int = 1
+    status: int = 0
+    deadline_us: int = 0
+    payload_len: int = 0
+    payload_offset: int = 0
+    total_len: int = 0
+    queue_us: int = 0
+    compute_us: int = 0
+    total_us: int = 0
+    version: int = VERSION
+
+    def pack(self) -> bytes:
+        return _FORMAT.pack(
+            MAGIC, self.version, self.kind, self.flags, self.cls, self.req_id, self.func_id,
+            self.seq_num, self.seg_count, self.status, self.deadline_us, self.payload_len,
+            self.payload_offset, self.total_len, self.queue_us, self.compute_us, self.total_us, 0,
+        )
+
+    def pack_into(self, buf: "bytearray | memoryview", offset: int = 0) -> None:
+        _FORMAT.pack_into(
+            buf, offset, MAGIC, self.version, self.kind, self.flags, self.cls, self.req_id,
+            self.func_id, self.seq_num, self.seg_count, self.status, self.deadline_us,
+            self.payload_len, self.payload_offset, self.total_len, self.queue_us,
+            self.compute_us, self.total_us, 0,
+        )
+
+
+def unpack_header(buf: "bytes | bytearray | memoryview") -> Header:
+    """Decode and validate a header; raises BadFrame naming the bad field."""
+    if len(buf) < HEADER_SIZE:
+        raise BadFrame(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
+    (magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status, deadline_us,
+     payload_len, payload_offset, total_len, queue_us, compute_us, total_us, _reserved) = (
+        _FORMAT.unpack_from(buf, 0)
+    )
+    if magic != MAGIC:
+        raise BadFrame(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise BadFrame(f"unsupported protocol version {version}, this server speaks {VERSION}")
+    if kind not in Kind._value2member_map_:
+        raise BadFrame(f"unknown frame kind {kind}")
+    if payload_len > MAX_PAYLOAD:
+        raise BadFrame(f"payload_len {payload_len} exceeds the limit of {MAX_PAYLOAD} bytes")
+    return Header(
+        kind=kind, req_id=req_id, func_id=func_id, cls=cls, flags=flags, seq_num=seq_num,
+        seg_count=seg_count, status=status, deadline_us=deadline_us, payload_len=payload_len,
+        payload_offset=payload_offset, total_len=total_len, queue_us=queue_us,
+        compute_us=compute_us, total_us=total_us, version=version,
+    )

@@ -1,0 +1,92 @@
+"""Batching policies: how many of the waiting requests to run now, or when to look again.
+
+A policy only sees a run of requests whose slots are consecutive (so the batch is one
+contiguous view of the tensor queue); the scheduler hands it that run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from enum import Enum
+
+from splitserve.errors import InvalidInput
+from splitserve.modelconfig import BatchingConfig
+from splitserve.scheduler.request import QueuedRequest
+
+
+class BatchingPolicy(ABC):
+    """Called by ``ModelScheduler`` whenever an instance is free and requests wait."""
+
+    @abstractmethod
+    def take(self, run: Sequence[QueuedRequest], now: float, max_batch: int) -> int:
+        """How many requests from the front of ``run`` to dispatch now (0 = wait)."""
+
+    def wakeup(self, run: Sequence[QueuedRequest], now: float) -> float | None:
+        """When to ask again if ``take`` returned 0 (None = only on the next event)."""
+        return None
+
+
+def _fit(run: Sequence[QueuedRequest], max_batch: int) -> int:
+    """Requests from the front of ``run`` whose samples fit in ``max_batch`` (at least 1)."""
+    total = n = 0
+    for r in run:
+        if n and total + r.count > max_batch:
+            break
+        total += r.count
+        n += 1
+    return n
+
+
+class WorkConserving(BatchingPolicy):
+    """SplitRPC §6.4: when an instance frees up, run everything waiting, up to max batch."""
+
+    def take(self, run: Sequence[QueuedRequest], now: float, max_batch: int) -> int:
+        return _fit(run, max_batch)
+
+
+class NoBatching(BatchingPolicy):
+    """One request per dispatch: the zero-copy single-request path."""
+
+    def take(self, run: Sequence[QueuedRequest], now: float, max_batch: int) -> int:
+        return 1 if run else 0
+
+
+class Timeout(BatchingPolicy):
+    """Wait up to ``max_delay`` after the oldest request for ``preferred`` samples."""
+
+    def __init__(self, max_delay_s: float, preferred: int) -> None:
+        self.max_delay_s = max_delay_s
+        self.preferred = preferred
+
+    def take(self, run: Sequence[QueuedRequest], now: float, max_batch: int) -> int:
+        if not run:
+            return 0
+        samples = sum(r.count for r in run)
+        if samples >= min(self.preferred, max_batch) or now - run[0].arrival >= self.max_delay_s:
+            return _fit(run, max_batch)
+        return 0
+
+    def wakeup(self, run: Sequence[QueuedRequest], now: float) -> float | None:
+        return run[0].arrival + self.max_delay_s if run else None
+
+
+class PolicyName(str, Enum):
+    WORK_CONSERVING = "work_conserving"
+    TIMEOUT = "timeout"
+    NONE = "none"
+
+
+def make_policy(cfg: BatchingConfig) -> BatchingPolicy:
+    """The policy a model's config names; unknown names are refused with the valid ones."""
+    try:
+        name = PolicyName(cfg.policy)
+    except ValueError:
+        raise InvalidInput(
+            f"unknown batching policy {cfg.policy!r}; use one of {', '.join(p.value for p in PolicyName)}"
+        ) from None
+    if name is PolicyName.TIMEOUT:
+        return Timeout(cfg.max_delay_ms / 1000.0, cfg.preferred_batch)
+    if name is PolicyName.NONE:
+        return NoBatching()
+    return WorkConserving()

@@ -1,0 +1,42 @@
+"""What the scheduler sees of a call: slots, sizes, times. No sockets, no futures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.protocol.header import RequestClass
+
+
+@dataclass(slots=True, eq=False)
+class QueuedRequest:
+    """A received request waiting for a batch.
+
+    ``seq`` is the sequence number of its first slot in the model's ring for its class;
+    it holds ``count`` consecutive slots (one per sample). ``handle`` is the server's own
+    object for the call, carried through untouched.
+    """
+
+    seq: int
+    count: int
+    cls: RequestClass
+    arrival: float
+    deadline: float | None = None
+    handle: Any = None
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """A decision: run ``requests`` (slots ``[seq, seq+count)``) on ``instance``."""
+
+    model: str
+    instance: int
+    cls: RequestClass
+    seq: int
+    count: int
+    requests: list[QueuedRequest]
+    created: float
+    batch_id: int = 0
+    # REEF: segment to resume from (0 = from the start) when a preempted batch is re-run.
+    resume_segment: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)

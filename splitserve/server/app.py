@@ -1,0 +1,233 @@
+"""The front-end process: one asyncio loop that owns every transport, every model's
+queues and scheduler, and the worker processes. ``Server.infer`` is the one request path
+that the decoded front ends (HTTP, gRPC, in-process) share with the fast path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from splitserve.config import ServerConfig
+from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.protocol.header import RequestClass
+from splitserve.registry import ModelRecord, Registry
+from splitserve.server.coordinator import Concurrent, Coordinator
+from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
+from splitserve.server.metrics import Metrics
+from splitserve.server.monitor import Call, InferenceMonitor
+from splitserve.server.runtime import ModelRuntime
+from splitserve.server.udp import UdpEndpoint, udp_socket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InferOutcome:
+    """Outputs (fresh arrays, in declared order) and the server's timings of one call."""
+
+    outputs: list[np.ndarray]
+    queue_us: int
+    compute_us: int
+    total_us: int
+
+
+class _FutureSink:
+    """Sink for in-process callers: copies the outputs out of the slots into a future."""
+
+    def __init__(self, future: asyncio.Future) -> None:
+        self.future = future
+
+    def deliver(self, call: Call) -> None:
+        rt = call.runtime
+        outs = [
+            np.array(q.array(call.seq, call.count, spec.dtype, spec.shape))
+            for q, spec in zip(rt.tqs[call.cls][1], rt.config.outputs)
+        ]
+        if not self.future.done():
+            self.future.set_result(InferOutcome(outs, call.queue_us, call.compute_ns // 1000, call.total_us))
+
+    def fail(self, call: Call, error: SplitServeError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class Server:
+    """A splitserve node's front end. ``await start()``, then ``await stop()``."""
+
+    def __init__(self, config: ServerConfig, coordinator: Coordinator | None = None) -> None:
+        self.config = config
+        self.monitor = InferenceMonitor()
+        self.metrics = Metrics()
+        self.preemption: Coordinator = coordinator or Concurrent()
+        self.runtimes: dict[str, ModelRuntime] = {}
+        self.records: dict[str, ModelRecord] = {}
+        self.by_func: dict[int, str] = {}
+        self.connections: set[FastPathConnection] = set()
+        self.listeners: list[Any] = []
+        self.ports: dict[str, Any] = {}
+        self.stopping = False
+        self.started = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        cfg.cache_path.mkdir(parents=True, exist_ok=True)
+        self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
+        for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
+            self._remember(rec)
+        if cfg.fast_port is not None:
+            s = tcp_listener(cfg.host, cfg.fast_port)
+            self.listeners.append(StreamListener(self, s))
+            self.ports["fast_port"] = s.getsockname()[1]
+        if cfg.unix_path is not None or cfg.fast_port is not None:
+            path = cfg.unix_socket
+            self.listeners.append(StreamListener(self, unix_listener(path)))
+            self.ports["unix_path"] = str(path)
+        if cfg.udp_port is not None:
+            s = udp_socket(cfg.host, cfg.udp_port)
+            self.listeners.append(UdpEndpoint(self, s))
+            self.ports["udp_port"] = s.getsockname()[1]
+        await self._start_frontends()
+        for name in cfg.load:
+            await self.runtime(name).wait_ready()
+        self._write_server_file()
+        log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
+
+    async def _start_frontends(self) -> None:
+        """HTTP and gRPC front ends, when their packages are part of this install."""
+        from splitserve.server import frontends
+
+        await frontends.start(self)
+
+    def _write_server_file(self) -> None:
+        info = {"pid": os.getpid(), "host": self.config.host, **self.ports}
+        tmp = self.config.data_dir / "server.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.config.data_dir / "server.json")
+
+    async def stop(self) -> None:
+        """Refuse new work, let running batches finish, stop workers, free memory."""
+        self.stopping = True
+        from splitserve.server import frontends
+
+        await frontends.stop(self)
+        for lst in self.listeners:
+            lst.close()
+        self.listeners.clear()
+        await asyncio.gather(*(rt.unload() for rt in self.runtimes.values()), return_exceptions=True)
+        for conn in list(self.connections):
+            conn.close()
+        for rt in self.runtimes.values():
+            rt.close()
+        await asyncio.to_thread(self.registry.close)
+        try:
+            (self.config.data_dir / "server.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    async def serve_forever(self) -> None:
+        """Start, run until SIGINT/SIGTERM, stop."""
+        await self.start()
+        done = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, done.set)
+        await done.wait()
+        log.info("shutting down")
+        await self.stop()
+
+    # -- models ----------------------------------------------------------------------
+
+    def _remember(self, rec: ModelRecord) -> None:
+        self.records[rec.name] = rec
+        self.by_func[rec.func_id] = rec.name
+
+    def runtime(self, name: str) -> ModelRuntime:
+        """The runtime of a registered model (created on first use; workers start lazily)."""
+        rt = self.runtimes.get(name)
+        if rt is not None:
+            return rt
+        if self.stopping:
+            raise ShuttingDown("the server is shutting down")
+        rec = self.records.get(name)
+        if rec is None:
+            raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
+        rt = self.runtimes[name] = ModelRuntime(self, rec)
+        return rt
+
+    def runtime_by_func(self, func_id: int) -> ModelRuntime:
+        name = self.by_func.get(func_id)
+        if name is None:
+            raise UnknownModel(f"unknown func_id {func_id}; look the model up by name first")
+        return self.runtime(name)
+
+    def request_class(self, rt: ModelRuntime, cls: int) -> RequestClass:
+        """The class a call runs in: its own, or the model's default; policy may refuse BE."""
+        if self.stopping:
+            raise ShuttingDown("the server is shutting down")
+        try:
+            c = RequestClass(cls)
+        except ValueError:
+            raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
+        if c == RequestClass.DEFAULT:
+            c = rt.default_class
+        if c == RequestClass.BE and self.config.preemption == "rt-only":
+            raise Refused("best-effort requests are refused in rt-only mode")
+        return c
+
+    def describe(self, rt: ModelRuntime) -> dict[str, Any]:
+        cfg = rt.config
+        return {
+            "name": rt.name, "func_id": rt.func_id, "version": cfg.version, "state": rt.state,
+            "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
+            "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
+            "instances": len(rt.sched.instances), "threads": rt.threads,
+            "pids": [w.pid if w is not None else None for w in rt.workers],
+        }
+
+    def model_state(self, name: str) -> str:
+        rt = self.runtimes.get(name)
+        return rt.state if rt is not None else ("unloaded" if name in self.records else "unknown")
+
+    # -- the shared request path for decoded front ends --------------------------------
+
+    async def infer(self, name: str, inputs: Sequence[np.ndarray], cls: "str | int | None" = None,
+                    deadline_s: float | None = None) -> InferOutcome:
+        """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
+        rt = self.runtime(name)
+        cfg = rt.config
+        if len(inputs) != len(cfg.inputs):
+            raise InvalidInput(f"model {name!r} takes {len(cfg.inputs)} inputs "
+                               f"({', '.join(t.name for t in cfg.inputs)}), got {len(inputs)}")
+        count = None
+        for arr, spec in zip(inputs, cfg.inputs):
+            if arr.dtype != spec.dtype:
+                raise InvalidInput(f"input {spec.name!r} of {name!r} must be {spec.datatype}, got {arr.dtype}")
+            if arr.shape[1:] != spec.shape or arr.ndim != len(spec.shape) + 1:
+                raise BadSize(f"input {spec.name!r} of {name!r} must have shape [n, {', '.join(map(str, spec.shape))}],"
+                              f" got {list(arr.shape)}")
+            if count is not None and arr.shape[0] != count:
+                raise BadSize(f"inputs of {name!r} disagree on the batch size")
+            count = arr.shape[0]
+        if not count:
+            raise BadSize("empty batch")
+        c = self.request_class(rt, int(RequestClass.parse(cls)))
+        seq = rt.alloc(c, count)
+        fut = self.loop.create_future()
+        deadline = time.perf_counter() + deadline_s if deadline_s else None
+        call = Call(self.monitor, rt, 0, c, seq, count, _FutureSink(fut), deadline)
+        for q, spec, arr in zip(rt.tqs[c][0], cfg.inputs, inputs):
+            np.copyto(q.array(seq, count, spec.dtype, spec.shape), arr)
+        rt.submit(call)
+        return await fut

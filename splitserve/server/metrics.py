@@ -1,0 +1,61 @@
+"""Prometheus metrics (prometheus-client), per model and per class (rt / be)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from splitserve.errors import SplitServeError
+from splitserve.protocol.header import RequestClass
+
+if TYPE_CHECKING:
+    from splitserve.server.monitor import Call
+    from splitserve.server.runtime import ModelRuntime
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def class_label(cls: RequestClass) -> str:
+    return "rt" if cls == RequestClass.RT else "be"
+
+
+class Metrics:
+    """One registry per server, so tests can run several servers in one process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ("model", "class")
+        self.requests = Counter("splitserve_requests", "Requests answered", labels, registry=r)
+        self.failures = Counter("splitserve_request_failures", "Requests answered with an error", (*labels, "status"), registry=r)
+        self.inferences = Counter("splitserve_inference_count", "Samples inferred", labels, registry=r)
+        self.executions = Counter("splitserve_execution_count", "Batches executed", ("model",), registry=r)
+        self.preemptions = Counter("splitserve_preemptions", "Best-effort batches preempted", ("model",), registry=r)
+        self.queue = Histogram("splitserve_queue_duration_seconds", "Time from RX_COMPLETE to dispatch", labels, buckets=_BUCKETS, registry=r)
+        self.compute = Histogram("splitserve_compute_duration_seconds", "Worker compute time of the call's batch", labels, buckets=_BUCKETS, registry=r)
+        self.request = Histogram("splitserve_request_duration_seconds", "Time from header to answer", labels, buckets=_BUCKETS, registry=r)
+        self.queue_depth = Gauge("splitserve_queue_depth", "Requests waiting for a batch", labels, registry=r)
+        self.instances = Gauge("splitserve_instances", "Ready worker instances", ("model",), registry=r)
+
+    def observe_call(self, rt: "ModelRuntime", call: "Call", error: SplitServeError | None) -> None:
+        cls = class_label(call.cls)
+        if error is None:
+            self.requests.labels(rt.name, cls).inc()
+            self.inferences.labels(rt.name, cls).inc(call.count)
+            self.queue.labels(rt.name, cls).observe(max(0.0, call.t_dispatch - call.t_rx))
+            self.compute.labels(rt.name, cls).observe(call.compute_ns / 1e9)
+        else:
+            self.failures.labels(rt.name, cls, error.status.name).inc()
+        self.request.labels(rt.name, cls).observe(max(0.0, call.t_work - call.t_ready))
+
+    def refresh(self, runtimes: "list[ModelRuntime]") -> None:
+        """Update gauges from live state just before a scrape."""
+        for rt in runtimes:
+            for c, q in rt.sched.queues.items():
+                self.queue_depth.labels(rt.name, class_label(c)).set(len(q))
+            self.instances.labels(rt.name).set(sum(1 for s in rt.sched.instances if s.ready))
+            self.executions.labels(rt.name)  # make the series exist before the first batch
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,323 @@
+"""A served model inside the front end: its tensor queues, scheduler and worker processes.
+
+Everything here runs on the front end's event loop. The scheduler decides; this module
+does the I/O its decisions need (send batch descriptors, answer calls, restart workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from splitserve.errors import ModelNotReady, QueueFull, ShuttingDown, SplitServeError, WorkerFailed, DeadlineMissed
+from splitserve.protocol.header import RequestClass
+from splitserve.registry import ModelRecord
+from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
+from splitserve.scheduler.policy import make_policy
+from splitserve.scheduler.request import Batch, QueuedRequest
+from splitserve.server.monitor import Call
+from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
+from splitserve.worker.messages import DoneMsg, Msg, RunMsg
+from splitserve.worker.pool import WorkerHandle
+from splitserve.worker.spec import QueueFds, WorkerSpec
+
+if TYPE_CHECKING:
+    from splitserve.server.app import Server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelStats:
+    """Cumulative per-model counters (Open Inference Protocol statistics extension)."""
+
+    success: int = 0
+    failure: int = 0
+    inference_count: int = 0  # samples
+    execution_count: int = 0  # batches
+    queue_ns: int = 0
+    compute_ns: int = 0
+    request_ns: int = 0
+    preemptions: int = 0
+    last_inference_ms: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+class ModelRuntime:
+    """One model as served: queues per class, a scheduler, one worker per instance."""
+
+    def __init__(self, server: "Server", record: ModelRecord) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.record = record
+        self.config = record.config
+        self.name = record.name
+        self.func_id = record.func_id
+        cfg = self.config
+        sizes = [t.nbytes for t in cfg.inputs + cfg.outputs]
+        self.nslots = ring_slots(sizes, max(cfg.queue_slots or server.config.queue_slots, 2 * cfg.max_batch_size))
+        self.rings = {c: SlotRing(self.nslots) for c in CLASSES}
+        self.tqs: dict[RequestClass, tuple[list[TensorQueue], list[TensorQueue]]] = {
+            c: (
+                [TensorQueue(t.nbytes, self.nslots, name=f"{self.name}-{c.name}-in-{t.name}") for t in cfg.inputs],
+                [TensorQueue(t.nbytes, self.nslots, name=f"{self.name}-{c.name}-out-{t.name}") for t in cfg.outputs],
+            )
+            for c in CLASSES
+        }
+        self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, cfg.instances,
+                                    queue_limit=self.nslots)
+        self.workers: list[WorkerHandle | None] = [None] * cfg.instances
+        self.threads = cfg.threads
+        self.cpus: list[list[int]] = self._default_cpus(cfg.instances, cfg.threads)
+        self.stats = ModelStats()
+        self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
+        self.error: str | None = None
+        self._ready_event = asyncio.Event()
+        self._kick_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._backoff = [server.config.worker_restart_backoff_s] * cfg.instances
+        self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
+
+    # -- placement -------------------------------------------------------------------
+
+    @staticmethod
+    def _default_cpus(instances: int, threads: int) -> list[list[int]]:
+        """Instance i gets the next ``threads`` CPUs round-robin (fixed placement)."""
+        cpus = sorted(os.sched_getaffinity(0))
+        return [[cpus[(i * threads + k) % len(cpus)] for k in range(threads)] for i in range(instances)]
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def ensure_started(self) -> None:
+        """Start the workers if they are not running (models load on first use)."""
+        if self.state in ("loading", "ready"):
+            return
+        self.state, self.error = "loading", None
+        self._ready_event.clear()
+        for i in range(len(self.workers)):
+            if self.workers[i] is None and not self.sched.instances[i].draining:
+                self._spawn(i)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        self.ensure_started()
+        await asyncio.wait_for(self._ready_event.wait(), timeout or self.server.config.worker_start_timeout_s)
+        if self.state == "failed":
+            raise ModelNotReady(f"model {self.name!r} failed to load: {self.error}")
+
+    def _spawn(self, i: int) -> None:
+        def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
+            return WorkerSpec(
+                model=self.config.to_dict(),
+                model_dir=str(self.record.path) if self.record.path else None,
+                instance=i, cpus=self.cpus[i], threads=self.threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
+                queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
+                        for c, (ins, outs) in self.tqs.items()},
+                cache_dir=str(self.server.config.cache_path),
+            )
+
+        self.workers[i] = WorkerHandle(self, i, make_spec, self.loop)
+        log.info("model %s: starting instance %d on cpus %s (pid %d)", self.name, i, self.cpus[i], self.workers[i].pid)
+
+    def on_ready(self, instance: int, info: dict) -> None:
+        self.sched.set_ready(instance, True)
+        self._backoff[instance] = self.server.config.worker_restart_backoff_s
+        if self.state == "loading":
+            self.state = "ready"
+            self._ready_event.set()
+        log.info("model %s: instance %d ready (%s segments)", self.name, instance, info.get("segments"))
+        self.kick()
+
+    def on_failed(self, instance: int, batch_id: int, text: str) -> None:
+        if batch_id == 0:  # the model could not be loaded at all: do not retry in a loop
+            self.error = text
+            self.state = "failed"
+            self._ready_event.set()
+            self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {text}"))
+            return
+        batch = self.sched.complete(instance)
+        if batch is not None:
+            self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
+        self.kick()
+
+    def on_exit(self, instance: int, handle: WorkerHandle) -> None:
+        if instance >= len(self.workers) or self.workers[instance] is not handle:
+            return
+        self.workers[instance] = None
+        lost = self.sched.set_ready(instance, False)
+        if lost is not None:
+            self._answer_batch(lost, WorkerFailed(f"worker of {self.name!r} (pid {handle.pid}) died during the batch"))
+        st = self.sched.instances[instance]
+        if st.draining:
+            self.sched.drop_drained()
+            self.workers = self.workers[: len(self.sched.instances)]
+            return
+        if self.state in ("ready", "loading") and handle.proc.returncode not in (0, None):
+            delay = self._backoff[instance]
+            self._backoff[instance] = min(delay * 2, 5.0)
+            log.warning("model %s: instance %d exited (%s); restarting in %.1fs", self.name, instance,
+                        handle.proc.returncode, delay)
+            self.loop.call_later(delay, self._restart, instance)
+
+    def _restart(self, instance: int) -> None:
+        if self.state in ("ready", "loading") and instance < len(self.workers) and self.workers[instance] is None:
+            self._spawn(instance)
+
+    async def resize(self, instances: int) -> None:
+        """Change the instance count without dropping requests (scale in place)."""
+        old = len(self.sched.instances)
+        self.sched.drop_drained()
+        to_drain = self.sched.resize(instances)
+        if instances > old:
+            self.workers.extend([None] * (instances - old))
+            self._backoff.extend([self.server.config.worker_restart_backoff_s] * (instances - old))
+            self.cpus = self._default_cpus(instances, self.threads)
+            if self.state in ("loading", "ready"):
+                for i in range(old, instances):
+                    self._spawn(i)
+        for i in to_drain:
+            await self._drain_and_stop(i)
+        self.kick()
+
+    async def _drain_and_stop(self, i: int) -> None:
+        while self.sched.instances[i].running is not None:
+            await asyncio.sleep(0.005)
+        handle = self.workers[i]
+        if handle is not None:
+            await asyncio.to_thread(handle.stop)
+
+    async def unload(self) -> None:
+        """Stop the workers; waiting calls are answered MODEL_NOT_READY, running ones finish."""
+        self.state = "stopping"
+        while any(s.running is not None for s in self.sched.instances):
+            await asyncio.sleep(0.005)
+        self._fail_waiting(ModelNotReady(f"model {self.name!r} was unloaded"))
+        handles = [w for w in self.workers if w is not None]
+        await asyncio.gather(*(asyncio.to_thread(h.stop) for h in handles))
+        self.workers = [None] * len(self.sched.instances)
+        for i in range(len(self.sched.instances)):
+            self.sched.set_ready(i, False)
+        self.state = "unloaded"
+        self._ready_event.clear()
+
+    def close(self) -> None:
+        """Release the shared memory (after unload)."""
+        for ins, outs in self.tqs.values():
+            for q in ins + outs:
+                q.close()
+
+    # -- requests --------------------------------------------------------------------
+
+    def alloc(self, cls: RequestClass, count: int) -> int:
+        if self.state == "stopping":
+            raise ShuttingDown(f"model {self.name!r} is being unloaded")
+        if count > self.config.max_batch_size:
+            raise QueueFull(f"{count} samples exceed max_batch_size {self.config.max_batch_size} of {self.name!r}")
+        return self.rings[cls].alloc(count)
+
+    def input_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
+        return [q.view(seq, count) for q in self.tqs[cls][0]]
+
+    def output_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
+        return [q.view(seq, count) for q in self.tqs[cls][1]]
+
+    def release(self, call: Call) -> None:
+        self.rings[call.cls].release(call.seq, call.count)
+
+    def submit(self, call: Call) -> None:
+        """RX_COMPLETE: queue the call for a batch (answers QUEUE_FULL if bounded out)."""
+        call.rx_complete()
+        try:
+            self.sched.enqueue(QueuedRequest(call.seq, call.count, call.cls, call.t_rx, call.deadline, call))
+        except SplitServeError as e:
+            self._answer(call, e)
+            return
+        if self.state == "failed":
+            self.state = "unloaded"
+        self.ensure_started()
+        self.kick()
+
+    def kick(self) -> None:
+        """Run the scheduler once this loop iteration is done (batches what arrived together)."""
+        if not self._kick_scheduled:
+            self._kick_scheduled = True
+            self.loop.call_soon(self._schedule)
+
+    def _schedule(self) -> None:
+        self._kick_scheduled = False
+        now = time.perf_counter()
+        for req in self.sched.expire(now):
+            self._answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
+        for batch in self.server.preemption.admit(self, self.sched.schedule(now), now):
+            self._start(batch, now)
+        self._arm_timer(now)
+
+    def _start(self, batch: Batch, now: float) -> None:
+        for r in batch.requests:
+            r.handle.t_dispatch = now
+        handle = self.workers[batch.instance]
+        if handle is None or not handle.send_run(
+            RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
+        ):
+            self.sched.complete(batch.instance)
+            self._answer_batch(batch, WorkerFailed(f"instance {batch.instance} of {self.name!r} is not running"))
+
+    def _arm_timer(self, now: float) -> None:
+        wake = self.sched.next_wakeup(now)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if wake is not None:
+            self._timer = self.loop.call_later(max(0.0, wake - now), self.kick)
+
+    def on_done(self, instance: int, msg: DoneMsg) -> None:
+        if msg.kind == Msg.PREEMPTED:
+            self.server.preemption.preempted(self, instance, msg)
+            self.kick()
+            return
+        batch = self.sched.complete(instance)
+        if batch is None or batch.batch_id != msg.batch_id:
+            log.error("model %s: instance %d finished batch %d it was not running", self.name, instance, msg.batch_id)
+            return
+        self.server.preemption.finished(self, instance, batch, msg)
+        st = self.stats
+        st.execution_count += 1
+        self.server.metrics.executions.labels(self.name).inc()
+        st.compute_ns += msg.compute_ns
+        st.batch_sizes[batch.count] = st.batch_sizes.get(batch.count, 0) + 1
+        st.last_inference_ms = int(time.time() * 1000)
+        for r in batch.requests:
+            r.handle.compute_ns = msg.compute_ns
+        self._answer_batch(batch, None)
+        self.kick()
+
+    def _answer_batch(self, batch: Batch, error: SplitServeError | None) -> None:
+        for r in batch.requests:
+            self._answer(r.handle, error)
+
+    def _answer(self, call: Call, error: SplitServeError | None) -> None:
+        st = self.stats
+        if error is None:
+            st.success += 1
+            st.inference_count += call.count
+            st.queue_ns += int(max(0.0, call.t_dispatch - call.t_rx) * 1e9)
+        else:
+            st.failure += 1
+        try:
+            call.answer(error)
+        except Exception:  # a broken sink must not take the loop or other calls with it
+            log.exception("model %s: answering call %d failed", self.name, call.req_id)
+        st.request_ns += int((call.t_work - call.t_ready) * 1e9)
+        self.server.metrics.observe_call(self, call, error)
+
+    def _fail_waiting(self, error: SplitServeError) -> None:
+        for q in self.sched.queues.values():
+            for r in q.drain():
+                self._answer(r.handle, error)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"

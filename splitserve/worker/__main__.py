@@ -1,0 +1,5 @@
+import sys
+
+from splitserve.worker.process import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Front-end side of worker processes: start, talk to, watch and restart them.
+
+A ``WorkerHandle`` owns one process and the front end's end of its control socket, which
+the event loop watches. Messages arriving from the worker are handed to the owner's
+callbacks; an EOF on the socket means the process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+from splitserve.worker.messages import DoneMsg, Msg, RunMsg, unpack_text
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class WorkerOwner(Protocol):
+    """Who a worker reports to (the model runtime)."""
+
+    def on_ready(self, instance: int, info: dict) -> None: ...
+    def on_done(self, instance: int, msg: DoneMsg) -> None: ...
+    def on_failed(self, instance: int, batch_id: int, text: str) -> None: ...
+    def on_exit(self, instance: int, handle: "WorkerHandle") -> None: ...
+
+
+class WorkerHandle:
+    """One worker process serving one model instance."""
+
+    def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.owner = owner
+        self.instance = instance
+        self.loop = loop
+        self.flag = PreemptFlag()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        self.sock = ours
+        spec = make_spec(theirs.fileno(), self.flag.fd)
+        self.spec = spec
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.worker", spec.to_json()],
+            pass_fds=spec.fds(), env=env, stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.alive = True
+        self.ready = False
+        loop.add_reader(ours.fileno(), self._on_readable)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send_run(self, msg: RunMsg) -> bool:
+        """Send a batch descriptor; False if the worker is gone (its exit is being handled)."""
+        try:
+            self.sock.send(msg.pack())
+            return True
+        except OSError:
+            return False
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._gone()
+                return
+            kind = data[0]
+            if kind == Msg.READY:
+                self.ready = True
+                self.owner.on_ready(self.instance, json.loads(unpack_text(data)[2]))
+            elif kind in (Msg.DONE, Msg.PREEMPTED):
+                self.owner.on_done(self.instance, DoneMsg.unpack(data))
+            elif kind == Msg.FAILED:
+                _, bid, text = unpack_text(data)
+                self.owner.on_failed(self.instance, bid, text)
+            else:
+                log.error("worker %d sent unknown message kind %d", self.pid, kind)
+
+    def _gone(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.ready = False
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        # Reap without blocking the loop for long: the socket closed, so the process is exiting.
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.flag.close()
+        self.owner.on_exit(self.instance, self)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the worker to exit and wait (used at shutdown and when draining)."""
+        if self.alive:
+            try:
+                self.sock.send(bytes([Msg.STOP]))
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._gone()

@@ -1,0 +1,33 @@
+import pytest
+
+from splitserve.errors import BadFrame
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+
+
+def test_round_trip_and_size():
+    h = Header(Kind.REQUEST, req_id=2**63 + 5, func_id=65535, cls=RequestClass.RT, seq_num=3, seg_count=7,
+               deadline_us=1234, payload_len=784, payload_offset=10, total_len=9000, status=4,
+               queue_us=1, compute_us=2, total_us=3)
+    b = h.pack()
+    assert len(b) == HEADER_SIZE and b[:4] == b"SPRC"
+    assert unpack_header(b) == h
+
+
+@pytest.mark.parametrize("mutate, word", [
+    (lambda b: b"XXXX" + b[4:], "magic"),
+    (lambda b: b[:4] + bytes([9]) + b[5:], "version"),
+    (lambda b: b[:5] + bytes([42]) + b[6:], "kind"),
+    (lambda b: b[:32] + (2**31).to_bytes(4, "little") + b[36:], "payload_len"),
+    (lambda b: b[:20], "header is 20 bytes"),
+])
+def test_bad_headers_name_the_problem(mutate, word):
+    with pytest.raises(BadFrame, match=word):
+        unpack_header(mutate(Header(Kind.REQUEST).pack()))
+
+
+def test_request_class_parse():
+    assert RequestClass.parse("real-time") is RequestClass.RT
+    assert RequestClass.parse("best_effort") is RequestClass.BE
+    assert RequestClass.parse(None) is RequestClass.DEFAULT
+    with pytest.raises(ValueError, match="unknown request class"):
+        RequestClass.parse("urgent")

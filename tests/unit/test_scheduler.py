@@ -1,0 +1,114 @@
+import pytest
+
+from splitserve.errors import InvalidInput, QueueFull
+from splitserve.modelconfig import BatchingConfig
+from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.policy import NoBatching, Timeout, WorkConserving, make_policy
+from splitserve.scheduler.request import QueuedRequest
+
+BE, RT = RequestClass.BE, RequestClass.RT
+
+
+def req(seq, t=0.0, count=1, cls=BE, deadline=None):
+    return QueuedRequest(seq, count, cls, t, deadline)
+
+
+def sched(policy=None, instances=1, max_batch=8, limit=64):
+    s = ModelScheduler("m", policy or WorkConserving(), max_batch, instances, limit)
+    for i in range(instances):
+        s.set_ready(i, True)
+    return s
+
+
+def test_work_conserving_takes_everything_waiting_up_to_max_batch():
+    s = sched(max_batch=4)
+    for i in range(6):
+        s.enqueue(req(i))
+    (b,) = s.schedule(0.0)
+    assert (b.seq, b.count) == (0, 4)
+    assert s.schedule(0.0) == []  # the only instance is busy
+    s.complete(0)
+    (b2,) = s.schedule(0.1)
+    assert (b2.seq, b2.count) == (4, 2)
+
+
+def test_batches_are_contiguous_runs_of_slots():
+    s = sched()
+    s.enqueue(req(0))
+    s.enqueue(req(2))  # slot 1 is still receiving
+    (b,) = s.schedule(0.0)
+    assert (b.seq, b.count) == (0, 1)
+    s.complete(0)
+    s.enqueue(req(1))  # arrives late: goes before 2 and joins it
+    (b,) = s.schedule(0.0)
+    assert (b.seq, b.count, [r.seq for r in b.requests]) == (1, 2, [1, 2])
+
+
+def test_multi_sample_requests_count_samples_against_max_batch():
+    s = sched(max_batch=4)
+    s.enqueue(req(0, count=3))
+    s.enqueue(req(3, count=3))
+    (b,) = s.schedule(0.0)
+    assert b.count == 3 and len(b.requests) == 1
+
+
+def test_real_time_is_never_behind_best_effort():
+    s = sched()
+    s.enqueue(req(0, cls=BE))
+    s.enqueue(req(0, cls=RT))
+    (b,) = s.schedule(0.0)
+    assert b.cls is RT
+
+
+def test_timeout_policy_waits_for_preferred_or_delay():
+    s = sched(Timeout(0.010, 4))
+    s.enqueue(req(0, t=0.0))
+    assert s.schedule(0.001) == []
+    assert s.next_wakeup(0.001) == pytest.approx(0.010)
+    (b,) = s.schedule(0.011)
+    assert b.count == 1
+    s.complete(0)
+    for i in range(1, 5):
+        s.enqueue(req(i, t=0.02))
+    (b,) = s.schedule(0.02)
+    assert b.count == 4
+
+
+def test_no_batching_runs_one_request_per_dispatch():
+    s = sched(NoBatching(), instances=2)
+    for i in range(3):
+        s.enqueue(req(i))
+    bs = s.schedule(0.0)
+    assert [(b.instance, b.count) for b in bs] == [(0, 1), (1, 1)]
+
+
+def test_deadlines_expire_waiting_requests():
+    s = sched()
+    s.instances[0].ready = False
+    s.enqueue(req(0, deadline=1.0))
+    s.enqueue(req(1))
+    assert [r.seq for r in s.expire(2.0)] == [0]
+    assert s.waiting() == 1
+
+
+def test_bounded_queue_refuses():
+    s = sched(limit=2)
+    s.enqueue(req(0))
+    s.enqueue(req(1))
+    with pytest.raises(QueueFull):
+        s.enqueue(req(2))
+
+
+def test_a_worker_that_goes_down_returns_its_batch():
+    s = sched()
+    s.enqueue(req(0))
+    (b,) = s.schedule(0.0)
+    assert s.set_ready(0, False) is b
+    assert s.schedule(0.0) == []
+
+
+def test_policy_factory_refuses_unknown_names():
+    assert isinstance(make_policy(BatchingConfig("timeout", 1.0, 2)), Timeout)
+    with pytest.raises(InvalidInput, match="batching.policy"):
+        BatchingConfig("fifo")
