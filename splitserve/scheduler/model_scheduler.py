@@ -8,7 +8,7 @@ batch is a run of consecutive slots, i.e. one contiguous view of the tensor queu
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.errors import QueueFull
@@ -25,6 +25,8 @@ class InstanceState:
 
     ready: bool = False
     running: Batch | None = None
+    # A best-effort batch preempted here; its restore point lives in this instance's worker.
+    suspended: Batch | None = None
     # Set by the server while the instance is being drained by a reconfiguration.
     draining: bool = False
 
@@ -106,12 +108,24 @@ class ModelScheduler:
         """A request finished receiving (RX_COMPLETE). Raises QueueFull when bounded out."""
         self.queues[req.cls].push(req)
 
-    def set_ready(self, instance: int, ready: bool) -> Batch | None:
-        """An instance came up or went down; returns the batch it was running, if any."""
+    def set_ready(self, instance: int, ready: bool) -> list[Batch]:
+        """An instance came up or went down; returns the batches lost with it (running, suspended)."""
         st = self.instances[instance]
         st.ready = ready
-        lost, st.running = (st.running, None) if not ready else (None, st.running)
+        if ready:
+            return []
+        lost = [b for b in (st.running, st.suspended) if b is not None]
+        st.running = st.suspended = None
         return lost
+
+    def preempted(self, instance: int, restore_segment: int) -> Batch | None:
+        """The instance stopped its batch at ``restore_segment``; it waits to be resumed there."""
+        st = self.instances[instance]
+        batch, st.running = st.running, None
+        if batch is not None:
+            batch.resume_segment = restore_segment
+            st.suspended = batch
+        return batch
 
     def complete(self, instance: int) -> Batch | None:
         """The instance finished its batch; returns it."""
@@ -131,7 +145,8 @@ class ModelScheduler:
 
     def drop_drained(self) -> None:
         """Forget trailing instances that were drained and are now idle."""
-        while self.instances and self.instances[-1].draining and self.instances[-1].running is None:
+        while self.instances and self.instances[-1].draining and self.instances[-1].running is None \
+                and self.instances[-1].suspended is None:
             self.instances.pop()
 
     # -- decisions ------------------------------------------------------------------
@@ -140,27 +155,38 @@ class ModelScheduler:
         """Requests whose deadline passed while they waited: to be answered DEADLINE_MISSED."""
         return [r for c in CLASSES for r in self.queues[c].remove_expired(now)]
 
-    def schedule(self, now: float, classes: Iterable[RequestClass] = CLASSES) -> list[Batch]:
-        """Batches to start now, RT before BE, one per idle instance."""
+    def schedule(self, now: float, classes: tuple[RequestClass, ...] = CLASSES,
+                 may_start: Callable[[int, RequestClass], bool] | None = None) -> list[Batch]:
+        """Batches to start now, RT before BE, one per idle instance.
+
+        ``may_start(instance, cls)`` is the node's say (priority and preemption policy);
+        a best-effort slot on an instance that holds a suspended batch resumes that batch
+        before any new one, so preempted work is never starved by later arrivals.
+        """
         out: list[Batch] = []
         for cls in classes:
             q = self.queues[cls]
-            while len(q):
-                idle = next((i for i, s in enumerate(self.instances) if s.idle), None)
-                if idle is None:
-                    return out
+            for i, st in enumerate(self.instances):
+                if not st.idle or (may_start is not None and not may_start(i, cls)):
+                    continue
+                if cls == RequestClass.BE and st.suspended is not None:
+                    st.running, st.suspended = st.suspended, None
+                    out.append(st.running)
+                    continue
+                if not len(q):
+                    continue
                 run = q.contiguous_run()
                 n = self.policy.take(run, now, self.max_batch)
                 if n == 0:
-                    break
+                    continue
                 reqs = q.pop_front(n)
                 batch = Batch(
-                    model=self.model, instance=idle, cls=cls, seq=reqs[0].seq,
+                    model=self.model, instance=i, cls=cls, seq=reqs[0].seq,
                     count=sum(r.count for r in reqs), requests=reqs, created=now,
                     batch_id=self._next_batch_id,
                 )
                 self._next_batch_id += 1
-                self.instances[idle].running = batch
+                st.running = batch
                 out.append(batch)
         return out
 

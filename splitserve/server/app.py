@@ -20,7 +20,8 @@ from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord, Registry
-from splitserve.server.coordinator import Concurrent, Coordinator
+from splitserve.scheduler.priority import PriorityMode
+from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
@@ -63,11 +64,11 @@ class _FutureSink:
 class Server:
     """A splitserve node's front end. ``await start()``, then ``await stop()``."""
 
-    def __init__(self, config: ServerConfig, coordinator: Coordinator | None = None) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.monitor = InferenceMonitor()
         self.metrics = Metrics()
-        self.preemption: Coordinator = coordinator or Concurrent()
+        self.coordinator = Coordinator(self, PriorityMode.parse(config.preemption))
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
@@ -152,6 +153,16 @@ class Server:
     def _remember(self, rec: ModelRecord) -> None:
         self.records[rec.name] = rec
         self.by_func[rec.func_id] = rec.name
+
+    def remember(self, rec: ModelRecord) -> None:
+        """Make a (newly registered) model known to every front end."""
+        self._remember(rec)
+
+    def forget(self, name: str) -> None:
+        """Drop a model from the name and func_id maps (its runtime must be gone)."""
+        rec = self.records.pop(name, None)
+        if rec is not None and self.by_func.get(rec.func_id) == name:
+            del self.by_func[rec.func_id]
 
     def runtime(self, name: str) -> ModelRuntime:
         """The runtime of a registered model (created on first use; workers start lazily)."""

@@ -1,39 +1,147 @@
-"""Node-wide coordination of batches across models: where RT vs BE policy lives.
+"""Applies the node-wide RT/BE policy (``scheduler.priority``) to the running models.
 
-Each model's scheduler proposes batches for its own idle instances; the coordinator
-sees every model and decides which may start now. ``Concurrent`` is the baseline with no
-priority (like several GPU streams): every proposed batch starts at once.
+Every model runtime asks the coordinator for its batches. The coordinator looks at the
+whole node (all models' instances, their CPUs and what they run), lets RT batches start
+first, raises preemption flags on BE batches that sit on CPUs the RT work needs, then lets
+BE batches start where policy allows, and sets padding deadlines for BE work running
+beside RT work. It also keeps a bounded event log (start, preempt, resume, done) that
+tests and the DISB benchmark read to check the order of events rather than wall-clock
+thresholds.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
 from splitserve.worker.messages import DoneMsg
 
 if TYPE_CHECKING:
+    from splitserve.server.app import Server
     from splitserve.server.runtime import ModelRuntime
 
+RT, BE = RequestClass.RT, RequestClass.BE
 
-class Coordinator(ABC):
-    """Called by every ModelRuntime on its event loop."""
 
-    @abstractmethod
-    def admit(self, rt: "ModelRuntime", batches: list[Batch], now: float) -> list[Batch]:
-        """Of the batches ``rt``'s scheduler proposes, those to start now."""
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One step in the life of a batch, on the server's perf_counter clock."""
+
+    t: float
+    kind: str  # start | resume | preempt | preempted | done | failed
+    model: str
+    instance: int
+    batch: int
+    cls: str
+    segment: int = 0  # preempted: the restore point; resume: where it resumes
+    latency_ns: int = 0  # preempted: flag raised -> worker stopped
+
+
+class Coordinator:
+    """Node-wide scheduling across models under one ``PriorityMode``."""
+
+    def __init__(self, server: "Server", mode: PriorityMode, max_events: int = 200_000) -> None:
+        self.server = server
+        self.mode = mode
+        self.events: deque[Event] = deque(maxlen=max_events)
+        self._raised: set[tuple[str, int, int]] = set()
+
+    # -- the node as the pure policy sees it ----------------------------------------------
+
+    def view(self) -> list[InstanceView]:
+        out = []
+        for rt in self.server.runtimes.values():
+            rt_waiting = rt.sched.waiting(RT)
+            for i, st in enumerate(rt.sched.instances):
+                b = st.running
+                out.append(InstanceView(
+                    model=rt.name, instance=i, cpus=frozenset(rt.cpus[i]) if i < len(rt.cpus) else frozenset(),
+                    ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
+                    preempt_raised=bool(b) and (rt.name, i, b.batch_id) in self._raised,
+                    expected_end=(b.extra.get("started", b.created) + rt.expected_batch_s(b.count)) if b else None,
+                    suspended=st.suspended is not None, rt_waiting=rt_waiting,
+                ))
+        return out
+
+    def _allowed(self, d: Decision, rt: "ModelRuntime"):
+        return lambda i, cls: cls in d.may_start.get((rt.name, i), ())
+
+    # -- called by runtimes ---------------------------------------------------------------
+
+    def schedule(self, rt: "ModelRuntime", now: float) -> list[Batch]:
+        """Batches ``rt`` may start now; preempts and pads other models' BE work as needed."""
+        batches = rt.sched.schedule(now, (RT,), self._allowed(decide(self.mode, self.view()), rt))
+        for b in batches:
+            b.extra["started"] = now
+        d = decide(self.mode, self.view())
+        self._preempt(d)
+        be = rt.sched.schedule(now, (BE,), self._allowed(d, rt))
+        for b in be:
+            b.extra["started"] = now
+        if self.mode is PriorityMode.REEF:
+            self._pad(decide(self.mode, self.view()))
+        return batches + be
+
+    def started(self, rt: "ModelRuntime", batch: Batch) -> None:
+        self._log("resume" if batch.resume_segment else "start", rt, batch.instance, batch, batch.resume_segment)
 
     def preempted(self, rt: "ModelRuntime", instance: int, msg: DoneMsg) -> None:
-        """A worker stopped a batch at a segment boundary (REEF)."""
-        raise RuntimeError(f"{type(self).__name__} never preempts, but {rt.name} reported a preemption")
+        restore = msg.first_segment + msg.segments_run
+        batch = rt.sched.preempted(instance, restore)
+        self._raised.discard((rt.name, instance, msg.batch_id))
+        handle = rt.workers[instance]
+        if handle is not None:
+            handle.flag.clear()
+        if batch is not None:
+            rt.stats.preemptions += 1
+            self.server.metrics.preemptions.labels(rt.name).inc()
+            self._log("preempted", rt, instance, batch, restore, msg.preempt_ns)
+        self._kick_all()
 
-    def finished(self, rt: "ModelRuntime", instance: int, batch: Batch, msg: DoneMsg) -> None:
-        """A batch finished on ``instance``."""
+    def finished(self, rt: "ModelRuntime", instance: int, batch: Batch, ok: bool) -> None:
+        key = (rt.name, instance, batch.batch_id)
+        if key in self._raised:  # it finished before it reached a segment boundary
+            self._raised.discard(key)
+            handle = rt.workers[instance]
+            if handle is not None:
+                handle.flag.clear()
+        self._log("done" if ok else "failed", rt, instance, batch, 0)
+        # An RT batch ending can end RT mode; in seq mode any end frees the node.
+        if batch.cls == RT or self.mode is PriorityMode.SEQ:
+            self._kick_all()
 
+    # -- effects ---------------------------------------------------------------------------
 
-class Concurrent(Coordinator):
-    """RT and BE side by side with no priority between models."""
+    def _preempt(self, d: Decision) -> None:
+        for model, i, batch_id in d.preempt:
+            rt = self.server.runtimes[model]
+            handle = rt.workers[i]
+            if handle is None or batch_id == 0:
+                continue
+            handle.flag.raise_for(batch_id)
+            self._raised.add((model, i, batch_id))
+            st = rt.sched.instances[i]
+            if st.running is not None:
+                self._log("preempt", rt, i, st.running, 0)
 
-    def admit(self, rt: "ModelRuntime", batches: list[Batch], now: float) -> list[Batch]:
-        return batches
+    def _pad(self, d: Decision) -> None:
+        now_pc, now_ns = time.perf_counter(), time.monotonic_ns()
+        for rt in self.server.runtimes.values():
+            for i, handle in enumerate(rt.workers):
+                if handle is None:
+                    continue
+                end = d.padding_deadline.get((rt.name, i), 0.0)
+                handle.flag.set_padding_deadline(now_ns + int((end - now_pc) * 1e9) if end else 0)
+
+    def _kick_all(self) -> None:
+        for other in self.server.runtimes.values():
+            other.kick()
+
+    def _log(self, kind: str, rt: "ModelRuntime", instance: int, batch: Batch, segment: int, latency_ns: int = 0) -> None:
+        self.events.append(Event(time.perf_counter(), kind, rt.name, instance, batch.batch_id,
+                                 "rt" if batch.cls == RT else "be", segment, latency_ns))

@@ -76,11 +76,15 @@ class ModelRuntime:
         self.stats = ModelStats()
         self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
         self.error: str | None = None
+        # False after a user's unload: requests are refused (MODEL_NOT_READY) until a load;
+        # a model that was never unloaded still starts lazily on first use.
+        self.enabled = True
         self._ready_event = asyncio.Event()
         self._kick_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._backoff = [server.config.worker_restart_backoff_s] * cfg.instances
         self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
+        self._batch_s: dict[int, float] = {}  # batch size -> EWMA of its compute time (s)
 
     # -- placement -------------------------------------------------------------------
 
@@ -94,7 +98,7 @@ class ModelRuntime:
 
     def ensure_started(self) -> None:
         """Start the workers if they are not running (models load on first use)."""
-        if self.state in ("loading", "ready"):
+        if self.state in ("loading", "ready") or not self.enabled:
             return
         self.state, self.error = "loading", None
         self._ready_event.clear()
@@ -103,6 +107,8 @@ class ModelRuntime:
                 self._spawn(i)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
+        if not self.enabled:
+            raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
         self.ensure_started()
         await asyncio.wait_for(self._ready_event.wait(), timeout or self.server.config.worker_start_timeout_s)
         if self.state == "failed":
@@ -140,6 +146,7 @@ class ModelRuntime:
             return
         batch = self.sched.complete(instance)
         if batch is not None:
+            self.server.coordinator.finished(self, instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
         self.kick()
 
@@ -147,8 +154,8 @@ class ModelRuntime:
         if instance >= len(self.workers) or self.workers[instance] is not handle:
             return
         self.workers[instance] = None
-        lost = self.sched.set_ready(instance, False)
-        if lost is not None:
+        for lost in self.sched.set_ready(instance, False):
+            self.server.coordinator.finished(self, instance, lost, ok=False)
             self._answer_batch(lost, WorkerFailed(f"worker of {self.name!r} (pid {handle.pid}) died during the batch"))
         st = self.sched.instances[instance]
         if st.draining:
@@ -183,7 +190,8 @@ class ModelRuntime:
         self.kick()
 
     async def _drain_and_stop(self, i: int) -> None:
-        while self.sched.instances[i].running is not None:
+        st = self.sched.instances[i]
+        while st.running is not None or st.suspended is not None:
             await asyncio.sleep(0.005)
         handle = self.workers[i]
         if handle is not None:
@@ -192,7 +200,7 @@ class ModelRuntime:
     async def unload(self) -> None:
         """Stop the workers; waiting calls are answered MODEL_NOT_READY, running ones finish."""
         self.state = "stopping"
-        while any(s.running is not None for s in self.sched.instances):
+        while any(s.running is not None or s.suspended is not None for s in self.sched.instances):
             await asyncio.sleep(0.005)
         self._fail_waiting(ModelNotReady(f"model {self.name!r} was unloaded"))
         handles = [w for w in self.workers if w is not None]
@@ -212,6 +220,8 @@ class ModelRuntime:
     # -- requests --------------------------------------------------------------------
 
     def alloc(self, cls: RequestClass, count: int) -> int:
+        if not self.enabled:
+            raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
         if self.state == "stopping":
             raise ShuttingDown(f"model {self.name!r} is being unloaded")
         if count > self.config.max_batch_size:
@@ -251,18 +261,21 @@ class ModelRuntime:
         now = time.perf_counter()
         for req in self.sched.expire(now):
             self._answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
-        for batch in self.server.preemption.admit(self, self.sched.schedule(now), now):
+        for batch in self.server.coordinator.schedule(self, now):
             self._start(batch, now)
         self._arm_timer(now)
 
     def _start(self, batch: Batch, now: float) -> None:
-        for r in batch.requests:
-            r.handle.t_dispatch = now
+        if not batch.resume_segment:
+            for r in batch.requests:
+                r.handle.t_dispatch = now
+        self.server.coordinator.started(self, batch)
         handle = self.workers[batch.instance]
         if handle is None or not handle.send_run(
             RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
         ):
             self.sched.complete(batch.instance)
+            self.server.coordinator.finished(self, batch.instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"instance {batch.instance} of {self.name!r} is not running"))
 
     def _arm_timer(self, now: float) -> None:
@@ -275,14 +288,18 @@ class ModelRuntime:
 
     def on_done(self, instance: int, msg: DoneMsg) -> None:
         if msg.kind == Msg.PREEMPTED:
-            self.server.preemption.preempted(self, instance, msg)
+            self.server.coordinator.preempted(self, instance, msg)
             self.kick()
             return
         batch = self.sched.complete(instance)
         if batch is None or batch.batch_id != msg.batch_id:
             log.error("model %s: instance %d finished batch %d it was not running", self.name, instance, msg.batch_id)
             return
-        self.server.preemption.finished(self, instance, batch, msg)
+        self.server.coordinator.finished(self, instance, batch, ok=True)
+        if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
+            old = self._batch_s.get(batch.count)
+            sample = msg.compute_ns / 1e9
+            self._batch_s[batch.count] = sample if old is None else 0.75 * old + 0.25 * sample
         st = self.stats
         st.execution_count += 1
         self.server.metrics.executions.labels(self.name).inc()
@@ -317,6 +334,16 @@ class ModelRuntime:
         for q in self.sched.queues.values():
             for r in q.drain():
                 self._answer(r.handle, error)
+
+    def expected_batch_s(self, count: int) -> float:
+        """Expected compute time of a batch of ``count``, from batches seen so far."""
+        if count in self._batch_s:
+            return self._batch_s[count]
+        if not self._batch_s:
+            return 0.0
+        # scale the nearest measured size linearly: a fair guess until this size is seen
+        near = min(self._batch_s, key=lambda b: abs(b - count))
+        return self._batch_s[near] * count / near
 
     @property
     def ready(self) -> bool:

@@ -1,8 +1,12 @@
 """The preemption flag: one page of shared memory per worker, mapped by both processes.
 
-Word 0 holds the id of the batch to preempt (0 = none), word 1 the CLOCK_MONOTONIC time
-in ns when it was raised, so the worker can report the preemption latency. The worker
-reads it between segments (REEF's lazy eviction: no signal, no interrupt).
+Words (u64, little-endian):
+  0: id of the batch to stop at its next segment boundary (0 = none)
+  1: CLOCK_MONOTONIC ns when word 0 was raised (for the preemption latency)
+  2: padding deadline in CLOCK_MONOTONIC ns (0 = none): a best-effort batch may start a
+     segment only if its expected time ends before this (REEF's padding rule 1, adapted)
+
+The worker reads it between segments (REEF's lazy eviction: no signal, no interrupt).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import struct
 import time
 
-_WORDS = struct.Struct("<QQ")
+_U64 = struct.Struct("<Q")
 
 
 class PreemptFlag:
@@ -27,17 +31,24 @@ class PreemptFlag:
     def raise_for(self, batch_id: int) -> None:
         """Ask the worker to stop ``batch_id`` at its next segment boundary."""
         # Time first, id second: the worker reads the id, so the time is valid when it looks.
-        self._mm[8:16] = struct.pack("<Q", time.monotonic_ns())
-        self._mm[0:8] = struct.pack("<Q", batch_id)
+        _U64.pack_into(self._mm, 8, time.monotonic_ns())
+        _U64.pack_into(self._mm, 0, batch_id)
 
     def clear(self) -> None:
-        self._mm[0:8] = b"\0" * 8
+        _U64.pack_into(self._mm, 0, 0)
 
     def target(self) -> int:
-        return struct.unpack_from("<Q", self._mm, 0)[0]
+        return _U64.unpack_from(self._mm, 0)[0]
 
     def raised_at_ns(self) -> int:
-        return struct.unpack_from("<Q", self._mm, 8)[0]
+        return _U64.unpack_from(self._mm, 8)[0]
+
+    def set_padding_deadline(self, deadline_ns: int) -> None:
+        """Best-effort segments must end by ``deadline_ns`` (0 lifts the limit)."""
+        _U64.pack_into(self._mm, 16, deadline_ns)
+
+    def padding_deadline(self) -> int:
+        return _U64.unpack_from(self._mm, 16)[0]
 
     def close(self) -> None:
         self._mm.close()

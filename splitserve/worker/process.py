@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import RequestClass
 from splitserve.tensorqueue import TensorQueue
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg, pack_text
 from splitserve.worker.preempt_flag import PreemptFlag
@@ -58,6 +59,13 @@ class Worker:
         self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=Path(spec.cache_dir))
         self.model.eval().to(self.device)
         self.restore: dict[int, _Restore] = {}
+        # (segment, batch size) -> EWMA of its time in ns, measured here as batches run;
+        # seeded from the stored profile when the server has one.
+        self.segment_times: dict[tuple[int, int], int] = {
+            (int(k.split(",")[0]), int(k.split(",")[1])): int(v)
+            for k, v in spec.extra.get("segment_times_ns", {}).items()
+        }
+        self.stream = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(priority=0)
             self._pin_queues()
@@ -80,7 +88,26 @@ class Worker:
             xs = tuple(x.to(self.device, non_blocking=True) for x in xs)
         return xs
 
+    def _should_stop(self, msg: RunMsg, i: int, count: int) -> bool:
+        """REEF's check between segments: an explicit preemption of this batch, or (for
+        best-effort work padded beside real-time work) a segment that would overrun the
+        padding deadline."""
+        if self.flag.target() == msg.batch_id:
+            return True
+        if msg.cls == RequestClass.BE:
+            deadline = self.flag.padding_deadline()
+            if deadline and time.monotonic_ns() + self.segment_times.get((i, count), 0) > deadline:
+                return True
+        return False
+
     def run(self, msg: RunMsg) -> DoneMsg:
+        """Run a batch from its first (or restore) segment; stop at a boundary if preempted.
+
+        At most ``segment_capacity`` segments are launched ahead of the one known to be
+        finished (REEF-N's bounded device queue). On the CPU every launch completes before
+        the next check, so the restore point is exactly the boundary where it stopped; on a
+        CUDA stream the launched segments finish before the restore point is taken.
+        """
         torch = self.torch
         t0 = time.perf_counter_ns()
         saved = self.restore.pop(msg.batch_id, None)
@@ -89,19 +116,46 @@ class Worker:
         else:  # segments are idempotent: without a saved point, start over from the inputs
             first, acts = 0, self._inputs(msg)
         n = self.model.num_segments
+        launched: list = []  # CUDA events of segments launched but maybe unfinished
         with torch.inference_mode():
             for i in range(first, n):
-                if i > first and self.flag.target() == msg.batch_id:
+                if i > first and self._should_stop(msg, i, msg.count):
+                    self._sync(launched)
                     stop_ns = time.monotonic_ns()
                     self.restore[msg.batch_id] = _Restore(i, acts)
+                    raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
                     return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, i - first, first,
-                                   max(0, stop_ns - self.flag.raised_at_ns()))
-                acts = self.model.run_segment(i, acts)
+                                   max(0, stop_ns - raised))
+                s0 = time.monotonic_ns()
+                acts = self._launch(i, acts, launched)
+                if self.stream is None:  # synchronous: this is the segment's real time
+                    key = (i, msg.count)
+                    dt = time.monotonic_ns() - s0
+                    old = self.segment_times.get(key)
+                    self.segment_times[key] = dt if old is None else (old * 3 + dt) // 4
+            self._sync(launched)
             _, outs = self.queues[msg.cls]
             for tq, spec, y in zip(outs, self.cfg.outputs, acts):
                 dst = torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
                 dst.copy_(y.reshape(dst.shape))
         return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first)
+
+    def _launch(self, i: int, acts: tuple, launched: list) -> tuple:
+        if self.stream is None:
+            return self.model.run_segment(i, acts)
+        with self.torch.cuda.stream(self.stream):
+            out = self.model.run_segment(i, acts)
+            ev = self.torch.cuda.Event()
+            ev.record(self.stream)
+        launched.append(ev)
+        while len(launched) > self.spec.segment_capacity:
+            launched.pop(0).synchronize()
+        return out
+
+    def _sync(self, launched: list) -> None:
+        for ev in launched:
+            ev.synchronize()
+        launched.clear()
 
     def serve(self) -> None:
         info = f'{{"pid": {os.getpid()}, "segments": {self.model.num_segments}}}'

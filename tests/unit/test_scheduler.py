@@ -104,7 +104,7 @@ def test_a_worker_that_goes_down_returns_its_batch():
     s = sched()
     s.enqueue(req(0))
     (b,) = s.schedule(0.0)
-    assert s.set_ready(0, False) is b
+    assert s.set_ready(0, False) == [b]
     assert s.schedule(0.0) == []
 
 

@@ -1,0 +1,96 @@
+"""Load a model artifact into a SegmentedModel.
+
+Artifact kinds: ``zoo`` (a built-in architecture with seeded weights), ``safetensors``
+(a zoo architecture with weights from a file), ``torchscript`` and ``export``
+(``torch.export`` ``.pt2`` archives). Pickle files (``torch.save``) are refused: no kind
+reads them, because unpickling runs arbitrary code.
+
+Only ``zoo`` and ``safetensors`` are safe for files from untrusted sources. TorchScript
+and ``.pt2`` archives describe code to run, and ``torch.export.load`` itself unpickles
+some archive entries (its documentation warns never to load untrusted files)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from splitserve.errors import InvalidInput
+from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
+from splitserve.models.zoo import build_zoo_model, init_zoo_model
+
+__all__ = ["ARTIFACT_KINDS", "load_artifact", "save_safetensors"]
+
+logger = logging.getLogger(__name__)
+
+ARTIFACT_KINDS = ("zoo", "safetensors", "torchscript", "export")
+
+
+def _existing_file(kind: str, path: Path | None) -> Path:
+    if path is None:
+        raise InvalidInput(f"a {kind!r} artifact needs a path")
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInput(f"{kind} artifact {path} does not exist or is not a file")
+    return path
+
+
+def _load_torchscript(path: Path) -> SegmentedModel:
+    try:
+        # TorchScript is deprecated upstream, but artifacts in that format still exist;
+        # the warning says nothing actionable to someone serving one.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=DeprecationWarning)
+            module = torch.jit.load(str(path), map_location="cpu")
+    except (RuntimeError, ValueError) as e:
+        raise InvalidInput(f"{path} is not a TorchScript archive: {e}") from None
+    segments = getattr(module, "segments", None)
+    if isinstance(segments, nn.Module):
+        # A scripted ModuleList cannot be iterated from Python; its children can.
+        parts = [child for _, child in segments.named_children()]
+        if parts:
+            return SegmentedModel(parts)
+    return SegmentedModel([module])
+
+
+def _load_export(path: Path) -> SegmentedModel:
+    if path.suffix != ".pt2":
+        # torch.export.load only reads .pt2 archives and logs a traceback for anything else.
+        raise InvalidInput(f"{path}: a torch.export artifact must be a .pt2 file")
+    try:
+        program = torch.export.load(str(path))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise InvalidInput(f"{path} is not a torch.export archive: {e}") from None
+    return SegmentedModel([program.module()])
+
+
+def load_artifact(kind: str, path: Path | None, arch: str | None, seed: int = 0,
+                  cache_dir: Path | None = None) -> SegmentedModel:
+    """Load the model an artifact describes, in eval mode.
+
+    ``arch`` names the zoo architecture for ``zoo`` and ``safetensors``; ``seed`` and
+    ``cache_dir`` are passed to ``build_zoo_model`` for ``zoo``. Raises UnknownModel for
+    an unknown architecture and InvalidInput for an unknown kind or an unreadable or
+    mismatched file.
+    """
+    if kind not in ARTIFACT_KINDS:
+        raise InvalidInput(
+            f"unknown artifact kind {kind!r}; expected one of {', '.join(ARTIFACT_KINDS)} "
+            "(pickle files from torch.save are not loaded: convert them to safetensors or torch.export)"
+        )
+    if kind in ("zoo", "safetensors") and not arch:
+        raise InvalidInput(f"a {kind!r} artifact needs an architecture name (arch)")
+    if kind == "zoo":
+        return build_zoo_model(str(arch), seed, cache_dir)
+    file = _existing_file(kind, path)
+    logger.info("loading %s artifact %s", kind, file)
+    if kind == "safetensors":
+        model = init_zoo_model(str(arch), seed)
+        load_safetensors(model, file)
+        return model
+    if kind == "torchscript":
+        return _load_torchscript(file)
+    return _load_export(file)

@@ -1,0 +1,114 @@
+"""Node-wide priority between real-time (RT) and best-effort (BE) work. Pure.
+
+The node is seen as a list of ``InstanceView``: which CPUs an instance is pinned to and
+what it runs. ``decide`` says, for one moment, which instances may start which class,
+which BE batches to preempt, and how long padded BE work may keep running.
+
+Modes (REEF §3.1 and the §7.1 baselines):
+- ``reef``: RT work claims the CPUs of the instances it runs (or will run) on. BE batches
+  on claimed CPUs are preempted at their next segment boundary and resumed later from
+  their restore point; BE work on other CPUs goes on beside it (padding) only while each
+  of its segments ends before the RT work is expected to finish (rule 1, adapted).
+- ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork).
+- ``concurrent``: everything runs side by side, no priority (like several GPU streams).
+- ``rt-only``: BE is refused at admission; RT runs as in ``concurrent``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from splitserve.errors import InvalidInput
+from splitserve.protocol.header import RequestClass
+
+
+class PriorityMode(str, Enum):
+    REEF = "reef"
+    SEQ = "seq"
+    CONCURRENT = "concurrent"
+    RT_ONLY = "rt-only"
+
+    @classmethod
+    def parse(cls, name: str) -> "PriorityMode":
+        try:
+            return cls(name)
+        except ValueError:
+            raise InvalidInput(f"unknown preemption mode {name!r}; use one of {', '.join(m.value for m in cls)}") from None
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance as the node sees it at a moment."""
+
+    model: str
+    instance: int
+    cpus: frozenset[int]
+    ready: bool
+    running_cls: RequestClass | None = None  # class of the running batch, if any
+    running_batch: int = 0
+    preempt_raised: bool = False
+    expected_end: float | None = None  # when the running batch should finish (profiled)
+    suspended: bool = False  # holds a preempted BE batch
+    rt_waiting: int = 0  # RT requests waiting for this instance's model
+
+
+@dataclass
+class Decision:
+    may_start: dict[tuple[str, int], set[RequestClass]] = field(default_factory=dict)
+    preempt: list[tuple[str, int, int]] = field(default_factory=list)  # (model, instance, batch)
+    padding_deadline: dict[tuple[str, int], float] = field(default_factory=dict)  # 0.0 = none
+    rt_mode: bool = False
+
+
+def rt_claims(node: list[InstanceView]) -> frozenset[int]:
+    """CPUs that RT work runs on now or is about to: instances running RT, plus for each
+    model with RT waiting and no idle instance, the instance it will preempt."""
+    claimed: set[int] = set()
+    by_model: dict[str, list[InstanceView]] = {}
+    for v in node:
+        if v.ready:
+            by_model.setdefault(v.model, []).append(v)
+        if v.running_cls == RequestClass.RT:
+            claimed |= v.cpus
+    for model, views in by_model.items():
+        if not views[0].rt_waiting:
+            continue
+        idle = [v for v in views if v.running_cls is None]
+        if idle:
+            claimed |= idle[0].cpus
+            continue
+        be = [v for v in views if v.running_cls == RequestClass.BE]
+        if be:  # the one already being preempted, else the first
+            target = next((v for v in be if v.preempt_raised), be[0])
+            claimed |= target.cpus
+    return frozenset(claimed)
+
+
+def decide(mode: PriorityMode, node: list[InstanceView]) -> Decision:
+    """What each instance may do now under ``mode``."""
+    d = Decision()
+    keys = [(v.model, v.instance) for v in node]
+    if mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY):
+        d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
+        return d
+    if mode is PriorityMode.SEQ:
+        busy = any(v.running_cls is not None for v in node)
+        rt_waiting = any(v.rt_waiting for v in node)
+        allowed = set() if busy else ({RequestClass.RT} if rt_waiting else {RequestClass.RT, RequestClass.BE})
+        d.may_start = {k: set(allowed) for k in keys}
+        return d
+    claimed = rt_claims(node)
+    d.rt_mode = bool(claimed)
+    rt_end = min((v.expected_end for v in node if v.running_cls == RequestClass.RT and v.expected_end), default=0.0)
+    for v in node:
+        k = (v.model, v.instance)
+        overlaps = bool(v.cpus & claimed)
+        d.may_start[k] = {RequestClass.RT} if overlaps else {RequestClass.RT, RequestClass.BE}
+        if v.running_cls == RequestClass.BE:
+            if overlaps:
+                if not v.preempt_raised:
+                    d.preempt.append((v.model, v.instance, v.running_batch))
+            else:
+                d.padding_deadline[k] = rt_end if d.rt_mode else 0.0
+    return d

@@ -1,0 +1,165 @@
+"""REEF-style preemption with real worker processes, checked on the recorded event order."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.config import ServerConfig
+from splitserve.modelconfig import ModelConfig
+from splitserve.models import build_zoo_model
+from splitserve.protocol.header import RequestClass
+from splitserve.server.app import Server
+from splitserve.tensorqueue import TensorQueue, ring_slots
+from splitserve.worker.messages import Msg, RunMsg
+from splitserve.worker.process import Worker
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.spec import QueueFds, WorkerSpec
+
+
+def test_preempted_at_every_segment_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    cfg = ModelConfig.from_dict({"name": "resnet152", "artifact": {"kind": "zoo", "arch": "resnet152"}})
+    n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
+    ins = [TensorQueue(t.nbytes, n) for t in cfg.inputs]
+    outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
+    flag = PreemptFlag()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
+                      threads=torch.get_num_threads(), ctrl_fd=b.detach(), flag_fd=flag.fd,
+                      queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
+                      cache_dir=str(tmp_path))
+    w = Worker(spec)
+    try:
+        x = np.random.default_rng(0).standard_normal((3, *cfg.inputs[0].shape)).astype(np.float32)
+        start = n - 1  # the batch wraps the ring too
+        ins[0].array(start, 3, np.float32, cfg.inputs[0].shape)[:] = x
+        with torch.inference_mode():
+            (want,) = build_zoo_model("resnet152")(torch.from_numpy(x))
+        segs = w.model.num_segments
+        stops = []
+        flag.raise_for(7)  # stop batch 7 at every boundary
+        msg = RunMsg(int(RequestClass.BE), 7, start, 3, 0)
+        while True:
+            done = w.run(msg)
+            if done.kind == Msg.DONE:
+                break
+            restore = done.first_segment + done.segments_run
+            stops.append(restore)
+            msg = RunMsg(int(RequestClass.BE), 7, start, 3, restore)
+        assert stops == list(range(1, segs))  # preempted at every possible boundary
+        got = outs[0].array(start, 3, np.float32, cfg.outputs[0].shape)
+        assert np.array_equal(got, want.numpy())  # bit-identical: segments are idempotent
+    finally:
+        w.ctrl.close()
+        flag.close()
+        for q in ins + outs:
+            q.close()
+        a.close()
+
+
+def run_server(tmp_path, mode, scenario):
+    async def main():
+        cfg = ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None,
+                           data_dir=tmp_path / mode, load=("resnet152", "vgg19"), preemption=mode)
+        server = Server(cfg)
+        await server.start()
+        try:
+            return await scenario(server)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+def image(model, n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 3, 64, 64)).astype(np.float32)
+
+
+async def be_then_rt(server, rt_model):
+    """A long BE batch on resnet152; an RT request arrives while it runs."""
+    be = asyncio.ensure_future(server.infer("resnet152", [image("resnet152", 8)], cls="be"))
+    while not any(e.kind == "start" and e.cls == "be" for e in server.coordinator.events):
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.02)  # mid-batch
+    rt = await server.infer(rt_model, [image(rt_model, 1, seed=1)], cls="rt")
+    be_out = await be
+    events = [e for e in server.coordinator.events]
+    return events, be_out, rt
+
+
+def kinds(events, cls=None):
+    return [(e.kind, e.cls) for e in events if cls is None or e.cls == cls]
+
+
+def test_reef_rt_preempts_be_of_the_same_model_and_be_resumes_correctly(tmp_path):
+    events, be_out, rt_out = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "resnet152"))
+    seq = kinds(events)
+    assert seq == [("start", "be"), ("preempt", "be"), ("preempted", "be"), ("start", "rt"), ("done", "rt"),
+                   ("resume", "be"), ("done", "be")], seq
+    preempted = next(e for e in events if e.kind == "preempted")
+    resumed = next(e for e in events if e.kind == "resume")
+    assert 0 < preempted.segment == resumed.segment < 8
+    with torch.inference_mode():
+        model = build_zoo_model("resnet152")
+        (want_be,) = model(torch.from_numpy(image("resnet152", 8)))
+        (want_rt,) = model(torch.from_numpy(image("resnet152", 1, seed=1)))
+    np.testing.assert_allclose(be_out.outputs[0], want_be.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rt_out.outputs[0], want_rt.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_reef_rt_of_another_model_starts_at_once_and_be_on_its_cpus_stops_at_a_boundary(tmp_path):
+    events, be_out, _ = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "vgg19"))
+    seq = kinds(events)
+    # the RT request starts before the BE batch has even stopped: it does not wait for it
+    assert seq.index(("start", "rt")) < seq.index(("preempted", "be"))
+    assert seq[-2:] == [("resume", "be"), ("done", "be")]
+    assert be_out.outputs[0].shape == (8, 1000)
+
+
+def test_seq_never_interrupts_best_effort(tmp_path):
+    events, _, _ = run_server(tmp_path, "seq", lambda s: be_then_rt(s, "vgg19"))
+    assert kinds(events) == [("start", "be"), ("done", "be"), ("start", "rt"), ("done", "rt")]
+
+
+def test_concurrent_runs_side_by_side_without_preemption(tmp_path):
+    events, _, _ = run_server(tmp_path, "concurrent", lambda s: be_then_rt(s, "vgg19"))
+    seq = kinds(events)
+    assert seq.index(("start", "rt")) < seq.index(("done", "be"))
+    assert not any(k in ("preempt", "preempted") for k, _ in seq)
+
+
+def test_mixed_load_every_request_answered_exactly_once(tmp_path):
+    async def scenario(server):
+        calls = []
+        for i in range(24):
+            calls.append(server.infer("resnet152", [image("resnet152", 2, seed=i)], cls="be"))
+            calls.append(server.infer("vgg19", [image("vgg19", 1, seed=i)], cls="be"))
+            if i % 3 == 0:
+                calls.append(server.infer("vgg19", [image("vgg19", 1, seed=100 + i)], cls="rt"))
+                calls.append(server.infer("resnet152", [image("resnet152", 1, seed=100 + i)], cls="rt"))
+        results = await asyncio.gather(*calls)
+        return results, server.monitor.in_flight, dict(server.monitor.outcomes), list(server.coordinator.events)
+
+    results, in_flight, outcomes, events = run_server(tmp_path, "reef", scenario)
+    assert len(results) == 64 and in_flight == 0
+    assert outcomes["ok"] == outcomes["accepted"] == 64
+    for e in events:
+        assert e.kind in ("start", "resume", "preempt", "preempted", "done")
+    done = [(e.model, e.batch) for e in events if e.kind == "done"]
+    assert len(done) == len(set(done))  # no batch finished twice
+
+
+def test_rt_only_refuses_best_effort(tmp_path):
+    async def scenario(server):
+        from splitserve.errors import Refused
+
+        with pytest.raises(Refused, match="rt-only"):
+            await server.infer("vgg19", [image("vgg19", 1)], cls="be")
+        return await server.infer("vgg19", [image("vgg19", 1)], cls="rt")
+
+    assert run_server(tmp_path, "rt-only", scenario).outputs[0].shape == (1, 1000)
