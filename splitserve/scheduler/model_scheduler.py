@@ -27,12 +27,20 @@ class InstanceState:
     running: Batch | None = None
     # A best-effort batch preempted here; its restore point lives in this instance's worker.
     suspended: Batch | None = None
-    # Set by the server while the instance is being drained by a reconfiguration.
+    # Being retired (scale-in, or the old set of an active-passive switch): no new batches.
     draining: bool = False
+    # Started but not yet serving (the new set of an active-passive switch).
+    standby: bool = False
+    # Packrat's b for this instance (None: the model's max batch).
+    max_batch: int | None = None
 
     @property
     def idle(self) -> bool:
-        return self.ready and self.running is None and not self.draining
+        return self.ready and self.running is None and not self.draining and not self.standby
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None or self.suspended is not None
 
 
 class ClassQueue:
@@ -92,14 +100,19 @@ class ClassQueue:
 
 
 class ModelScheduler:
-    """Queues and instances of one model; ``schedule`` turns them into batches."""
+    """Queues and instances of one model; ``schedule`` turns them into batches.
 
-    def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, instances: int, queue_limit: int) -> None:
+    Instances have stable ids (never reused), so a set of instances can be added beside
+    the serving set and the old set drained and dropped without renumbering anything.
+    """
+
+    def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int) -> None:
         self.model = model
         self.policy = policy
         self.max_batch = max_batch
         self.queues = {c: ClassQueue(queue_limit) for c in CLASSES}
-        self.instances = [InstanceState() for _ in range(instances)]
+        self.instances: dict[int, InstanceState] = {}
+        self._next_instance = 0
         self._next_batch_id = 1
 
     # -- events ---------------------------------------------------------------------
@@ -107,6 +120,24 @@ class ModelScheduler:
     def enqueue(self, req: QueuedRequest) -> None:
         """A request finished receiving (RX_COMPLETE). Raises QueueFull when bounded out."""
         self.queues[req.cls].push(req)
+
+    def add_instance(self, max_batch: int | None = None, standby: bool = False) -> int:
+        """A new instance (not ready until its worker says so); returns its id."""
+        iid = self._next_instance
+        self._next_instance += 1
+        self.instances[iid] = InstanceState(max_batch=max_batch, standby=standby)
+        return iid
+
+    def serving(self) -> list[int]:
+        """Ids of the instances that take new batches (not draining, not standby)."""
+        return [i for i, s in self.instances.items() if not s.draining and not s.standby]
+
+    def activate(self, new: list[int], old: list[int]) -> None:
+        """Active-passive switch: ``new`` starts taking batches, ``old`` drains."""
+        for i in new:
+            self.instances[i].standby = False
+        for i in old:
+            self.instances[i].draining = True
 
     def set_ready(self, instance: int, ready: bool) -> list[Batch]:
         """An instance came up or went down; returns the batches lost with it (running, suspended)."""
@@ -129,25 +160,27 @@ class ModelScheduler:
 
     def complete(self, instance: int) -> Batch | None:
         """The instance finished its batch; returns it."""
-        st = self.instances[instance]
+        st = self.instances.get(instance)
+        if st is None:
+            return None
         done, st.running = st.running, None
         return done
 
-    def resize(self, instances: int) -> list[int]:
-        """Change the instance count. Returns indices that must be drained and stopped."""
-        cur = len(self.instances)
-        if instances > cur:
-            self.instances.extend(InstanceState() for _ in range(instances - cur))
-            return []
-        for st in self.instances[instances:]:
-            st.draining = True
-        return list(range(instances, cur))
+    def resize(self, instances: int) -> tuple[list[int], list[int]]:
+        """Scale in place to ``instances`` serving instances: (added ids, ids to drain)."""
+        serving = self.serving()
+        if instances >= len(serving):
+            return [self.add_instance() for _ in range(instances - len(serving))], []
+        retire = serving[instances:]
+        for i in retire:
+            self.instances[i].draining = True
+        return [], retire
 
-    def drop_drained(self) -> None:
-        """Forget trailing instances that were drained and are now idle."""
-        while self.instances and self.instances[-1].draining and self.instances[-1].running is None \
-                and self.instances[-1].suspended is None:
-            self.instances.pop()
+    def remove(self, instance: int) -> None:
+        """Forget a drained instance whose worker has stopped."""
+        st = self.instances.pop(instance, None)
+        if st is not None and st.busy:
+            raise RuntimeError(f"instance {instance} of {self.model} removed while busy")
 
     # -- decisions ------------------------------------------------------------------
 
@@ -166,7 +199,7 @@ class ModelScheduler:
         out: list[Batch] = []
         for cls in classes:
             q = self.queues[cls]
-            for i, st in enumerate(self.instances):
+            for i, st in sorted(self.instances.items()):
                 if not st.idle or (may_start is not None and not may_start(i, cls)):
                     continue
                 if cls == RequestClass.BE and st.suspended is not None:
@@ -176,7 +209,7 @@ class ModelScheduler:
                 if not len(q):
                     continue
                 run = q.contiguous_run()
-                n = self.policy.take(run, now, self.max_batch)
+                n = self.policy.take(run, now, st.max_batch or self.max_batch)
                 if n == 0:
                     continue
                 reqs = q.pop_front(n)
@@ -205,4 +238,4 @@ class ModelScheduler:
         return sum(len(q) for c, q in self.queues.items() if cls is None or c == cls)
 
     def has_idle(self) -> bool:
-        return any(s.idle for s in self.instances)
+        return any(s.idle for s in self.instances.values())

@@ -203,8 +203,10 @@ class Server:
             "name": rt.name, "func_id": rt.func_id, "version": cfg.version, "state": rt.state,
             "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
             "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
-            "instances": len(rt.sched.instances), "threads": rt.threads,
-            "pids": [w.pid if w is not None else None for w in rt.workers],
+            "instances": rt.instance_count,
+            "threads": [rt.threads[i] for i in rt.sched.serving()],
+            "cpus": [rt.cpus[i] for i in rt.sched.serving()],
+            "pids": [rt.workers[i].pid if i in rt.workers else None for i in rt.sched.serving()],
         }
 
     def model_state(self, name: str) -> str:

@@ -57,10 +57,10 @@ class Coordinator:
         out = []
         for rt in self.server.runtimes.values():
             rt_waiting = rt.sched.waiting(RT)
-            for i, st in enumerate(rt.sched.instances):
+            for i, st in rt.sched.instances.items():
                 b = st.running
                 out.append(InstanceView(
-                    model=rt.name, instance=i, cpus=frozenset(rt.cpus[i]) if i < len(rt.cpus) else frozenset(),
+                    model=rt.name, instance=i, cpus=frozenset(rt.cpus.get(i, ())),
                     ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                     preempt_raised=bool(b) and (rt.name, i, b.batch_id) in self._raised,
                     expected_end=(b.extra.get("started", b.created) + rt.expected_batch_s(b.count)) if b else None,
@@ -94,7 +94,7 @@ class Coordinator:
         restore = msg.first_segment + msg.segments_run
         batch = rt.sched.preempted(instance, restore)
         self._raised.discard((rt.name, instance, msg.batch_id))
-        handle = rt.workers[instance]
+        handle = rt.workers.get(instance)
         if handle is not None:
             handle.flag.clear()
         if batch is not None:
@@ -107,7 +107,7 @@ class Coordinator:
         key = (rt.name, instance, batch.batch_id)
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
-            handle = rt.workers[instance]
+            handle = rt.workers.get(instance)
             if handle is not None:
                 handle.flag.clear()
         self._log("done" if ok else "failed", rt, instance, batch, 0)
@@ -120,21 +120,19 @@ class Coordinator:
     def _preempt(self, d: Decision) -> None:
         for model, i, batch_id in d.preempt:
             rt = self.server.runtimes[model]
-            handle = rt.workers[i]
+            handle = rt.workers.get(i)
             if handle is None or batch_id == 0:
                 continue
             handle.flag.raise_for(batch_id)
             self._raised.add((model, i, batch_id))
-            st = rt.sched.instances[i]
-            if st.running is not None:
+            st = rt.sched.instances.get(i)
+            if st is not None and st.running is not None:
                 self._log("preempt", rt, i, st.running, 0)
 
     def _pad(self, d: Decision) -> None:
         now_pc, now_ns = time.perf_counter(), time.monotonic_ns()
         for rt in self.server.runtimes.values():
-            for i, handle in enumerate(rt.workers):
-                if handle is None:
-                    continue
+            for i, handle in rt.workers.items():
                 end = d.padding_deadline.get((rt.name, i), 0.0)
                 handle.flag.set_padding_deadline(now_ns + int((end - now_pc) * 1e9) if end else 0)
 

@@ -54,7 +54,7 @@ class Metrics:
         for rt in runtimes:
             for c, q in rt.sched.queues.items():
                 self.queue_depth.labels(rt.name, class_label(c)).set(len(q))
-            self.instances.labels(rt.name).set(sum(1 for s in rt.sched.instances if s.ready))
+            self.instances.labels(rt.name).set(sum(1 for s in rt.sched.instances.values() if s.ready and not s.draining))
             self.executions.labels(rt.name)  # make the series exist before the first batch
 
     def render(self) -> bytes:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from splitserve.errors import ModelNotReady, QueueFull, ShuttingDown, SplitServeError, WorkerFailed, DeadlineMissed
+from splitserve.errors import BadSize, DeadlineMissed, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
@@ -47,6 +47,12 @@ class ModelStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
+def default_cpus(instances: int, threads: int) -> list[list[int]]:
+    """Fixed placement: instance i gets the next ``threads`` CPUs, round-robin (may share)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [[cpus[(i * threads + k) % len(cpus)] for k in range(threads)] for i in range(instances)]
+
+
 class ModelRuntime:
     """One model as served: queues per class, a scheduler, one worker per instance."""
 
@@ -68,11 +74,14 @@ class ModelRuntime:
             )
             for c in CLASSES
         }
-        self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, cfg.instances,
-                                    queue_limit=self.nslots)
-        self.workers: list[WorkerHandle | None] = [None] * cfg.instances
-        self.threads = cfg.threads
-        self.cpus: list[list[int]] = self._default_cpus(cfg.instances, cfg.threads)
+        self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots)
+        # Per instance id: its worker, CPUs and thread count (instances may differ: Packrat).
+        self.workers: dict[int, WorkerHandle] = {}
+        self.cpus: dict[int, list[int]] = {}
+        self.threads: dict[int, int] = {}
+        self._backoff: dict[int, float] = {}
+        for cpus in default_cpus(cfg.instances, cfg.threads):
+            self._add_instance(cfg.threads, cpus)
         self.stats = ModelStats()
         self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
         self.error: str | None = None
@@ -82,17 +91,28 @@ class ModelRuntime:
         self._ready_event = asyncio.Event()
         self._kick_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self._backoff = [server.config.worker_restart_backoff_s] * cfg.instances
         self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self._batch_s: dict[int, float] = {}  # batch size -> EWMA of its compute time (s)
+        self.reconfigurations: list[dict] = []  # what each active-passive switch cost
+        self._reconfig_lock = asyncio.Lock()
 
-    # -- placement -------------------------------------------------------------------
+    # -- instances -------------------------------------------------------------------
 
-    @staticmethod
-    def _default_cpus(instances: int, threads: int) -> list[list[int]]:
-        """Instance i gets the next ``threads`` CPUs round-robin (fixed placement)."""
-        cpus = sorted(os.sched_getaffinity(0))
-        return [[cpus[(i * threads + k) % len(cpus)] for k in range(threads)] for i in range(instances)]
+    def _add_instance(self, threads: int, cpus: list[int], max_batch: int | None = None, standby: bool = False) -> int:
+        iid = self.sched.add_instance(max_batch=max_batch, standby=standby)
+        self.threads[iid] = threads
+        self.cpus[iid] = cpus
+        self._backoff[iid] = self.server.config.worker_restart_backoff_s
+        return iid
+
+    def _forget_instance(self, iid: int) -> None:
+        self.sched.remove(iid)
+        for d in (self.workers, self.cpus, self.threads, self._backoff):
+            d.pop(iid, None)
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.sched.serving())
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -102,8 +122,8 @@ class ModelRuntime:
             return
         self.state, self.error = "loading", None
         self._ready_event.clear()
-        for i in range(len(self.workers)):
-            if self.workers[i] is None and not self.sched.instances[i].draining:
+        for i in self.sched.serving():
+            if i not in self.workers:
                 self._spawn(i)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -119,19 +139,22 @@ class ModelRuntime:
             return WorkerSpec(
                 model=self.config.to_dict(),
                 model_dir=str(self.record.path) if self.record.path else None,
-                instance=i, cpus=self.cpus[i], threads=self.threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
+                instance=i, cpus=self.cpus[i], threads=self.threads[i], ctrl_fd=ctrl_fd, flag_fd=flag_fd,
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.server.config.cache_path),
             )
 
-        self.workers[i] = WorkerHandle(self, i, make_spec, self.loop)
-        log.info("model %s: starting instance %d on cpus %s (pid %d)", self.name, i, self.cpus[i], self.workers[i].pid)
+        self.workers[i] = handle = WorkerHandle(self, i, make_spec, self.loop)
+        log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, self.threads[i],
+                 self.cpus[i], handle.pid)
 
     def on_ready(self, instance: int, info: dict) -> None:
+        if instance not in self.sched.instances:
+            return
         self.sched.set_ready(instance, True)
         self._backoff[instance] = self.server.config.worker_restart_backoff_s
-        if self.state == "loading":
+        if self.state == "loading" and not self.sched.instances[instance].standby:
             self.state = "ready"
             self._ready_event.set()
         log.info("model %s: instance %d ready (%s segments)", self.name, instance, info.get("segments"))
@@ -151,16 +174,17 @@ class ModelRuntime:
         self.kick()
 
     def on_exit(self, instance: int, handle: WorkerHandle) -> None:
-        if instance >= len(self.workers) or self.workers[instance] is not handle:
+        if self.workers.get(instance) is not handle:
             return
-        self.workers[instance] = None
+        del self.workers[instance]
+        st = self.sched.instances.get(instance)
+        if st is None:
+            return
         for lost in self.sched.set_ready(instance, False):
             self.server.coordinator.finished(self, instance, lost, ok=False)
             self._answer_batch(lost, WorkerFailed(f"worker of {self.name!r} (pid {handle.pid}) died during the batch"))
-        st = self.sched.instances[instance]
         if st.draining:
-            self.sched.drop_drained()
-            self.workers = self.workers[: len(self.sched.instances)]
+            self._forget_instance(instance)
             return
         if self.state in ("ready", "loading") and handle.proc.returncode not in (0, None):
             delay = self._backoff[instance]
@@ -168,45 +192,78 @@ class ModelRuntime:
             log.warning("model %s: instance %d exited (%s); restarting in %.1fs", self.name, instance,
                         handle.proc.returncode, delay)
             self.loop.call_later(delay, self._restart, instance)
+        self.kick()
 
     def _restart(self, instance: int) -> None:
-        if self.state in ("ready", "loading") and instance < len(self.workers) and self.workers[instance] is None:
+        st = self.sched.instances.get(instance)
+        if self.state in ("ready", "loading") and st is not None and not st.draining and instance not in self.workers:
             self._spawn(instance)
 
     async def resize(self, instances: int) -> None:
-        """Change the instance count without dropping requests (scale in place)."""
-        old = len(self.sched.instances)
-        self.sched.drop_drained()
-        to_drain = self.sched.resize(instances)
-        if instances > old:
-            self.workers.extend([None] * (instances - old))
-            self._backoff.extend([self.server.config.worker_restart_backoff_s] * (instances - old))
-            self.cpus = self._default_cpus(instances, self.threads)
-            if self.state in ("loading", "ready"):
-                for i in range(old, instances):
+        """Change the instance count in place (same threads), without dropping requests."""
+        async with self._reconfig_lock:
+            threads = self.threads[self.sched.serving()[0]] if self.sched.serving() else self.config.threads
+            added, retire = self.sched.resize(instances)
+            keep = [self.cpus[i] for i in self.sched.serving() if i not in added]
+            fresh = default_cpus(len(keep) + len(added), threads)[len(keep):]
+            for i, cpus in zip(added, fresh):
+                self.threads[i], self.cpus[i] = threads, cpus
+                self._backoff[i] = self.server.config.worker_restart_backoff_s
+                if self.state in ("loading", "ready"):
                     self._spawn(i)
-        for i in to_drain:
-            await self._drain_and_stop(i)
-        self.kick()
+            self.kick()
+            await asyncio.gather(*(self._drain_and_stop(i) for i in retire))
+
+    async def reconfigure(self, shapes: list[tuple[int, int, list[int]]]) -> dict:
+        """Active-passive switch to instances of (threads, batch, cpus): start the new set
+        beside the serving one, switch dispatch once it is ready, drain and stop the old."""
+        async with self._reconfig_lock:
+            t0 = time.perf_counter()
+            old = self.sched.serving()
+            new = [self._add_instance(t, cpus, max_batch=b, standby=True) for t, b, cpus in shapes]
+            if self.state in ("loading", "ready"):
+                for i in new:
+                    self._spawn(i)
+                deadline = t0 + self.server.config.worker_start_timeout_s
+                while not all(self.sched.instances[i].ready for i in new):
+                    if self.state == "failed" or time.perf_counter() > deadline:
+                        for i in new:
+                            self.sched.instances[i].draining = True
+                        await asyncio.gather(*(self._drain_and_stop(i) for i in new))
+                        raise ModelNotReady(f"model {self.name!r}: the new instance set did not start: {self.error}")
+                    await asyncio.sleep(0.01)
+            t_ready = time.perf_counter()
+            self.sched.activate(new, old)
+            self.kick()
+            await asyncio.gather(*(self._drain_and_stop(i) for i in old))
+            record = {"shapes": [(t, b) for t, b, _ in shapes], "start_s": t_ready - t0,
+                      "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
+            self.reconfigurations.append(record)
+            log.info("model %s: reconfigured to %s (new set ready in %.2fs, old drained in %.2fs)", self.name,
+                     record["shapes"], record["start_s"], record["drain_s"])
+            return record
 
     async def _drain_and_stop(self, i: int) -> None:
         st = self.sched.instances[i]
-        while st.running is not None or st.suspended is not None:
+        st.draining = True
+        while st.busy:
             await asyncio.sleep(0.005)
-        handle = self.workers[i]
+        handle = self.workers.get(i)
         if handle is not None:
             await asyncio.to_thread(handle.stop)
+        if i in self.sched.instances:
+            self._forget_instance(i)
 
     async def unload(self) -> None:
         """Stop the workers; waiting calls are answered MODEL_NOT_READY, running ones finish."""
         self.state = "stopping"
-        while any(s.running is not None or s.suspended is not None for s in self.sched.instances):
+        while any(s.busy for s in self.sched.instances.values()):
             await asyncio.sleep(0.005)
         self._fail_waiting(ModelNotReady(f"model {self.name!r} was unloaded"))
-        handles = [w for w in self.workers if w is not None]
+        handles = list(self.workers.values())
         await asyncio.gather(*(asyncio.to_thread(h.stop) for h in handles))
-        self.workers = [None] * len(self.sched.instances)
-        for i in range(len(self.sched.instances)):
+        self.workers.clear()
+        for i in self.sched.instances:
             self.sched.set_ready(i, False)
         self.state = "unloaded"
         self._ready_event.clear()
@@ -225,7 +282,7 @@ class ModelRuntime:
         if self.state == "stopping":
             raise ShuttingDown(f"model {self.name!r} is being unloaded")
         if count > self.config.max_batch_size:
-            raise QueueFull(f"{count} samples exceed max_batch_size {self.config.max_batch_size} of {self.name!r}")
+            raise BadSize(f"{count} samples exceed max_batch_size {self.config.max_batch_size} of {self.name!r}")
         return self.rings[cls].alloc(count)
 
     def input_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:

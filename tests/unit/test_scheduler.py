@@ -15,9 +15,9 @@ def req(seq, t=0.0, count=1, cls=BE, deadline=None):
 
 
 def sched(policy=None, instances=1, max_batch=8, limit=64):
-    s = ModelScheduler("m", policy or WorkConserving(), max_batch, instances, limit)
-    for i in range(instances):
-        s.set_ready(i, True)
+    s = ModelScheduler("m", policy or WorkConserving(), max_batch, limit)
+    for _ in range(instances):
+        s.set_ready(s.add_instance(), True)
     return s
 
 
@@ -112,3 +112,37 @@ def test_policy_factory_refuses_unknown_names():
     assert isinstance(make_policy(BatchingConfig("timeout", 1.0, 2)), Timeout)
     with pytest.raises(InvalidInput, match="batching.policy"):
         BatchingConfig("fifo")
+
+
+def test_instances_with_their_own_batch_size_take_slices_of_one_run():
+    s = sched(instances=0)
+    a = s.add_instance(max_batch=2)
+    b = s.add_instance(max_batch=3)
+    s.set_ready(a, True)
+    s.set_ready(b, True)
+    for i in range(5):
+        s.enqueue(req(i))
+    bs = s.schedule(0.0)
+    assert [(x.instance, x.seq, x.count) for x in bs] == [(a, 0, 2), (b, 2, 3)]
+
+
+def test_active_passive_switch_and_scale_in_place():
+    s = sched(instances=2)
+    old = s.serving()
+    new = [s.add_instance(standby=True) for _ in range(3)]
+    for i in new:
+        s.set_ready(i, True)
+    s.enqueue(req(0))
+    (x,) = s.schedule(0.0)
+    assert x.instance in old  # standby instances take nothing yet
+    s.activate(new, old)
+    s.enqueue(req(1))
+    (y,) = s.schedule(0.0)
+    assert y.instance in new and s.serving() == new
+    s.complete(x.instance)
+    for i in old:
+        s.remove(i)
+    added, drain = s.resize(1)
+    assert added == [] and drain == new[1:]
+    added, drain = s.resize(3)
+    assert len(added) == 2 and drain == []
