@@ -115,6 +115,9 @@ class ModelConfig:
             raise InvalidInput(f"default_class {self.default_class!r}: use 'rt' or 'be'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidInput(f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
+        from splitserve.placement.packrat import PackratConfig
+
+        PackratConfig.parse(self.placement, self.max_batch_size)  # refuse a bad [placement] early
 
     @property
     def request_bytes(self) -> int:

@@ -71,6 +71,43 @@ class Timeout(BatchingPolicy):
         return run[0].arrival + self.max_delay_s if run else None
 
 
+class PackratAggregate(BatchingPolicy):
+    """Packrat §3.5: aggregate a batch of ``total`` samples per model (or whatever came
+    before ``timeout``), then partition it across the instances by their own batch size
+    ``b``. With tensor queues the partition is slicing one contiguous run, not copying."""
+
+    def __init__(self, total: int, timeout_s: float) -> None:
+        self.total = total
+        self.timeout_s = timeout_s
+        self._released: dict[int, int] = {}  # class -> first seq past the released batch
+
+    def take(self, run: Sequence[QueuedRequest], now: float, max_batch: int) -> int:
+        if not run:
+            return 0
+        cls = int(run[0].cls)
+        until = self._released.get(cls, -1)
+        if run[0].seq >= until:
+            if sum(r.count for r in run) < self.total and now - run[0].arrival < self.timeout_s:
+                return 0
+            total = 0
+            for r in run:
+                if total >= self.total:
+                    break
+                total += r.count
+                until = r.seq + r.count
+            self._released[cls] = until
+        n = total = 0
+        for r in run:
+            if r.seq >= until or (n and total + r.count > max_batch):
+                break
+            total += r.count
+            n += 1
+        return n
+
+    def wakeup(self, run: Sequence[QueuedRequest], now: float) -> float | None:
+        return run[0].arrival + self.timeout_s if run else None
+
+
 class PolicyName(str, Enum):
     WORK_CONSERVING = "work_conserving"
     TIMEOUT = "timeout"

@@ -10,14 +10,18 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve.errors import BadSize, DeadlineMissed, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
 from splitserve.protocol.header import RequestClass
+from splitserve.placement.packrat import PackratConfig, PackratController
+from splitserve.placement.profiler import load_profile
+from splitserve.placement.topology import allocate
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
-from splitserve.scheduler.policy import make_policy
+from splitserve.scheduler.policy import PackratAggregate, make_policy
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.monitor import Call
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
@@ -80,8 +84,16 @@ class ModelRuntime:
         self.cpus: dict[int, list[int]] = {}
         self.threads: dict[int, int] = {}
         self._backoff: dict[int, float] = {}
-        for cpus in default_cpus(cfg.instances, cfg.threads):
-            self._add_instance(cfg.threads, cpus)
+        # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
+        self.profile = load_profile(server.registry, self.name)
+        self.packrat = self._packrat_controller()
+        if self.packrat is not None:
+            self.sched.policy = PackratAggregate(self.packrat.batch, self.packrat.cfg.timeout_ms / 1000)
+            for t, b, cpus in self.packrat.shapes(self.packrat.plan()):
+                self._add_instance(t, cpus, max_batch=b)
+        else:
+            for cpus in default_cpus(cfg.instances, cfg.threads):
+                self._add_instance(cfg.threads, cpus)
         self.stats = ModelStats()
         self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
         self.error: str | None = None
@@ -95,8 +107,58 @@ class ModelRuntime:
         self._batch_s: dict[int, float] = {}  # batch size -> EWMA of its compute time (s)
         self.reconfigurations: list[dict] = []  # what each active-passive switch cost
         self._reconfig_lock = asyncio.Lock()
+        self._repack_task: asyncio.Task | None = None
 
     # -- instances -------------------------------------------------------------------
+
+    def _packrat_controller(self) -> PackratController | None:
+        pcfg = PackratConfig.parse(self.config.placement, self.config.max_batch_size, self.server.config.placement)
+        if pcfg is None:
+            return None
+        if self.profile is None:
+            log.warning("model %s: placement is packrat but it was never profiled on this machine "
+                        "(run `splitserve profile %s`); serving with fixed placement", self.name, self.name)
+            return None
+        return PackratController(pcfg, self.profile.latency, self.config.max_batch_size)
+
+    def _repack_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("model %s: reconfiguration failed: %s", self.name, task.exception())
+
+    async def repack(self, batch: int) -> dict:
+        """Packrat: serve a batch of ``batch`` with the plan the optimizer picks for it.
+
+        Only the instance count changes: scale in place. Threads or batch per instance
+        change: active-passive switch. The aggregation target follows at the switch.
+        """
+        pk = self.packrat
+        if pk is None:
+            raise ModelNotReady(f"model {self.name!r} does not use packrat placement")
+        plan = pk.plan(batch)
+        pk.switched(batch, time.perf_counter())
+        current = {(self.threads[i], self.sched.instances[i].max_batch) for i in self.sched.serving()}
+        wanted = {(sh.threads, sh.batch) for sh in plan.shapes}
+        if len(current) == 1 and current == wanted:
+            (t, b), = wanted
+            async with self._reconfig_lock:
+                self.sched.policy.total = batch  # type: ignore[attr-defined]
+                serving = self.sched.serving()
+                n = plan.shapes[0].count
+                used = {c for i in serving[:n] for c in self.cpus[i]}
+                free = [c for c in pk.cores if c.cpu not in used]
+                for cpus in allocate([t] * max(0, n - len(serving)), free):
+                    i = self._add_instance(t, cpus, max_batch=b)
+                    if self.state in ("loading", "ready"):
+                        self._spawn(i)
+                self.kick()
+                await asyncio.gather(*(self._drain_and_stop(i) for i in serving[n:]))
+            record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict()}
+            self.reconfigurations.append(record)
+            return record
+        record = await self.reconfigure(
+            pk.shapes(plan), on_switch=lambda: setattr(self.sched.policy, "total", batch))
+        record["plan"] = plan.to_dict()
+        return record
 
     def _add_instance(self, threads: int, cpus: list[int], max_batch: int | None = None, standby: bool = False) -> int:
         iid = self.sched.add_instance(max_batch=max_batch, standby=standby)
@@ -143,6 +205,7 @@ class ModelRuntime:
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.server.config.cache_path),
+                extra={"segment_times_ns": self.profile.segment_times_ns(self.threads[i])} if self.profile else {},
             )
 
         self.workers[i] = handle = WorkerHandle(self, i, make_spec, self.loop)
@@ -155,8 +218,9 @@ class ModelRuntime:
         self.sched.set_ready(instance, True)
         self._backoff[instance] = self.server.config.worker_restart_backoff_s
         if self.state == "loading" and not self.sched.instances[instance].standby:
-            self.state = "ready"
-            self._ready_event.set()
+            self.state = "ready"  # serve as soon as one instance can
+        if self.state == "ready" and all(self.sched.instances[i].ready for i in self.sched.serving()):
+            self._ready_event.set()  # a load returns when every instance is up
         log.info("model %s: instance %d ready (%s segments)", self.name, instance, info.get("segments"))
         self.kick()
 
@@ -214,7 +278,8 @@ class ModelRuntime:
             self.kick()
             await asyncio.gather(*(self._drain_and_stop(i) for i in retire))
 
-    async def reconfigure(self, shapes: list[tuple[int, int, list[int]]]) -> dict:
+    async def reconfigure(self, shapes: list[tuple[int, int, list[int]]],
+                          on_switch: Callable[[], None] | None = None) -> dict:
         """Active-passive switch to instances of (threads, batch, cpus): start the new set
         beside the serving one, switch dispatch once it is ready, drain and stop the old."""
         async with self._reconfig_lock:
@@ -233,6 +298,8 @@ class ModelRuntime:
                         raise ModelNotReady(f"model {self.name!r}: the new instance set did not start: {self.error}")
                     await asyncio.sleep(0.01)
             t_ready = time.perf_counter()
+            if on_switch is not None:
+                on_switch()
             self.sched.activate(new, old)
             self.kick()
             await asyncio.gather(*(self._drain_and_stop(i) for i in old))
@@ -304,6 +371,8 @@ class ModelRuntime:
             return
         if self.state == "failed":
             self.state = "unloaded"
+        if self.packrat is not None:
+            self.packrat.observe(self.sched.waiting(), call.t_rx)
         self.ensure_started()
         self.kick()
 
@@ -320,6 +389,12 @@ class ModelRuntime:
             self._answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
         for batch in self.server.coordinator.schedule(self, now):
             self._start(batch, now)
+        if self.packrat is not None and (self._repack_task is None or self._repack_task.done()):
+            batch_size = self.packrat.next_batch(now)
+            if batch_size is not None:
+                log.info("model %s: queue depth suggests batch %d; repacking", self.name, batch_size)
+                self._repack_task = self.loop.create_task(self.repack(batch_size))
+                self._repack_task.add_done_callback(self._repack_done)
         self._arm_timer(now)
 
     def _start(self, batch: Batch, now: float) -> None:

@@ -1,0 +1,120 @@
+"""Packrat placement in a running server: pinned thin instances, reconfiguration under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve.config import ServerConfig
+from splitserve.placement.optimizer import LatencyProfile
+from splitserve.placement.profiler import ModelProfile, machine_id, save_profile
+from splitserve.registry import Registry
+from splitserve.server.app import Server
+
+NCPU = len(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(NCPU < 2, reason="Packrat's thin instances need at least 2 CPUs")
+
+CONFIG = """
+name = "lenet_pk"
+max_batch_size = 16
+[artifact]
+kind = "zoo"
+arch = "lenet"
+[placement]
+kind = "packrat"
+threads = 2
+batch = 16
+timeout_ms = 1.0
+adaptive = false
+"""
+
+
+def synthetic_profile(model: str) -> ModelProfile:
+    """Sub-linear thread scaling plus a per-batch cost: thin instances win at large B."""
+    table = {(t, b): 1e-3 + b * 1e-4 * (0.5 + 0.5 / t) for t in (1, 2) for b in (1, 2, 4, 8, 16)}
+    segs = {k: [v / 4] * 4 for k, v in table.items()}
+    return ModelProfile(LatencyProfile(model, table), segs, machine_id())
+
+
+def run(tmp_path: Path, scenario):
+    repo = tmp_path / "repo" / "lenet_pk"
+    repo.mkdir(parents=True)
+    (repo / "config.toml").write_text(CONFIG)
+    data = tmp_path / "data"
+    data.mkdir()
+    reg = Registry(data)
+    save_profile(reg, synthetic_profile("lenet_pk"))
+    reg.close()
+
+    async def main():
+        server = Server(ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None,
+                                     data_dir=data, repository=tmp_path / "repo", load=("lenet_pk",)))
+        await server.start()
+        try:
+            return await scenario(server)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+def allowed_cpus(pid: int) -> set[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            out = set()
+            for part in line.split(":")[1].strip().split(","):
+                lo, _, hi = part.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1))
+            return out
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def test_thin_instances_are_pinned_to_disjoint_cores(tmp_path):
+    async def scenario(server):
+        rt = server.runtime("lenet_pk")
+        shapes = [(rt.threads[i], rt.sched.instances[i].max_batch) for i in rt.sched.serving()]
+        pins = [allowed_cpus(rt.workers[i].pid) for i in rt.sched.serving()]
+        x = np.zeros((16, 1, 28, 28), np.uint8)
+        out = await server.infer("lenet_pk", [x])
+        return shapes, pins, out
+
+    shapes, pins, out = run(tmp_path, scenario)
+    assert shapes == [(1, 8), (1, 8)]  # the optimizer's choice for T=2, B=16 on this profile
+    assert all(len(p) == 1 for p in pins) and not pins[0] & pins[1], pins
+    assert out.outputs[0].shape == (16, 10)
+
+
+def test_reconfiguration_under_a_steady_stream_loses_no_request(tmp_path):
+    async def scenario(server):
+        rt = server.runtime("lenet_pk")
+        stop = asyncio.Event()
+        results: list[str] = []
+
+        async def client(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            while not stop.is_set():
+                x = rng.integers(0, 255, (1, 1, 28, 28), dtype=np.uint8)
+                try:
+                    out = await server.infer("lenet_pk", [x])
+                    results.append("ok" if out.outputs[0].shape == (1, 10) else "bad")
+                except Exception as e:  # any failure is what this test is about
+                    results.append(f"{type(e).__name__}: {e}")
+
+        clients = [asyncio.ensure_future(client(i)) for i in range(4)]
+        await asyncio.sleep(0.2)
+        steps = [await rt.repack(4), await rt.reconfigure([(2, 16, [0, 1])]), await rt.repack(16)]
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*clients)
+        final = [(rt.threads[i], rt.sched.instances[i].max_batch) for i in rt.sched.serving()]
+        return results, steps, final, server.monitor.in_flight
+
+    results, steps, final, in_flight = run(tmp_path, scenario)
+    assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:3]
+    assert in_flight == 0
+    assert steps[1]["shapes"] == [(2, 16)] and steps[1]["start_s"] > 0
+    assert final == [(1, 8), (1, 8)]
