@@ -391,6 +391,17 @@ class UdpClient:
         self.close()
 
 
-def connect(url: str, **kw: Any) -> "Client | UdpClient":
-    """A sync client for any fast-path URL scheme (``tcp://``, ``unix://``, ``udp://``)."""
-    return UdpClient(url, **kw) if url.startswith("udp://") else Client(url, **kw)
+def connect(url: str, **kw: Any) -> Any:
+    """A sync client for any URL scheme: ``tcp://``, ``unix://``, ``udp://`` (fast path),
+    ``http://`` (``HttpClient``) or ``grpc://`` (``GrpcClient``); all share one infer API."""
+    if url.startswith("udp://"):
+        return UdpClient(url, **kw)
+    if url.startswith("http://"):
+        from splitserve.client.http import HttpClient
+
+        return HttpClient(url, **kw)
+    if url.startswith("grpc://"):
+        from splitserve.client.grpc import GrpcClient
+
+        return GrpcClient(url, **kw)
+    return Client(url, **kw)

@@ -71,7 +71,7 @@ def rt_claims(node: list[InstanceView]) -> frozenset[int]:
             by_model.setdefault(v.model, []).append(v)
         if v.running_cls == RequestClass.RT:
             claimed |= v.cpus
-    for model, views in by_model.items():
+    for views in by_model.values():
         if not views[0].rt_waiting:
             continue
         idle = [v for v in views if v.running_cls is None]

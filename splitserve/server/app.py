@@ -10,8 +10,8 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -58,6 +58,7 @@ class FastPathConnection:
         self.in_flight: dict[int, Call] = {}
         self.out = bytearray()
         self.writing = False
+        self.closing = False  # framing lost: flush the error frame, then close
         self.closed = False
         self.loop.add_reader(self.fd, self._on_readable)
         server.connections.add(self)
@@ -268,8 +269,6 @@ class FastPathConnection:
             self.loop.remove_writer(self.fd)
             if self.closing:
                 self.close()
-
-    closing = False
 
     def close(self, flush: bool = False) -> None:
         """Close the connection; calls still running are answered into the void."""

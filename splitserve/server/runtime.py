@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve.errors import BadSize, DeadlineMissed, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
-from splitserve.protocol.header import RequestClass
 from splitserve.placement.packrat import PackratConfig, PackratController
 from splitserve.placement.profiler import load_profile
 from splitserve.placement.topology import allocate
+from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
 from splitserve.scheduler.policy import PackratAggregate, make_policy

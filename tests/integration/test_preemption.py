@@ -17,8 +17,8 @@ from splitserve.protocol.header import RequestClass
 from splitserve.server.app import Server
 from splitserve.tensorqueue import TensorQueue, ring_slots
 from splitserve.worker.messages import Msg, RunMsg
-from splitserve.worker.process import Worker
 from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.process import Worker
 from splitserve.worker.spec import QueueFds, WorkerSpec
 
 
