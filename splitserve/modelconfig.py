@@ -97,6 +97,9 @@ class ModelConfig:
     queue_slots: int | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "packrat", "threads": 2}
+    # REEF's device-queue capacity c: segments launched ahead of the one known finished
+    # (None: 4 on a GPU, where launches are asynchronous; 1 on the CPU, where they are not).
+    segment_capacity: int | None = None
     labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -111,6 +114,8 @@ class ModelConfig:
             raise InvalidInput("max_batch_size must be between 1 and 4096")
         if not 1 <= self.instances <= 64 or not 1 <= self.threads <= 256:
             raise InvalidInput("instances must be 1..64 and threads 1..256")
+        if self.segment_capacity is not None and not 1 <= self.segment_capacity <= 64:
+            raise InvalidInput("segment_capacity must be between 1 and 64")
         if self.default_class not in ("rt", "be"):
             raise InvalidInput(f"default_class {self.default_class!r}: use 'rt' or 'be'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -118,6 +123,13 @@ class ModelConfig:
         from splitserve.placement.packrat import PackratConfig
 
         PackratConfig.parse(self.placement, self.max_batch_size)  # refuse a bad [placement] early
+
+    @property
+    def capacity(self) -> int:
+        """The effective device-queue capacity (see ``segment_capacity``)."""
+        if self.segment_capacity is not None:
+            return self.segment_capacity
+        return 4 if self.device.startswith("cuda") else 1
 
     @property
     def request_bytes(self) -> int:

@@ -205,6 +205,7 @@ class ModelRuntime:
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.server.config.cache_path),
+                segment_capacity=self.config.capacity,
                 extra={"segment_times_ns": self.profile.segment_times_ns(self.threads[i])} if self.profile else {},
             )
 

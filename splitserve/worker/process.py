@@ -71,11 +71,17 @@ class Worker:
             self._pin_queues()
 
     def _pin_queues(self) -> None:
-        """Register the queues' shared memory as pinned so one H2D copy moves a batch."""
+        """Register the queues' shared memory as pinned so one H2D copy moves a batch.
+
+        Pinning is an optimisation: if the driver refuses the double mapping, the worker
+        still works with pageable copies, and says so."""
         cudart = self.torch.cuda.cudart()
         for ins, outs in self.queues.values():
             for tq in ins + outs:
-                cudart.cudaHostRegister(tq.base, 2 * tq.size, 0)
+                err = cudart.cudaHostRegister(tq.base, 2 * tq.size, 0)
+                if int(getattr(err, "value", err)) != 0:
+                    log.warning("could not pin a %d B tensor queue (cuda error %s); using pageable copies",
+                                tq.size, err)
 
     def _inputs(self, msg: RunMsg) -> tuple:
         ins, _ = self.queues[msg.cls]
