@@ -100,6 +100,9 @@ class ModelConfig:
     # REEF's device-queue capacity c: segments launched ahead of the one known finished
     # (None: 4 on a GPU, where launches are asynchronous; 1 on the CPU, where they are not).
     segment_capacity: int | None = None
+    # Fixed placement: pin this model's instances to these CPUs (instance i takes the next
+    # ``threads`` of them, wrapping). Empty: spread over the node round-robin.
+    cpus: tuple[int, ...] = ()
     labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class ModelConfig:
             raise InvalidInput("max_batch_size must be between 1 and 4096")
         if not 1 <= self.instances <= 64 or not 1 <= self.threads <= 256:
             raise InvalidInput("instances must be 1..64 and threads 1..256")
+        if any(c < 0 for c in self.cpus):
+            raise InvalidInput(f"cpus {list(self.cpus)}: CPU numbers cannot be negative")
         if self.segment_capacity is not None and not 1 <= self.segment_capacity <= 64:
             raise InvalidInput("segment_capacity must be between 1 and 64")
         if self.default_class not in ("rt", "be"):
@@ -150,6 +155,7 @@ class ModelConfig:
         d["inputs"] = [t.to_dict() for t in self.inputs]
         d["outputs"] = [t.to_dict() for t in self.outputs]
         d["labels"] = list(self.labels)
+        d["cpus"] = list(self.cpus)
         return d
 
     @classmethod
@@ -183,6 +189,7 @@ class ModelConfig:
                 artifact=art,
                 batching=batching,
                 labels=tuple(d.pop("labels", ())),
+                cpus=tuple(int(c) for c in d.pop("cpus", ())),
                 **d,
             )
         except TypeError as e:

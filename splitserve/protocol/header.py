@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
-from splitserve.errors import BadFrame
+from splitserve.errors import BadFrame, InvalidInput
 
 MAGIC = b"SPRC"
 VERSION = 1
@@ -61,8 +61,11 @@ class RequestClass(IntEnum):
             ):
                 if key in names:
                     return member
-            raise ValueError(f"unknown request class {value!r}; use 'rt' or 'be'")
-        return cls(int(value))
+            raise InvalidInput(f"unknown request class {value!r}; use 'rt' or 'be'")
+        try:
+            return cls(int(value))
+        except ValueError:
+            raise InvalidInput(f"unknown request class {value!r}; use 0 (real-time) or 1 (best-effort)") from None
 
 
 @dataclass(slots=True)

@@ -77,10 +77,26 @@ class Server:
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self.started = time.time()
+        self._cpus = sorted(os.sched_getaffinity(0))
+        self._cpu_cursor = 0
+
+    def next_cpus(self, threads: int) -> list[int]:
+        """The next ``threads`` usable CPUs, round-robin over the node (fixed placement)."""
+        out = [self._cpus[(self._cpu_cursor + k) % len(self._cpus)] for k in range(threads)]
+        self._cpu_cursor = (self._cpu_cursor + threads) % len(self._cpus)
+        return out
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open every front end and load the start-up models; on failure, undo what started."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +148,8 @@ class Server:
             conn.close()
         for rt in self.runtimes.values():
             rt.close()
-        await asyncio.to_thread(self.registry.close)
+        if hasattr(self, "registry"):
+            await asyncio.to_thread(self.registry.close)
         try:
             (self.config.data_dir / "server.json").unlink()
         except FileNotFoundError:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,12 +50,6 @@ class ModelStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
-def default_cpus(instances: int, threads: int) -> list[list[int]]:
-    """Fixed placement: instance i gets the next ``threads`` CPUs, round-robin (may share)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return [[cpus[(i * threads + k) % len(cpus)] for k in range(threads)] for i in range(instances)]
-
-
 class ModelRuntime:
     """One model as served: queues per class, a scheduler, one worker per instance."""
 
@@ -92,8 +85,8 @@ class ModelRuntime:
             for t, b, cpus in self.packrat.shapes(self.packrat.plan()):
                 self._add_instance(t, cpus, max_batch=b)
         else:
-            for cpus in default_cpus(cfg.instances, cfg.threads):
-                self._add_instance(cfg.threads, cpus)
+            for _ in range(cfg.instances):
+                self._add_instance(cfg.threads, self._fixed_cpus(cfg.threads))
         self.stats = ModelStats()
         self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
         self.error: str | None = None
@@ -166,6 +159,23 @@ class ModelRuntime:
         self.cpus[iid] = cpus
         self._backoff[iid] = self.server.config.worker_restart_backoff_s
         return iid
+
+    def _fixed_cpus(self, threads: int) -> list[int]:
+        """Fixed placement: the config's ``cpus`` if it names them, else the node's next
+        ``threads`` CPUs round-robin, so models spread over the cores instead of piling up."""
+        if self.config.cpus:
+            n = len(self.sched.instances) - 1  # this instance's position among the model's
+            return [self.config.cpus[(n * threads + k) % len(self.config.cpus)] for k in range(threads)]
+        return self.server.next_cpus(threads)
+
+    async def _wait_instances(self, ids: list[int]) -> None:
+        """Until the instances ``ids`` are up (or the model stopped trying)."""
+        deadline = time.perf_counter() + self.server.config.worker_start_timeout_s
+        while self.state in ("loading", "ready") and not all(
+                self.sched.instances[i].ready for i in ids if i in self.sched.instances):
+            if time.perf_counter() > deadline:
+                raise ModelNotReady(f"model {self.name!r}: new instances did not start in time")
+            await asyncio.sleep(0.01)
 
     def _forget_instance(self, iid: int) -> None:
         self.sched.remove(iid)
@@ -269,15 +279,14 @@ class ModelRuntime:
         async with self._reconfig_lock:
             threads = self.threads[self.sched.serving()[0]] if self.sched.serving() else self.config.threads
             added, retire = self.sched.resize(instances)
-            keep = [self.cpus[i] for i in self.sched.serving() if i not in added]
-            fresh = default_cpus(len(keep) + len(added), threads)[len(keep):]
-            for i, cpus in zip(added, fresh):
-                self.threads[i], self.cpus[i] = threads, cpus
+            for i in added:
+                self.threads[i], self.cpus[i] = threads, self._fixed_cpus(threads)
                 self._backoff[i] = self.server.config.worker_restart_backoff_s
                 if self.state in ("loading", "ready"):
                     self._spawn(i)
             self.kick()
             await asyncio.gather(*(self._drain_and_stop(i) for i in retire))
+            await self._wait_instances(added)
 
     async def reconfigure(self, shapes: list[tuple[int, int, list[int]]],
                           on_switch: Callable[[], None] | None = None) -> dict:
@@ -290,14 +299,14 @@ class ModelRuntime:
             if self.state in ("loading", "ready"):
                 for i in new:
                     self._spawn(i)
-                deadline = t0 + self.server.config.worker_start_timeout_s
-                while not all(self.sched.instances[i].ready for i in new):
-                    if self.state == "failed" or time.perf_counter() > deadline:
-                        for i in new:
-                            self.sched.instances[i].draining = True
-                        await asyncio.gather(*(self._drain_and_stop(i) for i in new))
-                        raise ModelNotReady(f"model {self.name!r}: the new instance set did not start: {self.error}")
-                    await asyncio.sleep(0.01)
+                try:
+                    await self._wait_instances(new)
+                except ModelNotReady:
+                    await asyncio.gather(*(self._drain_and_stop(i) for i in new))
+                    raise
+                if not all(self.sched.instances[i].ready for i in new):
+                    await asyncio.gather(*(self._drain_and_stop(i) for i in new))
+                    raise ModelNotReady(f"model {self.name!r}: the new instance set did not start: {self.error}")
             t_ready = time.perf_counter()
             if on_switch is not None:
                 on_switch()

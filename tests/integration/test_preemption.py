@@ -62,9 +62,16 @@ def test_preempted_at_every_segment_and_resumed_equals_an_uninterrupted_run(tmp_
         a.close()
 
 
-def run_server(tmp_path, mode, scenario):
+def run_server(tmp_path, mode, scenario, vgg_cpus=(0,)):
+    """resnet152 on CPU 0 and vgg19 on ``vgg_cpus``: overlapping CPUs unless told otherwise."""
+    repo = tmp_path / f"repo-{mode}"
+    for name, cpus in (("resnet152", (0,)), ("vgg19", vgg_cpus)):
+        (repo / name).mkdir(parents=True)
+        (repo / name / "config.toml").write_text(
+            f'name = "{name}"\ncpus = {list(cpus)}\n[artifact]\nkind = "zoo"\narch = "{name}"\n')
+
     async def main():
-        cfg = ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None,
+        cfg = ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, repository=repo,
                            data_dir=tmp_path / mode, load=("resnet152", "vgg19"), preemption=mode)
         server = Server(cfg)
         await server.start()
@@ -118,6 +125,17 @@ def test_reef_rt_of_another_model_starts_at_once_and_be_on_its_cpus_stops_at_a_b
     # the RT request starts before the BE batch has even stopped: it does not wait for it
     assert seq.index(("start", "rt")) < seq.index(("preempted", "be"))
     assert seq[-2:] == [("resume", "be"), ("done", "be")]
+    assert be_out.outputs[0].shape == (8, 1000)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="padding needs a CPU the RT work does not use")
+def test_reef_pads_best_effort_on_cpus_the_rt_work_does_not_need(tmp_path):
+    events, be_out, _ = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "vgg19"), vgg_cpus=(1,))
+    seq = kinds(events)
+    # BE on CPU 0 is never preempted for RT on CPU 1 unless a segment would overrun the RT
+    # work (rule 1); either way it finishes exactly once and RT started while BE was running
+    assert seq.index(("start", "rt")) < seq.index(("done", "be"))
+    assert seq.count(("done", "be")) == 1 and ("preempt", "be") not in seq
     assert be_out.outputs[0].shape == (8, 1000)
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from splitserve.errors import BadFrame
+from splitserve.errors import BadFrame, InvalidInput
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 
 
@@ -29,5 +29,5 @@ def test_request_class_parse():
     assert RequestClass.parse("real-time") is RequestClass.RT
     assert RequestClass.parse("best_effort") is RequestClass.BE
     assert RequestClass.parse(None) is RequestClass.DEFAULT
-    with pytest.raises(ValueError, match="unknown request class"):
+    with pytest.raises(InvalidInput, match="unknown request class"):
         RequestClass.parse("urgent")
