@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from splitserve.registry import ModelRecord, Registry
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
+from splitserve.server.management import UPLOAD_DIR
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.runtime import ModelRuntime
@@ -102,6 +104,8 @@ class Server:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
+        # uploads that a crash left half-written are never resumed
+        await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
             self._remember(rec)
         if cfg.fast_port is not None:

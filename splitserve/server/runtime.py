@@ -44,7 +44,8 @@ class ModelStats:
     execution_count: int = 0  # batches
     queue_ns: int = 0
     compute_ns: int = 0
-    request_ns: int = 0
+    request_ns: int = 0  # successful calls, header to answer
+    failure_ns: int = 0  # failed calls, header to answer
     preemptions: int = 0
     last_inference_ms: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -236,8 +237,14 @@ class ModelRuntime:
         self.kick()
 
     def on_failed(self, instance: int, batch_id: int, text: str) -> None:
-        if batch_id == 0:  # the model could not be loaded at all: do not retry in a loop
+        if batch_id == 0:  # this instance could not load the model: do not retry in a loop
             self.error = text
+            st = self.sched.instances.get(instance)
+            if st is not None:
+                st.draining = True  # its process exits now; on_exit forgets it
+            if any(s.ready and not s.draining for s in self.sched.instances.values()):
+                log.error("model %s: a new instance failed to load (%s); the others keep serving", self.name, text)
+                return
             self.state = "failed"
             self._ready_event.set()
             self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {text}"))
@@ -261,7 +268,7 @@ class ModelRuntime:
         if st.draining:
             self._forget_instance(instance)
             return
-        if self.state in ("ready", "loading") and handle.proc.returncode not in (0, None):
+        if self.state in ("ready", "loading") and not handle.stopping:
             delay = self._backoff[instance]
             self._backoff[instance] = min(delay * 2, 5.0)
             log.warning("model %s: instance %d exited (%s); restarting in %.1fs", self.name, instance,
@@ -327,7 +334,7 @@ class ModelRuntime:
             await asyncio.sleep(0.005)
         handle = self.workers.get(i)
         if handle is not None:
-            await asyncio.to_thread(handle.stop)
+            await handle.stop()
         if i in self.sched.instances:
             self._forget_instance(i)
 
@@ -338,7 +345,7 @@ class ModelRuntime:
             await asyncio.sleep(0.005)
         self._fail_waiting(ModelNotReady(f"model {self.name!r} was unloaded"))
         handles = list(self.workers.values())
-        await asyncio.gather(*(asyncio.to_thread(h.stop) for h in handles))
+        await asyncio.gather(*(h.stop() for h in handles))
         self.workers.clear()
         for i in self.sched.instances:
             self.sched.set_ready(i, False)
@@ -469,7 +476,10 @@ class ModelRuntime:
             call.answer(error)
         except Exception:  # a broken sink must not take the loop or other calls with it
             log.exception("model %s: answering call %d failed", self.name, call.req_id)
-        st.request_ns += int((call.t_work - call.t_ready) * 1e9)
+        if error is None:
+            st.request_ns += int((call.t_work - call.t_ready) * 1e9)
+        else:
+            st.failure_ns += int((call.t_work - call.t_ready) * 1e9)
         self.server.metrics.observe_call(self, call, error)
 
     def _fail_waiting(self, error: SplitServeError) -> None:

@@ -56,6 +56,7 @@ class WorkerHandle:
         theirs.close()
         self.alive = True
         self.ready = False
+        self.stopping = False  # set when the front end asked it to exit: no restart then
         loop.add_reader(ours.fileno(), self._on_readable)
 
     @property
@@ -94,30 +95,34 @@ class WorkerHandle:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
 
     def _gone(self) -> None:
+        """The control socket closed (on the loop): the process is exiting or gone.
+
+        The owner hears of it at once; reaping the process happens off the loop."""
         if not self.alive:
             return
         self.alive = False
         self.ready = False
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
-        # Reap without blocking the loop for long: the socket closed, so the process is exiting.
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.flag.close()
         self.owner.on_exit(self.instance, self)
+        self.flag.close()
+        self.loop.run_in_executor(None, self._reap, 10.0)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Ask the worker to exit and wait (used at shutdown and when draining)."""
-        if self.alive:
-            try:
-                self.sock.send(bytes([Msg.STOP]))
-            except OSError:
-                pass
+    def _reap(self, timeout: float) -> None:
+        """Wait for the process to exit, killing it after ``timeout`` (runs off the loop)."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask the worker to exit after its current batch, and wait until it has."""
+        self.stopping = True
+        if self.alive:
+            try:
+                self.sock.send(bytes([Msg.STOP]))
+            except OSError:
+                pass
+        await asyncio.to_thread(self._reap, timeout)
         self._gone()

@@ -1,0 +1,386 @@
+"""Open Inference Protocol v2 (KServe v2 / Triton) tensors and infer bodies.
+
+Shared by the HTTP and gRPC front ends and the HTTP client. Tensors travel either as JSON
+``data`` (flat row-major or nested lists) or, with Triton's binary tensor data extension,
+as raw little-endian bytes after the JSON header::
+
+    body = JSON header (Inference-Header-Content-Length bytes) + tensor bytes, in order
+
+An input sends its bytes with ``parameters.binary_data_size``; a request asks for binary
+outputs with ``parameters.binary_data_output`` (all outputs) or per output with
+``outputs[i].parameters.binary_data``. BYTES elements are each a 4-byte little-endian
+length and the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from splitserve.errors import BadSize, InvalidInput
+from splitserve.protocol.header import RequestClass
+from splitserve.types import V2_TO_NUMPY, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+JSON_CONTENT_TYPE = "application/json"
+DATATYPES = (*V2_TO_NUMPY, "BYTES")
+
+_INT_RANGES = {name: (np.iinfo(dt).min, np.iinfo(dt).max) for name, dt in V2_TO_NUMPY.items() if dt.kind in "iu"}
+
+
+# -- single tensors ----------------------------------------------------------------------------
+
+
+def wire_dtype(datatype: str) -> np.dtype:
+    """The little-endian numpy dtype of a v2 datatype on the wire (BYTES: object)."""
+    dt = datatype.upper() if isinstance(datatype, str) else datatype
+    if dt == "BYTES":
+        return np.dtype(object)
+    try:
+        return V2_TO_NUMPY[dt].newbyteorder("<")
+    except KeyError:
+        raise InvalidInput(f"unknown datatype {datatype!r}; expected one of {', '.join(DATATYPES)}") from None
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise InvalidInput(f"tensor {name!r}: shape must be a list of integers, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
+    return tuple(shape)
+
+
+def tensor_from_json(name: str, datatype: str, shape: Sequence[int], data: Any) -> np.ndarray:
+    """A tensor from JSON ``data`` (flat or nested); values must fit the datatype exactly."""
+    shape = check_shape(name, shape)
+    dt = wire_dtype(datatype)
+    datatype = datatype.upper()
+    if datatype == "BYTES":
+        flat = np.asarray(data, dtype=object).ravel()
+        if flat.size != math.prod(shape):
+            raise BadSize(f"input {name!r}: {flat.size} elements do not fill shape {list(shape)}")
+        try:
+            return np.array([s.encode() if isinstance(s, str) else bytes(s) for s in flat],
+                            dtype=object).reshape(shape)
+        except TypeError:
+            raise InvalidInput(f"input {name!r}: BYTES data must be strings") from None
+    try:
+        arr = np.asarray(data)
+    except ValueError as e:
+        raise InvalidInput(f"input {name!r}: data is not a rectangular list of numbers ({e})") from None
+    if arr.size != math.prod(shape):
+        raise BadSize(f"input {name!r}: {arr.size} values do not fill shape {list(shape)} "
+                      f"({math.prod(shape)} values)")
+    if arr.size == 0:
+        return np.zeros(shape, dt)
+    kind = arr.dtype.kind
+    if datatype == "BOOL":
+        if kind != "b":
+            raise InvalidInput(f"input {name!r}: BOOL data must be true/false")
+    elif dt.kind in "iu":
+        if kind not in "iu":
+            # numpy turns integers beyond int64 (UINT64's upper half) into floats or objects
+            flat = np.asarray(data, dtype=object).ravel().tolist()
+            if not all(type(v) is int for v in flat):
+                raise InvalidInput(f"input {name!r}: {datatype} data must be integers, got {_kind_name(kind)}")
+            lo_v, hi_v = min(flat), max(flat)
+        else:
+            lo_v, hi_v = int(arr.min()), int(arr.max())
+        lo, hi = _INT_RANGES[datatype]
+        if lo_v < lo or hi_v > hi:
+            raise InvalidInput(f"input {name!r}: values outside the {datatype} range {lo}..{hi}")
+        if kind not in "iu":
+            return np.array(flat, dtype=dt).reshape(shape)
+    elif kind not in "iuf":
+        raise InvalidInput(f"input {name!r}: {datatype} data must be numbers, got {_kind_name(kind)}")
+    return arr.astype(dt, copy=False).reshape(shape)
+
+
+def _kind_name(kind: str) -> str:
+    return {"b": "booleans", "f": "floating-point numbers", "U": "strings", "O": "mixed values"}.get(kind, "other values")
+
+
+def tensor_from_bytes(name: str, datatype: str, shape: Sequence[int], buf: "bytes | bytearray | memoryview") -> np.ndarray:
+    """A tensor from raw little-endian bytes (a view of ``buf``, no copy for fixed-size types)."""
+    shape = check_shape(name, shape)
+    dt = wire_dtype(datatype)
+    n = math.prod(shape)
+    if dt == np.dtype(object):
+        return _bytes_elements(name, buf, n).reshape(shape)
+    want = n * dt.itemsize
+    if len(buf) != want:
+        raise BadSize(f"input {name!r}: {len(buf)} bytes of binary data, but {datatype.upper()}{list(shape)} "
+                      f"needs {want}")
+    return np.frombuffer(buf, dtype=dt, count=n).reshape(shape)
+
+
+def _bytes_elements(name: str, buf: "bytes | bytearray | memoryview", n: int) -> np.ndarray:
+    mv = memoryview(buf).cast("B")
+    out, off = [], 0
+    for _ in range(n):
+        if off + 4 > len(mv):
+            raise BadSize(f"input {name!r}: BYTES data ends inside an element length")
+        (size,) = struct.unpack_from("<I", mv, off)
+        off += 4
+        if off + size > len(mv):
+            raise BadSize(f"input {name!r}: BYTES element of {size} bytes runs past the data")
+        out.append(bytes(mv[off : off + size]))
+        off += size
+    if off != len(mv):
+        raise BadSize(f"input {name!r}: {len(mv) - off} bytes left over after {n} BYTES elements")
+    return np.array(out, dtype=object) if out else np.zeros(0, dtype=object)
+
+
+def tensor_to_bytes(arr: np.ndarray) -> "bytes | memoryview":
+    """Raw little-endian bytes of a tensor (BYTES: length-prefixed elements)."""
+    if arr.dtype == np.dtype(object):
+        return b"".join(struct.pack("<I", len(b)) + b for b in (x if isinstance(x, bytes) else str(x).encode()
+                                                                    for x in arr.ravel()))
+    a = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return memoryview(a).cast("B")
+
+
+def tensor_to_json(arr: np.ndarray) -> list:
+    """Flat row-major JSON values (BYTES as UTF-8 text)."""
+    if arr.dtype == np.dtype(object):
+        return [x.decode(errors="replace") if isinstance(x, bytes) else str(x) for x in arr.ravel()]
+    return arr.ravel().tolist()
+
+
+def datatype_of(arr: np.ndarray) -> str:
+    if arr.dtype == np.dtype(object):
+        return "BYTES"
+    from splitserve.types import v2_datatype
+
+    return v2_datatype(arr.dtype.newbyteorder("="))
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+@dataclass
+class InferRequest:
+    """A decoded v2 infer request: named input tensors and what the caller asked for."""
+
+    id: str = ""
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    datatypes: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    # requested outputs: name -> binary?  (None: every output, with ``binary_output``)
+    outputs: dict[str, bool] | None = None
+    binary_output: bool = False
+
+    @property
+    def cls(self) -> RequestClass:
+        """``parameters.class``: "rt" / "be" (or 0 / 1); absent means the model's default."""
+        c = self.parameters.get("class")
+        if c is None:
+            return RequestClass.DEFAULT
+        try:
+            if isinstance(c, bool) or not isinstance(c, (str, int)):
+                raise ValueError
+            return RequestClass.parse(c)
+        except (ValueError, InvalidInput):
+            raise InvalidInput(f"parameters.class {c!r}: use 'rt' (real-time) or 'be' (best-effort)") from None
+
+    @property
+    def deadline_s(self) -> float | None:
+        d = self.parameters.get("deadline_ms")
+        if d is None:
+            return None
+        if not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0:
+            raise InvalidInput(f"parameters.deadline_ms must be a positive number, got {d!r}")
+        return float(d) / 1000.0
+
+
+def _params(obj: Mapping, where: str) -> dict[str, Any]:
+    p = obj.get("parameters") or {}
+    if not isinstance(p, Mapping):
+        raise InvalidInput(f"{where}: parameters must be an object")
+    return dict(p)
+
+
+def parse_infer_request(body: "bytes | bytearray | memoryview", header_length: "int | str | None" = None) -> InferRequest:
+    """Decode a v2 infer body: JSON, or JSON header plus binary tensor data."""
+    mv = memoryview(body).cast("B")
+    if header_length is not None and header_length != "":
+        try:
+            hlen = int(header_length)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+        if not 0 < hlen <= len(mv):
+            raise BadSize(f"{HEADER_LENGTH} {hlen} does not fit a body of {len(mv)} bytes")
+    else:
+        hlen = len(mv)
+    try:
+        doc = json.loads(bytes(mv[:hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(doc, Mapping):
+        raise InvalidInput("the request body must be a JSON object")
+    req = InferRequest(id=str(doc.get("id", "")), parameters=_params(doc, "request"))
+    req.binary_output = bool(req.parameters.get("binary_data_output", False))
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidInput("the request needs a non-empty 'inputs' list")
+    blob, off = mv[hlen:], 0
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Mapping):
+            raise InvalidInput(f"inputs[{i}] must be an object")
+        name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
+        if not isinstance(name, str) or not isinstance(datatype, str) or shape is None:
+            raise InvalidInput(f"inputs[{i}] needs 'name', 'datatype' and 'shape'")
+        if name in req.inputs:
+            raise InvalidInput(f"input {name!r} is given twice")
+        size = _params(t, f"input {name!r}").get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
+            if off + size > len(blob):
+                raise BadSize(f"input {name!r}: binary data is truncated ({len(blob) - off} of {size} bytes present)")
+            req.inputs[name] = tensor_from_bytes(name, datatype, shape, blob[off : off + size])
+            off += size
+        elif "data" in t:
+            req.inputs[name] = tensor_from_json(name, datatype, shape, t["data"])
+        else:
+            raise InvalidInput(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+        req.datatypes[name] = datatype.upper()
+    if off != len(blob):
+        raise BadSize(f"{len(blob) - off} bytes of binary data follow the inputs that no input claims")
+    outs = doc.get("outputs")
+    if outs is not None:
+        if not isinstance(outs, list):
+            raise InvalidInput("'outputs' must be a list")
+        req.outputs = {}
+        for i, o in enumerate(outs):
+            if not isinstance(o, Mapping) or not isinstance(o.get("name"), str):
+                raise InvalidInput(f"outputs[{i}] must be an object with a 'name'")
+            req.outputs[o["name"]] = bool(_params(o, f"output {o['name']!r}").get("binary_data", req.binary_output))
+    return req
+
+
+def model_inputs(model: str, specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray],
+                 datatypes: Mapping[str, str] | None = None) -> list[np.ndarray]:
+    """The model's inputs in declared order, checked: names, datatypes, shapes ``[n, *shape]``."""
+    names = [s.name for s in specs]
+    unknown = [n for n in given if n not in names]
+    if unknown:
+        raise InvalidInput(f"model {model!r} has no input {unknown[0]!r}; its inputs are {names}")
+    out = []
+    for spec in specs:
+        arr = given.get(spec.name)
+        if arr is None:
+            raise InvalidInput(f"model {model!r}: input {spec.name!r} is missing (inputs: {names})")
+        dt = (datatypes or {}).get(spec.name) or datatype_of(arr)
+        if dt != spec.datatype:
+            extra = "; BYTES inputs are not supported by this model" if dt == "BYTES" else ""
+            raise InvalidInput(f"input {spec.name!r} of {model!r} is {spec.datatype}, got {dt}{extra}")
+        if arr.ndim != len(spec.shape) + 1 or arr.shape[1:] != spec.shape:
+            raise BadSize(f"input {spec.name!r} of {model!r} must have shape [n, {', '.join(map(str, spec.shape))}]"
+                          f" (n = batch size), got {list(arr.shape)}")
+        out.append(arr)
+    return out
+
+
+def build_infer_request(inputs: Sequence[tuple[str, np.ndarray]], *, binary: bool = True, id: str = "",
+                        outputs: Sequence[str] | None = None, parameters: Mapping[str, Any] | None = None
+                        ) -> tuple[list["bytes | memoryview"], int | None]:
+    """Client side: body parts and the JSON header length (None for plain JSON)."""
+    params = dict(parameters or {})
+    if binary:
+        params["binary_data_output"] = True
+    doc: dict[str, Any] = {"inputs": []}
+    if id:
+        doc["id"] = id
+    if params:
+        doc["parameters"] = params
+    blobs = []
+    for name, arr in inputs:
+        t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape)}
+        if binary:
+            b = tensor_to_bytes(arr)
+            t["parameters"] = {"binary_data_size": len(b)}
+            blobs.append(b)
+        else:
+            t["data"] = tensor_to_json(arr)
+        doc["inputs"].append(t)
+    if outputs is not None:
+        doc["outputs"] = [{"name": n, "parameters": {"binary_data": binary}} for n in outputs]
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    return [head, *blobs], (len(head) if binary else None)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def build_infer_response(model: str, version: str, req: InferRequest, outputs: Sequence[tuple[str, np.ndarray]],
+                         parameters: Mapping[str, Any] | None = None) -> tuple[list["bytes | memoryview"], int | None]:
+    """Response body parts and the JSON header length (None when no output is binary)."""
+    wanted = req.outputs
+    if wanted is not None:
+        known = {n for n, _ in outputs}
+        missing = [n for n in wanted if n not in known]
+        if missing:
+            raise InvalidInput(f"model {model!r} has no output {missing[0]!r}; its outputs are {sorted(known)}")
+    doc: dict[str, Any] = {"model_name": model, "model_version": version, "id": req.id}
+    if parameters:
+        doc["parameters"] = dict(parameters)
+    doc["outputs"] = []
+    blobs = []
+    for name, arr in outputs:
+        if wanted is not None and name not in wanted:
+            continue
+        binary = wanted[name] if wanted is not None else req.binary_output
+        t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape)}
+        if binary:
+            b = tensor_to_bytes(arr)
+            t["parameters"] = {"binary_data_size": len(b)}
+            blobs.append(b)
+        else:
+            t["data"] = tensor_to_json(arr)
+        doc["outputs"].append(t)
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    return [head, *blobs], (len(head) if blobs else None)
+
+
+@dataclass
+class InferResponse:
+    """A decoded v2 infer response (client side)."""
+
+    model_name: str
+    model_version: str
+    id: str
+    outputs: dict[str, np.ndarray]
+    parameters: dict[str, Any]
+
+
+def parse_infer_response(body: "bytes | bytearray | memoryview", header_length: "int | str | None" = None) -> InferResponse:
+    mv = memoryview(body).cast("B")
+    hlen = int(header_length) if header_length not in (None, "") else len(mv)
+    try:
+        doc = json.loads(bytes(mv[:hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"the response is not valid JSON: {e}") from None
+    blob, off = mv[hlen:], 0
+    outs: dict[str, np.ndarray] = {}
+    for t in doc.get("outputs", []):
+        size = (t.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            outs[t["name"]] = tensor_from_bytes(t["name"], t["datatype"], t["shape"], blob[off : off + size])
+            off += size
+        else:
+            outs[t["name"]] = tensor_from_json(t["name"], t["datatype"], t["shape"], t["data"])
+    return InferResponse(doc.get("model_name", ""), str(doc.get("model_version", "")), str(doc.get("id", "")),
+                         outs, dict(doc.get("parameters") or {}))
+
+
+def error_body(message: str) -> bytes:
+    """The protocol's error object."""
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,289 @@
+"""The gRPC front end: Open Inference Protocol v2 (``inference.GRPCInferenceService``) with
+the model-repository and statistics extensions.
+
+``frontends.start`` calls ``start(server)`` when ``config.grpc_port`` is not None, and
+``frontends.stop`` calls ``stop(server)`` before the server stops its models. The servicer
+runs on the server's own event loop (grpc.aio): it decodes a request into numpy arrays,
+runs it through ``Server.infer`` (the path every decoded front end shares) and encodes the
+answer. Management goes through ``splitserve.server.management``, as HTTP's does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from splitserve.errors import InvalidInput, SplitServeError, UnknownModel
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol._generated import grpc_service_pb2 as pb
+from splitserve.protocol._generated import grpc_service_pb2_grpc as pb_grpc
+from splitserve.protocol.grpc_codec import (
+    CONTENTS_FIELD, STATUS_KEY, fill_contents, param_value, params_dict, set_param, tensor_from_contents,
+)
+from splitserve.protocol.header import RequestClass
+from splitserve.protocol.v2 import model_inputs, tensor_from_bytes, tensor_to_bytes
+from splitserve.server import management
+
+if TYPE_CHECKING:
+    from splitserve.server.app import Server
+
+log = logging.getLogger(__name__)
+
+# Seconds that calls in flight get to finish when the server stops.
+STOP_GRACE_S = 5.0
+EXTENSIONS = ("model_repository", "statistics")
+
+_running: "dict[Server, grpc.aio.Server]" = {}
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+def _rpc(fn: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]) -> Callable[..., Awaitable[_Resp]]:
+    """Turn splitserve errors into gRPC status codes, with the message as the details."""
+
+    @functools.wraps(fn)
+    async def handler(self: "InferenceServicer", request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        try:
+            return await fn(self, request, context)
+        except SplitServeError as e:
+            await context.abort(grpc.StatusCode[e.grpc_code], e.message,
+                                trailing_metadata=((STATUS_KEY, str(int(e.status))),))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{fn.__name__} timed out inside the server")
+        except Exception as e:  # a bug: log it, answer INTERNAL, keep serving
+            log.exception("gRPC %s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    return handler
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def _config(server: "Server", name: str, version: str = "") -> ModelConfig:
+    """A registered model's config; a version, if given, must be the one registered."""
+    rec = server.records.get(name)
+    if rec is None:
+        raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
+    if version and version != str(rec.config.version):
+        raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.config.version}")
+    return rec.config
+
+
+def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
+    """The request class and deadline (seconds) from the parameters "class" and "deadline_ms"."""
+    try:
+        cls = RequestClass.parse(params.get("class"))
+    except InvalidInput as e:
+        raise InvalidInput(f"parameter 'class': {e.message}") from None
+    ms = params.get("deadline_ms")
+    if ms is None:
+        return cls, None
+    if isinstance(ms, (bool, str)) or ms < 0:
+        raise InvalidInput(f"parameter 'deadline_ms' must be a non-negative number, got {ms!r}")
+    return cls, (ms / 1000.0 if ms else None)
+
+
+def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest) -> list[np.ndarray]:
+    """The request's input tensors as arrays in the model's declared order, fully checked."""
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != len(request.inputs):
+            raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+        typed = [t.name for t in request.inputs if t.HasField("contents")]
+        if typed:
+            raise InvalidInput(f"input {typed[0]!r} has typed contents next to raw_input_contents; "
+                               "use one or the other")
+    given: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    for i, t in enumerate(request.inputs):
+        if t.name in given:
+            raise InvalidInput(f"input {t.name!r} of {cfg.name!r} is given twice")
+        if raw:
+            given[t.name] = tensor_from_bytes(t.name, t.datatype, tuple(t.shape), raw[i])
+        elif t.HasField("contents"):
+            given[t.name] = tensor_from_contents(t.name, t.datatype, tuple(t.shape), t.contents)
+        else:
+            raise InvalidInput(f"input {t.name!r} has no data: set raw_input_contents or the input's contents")
+        datatypes[t.name] = t.datatype.upper()
+    return model_inputs(cfg.name, cfg.inputs, given, datatypes)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Stateless apart from the server it serves; per-call state lives in each call."""
+
+    def __init__(self, server: "Server") -> None:
+        self.server = server
+
+    # -- health and metadata -----------------------------------------------------------
+
+    @_rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        s = self.server
+        ready = not s.stopping and all(s.model_state(m) == "ready" for m in s.config.load)
+        return pb.ServerReadyResponse(ready=ready)
+
+    @_rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        _config(self.server, request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.server.model_state(request.name) == "ready")
+
+    @_rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        from splitserve import __version__
+
+        return pb.ServerMetadataResponse(name="splitserve", version=__version__, extensions=EXTENSIONS)
+
+    @_rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        s = self.server
+        cfg = _config(s, request.name, request.version)
+        meta = dict(management.model_metadata(s, request.name))
+        extra = meta.pop("parameters", None) or {}
+        resp = json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
+        rec = s.records[request.name]
+        extra = {**extra, "func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
+                 "default_class": cfg.default_class, "state": s.model_state(request.name)}
+        for k, v in extra.items():
+            if isinstance(v, (bool, int, float, str)):
+                set_param(resp.parameters, k, v)
+        return resp
+
+    # -- inference ---------------------------------------------------------------------
+
+    @_rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        s = self.server
+        cfg = _config(s, request.model_name, request.model_version)
+        arrays = decode_inputs(cfg, request)
+        declared = [o.name for o in cfg.outputs]
+        wanted = [o.name for o in request.outputs] or declared
+        for n in wanted:
+            if n not in declared:
+                raise InvalidInput(f"model {cfg.name!r} has no output {n!r}; its outputs are {', '.join(declared)}")
+        cls, deadline_s = _call_options(params_dict(request.parameters))
+        out = await s.infer(cfg.name, arrays, cls, deadline_s)
+
+        resp = pb.ModelInferResponse(model_name=cfg.name, model_version=str(cfg.version), id=request.id)
+        typed = not request.raw_input_contents and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
+        for spec, arr in zip(cfg.outputs, out.outputs):
+            if spec.name not in wanted:
+                continue
+            t = resp.outputs.add(name=spec.name, datatype=spec.datatype, shape=arr.shape)
+            if typed:
+                fill_contents(t.contents, arr, spec.datatype)
+            else:
+                resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
+        set_param(resp.parameters, "queue_us", out.queue_us)
+        set_param(resp.parameters, "compute_us", out.compute_us)
+        set_param(resp.parameters, "total_us", out.total_us)
+        return resp
+
+    # -- statistics extension ------------------------------------------------------------
+
+    @_rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        if request.name:
+            _config(self.server, request.name, request.version)
+        stats = management.model_statistics(self.server, request.name or None)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
+
+    # -- model-repository extension --------------------------------------------------------
+
+    @_rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        resp = pb.RepositoryIndexResponse()
+        for m in management.repository_index(self.server, ready_only=request.ready):
+            resp.models.add(name=str(m["name"]), version=str(m.get("version") or ""), state=str(m.get("state") or ""),
+                            reason=str(m.get("reason") or ""))
+        return resp
+
+    @_rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Any) -> pb.RepositoryModelLoadResponse:
+        """Load a registered model. Parameters: "config" (TOML) registers it first, with a
+        "file:<name>" (bytes) parameter as its artifact and "labels"; "instances" resizes it."""
+        s = self.server
+        management.check_token(s, _authorization(context))
+        params = {k: param_value(v) for k, v in request.parameters.items()}
+        name = request.model_name
+        config_toml = params.get("config")
+        if config_toml is not None:
+            if not isinstance(config_toml, str):
+                raise InvalidInput("parameter 'config' must be a string holding the model's config.toml")
+            files = [v for k, v in params.items() if k.startswith("file:")]
+            if len(files) > 1:
+                raise InvalidInput("give at most one 'file:<name>' parameter: the model's artifact")
+            if files and not isinstance(files[0], bytes):
+                raise InvalidInput("a 'file:<name>' parameter must hold bytes")
+            labels = params.get("labels")
+            if labels is not None and not isinstance(labels, str):
+                raise InvalidInput("parameter 'labels' must be a string, one label per line")
+            declared = ModelConfig.from_toml(config_toml).name
+            if name and name != declared:
+                raise InvalidInput(f"config.toml names the model {declared!r}, but model_name is {name!r}")
+            rec = await management.register_model(s, config_toml, files[0] if files else None, labels)
+            name = rec.name
+        instances = params.get("instances")
+        if instances is not None:
+            if isinstance(instances, bool) or not isinstance(instances, int):
+                raise InvalidInput("parameter 'instances' must be an int64")
+            await management.set_instances(s, name, instances)
+        await management.load_model(s, name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Any) -> pb.RepositoryModelUnloadResponse:
+        management.check_token(self.server, _authorization(context))
+        await management.unload_model(self.server, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+async def start(server: "Server") -> int:
+    """Serve gRPC on ``config.host:config.grpc_port`` (0: a free port); returns the bound port."""
+    cfg = server.config
+    port_wanted = cfg.grpc_port or 0
+    srv = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", cfg.max_upload_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),  # a port in use must fail here, not be shared silently
+    ])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(server), srv)
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    try:
+        port = srv.add_insecure_port(f"{host}:{port_wanted}")
+    except RuntimeError:
+        port = 0
+    if not port:
+        await srv.stop(None)
+        raise InvalidInput(f"cannot serve gRPC on {cfg.host}:{port_wanted} (in use or not allowed); "
+                           "pick another with --grpc-port, 0 for any free port, -1 for none")
+    await srv.start()
+    _running[server] = srv
+    server.ports["grpc_port"] = port
+    log.info("gRPC (Open Inference Protocol v2) on %s:%d", cfg.host, port)
+    return port
+
+
+async def stop(server: "Server") -> None:
+    """Stop accepting calls; calls in flight get ``STOP_GRACE_S`` to finish."""
+    srv = _running.pop(server, None)
+    if srv is not None:
+        await srv.stop(STOP_GRACE_S)

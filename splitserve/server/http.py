@@ -1,0 +1,418 @@
+"""The HTTP front end: Open Inference Protocol v2 (KServe v2 / Triton) with the binary
+tensor data, model repository and statistics extensions, model management, ``/classify``
+and Prometheus ``/metrics``.
+
+The app runs on the server's own event loop (``frontends`` serves it with uvicorn), so
+every handler is ``async`` and calls the server directly: ``Server.infer`` for inference,
+``splitserve.server.management`` for everything else. Errors are the protocol's
+``{"error": "..."}`` with the status of the ``SplitServeError`` raised.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import tomllib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve import __version__
+from splitserve.errors import BadSize, InvalidInput, SplitServeError, UnknownModel
+from splitserve.modelconfig import check_model_name
+from splitserve.protocol import v2
+from splitserve.server import management
+
+if TYPE_CHECKING:
+    from splitserve.server.app import Server
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
+MAX_TOP_K = 1000
+
+_INFER_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object"},
+                "example": {"id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
+                            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary",
+                           "description": "JSON header of Inference-Header-Content-Length bytes, then tensor bytes"},
+            },
+        },
+    }
+}
+
+
+class PayloadTooLarge(Exception):
+    """A body over ``max_upload_bytes``: answered 413 (HTTP only; no wire status of its own)."""
+
+
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """The protocol's error object; ``status`` (splitserve's status name) is an addition that
+    lets clients rebuild the exact error class."""
+    body = {"error": message}
+    if code:
+        body["status"] = code
+    return JSONResponse(body, status_code=status)
+
+
+def _limited(receive: Callable[[], Awaitable[dict]], limit: int) -> Callable[[], Awaitable[dict]]:
+    """An ASGI receive that counts body bytes and stops at ``limit`` (chunked bodies too)."""
+    seen = 0
+
+    async def counted() -> dict:
+        nonlocal seen
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                raise PayloadTooLarge(f"the body exceeds the {limit} byte limit (SPLITSERVE_MAX_UPLOAD_BYTES)")
+        return msg
+
+    return counted
+
+
+def _bounded(request: Request, limit: int) -> Request:
+    """The same request, refused at once when Content-Length says it is too large."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            n = int(length)
+        except ValueError:
+            raise InvalidInput(f"Content-Length {length!r} is not a number") from None
+        if n > limit:
+            raise PayloadTooLarge(f"the body of {n} bytes exceeds the {limit} byte limit "
+                                  "(SPLITSERVE_MAX_UPLOAD_BYTES)")
+    return Request(request.scope, _limited(request.receive, limit))
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    req = _bounded(request, limit)
+    chunks: list[bytes] = []
+    stream: AsyncIterator[bytes] = req.stream()
+    async for chunk in stream:
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json(request: Request, limit: int, default: Any = None) -> Any:
+    body = await _body(request, limit)
+    if not body.strip():
+        return default
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+
+
+async def _text_field(value: Any, field: str) -> str | None:
+    if value is None:
+        return None
+    raw = await value.read() if isinstance(value, UploadFile) else value
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"form field {field!r} must be UTF-8 text") from None
+    return str(raw)
+
+
+def create_app(server: "Server") -> FastAPI:
+    """The FastAPI app of one server (handlers keep no per-request state on the app)."""
+    app = FastAPI(title="splitserve", version=__version__,
+                  description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
+    limit = server.config.max_upload_bytes
+
+    # -- errors ----------------------------------------------------------------------------
+
+    @app.exception_handler(SplitServeError)
+    async def _splitserve_error(request: Request, e: SplitServeError) -> JSONResponse:
+        return _error(e.http_status, e.message, e.status.name)
+
+    @app.exception_handler(PayloadTooLarge)
+    async def _too_large(request: Request, e: PayloadTooLarge) -> JSONResponse:
+        return _error(413, str(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    def version_of(name: str, version: str | None) -> str:
+        rec = server.records.get(name)
+        if rec is None:
+            raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
+        if version is not None and version != str(rec.version):
+            raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.version}")
+        return str(rec.version)
+
+    def authorize(request: Request) -> None:
+        management.check_token(server, request.headers.get("authorization"))
+
+    # -- health and metadata ------------------------------------------------------------
+
+    @app.get("/v2", tags=["health"])
+    async def server_metadata() -> dict:
+        """Server metadata: name, version, extensions."""
+        return {"name": "splitserve", "version": __version__, "extensions": EXTENSIONS}
+
+    @app.get("/v2/health/live", tags=["health"])
+    async def live() -> dict:
+        return {"live": True}
+
+    @app.get("/v2/health/ready", tags=["health"])
+    async def ready() -> JSONResponse:
+        """Ready while the server takes requests (models load on first use)."""
+        ok = not server.stopping
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def model_ready(name: str, version: str | None = None) -> JSONResponse:
+        version_of(name, version)
+        ok = server.model_state(name) == "ready"
+        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
+
+    async def metadata(name: str, version: str | None = None) -> dict:
+        version_of(name, version)
+        return management.model_metadata(server, name)
+
+    app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)")(model_ready)
+    app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready")(model_ready)
+
+    @app.get("/v2/models/stats", tags=["statistics"])
+    async def all_stats() -> dict:
+        """Statistics of every model (Triton statistics extension)."""
+        return management.model_statistics(server)
+
+    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata")(metadata)
+    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata")(metadata)
+
+    async def stats(name: str, version: str | None = None) -> dict:
+        version_of(name, version)
+        return management.model_statistics(server, name)
+
+    app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics")(stats)
+    app.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics")(stats)
+
+    async def model_config(name: str, version: str | None = None) -> dict:
+        version_of(name, version)
+        rt = server.runtimes.get(name)
+        rec = server.records[name]
+        cfg = rt.config if rt is not None else rec.config
+        return {**cfg.to_dict(), "func_id": rec.func_id, "source": rec.source, "state": server.model_state(name),
+                "instances": rt.instance_count if rt is not None else cfg.instances,
+                "dispatch_max_batch": rt.sched.max_batch if rt is not None else cfg.max_batch_size}
+
+    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration")(model_config)
+    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration")(model_config)
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        """Run an inference: JSON tensors, or the binary tensor data extension.
+
+        Request ``parameters``: ``class`` ("rt" or "be") and ``deadline_ms``; the response's
+        ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
+        """
+        ver = version_of(name, version)
+        body = await _body(request, limit)
+        req = v2.parse_infer_request(body, request.headers.get(v2.HEADER_LENGTH))
+        rt = server.runtime(name)
+        cfg = rt.config
+        inputs = v2.model_inputs(name, cfg.inputs, req.inputs, req.datatypes)
+        out = await server.infer(name, inputs, req.cls, req.deadline_s)
+        parts, hlen = v2.build_infer_response(
+            name, ver, req, [(t.name, a) for t, a in zip(cfg.outputs, out.outputs)],
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us},
+        )
+        if hlen is None:
+            return Response(b"".join(parts), media_type=v2.JSON_CONTENT_TYPE)
+        return Response(b"".join(parts), media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
+
+    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference",
+             openapi_extra=_INFER_DOC)(infer)
+    app.post("/v2/models/{name}/versions/{version}/infer", tags=["inference"], summary="Inference (version)",
+             openapi_extra=_INFER_DOC)(infer)
+
+    @app.post("/classify", tags=["inference"], openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"type": "object"},
+                             "example": {"model": "digits", "input": [[[0.0] * 8] * 8], "top_k": 3}}}}})
+    async def classify(request: Request) -> dict:
+        """Top-k labels and softmax scores of a model registered with a labels file.
+
+        ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
+        little-endian bytes of one or more samples. Single-input models only.
+        """
+        doc = await _json(request, limit)
+        if not isinstance(doc, dict) or not isinstance(doc.get("model"), str) or "input" not in doc:
+            raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
+        name = doc["model"]
+        top_k = doc.get("top_k", 5)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_TOP_K:
+            raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
+        rt = server.runtime(name)
+        cfg = rt.config
+        if not cfg.labels:
+            raise InvalidInput(f"model {name!r} has no labels; register it with a labels file to classify")
+        if len(cfg.inputs) != 1:
+            raise InvalidInput(f"/classify takes single-input models; {name!r} has {len(cfg.inputs)} inputs")
+        spec = cfg.inputs[0]
+        x = _classify_input(spec, doc["input"])
+        cls = v2.InferRequest(parameters={"class": doc.get("class")}).cls
+        out = await server.infer(name, [x], cls, None)
+        logits = out.outputs[0].reshape(len(x), -1).astype(np.float64)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = e / e.sum(axis=1, keepdims=True)
+        k = min(top_k, probs.shape[1])
+        preds = []
+        for p in probs:
+            idx = np.argsort(-p, kind="stable")[:k]
+            preds.append([{"label": cfg.labels[i] if i < len(cfg.labels) else str(i), "index": int(i),
+                           "score": float(p[i])} for i in idx])
+        return {"model": name, "predictions": preds}
+
+    # -- model repository and management -------------------------------------------------
+
+    @app.post("/v2/repository/index", tags=["repository"])
+    async def repository_index(request: Request) -> list:
+        """Every model and its state; body ``{"ready": true}`` lists ready models only."""
+        doc = await _json(request, 1 << 16, {}) or {}
+        if not isinstance(doc, dict):
+            raise InvalidInput("the body must be a JSON object")
+        return management.repository_index(server, bool(doc.get("ready", False)))
+
+    @app.post("/v2/repository/models/{name}/register", tags=["repository"], openapi_extra={"requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["config"],
+            "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
+                           "artifact": {"type": "string", "format": "binary",
+                                        "description": "the artifact file (not for kind = 'zoo')"},
+                           "labels": {"type": "string", "format": "binary",
+                                      "description": "one label per line (for /classify)"}}}}}}})
+    async def register(name: str, request: Request) -> dict:
+        """Register a model: upload config.toml, its artifact and labels; it is loaded before
+        the call returns, or the registration is rolled back (needs the token)."""
+        authorize(request)
+        check_model_name(name)
+        req = _bounded(request, limit)
+        async with req.form(max_files=3, max_fields=3, max_part_size=limit) as form:
+            unknown = set(form.keys()) - {"config", "artifact", "labels"}
+            if unknown:
+                raise InvalidInput(f"unknown form fields {sorted(unknown)}: send config, artifact and labels")
+            config = await _text_field(form.get("config"), "config")
+            art = form.get("artifact")
+            artifact = (await art.read() if isinstance(art, UploadFile) else str(art).encode()) if art else None
+            labels = await _text_field(form.get("labels"), "labels")
+        if not config:
+            raise InvalidInput("the form needs a 'config' field with the model's config.toml")
+        try:
+            declared = tomllib.loads(config).get("name")
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidInput(f"config.toml is not valid TOML: {e}") from None
+        if declared != name:
+            raise InvalidInput(f"config.toml names the model {declared!r}, but the URL says {name!r}")
+        rec = await management.register_model(server, config, artifact, labels)
+        return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
+
+    @app.delete("/v2/repository/models/{name}", tags=["repository"])
+    async def unregister(name: str, request: Request) -> dict:
+        """Unload and delete a model registered at run time (needs the token)."""
+        authorize(request)
+        await management.unregister_model(server, check_model_name(name))
+        return {"name": name, "deleted": True}
+
+    @app.post("/v2/repository/models/{name}/load", tags=["repository"])
+    async def load(name: str, request: Request) -> dict:
+        """Start the model's workers and wait until it is ready (needs the token)."""
+        authorize(request)
+        await management.load_model(server, name)
+        return {"name": name, "state": "READY"}
+
+    @app.post("/v2/repository/models/{name}/unload", tags=["repository"])
+    async def unload(name: str, request: Request) -> dict:
+        """Stop the model's workers; requests get 503 until it is loaded again (needs the token)."""
+        authorize(request)
+        await management.unload_model(server, name)
+        return {"name": name, "state": "UNAVAILABLE"}
+
+    @app.post("/v2/repository/models/{name}/config", tags=["repository"], openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"type": "object"}, "example": {
+            "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
+            "max_batch_size": 16}}}}})
+    async def configure(name: str, request: Request) -> dict:
+        """Change instances and batching at run time without dropping requests (needs the token)."""
+        authorize(request)
+        doc = await _json(request, 1 << 16)
+        if not isinstance(doc, dict) or not doc:
+            raise InvalidInput('the body must be a JSON object, e.g. {"instances": 2}')
+        unknown = set(doc) - {"instances", "batching", "max_batch_size"}
+        if unknown:
+            raise InvalidInput(f"unknown keys {sorted(unknown)}: use instances, batching and max_batch_size")
+        version_of(name, None)
+        batching = doc.get("batching")
+        if batching is not None or "max_batch_size" in doc:
+            b = batching or {}
+            if not isinstance(b, dict) or set(b) - {"policy", "max_delay_ms", "preferred_batch"}:
+                raise InvalidInput("batching must be an object with policy, max_delay_ms and preferred_batch")
+            await management.set_batching(server, name, b.get("policy", ""), doc.get("max_batch_size"),
+                                          b.get("max_delay_ms"), b.get("preferred_batch"))
+        if "instances" in doc:
+            await management.set_instances(server, name, doc["instances"])
+        return await model_config(name)
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    @app.get("/metrics", tags=["metrics"])
+    async def metrics() -> Response:
+        """Prometheus metrics, per model and class."""
+        server.metrics.refresh(list(server.runtimes.values()))
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _classify_input(spec: Any, value: Any) -> np.ndarray:
+    """``/classify`` input as ``[n, *shape]`` of the model's dtype."""
+    if isinstance(value, dict):
+        b64 = value.get("b64")
+        if not isinstance(b64, str):
+            raise InvalidInput('a binary input is {"b64": "<base64 of the raw sample bytes>"}')
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except ValueError:
+            raise InvalidInput("input.b64 is not valid base64") from None
+        if not raw or len(raw) % spec.nbytes:
+            raise BadSize(f"{len(raw)} bytes are not a whole number of {spec.datatype}{list(spec.shape)} samples "
+                          f"({spec.nbytes} bytes each)")
+        return np.frombuffer(raw, dtype=spec.dtype.newbyteorder("<")).astype(spec.dtype).reshape((-1, *spec.shape))
+    arr = np.asarray(value) if isinstance(value, list) else None
+    if arr is None or arr.dtype.kind not in "biuf":
+        raise InvalidInput("input must be a nested list of numbers or {\"b64\": ...}")
+    if arr.shape == spec.shape:
+        arr = arr.reshape((1, *spec.shape))
+    x = v2.tensor_from_json(spec.name, spec.datatype, list(arr.shape), arr)
+    if x.shape[1:] != spec.shape:
+        raise BadSize(f"input must have shape {list(spec.shape)} or [n, {', '.join(map(str, spec.shape))}], "
+                      f"got {list(x.shape)}")
+    return x

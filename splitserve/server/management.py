@@ -1,0 +1,385 @@
+"""Model management shared by the HTTP and gRPC front ends (Rafiqi §3.1, TorchServe's
+management API, the v2 repository and statistics extensions).
+
+Every function here runs on the server's event loop; registry, SQLite and file work is
+moved off it with ``asyncio.to_thread``. Management calls on one server are serialized by
+one lock, so two registrations of the same name, or a scale racing an unload, cannot
+interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import weakref
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
+from splitserve.modelconfig import BatchingConfig, ModelConfig, check_model_name
+from splitserve.registry import ModelRecord
+from splitserve.scheduler.policy import make_policy
+
+if TYPE_CHECKING:
+    from splitserve.server.app import Server
+    from splitserve.server.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "token"
+UPLOAD_DIR = ".uploads"  # beside the repository (same file system, so rename is atomic)
+MAX_LABELS = 100_000
+# runtime state -> v2 repository extension state
+_STATES = {"ready": "READY", "loading": "LOADING", "stopping": "UNLOADING",
+           "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
+
+_locks: "weakref.WeakKeyDictionary[Server, asyncio.Lock]" = weakref.WeakKeyDictionary()
+_tokens: "weakref.WeakKeyDictionary[Server, str]" = weakref.WeakKeyDictionary()
+
+
+def _lock(server: "Server") -> asyncio.Lock:
+    lock = _locks.get(server)
+    if lock is None:
+        lock = _locks[server] = asyncio.Lock()
+    return lock
+
+
+def _record(server: "Server", name: str) -> ModelRecord:
+    rec = server.records.get(name)
+    if rec is None:
+        raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
+    return rec
+
+
+# -- security -----------------------------------------------------------------------------
+
+
+def ensure_token(server: "Server") -> str:
+    """The management token: read ``data_dir/token``, or create it (mode 0600) on first start."""
+    cached = _tokens.get(server)
+    if cached is not None:
+        return cached
+    path = server.config.data_dir / TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            log.warning("management token %s had mode %o; setting 0600", path, mode)
+            os.chmod(path, 0o600)
+        token = path.read_text().strip()
+        if not token:
+            raise InvalidInput(f"management token file {path} is empty; delete it to make a new one")
+        log.info("management token: %s", path)
+    else:
+        token = secrets.token_urlsafe(32)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        log.info("created management token %s (send it as 'Authorization: Bearer <token>')", path)
+    _tokens[server] = token
+    return token
+
+
+def check_token(server: "Server", authorization: str | None) -> None:
+    """Accept ``Bearer <token>``; raise Unauthorized otherwise (constant-time compare)."""
+    if not authorization:
+        raise Unauthorized(f"management calls need 'Authorization: Bearer <token>'; the token is in "
+                           f"{server.config.data_dir / TOKEN_FILE}")
+    scheme, _, given = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Unauthorized("the Authorization header must be 'Bearer <token>'")
+    if not secrets.compare_digest(given.strip().encode(), ensure_token(server).encode()):
+        raise Unauthorized("wrong management token")
+
+
+# -- registration -----------------------------------------------------------------------
+
+
+def _parse_labels(labels: str) -> list[str]:
+    out = [line.strip() for line in labels.splitlines()]
+    while out and not out[-1]:
+        out.pop()
+    if not out:
+        raise InvalidInput("the labels file is empty: give one label per line")
+    if len(out) > MAX_LABELS:
+        raise InvalidInput(f"the labels file has {len(out)} lines; at most {MAX_LABELS} are allowed")
+    if any(ch < " " or ch == "\x7f" for label in out for ch in label):
+        raise InvalidInput("labels must not contain control characters")
+    return out
+
+
+def _with_labels(config_toml: str, labels: list[str]) -> str:
+    """The config text with a top-level ``labels = [...]`` line, so the repository keeps them.
+
+    JSON string literals without ASCII escaping are valid TOML basic strings (control
+    characters were refused above), and a key before the first table is top level.
+    """
+    return "labels = [" + ", ".join(json.dumps(s, ensure_ascii=False) for s in labels) + "]\n" + config_toml
+
+
+def _prepare(server: "Server", config_toml: str, artifact: bytes | None, labels: str | None) -> tuple[ModelConfig, Path]:
+    """Validate and write the model's files into a fresh directory beside the repository."""
+    cfg = ModelConfig.from_toml(config_toml)
+    if labels is not None:
+        if cfg.labels:
+            raise InvalidInput("give labels either in config.toml or as a labels file, not both")
+        config_toml = _with_labels(config_toml, _parse_labels(labels))
+        cfg = ModelConfig.from_toml(config_toml)
+    if cfg.labels and len(cfg.labels) != cfg.outputs[0].numel:
+        raise InvalidInput(f"{len(cfg.labels)} labels for output {cfg.outputs[0].name!r} of "
+                           f"{cfg.outputs[0].numel} values: give one label per value")
+    if cfg.artifact.kind == "zoo":
+        if artifact:
+            raise InvalidInput("a zoo artifact takes no file; set artifact.kind to 'safetensors' to upload weights")
+    elif not artifact:
+        raise InvalidInput(f"a {cfg.artifact.kind} artifact needs its file ({cfg.artifact.file!r}) uploaded")
+    uploads = server.config.data_dir / UPLOAD_DIR
+    uploads.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{cfg.name}-", dir=uploads))
+    try:
+        (tmp / "config.toml").write_text(config_toml)
+        if artifact:
+            with open(tmp / str(cfg.artifact.file), "wb") as f:
+                f.write(artifact)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return cfg, tmp
+
+
+def _commit(server: "Server", cfg: ModelConfig, tmp: Path) -> ModelRecord:
+    """Move the prepared directory into the repository and add the model to the registry."""
+    reg = server.registry
+    dest = reg.model_dir(cfg.name)
+    if reg.find(cfg.name) is not None or dest.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InvalidInput(f"model {cfg.name!r} already exists; unregister it first "
+                           f"(DELETE /v2/repository/models/{cfg.name})")
+    os.rename(tmp, dest)
+    try:
+        return reg.upsert(cfg, "registered", dest)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _remove(server: "Server", name: str) -> None:
+    """Registry row and repository directory of a registered model (func_id is kept)."""
+    reg = server.registry
+    if reg.find(name) is not None:
+        reg.remove(name)
+    shutil.rmtree(reg.model_dir(name), ignore_errors=True)
+
+
+async def _drop_runtime(server: "Server", name: str) -> None:
+    rt = server.runtimes.pop(name, None)
+    if rt is not None:
+        rt.enabled = False
+        await rt.unload()
+        rt.close()
+
+
+async def register_model(server: "Server", config_toml: str, artifact: bytes | None,
+                         labels: str | None) -> ModelRecord:
+    """Validate, persist (repository + registry) and load a model; undo it all on failure.
+
+    A model that fails to load is unregistered again and InvalidInput carries the
+    worker's message.
+    """
+    cfg, tmp = await asyncio.to_thread(_prepare, server, config_toml, artifact, labels)
+    async with _lock(server):
+        if cfg.name in server.records:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            raise InvalidInput(f"model {cfg.name!r} already exists; unregister it first "
+                               f"(DELETE /v2/repository/models/{cfg.name})")
+        rec = await asyncio.to_thread(_commit, server, cfg, tmp)
+        server.remember(rec)
+        try:
+            await server.runtime(rec.name).wait_ready()
+        except (SplitServeError, TimeoutError) as e:
+            await _drop_runtime(server, rec.name)
+            server.forget(rec.name)
+            await asyncio.to_thread(_remove, server, rec.name)
+            msg = e.message if isinstance(e, SplitServeError) else f"model {rec.name!r} did not load in time"
+            log.warning("registration of %s rolled back: %s", rec.name, msg)
+            raise InvalidInput(msg) from None
+        except BaseException:
+            await _drop_runtime(server, rec.name)
+            server.forget(rec.name)
+            await asyncio.to_thread(_remove, server, rec.name)
+            raise
+    log.info("registered model %s (func_id %d) in %s", rec.name, rec.func_id, rec.path)
+    return rec
+
+
+async def unregister_model(server: "Server", name: str) -> None:
+    """Unload a registered model and delete it from the registry and repository."""
+    check_model_name(name)
+    async with _lock(server):
+        rec = _record(server, name)
+        if rec.source != "registered":
+            raise InvalidInput(f"model {name!r} is {rec.source}, not registered at run time; it cannot be deleted")
+        await _drop_runtime(server, name)
+        server.forget(name)
+        await asyncio.to_thread(_remove, server, name)
+    log.info("unregistered model %s", name)
+
+
+# -- load, unload, scale, batching ----------------------------------------------------------
+
+
+async def load_model(server: "Server", name: str) -> None:
+    """Start the model's workers (again) and wait until it is ready."""
+    async with _lock(server):
+        _record(server, name)
+        rt = server.runtime(name)
+        rt.enabled = True
+        try:
+            await rt.wait_ready()
+        except TimeoutError:
+            raise ModelNotReady(f"model {name!r} did not load in time") from None
+
+
+async def unload_model(server: "Server", name: str) -> None:
+    """Stop the model's workers; it refuses requests (MODEL_NOT_READY) until loaded again."""
+    async with _lock(server):
+        _record(server, name)
+        rt = server.runtime(name)
+        rt.enabled = False
+        await rt.unload()
+
+
+async def set_instances(server: "Server", name: str, instances: int) -> None:
+    """Scale the model to ``instances`` worker processes without dropping requests."""
+    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= 64:
+        raise InvalidInput(f"instances must be an integer between 1 and 64, got {instances!r}")
+    async with _lock(server):
+        _record(server, name)
+        rt = server.runtime(name)
+        await rt.resize(instances)  # drains and stops retired instances before it returns
+        # A loaded model answers once the new instances serve, so the caller gets the capacity asked for.
+        loop = asyncio.get_running_loop()
+        end = loop.time() + server.config.worker_start_timeout_s
+        while rt.state in ("loading", "ready") and not all(rt.sched.instances[i].ready for i in rt.sched.serving()):
+            if loop.time() > end:
+                raise ModelNotReady(f"model {name!r}: new instances did not start in time")
+            await asyncio.sleep(0.02)
+        log.info("model %s: %d instance(s)", name, instances)
+
+
+async def set_batching(server: "Server", name: str, policy: str, max_batch_size: int | None,
+                       max_delay_ms: float | None, preferred_batch: int | None) -> None:
+    """Swap the model's batching policy (and batch limit) in place; queued requests stay."""
+    async with _lock(server):
+        _record(server, name)
+        rt = server.runtime(name)
+        if rt.packrat is not None:
+            raise InvalidInput(f"model {name!r} uses packrat placement: its batching follows Packrat's plan")
+        cur = rt.config.batching
+        new = BatchingConfig(policy or cur.policy,
+                             cur.max_delay_ms if max_delay_ms is None else float(max_delay_ms),
+                             cur.preferred_batch if preferred_batch is None else int(preferred_batch))
+        if max_batch_size is not None and not 1 <= int(max_batch_size) <= rt.config.max_batch_size:
+            raise InvalidInput(f"max_batch_size must be 1..{rt.config.max_batch_size} for {name!r} "
+                               "(the tensor queues were sized for that; register a new version to raise it)")
+        rt.sched.policy = make_policy(new)
+        if max_batch_size is not None:
+            rt.sched.max_batch = int(max_batch_size)
+        rt.config = rt.config.with_changes(batching=asdict(new))
+        rt.kick()
+        log.info("model %s: batching %s, max batch %d", name, new, rt.sched.max_batch)
+
+
+# -- read-only views ------------------------------------------------------------------------
+
+
+def repository_index(server: "Server", ready_only: bool = False) -> list[dict]:
+    """The v2 repository extension's index: every model with its state."""
+    out = []
+    for name, rec in sorted(server.records.items(), key=lambda kv: kv[1].func_id):
+        rt = server.runtimes.get(name)
+        state = rt.state if rt is not None else "unloaded"
+        v2 = _STATES.get(state, "UNAVAILABLE")
+        if ready_only and v2 != "READY":
+            continue
+        if rt is not None and not rt.enabled:
+            reason = "unloaded"
+        elif state == "failed":
+            reason = (rt.error if rt is not None else None) or "failed to load"
+        elif state == "unloaded":
+            reason = "not loaded yet (loads on first use)"
+        else:
+            reason = ""
+        out.append({"name": name, "version": str(rec.version), "state": v2, "reason": reason})
+    return out
+
+
+def _duration(count: int, ns: int) -> dict[str, int]:
+    return {"count": int(count), "ns": int(ns)}
+
+
+def _model_stats(rec: ModelRecord, rt: "ModelRuntime | None") -> dict[str, Any]:
+    from splitserve.server.runtime import ModelStats
+
+    st = rt.stats if rt is not None else ModelStats()
+    # Inputs and outputs live in shared-memory tensor queues the worker reads in place, so
+    # there is no separate input/output copy to time: those durations are 0 by design.
+    return {
+        "name": rec.name,
+        "version": str(rec.version),
+        "last_inference": st.last_inference_ms,
+        "inference_count": st.inference_count,
+        "execution_count": st.execution_count,
+        "inference_stats": {
+            "success": _duration(st.success, st.request_ns),
+            "fail": _duration(st.failure, st.failure_ns),
+            "queue": _duration(st.success, st.queue_ns),
+            "compute_input": _duration(st.execution_count, 0),
+            "compute_infer": _duration(st.execution_count, st.compute_ns),
+            "compute_output": _duration(st.execution_count, 0),
+        },
+        "batch_stats": [
+            {"batch_size": size, "compute_input": _duration(n, 0), "compute_infer": _duration(n, 0),
+             "compute_output": _duration(n, 0)}
+            for size, n in sorted(st.batch_sizes.items())
+        ],
+        "preemptions": st.preemptions,
+    }
+
+
+def model_statistics(server: "Server", name: str | None = None) -> dict:
+    """The Triton statistics extension: one entry per model (or just ``name``)."""
+    if name is not None:
+        recs = [_record(server, name)]
+    else:
+        recs = sorted(server.records.values(), key=lambda r: r.func_id)
+    return {"model_stats": [_model_stats(r, server.runtimes.get(r.name)) for r in recs]}
+
+
+def model_metadata(server: "Server", name: str) -> dict:
+    """v2 model metadata: shapes carry -1 for the batch dimension."""
+    rec = _record(server, name)
+    cfg = server.runtimes[name].config if name in server.runtimes else rec.config
+
+    def tensors(specs: tuple) -> list[dict]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.shape]} for t in specs]
+
+    return {
+        "name": rec.name,
+        "versions": [str(rec.version)],
+        "platform": "pytorch",
+        "inputs": tensors(cfg.inputs),
+        "outputs": tensors(cfg.outputs),
+        # splitserve additions (clients of the spec ignore them)
+        "parameters": {"func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
+                       "default_class": cfg.default_class, "labels": bool(cfg.labels)},
+    }

@@ -1,0 +1,474 @@
+"""HTTP front end end to end: Open Inference Protocol v2, binary tensors, management,
+security, statistics and metrics, against real server processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from splitserve import Client
+from splitserve.client.http import HttpClient
+from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
+from splitserve.models import build_zoo_model
+from splitserve.models.loader import save_safetensors
+from tests.conftest import ROOT, start_server
+
+MODELS = ("lenet", "distilbert")  # UINT8 in / FP32 out, and INT32 in; vecadd1k (FP32 in) loads lazily
+UPLOAD_LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("http"), *sum((["--load", m] for m in MODELS), []), http=True)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http, timeout=60) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def token(server):
+    path = server.data_dir / "token"
+    assert path.stat().st_mode & 0o777 == 0o600
+    return path.read_text().strip()
+
+
+def local_outputs(name, xs, seed=0):
+    import torch
+
+    m = build_zoo_model(name, seed=seed)
+    with torch.inference_mode():
+        ys = m(*[torch.from_numpy(x) for x in xs])
+    return [y.numpy() for y in ys]
+
+
+def lenet_input(n=2, seed=0):
+    return np.random.default_rng(seed).integers(0, 255, (n, 1, 28, 28), dtype=np.uint8)
+
+
+def distilbert_input(n=2, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, (n, 128), dtype=np.int32)
+    mask = np.ones((n, 128), np.int32)
+    mask[:, 100:] = 0
+    return ids, mask
+
+
+# -- health and metadata ---------------------------------------------------------------------
+
+
+def test_health_metadata_and_docs(http):
+    assert http.get("/v2").json()["name"] == "splitserve"
+    assert "binary_tensor_data" in http.get("/v2").json()["extensions"]
+    assert http.get("/v2/health/live").status_code == 200
+    assert http.get("/v2/health/ready").json() == {"ready": True}
+    assert http.get("/v2/models/lenet/ready").json() == {"name": "lenet", "ready": True}
+    assert http.get("/v2/models/lenet/versions/1/ready").status_code == 200
+    assert http.get("/v2/models/matmul8k/ready").status_code == 400  # registered, never loaded
+    meta = http.get("/v2/models/lenet").json()
+    assert meta["name"] == "lenet" and meta["versions"] == ["1"] and meta["platform"] == "pytorch"
+    assert meta["inputs"] == [{"name": "image", "datatype": "UINT8", "shape": [-1, 1, 28, 28]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+    assert http.get("/v2/models/lenet/versions/1").json() == meta
+    r = http.get("/v2/models/lenet/versions/7")
+    assert r.status_code == 404 and "no version '7'" in r.json()["error"]
+    r = http.get("/v2/models/nope")
+    assert r.status_code == 404 and "unknown model 'nope'" in r.json()["error"]
+    assert http.get("/v2/models/nope/ready").status_code == 404
+    assert http.get("/v2/models/distilbert/config").json()["max_batch_size"] == 8
+    assert http.get("/docs").status_code == 200
+    paths = http.get("/openapi.json").json()["paths"]
+    assert "/v2/models/{name}/infer" in paths and "/v2/repository/models/{name}/register" in paths
+
+
+# -- inference -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["lenet", "vecadd1k", "distilbert"])
+def test_every_zoo_datatype_same_answer_over_fast_path_json_and_binary(server, model):
+    if model == "lenet":
+        xs = [lenet_input()]
+    elif model == "vecadd1k":
+        rng = np.random.default_rng(2)
+        xs = [rng.standard_normal((3, 1024)).astype(np.float32) for _ in range(2)]
+    else:
+        xs = list(distilbert_input())
+    (want,) = local_outputs(model, xs)
+    arg = xs[0] if len(xs) == 1 else xs
+    with HttpClient(server.http) as h, Client(server.tcp) as f:
+        fast = f.infer(model, arg)
+        binary = h.infer_result(model, arg)
+        as_json = h.infer(model, arg, binary=False)
+    np.testing.assert_allclose(fast, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(binary.value(), fast)
+    np.testing.assert_array_equal(as_json, fast)
+    assert binary.total_us > 0 and binary.compute_us > 0
+
+
+def test_raw_v2_json_and_binary_bodies(http):
+    x = lenet_input(1, seed=3)
+    (want,) = local_outputs("lenet", [x])
+    body = {"id": "req-7", "parameters": {"class": "rt", "deadline_ms": 5000},
+            "inputs": [{"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": x.tolist()}]}
+    r = http.post("/v2/models/lenet/infer", json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    doc = r.json()
+    assert doc["model_name"] == "lenet" and doc["model_version"] == "1" and doc["id"] == "req-7"
+    assert set(doc["parameters"]) == {"queue_us", "compute_us", "total_us"}
+    (out,) = doc["outputs"]
+    assert out["name"] == "logits" and out["datatype"] == "FP32" and out["shape"] == [1, 10]
+    np.testing.assert_allclose(np.array(out["data"], np.float32).reshape(1, 10), want, rtol=1e-4, atol=1e-5)
+    # binary input, binary output asked for per output, through the versioned path
+    head = json.dumps({"inputs": [{"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28],
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+    r = http.post("/v2/models/lenet/versions/1/infer", content=head + x.tobytes(),
+                  headers={"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"})
+    assert r.status_code == 200
+    hlen = int(r.headers["Inference-Header-Content-Length"])
+    doc = json.loads(r.content[:hlen])
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 40}
+    np.testing.assert_allclose(np.frombuffer(r.content[hlen:], "<f4").reshape(1, 10), want, rtol=1e-4, atol=1e-5)
+
+
+def _infer(http, model, inputs, **kw):
+    return http.post(f"/v2/models/{model}/infer", json={"inputs": inputs}, **kw)
+
+
+@pytest.mark.parametrize("case, status, words", [
+    ("unknown_model", 404, "unknown model 'nope'"),
+    ("wrong_shape", 400, "must have shape [n, 1, 28, 28]"),
+    ("no_batch_dim", 400, "must have shape [n, 1, 28, 28]"),
+    ("wrong_datatype", 400, "is UINT8, got FP32"),
+    ("bytes_input", 400, "BYTES inputs are not supported"),
+    ("unknown_input", 400, "has no input 'pixels'"),
+    ("malformed_json", 400, "not valid JSON"),
+    ("truncated_binary", 400, "truncated"),
+    ("bad_header_length", 400, "does not fit"),
+    ("bad_class", 400, "parameters.class"),
+    ("too_many_samples", 400, "max_batch_size"),
+])
+def test_bad_requests_get_the_right_status_and_a_message(http, case, status, words):
+    img = {"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": [0] * 784}
+    if case == "unknown_model":
+        r = _infer(http, "nope", [img])
+    elif case == "wrong_shape":
+        r = _infer(http, "lenet", [dict(img, shape=[1, 28, 28])])
+    elif case == "no_batch_dim":
+        r = _infer(http, "lenet", [dict(img, shape=[1, 28, 28, 1])])
+    elif case == "wrong_datatype":
+        r = _infer(http, "lenet", [dict(img, datatype="FP32")])
+    elif case == "bytes_input":
+        r = _infer(http, "lenet", [{"name": "image", "datatype": "BYTES", "shape": [1], "data": ["abc"]}])
+    elif case == "unknown_input":
+        r = _infer(http, "lenet", [dict(img, name="pixels")])
+    elif case == "malformed_json":
+        r = http.post("/v2/models/lenet/infer", content=b'{"inputs": [', headers={"Content-Type": "application/json"})
+    elif case in ("truncated_binary", "bad_header_length"):
+        head = json.dumps({"inputs": [dict(img, data=None, parameters={"binary_data_size": 784})]}).encode()
+        hlen = len(head) if case == "truncated_binary" else len(head) + 1000
+        r = http.post("/v2/models/lenet/infer", content=head + bytes(700),
+                      headers={"Inference-Header-Content-Length": str(hlen)})
+    elif case == "bad_class":
+        r = http.post("/v2/models/lenet/infer", json={"parameters": {"class": "vip"}, "inputs": [img]})
+    else:
+        r = _infer(http, "lenet", [dict(img, shape=[40, 1, 28, 28], data=[0] * 784 * 40)])
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]
+
+
+def test_client_errors_are_typed(server):
+    with HttpClient(server.http) as h:
+        with pytest.raises(UnknownModel):
+            h.lookup("nope")
+        with pytest.raises(InvalidInput, match="must be UINT8"):
+            h.infer("lenet", np.zeros((1, 1, 28, 28), np.float32))  # refused before sending
+
+
+def test_async_client_and_connect(server):
+    import asyncio
+
+    from splitserve import connect
+    from splitserve.client.http import AsyncHttpClient
+
+    x = lenet_input(3, seed=6)
+    with connect(server.http) as c:
+        assert isinstance(c, HttpClient)
+        want = c.infer("lenet", x)
+
+    async def main():
+        async with AsyncHttpClient(server.http) as a:
+            outs = await asyncio.gather(*(a.infer("lenet", x[i], cls="rt") for i in range(3)),
+                                        a.infer("lenet", x, binary=False, deadline_ms=10_000))
+        return outs
+
+    *singles, batch = asyncio.run(main())
+    np.testing.assert_allclose(np.stack(singles), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batch, want, rtol=1e-5, atol=1e-6)
+
+
+# -- statistics and metrics ---------------------------------------------------------------------
+
+
+def test_statistics_and_metrics(http):
+    assert _infer(http, "lenet", [{"name": "image", "datatype": "UINT8", "shape": [2, 1, 28, 28],
+                                   "data": [1] * 784 * 2}]).status_code == 200
+    (st,) = http.get("/v2/models/lenet/stats").json()["model_stats"]
+    assert st["name"] == "lenet" and st["version"] == "1"
+    assert st["inference_count"] >= 2 and st["execution_count"] >= 1 and st["last_inference"] > 0
+    inf = st["inference_stats"]
+    assert set(inf) >= {"success", "fail", "queue", "compute_input", "compute_infer", "compute_output"}
+    assert inf["success"]["count"] >= 1 and inf["success"]["ns"] > 0 and inf["compute_infer"]["ns"] > 0
+    assert sum(b["compute_infer"]["count"] for b in st["batch_stats"]) == st["execution_count"]
+    every = http.get("/v2/models/stats").json()["model_stats"]
+    assert {"lenet", "distilbert", "bert_tiny"} <= {m["name"] for m in every}
+    assert http.get("/v2/models/nope/stats").status_code == 404
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'splitserve_requests_total{class="be",model="lenet"}' in r.text
+    assert 'splitserve_instances{model="lenet"} 1.0' in r.text
+
+
+# -- repository, security -----------------------------------------------------------------------
+
+
+def test_repository_index(http):
+    index = http.post("/v2/repository/index").json()
+    states = {m["name"]: m for m in index}
+    assert states["lenet"]["state"] == "READY" and states["lenet"]["version"] == "1"
+    assert states["resnet152"]["state"] == "UNAVAILABLE" and "first use" in states["resnet152"]["reason"]
+    ready = {m["name"] for m in http.post("/v2/repository/index", json={"ready": True}).json()}
+    assert {"lenet", "distilbert"} <= ready and "resnet152" not in ready
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Basic abc", "Bearer"])
+def test_management_needs_the_token(http, auth):
+    headers = {"Authorization": auth} if auth else {}
+    for path in ("/v2/repository/models/lenet/load", "/v2/repository/models/lenet/unload",
+                 "/v2/repository/models/x/register"):
+        r = http.post(path, headers=headers)
+        assert r.status_code == 401, (path, r.text)
+        assert "Bearer" in r.json()["error"] or "wrong" in r.json()["error"]
+    r = http.post("/v2/repository/models/lenet/config", json={"instances": 2}, headers=headers)
+    assert r.status_code == 401
+    assert http.get("/v2/models/lenet/ready").status_code == 200  # nothing happened
+
+
+@pytest.mark.parametrize("name", [".hidden", "a b", "-dash", "x" * 65, "..."])
+def test_bad_model_names_are_refused(http, token, name):
+    r = http.post(f"/v2/repository/models/{name}/register", headers={"Authorization": f"Bearer {token}"},
+                  files={"config": ("config.toml", b'name = "x"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')})
+    assert r.status_code == 400 and "bad model name" in r.json()["error"]
+
+
+def test_management_validation(http, token):
+    auth = {"Authorization": f"Bearer {token}"}
+    r = http.post("/v2/repository/models/lenet/config", json={"instances": 0}, headers=auth)
+    assert r.status_code == 400 and "between 1 and 64" in r.json()["error"]
+    r = http.post("/v2/repository/models/lenet/config", json={"threads": 2}, headers=auth)
+    assert r.status_code == 400 and "unknown keys" in r.json()["error"]
+    r = http.post("/v2/repository/models/nope/load", headers=auth)
+    assert r.status_code == 404
+    r = http.post("/v2/repository/models/lenet/register", headers=auth,
+                  files={"config": ("config.toml", b'name = "lenet"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')})
+    assert r.status_code == 400 and "already exists" in r.json()["error"]
+
+
+def test_batching_changes_in_place(http, token):
+    auth = {"Authorization": f"Bearer {token}"}
+    r = http.post("/v2/repository/models/distilbert/config", headers=auth,
+                  json={"batching": {"policy": "timeout", "max_delay_ms": 1.0, "preferred_batch": 4}, "max_batch_size": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["batching"] == {"policy": "timeout", "max_delay_ms": 1.0, "preferred_batch": 4}
+    assert r.json()["dispatch_max_batch"] == 4
+    ids, mask = distilbert_input(1)
+    with HttpClient(str(http.base_url)) as h:
+        assert h.infer("distilbert", [ids, mask]).shape == (1, 2)
+    r = http.post("/v2/repository/models/distilbert/config", headers=auth, json={"batching": {"policy": "fifo"}})
+    assert r.status_code == 400 and "work_conserving" in r.json()["error"]
+    r = http.post("/v2/repository/models/distilbert/config", headers=auth, json={"max_batch_size": 64})
+    assert r.status_code == 400 and "1..8" in r.json()["error"]
+    r = http.post("/v2/repository/models/distilbert/config", headers=auth,
+                  json={"batching": {"policy": "work_conserving"}, "max_batch_size": 8})
+    assert r.status_code == 200
+
+
+def test_scaling_1_2_1_under_load_drops_nothing(server, token):
+    x = lenet_input(1, seed=5)
+    (want,) = local_outputs("lenet", [x])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    counts = [0] * 8
+
+    def client(i: int) -> None:
+        with HttpClient(server.http) as h:
+            while not stop.is_set():
+                try:
+                    np.testing.assert_allclose(h.infer("lenet", x), want, rtol=1e-4, atol=1e-5)
+                    counts[i] += 1
+                except BaseException as e:  # noqa: BLE001 - every failure is reported below
+                    errors.append(e)
+                    return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        with HttpClient(server.http, token=token) as admin:
+            time.sleep(0.3)
+            assert admin.scale("lenet", 2)["instances"] == 2
+            deadline = time.monotonic() + 60
+            while "splitserve_instances{model=\"lenet\"} 2.0" not in admin.metrics():
+                assert time.monotonic() < deadline, "the second instance did not come up"
+                time.sleep(0.1)
+            time.sleep(0.3)
+            assert admin.scale("lenet", 1)["instances"] == 1
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert all(c > 0 for c in counts), counts
+
+
+# -- registration, unload/load, restart, upload limits --------------------------------------------
+
+
+def _model_dir(tmp_path, name, seed=1, labels=True, garbage=False):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.toml").write_text(
+        f'name = "{name}"\nmax_batch_size = 8\n[artifact]\nkind = "safetensors"\narch = "lenet"\n'
+        f'file = "model.safetensors"\n')
+    if garbage:
+        (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    else:
+        save_safetensors(build_zoo_model("lenet", seed=seed), d / "model.safetensors")
+    if labels:
+        (d / "labels.txt").write_text("\n".join(f"digit-{i}" for i in range(10)) + "\n")
+    return d
+
+
+def test_register_unload_load_restart_and_upload_limits(tmp_path):
+    data = tmp_path / "data"
+    env = dict(os.environ, SPLITSERVE_MAX_UPLOAD_BYTES=str(UPLOAD_LIMIT))
+    s = start_server(data, http=True, env=env)
+    try:
+        token = (data / "token").read_text().strip()
+        x = lenet_input(2, seed=4)
+        (want,) = local_outputs("lenet", [x], seed=1)
+
+        # register with the CLI (config, safetensors artifact, labels); it is loaded on return
+        model_dir = _model_dir(tmp_path, "mylenet")
+        out = subprocess.run([sys.executable, "-m", "splitserve", "models", "register", str(model_dir),
+                              "--url", s.http, "--data-dir", str(data)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "registered mylenet" in out.stdout
+        assert (data / "repository" / "mylenet" / "model.safetensors").is_file()
+        with HttpClient(s.http, token=token) as h, Client(s.tcp) as f:
+            assert h.ready("mylenet")
+            func_id = h.lookup("mylenet").func_id
+            np.testing.assert_allclose(h.infer("mylenet", x), want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_array_equal(f.infer("mylenet", x), h.infer("mylenet", x))
+            preds = h.classify("mylenet", x[0], top_k=3)
+            assert [p["label"] for p in preds[0]] == [f"digit-{i}" for i in np.argsort(-want[0])[:3]]
+            assert abs(sum(p["score"] for p in h.classify("mylenet", x[0], top_k=10)[0]) - 1) < 1e-6
+            with pytest.raises(InvalidInput, match="no labels"):
+                h.classify("lenet", x[0])
+
+            # unload: requests fail cleanly over HTTP and the fast path, nothing loads lazily
+            h.unload("mylenet")
+            with pytest.raises(ModelNotReady, match="unloaded"):
+                h.infer("mylenet", x)
+            with pytest.raises(SplitServeError, match="unloaded"):
+                f.infer("mylenet", x)
+            r = httpx.post(f"{s.http}/v2/models/mylenet/infer", json={"inputs": [
+                {"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": [0] * 784}]})
+            assert r.status_code == 503 and r.json()["status"] == "MODEL_NOT_READY"
+            (entry,) = [m for m in h.index() if m["name"] == "mylenet"]
+            assert entry == {"name": "mylenet", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+            assert not h.ready("mylenet")
+            h.load("mylenet")
+            np.testing.assert_allclose(h.infer("mylenet", x), want, rtol=1e-4, atol=1e-5)
+
+            # a model that fails to load is rolled back with the worker's message
+            bad = _model_dir(tmp_path, "broken", garbage=True, labels=False)
+            with pytest.raises(InvalidInput, match="safetensors"):
+                h.register(bad)
+            assert "broken" not in {m["name"] for m in h.index()}
+            assert not (data / "repository" / "broken").exists()
+            with pytest.raises(UnknownModel):
+                h.lookup("broken")
+            # a non-zoo artifact without its file, and labels that do not fit the output
+            r = httpx.post(f"{s.http}/v2/repository/models/nofile/register", headers={"Authorization": f"Bearer {token}"},
+                           files={"config": ("config.toml", (model_dir / "config.toml").read_bytes()
+                                             .replace(b"mylenet", b"nofile"))})
+            assert r.status_code == 400 and "uploaded" in r.json()["error"]
+            r = httpx.post(f"{s.http}/v2/repository/models/fewlabels/register",
+                           headers={"Authorization": f"Bearer {token}"},
+                           files={"config": ("config.toml", b'name = "fewlabels"\n[artifact]\nkind = "zoo"\n'
+                                             b'arch = "lenet"\n'), "labels": ("labels.txt", b"a\nb\n")})
+            assert r.status_code == 400 and "one label per value" in r.json()["error"]
+            # a config whose name differs from the URL
+            r = httpx.post(f"{s.http}/v2/repository/models/other/register", headers={"Authorization": f"Bearer {token}"},
+                           files={"config": ("config.toml", (model_dir / "config.toml").read_bytes())})
+            assert r.status_code == 400 and "URL says 'other'" in r.json()["error"]
+
+            # uploads over the limit: refused from Content-Length, and counted when chunked
+            big = {"config": ("config.toml", (model_dir / "config.toml").read_bytes().replace(b"mylenet", b"big")),
+                   "artifact": ("model.safetensors", os.urandom(2 * UPLOAD_LIMIT))}
+            r = httpx.post(f"{s.http}/v2/repository/models/big/register", files=big,
+                           headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 413 and "limit" in r.json()["error"]
+
+            def chunks():  # a well-formed multipart start, then an artifact that never ends
+                yield (b'--abc\r\nContent-Disposition: form-data; name="artifact"; filename="a"\r\n'
+                       b"Content-Type: application/octet-stream\r\n\r\n")
+                for _ in range(40):
+                    yield b"x" * 65536
+
+            r = httpx.post(f"{s.http}/v2/repository/models/big/register", content=chunks(),
+                           headers={"Authorization": f"Bearer {token}",
+                                    "Content-Type": "multipart/form-data; boundary=abc"})
+            assert r.status_code == 413
+            assert "big" not in {m["name"] for m in h.index()}
+            assert h.ready("mylenet")
+    finally:
+        assert s.stop() == 0
+
+    # a restart keeps the registered model, its func_id, weights and labels
+    s = start_server(data, http=True, env=env)
+    try:
+        with HttpClient(s.http) as h:
+            info = h.lookup("mylenet")
+            assert info.func_id == func_id
+            np.testing.assert_allclose(h.infer("mylenet", x), want, rtol=1e-4, atol=1e-5)
+            assert h.classify("mylenet", x[0], top_k=1)[0][0]["label"] == f"digit-{int(np.argmax(want[0]))}"
+        with HttpClient(s.http, token="nope") as h, pytest.raises(Unauthorized):
+            h.unload("mylenet")
+        assert (data / "token").read_text().strip() == token  # the token survives restarts too
+        # unregister deletes the files; registering the name again gets its old func_id back
+        with HttpClient(s.http, token=token) as h:
+            h.unregister("mylenet")
+            assert not (data / "repository" / "mylenet").exists()
+            with pytest.raises(UnknownModel):
+                h.lookup("mylenet")
+            with pytest.raises(InvalidInput, match="builtin"):
+                h.unregister("lenet")
+            assert h.register(model_dir)["func_id"] == func_id
+    finally:
+        assert s.stop() == 0
