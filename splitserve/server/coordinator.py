@@ -100,6 +100,7 @@ class Coordinator:
         if batch is not None:
             rt.stats.preemptions += 1
             self.server.metrics.preemptions.labels(rt.name).inc()
+            self.server.metrics.preemption_latency.labels(rt.name).observe(msg.preempt_ns / 1e9)
             self._log("preempted", rt, instance, batch, restore, msg.preempt_ns)
         self._kick_all()
 

@@ -381,6 +381,20 @@ def create_app(server: "Server") -> FastAPI:
             await management.set_instances(server, name, doc["instances"])
         return await model_config(name)
 
+    # -- scheduling introspection (benchmarks read these from another process) ----------------
+
+    @app.get("/v2/models/{name}/placement", tags=["scheduling"])
+    async def placement(name: str) -> dict:
+        """The serving instance set (threads, batch, CPUs), the Packrat plan and every
+        reconfiguration so far, with its times on the server's clock."""
+        version_of(name, None)
+        return management.placement(server, name)
+
+    @app.get("/v2/scheduler/events", tags=["scheduling"])
+    async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
+        """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
+        return management.scheduler_events(server, since, limit)
+
     # -- metrics ----------------------------------------------------------------------------
 
     @app.get("/metrics", tags=["metrics"])

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
@@ -383,3 +384,27 @@ def model_metadata(server: "Server", name: str) -> dict:
         "parameters": {"func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
                        "default_class": cfg.default_class, "labels": bool(cfg.labels)},
     }
+
+
+def placement(server: "Server", name: str) -> dict:
+    """How ``name`` is placed now and how it got there (for benchmarks and operators)."""
+    rt = server.runtime(name)
+    serving = rt.sched.serving()
+    out: dict[str, Any] = {
+        "model": name, "placement": "packrat" if rt.packrat is not None else "fixed", "now": time.perf_counter(),
+        "instances": [{"id": i, "threads": rt.threads[i], "batch": rt.sched.instances[i].max_batch or
+                       rt.config.max_batch_size, "cpus": rt.cpus[i], "ready": rt.sched.instances[i].ready}
+                      for i in serving],
+        "reconfigurations": rt.reconfigurations,
+    }
+    if rt.packrat is not None:
+        out["batch"] = rt.packrat.batch
+        out["plan"] = rt.packrat.plan().to_dict()
+        out["threads_budget"] = rt.packrat.threads
+    return out
+
+
+def scheduler_events(server: "Server", since: float = 0.0, limit: int = 10000) -> dict:
+    """The coordinator's event log after ``since`` (perf_counter seconds on the server)."""
+    events = [asdict(e) for e in server.coordinator.events if e.t > since][-max(1, min(limit, 100_000)):]
+    return {"mode": server.coordinator.mode.value, "now": time.perf_counter(), "events": events}

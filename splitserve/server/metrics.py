@@ -32,6 +32,9 @@ class Metrics:
         self.inferences = Counter("splitserve_inference_count", "Samples inferred", labels, registry=r)
         self.executions = Counter("splitserve_execution_count", "Batches executed", ("model",), registry=r)
         self.preemptions = Counter("splitserve_preemptions", "Best-effort batches preempted", ("model",), registry=r)
+        self.preemption_latency = Histogram(
+            "splitserve_preemption_latency_seconds", "Preemption flag raised to the worker stopped at a segment boundary",
+            ("model",), buckets=_BUCKETS, registry=r)
         self.queue = Histogram("splitserve_queue_duration_seconds", "Time from RX_COMPLETE to dispatch", labels, buckets=_BUCKETS, registry=r)
         self.compute = Histogram("splitserve_compute_duration_seconds", "Worker compute time of the call's batch", labels, buckets=_BUCKETS, registry=r)
         self.request = Histogram("splitserve_request_duration_seconds", "Time from header to answer", labels, buckets=_BUCKETS, registry=r)

@@ -146,12 +146,14 @@ class ModelRuntime:
                         self._spawn(i)
                 self.kick()
                 await asyncio.gather(*(self._drain_and_stop(i) for i in serving[n:]))
-            record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict()}
+            record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict(), "batch": batch,
+                      "switched_at": time.perf_counter()}
             self.reconfigurations.append(record)
             return record
         record = await self.reconfigure(
             pk.shapes(plan), on_switch=lambda: setattr(self.sched.policy, "total", batch))
         record["plan"] = plan.to_dict()
+        record["batch"] = batch
         return record
 
     def _add_instance(self, threads: int, cpus: list[int], max_batch: int | None = None, standby: bool = False) -> int:
