@@ -301,20 +301,24 @@ def build_infer_request(inputs: Sequence[tuple[str, np.ndarray]], *, binary: boo
         doc["id"] = id
     if params:
         doc["parameters"] = params
-    blobs = []
-    for name, arr in inputs:
-        t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape)}
-        if binary:
-            b = tensor_to_bytes(arr)
-            t["parameters"] = {"binary_data_size": len(b)}
-            blobs.append(b)
-        else:
-            t["data"] = tensor_to_json(arr)
-        doc["inputs"].append(t)
+    blobs: list[bytes] = []
+    doc["inputs"].extend(_tensor_entry(name, arr, binary, blobs) for name, arr in inputs)
     if outputs is not None:
         doc["outputs"] = [{"name": n, "parameters": {"binary_data": binary}} for n in outputs]
     head = json.dumps(doc, separators=(",", ":")).encode()
     return [head, *blobs], (len(head) if binary else None)
+
+
+def _tensor_entry(name: str, arr: np.ndarray, binary: bool, blobs: list[bytes]) -> dict[str, Any]:
+    """One tensor of a request or response: JSON data, or a binary blob appended to ``blobs``."""
+    t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape)}
+    if binary:
+        b = tensor_to_bytes(arr)
+        t["parameters"] = {"binary_data_size": len(b)}
+        blobs.append(b)
+    else:
+        t["data"] = tensor_to_json(arr)
+    return t
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -333,19 +337,12 @@ def build_infer_response(model: str, version: str, req: InferRequest, outputs: S
     if parameters:
         doc["parameters"] = dict(parameters)
     doc["outputs"] = []
-    blobs = []
+    blobs: list[bytes] = []
     for name, arr in outputs:
         if wanted is not None and name not in wanted:
             continue
         binary = wanted[name] if wanted is not None else req.binary_output
-        t: dict[str, Any] = {"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape)}
-        if binary:
-            b = tensor_to_bytes(arr)
-            t["parameters"] = {"binary_data_size": len(b)}
-            blobs.append(b)
-        else:
-            t["data"] = tensor_to_json(arr)
-        doc["outputs"].append(t)
+        doc["outputs"].append(_tensor_entry(name, arr, binary, blobs))
     head = json.dumps(doc, separators=(",", ":")).encode()
     return [head, *blobs], (len(head) if blobs else None)
 

@@ -4,9 +4,6 @@ without CUDA."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -14,11 +11,8 @@ import torch
 from splitserve.modelconfig import ModelConfig
 from splitserve.models import build_zoo_model
 from splitserve.protocol.header import RequestClass
-from splitserve.tensorqueue import TensorQueue, ring_slots
 from splitserve.worker.messages import Msg, RunMsg
-from splitserve.worker.preempt_flag import PreemptFlag
-from splitserve.worker.process import Worker
-from splitserve.worker.spec import QueueFds, WorkerSpec
+from tests.inproc import inproc_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,17 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_cuda_batch_preempted_at_every_segment_matches_an_uninterrupted_run(tmp_path, capacity):
     cfg = ModelConfig.from_dict({"name": "resnet152", "device": "cuda", "segment_capacity": capacity,
                                  "artifact": {"kind": "zoo", "arch": "resnet152"}})
-    n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
-    ins = [TensorQueue(t.nbytes, n) for t in cfg.inputs]
-    outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
-    flag = PreemptFlag()
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
-                      threads=2, ctrl_fd=b.detach(), flag_fd=flag.fd, segment_capacity=cfg.capacity,
-                      queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
-                      cache_dir=str(tmp_path))
-    w = Worker(spec)
-    try:
+    with inproc_worker(cfg, tmp_path, threads=2) as (w, flag, ins, outs):
         x = np.random.default_rng(0).standard_normal((4, *cfg.inputs[0].shape)).astype(np.float32)
         ins[0].array(0, 4, np.float32, cfg.inputs[0].shape)[:] = x
         msg = RunMsg(int(RequestClass.BE), 1, 0, 4, 0)
@@ -55,9 +39,3 @@ def test_cuda_batch_preempted_at_every_segment_matches_an_uninterrupted_run(tmp_
         with torch.inference_mode():
             (ref,) = cpu(torch.from_numpy(x))
         np.testing.assert_allclose(want, ref.numpy(), rtol=1e-3, atol=1e-3)
-    finally:
-        w.ctrl.close()
-        flag.close()
-        for q in ins + outs:
-            q.close()
-        a.close()

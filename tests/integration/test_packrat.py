@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitserve.config import ServerConfig
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.profiler import ModelProfile, machine_id, save_profile
 from splitserve.registry import Registry
-from splitserve.server.app import Server
+from tests.inproc import quiet_config, run_server
 
 NCPU = len(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(NCPU < 2, reason="Packrat's thin instances need at least 2 CPUs")
@@ -50,16 +49,7 @@ def run(tmp_path: Path, scenario):
     save_profile(reg, synthetic_profile("lenet_pk"))
     reg.close()
 
-    async def main():
-        server = Server(ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None,
-                                     data_dir=data, repository=tmp_path / "repo", load=("lenet_pk",)))
-        await server.start()
-        try:
-            return await scenario(server)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main())
+    return run_server(quiet_config(data, repository=tmp_path / "repo", load=("lenet_pk",)), scenario)
 
 
 def allowed_cpus(pid: int) -> set[int]:

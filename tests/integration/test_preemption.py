@@ -4,39 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 
-from splitserve.config import ServerConfig
 from splitserve.modelconfig import ModelConfig
 from splitserve.models import build_zoo_model
 from splitserve.protocol.header import RequestClass
-from splitserve.server.app import Server
-from splitserve.tensorqueue import TensorQueue, ring_slots
 from splitserve.worker.messages import Msg, RunMsg
-from splitserve.worker.preempt_flag import PreemptFlag
-from splitserve.worker.process import Worker
-from splitserve.worker.spec import QueueFds, WorkerSpec
+from tests.inproc import inproc_worker, quiet_config
+from tests.inproc import run_server as run_inproc
 
 
 def test_preempted_at_every_segment_and_resumed_equals_an_uninterrupted_run(tmp_path):
     cfg = ModelConfig.from_dict({"name": "resnet152", "artifact": {"kind": "zoo", "arch": "resnet152"}})
-    n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
-    ins = [TensorQueue(t.nbytes, n) for t in cfg.inputs]
-    outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
-    flag = PreemptFlag()
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
-                      threads=torch.get_num_threads(), ctrl_fd=b.detach(), flag_fd=flag.fd,
-                      queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
-                      cache_dir=str(tmp_path))
-    w = Worker(spec)
-    try:
+    with inproc_worker(cfg, tmp_path, threads=torch.get_num_threads()) as (w, flag, ins, outs):
         x = np.random.default_rng(0).standard_normal((3, *cfg.inputs[0].shape)).astype(np.float32)
-        start = n - 1  # the batch wraps the ring too
+        start = ins[0].nslots - 1  # the batch wraps the ring too
         ins[0].array(start, 3, np.float32, cfg.inputs[0].shape)[:] = x
         with torch.inference_mode():
             (want,) = build_zoo_model("resnet152")(torch.from_numpy(x))
@@ -54,12 +39,6 @@ def test_preempted_at_every_segment_and_resumed_equals_an_uninterrupted_run(tmp_
         assert stops == list(range(1, segs))  # preempted at every possible boundary
         got = outs[0].array(start, 3, np.float32, cfg.outputs[0].shape)
         assert np.array_equal(got, want.numpy())  # bit-identical: segments are idempotent
-    finally:
-        w.ctrl.close()
-        flag.close()
-        for q in ins + outs:
-            q.close()
-        a.close()
 
 
 def run_server(tmp_path, mode, scenario, vgg_cpus=(0,)):
@@ -70,17 +49,8 @@ def run_server(tmp_path, mode, scenario, vgg_cpus=(0,)):
         (repo / name / "config.toml").write_text(
             f'name = "{name}"\ncpus = {list(cpus)}\n[artifact]\nkind = "zoo"\narch = "{name}"\n')
 
-    async def main():
-        cfg = ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, repository=repo,
-                           data_dir=tmp_path / mode, load=("resnet152", "vgg19"), preemption=mode)
-        server = Server(cfg)
-        await server.start()
-        try:
-            return await scenario(server)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main())
+    cfg = quiet_config(tmp_path / mode, repository=repo, load=("resnet152", "vgg19"), preemption=mode)
+    return run_inproc(cfg, scenario)
 
 
 def image(model, n, seed=0):

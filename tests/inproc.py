@@ -1,0 +1,63 @@
+"""Helpers for tests that drive splitserve in this process: a worker without its process
+loop, and a ``Server`` (with real worker processes) on its own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from splitserve.config import ServerConfig
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import RequestClass
+from splitserve.server.app import Server
+from splitserve.tensorqueue import TensorQueue, ring_slots
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.process import Worker
+from splitserve.worker.spec import QueueFds, WorkerSpec
+
+
+@contextmanager
+def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterator[tuple[Worker, PreemptFlag, list[TensorQueue], list[TensorQueue]]]:
+    """A Worker for ``cfg`` built here (best-effort queues only), with its flag and queues."""
+    n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
+    ins = [TensorQueue(t.nbytes, n) for t in cfg.inputs]
+    outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
+                      threads=threads, ctrl_fd=theirs.detach(), flag_fd=flag.fd, segment_capacity=cfg.capacity,
+                      queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
+                      cache_dir=str(cache_dir))
+    w = Worker(spec)
+    try:
+        yield w, flag, ins, outs
+    finally:
+        w.ctrl.close()
+        flag.close()
+        for q in ins + outs:
+            q.close()
+        ours.close()
+
+
+def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]]) -> Any:
+    """Start a Server for ``config``, run ``scenario(server)``, stop it; returns the result."""
+
+    async def main() -> Any:
+        server = Server(config)
+        await server.start()
+        try:
+            return await scenario(server)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:
+    """A config with every network front end off (in-process calls only)."""
+    return ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
