@@ -50,6 +50,10 @@ class Coordinator:
         self.mode = mode
         self.events: deque[Event] = deque(maxlen=max_events)
         self._raised: set[tuple[str, int, int]] = set()
+        # Cheap node-wide state, so normal mode (no RT work anywhere) skips the full view.
+        self._rt_running: set[tuple[str, int]] = set()  # (model, batch id)
+        self._suspended: set[tuple[str, int]] = set()
+        self._padding = False  # some worker has a padding deadline set
 
     # -- the node as the pure policy sees it ----------------------------------------------
 
@@ -73,21 +77,37 @@ class Coordinator:
 
     # -- called by runtimes ---------------------------------------------------------------
 
+    def _normal_mode(self) -> bool:
+        """No RT work running or waiting anywhere, and no BE work preempted or being preempted."""
+        if self._rt_running or self._suspended or self._raised:
+            return False
+        return not any(len(r.sched.queues[RT]) for r in self.server.runtimes.values())
+
     def schedule(self, rt: "ModelRuntime", now: float) -> list[Batch]:
         """Batches ``rt`` may start now; preempts and pads other models' BE work as needed."""
-        batches = rt.sched.schedule(now, (RT,), self._allowed(decide(self.mode, self.view()), rt))
-        for b in batches:
-            b.extra["started"] = now
+        if self.mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY) or (
+                self.mode is PriorityMode.REEF and self._normal_mode()):
+            if self._padding:  # RT mode just ended: lift the padding limits once
+                self._pad(Decision())
+            return self._stamp(rt.sched.schedule(now), now)
+        batches = self._stamp(rt.sched.schedule(now, (RT,), self._allowed(decide(self.mode, self.view()), rt)), now)
         d = decide(self.mode, self.view())
         self._preempt(d)
-        be = rt.sched.schedule(now, (BE,), self._allowed(d, rt))
-        for b in be:
-            b.extra["started"] = now
+        be = self._stamp(rt.sched.schedule(now, (BE,), self._allowed(d, rt)), now)
         if self.mode is PriorityMode.REEF:
             self._pad(decide(self.mode, self.view()))
         return batches + be
 
+    @staticmethod
+    def _stamp(batches: list[Batch], now: float) -> list[Batch]:
+        for b in batches:
+            b.extra["started"] = now
+        return batches
+
     def started(self, rt: "ModelRuntime", batch: Batch) -> None:
+        if batch.cls == RT:
+            self._rt_running.add((rt.name, batch.batch_id))
+        self._suspended.discard((rt.name, batch.batch_id))
         self._log("resume" if batch.resume_segment else "start", rt, batch.instance, batch, batch.resume_segment)
 
     def preempted(self, rt: "ModelRuntime", instance: int, msg: DoneMsg) -> None:
@@ -98,6 +118,7 @@ class Coordinator:
         if handle is not None:
             handle.flag.clear()
         if batch is not None:
+            self._suspended.add((rt.name, batch.batch_id))
             rt.stats.preemptions += 1
             self.server.metrics.preemptions.labels(rt.name).inc()
             self.server.metrics.preemption_latency.labels(rt.name).observe(msg.preempt_ns / 1e9)
@@ -105,6 +126,8 @@ class Coordinator:
         self._kick_all()
 
     def finished(self, rt: "ModelRuntime", instance: int, batch: Batch, ok: bool) -> None:
+        self._rt_running.discard((rt.name, batch.batch_id))
+        self._suspended.discard((rt.name, batch.batch_id))
         key = (rt.name, instance, batch.batch_id)
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
@@ -132,6 +155,7 @@ class Coordinator:
 
     def _pad(self, d: Decision) -> None:
         now_pc, now_ns = time.perf_counter(), time.monotonic_ns()
+        self._padding = any(d.padding_deadline.values())
         for rt in self.server.runtimes.values():
             for i, handle in rt.workers.items():
                 end = d.padding_deadline.get((rt.name, i), 0.0)

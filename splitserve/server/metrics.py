@@ -40,17 +40,24 @@ class Metrics:
         self.request = Histogram("splitserve_request_duration_seconds", "Time from header to answer", labels, buckets=_BUCKETS, registry=r)
         self.queue_depth = Gauge("splitserve_queue_depth", "Requests waiting for a batch", labels, registry=r)
         self.instances = Gauge("splitserve_instances", "Ready worker instances", ("model",), registry=r)
+        self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, rt: "ModelRuntime", call: "Call", error: SplitServeError | None) -> None:
-        cls = class_label(call.cls)
         if error is None:
-            self.requests.labels(rt.name, cls).inc()
-            self.inferences.labels(rt.name, cls).inc(call.count)
-            self.queue.labels(rt.name, cls).observe(max(0.0, call.t_dispatch - call.t_rx))
-            self.compute.labels(rt.name, cls).observe(call.compute_ns / 1e9)
+            children = self._children.get((rt.name, call.cls))
+            if children is None:  # labels() takes a lock and hashes: resolve once per series
+                cls = class_label(call.cls)
+                children = self._children[(rt.name, call.cls)] = tuple(
+                    m.labels(rt.name, cls) for m in (self.requests, self.inferences, self.queue, self.compute, self.request))
+            requests, inferences, queue, compute, request = children
+            requests.inc()
+            inferences.inc(call.count)
+            queue.observe(max(0.0, call.t_dispatch - call.t_rx))
+            compute.observe(call.compute_ns / 1e9)
         else:
-            self.failures.labels(rt.name, cls, error.status.name).inc()
-        self.request.labels(rt.name, cls).observe(max(0.0, call.t_work - call.t_ready))
+            self.failures.labels(rt.name, class_label(call.cls), error.status.name).inc()
+            request = self.request.labels(rt.name, class_label(call.cls))
+        request.observe(max(0.0, call.t_work - call.t_ready))
 
     def refresh(self, runtimes: "list[ModelRuntime]") -> None:
         """Update gauges from live state just before a scrape."""
