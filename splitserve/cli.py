@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import typer
@@ -37,6 +38,7 @@ def serve(
     load: list[str] = typer.Option([], help="Models to load at start-up (others load on first use)."),
     queue_slots: int = typer.Option(None, help="Tensor-queue slots per model and class."),
     preemption: str = typer.Option(None, help="reef | seq | concurrent | rt-only"),
+    placement: str = typer.Option(None, help="Default placement of models: fixed | packrat."),
     log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
@@ -44,9 +46,13 @@ def serve(
     cfg = ServerConfig.from_env(
         host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
         grpc_port=_port(grpc_port), unix_path=unix_path, data_dir=data_dir or default_data_dir(),
-        repository=repository, load=tuple(load), queue_slots=queue_slots, preemption=preemption,
+        repository=repository, load=tuple(load), queue_slots=queue_slots, preemption=preemption, placement=placement,
         log_level=log_level.upper(),
     )
+    # from_env skips None overrides (None means "not given" there), so apply -1 = off here.
+    off = {k: None for k, v in (("fast_port", fast_port), ("udp_port", udp_port), ("http_port", http_port),
+                                ("grpc_port", grpc_port)) if v < 0}
+    cfg = dataclasses.replace(cfg, **off)
     from splitserve.server.app import Server
 
     try:
@@ -100,12 +106,16 @@ def infer(
     console.print(f"server: queue {res.queue_us} us, compute {res.compute_us} us, total {res.total_us} us")
 
 
-@app.command()
-def models(
-    data_dir: Path = typer.Option(None, help="The server's data directory (default: ./.splitserve)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-) -> None:
-    """List registered models with their func ids, shapes and instances."""
+models_app = typer.Typer(add_completion=False, help="List, register, load, unload and scale models.")
+app.add_typer(models_app, name="models")
+
+_DATA_DIR_HELP = "The server's data directory (default: ./.splitserve)."
+_URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
+_TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
+                      help="Management token (default: read DATA_DIR/token).")
+
+
+def _list_models(data_dir: Path | None, as_json: bool) -> None:
     from splitserve.registry import Registry
 
     reg = Registry(data_dir or default_data_dir())
@@ -127,7 +137,179 @@ def models(
     console.print(t)
 
 
+@models_app.callback(invoke_without_command=True)
+def models(
+    ctx: typer.Context,
+    data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List registered models (same as ``splitserve models list``)."""
+    if ctx.invoked_subcommand is None:
+        _list_models(data_dir, as_json)
+
+
+@models_app.command("list")
+def models_list(
+    data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List registered models with their func ids, shapes and instances."""
+    _list_models(data_dir, as_json)
+
+
+def _management(url: str, token: str | None, data_dir: Path | None) -> "Any":
+    from splitserve.client.http import HttpClient
+
+    if not token:
+        path = (data_dir or default_data_dir()) / "token"
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            raise typer.BadParameter(f"no --token given and {path} cannot be read; pass --token or --data-dir")
+    return HttpClient(url, token=token)
+
+
+def _managed(fn: "Any") -> None:
+    from splitserve.errors import SplitServeError
+
+    try:
+        fn()
+    except SplitServeError as e:
+        console.print(f"[red]error:[/] {e.message}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@models_app.command("register")
+def models_register(
+    model_dir: Path = typer.Argument(..., help="Directory with config.toml, the artifact and optional labels.txt."),
+    url: str = _URL, token: Optional[str] = _TOKEN, data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
+) -> None:
+    """Upload a model directory to a running server; returns once the model is loaded."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            r = c.register(model_dir)
+        console.print(f"registered {r['name']} (func_id {r['func_id']}, version {r['version']})", highlight=False)
+    _managed(run)
+
+
+@models_app.command("load")
+def models_load(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
+                data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP)) -> None:
+    """Start a model's workers and wait until it is ready."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            c.load(name)
+        console.print(f"{name}: ready")
+    _managed(run)
+
+
+@models_app.command("unload")
+def models_unload(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
+                  data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP)) -> None:
+    """Stop a model's workers; it refuses requests until loaded again."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            c.unload(name)
+        console.print(f"{name}: unloaded")
+    _managed(run)
+
+
+@models_app.command("scale")
+def models_scale(name: str, instances: int = typer.Argument(..., help="Worker instances (1..64)."),
+                 url: str = _URL, token: Optional[str] = _TOKEN,
+                 data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP)) -> None:
+    """Change a model's instance count without dropping requests."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            r = c.scale(name, instances)
+        console.print(f"{name}: {r['instances']} instance(s)")
+    _managed(run)
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _record(data_dir: Path | None, model: str):
+    from splitserve.registry import Registry
+
+    reg = Registry(data_dir or default_data_dir())
+    if not reg.list():
+        reg.sync()
+    return reg, reg.get(model)
+
+
+@app.command()
+def profile(
+    model: str = typer.Argument(..., help="Model name (registered, or a zoo model)."),
+    threads: Optional[str] = typer.Option(None, help="Thread counts, e.g. 1,2,4 (default: 1..all CPUs)."),
+    batches: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,2,4,8 (default: powers of two to max)."),
+    data_dir: Path = typer.Option(None, help="The server's data directory (profiles are stored in its registry)."),
+    budget_s: float = typer.Option(2.0, help="Most seconds spent on one (threads, batch) point."),
+) -> None:
+    """Measure L[threads, batch] and per-segment times; store them for Packrat and REEF."""
+    import os
+
+    from rich.progress import Progress
+
+    from splitserve.config import ServerConfig
+    from splitserve.placement.profiler import default_batches, profile_model, save_profile
+
+    reg, rec = _record(data_dir, model)
+    try:
+        ts = _int_list(threads) or list(range(1, len(os.sched_getaffinity(0)) + 1))
+        bs = _int_list(batches) or default_batches(rec.config.max_batch_size)
+        cache = ServerConfig(data_dir=data_dir or default_data_dir()).cache_path
+        with Progress(console=console) as bar:
+            task = bar.add_task(f"profiling {model}", total=len(ts) * len(bs))
+            prof = profile_model(rec.config, rec.path, cache, ts, bs, budget_s=budget_s,
+                                 on_point=lambda t, b, sec: bar.advance(task))
+        save_profile(reg, prof)
+    finally:
+        reg.close()
+    t = Table("threads", *[f"b={b}" for b in bs], title=f"{model}: mean batch latency (ms) on {prof.machine}")
+    for th in ts:
+        t.add_row(str(th), *[f"{prof.latency.table[(th, b)] * 1e3:.2f}" for b in bs])
+    console.print(t)
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help="Model name."),
+    threads: int = typer.Option(..., "--threads", "-T", help="Cores to use (T)."),
+    batch: int = typer.Option(..., "--batch", "-B", help="Batch size to serve (B)."),
+    data_dir: Path = typer.Option(None, help="The server's data directory."),
+) -> None:
+    """Print Packrat's ⟨instances, threads, batch⟩ choice for T and B as JSON."""
+    from splitserve.placement.optimizer import optimize
+    from splitserve.placement.profiler import load_profile
+
+    reg, rec = _record(data_dir, model)
+    try:
+        prof = load_profile(reg, model)
+    finally:
+        reg.close()
+    if prof is None:
+        raise typer.BadParameter(f"{model} has no profile on this machine; run `splitserve profile {model}` first")
+    p = optimize(prof.latency, threads, batch)
+    out = {"model": model, "T": threads, "B": batch, **p.to_dict()}
+    typer.echo(json.dumps(out, indent=2))
+
+
+def _add_subcommands() -> None:
+    """Subcommand groups that live with their own packages."""
+    from splitserve.bench.cli import bench_app
+
+    app.add_typer(bench_app, name="bench", help="Benchmarks that reproduce the papers' experiments.")
+
+
 def main() -> None:
+    _add_subcommands()
     app()
 
 

@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,18 +82,22 @@ def profile_model(config: ModelConfig, model_dir: Path | None, cache_dir: Path, 
         job = {"config": config.to_dict(), "model_dir": str(model_dir) if model_dir else None,
                "cache_dir": str(cache_dir), "threads": t, "cpus": cpus, "batches": sorted(set(batches)),
                "min_iters": min_iters, "max_iters": max_iters, "budget_s": budget_s}
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve.placement.measure", json.dumps(job)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            point = json.loads(line)
-            key = (t, int(point["batch"]))
-            table[key] = float(point["mean_s"])
-            segments[key] = [float(x) for x in point["segments_s"]]
-            if on_point is not None:
-                on_point(t, key[1], table[key])
-        if proc.wait() != 0:
-            raise InvalidInput(f"profiling {config.name!r} with {t} threads failed: {proc.stderr.read()[-2000:]}")
+        # stderr goes to a file: a chatty child must never block on a full pipe we do not read
+        with tempfile.TemporaryFile() as err, subprocess.Popen(
+                [sys.executable, "-m", "splitserve.placement.measure", json.dumps(job)],
+                stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                point = json.loads(line)
+                key = (t, int(point["batch"]))
+                table[key] = float(point["mean_s"])
+                segments[key] = [float(x) for x in point["segments_s"]]
+                if on_point is not None:
+                    on_point(t, key[1], table[key])
+            if proc.wait() != 0:
+                err.seek(0)
+                raise InvalidInput(f"profiling {config.name!r} with {t} threads failed: "
+                                   f"{err.read().decode(errors='replace')[-2000:]}")
     return ModelProfile(LatencyProfile(config.name, table), segments, machine_id())
 
 

@@ -100,11 +100,15 @@ def decide(mode: PriorityMode, node: list[InstanceView]) -> Decision:
         return d
     claimed = rt_claims(node)
     d.rt_mode = bool(claimed)
+    rt_running = any(v.running_cls == RequestClass.RT for v in node)
     rt_end = min((v.expected_end for v in node if v.running_cls == RequestClass.RT and v.expected_end), default=0.0)
     for v in node:
         k = (v.model, v.instance)
         overlaps = bool(v.cpus & claimed)
-        d.may_start[k] = {RequestClass.RT} if overlaps else {RequestClass.RT, RequestClass.BE}
+        # A BE batch stopped for RT work (preempted, or out of padding time) waits until the
+        # RT work is done: resuming it at once would only run into the same limit again.
+        held = v.suspended and rt_running
+        d.may_start[k] = {RequestClass.RT} if overlaps or held else {RequestClass.RT, RequestClass.BE}
         if v.running_cls == RequestClass.BE:
             if overlaps:
                 if not v.preempt_raised:

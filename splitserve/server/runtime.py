@@ -134,20 +134,24 @@ class ModelRuntime:
         wanted = {(sh.threads, sh.batch) for sh in plan.shapes}
         if len(current) == 1 and current == wanted:
             (t, b), = wanted
+            t0 = time.perf_counter()
             async with self._reconfig_lock:
                 self.sched.policy.total = batch  # type: ignore[attr-defined]
                 serving = self.sched.serving()
                 n = plan.shapes[0].count
                 used = {c for i in serving[:n] for c in self.cpus[i]}
                 free = [c for c in pk.cores if c.cpu not in used]
+                added = []
                 for cpus in allocate([t] * max(0, n - len(serving)), free):
-                    i = self._add_instance(t, cpus, max_batch=b)
+                    added.append(i := self._add_instance(t, cpus, max_batch=b))
                     if self.state in ("loading", "ready"):
                         self._spawn(i)
+                await self._wait_instances(added)
+                t_ready = time.perf_counter()
                 self.kick()
                 await asyncio.gather(*(self._drain_and_stop(i) for i in serving[n:]))
             record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict(), "batch": batch,
-                      "switched_at": time.perf_counter()}
+                      "start_s": t_ready - t0, "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
             self.reconfigurations.append(record)
             return record
         record = await self.reconfigure(

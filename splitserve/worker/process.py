@@ -94,12 +94,12 @@ class Worker:
             xs = tuple(x.to(self.device, non_blocking=True) for x in xs)
         return xs
 
-    def _should_stop(self, msg: RunMsg, i: int, count: int) -> bool:
+    def _should_stop(self, msg: RunMsg, i: int, first: int, count: int) -> bool:
         """REEF's check between segments: an explicit preemption of this batch, or (for
         best-effort work padded beside real-time work) a segment that would overrun the
         padding deadline."""
-        if self.flag.target() == msg.batch_id:
-            return True
+        if i > first and self.flag.target() == msg.batch_id:
+            return True  # an explicit preemption lets at least one segment run: progress
         if msg.cls == RequestClass.BE:
             deadline = self.flag.padding_deadline()
             if deadline and time.monotonic_ns() + self.segment_times.get((i, count), 0) > deadline:
@@ -125,7 +125,7 @@ class Worker:
         launched: list = []  # CUDA events of segments launched but maybe unfinished
         with torch.inference_mode():
             for i in range(first, n):
-                if i > first and self._should_stop(msg, i, msg.count):
+                if self._should_stop(msg, i, first, msg.count):
                     self._sync(launched)
                     stop_ns = time.monotonic_ns()
                     self.restore[msg.batch_id] = _Restore(i, acts)

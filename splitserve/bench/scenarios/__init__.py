@@ -1,0 +1,57 @@
+"""The benchmark scenarios by name. Each lives in its own module, imported only when run.
+
+Every module defines ``NAME``, ``SUMMARY``, ``MODELS`` and ``TRANSPORTS`` (what ``--models``
+and ``--transports`` may choose from), a ``Params`` dataclass and ``run(ctx)``; see ``base``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class ScenarioInfo:
+    name: str
+    summary: str
+    module: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+SCENARIOS: dict[str, ScenarioInfo] = {
+    s.name: s
+    for s in (
+        ScenarioInfo("rpc-tax", "Where a request's time goes, per model and transport, against the "
+                     "in-process ideal and a plain TCP echo (SplitRPC Fig. 1 and 8).",
+                     "splitserve.bench.scenarios.rpc_tax"),
+        ScenarioInfo("load", "Open-loop Poisson load over a range of rates: mean and p99 latency, "
+                     "and the knee, per transport (Fig. 9).", "splitserve.bench.scenarios.load"),
+        ScenarioInfo("batching", "Closed loop with 1-32 clients on ResNet-18/50, dynamic batching on vs "
+                     "off: throughput and p99 (Fig. 10).", "splitserve.bench.scenarios.batching"),
+        ScenarioInfo("trace", "Diurnal and bursty traces replayed open loop with dynamic batching: "
+                     "p99 over time (Fig. 11).", "splitserve.bench.scenarios.trace"),
+        ScenarioInfo("micro", "VecAdd1K and MatMul8K: single-client latency and peak throughput "
+                     "(Fig. 12).", "splitserve.bench.scenarios.micro"),
+        ScenarioInfo("fastpath-latency", "Fast path TCP round trip and 32-connection throughput next "
+                     "to a plain TCP echo of the same sizes.", "splitserve.bench.scenarios.fastpath_latency"),
+        ScenarioInfo("disb", "DISB workloads A-E and REAL (or a DISB workload file) under rt-only, seq, concurrent "
+                     "and reef: RT latency and throughput vs rt-only, preemption latency, restore overhead, "
+                     "padding pairs (REEF Fig. 11/12/15b/16).", "splitserve.bench.scenarios.disb"),
+        ScenarioInfo("packrat", "Profile a model, then Packrat's <instances, threads, batch> choice vs one fat "
+                     "instance per batch size, expected vs measured, and adaptive reconfiguration under a load "
+                     "step (Packrat Fig. 4/5/6).", "splitserve.bench.scenarios.packrat"),
+    )
+}
+
+
+def get(name: str) -> ScenarioInfo:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+
+
+__all__ = ["SCENARIOS", "ScenarioInfo", "get"]

@@ -1,0 +1,147 @@
+"""``splitserve bench``: every scenario's quick run, narrowed, against one shared server.
+
+One server serves the module: vecadd1k, the batching variants of resnet18, and a model named
+``lenet`` whose weights come from seed 1 (not the zoo's seed 0) so that validation must refuse
+it. Each scenario runs in this process through ``runner.run_scenario`` with ``--url`` pointing
+at the server's ``server.json``; its load generators still run in their own processes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from splitserve.bench.cli import bench_app
+from splitserve.bench.runner import EXIT_OK, EXIT_REFUSED, run_scenario
+from splitserve.bench.scenarios import SCENARIOS
+from splitserve.bench.scenarios.base import write_repository
+from splitserve.bench.scenarios.batching import variants
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.conftest import start_server
+
+    base = tmp_path_factory.mktemp("bench")
+    repo = write_repository(base / "repository", {
+        **variants(("resnet18",), 8, ("work_conserving", "none")),
+        "lenet": {"artifact": {"kind": "zoo", "arch": "lenet", "seed": 1}},  # wrong weights on purpose
+    })
+    s = start_server(base / "data", "--repository", str(repo), "--load", "vecadd1k",
+                     "--load", "resnet18_b8", "--load", "resnet18_b8_nobatch")
+    yield s
+    assert s.stop() == 0
+
+
+def _run(server, tmp_path: Path, name: str, models: tuple[str, ...], transports: tuple[str, ...],
+         **overrides: object) -> tuple[int, Path, list[str]]:
+    summary = run_scenario(name, quick=True, out=tmp_path, urls=[str(server.info_file)], models=models,
+                           transports=transports, overrides={k: str(v) for k, v in overrides.items()},
+                           console=Console(file=io.StringIO()))
+    return summary.exit_code, summary.path, summary.lines
+
+
+def _result(path: Path) -> dict:
+    doc = json.loads((path / "result.json").read_text())
+    for key in ("machine", "commit", "params", "scenario"):
+        assert key in doc
+    assert doc["params"]["quick"] is True
+    assert list(path.glob("*.png")), f"no plot in {sorted(p.name for p in path.iterdir())}"
+    assert (path / "report.md").read_text().startswith("# splitserve bench")
+    return doc
+
+
+def test_bench_help_lists_every_scenario():
+    out = subprocess.run([sys.executable, "-m", "splitserve", "bench", "--help"], capture_output=True, text=True, check=False,
+                         cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    for name in SCENARIOS:
+        assert name in out.stdout
+
+
+def test_rpc_tax(server, tmp_path):
+    code, path, lines = _run(server, tmp_path, "rpc-tax", ("vecadd1k",), ("tcp", "udp", "http-json", "local", "echo"),
+                             requests=30, warmup=5, codec_reps=10)
+    assert code == EXIT_OK
+    doc = _result(path)
+    cells = doc["models"]["vecadd1k"]
+    assert set(cells) == {"tcp", "udp", "local", "echo"}
+    assert "http-json" in doc["unavailable"]  # this server has no HTTP front end
+    tcp = cells["tcp"]
+    parts = tcp["components"]
+    assert parts["compute_us"] > 0 and parts["client_us"] > 0
+    # the parts are medians and add up to the median E2E, unless they overshoot it (then transport is 0)
+    assert parts["transport_us"] == 0 or sum(parts.values()) == pytest.approx(tcp["e2e_us"]["p50"], rel=1e-6)
+    assert doc["ratios"]["vecadd1k"]["vs_echo"] > 0
+    assert any("fast-path tax" in line for line in lines)
+
+
+def test_load(server, tmp_path):
+    code, path, _ = _run(server, tmp_path, "load", ("vecadd1k",), ("tcp",), rates="100,300", duration_s=0.6,
+                         warmup_s=0.1)
+    assert code == EXIT_OK
+    curve = _result(path)["models"]["vecadd1k"]["transports"]["tcp"]
+    assert [p["rate"] for p in curve["points"]] == [100.0, 300.0]
+    assert all(p["ok"] > 0 for p in curve["points"])
+
+
+def test_batching(server, tmp_path):
+    code, path, lines = _run(server, tmp_path, "batching", ("resnet18",), ("tcp",), clients="1,4", duration_s=0.8,
+                             warmup_s=0.2)
+    assert code == EXIT_OK
+    doc = _result(path)
+    per_policy = doc["models"]["resnet18"]["tcp"]
+    assert set(per_policy) == {"work_conserving", "none"}
+    assert all(q["throughput_rps"] > 0 for c in per_policy.values() for q in c["points"])
+    assert doc["gain_at_max_clients"]["resnet18"]["tcp"] > 0
+    assert (path / "repository" / "resnet18_b8" / "config.toml").is_file()
+    assert any("throughput gain at 4 clients" in line for line in lines)
+
+
+def test_trace(server, tmp_path):
+    code, path, _ = _run(server, tmp_path, "trace", ("resnet18",), ("tcp",), duration_s=1.5, windows=3,
+                         mean_rate=10)
+    assert code == EXIT_OK
+    traces = _result(path)["models"]["resnet18"]["traces"]
+    assert set(traces) == {"diurnal", "bursty"}
+    assert all(len(t["transports"]["tcp"]["windows"]) == 3 for t in traces.values())
+
+
+def test_micro(server, tmp_path):
+    code, path, _ = _run(server, tmp_path, "micro", ("vecadd1k",), ("tcp", "echo"), requests=30, warmup=5,
+                         clients=4, duration_s=0.6, warmup_s=0.1)
+    assert code == EXIT_OK
+    cells = _result(path)["models"]["vecadd1k"]
+    assert cells["tcp"]["throughput_rps"] > 0 and cells["echo"]["throughput_rps"] > 0
+
+
+def test_fastpath_latency(server, tmp_path):
+    code, path, lines = _run(server, tmp_path, "fastpath-latency", ("vecadd1k",), ("tcp",), requests=60, warmup=5,
+                             connections=4, duration_s=0.6, warmup_s=0.1)
+    assert code == EXIT_OK
+    r = _result(path)["models"]["vecadd1k"]
+    assert r["latency_ratio"] > 0 and r["throughput_ratio"] > 0
+    assert any("echo p50" in line for line in lines)
+
+
+def test_validation_refuses_a_wrong_model(server, tmp_path):
+    result = CliRunner().invoke(bench_app, ["rpc-tax", "--quick", "--models", "lenet", "--transports", "tcp,echo",
+                                            "--url", str(server.info_file), "--out", str(tmp_path),
+                                            "-p", "requests=5"])
+    assert result.exit_code == EXIT_REFUSED, result.output
+    (path,) = tmp_path.iterdir()
+    doc = json.loads((path / "result.json").read_text())
+    assert doc["status"] == "refused" and "models" not in doc
+    assert [c["ok"] for c in doc["validation"]] == [False]
+    report = (path / "report.md").read_text()
+    assert "## Refused" in report and "lenet" in report
