@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from splitserve.bench.echo import EchoProcess
+    from splitserve.bench.measure import CallTimes
     from splitserve.bench.serverproc import ServerProcess
 
 logger = logging.getLogger(__name__)
@@ -290,3 +291,21 @@ def write_repository(root: Path, variants: Mapping[str, dict[str, Any]]) -> Path
         (root / name).mkdir(parents=True, exist_ok=True)
         (root / name / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
+
+
+def time_transport(ctx: "Context", transport: str, url: str, model: str, sample: Sequence[Any],
+                   requests: int, warmup: int) -> "CallTimes | None":
+    """``requests`` timed sequential calls over ``transport``; None, noted as a failure of that
+    transport, when it cannot be reached or breaks while being timed."""
+    from splitserve.bench.measure import time_calls
+    from splitserve.errors import SplitServeError
+
+    try:
+        client = open_sync(transport, url)
+        try:
+            return time_calls(client, model, sample, requests, warmup)
+        finally:
+            close_sync(client)
+    except (SplitServeError, Unavailable, OSError, TimeoutError) as e:
+        ctx.failed(transport, model, e)
+        return None

@@ -13,20 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.measure import bottleneck, closed_loop_run, lat_stats, time_calls, time_echo, time_local, workload
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.measure import bottleneck, closed_loop_run, lat_stats, time_echo, time_local, workload
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import (
     BASELINES,
     LABEL,
     SERVER_TRANSPORTS,
     SHORT,
-    Unavailable,
-    close_sync,
-    open_sync,
 )
 from splitserve.bench.validate import Expected
-from splitserve.errors import SplitServeError
 
 NAME = "micro"
 SUMMARY = "VecAdd1K and MatMul8K: single-client latency and peak throughput (Fig. 12)."
@@ -76,14 +72,8 @@ def run(ctx: Context) -> ScenarioOutput:
                     cell["latency_us"] = lat_stats(time_echo(echo.host, echo.port, req, resp, p.requests, p.warmup))
                 else:
                     assert target is not None
-                    try:
-                        client = open_sync(t, target.url(t))
-                        try:
-                            times = time_calls(client, model, sample, p.requests, p.warmup)
-                        finally:
-                            close_sync(client)
-                    except (SplitServeError, Unavailable, OSError, TimeoutError) as e:
-                        ctx.failed(t, model, e)
+                    times = time_transport(ctx, t, target.url(t), model, sample, p.requests, p.warmup)
+                    if times is None:
                         advance(2)
                         continue
                     cell["latency_us"] = lat_stats(times.e2e_us)

@@ -18,20 +18,16 @@ import numpy as np
 
 from splitserve.bench import codecs
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.measure import CallTimes, lat_stats, time_calls, time_echo, time_local
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.measure import CallTimes, lat_stats, time_echo, time_local
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import (
     BASELINES,
     LABEL,
     SERVER_TRANSPORTS,
     SHORT,
-    Unavailable,
-    close_sync,
-    open_sync,
 )
 from splitserve.bench.validate import Expected
-from splitserve.errors import SplitServeError
 
 NAME = "rpc-tax"
 SUMMARY = "E2E time per model and transport broken into client, server, compute and transport (Fig. 1/8)."
@@ -171,14 +167,8 @@ def run(ctx: Context) -> ScenarioOutput:
                                                  req, resp)
                 else:
                     assert target is not None
-                    try:
-                        client = open_sync(t, target.url(t))
-                        try:
-                            times = time_calls(client, model, sample, p.requests, p.warmup)
-                        finally:
-                            close_sync(client)
-                    except (SplitServeError, Unavailable, OSError, TimeoutError) as e:
-                        ctx.failed(t, model, e)
+                    times = time_transport(ctx, t, target.url(t), model, sample, p.requests, p.warmup)
+                    if times is None:
                         advance(1)
                         continue
                     codec = codecs.measure(t, entry.inputs, entry.outputs, sample, times.last_outputs, p.codec_reps)
