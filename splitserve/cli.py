@@ -38,6 +38,7 @@ def serve(
     load: list[str] = typer.Option([], help="Models to load at start-up (others load on first use)."),
     queue_slots: int = typer.Option(None, help="Tensor-queue slots per model and class."),
     preemption: str = typer.Option(None, help="reef | seq | concurrent | rt-only"),
+    rt_policy: str = typer.Option(None, help="Order among real-time requests: fifo | edf."),
     placement: str = typer.Option(None, help="Default placement of models: fixed | packrat."),
     log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
@@ -46,7 +47,8 @@ def serve(
     cfg = ServerConfig.from_env(
         host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
         grpc_port=_port(grpc_port), unix_path=unix_path, data_dir=data_dir or default_data_dir(),
-        repository=repository, load=tuple(load), queue_slots=queue_slots, preemption=preemption, placement=placement,
+        repository=repository, load=tuple(load), queue_slots=queue_slots, preemption=preemption,
+        rt_policy=rt_policy, placement=placement,
         log_level=log_level.upper(),
     )
     # from_env skips None overrides (None means "not given" there), so apply -1 = off here.

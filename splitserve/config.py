@@ -47,6 +47,7 @@ class ServerConfig:
     worker_restart_backoff_s: float = 0.2  # first delay before restarting a dead worker
     max_upload_bytes: int = 512 << 20  # model registration upload limit
     preemption: str = "reef"  # reef | seq | concurrent | rt-only
+    rt_policy: str = "fifo"  # order among waiting real-time requests: fifo | edf (earliest deadline first)
     placement: str = "fixed"  # default placement of models whose config names none: fixed | packrat
     log_level: str = "INFO"
     cache_dir: Path | None = None  # trained/derived weights (default: SPLITSERVE_CACHE_DIR or data_dir/cache)
@@ -69,6 +70,8 @@ class ServerConfig:
             raise InvalidInput("queue_slots must be at least 2")
         if not 1024 <= self.udp_segment <= 65507 - 64:
             raise InvalidInput("udp_segment must be between 1024 and 65443 bytes")
+        if self.rt_policy not in ("fifo", "edf"):
+            raise InvalidInput(f"rt_policy {self.rt_policy!r}: use fifo or edf")
         if self.placement not in ("fixed", "packrat"):
             raise InvalidInput(f"placement {self.placement!r}: use fixed or packrat")
         if self.preemption not in ("reef", "seq", "concurrent", "rt-only"):

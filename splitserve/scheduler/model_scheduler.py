@@ -11,12 +11,13 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.errors import QueueFull
+from splitserve.errors import InvalidInput, QueueFull
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.policy import BatchingPolicy
 from splitserve.scheduler.request import Batch, QueuedRequest
 
 CLASSES = (RequestClass.RT, RequestClass.BE)
+RT_POLICIES = ("fifo", "edf")  # order among waiting real-time requests
 
 
 @dataclass(slots=True)
@@ -65,21 +66,26 @@ class ClassQueue:
             self._items.insert(i, req)
             self._keys.insert(i, req.seq)
 
-    def contiguous_run(self) -> list[QueuedRequest]:
-        """The longest prefix whose slots follow one another without a gap."""
+    def earliest_deadline(self) -> int:
+        """Index of the request with the earliest deadline (no deadline sorts last; ties: oldest)."""
+        inf = float("inf")
+        return min(range(len(self._items)), key=lambda i: (self._items[i].deadline or inf, i))
+
+    def contiguous_run(self, start: int = 0) -> list[QueuedRequest]:
+        """The longest run from ``start`` whose slots follow one another without a gap."""
         run: list[QueuedRequest] = []
         nxt = None
-        for r in self._items:
+        for r in self._items[start:]:
             if nxt is not None and r.seq != nxt:
                 break
             run.append(r)
             nxt = r.seq + r.count
         return run
 
-    def pop_front(self, n: int) -> list[QueuedRequest]:
-        taken = self._items[:n]
-        del self._items[:n]
-        del self._keys[:n]
+    def pop(self, start: int, n: int) -> list[QueuedRequest]:
+        taken = self._items[start : start + n]
+        del self._items[start : start + n]
+        del self._keys[start : start + n]
         return taken
 
     def remove_expired(self, now: float) -> list[QueuedRequest]:
@@ -106,8 +112,12 @@ class ModelScheduler:
     the serving set and the old set drained and dropped without renumbering anything.
     """
 
-    def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int) -> None:
+    def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int,
+                 rt_policy: str = "fifo") -> None:
+        if rt_policy not in RT_POLICIES:
+            raise InvalidInput(f"rt_policy {rt_policy!r}: use one of {', '.join(RT_POLICIES)}")
         self.model = model
+        self.rt_policy = rt_policy
         self.policy = policy
         self.max_batch = max_batch
         self.queues = {c: ClassQueue(queue_limit) for c in CLASSES}
@@ -208,11 +218,14 @@ class ModelScheduler:
                     continue
                 if not len(q):
                     continue
-                run = q.contiguous_run()
+                # RT under EDF: the most urgent request heads the batch, which continues
+                # over the slots after it, so the batch is still one contiguous view
+                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy == "edf" else 0
+                run = q.contiguous_run(start)
                 n = self.policy.take(run, now, st.max_batch or self.max_batch)
                 if n == 0:
                     continue
-                reqs = q.pop_front(n)
+                reqs = q.pop(start, n)
                 batch = Batch(
                     model=self.model, instance=i, cls=cls, seq=reqs[0].seq,
                     count=sum(r.count for r in reqs), requests=reqs, created=now,

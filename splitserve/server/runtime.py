@@ -72,7 +72,8 @@ class ModelRuntime:
             )
             for c in CLASSES
         }
-        self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots)
+        self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots,
+                                    rt_policy=server.config.rt_policy)
         # Per instance id: its worker, CPUs and thread count (instances may differ: Packrat).
         self.workers: dict[int, WorkerHandle] = {}
         self.cpus: dict[int, list[int]] = {}

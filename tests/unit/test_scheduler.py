@@ -146,3 +146,17 @@ def test_active_passive_switch_and_scale_in_place():
     assert added == [] and drain == new[1:]
     added, drain = s.resize(3)
     assert len(added) == 2 and drain == []
+
+
+def test_edf_puts_the_most_urgent_real_time_request_first_and_keeps_batches_contiguous():
+    s = ModelScheduler("m", WorkConserving(), 2, 64, rt_policy="edf")
+    s.set_ready(s.add_instance(), True)
+    for seq, deadline in ((0, 9.0), (1, 5.0), (2, 7.0), (3, None)):
+        s.enqueue(req(seq, cls=RT, deadline=deadline))
+    (b,) = s.schedule(0.0)
+    assert [r.seq for r in b.requests] == [1, 2]  # slot 1 is most urgent; slot 2 follows it
+    s.complete(b.instance)
+    (b,) = s.schedule(0.0)
+    assert [r.seq for r in b.requests] == [0]  # slot 3 is not contiguous with slot 0
+    with pytest.raises(InvalidInput, match="rt_policy"):
+        ModelScheduler("m", WorkConserving(), 2, 64, rt_policy="lifo")
