@@ -106,14 +106,14 @@ _ENTRIES = (
              (_spec("start_logits", "FP32", 512), _spec("end_logits", "FP32", 512)), 8,
              functools.partial(zoo_text.bert_qa, seq_len=512, hidden=128, layers=2, heads=2)),
     _image_model("vgg19", "DISB VGG-19, scaled to ~10 ms on one CPU core: the 16-conv VGG-19 pattern at "
-                 "half width (32..256 channels), 64x64 input, 1024-wide classifier; 6 even segments.",
-                 64, 1000, 8, lambda image, classes: zoo_vision.vgg(zoo_vision.VGG19, 0.5, image, 1024, classes, 6)),
+                 "half width (32..256 channels), 64x64 input, 1024-wide classifier; 12 even segments.",
+                 64, 1000, 8, lambda image, classes: zoo_vision.vgg(zoo_vision.VGG19, 0.5, image, 1024, classes, 12)),
     _image_model("resnet152", "DISB ResNet-152, scaled to ~10 ms on one CPU core: true 3-8-36-3 bottleneck "
-                 "depth at 3/8 width (base 24 channels, 64 in the original), 64x64 input; 8 even segments.",
-                 64, 1000, 8, lambda image, classes: zoo_vision.resnet_disb((3, 8, 36, 3), 24, image, classes, 8)),
+                 "depth at 3/8 width (base 24 channels, 64 in the original), 64x64 input; 16 even segments.",
+                 64, 1000, 8, lambda image, classes: zoo_vision.resnet_disb((3, 8, 36, 3), 24, image, classes, 16)),
     _image_model("densenet201", "DISB DenseNet-201, scaled to ~10 ms on one CPU core: 6-12-48-32 dense "
-                 "blocks with growth rate 16 (32 in the original), 64x64 input; 8 even segments.",
-                 64, 1000, 8, lambda image, classes: zoo_vision.densenet((6, 12, 48, 32), 16, image, classes, 8)),
+                 "blocks with growth rate 16 (32 in the original), 64x64 input; 16 even segments.",
+                 64, 1000, 8, lambda image, classes: zoo_vision.densenet((6, 12, 48, 32), 16, image, classes, 16)),
     _image_model("inception_v3", "DISB Inception v3, scaled to ~10 ms on one CPU core: full-width stem and "
                  "mixed blocks A, A, B, C, C, D, E (7 of v3's 11), 75x75 input (299 in the original); "
                  "6 even segments.",

@@ -130,7 +130,7 @@ def test_outputs_match_declared_specs(name: str, built: Callable[[str], Segmente
     entry, model = zoo_entry(name), built(name)
     batch = 1 if name in LARGE else 2
     assert not model.training and not any(m.training for m in model.modules())
-    assert 1 <= model.num_segments <= 12
+    assert 1 <= model.num_segments <= 16
     with torch.inference_mode():
         outputs = model(*make_inputs(entry, batch))
     assert len(outputs) == len(entry.outputs)
@@ -161,7 +161,7 @@ def test_segments_are_pure_and_compose_to_forward(name: str, built: Callable[[st
 
 def test_disb_models_have_several_segments(built: Callable[[str], SegmentedModel]) -> None:
     for name in ("vgg19", "resnet152", "densenet201", "inception_v3", "distilbert"):
-        assert 4 <= built(name).num_segments <= 12, name
+        assert 4 <= built(name).num_segments <= 16, name
     for name in ("resnet18", "resnet50", "resnet18_imagenet", "resnet50_imagenet"):
         assert built(name).num_segments == 6, name
 
