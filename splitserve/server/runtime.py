@@ -224,7 +224,6 @@ class ModelRuntime:
                         for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.server.config.cache_path),
                 segment_capacity=self.config.capacity,
-                be_idle=self.server.config.preemption == "reef",
                 extra={"segment_times_ns": self.profile.segment_times_ns(self.threads[i])} if self.profile else {},
             )
 

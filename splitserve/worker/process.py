@@ -65,8 +65,6 @@ class Worker:
             (int(k.split(",")[0]), int(k.split(",")[1])): int(v)
             for k, v in spec.extra.get("segment_times_ns", {}).items()
         }
-        self._policy = os.sched_getscheduler(0)
-        self.be_idle = spec.be_idle and self._can_idle()
         self.stream = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(priority=0)
@@ -108,26 +106,6 @@ class Worker:
                 return True
         return False
 
-    def _set_priority(self, cls: int) -> None:
-        """In reef mode best-effort batches run under SCHED_IDLE: on a core shared with
-        real-time work the kernel gives them only what RT leaves, which is the CPU's nearest
-        thing to REEF killing best-effort kernels. RT batches run as SCHED_OTHER."""
-        want = os.SCHED_IDLE if cls == RequestClass.BE else os.SCHED_OTHER
-        if self.be_idle and want != self._policy:
-            os.sched_setscheduler(0, want, os.sched_param(0))
-            self._policy = want
-
-    def _can_idle(self) -> bool:
-        """Whether this process may go to SCHED_IDLE *and back* (the way back needs
-        CAP_SYS_NICE or a nice limit that allows it); probed once at start."""
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            return True
-        except OSError as e:
-            log.warning("best-effort work keeps normal CPU priority: cannot switch scheduling policy (%s)", e)
-            return False
-
     def run(self, msg: RunMsg) -> DoneMsg:
         """Run a batch from its first (or restore) segment; stop at a boundary if preempted.
 
@@ -137,7 +115,6 @@ class Worker:
         CUDA stream the launched segments finish before the restore point is taken.
         """
         torch = self.torch
-        self._set_priority(msg.cls)
         t0 = time.perf_counter_ns()
         saved = self.restore.pop(msg.batch_id, None)
         if saved is not None and saved.segment == msg.resume_segment:

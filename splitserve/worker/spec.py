@@ -28,7 +28,6 @@ class WorkerSpec:
     queues: dict[str, QueueFds]  # keyed by RequestClass value as a string
     cache_dir: str
     segment_capacity: int = 1  # REEF's device-queue capacity c
-    be_idle: bool = False  # run best-effort batches under SCHED_IDLE (reef mode)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
