@@ -93,6 +93,7 @@ def test_reconfiguration_under_a_steady_stream_loses_no_request(tmp_path):
                     results.append("ok" if out.outputs[0].shape == (1, 10) else "bad")
                 except Exception as e:  # any failure is what this test is about
                     results.append(f"{type(e).__name__}: {e}")
+                    await asyncio.sleep(0.01)  # a failure raised before any await must not starve the loop
 
         clients = [asyncio.ensure_future(client(i)) for i in range(4)]
         await asyncio.sleep(0.2)
