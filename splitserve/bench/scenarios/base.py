@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# One colour per transport, the same in every scenario's plots.
+COLOURS = {"tcp": "#2b7bba", "unix": "#17becf", "udp": "#9467bd", "http-json": "#ff7f0e",
+           "http-binary": "#d62728", "grpc": "#2ca02c"}
+
+
 @dataclass
 class Params:
     """Parameters every scenario has. Subclasses add their own fields with full-run defaults."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.scenarios.base import (
+    COLOURS,
     Context,
     ScenarioOutput,
     fmt,
@@ -34,8 +35,6 @@ MODELS: tuple[str, ...] = ("resnet18", "resnet50", "lenet", "lstm", "vecadd1k", 
 TRANSPORTS: tuple[str, ...] = SERVER_TRANSPORTS
 POLICY_SUFFIX = {"work_conserving": "", "none": "_nobatch", "timeout": "_timeout"}
 POLICY_LABEL = {"work_conserving": "batching on", "none": "batching off", "timeout": "timeout batching"}
-COLOURS = {"tcp": "#2b7bba", "unix": "#17becf", "udp": "#9467bd", "http-json": "#ff7f0e",
-           "http-binary": "#d62728", "grpc": "#2ca02c"}
 
 
 @dataclass

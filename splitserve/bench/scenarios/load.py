@@ -20,7 +20,7 @@ from splitserve.bench.arrivals import poisson, to_arrivals
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import run_in_processes
 from splitserve.bench.measure import bottleneck, closed_loop_run, workload
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
 from splitserve.bench.validate import Expected
@@ -29,8 +29,6 @@ NAME = "load"
 SUMMARY = "Open-loop Poisson load over a range of rates: mean and p99 latency and the knee (Fig. 9)."
 MODELS: tuple[str, ...] = ("vecadd1k", "matmul8k", "lenet", "lstm", "resnet18", "resnet50", "bert_tiny")
 TRANSPORTS: tuple[str, ...] = SERVER_TRANSPORTS
-COLOURS = {"tcp": "#2b7bba", "unix": "#17becf", "udp": "#9467bd", "http-json": "#ff7f0e",
-           "http-binary": "#d62728", "grpc": "#2ca02c"}
 # Past a point this far over the knee, higher rates only measure an overloaded server: skip them.
 _GIVE_UP_ERROR_SHARE = 0.2
 

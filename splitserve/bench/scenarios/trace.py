@@ -23,7 +23,7 @@ from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import RunResult, run_in_processes
 from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.results import percentiles
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.scenarios.batching import prepare_repository, variant_name
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
@@ -34,8 +34,6 @@ SUMMARY = "Diurnal and bursty traces replayed open loop with dynamic batching: p
 MODELS: tuple[str, ...] = ("resnet18", "resnet50", "lenet", "lstm", "vecadd1k", "matmul8k")
 TRANSPORTS: tuple[str, ...] = SERVER_TRANSPORTS
 TRACES: tuple[str, ...] = ("diurnal", "bursty")
-COLOURS = {"tcp": "#2b7bba", "unix": "#17becf", "udp": "#9467bd", "http-json": "#ff7f0e",
-           "http-binary": "#d62728", "grpc": "#2ca02c"}
 
 
 @dataclass
