@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -44,17 +43,13 @@ def serve(
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
+                 rt_policy=rt_policy, placement=placement)
     cfg = ServerConfig.from_env(
         host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
-        grpc_port=_port(grpc_port), unix_path=unix_path, data_dir=data_dir or default_data_dir(),
-        repository=repository, load=tuple(load), queue_slots=queue_slots, preemption=preemption,
-        rt_policy=rt_policy, placement=placement,
-        log_level=log_level.upper(),
+        grpc_port=_port(grpc_port), data_dir=data_dir or default_data_dir(), load=tuple(load),
+        log_level=log_level.upper(), **{k: v for k, v in given.items() if v is not None},
     )
-    # from_env skips None overrides (None means "not given" there), so apply -1 = off here.
-    off = {k: None for k, v in (("fast_port", fast_port), ("udp_port", udp_port), ("http_port", http_port),
-                                ("grpc_port", grpc_port)) if v < 0}
-    cfg = dataclasses.replace(cfg, **off)
     from splitserve.server.app import Server
 
     try:

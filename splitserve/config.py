@@ -46,6 +46,7 @@ class ServerConfig:
     worker_start_timeout_s: float = 120.0  # a worker that is not ready by then is restarted
     worker_restart_backoff_s: float = 0.2  # first delay before restarting a dead worker
     max_upload_bytes: int = 512 << 20  # model registration upload limit
+    stop_grace_s: float = 5.0  # HTTP and gRPC calls in flight get this long to finish at shutdown
     preemption: str = "reef"  # reef | seq | concurrent | rt-only
     rt_policy: str = "fifo"  # order among waiting real-time requests: fifo | edf (earliest deadline first)
     placement: str = "fixed"  # default placement of models whose config names none: fixed | packrat
@@ -54,14 +55,17 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":
-        """Defaults, then SPLITSERVE_* variables, then explicit overrides (CLI flags)."""
+        """Defaults, then SPLITSERVE_* variables, then explicit overrides (CLI flags).
+
+        Every override given is applied, ``None`` included (a port of ``None`` is off);
+        callers leave out what the user did not set."""
         base = cls()
         values: dict[str, Any] = {}
         for f in fields(cls):
             current = getattr(base, f.name)
             if isinstance(current, (bool, int, float, str)) and not isinstance(current, tuple):
                 values[f.name] = _env(f.name, current, type(current))
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(overrides)
         cfg = replace(base, **values)
         return cfg.checked()
 

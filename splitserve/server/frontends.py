@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HTTP_STOP_GRACE_S = 5  # seconds requests in flight get when the server stops
-
 
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside a loop it does not own: it installs no signal handlers."""
@@ -58,7 +56,7 @@ async def _start_http(server: "Server") -> None:
     sock = _bind(cfg.host, cfg.http_port or 0)
     config = uvicorn.Config(
         create_app(server), lifespan="off", http="httptools", loop="none", log_config=None,
-        access_log=False, timeout_graceful_shutdown=HTTP_STOP_GRACE_S, server_header=False,
+        access_log=False, timeout_graceful_shutdown=max(1, round(cfg.stop_grace_s)), server_header=False,
     )
     userver = _EmbeddedUvicorn(config)
     task = asyncio.get_running_loop().create_task(userver.serve(sockets=[sock]), name="splitserve-http")

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Seconds that calls in flight get to finish when the server stops.
-STOP_GRACE_S = 5.0
 EXTENSIONS = ("model_repository", "statistics")
 
 _running: "dict[Server, grpc.aio.Server]" = {}
@@ -283,7 +281,7 @@ async def start(server: "Server") -> int:
 
 
 async def stop(server: "Server") -> None:
-    """Stop accepting calls; calls in flight get ``STOP_GRACE_S`` to finish."""
+    """Stop accepting calls; calls in flight get ``stop_grace_s`` to finish."""
     srv = _running.pop(server, None)
     if srv is not None:
-        await srv.stop(STOP_GRACE_S)
+        await srv.stop(server.config.stop_grace_s)

@@ -266,14 +266,8 @@ async def set_instances(server: "Server", name: str, instances: int) -> None:
     async with _lock(server):
         _record(server, name)
         rt = server.runtime(name)
-        await rt.resize(instances)  # drains and stops retired instances before it returns
-        # A loaded model answers once the new instances serve, so the caller gets the capacity asked for.
-        loop = asyncio.get_running_loop()
-        end = loop.time() + server.config.worker_start_timeout_s
-        while rt.state in ("loading", "ready") and not all(rt.sched.instances[i].ready for i in rt.sched.serving()):
-            if loop.time() > end:
-                raise ModelNotReady(f"model {name!r}: new instances did not start in time")
-            await asyncio.sleep(0.02)
+        # returns once retired instances are stopped and, for a loaded model, new ones serve
+        await rt.resize(instances)
         log.info("model %s: %d instance(s)", name, instances)
 
 
