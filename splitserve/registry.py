@@ -58,12 +58,12 @@ class ModelRecord:
 
 
 def builtin_configs() -> list[ModelConfig]:
-    """A config for every zoo architecture: the built-in model repository."""
+    """A config for every built-in zoo architecture: the built-in model repository."""
     from splitserve.models import ZOO
 
     return [
         ModelConfig.from_dict({"name": name, "artifact": {"kind": "zoo", "arch": name}})
-        for name in sorted(ZOO)
+        for name in sorted(ZOO) if ZOO[name].builtin
     ]
 
 

@@ -61,3 +61,13 @@ def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]
 def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:
     """A config with every network front end off (in-process calls only)."""
     return ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
+
+
+def write_model(repo: Path, name: str, arch: str, toml: str = "") -> Path:
+    """A repository directory for zoo architecture ``arch`` served as ``name``.
+
+    ``toml`` adds top-level keys (e.g. ``'instances = 2\\nmax_batch_size = 4'``)."""
+    d = repo / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.toml").write_text(f'name = "{name}"\n{toml}\n[artifact]\nkind = "zoo"\narch = "{arch}"\n')
+    return d

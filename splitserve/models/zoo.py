@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from splitserve.errors import UnknownModel
 from splitserve.models import zoo_text, zoo_vision
 from splitserve.models.digits import default_cache_dir, digits_net, load_or_train_digits
+from splitserve.models.gate import gate_model
 from splitserve.models.segmented import SegmentedModel
 from splitserve.types import TensorSpec
 
@@ -30,7 +31,9 @@ class ZooEntry:
 
     ``build`` constructs the architecture with freshly initialised weights drawn from the
     global RNG; call ``build_zoo_model`` instead for seeded weights. ``pretrained``, when
-    set, returns the model with trained weights cached under the given directory.
+    set, builds the model from what is kept under the given cache directory (trained
+    weights; the gate's release files). ``builtin`` entries are registered by every
+    server; the others only where a repository names them.
     """
 
     name: str
@@ -40,6 +43,7 @@ class ZooEntry:
     max_batch: int
     build: Callable[[], SegmentedModel]
     pretrained: Callable[[Path], SegmentedModel] | None = None
+    builtin: bool = True
 
     @property
     def request_bytes(self) -> int:
@@ -128,6 +132,10 @@ _ENTRIES = (
              "3 segments; about 98% test accuracy.",
              (_spec("image", "FP32", 1, 8, 8),), (_spec("logits", "FP32", 10),), 32,
              digits_net, pretrained=load_or_train_digits),
+    ZooEntry("gate", "For fault tests: holds each sample while the file <cache dir>/gates/<key> exists, "
+             "then returns its key; 2 segments. Not a built-in model: register it through a repository.",
+             (_spec("key", "INT64", 1),), (_spec("key", "INT64", 1),), 8, gate_model, pretrained=gate_model,
+             builtin=False),
 )
 
 ZOO: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}

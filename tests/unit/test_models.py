@@ -50,6 +50,7 @@ SIZES = {
     "inception_v3": (67500, 4000, 8),
     "distilbert": (1024, 8, 8),
     "digits": (256, 40, 32),
+    "gate": (8, 8, 8),
 }
 
 
@@ -70,7 +71,7 @@ def make_inputs(entry: ZooEntry, batch: int, seed: int = 0) -> tuple[Tensor, ...
             a = np.ones(shape, dtype=np.int32)
             a[0, shape[1] // 2:] = 0  # padding in the first sample
         else:
-            a = rng.integers(0, 2, shape, dtype=np.int32)
+            a = rng.integers(0, 2, shape, dtype=spec.dtype)
         assert a.dtype == spec.dtype
         out.append(torch.from_numpy(a))
     return tuple(out)
@@ -302,3 +303,30 @@ def test_loader_argument_errors(tmp_path: Path) -> None:
     with pytest.raises(UnknownModel):
         load_artifact("zoo", None, "alexnet")
     assert load_artifact("zoo", None, "vecadd1k").num_segments == 1
+
+
+# --- the gate (fault tests' model) ----------------------------------------------------
+
+
+def test_gate_holds_a_closed_key_until_it_is_opened(tmp_path: Path) -> None:
+    import threading
+
+    from splitserve.models.gate import Gates, gate_model
+    from splitserve.registry import builtin_configs
+
+    assert "gate" not in {c.name for c in builtin_configs()}
+    gates, model = Gates(tmp_path), gate_model(tmp_path)
+    gates.close(7)
+    done = threading.Event()
+    out: list = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            out.append(model(torch.tensor([[3], [7]], dtype=torch.int64)))
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert not done.wait(0.2)  # held while key 7 is closed
+    gates.open(7)
+    assert done.wait(10)
+    assert out[0][0].reshape(-1).tolist() == [3, 7]
