@@ -24,6 +24,7 @@ from splitserve.bench.validate import ValidationFailed
 EXIT_OK = 0
 EXIT_FAILED = 1  # the run broke (server died, a generator failed...): report.md has the traceback
 EXIT_REFUSED = 3  # the server answered wrongly: no numbers were reported
+EXIT_BROKEN = 4  # the run finished, and found the server breaking a promise (see report.md)
 
 
 @dataclass
@@ -139,7 +140,8 @@ def run_scenario(name: str, *, quick: bool = False, out: Path = Path("results"),
     lines = list(output.summary)
     if ctx.unavailable:
         lines.append("unavailable: " + "; ".join(f"{t} ({why})" for t, why in ctx.unavailable.items()))
-    return RunSummary(EXIT_OK, rd.path, lines, files)
+    lines += [f"BROKEN: {b}" for b in output.broken]
+    return RunSummary(EXIT_BROKEN if output.broken else EXIT_OK, rd.path, lines, files)
 
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "RunSummary", "build_params", "run_scenario"]
+__all__ = ["EXIT_BROKEN", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "RunSummary", "build_params", "run_scenario"]

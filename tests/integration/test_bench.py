@@ -145,3 +145,26 @@ def test_validation_refuses_a_wrong_model(server, tmp_path):
     assert [c["ok"] for c in doc["validation"]] == [False]
     report = (path / "report.md").read_text()
     assert "## Refused" in report and "lenet" in report
+
+
+def test_chaos_smoke(tmp_path):
+    """The chaos run end to end on a server of its own (it kills workers and unloads models, so
+    never on the module's shared one): every fault kind fires, the ledger adds up, and the exit
+    code follows the ledger's verdict. Whether this server keeps every promise is the
+    benchmark's question, not this test's."""
+    from splitserve.bench.chaos_faults import FAULT_KINDS
+    from splitserve.bench.runner import EXIT_BROKEN
+
+    summary = run_scenario("chaos", quick=True, out=tmp_path, models=("vecadd1k",),
+                           transports=("tcp", "unix", "udp", "http-binary", "grpc"),
+                           overrides={"capacity_s": "1", "baseline_s": "2", "duration_s": "8.5",
+                                      "fault_interval_s": "1", "hold_s": "3", "nonreader_mib": "2",
+                                      "answer_timeout_s": "20", "call_timeout_s": "10", "capacity_clients": "4"},
+                           console=Console(file=io.StringIO()))
+    doc = _result(summary.path)
+    assert summary.exit_code == (EXIT_BROKEN if doc["broken"] else EXIT_OK), summary.lines
+    assert set(doc["faults_injected"]) == set(FAULT_KINDS)
+    assert doc["phases"]["no-fault"]["requests"] > 0 and doc["phases"]["chaos"]["requests"] > 0
+    answered = sum(doc["answers"].values())
+    assert answered == doc["requests"]  # every request has an outcome, lost included
+    assert doc["rss"]["server_peak_mib"] > 0 and (summary.path / "timeline.png").is_file()

@@ -110,6 +110,9 @@ class ScenarioOutput:
     report: str
     figures: dict[str, Figure] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
+    # Promises the server broke during the run (chaos: lost, duplicate or wrong answers); the
+    # numbers are still written, and the run ends with ``runner.EXIT_BROKEN``.
+    broken: list[str] = field(default_factory=list)
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -149,6 +152,7 @@ class Context:
         self.unavailable: dict[str, str] = {}
         self.checks: list[Check] = []
         self.server_info: dict[str, Any] = {}
+        self.data_dir: Path | None = None  # the measured server's data directory, where known
         self._servers: list[ServerProcess] = []
         self._echo: EchoProcess | None = None
         self._tmp: list[Path] = []
@@ -177,6 +181,8 @@ class Context:
         """
         if self.urls:
             target = Target.parse(self.urls)
+            self.data_dir = next((p if p.is_dir() else p.parent for p in map(Path, self.urls)
+                                  if "://" not in str(p) and ((p / "server.json").is_file() or p.is_file())), None)
             self.server_info = {"started_by_bench": False, "urls": target.urls}
             return target
         from splitserve.bench.serverproc import start_server
@@ -189,6 +195,7 @@ class Context:
         with self.task(f"starting a server with {', '.join(load) or 'no models'}", 1):
             server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s)
         self._servers.append(server)
+        self.data_dir = data_dir
         target = Target(server.urls)
         self.server_info = {"started_by_bench": True, "urls": target.urls, "args": args}
         return target
