@@ -309,5 +309,45 @@ class FuzzServer:
                 if rt.rings[c].in_use}
 
 
-__all__ = ["Answer", "FUNC_IDS", "FuzzRuntime", "FuzzServer", "MODELS", "PropertyViolation", "Submitted",
+class LoopHarness:
+    """A fuzz target's event loop, turned by hand, and the fake server on it.
+
+    Exceptions that escape a transport's callbacks land in ``loop_errors`` (the loop's
+    exception handler) instead of a log, so a case can fail on them.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._on_loop_error)
+        self.server = FuzzServer(self.loop)
+        self.loop_errors: list[str] = []
+
+    def __enter__(self) -> "LoopHarness":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.server.close()
+        self.loop.close()
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        self.loop_errors.append(f"{type(exc).__name__}: {exc}" if exc else str(context.get("message")))
+
+    def turn(self) -> None:
+        """One iteration of the loop: ready sockets are served, due callbacks run."""
+        self.loop.call_soon(self.loop.stop)
+        self.loop.run_forever()
+
+    def raise_seen(self) -> None:
+        """Fail the case on what went wrong inside the transport's callbacks."""
+        if self.loop_errors:
+            raise PropertyViolation(f"an exception escaped the transport: {self.loop_errors[0]}")
+        if self.server.violations:
+            raise PropertyViolation(self.server.violations[0])
+
+
+__all__ = ["Answer", "FUNC_IDS", "FuzzRuntime", "LoopHarness", "FuzzServer", "MODELS", "PropertyViolation", "Submitted",
            "expected_output", "ring_free", "ring_start"]

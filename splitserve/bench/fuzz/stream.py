@@ -17,7 +17,6 @@ headers and payloads, then collects every frame the server sent. Properties:
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import random
 import socket
@@ -25,7 +24,7 @@ import termios
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.bench.fuzz.fakes import FUNC_IDS, MODELS, Answer, FuzzServer, PropertyViolation, ring_free, ring_start
+from splitserve.bench.fuzz.fakes import FUNC_IDS, MODELS, Answer, LoopHarness, PropertyViolation, ring_free, ring_start
 from splitserve.bench.fuzz.oracle import (
     RESOURCE_ERRORS,
     Expect,
@@ -197,38 +196,13 @@ def _pending(sock: socket.socket) -> int:
     return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
 
 
-class StreamHarness:
+class StreamHarness(LoopHarness):
     """A loop, a fake server and a socketpair per case; ``check(case)`` runs one input."""
 
     name = NAME
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(self._on_loop_error)
-        self.server = FuzzServer(self.loop)
-        self.loop_errors: list[str] = []
-
-    def __enter__(self) -> "StreamHarness":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.server.close()
-        self.loop.close()
-
     def generate(self, rnd: random.Random) -> StreamCase:
         return generate(rnd)
-
-    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        exc = context.get("exception")
-        self.loop_errors.append(f"{type(exc).__name__}: {exc}" if exc else str(context.get("message")))
-
-    def _turn(self) -> None:
-        """One iteration of the loop: ready sockets are served, due callbacks run."""
-        self.loop.call_soon(self.loop.stop)
-        self.loop.run_forever()
 
     def check(self, case: StreamCase) -> None:
         """Run ``case``; raises PropertyViolation when a property does not hold."""
@@ -254,7 +228,7 @@ class StreamHarness:
             for _ in range(_SPINS):
                 if conn.closed:
                     break
-                self._turn()
+                self.turn()
             else:
                 raise PropertyViolation("the server did not notice that the client closed")
         finally:
@@ -276,7 +250,7 @@ class StreamHarness:
             except (BrokenPipeError, ConnectionResetError):
                 return False
             if view:
-                self._turn()
+                self.turn()
                 self._read(ours, got)
                 if conn.closed:
                     return False
@@ -297,7 +271,7 @@ class StreamHarness:
         """Turn the loop until the server has read what was sent, answered what it can and
         written it all (or closed)."""
         for _ in range(_SPINS):
-            self._turn()
+            self.turn()
             self._read(ours, got)
             if conn.closed:
                 return
@@ -307,10 +281,7 @@ class StreamHarness:
                                 f"({_pending(theirs)} B unread, {len(conn.out)} B unsent)")
 
     def _judge(self, case: StreamCase, got: bytes, open_before_late: bool) -> None:
-        if self.loop_errors:
-            raise PropertyViolation(f"an exception escaped the connection: {self.loop_errors[0]}")
-        if self.server.violations:
-            raise PropertyViolation(self.server.violations[0])
+        self.raise_seen()
         frames, lost = expectations(case.data)
         self._check_submitted(frames)
         answers = split_frames(got, "stream")

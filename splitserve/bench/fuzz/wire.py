@@ -134,10 +134,11 @@ def mutate(rnd: random.Random, data: bytes, keep: tuple[str, ...] = ()) -> bytes
         return data[: rnd.randrange(len(data))]
     if op == 4:  # grow
         return data + payload_bytes(rnd, rnd.randint(1, 64))
+    first = HEADER if keep and len(data) > HEADER else 0  # kept fields: leave the header alone
     if op == 5:  # a byte anywhere (payload included)
-        pos = rnd.randrange(len(data))
+        pos = rnd.randrange(first, len(data))
         return data[:pos] + bytes([rnd.randrange(256)]) + data[pos + 1 :]
-    lo = rnd.randrange(len(data))  # repeat a run
+    lo = rnd.randrange(first, len(data))  # repeat a run
     hi = min(len(data), lo + rnd.randint(1, 80))
     return data[:hi] + data[lo:hi] + data[hi:]
 
