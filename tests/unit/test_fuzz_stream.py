@@ -20,7 +20,7 @@ from splitserve.bench.fuzz.fakes import FUNC_IDS, Answer
 from splitserve.bench.fuzz.stream import StreamCase, StreamHarness
 from splitserve.bench.fuzz.wire import PING, REQUEST, frame, payload_bytes
 
-FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=200,
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300,
                 suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -20,7 +20,7 @@ from splitserve.bench.fuzz.fakes import FUNC_IDS, Answer
 from splitserve.bench.fuzz.udp import UdpCase, UdpHarness
 from splitserve.bench.fuzz.wire import REQUEST, SEGMENTED, frame, payload_bytes
 
-FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=150,
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=200,
                 suppress_health_check=[HealthCheck.too_slow])
 COVERAGE_FIX = ("UDP reassembly submits once it has seg_count segments, without checking that they cover the "
                 "payload exactly (issue 9, Must have 4); the fast-path branch fixes it")

@@ -70,4 +70,21 @@ def check(data: bytes) -> None:
         raise PropertyViolation("the same bytes unpack differently from a memoryview")
 
 
-__all__ = ["NAME", "check", "check_header_bytes", "generate", "valid_header"]
+
+
+class HeaderTarget:
+    """The header property as a fuzz target (no state to set up or tear down)."""
+
+    name = NAME
+
+    def generate(self, rnd: random.Random) -> bytes:
+        return generate(rnd)
+
+    def check(self, data: bytes) -> None:
+        check(data)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+__all__ = ["NAME", "HeaderTarget", "check", "check_header_bytes", "generate", "valid_header"]

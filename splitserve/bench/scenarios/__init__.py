@@ -43,6 +43,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("packrat", "Profile a model, then Packrat's <instances, threads, batch> choice vs one fat "
                      "instance per batch size, expected vs measured, and adaptive reconfiguration under a load "
                      "step (Packrat Fig. 4/5/6).", "splitserve.bench.scenarios.packrat"),
+        ScenarioInfo("fuzz", "The control header, the stream frame state machine and UDP reassembly under random "
+                     "and mutated input: inputs tried and failures found per target (>= 1M inputs).",
+                     "splitserve.bench.scenarios.fuzz"),
     )
 }
 
