@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from splitserve.bench import serverproc
 from splitserve.bench.serverproc import ServerProcess
@@ -14,6 +15,9 @@ from splitserve.bench.serverproc import ServerProcess
 ROOT = Path(__file__).resolve().parents[1]
 # Trained weights (digits) are shared by every server the tests start.
 CACHE = ROOT / ".pytest_cache" / "splitserve-cache"
+# Hypothesis caches what it learns from the source even with database=None; keep that out of
+# the work tree (the property tests set derandomize=True and database=None themselves).
+set_hypothesis_home_dir(ROOT / ".pytest_cache" / "hypothesis")
 
 __all__ = ["CACHE", "ROOT", "ServerProcess", "start_server"]
 

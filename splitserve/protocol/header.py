@@ -110,7 +110,7 @@ def unpack_header(buf: "bytes | bytearray | memoryview") -> Header:
     if len(buf) < HEADER_SIZE:
         raise BadFrame(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
     (magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status, deadline_us,
-     payload_len, payload_offset, total_len, queue_us, compute_us, total_us, _reserved) = (
+     payload_len, payload_offset, total_len, queue_us, compute_us, total_us, reserved) = (
         _FORMAT.unpack_from(buf, 0)
     )
     if magic != MAGIC:
@@ -121,6 +121,9 @@ def unpack_header(buf: "bytes | bytearray | memoryview") -> Header:
         raise BadFrame(f"unknown frame kind {kind}")
     if payload_len > MAX_PAYLOAD:
         raise BadFrame(f"payload_len {payload_len} exceeds the limit of {MAX_PAYLOAD} bytes")
+    if reserved:
+        # Refused rather than ignored: an accepted header always packs back to the bytes sent.
+        raise BadFrame(f"reserved bytes 56-63 must be zero, got {reserved:#x}")
     return Header(
         kind=kind, req_id=req_id, func_id=func_id, cls=cls, flags=flags, seq_num=seq_num,
         seg_count=seg_count, status=status, deadline_us=deadline_us, payload_len=payload_len,

@@ -47,6 +47,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "clients stall or stop reading, frames are malformed and models are resized, reconfigured "
                      "and reloaded: a ledger proves one answer per request (issue 9).",
                      "splitserve.bench.scenarios.chaos"),
+        ScenarioInfo("fuzz", "The control header, the stream frame state machine and UDP reassembly under random "
+                     "and mutated input: inputs tried and failures found per target (>= 1M inputs).",
+                     "splitserve.bench.scenarios.fuzz"),
     )
 }
 
