@@ -260,6 +260,7 @@ class Intake:
         self._arm()
 
     def unwatch(self, source: Receiver) -> None:
+        """Stop sweeping ``source`` (it closed)."""
         self._sources.discard(source)
 
     def _arm(self) -> None:

@@ -8,7 +8,11 @@ import pytest
 
 from splitserve.config import ServerConfig
 from splitserve.errors import QueueFull, SplitServeError
+from splitserve.modelconfig import BatchingConfig
 from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.policy import make_policy
+from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.intake import Arrival, Intake
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.tensorqueue import SlotRing
@@ -143,3 +147,19 @@ def test_a_request_aside_that_finds_no_room_is_answered_queue_full():
         intake.arrived(stalled)
     stalled.call.answer(QueueFull("no room"))  # what a transport does; holds no slots to free
     assert [e.status.name for e in sink.errors] == ["QUEUE_FULL"] and intake.side_bytes == 0
+
+
+@pytest.mark.parametrize("policy", ["work_conserving", "timeout"])
+def test_a_gap_left_by_a_request_moved_aside_never_holds_a_batch(policy):
+    """Slots freed by moving a request aside are never enqueued: the runs on either side of
+    the gap are dispatched on their own, the later one at most one batching delay late."""
+    s = ModelScheduler("m", make_policy(BatchingConfig(policy=policy, max_delay_ms=10, preferred_batch=8)), 8, 64)
+    s.set_ready(s.add_instance(), True)
+    s.enqueue(QueuedRequest(0, 1, RT, 0.0))
+    s.enqueue(QueuedRequest(2, 1, RT, 0.0))  # seq 1 went aside and will come back as a new seq
+    now = 0.0 if policy == "work_conserving" else s.next_wakeup(0.0)
+    assert now is not None and now <= 0.010
+    (first,) = s.schedule(now)
+    s.complete(first.instance)
+    (second,) = s.schedule(now)
+    assert [(b.seq, b.count) for b in (first, second)] == [(0, 1), (2, 1)]
