@@ -384,12 +384,23 @@ def tcp_listener(host: str, port: int) -> socket.socket:
 
 
 def unix_listener(path) -> socket.socket:
+    """A listening Unix socket at ``path``, connectable by this user only. A stale socket
+    file left by a dead server is replaced; a live server's socket is never taken over."""
+    import errno
     import os
 
     if os.path.exists(path):
-        os.unlink(path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            os.unlink(path)  # nobody listens there any more
+        else:
+            raise OSError(errno.EADDRINUSE, f"another server is listening on {path}")
+        finally:
+            probe.close()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
+    os.chmod(path, 0o600)
     s.listen(1024)
     return s
-

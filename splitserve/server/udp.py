@@ -167,7 +167,7 @@ class UdpEndpoint:
         self.intake.watch(self, self.loop)
 
     def _on_readable(self) -> None:
-        for _ in range(256):
+        for _ in range(self.server.config.fast_reads_per_wakeup):
             try:
                 n, addr = self.sock.recvfrom_into(self.hdr, HEADER_SIZE, socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):

@@ -200,3 +200,17 @@ def test_udp_request_missing_a_segment_is_refused_after_the_timeout(impatient):
                       total_len=VEC).pack() + payload[: VEC // 2])
         h, body = udp_read(u)
         assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.BAD_SEGMENT, 31) and b"incomplete" in body
+
+
+def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
+    from splitserve.server.fastpath import unix_listener
+
+    path = tmp_path / "fast.sock"
+    live = unix_listener(path)
+    try:
+        assert os.stat(path).st_mode & 0o077 == 0  # other local users cannot connect
+        with pytest.raises(OSError, match="another server is listening"):
+            unix_listener(path)
+    finally:
+        live.close()
+    unix_listener(path).close()  # a stale socket file (its server gone) is replaced
