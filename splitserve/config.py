@@ -52,6 +52,17 @@ class ServerConfig:
     placement: str = "fixed"  # default placement of models whose config names none: fixed | packrat
     log_level: str = "INFO"
     cache_dir: Path | None = None  # trained/derived weights (default: SPLITSERVE_CACHE_DIR or data_dir/cache)
+    # -- fast path: misbehaving clients (slow, stalled, non-reading, malformed) --
+    frame_timeout_s: float = 5.0  # a partial frame (stream or UDP) this old, counted from its first byte, is abandoned
+    side_buffer_bytes: int = 256 << 20  # server-wide bytes of slow requests moved off their rings; past it the oldest is dropped
+    fast_max_in_flight: int = 1024  # calls in flight per stream connection; reading pauses at the cap
+    fast_out_high_water: int = 4 << 20  # unsent response bytes at which a stream connection stops being read
+    fast_out_low_water: int = 1 << 20  # unsent response bytes below which reading resumes
+    fast_max_pending_out: int = 256 << 20  # unsent response bytes past which a peer is disconnected
+    fast_reads_per_wakeup: int = 256  # recv calls per readiness event, so one busy connection cannot starve others
+    fast_max_lookup: int = 4096  # largest LOOKUP payload (a model name) on a stream
+    udp_rcvbuf: int = 8 << 20  # SO_RCVBUF of the UDP socket: room for bursts of segments
+    udp_response_cache_bytes: int = 64 << 20  # bytes of answered UDP requests remembered for retransmits
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":
@@ -80,6 +91,14 @@ class ServerConfig:
             raise InvalidInput(f"placement {self.placement!r}: use fixed or packrat")
         if self.preemption not in ("reef", "seq", "concurrent", "rt-only"):
             raise InvalidInput(f"preemption {self.preemption!r}: use reef, seq, concurrent or rt-only")
+        if self.frame_timeout_s <= 0:
+            raise InvalidInput("frame_timeout_s must be positive")
+        if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
+            raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
+        for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
+                     "udp_rcvbuf", "udp_response_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidInput(f"{name} must be at least 1")
         return self
 
     @property

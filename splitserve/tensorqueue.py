@@ -8,19 +8,26 @@ and the worker map the same memfd; only slot numbers cross the process boundary.
 
 ``SlotRing`` is the allocator (front end only): slots are handed out in arrival order and
 freed in any order, and the tail only moves past a slot after its response has been sent.
+Because the tail only moves in order, one allocation that is never freed (a request whose
+sender went quiet) would pin the whole ring; ``SlotRing.plan_room`` names the allocations at
+the tail that the front end may move aside to make room (see ``server/intake.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from splitserve.errors import QueueFull
+
+log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -73,12 +80,23 @@ class TensorQueue:
             fd = os.memfd_create(f"splitserve-{name}", os.MFD_CLOEXEC)
             os.ftruncate(fd, self.size)
         self.fd = fd
+        self.base = 0
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        # Reserve 2x the address space first so the two MAP_FIXED mappings cannot land on
-        # anything else, then map the same file into each half.
-        base = _check(_mmap(None, 2 * self.size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0), "reserve")
-        for half in (0, self.size):
-            _check(_mmap(base + half, self.size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0), "map ring")
+        try:
+            # Reserve 2x the address space first so the two MAP_FIXED mappings cannot land
+            # on anything else, then map the same file into each half.
+            base = _check(_mmap(None, 2 * self.size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0),
+                          "reserve")
+            try:
+                for half in (0, self.size):
+                    _check(_mmap(base + half, self.size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0), "map ring")
+            except OSError:
+                _munmap(base, 2 * self.size)
+                raise
+        except OSError:
+            if self.owner:
+                os.close(fd)
+            raise
         self.base = base
         self._cbuf = (ctypes.c_char * (2 * self.size)).from_address(base)
         self._mv = memoryview(self._cbuf).cast("B")
@@ -102,10 +120,17 @@ class TensorQueue:
         return raw.view(dtype).reshape((count, *shape))
 
     def close(self) -> None:
+        """Unmap and close the memfd. If arrays over the ring are still alive the mapping is
+        left in place (unmapping it would turn their next access into a crash), and the rest
+        of the shutdown goes on."""
         if self.base:
             self._bytes = None  # type: ignore[assignment]
-            self._mv.release()
-            _munmap(self.base, 2 * self.size)
+            try:
+                self._mv.release()
+            except BufferError:
+                log.warning("tensor queue of %d B still has live views at close; leaving it mapped", self.size)
+            else:
+                _munmap(self.base, 2 * self.size)
             self.base = 0
         if self.owner and self.fd >= 0:
             os.close(self.fd)
@@ -141,6 +166,30 @@ class SlotRing:
         seq = self.head
         self.head += count
         return seq
+
+    def plan_room(self, count: int, movable: Mapping[int, int]) -> list[int] | None:
+        """The allocations to free so that ``count`` slots fit, oldest first; None if that
+        cannot be done by freeing only ``movable`` ones.
+
+        ``movable`` maps the first sequence number of each allocation the caller could free
+        now (requests still arriving, whose bytes can go elsewhere) to its slot count. The
+        walk starts at the tail: slots already freed are passed over, a movable allocation is
+        planned and skipped, and anything else (a request queued or running) ends the walk,
+        since the tail can never pass it before it completes.
+        """
+        if count > self.nslots:
+            return None
+        plan: list[int] = []
+        t = self.tail
+        while self.nslots - (self.head - t) < count:
+            if t in self._freed:
+                t += 1
+            elif t in movable:
+                plan.append(t)
+                t += movable[t]
+            else:
+                return None
+        return plan
 
     def release(self, seq: int, count: int = 1) -> None:
         """Free slots ``[seq, seq+count)`` (after their response was sent); any order."""

@@ -24,6 +24,7 @@ from splitserve.registry import ModelRecord, Registry
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
+from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
@@ -75,6 +76,7 @@ class Server:
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
         self.connections: set[FastPathConnection] = set()
+        self.intake = Intake(config)  # requests still arriving on the fast path
         self.listeners: list[Any] = []
         self.ports: dict[str, Any] = {}
         self.stopping = False
@@ -150,6 +152,7 @@ class Server:
         await asyncio.gather(*(rt.unload() for rt in self.runtimes.values()), return_exceptions=True)
         for conn in list(self.connections):
             conn.close()
+        self.intake.close()
         for rt in self.runtimes.values():
             rt.close()
         if hasattr(self, "registry"):
@@ -257,7 +260,7 @@ class Server:
         if not count:
             raise BadSize("empty batch")
         c = self.request_class(rt, int(RequestClass.parse(cls)))
-        seq = rt.alloc(c, count)
+        seq = self.intake.alloc(rt, c, count)
         fut = self.loop.create_future()
         deadline = time.perf_counter() + deadline_s if deadline_s else None
         call = Call(self.monitor, rt, 0, c, seq, count, _FutureSink(fut), deadline)

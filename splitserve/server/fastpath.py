@@ -6,6 +6,14 @@ intermediate ``bytes`` object exists on the request path. Responses go out as on
 write (header + output slots). Raw non-blocking sockets on the event loop (``add_reader``)
 are used instead of asyncio transports because a transport may keep a reference to a
 written buffer, and the slot must not be recycled while its bytes are still unsent.
+
+A misbehaving peer throttles or loses only its own connection: a frame still incomplete
+``frame_timeout_s`` after its first byte closes the connection; a request that arrives
+slowly is moved off its ring when it holds the ring's tail (``server/intake.py``);
+reading pauses, at a frame boundary, while the connection has ``fast_max_in_flight``
+calls in flight or more than ``fast_out_high_water`` unsent bytes, and resumes below
+``fast_out_low_water``; past ``fast_max_pending_out`` unsent bytes the peer is
+disconnected.
 """
 
 from __future__ import annotations
@@ -14,29 +22,32 @@ import json
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
 
 from splitserve.errors import BadFrame, BadSegment, BadSize, DuplicateRequest, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.server.intake import Arrival, FastPathHost
 from splitserve.server.monitor import Call
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
 
 log = logging.getLogger(__name__)
 
-_MAX_LOOKUP = 4096  # a lookup payload is a model name
-_MAX_PENDING_OUT = 256 << 20  # a peer that stops reading is disconnected past this
-_READS_PER_WAKEUP = 256  # fairness between connections
 _HEADER, _PAYLOAD, _DISCARD, _LOOKUP = range(4)
 
 
 class FastPathConnection:
-    """One client connection: many calls in flight, answered as they complete."""
+    """One client connection: many calls in flight, answered as they complete.
 
-    def __init__(self, server: "Server", sock: socket.socket, peer: object) -> None:
+    ``server`` is a ``FastPathHost`` (``server/intake.py``): the connection uses its
+    ``loop``, ``config``, ``intake`` (slot allocation and the frame-timeout sweep),
+    ``monitor``, ``connections`` (it adds and removes itself), and ``runtime``,
+    ``runtime_by_func``, ``request_class`` and ``describe``. It is the ``Sink`` of the calls
+    it receives and a ``Receiver`` for the intake.
+    """
+
+    def __init__(self, server: FastPathHost, sock: socket.socket, peer: object) -> None:
         self.server = server
         self.loop = server.loop
+        self.cfg = server.config
+        self.intake = server.intake
         self.sock = sock
         self.peer = peer
         sock.setblocking(False)
@@ -47,10 +58,9 @@ class FastPathConnection:
         self.hdr_mv = memoryview(self.hdr)
         self.state = _HEADER
         self.got = 0
+        self.frame_t0: float | None = None  # first byte of the frame being read (None: between frames)
         self.header: Header | None = None
-        self.call: Call | None = None
-        self.targets: list[memoryview] = []
-        self.ti = 0
+        self.arrival: Arrival | None = None  # the request whose payload is being read
         self.discard_left = 0
         self.discard_error: SplitServeError | None = None
         self.scratch = bytearray(65536)
@@ -58,19 +68,24 @@ class FastPathConnection:
         self.in_flight: dict[int, Call] = {}
         self.out = bytearray()
         self.writing = False
+        self.paused = False  # reading stopped by flow control
         self.closing = False  # framing lost: flush the error frame, then close
         self.closed = False
         self.loop.add_reader(self.fd, self._on_readable)
         server.connections.add(self)
+        self.intake.watch(self, self.loop)
 
     # -- reading -------------------------------------------------------------------
 
     def _on_readable(self) -> None:
         try:
-            for _ in range(_READS_PER_WAKEUP):
-                if self.closed or self.closing or not self._read_some():
+            for _ in range(self.cfg.fast_reads_per_wakeup):
+                if self.closed or self.closing or self.paused or not self._read_some():
                     return
         except ConnectionError:
+            self.close()
+        except Exception:  # a bug must cost this connection only, never the loop or a half-parsed frame
+            log.exception("fast-path peer %s: unexpected error; closing the connection", self.peer)
             self.close()
 
     def _read_some(self) -> bool:
@@ -78,7 +93,7 @@ class FastPathConnection:
         if self.state == _HEADER:
             buf = self.hdr_mv[self.got :]
         elif self.state == _PAYLOAD:
-            buf = self.targets[self.ti]
+            buf = self.arrival.target()
         elif self.state == _DISCARD:
             buf = memoryview(self.scratch)[: min(len(self.scratch), self.discard_left)]
         else:
@@ -87,24 +102,23 @@ class FastPathConnection:
             n = self.sock.recv_into(buf)
         except (BlockingIOError, InterruptedError):
             return False
-        except OSError:
+        except OSError as e:
+            log.debug("fast-path peer %s: %s", self.peer, e)
             self.close()
             return False
         if n == 0:
             self.close()
             return False
         if self.state == _HEADER:
+            if self.got == 0:
+                self.frame_t0 = time.monotonic()
             self.got += n
             if self.got == HEADER_SIZE:
                 self.got = 0
                 self._on_header()
         elif self.state == _PAYLOAD:
-            if n == len(buf):
-                self.ti += 1
-                if self.ti == len(self.targets):
-                    self._on_request_complete()
-            else:
-                self.targets[self.ti] = buf[n:]
+            if self.arrival.advance(n):
+                self._on_request_complete()
         elif self.state == _DISCARD:
             self.discard_left -= n
             if self.discard_left == 0:
@@ -134,8 +148,9 @@ class FastPathConnection:
             self._discard(h.payload_len, None)
             self._send([Header(Kind.PONG, req_id=h.req_id).pack()])
         elif h.kind == Kind.LOOKUP:
-            if not 0 < h.payload_len <= _MAX_LOOKUP:
-                self._discard(h.payload_len, BadSize(f"lookup payload must be 1..{_MAX_LOOKUP} bytes (a model name)"))
+            limit = self.cfg.fast_max_lookup
+            if not 0 < h.payload_len <= limit:
+                self._discard(h.payload_len, BadSize(f"lookup payload must be 1..{limit} bytes (a model name)"))
             else:
                 self.lookup_buf = bytearray()
                 self.state = _LOOKUP
@@ -156,19 +171,22 @@ class FastPathConnection:
             )
         count = h.payload_len // per
         cls = self.server.request_class(rt, h.cls)
-        seq = rt.alloc(cls, count)
+        seq = self.intake.alloc(rt, cls, count)
         deadline = time.perf_counter() + h.deadline_us / 1e6 if h.deadline_us else None
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, deadline)
-        self.call = call
         self.in_flight[h.req_id] = call
-        self.targets = rt.input_views(cls, seq, count)
-        self.ti = 0
+        self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
         self.state = _PAYLOAD
 
     def _on_request_complete(self) -> None:
-        call, self.call = self.call, None
-        self.targets = []
-        self.state = _HEADER
+        arrival, self.arrival = self.arrival, None
+        self._frame_done()
+        call = arrival.call
+        try:
+            self.intake.arrived(arrival)
+        except SplitServeError as e:  # it was moved aside and its ring has no room now
+            call.answer(e)
+            return
         call.runtime.submit(call)
 
     def _discard(self, nbytes: int, error: SplitServeError | None) -> None:
@@ -180,23 +198,54 @@ class FastPathConnection:
             self._after_discard()
 
     def _after_discard(self) -> None:
-        self.state = _HEADER
+        self._frame_done()
         err, self.discard_error = self.discard_error, None
         if err is not None:
             self._send_error(self.header.req_id, self.header.func_id, err)
 
     def _on_lookup(self, name: str) -> None:
-        self.state = _HEADER
+        self._frame_done()
         h = self.header
         try:
             rt = self.server.runtime(name)
         except SplitServeError as e:
             self._send_error(h.req_id, 0, e)
             return
-        rt.ensure_started()
+        # A lookup only reports the model (its state included); it never starts workers,
+        # or any peer could load every registered model. The first request starts them.
         body = json.dumps(self.server.describe(rt)).encode()
         reply = Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body))
         self._send([reply.pack(), body])
+
+    def _frame_done(self) -> None:
+        """A whole frame was read: expect a header, and pause here if flow control says so."""
+        self.state = _HEADER
+        self.frame_t0 = None
+        if len(self.in_flight) >= self.cfg.fast_max_in_flight or len(self.out) > self.cfg.fast_out_high_water:
+            self.paused = True
+            self.loop.remove_reader(self.fd)
+
+    def _maybe_resume(self) -> None:
+        if (self.paused and not self.closed and not self.closing
+                and len(self.in_flight) < self.cfg.fast_max_in_flight and len(self.out) <= self.cfg.fast_out_low_water):
+            self.paused = False
+            self.loop.add_reader(self.fd, self._on_readable)
+
+    def expire(self, now: float, limit: float) -> None:
+        """Close the connection if its current frame began more than ``limit`` s ago."""
+        if self.frame_t0 is None or now - self.frame_t0 <= limit or self.closed:
+            return
+        log.info("closing fast-path peer %s: a frame still incomplete %.1fs after its first byte", self.peer, limit)
+        h = self.header if self.state != _HEADER else None
+        self._send_error(h.req_id if h else 0, h.func_id if h else 0,
+                         BadFrame(f"frame incomplete {limit:g} s after its first byte; closing the connection"))
+        self.close()
+
+    def drop_arrival(self, arrival: Arrival, error: SplitServeError) -> None:
+        """The intake gives up on this connection's request: say why, then close."""
+        if arrival is self.arrival:
+            self._send_error(arrival.call.req_id, arrival.call.runtime.func_id, error)
+            self.close()
 
     # -- answering (Sink) -----------------------------------------------------------
 
@@ -211,11 +260,13 @@ class FastPathConnection:
             compute_us=call.compute_ns // 1000, total_us=call.total_us,
         )
         self._send([h.pack(), *outs])
+        self._maybe_resume()
 
     def fail(self, call: Call, error: SplitServeError) -> None:
         self.in_flight.pop(call.req_id, None)
         if not self.closed:
             self._send_error(call.req_id, call.runtime.func_id, error)
+            self._maybe_resume()
 
     def _send_error(self, req_id: int, func_id: int, error: SplitServeError) -> None:
         msg = error.message.encode()
@@ -237,7 +288,8 @@ class FastPathConnection:
                 sent = self.sock.sendmsg(parts)
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            except OSError:
+            except OSError as e:
+                log.debug("fast-path peer %s: %s", self.peer, e)
                 self.close()
                 return
             for p in parts:
@@ -247,20 +299,22 @@ class FastPathConnection:
                     continue
                 self.out += memoryview(p)[sent:]
                 sent = 0
-        if self.out and not self.writing:
-            if len(self.out) > _MAX_PENDING_OUT:
+        if self.out:
+            if len(self.out) > self.cfg.fast_max_pending_out:
                 log.warning("closing fast-path peer %s: %d B unread", self.peer, len(self.out))
                 self.close()
                 return
-            self.writing = True
-            self.loop.add_writer(self.fd, self._on_writable)
+            if not self.writing:
+                self.writing = True
+                self.loop.add_writer(self.fd, self._on_writable)
 
     def _on_writable(self) -> None:
         try:
             n = self.sock.send(self.out)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
+        except OSError as e:
+            log.debug("fast-path peer %s: %s", self.peer, e)
             self.close()
             return
         del self.out[:n]
@@ -269,6 +323,8 @@ class FastPathConnection:
             self.loop.remove_writer(self.fd)
             if self.closing:
                 self.close()
+                return
+        self._maybe_resume()
 
     def close(self, flush: bool = False) -> None:
         """Close the connection; calls still running are answered into the void."""
@@ -282,10 +338,13 @@ class FastPathConnection:
         self.loop.remove_reader(self.fd)
         if self.writing:
             self.loop.remove_writer(self.fd)
-        if self.call is not None:  # dropped mid-frame: its slots go back, nobody to answer
-            self.in_flight.pop(self.call.req_id, None)
-            self.call.abandon()
-            self.call = None
+        self.out = bytearray()
+        if self.arrival is not None:  # dropped mid-frame: its slots go back, nobody to answer
+            arrival, self.arrival = self.arrival, None
+            self.in_flight.pop(arrival.call.req_id, None)
+            self.intake.dropped(arrival)
+            arrival.call.abandon()
+        self.intake.unwatch(self)
         self.sock.close()
         self.server.connections.discard(self)
 
@@ -293,7 +352,7 @@ class FastPathConnection:
 class StreamListener:
     """Accepts fast-path connections on a TCP or Unix listening socket."""
 
-    def __init__(self, server: "Server", sock: socket.socket) -> None:
+    def __init__(self, server: FastPathHost, sock: socket.socket) -> None:
         self.server = server
         self.sock = sock
         sock.setblocking(False)
@@ -325,12 +384,23 @@ def tcp_listener(host: str, port: int) -> socket.socket:
 
 
 def unix_listener(path) -> socket.socket:
+    """A listening Unix socket at ``path``, connectable by this user only. A stale socket
+    file left by a dead server is replaced; a live server's socket is never taken over."""
+    import errno
     import os
 
     if os.path.exists(path):
-        os.unlink(path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            os.unlink(path)  # nobody listens there any more
+        else:
+            raise OSError(errno.EADDRINUSE, f"another server is listening on {path}")
+        finally:
+            probe.close()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
+    os.chmod(path, 0o600)
     s.listen(1024)
     return s
-

@@ -40,7 +40,7 @@ class Call:
     """Per-request state; lives in the request, never on a shared handler."""
 
     __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline",
-                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer")
+                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside")
 
     def __init__(self, monitor: "InferenceMonitor", runtime: "ModelRuntime", req_id: int, cls: RequestClass,
                  seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None) -> None:
@@ -57,6 +57,8 @@ class Call:
         self.t_ready = time.perf_counter()
         self.t_rx = self.t_dispatch = self.t_work = 0.0
         self.compute_ns = 0
+        # True while the payload arrives in a side buffer: ``seq`` names no slots then.
+        self.aside = False
         monitor.opened(self)
 
     def rx_complete(self) -> None:
@@ -76,14 +78,33 @@ class Call:
                 self.sink.fail(self, error)
         finally:
             self.state = CallState.TX_COMPLETE
-            self.runtime.release(self)
+            self._free_slots()
             self.monitor.closed(self, error)
 
     def abandon(self) -> None:
         """The peer went away before the request was complete: free its slots, no answer."""
         self._move(CallState.READY, CallState.TX_COMPLETE)
-        self.runtime.release(self)
+        self._free_slots()
         self.monitor.closed(self, None, abandoned=True)
+
+    def move_aside(self) -> None:
+        """The payload (still arriving) now goes to a side buffer: give the slots back at once,
+        so that this call no longer holds its ring's tail (``server/intake.py``)."""
+        if self.state != CallState.READY or self.aside:
+            raise RuntimeError(f"call {self.req_id}: only a call still receiving into its slots can move aside")
+        self.runtime.release(self)
+        self.aside = True
+
+    def move_back(self, seq: int) -> None:
+        """The payload was copied into fresh slots starting at ``seq``."""
+        if not self.aside:
+            raise RuntimeError(f"call {self.req_id} was not aside")
+        self.seq = seq
+        self.aside = False
+
+    def _free_slots(self) -> None:
+        if not self.aside:
+            self.runtime.release(self)
 
     def _move(self, frm: CallState, to: CallState) -> None:
         if self.state != frm:

@@ -2,80 +2,172 @@
 
 A request larger than one datagram is split by the client into ``seg_count`` segments;
 each carries its ``seq_num`` and its ``payload_offset`` into the whole payload. The server
-peeks at the 64-byte header, then receives the datagram with ``recvmsg_into`` directly
-into the right bytes of the tensor-queue slots (a segment may span two input tensors).
+peeks at the 64-byte header, checks the segment against those already received, then
+receives the datagram with ``recvmsg_into`` directly into the right bytes of the
+tensor-queue slots (a segment may span two input tensors).
+
+A request is submitted only when its segments tile the payload exactly: segment ``i``
+starts where segment ``i - 1`` ends, none overlaps another, and the last ends at
+``total_len``. A segment that overlaps or contradicts another, a set of segments with a
+gap, or a request still incomplete ``frame_timeout_s`` after its first segment is answered
+with an error and its slots are freed, so no request ever runs on stale slot bytes.
+
 Clients retransmit on timeout; the server de-duplicates on (peer, req_id): segments it has
 are dropped, a request still running is not started twice, and a request already answered
-gets its cached answer again.
+gets its remembered answer again (``AnswerCache``, bounded in entries and in bytes; an
+answer too large to remember is recomputed if asked again, which inference allows).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import socket
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from splitserve.errors import BadFrame, BadSegment, BadSize, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.server.intake import Arrival, FastPathHost
 from splitserve.server.monitor import Call
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
 
 log = logging.getLogger(__name__)
 
-_ASSEMBLY_TIMEOUT_S = 5.0  # a partial request whose client went quiet frees its slots
+# Fewest payload bytes per segment on average: bounds seg_count, and so the per-request
+# bookkeeping, by the request's size.
+_MIN_SEGMENT = 1024
+
+
+class Coverage:
+    """Which bytes of one message its segments cover so far (pure).
+
+    ``add`` is called with each segment's header before its bytes are received, so a
+    segment that overlaps bytes already received is refused before it can overwrite them.
+    """
+
+    __slots__ = ("total", "seg_count", "segs", "received", "_starts", "_ends")
+
+    def __init__(self, total: int, seg_count: int) -> None:
+        self.total = total
+        self.seg_count = seg_count
+        self.segs: dict[int, tuple[int, int]] = {}  # seq_num -> (offset, length)
+        self.received = 0
+        self._starts: list[int] = []  # offsets of the segments received, sorted
+        self._ends: list[int] = []  # their ends, in the same order
+
+    def add(self, seq_num: int, offset: int, length: int) -> bool:
+        """Record a segment; False if it is an exact repeat. Raises BadSegment naming the problem."""
+        if seq_num >= self.seg_count:
+            raise BadSegment(f"segment {seq_num} of a request of {self.seg_count} segments")
+        if length == 0 or offset + length > self.total:
+            raise BadSegment(f"segment {seq_num} covers bytes [{offset}, {offset + length}) "
+                             f"of a request of {self.total} B")
+        seen = self.segs.get(seq_num)
+        if seen is not None:
+            if seen == (offset, length):
+                return False
+            raise BadSegment(f"segment {seq_num} came as bytes [{offset}, {offset + length}) "
+                             f"and earlier as [{seen[0]}, {seen[0] + seen[1]})")
+        i = bisect.bisect_right(self._starts, offset)
+        if (i and self._ends[i - 1] > offset) or (i < len(self._starts) and self._starts[i] < offset + length):
+            raise BadSegment(f"segment {seq_num} (bytes [{offset}, {offset + length})) overlaps another segment")
+        self._starts.insert(i, offset)
+        self._ends.insert(i, offset + length)
+        self.segs[seq_num] = (offset, length)
+        self.received += length
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """Every segment has arrived (``check`` then says whether they tile the message)."""
+        return len(self.segs) == self.seg_count
+
+    def check(self) -> None:
+        """Raise BadSegment unless the segments tile ``[0, total)`` in ``seq_num`` order."""
+        end = 0
+        for i in range(self.seg_count):
+            off, n = self.segs[i]
+            if off != end:
+                raise BadSegment(f"segment {i} starts at byte {off} but the one before it ends at {end}")
+            end = off + n
+        if end != self.total:
+            raise BadSegment(f"the {self.seg_count} segments cover {end} B of a {self.total} B request")
+
+
+class AnswerCache:
+    """Answers (their datagrams) of recent UDP requests for retransmits: least recently
+    used first out, bounded in entries and in bytes."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[tuple, tuple[list[bytes], int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> list[bytes] | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key: tuple, dgrams: list[bytes]) -> None:
+        """Remember ``dgrams`` for ``key``; an answer larger than the byte bound is not kept."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        size = sum(len(d) for d in dgrams)
+        if size > self.max_bytes:
+            return
+        self._items[key] = (dgrams, size)
+        self.nbytes += size
+        while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+            _, (_, n) = self._items.popitem(last=False)
+            self.nbytes -= n
 
 
 class _Assembly:
-    __slots__ = ("call", "views", "offsets", "seen", "seg_count", "total", "last")
+    """A request whose segments are still arriving: where they go, and which came."""
 
-    def __init__(self, call: Call, views: list[memoryview], seg_count: int) -> None:
-        self.call = call
-        self.views = views
-        self.offsets = []
-        off = 0
-        for v in views:
-            self.offsets.append(off)
-            off += len(v)
-        self.total = off
-        self.seen: set[int] = set()
-        self.seg_count = seg_count
-        self.last = time.monotonic()
+    __slots__ = ("arrival", "coverage")
 
-    def buffers(self, offset: int, length: int) -> list[memoryview]:
-        """The slot memory that bytes [offset, offset+length) of the payload belong in."""
-        out = []
-        for start, v in zip(self.offsets, self.views):
-            end = start + len(v)
-            lo, hi = max(offset, start), min(offset + length, end)
-            if lo < hi:
-                out.append(v[lo - start : hi - start])
-        return out
+    def __init__(self, arrival: Arrival, coverage: Coverage) -> None:
+        self.arrival = arrival
+        self.coverage = coverage
 
 
 class UdpEndpoint:
-    """The UDP fast-path socket; it is also the Sink for the calls it receives."""
+    """The UDP fast-path socket; it is also the Sink for the calls it receives.
 
-    def __init__(self, server: "Server", sock: socket.socket) -> None:
+    ``server`` is a ``FastPathHost`` (``server/intake.py``): the endpoint uses its ``loop``,
+    ``config`` (``udp_segment``, ``udp_rcvbuf``, the answer cache's bounds), ``intake``
+    (slot allocation and the frame-timeout sweep), ``monitor``, and ``runtime``,
+    ``runtime_by_func``, ``request_class`` and ``describe``.
+    """
+
+    def __init__(self, server: FastPathHost, sock: socket.socket) -> None:
         self.server = server
         self.loop = server.loop
+        self.intake = server.intake
         self.sock = sock
+        cfg = server.config
         sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.udp_rcvbuf)
         self.hdr = bytearray(HEADER_SIZE)
         self.scratch = bytearray(65536)
         self.assembling: dict[tuple, _Assembly] = {}
         self.running: set[tuple] = set()
-        self.answered: OrderedDict[tuple, list[bytes]] = OrderedDict()
-        self.segment = server.config.udp_segment
+        self.answered = AnswerCache(cfg.udp_response_cache, cfg.udp_response_cache_bytes)
+        self.segment = cfg.udp_segment
         self.loop.add_reader(sock.fileno(), self._on_readable)
-        self._sweeper = self.loop.call_later(_ASSEMBLY_TIMEOUT_S, self._sweep)
+        self.intake.watch(self, self.loop)
 
     def _on_readable(self) -> None:
-        for _ in range(256):
+        for _ in range(self.server.config.fast_reads_per_wakeup):
             try:
                 n, addr = self.sock.recvfrom_into(self.hdr, HEADER_SIZE, socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):
@@ -114,45 +206,61 @@ class UdpEndpoint:
             self._consume()
             self._send_error(addr, h.req_id, h.func_id, BadFrame(f"a client may not send {Kind(h.kind).name} frames"))
             return
-        if key in self.answered:  # a retransmit of an answered request: answer again
+        cached = self.answered.get(key)
+        if cached is not None:  # a retransmit of an answered request: answer again
             self._consume()
-            self.answered.move_to_end(key)
-            for dgram in self.answered[key]:
+            for dgram in cached:
                 self._sendto([dgram], addr)
             return
         if key in self.running:
             self._consume()
             return
         asm = self.assembling.get(key)
-        try:
-            if asm is None:
+        if asm is None:
+            try:
                 asm = self._start(addr, h)
-                self.assembling[key] = asm
-            if h.seg_count != asm.seg_count or h.seq_num >= asm.seg_count:
-                raise BadSegment(f"segment {h.seq_num} of {h.seg_count} does not fit a request of {asm.seg_count}")
-            if h.payload_offset + h.payload_len > asm.total or n < HEADER_SIZE:
-                raise BadSegment(f"segment {h.seq_num} covers bytes past the request's {asm.total} B")
+            except SplitServeError as e:
+                self._consume()
+                self._send_error(addr, h.req_id, h.func_id, e)
+                return
+            self.assembling[key] = asm
+        try:
+            fresh = self._add_segment(asm, h)
         except SplitServeError as e:
             self._consume()
-            self._send_error(addr, h.req_id, h.func_id, e)
+            self._refuse(key, asm, e)
             return
-        if h.seq_num in asm.seen:
+        if not fresh:  # a retransmitted segment we have
             self._consume()
             return
-        bufs = [memoryview(self.hdr), *asm.buffers(h.payload_offset, h.payload_len)]
+        bufs = [memoryview(self.hdr), *asm.arrival.buffers(h.payload_offset, h.payload_len)]
         got, _, flags, _ = self.sock.recvmsg_into(bufs)
         if got != HEADER_SIZE + h.payload_len or flags & socket.MSG_TRUNC:
-            self.assembling.pop(key, None)
-            asm.call.abandon()
-            self._send_error(addr, h.req_id, h.func_id, BadSize(
-                f"segment {h.seq_num} carried {got - HEADER_SIZE} B, its header says {h.payload_len} B"))
+            self._refuse(key, asm, BadSize(
+                f"segment {h.seq_num} carried {got - HEADER_SIZE} B or more, its header says {h.payload_len} B"))
             return
-        asm.seen.add(h.seq_num)
-        asm.last = time.monotonic()
-        if len(asm.seen) == asm.seg_count:
-            del self.assembling[key]
-            self.running.add(key)
-            asm.call.runtime.submit(asm.call)
+        if asm.coverage.complete:
+            self._complete(key, asm)
+
+    @staticmethod
+    def _add_segment(asm: _Assembly, h: Header) -> bool:
+        cov = asm.coverage
+        claimed = h.total_len or (h.payload_len if h.seg_count == 1 else 0)
+        if h.seg_count != cov.seg_count or claimed != cov.total:
+            raise BadSegment(f"segment {h.seq_num} claims {h.seg_count} segments and {claimed} B; "
+                             f"the request's first segment said {cov.seg_count} and {cov.total} B")
+        return cov.add(h.seq_num, h.payload_offset, h.payload_len)
+
+    def _complete(self, key: tuple, asm: _Assembly) -> None:
+        del self.assembling[key]
+        try:
+            asm.coverage.check()
+            self.intake.arrived(asm.arrival)
+        except SplitServeError as e:
+            self._refuse(key, asm, e)
+            return
+        self.running.add(key)
+        asm.arrival.call.runtime.submit(asm.arrival.call)
 
     def _start(self, addr: tuple, h: Header) -> _Assembly:
         rt = self.server.runtime_by_func(h.func_id)
@@ -160,14 +268,22 @@ class UdpEndpoint:
         total = h.total_len or h.payload_len
         if total == 0 or total % per:
             raise BadSize(f"request of {total} B for {rt.name!r}: expected a multiple of {per} B")
-        if h.seg_count == 0 or h.seg_count > -(-total // 1024):
+        if h.seg_count == 0 or h.seg_count > -(-total // _MIN_SEGMENT):
             raise BadSegment(f"seg_count {h.seg_count} is out of range for a {total} B request")
         count = total // per
         cls = self.server.request_class(rt, h.cls)
-        seq = rt.alloc(cls, count)
+        seq = self.intake.alloc(rt, cls, count)
         deadline = time.perf_counter() + h.deadline_us / 1e6 if h.deadline_us else None
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, deadline, peer=addr)
-        return _Assembly(call, rt.input_views(cls, seq, count), h.seg_count)
+        arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, time.monotonic())
+        return _Assembly(arrival, Coverage(total, h.seg_count))
+
+    def _refuse(self, key: tuple, asm: _Assembly, error: SplitServeError) -> None:
+        """Give up on a partial request: free its slots, answer ``error`` (remembered, so
+        late segments of it get the same answer instead of starting it again)."""
+        self.assembling.pop(key, None)
+        self.intake.dropped(asm.arrival)
+        asm.arrival.call.answer(error)
 
     def _on_lookup(self, addr: tuple, h: Header, name: str) -> None:
         try:
@@ -175,9 +291,26 @@ class UdpEndpoint:
         except SplitServeError as e:
             self._send_error(addr, h.req_id, 0, e)
             return
-        rt.ensure_started()
+        # reports the model, never starts its workers (see FastPathConnection._on_lookup)
         body = json.dumps(self.server.describe(rt)).encode()
         self._sendto([Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body)).pack(), body], addr)
+
+    # -- Receiver (server/intake.py) -------------------------------------------------
+
+    def expire(self, now: float, limit: float) -> None:
+        """Refuse every request still incomplete ``limit`` s after its first segment."""
+        for key, asm in list(self.assembling.items()):
+            if now - asm.arrival.t0 > limit:
+                cov = asm.coverage
+                self._refuse(key, asm, BadSegment(
+                    f"request incomplete {limit:g} s after its first segment "
+                    f"({len(cov.segs)} of {cov.seg_count} segments arrived)"))
+
+    def drop_arrival(self, arrival: Arrival, error: SplitServeError) -> None:
+        key = (arrival.call.peer, arrival.call.req_id)
+        asm = self.assembling.get(key)
+        if asm is not None and asm.arrival is arrival:
+            self._refuse(key, asm, error)
 
     # -- Sink --------------------------------------------------------------------
 
@@ -195,7 +328,7 @@ class UdpEndpoint:
                        total_len=len(payload), queue_us=call.queue_us, compute_us=call.compute_ns // 1000,
                        total_us=call.total_us)
             dgrams.append(h.pack() + part)
-        self._remember(key, dgrams)
+        self.answered.put(key, dgrams)
         for d in dgrams:
             self._sendto([d], call.peer)
 
@@ -205,13 +338,8 @@ class UdpEndpoint:
         msg = error.message.encode()
         d = Header(Kind.ERROR, req_id=call.req_id, func_id=call.runtime.func_id, status=int(error.status),
                    payload_len=len(msg)).pack() + msg
-        self._remember(key, [d])
+        self.answered.put(key, [d])
         self._sendto([d], call.peer)
-
-    def _remember(self, key: tuple, dgrams: list[bytes]) -> None:
-        self.answered[key] = dgrams
-        while len(self.answered) > self.server.config.udp_response_cache:
-            self.answered.popitem(last=False)
 
     def _send_error(self, addr: tuple, req_id: int, func_id: int, error: SplitServeError) -> None:
         msg = error.message.encode()
@@ -224,16 +352,13 @@ class UdpEndpoint:
         except OSError as e:  # UDP gives no delivery promise; the client retransmits
             log.debug("udp send to %s failed: %s", addr, e)
 
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for key, asm in list(self.assembling.items()):
-            if now - asm.last > _ASSEMBLY_TIMEOUT_S:
-                del self.assembling[key]
-                asm.call.abandon()
-        self._sweeper = self.loop.call_later(_ASSEMBLY_TIMEOUT_S, self._sweep)
-
     def close(self) -> None:
-        self._sweeper.cancel()
+        """Stop receiving; partial requests are abandoned (their slots freed)."""
+        self.intake.unwatch(self)
+        for asm in list(self.assembling.values()):
+            self.intake.dropped(asm.arrival)
+            asm.arrival.call.abandon()
+        self.assembling.clear()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         for asm in self.assembling.values():  # no segment can arrive now: free their slots
@@ -244,6 +369,5 @@ class UdpEndpoint:
 def udp_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_DGRAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     s.bind((host, port))
     return s

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from splitserve import Client, UdpClient
-from splitserve.errors import SplitServeError, Status, WorkerFailed
+from splitserve.errors import DeadlineMissed, SplitServeError, Status, WorkerFailed
 from splitserve.models import build_zoo_model, digits_dataset
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.models.gate import Gates
+from splitserve.protocol.header import Header, Kind
+from tests.framing import lookup, raw, read_frame, udp, udp_describe, udp_read
 
 MODELS = ("lenet", "vecadd1k", "digits")
 
@@ -26,6 +28,26 @@ def server(tmp_path_factory):
     s = start_server(tmp_path_factory.mktemp("spine"), *sum((["--load", m] for m in MODELS), []))
     yield s
     assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """A server whose only model is the gate (one instance, max batch 8), and its gates."""
+    from tests.conftest import start_server
+    from tests.inproc import write_model
+
+    root = tmp_path_factory.mktemp("gated")
+    write_model(root / "repo", "gate", "gate")
+    gates = Gates(root / "cache")
+    s = start_server(root / "data", "--repository", str(root / "repo"), "--load", "gate", cache_dir=root / "cache")
+    yield s, gates
+    gates.open_all()
+    assert s.stop() == 0
+
+
+def gate_frame(fid: int, req_id: int, key: int) -> bytes:
+    """A one-sample request for the gate: held while ``key``'s gate is closed."""
+    return Header(Kind.REQUEST, req_id=req_id, func_id=fid, payload_len=8).pack() + np.int64(key).tobytes()
 
 
 def local_outputs(name, xs):
@@ -110,33 +132,6 @@ def test_2000_pipelined_requests_from_32_connections(server):
         np.testing.assert_allclose(y, expected[name][j], rtol=1e-4, atol=1e-5, err_msg=f"{name}[{j}]")
 
 
-def raw(server):
-    s = socket.create_connection(("127.0.0.1", server.info["fast_port"]))
-    s.settimeout(10)
-    return s
-
-
-def read_frame(s):
-    buf = b""
-    while len(buf) < HEADER_SIZE:
-        chunk = s.recv(HEADER_SIZE - len(buf))
-        if not chunk:
-            return None, b""
-        buf += chunk
-    h = unpack_header(buf)
-    body = b""
-    while len(body) < h.payload_len:
-        body += s.recv(h.payload_len - len(body))
-    return h, body
-
-
-def lookup(s, name):
-    s.sendall(Header(Kind.LOOKUP, req_id=1, payload_len=len(name)).pack() + name.encode())
-    h, body = read_frame(s)
-    assert h.kind == Kind.LOOKUP_REPLY, body
-    return h.func_id
-
-
 def good_request(s, fid, req_id=99):
     s.sendall(Header(Kind.REQUEST, req_id=req_id, func_id=fid, payload_len=784).pack() + bytes(784))
     h, body = read_frame(s)
@@ -172,18 +167,65 @@ def test_bad_input_gets_an_error_and_the_connection_survives(server, case, statu
         good_request(s, fid)
 
 
-def test_duplicate_req_id_in_flight_is_refused(server):
+def test_duplicate_req_id_in_flight_is_refused(gated):
+    server, gates = gated
+    gates.close(7001)
     with raw(server) as s:
-        fid = lookup(s, "lenet")
-        # header and half of the payload of call 7, then a second call 7 cannot start: the
-        # first is still being received, so send the duplicate on a pipelined pair instead
-        frame = Header(Kind.REQUEST, req_id=7, func_id=fid, payload_len=784 * 32).pack() + bytes(784 * 32)
-        s.sendall(frame + frame)
-        frames = [read_frame(s)[0] for _ in range(2)]
-        kinds = sorted((f.kind, f.status) for f in frames)
-        # either the first was still in flight (duplicate refused) or it had already been answered
-        assert kinds in ([(Kind.RESPONSE, 0), (Kind.ERROR, Status.DUPLICATE_REQUEST)], [(Kind.RESPONSE, 0)] * 2)
-        good_request(s, fid)
+        fid = lookup(s, "gate")
+        s.sendall(gate_frame(fid, 7, 7001) + gate_frame(fid, 7, 7002))  # call 7 is held in the gate
+        h, body = read_frame(s)
+        assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.DUPLICATE_REQUEST, 7), body
+        gates.open(7001)
+        h, body = read_frame(s)  # the original call is unaffected
+        assert (h.kind, h.req_id, np.frombuffer(body, np.int64).tolist()) == (Kind.RESPONSE, 7, [7001])
+        s.sendall(gate_frame(fid, 7, 7003))  # answered: its id is free again
+        h, body = read_frame(s)
+        assert (h.kind, h.req_id, np.frombuffer(body, np.int64).tolist()) == (Kind.RESPONSE, 7, [7003])
+
+
+def test_deadline_missed_over_tcp_while_the_only_instance_is_held(gated):
+    server, gates = gated
+    gates.close(7010)
+    with Client(server.tcp) as c:
+        held = c.submit("gate", np.full((8, 1), 7010, np.int64))  # a full batch: nothing can join it
+        late = c.submit("gate", np.array([7011], np.int64), deadline_ms=50)
+        with pytest.raises(DeadlineMissed, match="deadline passed"):
+            late.result()
+        gates.open(7010)
+        assert held.result().value().ravel().tolist() == [7010] * 8
+
+
+def test_udp_retransmit_of_an_answered_request_gets_the_remembered_answer(gated):
+    server, gates = gated
+    with udp(server) as u:
+        fid = udp_describe(u, "gate")["func_id"]
+        u.send(gate_frame(fid, 11, 7020))
+        first = udp_read(u)
+        assert first[0].kind == Kind.RESPONSE and np.frombuffer(first[1], np.int64).tolist() == [7020]
+        gates.close(7020)  # run again, the retransmit would now be held until the gate opens
+        try:
+            u.send(gate_frame(fid, 11, 7020))
+            again = udp_read(u)
+        finally:
+            gates.open(7020)
+        assert (again[0].kind, again[0].req_id, again[1]) == (Kind.RESPONSE, 11, first[1])
+
+
+def test_udp_retransmit_of_a_running_request_does_not_start_it_again(gated):
+    server, gates = gated
+    gates.close(7030)
+    with udp(server) as u:
+        fid = udp_describe(u, "gate")["func_id"]
+        for _ in range(3):  # the request and two retransmits while it is held
+            u.send(gate_frame(fid, 12, 7030))
+        gates.open(7030)
+        h, body = udp_read(u)
+        assert (h.kind, h.req_id, np.frombuffer(body, np.int64).tolist()) == (Kind.RESPONSE, 12, [7030])
+        # A second run of call 12 would sit before this one in the ring, so its answer
+        # would come first.
+        u.send(gate_frame(fid, 13, 7031))
+        h, body = udp_read(u)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, 13)
 
 
 @pytest.mark.parametrize("case", ["bad_magic", "bad_version", "truncated"])

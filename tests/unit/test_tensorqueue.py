@@ -52,3 +52,30 @@ def test_slot_ring_hands_out_in_order_and_recycles_only_from_the_tail():
     with pytest.raises(RuntimeError):
         r.release(a)
     assert r.alloc(2) == 4
+
+
+def test_plan_room_moves_only_what_arrives_at_the_tail():
+    r = SlotRing(8)
+    stalled = r.alloc(2)  # seqs 0-1: a request still arriving
+    done = r.alloc(3)  # 2-4: answered and freed, but the tail cannot pass 0-1
+    queued = r.alloc(3)  # 5-7: received, waiting for a batch
+    r.release(done, 3)
+    with pytest.raises(QueueFull):
+        r.alloc(1)
+    # freeing the stalled request lets the tail pass it and the freed slots behind it
+    assert r.plan_room(5, {stalled: 2}) == [stalled]
+    assert r.plan_room(6, {stalled: 2}) is None  # the queued request is in the way
+    assert r.plan_room(1, {}) is None  # nothing may move
+    assert r.plan_room(9, {stalled: 2}) is None  # more than the ring
+    r.release(stalled, 2)
+    assert r.plan_room(5, {}) == [] and r.alloc(5) == 8
+    del queued
+
+
+def test_plan_room_walks_past_several_arrivals_in_order():
+    r = SlotRing(6)
+    a, b, c = r.alloc(1), r.alloc(2), r.alloc(3)
+    assert r.plan_room(1, {a: 1, b: 2, c: 3}) == [a]
+    assert r.plan_room(3, {a: 1, b: 2, c: 3}) == [a, b]
+    assert r.plan_room(4, {a: 1, b: 2, c: 3}) == [a, b, c]
+    assert r.plan_room(4, {a: 1, c: 3}) is None  # b is queued: the tail stops there

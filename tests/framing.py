@@ -1,0 +1,68 @@
+"""Raw fast-path frames for tests that play a client byte by byte (TCP and UDP)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+
+TIMEOUT_S = 30.0  # a test that waits this long for a frame has failed anyway
+
+
+def raw(server: Any) -> socket.socket:
+    """A TCP connection to ``server``'s fast path."""
+    s = socket.create_connection(("127.0.0.1", server.info["fast_port"]))
+    s.settimeout(TIMEOUT_S)
+    return s
+
+
+def read_frame(s: socket.socket) -> tuple[Header | None, bytes]:
+    """The next frame; ``(None, b"")`` once the server closed the connection."""
+    buf = b""
+    while len(buf) < HEADER_SIZE:
+        chunk = s.recv(HEADER_SIZE - len(buf))
+        if not chunk:
+            return None, b""
+        buf += chunk
+    h = unpack_header(buf)
+    body = b""
+    while len(body) < h.payload_len:
+        body += s.recv(h.payload_len - len(body))
+    return h, body
+
+
+def lookup(s: socket.socket, name: str) -> int:
+    """LOOKUP ``name`` on a stream; its func_id."""
+    return describe(s, name)["func_id"]
+
+
+def describe(s: socket.socket, name: str) -> dict:
+    """LOOKUP ``name`` on a stream; the reply's JSON."""
+    s.sendall(Header(Kind.LOOKUP, req_id=1, payload_len=len(name)).pack() + name.encode())
+    h, body = read_frame(s)
+    assert h is not None and h.kind == Kind.LOOKUP_REPLY, body
+    return json.loads(body)
+
+
+def udp(server: Any) -> socket.socket:
+    """A UDP socket connected to ``server``'s fast path."""
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.settimeout(TIMEOUT_S)
+    u.connect(("127.0.0.1", server.info["udp_port"]))
+    return u
+
+
+def udp_read(u: socket.socket) -> tuple[Header, bytes]:
+    """The next datagram: its header and payload."""
+    data = u.recv(65536)
+    h = unpack_header(data)
+    return h, data[HEADER_SIZE : HEADER_SIZE + h.payload_len]
+
+
+def udp_describe(u: socket.socket, name: str) -> dict:
+    u.send(Header(Kind.LOOKUP, req_id=1, payload_len=len(name)).pack() + name.encode())
+    h, body = udp_read(u)
+    assert h.kind == Kind.LOOKUP_REPLY, body
+    return json.loads(body)

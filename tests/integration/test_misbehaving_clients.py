@@ -1,0 +1,216 @@
+"""Clients that stall, trickle, drop, never read or lie about segments: each throttles or
+loses only itself. Real server processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from splitserve import Client, UdpClient
+from splitserve.errors import Status
+from splitserve.protocol.header import Header, Kind
+from tests.framing import describe, lookup, raw, read_frame, udp, udp_describe, udp_read
+
+VEC = 2 * 4096  # bytes of one vecadd1k request (two FP32[1024])
+RING = 64  # vecadd1k's ring with --queue-slots 8: twice its max batch of 32
+RSS_GROWTH_BOUND = 32 << 20  # stated bound on the server's RSS growth under a non-reading client
+
+
+def _server(root, timeout_s: float):
+    from tests.conftest import start_server
+
+    env = {**os.environ, "SPLITSERVE_FRAME_TIMEOUT_S": str(timeout_s)}
+    return start_server(root, "--load", "vecadd1k", "--queue-slots", "8", env=env)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A frame timeout far beyond any test here, so only moving aside can save the ring."""
+    s = _server(tmp_path_factory.mktemp("misbehaving"), 600)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory):
+    """A server that gives a partial frame half a second."""
+    s = _server(tmp_path_factory.mktemp("impatient"), 0.5)
+    yield s
+    assert s.stop() == 0
+
+
+def inputs(seed: int = 0) -> tuple[np.ndarray, np.ndarray, bytes]:
+    a, b = np.random.default_rng(seed).standard_normal((2, 1024), dtype=np.float32)
+    return a, b, a.tobytes() + b.tobytes()
+
+
+def request(fid: int, payload: bytes, req_id: int = 1, cls: int = 0) -> bytes:
+    return Header(Kind.REQUEST, req_id=req_id, func_id=fid, cls=cls, payload_len=len(payload)).pack() + payload
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_slowloris_one_stalled_frame_per_class_does_not_starve_the_model(server):
+    a, b, payload = inputs()
+    with raw(server) as rt_stall, raw(server) as be_stall, Client(server.tcp) as c:
+        fid = lookup(rt_stall, "vecadd1k")
+        for s, cls in ((rt_stall, 0), (be_stall, 1)):  # header and half the payload, then silence
+            s.sendall(request(fid, payload, cls=cls)[: 64 + VEC // 2])
+        for cls in ("rt", "be"):
+            window: list = []
+            for i in range(10 * RING + 1):
+                window.append(c.submit("vecadd1k", (a, b), cls=cls))
+                if len(window) == 16 or i == 10 * RING:
+                    for p in window:
+                        np.testing.assert_allclose(p.result().value(), a + b, rtol=1e-6)
+                    window.clear()
+        # the stalled request, moved off its ring meanwhile, still completes correctly
+        rt_stall.sendall(payload[VEC // 2 :])
+        h, body = read_frame(rt_stall)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, 1), body
+        np.testing.assert_allclose(np.frombuffer(body, np.float32), a + b, rtol=1e-6)
+
+
+def test_non_reading_client_pipelining_100k_requests_throttles_only_itself(server):
+    a, b, payload = inputs(1)
+    pid = server.proc.pid
+    with Client(server.tcp) as other, raw(server) as hog:
+        for _ in range(20):
+            other.infer("vecadd1k", (a, b))
+        base = peak = rss(pid)
+        fid = lookup(hog, "vecadd1k")  # the last frame it ever reads
+        progress = {"frames": 0, "done": False}
+
+        def pipeline() -> None:
+            try:
+                for start in range(0, 100_000, 16):
+                    hog.sendall(b"".join(request(fid, payload, req_id=i) for i in range(start, start + 16)))
+                    progress["frames"] = start + 16
+            except OSError:
+                pass  # the test shut the socket down
+            progress["done"] = True
+
+        sender = threading.Thread(target=pipeline, daemon=True)
+        sender.start()
+        try:
+            # Serve another client until the hog is blocked (its frame count stood still
+            # over 200 of our calls) or everything it sent was taken.
+            served = still = last = 0
+            while not progress["done"] and still < 200:
+                np.testing.assert_allclose(other.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+                served += 1
+                peak = max(peak, rss(pid))
+                still, last = (still + 1, last) if progress["frames"] == last else (0, progress["frames"])
+        finally:
+            hog.shutdown(socket.SHUT_RDWR)
+            sender.join(timeout=60)
+        assert progress["frames"] < 100_000, "the server read everything a non-reading client sent"
+        assert peak - base < RSS_GROWTH_BOUND, f"server RSS grew by {(peak - base) >> 20} MiB"
+        assert served >= 200
+        np.testing.assert_allclose(other.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+
+
+def test_client_dropping_mid_frame_frees_its_slots(server):
+    a, b, payload = inputs(2)
+    with raw(server) as s:
+        fid = lookup(s, "vecadd1k")
+        s.sendall(request(fid, payload)[: 64 + 100])  # then the peer goes away mid-frame
+    with Client(server.tcp) as c:
+        for _ in range(RING + 1):  # a slot never freed would pin the ring's tail within a lap
+            np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["overlap", "gap", "total_len"])
+def test_udp_segments_that_do_not_tile_the_request_are_refused(server, case):
+    a, b, payload = inputs(3)
+    half = VEC // 2
+    segments = {  # (seq_num, offset, length, total_len)
+        "overlap": [(0, 0, half, VEC), (1, 0, half, VEC)],  # both claim offset 0
+        "gap": [(0, 0, half, VEC), (1, half + 1024, half - 1024, VEC)],
+        "total_len": [(0, 0, half, VEC), (1, half, half, 2 * VEC)],
+    }[case]
+    with udp(server) as u:
+        fid = udp_describe(u, "vecadd1k")["func_id"]
+        for seq, off, n, total in segments:
+            u.send(Header(Kind.REQUEST, req_id=21, func_id=fid, seq_num=seq, seg_count=2, payload_len=n,
+                          payload_offset=off, total_len=total).pack() + payload[off : off + n])
+        h, body = udp_read(u)
+        assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.BAD_SEGMENT, 21), body
+    with UdpClient(server.udp) as c:  # its slots were freed: a lap of the ring succeeds
+        for _ in range(RING + 1):
+            np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+
+
+def test_lookup_reports_a_model_without_starting_its_workers(server):
+    with raw(server) as s, udp(server) as u:
+        for info in (describe(s, "matmul8k"), udp_describe(u, "matmul8k"), describe(s, "matmul8k")):
+            assert info["state"] == "unloaded" and info["pids"] == [None], info
+        with Client(server.tcp) as c:  # the first request starts it
+            x = np.eye(64, dtype=np.float32)
+            np.testing.assert_allclose(c.infer("matmul8k", (x, x)), x)
+        info = describe(s, "matmul8k")
+        assert info["state"] == "ready" and all(info["pids"]), info
+
+
+@pytest.mark.parametrize("case", ["header", "payload", "trickle"])
+def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, case):
+    _, _, payload = inputs(4)
+    with raw(impatient) as s:
+        fid = lookup(s, "vecadd1k")
+        frame = request(fid, payload, req_id=5)
+        if case == "header":
+            s.sendall(frame[:20])
+        elif case == "payload":
+            s.sendall(frame[: 64 + 300])
+        else:  # a byte every 20 ms: the frame would take 2.7 minutes, each byte within the timeout
+
+            def trickle() -> None:
+                try:
+                    for i in range(len(frame)):
+                        s.send(frame[i : i + 1])
+                        time.sleep(0.02)
+                except OSError:
+                    pass  # closed by the server, as it should be
+
+            threading.Thread(target=trickle, daemon=True).start()
+        h, body = read_frame(s)
+        assert (h.kind, h.status) == (Kind.ERROR, Status.BAD_FRAME) and b"incomplete" in body, (h, body)
+        assert read_frame(s)[0] is None  # then closed
+    with raw(impatient) as other:  # other connections are unaffected
+        other.sendall(Header(Kind.PING, req_id=9).pack())
+        assert read_frame(other)[0].kind == Kind.PONG
+
+
+def test_udp_request_missing_a_segment_is_refused_after_the_timeout(impatient):
+    _, _, payload = inputs(5)
+    with udp(impatient) as u:
+        fid = udp_describe(u, "vecadd1k")["func_id"]
+        u.send(Header(Kind.REQUEST, req_id=31, func_id=fid, seq_num=0, seg_count=2, payload_len=VEC // 2,
+                      total_len=VEC).pack() + payload[: VEC // 2])
+        h, body = udp_read(u)
+        assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.BAD_SEGMENT, 31) and b"incomplete" in body
+
+
+def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
+    from splitserve.server.fastpath import unix_listener
+
+    path = tmp_path / "fast.sock"
+    live = unix_listener(path)
+    try:
+        assert os.stat(path).st_mode & 0o077 == 0  # other local users cannot connect
+        with pytest.raises(OSError, match="another server is listening"):
+            unix_listener(path)
+    finally:
+        live.close()
+    unix_listener(path).close()  # a stale socket file (its server gone) is replaced
