@@ -361,9 +361,6 @@ class UdpEndpoint:
         self.assembling.clear()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
-        for asm in self.assembling.values():  # no segment can arrive now: free their slots
-            asm.call.abandon()
-        self.assembling.clear()
 
 
 def udp_socket(host: str, port: int) -> socket.socket:

@@ -22,8 +22,6 @@ from splitserve.bench.fuzz.wire import REQUEST, SEGMENTED, frame, payload_bytes
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=200,
                 suppress_health_check=[HealthCheck.too_slow])
-COVERAGE_FIX = ("UDP reassembly submits once it has seg_count segments, without checking that they cover the "
-                "payload exactly (issue 9, Must have 4); the fast-path branch fixes it")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,6 @@ def test_well_formed_segmentations_keep_every_property(well_formed, rnd):
     well_formed.check(well_formed.generate(rnd))
 
 
-@pytest.mark.xfail(strict=True, reason=COVERAGE_FIX)
 @settings(FUZZ, phases=[Phase.explicit, Phase.generate])  # no shrinking while it is expected to fail
 @given(rnd=st.randoms(use_true_random=False))
 def test_overlapping_and_foreign_segments_are_never_submitted(any_segments, rnd):
@@ -72,7 +69,6 @@ def test_a_partial_request_frees_its_slots_when_the_endpoint_closes(well_formed)
     assert well_formed.server.submitted == []
 
 
-@pytest.mark.xfail(strict=True, reason=COVERAGE_FIX)
 def test_two_segments_claiming_offset_zero_are_not_submitted(well_formed):
     data = bytes(range(256)) * 12  # 3072 B: one sample of fz2
     # seq 0 and seq 1 both claim bytes 0..1535; bytes 1536..3071 never arrive

@@ -25,6 +25,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, UnknownModel, WorkerFailed
 from splitserve.modelconfig import ArtifactConfig, ModelConfig
 from splitserve.protocol.header import RequestClass
+from splitserve.server.intake import Intake
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.types import TensorSpec
@@ -210,6 +211,7 @@ class FuzzServer:
         self.config = config or ServerConfig()
         self.connections: set[Any] = set()
         self.monitor = InferenceMonitor()
+        self.intake = Intake(self.config)
         self.runtimes = {m.name: FuzzRuntime(self, m, FUNC_IDS[m.name]) for m in MODELS}
         self.by_func = {rt.func_id: rt for rt in self.runtimes.values()}
         self.submitted: list[Submitted] = []
@@ -220,6 +222,8 @@ class FuzzServer:
 
     def reset(self, answers: list[str], start: int, free: int | None) -> None:
         self.monitor = InferenceMonitor()
+        self.intake.close()
+        self.intake = Intake(self.config)
         self.connections.clear()
         self.submitted = []
         self.later = []
