@@ -221,7 +221,9 @@ class UdpEndpoint:
                 asm = self._start(addr, h)
             except SplitServeError as e:
                 self._consume()
-                self._send_error(addr, h.req_id, h.func_id, e)
+                # The refusal is this request's one answer: a retransmit that crossed it
+                # gets it again rather than being admitted later with a second answer.
+                self._answer_once(key, self._error_dgram(h.req_id, h.func_id, e))
                 return
             self.assembling[key] = asm
         try:
@@ -335,16 +337,22 @@ class UdpEndpoint:
     def fail(self, call: Call, error: SplitServeError) -> None:
         key = (call.peer, call.req_id)
         self.running.discard(key)
+        self._answer_once(key, self._error_dgram(call.req_id, call.runtime.func_id, error))
+
+    def _answer_once(self, key: tuple, dgram: bytes) -> None:
+        """Send a request's one answer and remember it for retransmits."""
+        self.answered.put(key, [dgram])
+        self._sendto([dgram], key[0])
+
+    @staticmethod
+    def _error_dgram(req_id: int, func_id: int, error: SplitServeError) -> bytes:
         msg = error.message.encode()
-        d = Header(Kind.ERROR, req_id=call.req_id, func_id=call.runtime.func_id, status=int(error.status),
-                   payload_len=len(msg)).pack() + msg
-        self.answered.put(key, [d])
-        self._sendto([d], call.peer)
+        return Header(Kind.ERROR, req_id=req_id, func_id=func_id, status=int(error.status),
+                      payload_len=len(msg)).pack() + msg
 
     def _send_error(self, addr: tuple, req_id: int, func_id: int, error: SplitServeError) -> None:
-        msg = error.message.encode()
-        self._sendto([Header(Kind.ERROR, req_id=req_id, func_id=func_id, status=int(error.status),
-                             payload_len=len(msg)).pack(), msg], addr)
+        """An error about a datagram that is no request (bad frame, lookup): not remembered."""
+        self._sendto([self._error_dgram(req_id, func_id, error)], addr)
 
     def _sendto(self, parts: list, addr: tuple) -> None:
         try:

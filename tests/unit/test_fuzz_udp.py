@@ -11,6 +11,7 @@ well formed and complete, and every slot is free once the endpoint is closed.
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -19,6 +20,9 @@ from hypothesis import strategies as st
 from splitserve.bench.fuzz.fakes import FUNC_IDS, Answer
 from splitserve.bench.fuzz.udp import UdpCase, UdpHarness
 from splitserve.bench.fuzz.wire import REQUEST, SEGMENTED, frame, payload_bytes
+from splitserve.errors import Status
+from splitserve.protocol.header import HEADER_SIZE, Kind, unpack_header
+from splitserve.server.udp import UdpEndpoint
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=200,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -73,3 +77,29 @@ def test_two_segments_claiming_offset_zero_are_not_submitted(well_formed):
     data = bytes(range(256)) * 12  # 3072 B: one sample of fz2
     # seq 0 and seq 1 both claim bytes 0..1535; bytes 1536..3071 never arrive
     well_formed.check(UdpCase(_request(6, data, [(0, 0, 1536), (1, 0, 1536)])))
+
+
+def test_a_refused_request_keeps_its_refusal_when_retransmitted(well_formed):
+    # Found by bench chaos: a refusal at admission (QUEUE_FULL, MODEL_NOT_READY) was sent but
+    # not remembered, so a retransmit that crossed it was admitted once there was room, and
+    # the request got two different answers.
+    h = well_formed
+    h.server.reset([Answer.SOON], 0, 0)  # every slot taken: the first try is refused
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    ep = UdpEndpoint(h.server, sock)
+    got: list[list[bytes]] = [[] for _ in h.clients]
+    (_, dgram), = _request(8, bytes(3072), [(0, 0, 3072)])
+    try:
+        h.clients[0].sendto(dgram, sock.getsockname())
+        h._settle(sock, got)
+        for rt in h.server.runtimes.values():
+            rt.release_held()  # room now: a fresh request would be admitted
+        h.clients[0].sendto(dgram, sock.getsockname())  # the retransmit
+        h._settle(sock, got)
+    finally:
+        ep.close()
+    h._read(got)
+    assert h.server.submitted == []
+    answers = [unpack_header(d[:HEADER_SIZE]) for d in got[0]]
+    assert [(a.kind, a.req_id, Status(a.status)) for a in answers] == [(Kind.ERROR, 8, Status.QUEUE_FULL)] * 2
