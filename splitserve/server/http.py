@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import secrets
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,11 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
-from splitserve.errors import BadSize, InvalidInput, SplitServeError, UnknownModel
-from splitserve.modelconfig import check_model_name
+from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError, UnknownModel
+from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import management
+from splitserve.server.frontends import CodecPool
 
 if TYPE_CHECKING:
     from splitserve.server.app import Server
@@ -57,10 +59,6 @@ _INFER_DOC = {
 }
 
 
-class PayloadTooLarge(Exception):
-    """A body over ``max_upload_bytes``: answered 413 (HTTP only; no wire status of its own)."""
-
-
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
     lets clients rebuild the exact error class."""
@@ -70,7 +68,7 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _limited(receive: Callable[[], Awaitable[dict]], limit: int) -> Callable[[], Awaitable[dict]]:
+def _limited(receive: Callable[[], Awaitable[dict]], limit: int, what: str) -> Callable[[], Awaitable[dict]]:
     """An ASGI receive that counts body bytes and stops at ``limit`` (chunked bodies too)."""
     seen = 0
 
@@ -80,28 +78,34 @@ def _limited(receive: Callable[[], Awaitable[dict]], limit: int) -> Callable[[],
         if msg["type"] == "http.request":
             seen += len(msg.get("body", b""))
             if seen > limit:
-                raise PayloadTooLarge(f"the body exceeds the {limit} byte limit (SPLITSERVE_MAX_UPLOAD_BYTES)")
+                raise PayloadTooLarge(f"the body exceeds the {limit} byte limit ({what})")
         return msg
 
     return counted
 
 
-def _bounded(request: Request, limit: int) -> Request:
-    """The same request, refused at once when Content-Length says it is too large."""
+def _content_length(request: Request, limit: int, what: str) -> int | None:
+    """The declared body size (None when chunked), refused at once when over ``limit``."""
     length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            n = int(length)
-        except ValueError:
-            raise InvalidInput(f"Content-Length {length!r} is not a number") from None
-        if n > limit:
-            raise PayloadTooLarge(f"the body of {n} bytes exceeds the {limit} byte limit "
-                                  "(SPLITSERVE_MAX_UPLOAD_BYTES)")
-    return Request(request.scope, _limited(request.receive, limit))
+    if length is None:
+        return None
+    try:
+        n = int(length)
+    except ValueError:
+        raise InvalidInput(f"Content-Length {length!r} is not a number") from None
+    if n > limit:
+        raise PayloadTooLarge(f"the body of {n} bytes exceeds the {limit} byte limit ({what})")
+    return n
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    req = _bounded(request, limit)
+def _bounded(request: Request, limit: int, what: str) -> Request:
+    """The same request, refused before it is read when it is (or becomes) too large."""
+    _content_length(request, limit, what)
+    return Request(request.scope, _limited(request.receive, limit, what))
+
+
+async def _body(request: Request, limit: int, what: str) -> bytes:
+    req = _bounded(request, limit, what)
     chunks: list[bytes] = []
     stream: AsyncIterator[bytes] = req.stream()
     async for chunk in stream:
@@ -109,14 +113,35 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _json(request: Request, limit: int, default: Any = None) -> Any:
-    body = await _body(request, limit)
+def _parse_json(body: bytes, default: Any = None) -> Any:
     if not body.strip():
         return default
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+
+
+async def _json(request: Request, limit: int, default: Any = None) -> Any:
+    """A small JSON body (management calls), parsed on the loop."""
+    return _parse_json(await _body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
+
+
+def _infer_limit(server: "Server", cfg: ModelConfig) -> int:
+    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value)
+
+
+def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None) -> tuple[v2.InferRequest, list[np.ndarray]]:
+    """The request and the model's inputs in declared order (runs in a codec thread)."""
+    req = v2.parse_infer_request(body, header_length)
+    return req, v2.model_inputs(cfg.name, cfg.inputs, req.inputs, req.datatypes)
+
+
+def _encode_infer(model: str, version: str, req: v2.InferRequest, outputs: list[tuple[str, np.ndarray]],
+                  parameters: dict[str, Any]) -> tuple[bytes, int | None]:
+    """The response body and its JSON header length (runs in a codec thread when large)."""
+    parts, hlen = v2.build_infer_response(model, version, req, outputs, parameters)
+    return b"".join(parts), hlen
 
 
 async def _text_field(value: Any, field: str) -> str | None:
@@ -131,21 +156,19 @@ async def _text_field(value: Any, field: str) -> str | None:
     return str(raw)
 
 
-def create_app(server: "Server") -> FastAPI:
-    """The FastAPI app of one server (handlers keep no per-request state on the app)."""
+def create_app(server: "Server", codec: CodecPool) -> FastAPI:
+    """The FastAPI app of one server (handlers keep no per-request state on the app);
+    ``codec`` decodes and encodes large bodies off the loop."""
     app = FastAPI(title="splitserve", version=__version__,
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
-    limit = server.config.max_upload_bytes
+    upload_limit = server.config.max_upload_bytes
+    small_limit = server.config.management_body_bytes
 
     # -- errors ----------------------------------------------------------------------------
 
     @app.exception_handler(SplitServeError)
     async def _splitserve_error(request: Request, e: SplitServeError) -> JSONResponse:
         return _error(e.http_status, e.message, e.status.name)
-
-    @app.exception_handler(PayloadTooLarge)
-    async def _too_large(request: Request, e: PayloadTooLarge) -> JSONResponse:
-        return _error(413, str(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -157,16 +180,13 @@ def create_app(server: "Server") -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return _error(500, f"internal error: {type(e).__name__}: {e}")
+        # A bug: the details stay in the server log, the client gets a reference to them.
+        ref = secrets.token_hex(6)
+        log.exception("HTTP %s %s failed (reference %s)", request.method, request.url.path, ref)
+        return _error(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
 
     def version_of(name: str, version: str | None) -> str:
-        rec = server.records.get(name)
-        if rec is None:
-            raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
-        if version is not None and version != str(rec.version):
-            raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.version}")
-        return str(rec.version)
+        return str(management.record(server, name, version).version)
 
     def authorize(request: Request) -> None:
         management.check_token(server, request.headers.get("authorization"))
@@ -184,8 +204,8 @@ def create_app(server: "Server") -> FastAPI:
 
     @app.get("/v2/health/ready", tags=["health"])
     async def ready() -> JSONResponse:
-        """Ready while the server takes requests (models load on first use)."""
-        ok = not server.stopping
+        """Ready once the start-up models are loaded, until the server stops (others load on first use)."""
+        ok = management.server_ready(server)
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def model_ready(name: str, version: str | None = None) -> JSONResponse:
@@ -236,19 +256,22 @@ def create_app(server: "Server") -> FastAPI:
         ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
         """
         ver = version_of(name, version)
-        body = await _body(request, limit)
-        req = v2.parse_infer_request(body, request.headers.get(v2.HEADER_LENGTH))
-        rt = server.runtime(name)
-        cfg = rt.config
-        inputs = v2.model_inputs(name, cfg.inputs, req.inputs, req.datatypes)
+        cfg = server.records[name].config
+        limit = _infer_limit(server, cfg)
+        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
+                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
+        async with codec.admit(_content_length(request, limit, what)):
+            body = await _body(request, limit, what)
+            req, inputs = await codec.run(len(body), _decode_infer, cfg, body, request.headers.get(v2.HEADER_LENGTH))
         out = await server.infer(name, inputs, req.cls, req.deadline_s)
-        parts, hlen = v2.build_infer_response(
-            name, ver, req, [(t.name, a) for t, a in zip(cfg.outputs, out.outputs)],
-            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us},
-        )
+        names = [t.name for t in server.runtime(name).config.outputs]
+        parts, hlen = await codec.run(
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else server.config.json_chars_per_value),
+            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us})
         if hlen is None:
-            return Response(b"".join(parts), media_type=v2.JSON_CONTENT_TYPE)
-        return Response(b"".join(parts), media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
+            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
+        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
 
     app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference",
              openapi_extra=_INFER_DOC)(infer)
@@ -264,7 +287,11 @@ def create_app(server: "Server") -> FastAPI:
         ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
         little-endian bytes of one or more samples. Single-input models only.
         """
-        doc = await _json(request, limit)
+        limit = max(_infer_limit(server, r.config) for r in server.records.values())
+        what = "the largest infer body limit of any model"
+        async with codec.admit(_content_length(request, limit, what)):
+            body = await _body(request, limit, what)
+            doc = await codec.run(len(body), _parse_json, body)
         if not isinstance(doc, dict) or not isinstance(doc.get("model"), str) or "input" not in doc:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
@@ -278,7 +305,7 @@ def create_app(server: "Server") -> FastAPI:
         if len(cfg.inputs) != 1:
             raise InvalidInput(f"/classify takes single-input models; {name!r} has {len(cfg.inputs)} inputs")
         spec = cfg.inputs[0]
-        x = _classify_input(spec, doc["input"])
+        x = await codec.run(len(body), _classify_input, spec, doc["input"])
         cls = v2.InferRequest(parameters={"class": doc.get("class")}).cls
         out = await server.infer(name, [x], cls, None)
         logits = out.outputs[0].reshape(len(x), -1).astype(np.float64)
@@ -297,7 +324,7 @@ def create_app(server: "Server") -> FastAPI:
     @app.post("/v2/repository/index", tags=["repository"])
     async def repository_index(request: Request) -> list:
         """Every model and its state; body ``{"ready": true}`` lists ready models only."""
-        doc = await _json(request, 1 << 16, {}) or {}
+        doc = await _json(request, small_limit, {}) or {}
         if not isinstance(doc, dict):
             raise InvalidInput("the body must be a JSON object")
         return management.repository_index(server, bool(doc.get("ready", False)))
@@ -315,8 +342,8 @@ def create_app(server: "Server") -> FastAPI:
         the call returns, or the registration is rolled back (needs the token)."""
         authorize(request)
         check_model_name(name)
-        req = _bounded(request, limit)
-        async with req.form(max_files=3, max_fields=3, max_part_size=limit) as form:
+        req = _bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
+        async with req.form(max_files=3, max_fields=3, max_part_size=upload_limit) as form:
             unknown = set(form.keys()) - {"config", "artifact", "labels"}
             if unknown:
                 raise InvalidInput(f"unknown form fields {sorted(unknown)}: send config, artifact and labels")
@@ -363,7 +390,7 @@ def create_app(server: "Server") -> FastAPI:
     async def configure(name: str, request: Request) -> dict:
         """Change instances and batching at run time without dropping requests (needs the token)."""
         authorize(request)
-        doc = await _json(request, 1 << 16)
+        doc = await _json(request, small_limit)
         if not isinstance(doc, dict) or not doc:
             raise InvalidInput('the body must be a JSON object, e.g. {"instances": 2}')
         unknown = set(doc) - {"instances", "batching", "max_batch_size"}
