@@ -209,6 +209,15 @@ def deadline_seconds(ms: Any) -> float | None:
     return float(ms) / 1000.0
 
 
+def json_number(name: str, value: Any, kind: type) -> "int | float":
+    """A JSON value that must be a finite number (``kind`` int: a whole one, 2.0 included, as
+    JSON Schema counts it); InvalidInput naming ``name`` otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (kind is int and not float(value).is_integer()):
+        raise InvalidInput(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
 def infer_body_limit(specs: Sequence[TensorSpec], max_batch: int, chars_per_value: int) -> int:
     """The largest infer body worth receiving for a model: ``max_batch`` samples of every
     input as JSON text (``chars_per_value`` characters a value, at least the binary size),

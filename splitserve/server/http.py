@@ -27,10 +27,11 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
-from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError, UnknownModel
+from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import management
+from splitserve.server import http_schema as doc
 from splitserve.server.frontends import CodecPool
 
 if TYPE_CHECKING:
@@ -40,24 +41,6 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
 MAX_TOP_K = 1000
-
-_INFER_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {"type": "object"},
-                "example": {"id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
-                            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
-            },
-            "application/octet-stream": {
-                "schema": {"type": "string", "format": "binary",
-                           "description": "JSON header of Inference-Header-Content-Length bytes, then tensor bytes"},
-            },
-        },
-    }
-}
-
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
@@ -156,6 +139,14 @@ async def _text_field(value: Any, field: str) -> str | None:
     return str(raw)
 
 
+def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """Route arguments that document the answers: ``ok`` (a model, or a ``responses`` entry)
+    for 200, ErrorBody for ``codes`` and 500, and ``alt`` statuses with a body of their own."""
+    ok_entry = {"model": ok} if isinstance(ok, type) else ok
+    own = {code: {"model": m, "description": "Not ready"} for code, m in (alt or {}).items()}
+    return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
+
+
 def create_app(server: "Server", codec: CodecPool) -> FastAPI:
     """The FastAPI app of one server (handlers keep no per-request state on the app);
     ``codec`` decodes and encodes large bodies off the loop."""
@@ -163,6 +154,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
     upload_limit = server.config.max_upload_bytes
     small_limit = server.config.management_body_bytes
+    doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange])
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -193,16 +185,16 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
 
     # -- health and metadata ------------------------------------------------------------
 
-    @app.get("/v2", tags=["health"])
+    @app.get("/v2", tags=["health"], **_doc(doc.ServerMetadata))
     async def server_metadata() -> dict:
         """Server metadata: name, version, extensions."""
         return {"name": "splitserve", "version": __version__, "extensions": EXTENSIONS}
 
-    @app.get("/v2/health/live", tags=["health"])
+    @app.get("/v2/health/live", tags=["health"], **_doc(doc.Live))
     async def live() -> dict:
         return {"live": True}
 
-    @app.get("/v2/health/ready", tags=["health"])
+    @app.get("/v2/health/ready", tags=["health"], **_doc(doc.Ready, alt={503: doc.Ready}))
     async def ready() -> JSONResponse:
         """Ready once the start-up models are loaded, until the server stops (others load on first use)."""
         ok = management.server_ready(server)
@@ -217,23 +209,28 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         version_of(name, version)
         return management.model_metadata(server, name)
 
-    app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)")(model_ready)
-    app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready")(model_ready)
+    ready_doc = _doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
+    app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)", **ready_doc)(model_ready)
+    app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready",
+            **ready_doc)(model_ready)
 
-    @app.get("/v2/models/stats", tags=["statistics"])
+    @app.get("/v2/models/stats", tags=["statistics"], **_doc(doc.Statistics))
     async def all_stats() -> dict:
         """Statistics of every model (Triton statistics extension)."""
         return management.model_statistics(server)
 
-    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata")(metadata)
-    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata")(metadata)
+    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata", **_doc(doc.ModelMetadata, 404))(metadata)
+    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
+            **_doc(doc.ModelMetadata, 404))(metadata)
 
     async def stats(name: str, version: str | None = None) -> dict:
         version_of(name, version)
         return management.model_statistics(server, name)
 
-    app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics")(stats)
-    app.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics")(stats)
+    app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics",
+            **_doc(doc.Statistics, 404))(stats)
+    app.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics",
+            **_doc(doc.Statistics, 404))(stats)
 
     async def model_config(name: str, version: str | None = None) -> dict:
         version_of(name, version)
@@ -244,8 +241,10 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
                 "instances": rt.instance_count if rt is not None else cfg.instances,
                 "dispatch_max_batch": rt.sched.max_batch if rt is not None else cfg.max_batch_size}
 
-    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration")(model_config)
-    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration")(model_config)
+    config_doc = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
+    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration", **config_doc)(model_config)
+    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration",
+            **config_doc)(model_config)
 
     # -- inference ----------------------------------------------------------------------
 
@@ -273,14 +272,23 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
             return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
         return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
 
-    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference",
-             openapi_extra=_INFER_DOC)(infer)
+    infer_doc = _doc(
+        {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
+                        "Inference-Header-Content-Length bytes and the tensor bytes",
+         "content": {v2.JSON_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/InferResponseBody"}},
+                     v2.BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+        400, 404, 413, 429, 503, 504,
+        openapi_extra=doc.body(doc.InferRequestBody, {
+            "id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
+            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
+            binary="JSON header of Inference-Header-Content-Length bytes, then tensor bytes"))
+    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference", **infer_doc)(infer)
     app.post("/v2/models/{name}/versions/{version}/infer", tags=["inference"], summary="Inference (version)",
-             openapi_extra=_INFER_DOC)(infer)
+             **infer_doc)(infer)
 
-    @app.post("/classify", tags=["inference"], openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"type": "object"},
-                             "example": {"model": "digits", "input": [[[0.0] * 8] * 8], "top_k": 3}}}}})
+    @app.post("/classify", tags=["inference"], **_doc(doc.ClassifyResponse, 400, 404, 413, 429, 503, 504,
+                                                      openapi_extra=doc.body(doc.ClassifyRequest, {
+                                                          "model": "mydigits", "input": [[[0.0] * 8] * 8], "top_k": 3})))
     async def classify(request: Request) -> dict:
         """Top-k labels and softmax scores of a model registered with a labels file.
 
@@ -295,8 +303,8 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         if not isinstance(doc, dict) or not isinstance(doc.get("model"), str) or "input" not in doc:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
-        top_k = doc.get("top_k", 5)
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_TOP_K:
+        top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
+        if not 1 <= top_k <= MAX_TOP_K:
             raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
         rt = server.runtime(name)
         cfg = rt.config
@@ -321,15 +329,20 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
 
     # -- model repository and management -------------------------------------------------
 
-    @app.post("/v2/repository/index", tags=["repository"])
+    @app.post("/v2/repository/index", tags=["repository"],
+              **_doc({"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
     async def repository_index(request: Request) -> list:
         """Every model and its state; body ``{"ready": true}`` lists ready models only."""
         doc = await _json(request, small_limit, {}) or {}
         if not isinstance(doc, dict):
             raise InvalidInput("the body must be a JSON object")
-        return management.repository_index(server, bool(doc.get("ready", False)))
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"ready must be true or false, got {ready!r}")
+        return management.repository_index(server, ready)
 
-    @app.post("/v2/repository/models/{name}/register", tags=["repository"], openapi_extra={"requestBody": {
+    @app.post("/v2/repository/models/{name}/register", tags=["repository"], **_doc(doc.Registered, 400, 401, 413, 507),
+              openapi_extra={"requestBody": {
         "required": True, "content": {"multipart/form-data": {"schema": {
             "type": "object", "required": ["config"],
             "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
@@ -362,31 +375,31 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         rec = await management.register_model(server, config, artifact, labels)
         return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
 
-    @app.delete("/v2/repository/models/{name}", tags=["repository"])
+    @app.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
     async def unregister(name: str, request: Request) -> dict:
         """Unload and delete a model registered at run time (needs the token)."""
         authorize(request)
         await management.unregister_model(server, check_model_name(name))
         return {"name": name, "deleted": True}
 
-    @app.post("/v2/repository/models/{name}/load", tags=["repository"])
+    @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(doc.ModelState, 401, 404, 503))
     async def load(name: str, request: Request) -> dict:
         """Start the model's workers and wait until it is ready (needs the token)."""
         authorize(request)
         await management.load_model(server, name)
         return {"name": name, "state": "READY"}
 
-    @app.post("/v2/repository/models/{name}/unload", tags=["repository"])
+    @app.post("/v2/repository/models/{name}/unload", tags=["repository"], **_doc(doc.ModelState, 401, 404))
     async def unload(name: str, request: Request) -> dict:
         """Stop the model's workers; requests get 503 until it is loaded again (needs the token)."""
         authorize(request)
         await management.unload_model(server, name)
         return {"name": name, "state": "UNAVAILABLE"}
 
-    @app.post("/v2/repository/models/{name}/config", tags=["repository"], openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"type": "object"}, "example": {
+    @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
+        config_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
-            "max_batch_size": 16}}}}})
+            "max_batch_size": 16})))
     async def configure(name: str, request: Request) -> dict:
         """Change instances and batching at run time without dropping requests (needs the token)."""
         authorize(request)
@@ -410,21 +423,23 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
 
     # -- scheduling introspection (benchmarks read these from another process) ----------------
 
-    @app.get("/v2/models/{name}/placement", tags=["scheduling"])
+    @app.get("/v2/models/{name}/placement", tags=["scheduling"],
+             **_doc({"description": "Serving instances, the Packrat plan and reconfigurations"}, 404))
     async def placement(name: str) -> dict:
         """The serving instance set (threads, batch, CPUs), the Packrat plan and every
         reconfiguration so far, with its times on the server's clock."""
         version_of(name, None)
         return management.placement(server, name)
 
-    @app.get("/v2/scheduler/events", tags=["scheduling"])
+    @app.get("/v2/scheduler/events", tags=["scheduling"], **_doc(doc.SchedulerEvents, 400))
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
         """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
         return management.scheduler_events(server, since, limit)
 
     # -- metrics ----------------------------------------------------------------------------
 
-    @app.get("/metrics", tags=["metrics"])
+    @app.get("/metrics", tags=["metrics"], **_doc(
+        {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}))
     async def metrics() -> Response:
         """Prometheus metrics, per model and class."""
         server.metrics.refresh(list(server.runtimes.values()))

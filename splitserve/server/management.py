@@ -15,7 +15,6 @@ import errno
 import ipaddress
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
@@ -33,6 +32,7 @@ from splitserve.errors import (
     InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
 )
 from splitserve.modelconfig import CODE_ARTIFACT_KINDS, BatchingConfig, ModelConfig, check_model_name
+from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.policy import make_policy
 
@@ -356,9 +356,10 @@ async def unload_model(server: "Server", name: str) -> None:
         await rt.unload()
 
 
-async def set_instances(server: "Server", name: str, instances: int) -> None:
+async def set_instances(server: "Server", name: str, instances: Any) -> None:
     """Scale the model to ``instances`` worker processes without dropping requests."""
-    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= 64:
+    instances = json_number("instances", instances, int)
+    if not 1 <= instances <= 64:
         raise InvalidInput(f"instances must be an integer between 1 and 64, got {instances!r}")
     async with _lock(server):
         record(server, name)
@@ -366,14 +367,6 @@ async def set_instances(server: "Server", name: str, instances: int) -> None:
         # returns once retired instances are stopped and, for a loaded model, new ones serve
         await rt.resize(instances)
         log.info("model %s: %d instance(s)", name, instances)
-
-
-def _number(name: str, value: object, kind: type) -> "int | float":
-    """A management value that must be a finite number (``int``: a whole one), as given."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (kind is int and not isinstance(value, int)):
-        raise InvalidInput(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
 
 
 async def set_batching(server: "Server", name: str, policy: Any, max_batch_size: Any, max_delay_ms: Any,
@@ -390,12 +383,12 @@ async def set_batching(server: "Server", name: str, policy: Any, max_batch_size:
         if policy is not None and not isinstance(policy, str):
             raise InvalidInput(f"batching.policy must be a string, got {policy!r}")
         new = BatchingConfig(policy or cur.policy,
-                             cur.max_delay_ms if max_delay_ms is None else _number("batching.max_delay_ms",
+                             cur.max_delay_ms if max_delay_ms is None else json_number("batching.max_delay_ms",
                                                                                    max_delay_ms, float),
-                             cur.preferred_batch if preferred_batch is None else _number("batching.preferred_batch",
+                             cur.preferred_batch if preferred_batch is None else json_number("batching.preferred_batch",
                                                                                          preferred_batch, int))
         if max_batch_size is not None:
-            max_batch_size = _number("max_batch_size", max_batch_size, int)
+            max_batch_size = json_number("max_batch_size", max_batch_size, int)
         if max_batch_size is not None and not 1 <= max_batch_size <= rt.config.max_batch_size:
             raise InvalidInput(f"max_batch_size must be 1..{rt.config.max_batch_size} for {name!r} "
                                "(the tensor queues were sized for that; register a new version to raise it)")
