@@ -358,13 +358,13 @@ def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details
     from splitserve.server import management
     from tests.inproc import quiet_config, run_server
 
-    def full(path, data):
-        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+    def full(fd):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
     def bug(*args, **kw):
         raise KeyError("secret detail of a bug")
 
-    monkeypatch.setattr(management, "_write_synced", full)
+    monkeypatch.setattr(os, "fsync", full)  # what a full quota answers when the upload is flushed
     monkeypatch.setattr(management, "repository_index", bug)
 
     def test(server):
@@ -373,7 +373,9 @@ def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details
         s = pb_grpc.GRPCInferenceServiceStub(channel)
         try:
             req = pb.RepositoryModelLoadRequest(model_name="small")
-            req.parameters["config"].string_param = 'name = "small"\n[artifact]\nkind = "zoo"\narch = "lenet"\n'
+            req.parameters["config"].string_param = ('name = "small"\n[artifact]\nkind = "safetensors"\n'
+                                                     'arch = "lenet"\nfile = "w.safetensors"\n')
+            req.parameters["file:w.safetensors"].bytes_param = b"weights"
             full_disk = expect_code(lambda: s.RepositoryModelLoad(req, metadata=(("authorization", f"Bearer {token}"),)),
                                     grpc.StatusCode.RESOURCE_EXHAUSTED, "no storage left")
             internal = expect_code(lambda: s.RepositoryIndex(pb.RepositoryIndexRequest()), grpc.StatusCode.INTERNAL,

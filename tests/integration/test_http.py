@@ -548,21 +548,25 @@ def test_a_large_json_body_is_decoded_off_the_loop_the_fast_path_serves(tmp_path
 
 
 def test_infer_bodies_are_limited_by_the_models_size_not_the_upload_limit(tmp_path):
+    """lenet's limit is 32 samples x 784 values x 32 characters + 64 KiB = 868,352 bytes: a
+    2 MiB body is refused before it is read, a chunked one once 868,352 bytes arrived, one
+    just inside is decoded (and refused for what it says)."""
+    too_big = 2 << 20
+
     def test(server, url):
         cfg = server.records["lenet"].config
-        limit = v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value)
-        assert limit < server.config.max_upload_bytes // 100
-        declared = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * (limit + 1),
+        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value) == 868_352
+        assert too_big < server.config.max_upload_bytes // 100
+        declared = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * too_big,
                               headers={"Content-Type": "application/json"})
 
         def chunks():  # no Content-Length: counted as it arrives
-            for _ in range(limit // 65536 + 2):
+            for _ in range(too_big // 65536):
                 yield b" " * 65536
 
         chunked = httpx.post(f"{url}/v2/models/lenet/infer", content=chunks(),
                              headers={"Content-Type": "application/json"})
-        # a body just inside the limit is decoded (and refused for what it says, not its size)
-        inside = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * (limit - 10) + b"{}",
+        inside = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * 868_000 + b"{}",
                             headers={"Content-Type": "application/json"})
         return declared, chunked, inside
 
@@ -581,18 +585,19 @@ def _register(url, token, name, toml, files=None):
 def test_a_full_disk_is_507_and_a_bug_is_a_500_without_its_details(tmp_path, monkeypatch, caplog):
     from splitserve.server import management
 
-    def full(path, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def bug(*args, **kw):
         raise RuntimeError("secret detail of a bug")
 
-    monkeypatch.setattr(management, "_write_synced", full)
+    monkeypatch.setattr(os, "fsync", full)  # what a full disk answers when the upload is flushed
     monkeypatch.setattr(management, "repository_index", bug)
 
     def test(server, url):
         token = (server.config.data_dir / "token").read_text().strip()
-        full_disk = _register(url, token, "small", 'name = "small"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+        full_disk = _register(url, token, "small", 'name = "small"\n[artifact]\nkind = "safetensors"\narch = "lenet"\n'
+                                                   'file = "w.safetensors"\n', {"artifact": ("w", b"weights")})
         left = sorted(p.name for p in (server.config.data_dir / "repository").iterdir())
         uploads = list((server.config.data_dir / management.UPLOAD_DIR).iterdir())
         return full_disk, left, uploads, httpx.post(f"{url}/v2/repository/index")
