@@ -4,8 +4,11 @@ and Prometheus ``/metrics``.
 
 The app runs on the server's own event loop (``frontends`` serves it with uvicorn), so
 every handler is ``async`` and calls the server directly: ``Server.infer`` for inference,
-``splitserve.server.management`` for everything else. Errors are the protocol's
-``{"error": "..."}`` with the status of the ``SplitServeError`` raised.
+``splitserve.server.management`` for everything else. The loop only receives bodies
+(within the model's infer limit) and answers: infer bodies are decoded and answers encoded
+in the front ends' ``CodecPool``. Errors are the protocol's ``{"error": "..."}`` with the
+status of the ``SplitServeError`` raised; ``http_schema`` documents all of it in
+``/openapi.json``.
 """
 
 from __future__ import annotations
