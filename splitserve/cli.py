@@ -40,11 +40,13 @@ def serve(
     rt_policy: str = typer.Option(None, help="Order among real-time requests: fifo | edf."),
     placement: str = typer.Option(None, help="Default placement of models: fixed | packrat."),
     log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
+    allow_code_artifacts: bool = typer.Option(
+        None, help="Accept TorchScript and torch.export uploads: they run code, so every token holder can."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
-                 rt_policy=rt_policy, placement=placement)
+                 rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts)
     cfg = ServerConfig.from_env(
         host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
         grpc_port=_port(grpc_port), data_dir=data_dir or default_data_dir(), load=tuple(load),

@@ -63,6 +63,13 @@ class ServerConfig:
     fast_max_lookup: int = 4096  # largest LOOKUP payload (a model name) on a stream
     udp_rcvbuf: int = 8 << 20  # SO_RCVBUF of the UDP socket: room for bursts of segments
     udp_response_cache_bytes: int = 64 << 20  # bytes of answered UDP requests remembered for retransmits
+    # -- HTTP and gRPC front ends: decoding off the fast path's loop, body limits, uploads --
+    codec_threads: int = 2  # threads that decode HTTP/gRPC requests and encode responses, off the fast path's loop
+    codec_max_pending: int = 16  # large bodies received, decoded or encoded at once; more are refused (503 / UNAVAILABLE)
+    codec_inline_bytes: int = 64 << 10  # bodies below this are decoded on the loop (a thread hop costs more)
+    json_chars_per_value: int = 32  # infer body limit per tensor value: the longest JSON number plus separators
+    management_body_bytes: int = 64 << 10  # JSON body limit of management and repository-index calls
+    allow_code_artifacts: bool = False  # accept TorchScript and torch.export uploads (they can run code here)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":
@@ -89,6 +96,8 @@ class ServerConfig:
             raise InvalidInput(f"rt_policy {self.rt_policy!r}: use fifo or edf")
         if self.placement not in ("fixed", "packrat"):
             raise InvalidInput(f"placement {self.placement!r}: use fixed or packrat")
+        if self.codec_threads < 1 or self.codec_max_pending < 1 or self.json_chars_per_value < 1:
+            raise InvalidInput("codec_threads, codec_max_pending and json_chars_per_value must be at least 1")
         if self.preemption not in ("reef", "seq", "concurrent", "rt-only"):
             raise InvalidInput(f"preemption {self.preemption!r}: use reef, seq, concurrent or rt-only")
         if self.frame_timeout_s <= 0:

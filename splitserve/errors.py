@@ -26,6 +26,8 @@ class Status(IntEnum):
     MODEL_NOT_READY = 11
     UNAUTHORIZED = 12
     REFUSED = 13  # refused by policy (e.g. best-effort in rt-only mode)
+    PAYLOAD_TOO_LARGE = 14  # a body over its limit (HTTP and gRPC; the fast path says BAD_SIZE)
+    INSUFFICIENT_STORAGE = 15  # the server's disk is full (ENOSPC, EDQUOT)
     INTERNAL = 99
 
 
@@ -93,11 +95,20 @@ class Refused(SplitServeError):
     status, http_status, grpc_code = Status.REFUSED, 429, "RESOURCE_EXHAUSTED"
 
 
+class PayloadTooLarge(SplitServeError):
+    status, http_status, grpc_code = Status.PAYLOAD_TOO_LARGE, 413, "RESOURCE_EXHAUSTED"
+
+
+class InsufficientStorage(SplitServeError):
+    status, http_status, grpc_code = Status.INSUFFICIENT_STORAGE, 507, "RESOURCE_EXHAUSTED"
+
+
 _BY_STATUS: dict[int, type[SplitServeError]] = {
     cls.status: cls
     for cls in (
         BadFrame, UnknownModel, BadSize, QueueFull, DeadlineMissed, WorkerFailed, ShuttingDown,
         DuplicateRequest, BadSegment, InvalidInput, ModelNotReady, Unauthorized, Refused,
+        PayloadTooLarge, InsufficientStorage,
     )
 }
 

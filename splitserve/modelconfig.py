@@ -13,13 +13,16 @@ fills in inputs and outputs)::
     max_delay_ms = 2.0            # timeout policy: longest wait for a fuller batch
     preferred_batch = 8           # timeout policy: dispatch at once at this size
     [artifact]
-    kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export"
+    kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export" (code: see below)
     arch = "lenet"                # zoo architecture (zoo and safetensors kinds)
     file = "model.safetensors"    # artifact file in the model's directory
     [[inputs]]
     name = "x"
     datatype = "UINT8"
     shape = [1, 28, 28]
+
+``torchscript`` and ``export`` artifacts run code from their file when loaded, so a server
+accepts uploads of them only when started with ``--allow-code-artifacts``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from splitserve.types import TensorSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ARTIFACT_KINDS = ("zoo", "safetensors", "torchscript", "export")
+# Kinds whose loading runs code from the file: uploads of them need --allow-code-artifacts.
+CODE_ARTIFACT_KINDS = ("torchscript", "export")
 POLICIES = ("work_conserving", "timeout", "none")
 
 
@@ -70,13 +75,15 @@ class ArtifactConfig:
     def __post_init__(self) -> None:
         if self.kind not in ARTIFACT_KINDS:
             raise InvalidInput(
-                f"artifact.kind {self.kind!r}: use one of {', '.join(ARTIFACT_KINDS)} (pickled files are never loaded)"
+                f"artifact.kind {self.kind!r}: use one of {', '.join(ARTIFACT_KINDS)} (torch.save pickles are not "
+                "loaded: convert them to safetensors)"
             )
         if self.kind in ("zoo", "safetensors") and not self.arch:
             raise InvalidInput(f"artifact.arch is required for a {self.kind} artifact")
         if self.kind != "zoo" and not self.file:
             raise InvalidInput(f"artifact.file is required for a {self.kind} artifact")
-        if self.file is not None and (Path(self.file).name != self.file or self.file.startswith(".")):
+        if self.file is not None and (not isinstance(self.file, str) or Path(self.file).name != self.file
+                                      or self.file.startswith(".") or not self.file.isprintable()):
             raise InvalidInput(f"artifact.file {self.file!r} must be a plain file name inside the model directory")
 
 

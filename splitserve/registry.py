@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -78,6 +80,17 @@ def read_model_dir(path: Path) -> ModelConfig:
     if cfg.artifact.file and not (path / cfg.artifact.file).is_file():
         raise InvalidInput(f"{path}: artifact file {cfg.artifact.file!r} is missing")
     return cfg
+
+
+def private_dir(path: Path) -> Path:
+    """Create the data directory 0700, or tighten an existing one: it holds the token, the
+    uploaded weights and the fast path's Unix socket, none of which other users should reach."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("data directory %s had mode %o; setting 0700", path, mode)
+        os.chmod(path, 0o700)
+    return path
 
 
 class Registry:

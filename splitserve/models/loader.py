@@ -7,7 +7,9 @@ reads them, because unpickling runs arbitrary code.
 
 Only ``zoo`` and ``safetensors`` are safe for files from untrusted sources. TorchScript
 and ``.pt2`` archives describe code to run, and ``torch.export.load`` itself unpickles
-some archive entries (its documentation warns never to load untrusted files)."""
+some archive entries (its documentation warns never to load untrusted files), which is
+why the server refuses uploads of those kinds unless started with
+``--allow-code-artifacts`` (``modelconfig.CODE_ARTIFACT_KINDS``)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,13 @@ import torch
 from torch import nn
 
 from splitserve.errors import InvalidInput
+from splitserve.modelconfig import ARTIFACT_KINDS
 from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
 from splitserve.models.zoo import build_zoo_model, init_zoo_model
 
 __all__ = ["ARTIFACT_KINDS", "load_artifact", "save_safetensors"]
 
 logger = logging.getLogger(__name__)
-
-ARTIFACT_KINDS = ("zoo", "safetensors", "torchscript", "export")
-
 
 def _existing_file(kind: str, path: Path | None) -> Path:
     if path is None:

@@ -32,6 +32,7 @@ BINARY_CONTENT_TYPE = "application/octet-stream"
 JSON_CONTENT_TYPE = "application/json"
 DATATYPES = (*V2_TO_NUMPY, "BYTES")
 
+_HEADER_ROOM = 64 << 10  # names, shapes, parameters and whitespace of an infer body's JSON
 _INT_RANGES = {name: (np.iinfo(dt).min, np.iinfo(dt).max) for name, dt in V2_TO_NUMPY.items() if dt.kind in "iu"}
 
 
@@ -192,12 +193,37 @@ class InferRequest:
 
     @property
     def deadline_s(self) -> float | None:
-        d = self.parameters.get("deadline_ms")
-        if d is None:
-            return None
-        if not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0:
-            raise InvalidInput(f"parameters.deadline_ms must be a positive number, got {d!r}")
-        return float(d) / 1000.0
+        """``parameters.deadline_ms`` in seconds (see ``deadline_seconds``)."""
+        return deadline_seconds(self.parameters.get("deadline_ms"))
+
+
+def deadline_seconds(ms: Any) -> float | None:
+    """A request's ``deadline_ms`` parameter (HTTP and gRPC alike) in seconds; None when absent.
+
+    It must be a positive, finite number of milliseconds: 0 does not mean "none", so a
+    client that computed a deadline already past gets an error, not an unbounded wait."""
+    if ms is None:
+        return None
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < math.inf:
+        raise InvalidInput(f"parameter 'deadline_ms' must be a positive number of milliseconds, got {ms!r}")
+    return float(ms) / 1000.0
+
+
+def json_number(name: str, value: Any, kind: type) -> "int | float":
+    """A JSON value that must be a finite number (``kind`` int: a whole one, 2.0 included, as
+    JSON Schema counts it); InvalidInput naming ``name`` otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (kind is int and not float(value).is_integer()):
+        raise InvalidInput(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def infer_body_limit(specs: Sequence[TensorSpec], max_batch: int, chars_per_value: int) -> int:
+    """The largest infer body worth receiving for a model: ``max_batch`` samples of every
+    input as JSON text (``chars_per_value`` characters a value, at least the binary size),
+    plus room for the JSON header and its parameters."""
+    per_sample = sum(t.numel * max(chars_per_value, t.dtype.itemsize) for t in specs)
+    return max_batch * per_sample + _HEADER_ROOM
 
 
 def _params(obj: Mapping, where: str) -> dict[str, Any]:
@@ -376,8 +402,3 @@ def parse_infer_response(body: "bytes | bytearray | memoryview", header_length: 
             outs[t["name"]] = tensor_from_json(t["name"], t["datatype"], t["shape"], t["data"])
     return InferResponse(doc.get("model_name", ""), str(doc.get("model_version", "")), str(doc.get("id", "")),
                          outs, dict(doc.get("parameters") or {}))
-
-
-def error_body(message: str) -> bytes:
-    """The protocol's error object."""
-    return json.dumps({"error": message}).encode()

@@ -20,12 +20,12 @@ import numpy as np
 from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.protocol.header import RequestClass
-from splitserve.registry import ModelRecord, Registry
+from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
 from splitserve.server.intake import Intake
-from splitserve.server.management import UPLOAD_DIR
+from splitserve.server.management import UPLOAD_DIR, exposure_warning
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.runtime import ModelRuntime
@@ -103,7 +103,9 @@ class Server:
     async def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.data_dir)
+        if (exposed := exposure_warning(cfg)) is not None:
+            log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
         # uploads that a crash left half-written are never resumed

@@ -1,25 +1,29 @@
 """The gRPC front end: Open Inference Protocol v2 (``inference.GRPCInferenceService``) with
 the model-repository and statistics extensions.
 
-``frontends.start`` calls ``start(server)`` when ``config.grpc_port`` is not None, and
-``frontends.stop`` calls ``stop(server)`` before the server stops its models. The servicer
-runs on the server's own event loop (grpc.aio): it decodes a request into numpy arrays,
-runs it through ``Server.infer`` (the path every decoded front end shares) and encodes the
-answer. Management goes through ``splitserve.server.management``, as HTTP's does.
+``frontends.start`` calls ``start(server, codec)`` when ``config.grpc_port`` is not None,
+and ``frontends.stop`` calls ``stop(server)`` before the server stops its models. The
+servicer runs on the server's own event loop (grpc.aio). ``ModelInfer`` takes and returns
+raw message bytes, so that parsing the message, converting its tensors to numpy arrays and
+encoding the answer run in the front ends' codec threads, not on the loop the fast path
+shares; in between, the call runs through ``Server.infer`` (the path every decoded front
+end shares). Management goes through ``splitserve.server.management``, as HTTP's does.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
-from splitserve.errors import InvalidInput, SplitServeError, UnknownModel
+from splitserve.errors import InvalidInput, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol._generated import grpc_service_pb2 as pb
 from splitserve.protocol._generated import grpc_service_pb2_grpc as pb_grpc
@@ -27,8 +31,11 @@ from splitserve.protocol.grpc_codec import (
     CONTENTS_FIELD, STATUS_KEY, fill_contents, param_value, params_dict, set_param, tensor_from_contents,
 )
 from splitserve.protocol.header import RequestClass
-from splitserve.protocol.v2 import model_inputs, tensor_from_bytes, tensor_to_bytes
+from splitserve.protocol.v2 import (
+    deadline_seconds, infer_body_limit, model_inputs, tensor_from_bytes, tensor_to_bytes,
+)
 from splitserve.server import management
+from splitserve.server.frontends import CodecPool
 
 if TYPE_CHECKING:
     from splitserve.server.app import Server
@@ -55,9 +62,10 @@ def _rpc(fn: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]) 
                                 trailing_metadata=((STATUS_KEY, str(int(e.status))),))
         except TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{fn.__name__} timed out inside the server")
-        except Exception as e:  # a bug: log it, answer INTERNAL, keep serving
-            log.exception("gRPC %s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception:  # a bug: log it, answer INTERNAL with a reference to the log, keep serving
+            ref = secrets.token_hex(6)
+            log.exception("gRPC %s failed (reference %s)", fn.__name__, ref)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (reference {ref} in the server log)")
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return handler
@@ -72,12 +80,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 
 def _config(server: "Server", name: str, version: str = "") -> ModelConfig:
     """A registered model's config; a version, if given, must be the one registered."""
-    rec = server.records.get(name)
-    if rec is None:
-        raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
-    if version and version != str(rec.config.version):
-        raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.config.version}")
-    return rec.config
+    return management.record(server, name, version).config
 
 
 def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
@@ -86,12 +89,7 @@ def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
         cls = RequestClass.parse(params.get("class"))
     except InvalidInput as e:
         raise InvalidInput(f"parameter 'class': {e.message}") from None
-    ms = params.get("deadline_ms")
-    if ms is None:
-        return cls, None
-    if isinstance(ms, (bool, str)) or ms < 0:
-        raise InvalidInput(f"parameter 'deadline_ms' must be a non-negative number, got {ms!r}")
-    return cls, (ms / 1000.0 if ms else None)
+    return cls, deadline_seconds(params.get("deadline_ms"))
 
 
 def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest) -> list[np.ndarray]:
@@ -119,11 +117,50 @@ def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest) -> list[np.nd
     return model_inputs(cfg.name, cfg.inputs, given, datatypes)
 
 
+def _parse_infer(message: bytes) -> pb.ModelInferRequest:
+    try:
+        return pb.ModelInferRequest.FromString(message)
+    except DecodeError as e:
+        raise InvalidInput(f"the ModelInferRequest message does not parse: {e}") from None
+
+
+def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str], RequestClass,
+                                                                          float | None]:
+    """Inputs, wanted outputs, class and deadline of a ModelInfer call (runs in a codec thread)."""
+    arrays = decode_inputs(cfg, request)
+    declared = [o.name for o in cfg.outputs]
+    wanted = [o.name for o in request.outputs] or declared
+    for n in wanted:
+        if n not in declared:
+            raise InvalidInput(f"model {cfg.name!r} has no output {n!r}; its outputs are {', '.join(declared)}")
+    cls, deadline_s = _call_options(params_dict(request.parameters))
+    return arrays, wanted, cls, deadline_s
+
+
+def _encode_response(cfg: ModelConfig, request: pb.ModelInferRequest, wanted: list[str], outputs: list[np.ndarray],
+                     timings: dict[str, int]) -> bytes:
+    """The serialized ModelInferResponse (runs in a codec thread when large)."""
+    resp = pb.ModelInferResponse(model_name=cfg.name, model_version=str(cfg.version), id=request.id)
+    typed = not request.raw_input_contents and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
+    for spec, arr in zip(cfg.outputs, outputs):
+        if spec.name not in wanted:
+            continue
+        t = resp.outputs.add(name=spec.name, datatype=spec.datatype, shape=arr.shape)
+        if typed:
+            fill_contents(t.contents, arr, spec.datatype)
+        else:
+            resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
+    for k, v in timings.items():
+        set_param(resp.parameters, k, v)
+    return resp.SerializeToString()
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Stateless apart from the server it serves; per-call state lives in each call."""
 
-    def __init__(self, server: "Server") -> None:
+    def __init__(self, server: "Server", codec: CodecPool) -> None:
         self.server = server
+        self.codec = codec
 
     # -- health and metadata -----------------------------------------------------------
 
@@ -133,9 +170,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        s = self.server
-        ready = not s.stopping and all(s.model_state(m) == "ready" for m in s.config.load)
-        return pb.ServerReadyResponse(ready=ready)
+        return pb.ServerReadyResponse(ready=management.server_ready(self.server))
 
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
@@ -166,32 +201,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- inference ---------------------------------------------------------------------
 
     @_rpc
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        s = self.server
-        cfg = _config(s, request.model_name, request.model_version)
-        arrays = decode_inputs(cfg, request)
-        declared = [o.name for o in cfg.outputs]
-        wanted = [o.name for o in request.outputs] or declared
-        for n in wanted:
-            if n not in declared:
-                raise InvalidInput(f"model {cfg.name!r} has no output {n!r}; its outputs are {', '.join(declared)}")
-        cls, deadline_s = _call_options(params_dict(request.parameters))
+    async def ModelInfer(self, message: bytes, context: Any) -> bytes:
+        """Registered without (de)serializers: ``message`` is the raw ModelInferRequest."""
+        s, codec, size = self.server, self.codec, len(message)
+        async with codec.admit(size):
+            request = await codec.run(size, _parse_infer, message)
+            cfg = _config(s, request.model_name, request.model_version)
+            limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, s.config.json_chars_per_value)
+            if size > limit:
+                raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
+                                      f"bytes (max_batch_size {cfg.max_batch_size} samples of its inputs)")
+            arrays, wanted, cls, deadline_s = await codec.run(size, _decode_call, cfg, request)
         out = await s.infer(cfg.name, arrays, cls, deadline_s)
-
-        resp = pb.ModelInferResponse(model_name=cfg.name, model_version=str(cfg.version), id=request.id)
-        typed = not request.raw_input_contents and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
-        for spec, arr in zip(cfg.outputs, out.outputs):
-            if spec.name not in wanted:
-                continue
-            t = resp.outputs.add(name=spec.name, datatype=spec.datatype, shape=arr.shape)
-            if typed:
-                fill_contents(t.contents, arr, spec.datatype)
-            else:
-                resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
-        set_param(resp.parameters, "queue_us", out.queue_us)
-        set_param(resp.parameters, "compute_us", out.compute_us)
-        set_param(resp.parameters, "total_us", out.total_us)
-        return resp
+        timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
+        # typed contents take up to ~8 bytes a value once serialized
+        nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)
+        return await codec.run(nbytes, _encode_response, cfg, request, wanted, out.outputs, timings)
 
     # -- statistics extension ------------------------------------------------------------
 
@@ -254,7 +279,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
-async def start(server: "Server") -> int:
+class _Handlers:
+    """Catches what the generated ``add_..._to_server`` registers, so one method can be swapped."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.methods = service, dict(methods)
+
+
+def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
+    """The generated handlers, with ModelInfer taking and returning bytes (decoded off the loop)."""
+    h = _Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, h)
+    h.methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer)
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(h.service, h.methods),))
+    srv.add_registered_method_handlers(h.service, h.methods)
+
+
+async def start(server: "Server", codec: CodecPool) -> int:
     """Serve gRPC on ``config.host:config.grpc_port`` (0: a free port); returns the bound port."""
     cfg = server.config
     port_wanted = cfg.grpc_port or 0
@@ -263,7 +311,7 @@ async def start(server: "Server") -> int:
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port in use must fail here, not be shared silently
     ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(server), srv)
+    _add_servicer(srv, InferenceServicer(server, codec))
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     try:
         port = srv.add_insecure_port(f"{host}:{port_wanted}")

@@ -4,8 +4,11 @@ and Prometheus ``/metrics``.
 
 The app runs on the server's own event loop (``frontends`` serves it with uvicorn), so
 every handler is ``async`` and calls the server directly: ``Server.infer`` for inference,
-``splitserve.server.management`` for everything else. Errors are the protocol's
-``{"error": "..."}`` with the status of the ``SplitServeError`` raised.
+``splitserve.server.management`` for everything else. The loop only receives bodies
+(within the model's infer limit) and answers: infer bodies are decoded and answers encoded
+in the front ends' ``CodecPool``. Errors are the protocol's ``{"error": "..."}`` with the
+status of the ``SplitServeError`` raised; ``http_schema`` documents all of it in
+``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import secrets
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -26,10 +30,12 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
-from splitserve.errors import BadSize, InvalidInput, SplitServeError, UnknownModel
-from splitserve.modelconfig import check_model_name
+from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError
+from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import management
+from splitserve.server import http_schema as doc
+from splitserve.server.frontends import CodecPool
 
 if TYPE_CHECKING:
     from splitserve.server.app import Server
@@ -38,28 +44,6 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
 MAX_TOP_K = 1000
-
-_INFER_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {"type": "object"},
-                "example": {"id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
-                            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
-            },
-            "application/octet-stream": {
-                "schema": {"type": "string", "format": "binary",
-                           "description": "JSON header of Inference-Header-Content-Length bytes, then tensor bytes"},
-            },
-        },
-    }
-}
-
-
-class PayloadTooLarge(Exception):
-    """A body over ``max_upload_bytes``: answered 413 (HTTP only; no wire status of its own)."""
-
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
@@ -70,7 +54,7 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _limited(receive: Callable[[], Awaitable[dict]], limit: int) -> Callable[[], Awaitable[dict]]:
+def _limited(receive: Callable[[], Awaitable[dict]], limit: int, what: str) -> Callable[[], Awaitable[dict]]:
     """An ASGI receive that counts body bytes and stops at ``limit`` (chunked bodies too)."""
     seen = 0
 
@@ -80,28 +64,34 @@ def _limited(receive: Callable[[], Awaitable[dict]], limit: int) -> Callable[[],
         if msg["type"] == "http.request":
             seen += len(msg.get("body", b""))
             if seen > limit:
-                raise PayloadTooLarge(f"the body exceeds the {limit} byte limit (SPLITSERVE_MAX_UPLOAD_BYTES)")
+                raise PayloadTooLarge(f"the body exceeds the {limit} byte limit ({what})")
         return msg
 
     return counted
 
 
-def _bounded(request: Request, limit: int) -> Request:
-    """The same request, refused at once when Content-Length says it is too large."""
+def _content_length(request: Request, limit: int, what: str) -> int | None:
+    """The declared body size (None when chunked), refused at once when over ``limit``."""
     length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            n = int(length)
-        except ValueError:
-            raise InvalidInput(f"Content-Length {length!r} is not a number") from None
-        if n > limit:
-            raise PayloadTooLarge(f"the body of {n} bytes exceeds the {limit} byte limit "
-                                  "(SPLITSERVE_MAX_UPLOAD_BYTES)")
-    return Request(request.scope, _limited(request.receive, limit))
+    if length is None:
+        return None
+    try:
+        n = int(length)
+    except ValueError:
+        raise InvalidInput(f"Content-Length {length!r} is not a number") from None
+    if n > limit:
+        raise PayloadTooLarge(f"the body of {n} bytes exceeds the {limit} byte limit ({what})")
+    return n
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    req = _bounded(request, limit)
+def _bounded(request: Request, limit: int, what: str) -> Request:
+    """The same request, refused before it is read when it is (or becomes) too large."""
+    _content_length(request, limit, what)
+    return Request(request.scope, _limited(request.receive, limit, what))
+
+
+async def _body(request: Request, limit: int, what: str) -> bytes:
+    req = _bounded(request, limit, what)
     chunks: list[bytes] = []
     stream: AsyncIterator[bytes] = req.stream()
     async for chunk in stream:
@@ -109,14 +99,35 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _json(request: Request, limit: int, default: Any = None) -> Any:
-    body = await _body(request, limit)
+def _parse_json(body: bytes, default: Any = None) -> Any:
     if not body.strip():
         return default
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+
+
+async def _json(request: Request, limit: int, default: Any = None) -> Any:
+    """A small JSON body (management calls), parsed on the loop."""
+    return _parse_json(await _body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
+
+
+def _infer_limit(server: "Server", cfg: ModelConfig) -> int:
+    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value)
+
+
+def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None) -> tuple[v2.InferRequest, list[np.ndarray]]:
+    """The request and the model's inputs in declared order (runs in a codec thread)."""
+    req = v2.parse_infer_request(body, header_length)
+    return req, v2.model_inputs(cfg.name, cfg.inputs, req.inputs, req.datatypes)
+
+
+def _encode_infer(model: str, version: str, req: v2.InferRequest, outputs: list[tuple[str, np.ndarray]],
+                  parameters: dict[str, Any]) -> tuple[bytes, int | None]:
+    """The response body and its JSON header length (runs in a codec thread when large)."""
+    parts, hlen = v2.build_infer_response(model, version, req, outputs, parameters)
+    return b"".join(parts), hlen
 
 
 async def _text_field(value: Any, field: str) -> str | None:
@@ -131,21 +142,28 @@ async def _text_field(value: Any, field: str) -> str | None:
     return str(raw)
 
 
-def create_app(server: "Server") -> FastAPI:
-    """The FastAPI app of one server (handlers keep no per-request state on the app)."""
+def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """Route arguments that document the answers: ``ok`` (a model, or a ``responses`` entry)
+    for 200, ErrorBody for ``codes`` and 500, and ``alt`` statuses with a body of their own."""
+    ok_entry = {"model": ok} if isinstance(ok, type) else ok
+    own = {code: {"model": m, "description": "Not ready"} for code, m in (alt or {}).items()}
+    return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
+
+
+def create_app(server: "Server", codec: CodecPool) -> FastAPI:
+    """The FastAPI app of one server (handlers keep no per-request state on the app);
+    ``codec`` decodes and encodes large bodies off the loop."""
     app = FastAPI(title="splitserve", version=__version__,
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
-    limit = server.config.max_upload_bytes
+    upload_limit = server.config.max_upload_bytes
+    small_limit = server.config.management_body_bytes
+    doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange])
 
     # -- errors ----------------------------------------------------------------------------
 
     @app.exception_handler(SplitServeError)
     async def _splitserve_error(request: Request, e: SplitServeError) -> JSONResponse:
         return _error(e.http_status, e.message, e.status.name)
-
-    @app.exception_handler(PayloadTooLarge)
-    async def _too_large(request: Request, e: PayloadTooLarge) -> JSONResponse:
-        return _error(413, str(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -157,35 +175,32 @@ def create_app(server: "Server") -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return _error(500, f"internal error: {type(e).__name__}: {e}")
+        # A bug: the details stay in the server log, the client gets a reference to them.
+        ref = secrets.token_hex(6)
+        log.exception("HTTP %s %s failed (reference %s)", request.method, request.url.path, ref)
+        return _error(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
 
     def version_of(name: str, version: str | None) -> str:
-        rec = server.records.get(name)
-        if rec is None:
-            raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
-        if version is not None and version != str(rec.version):
-            raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.version}")
-        return str(rec.version)
+        return str(management.record(server, name, version).version)
 
     def authorize(request: Request) -> None:
         management.check_token(server, request.headers.get("authorization"))
 
     # -- health and metadata ------------------------------------------------------------
 
-    @app.get("/v2", tags=["health"])
+    @app.get("/v2", tags=["health"], **_doc(doc.ServerMetadata))
     async def server_metadata() -> dict:
         """Server metadata: name, version, extensions."""
         return {"name": "splitserve", "version": __version__, "extensions": EXTENSIONS}
 
-    @app.get("/v2/health/live", tags=["health"])
+    @app.get("/v2/health/live", tags=["health"], **_doc(doc.Live))
     async def live() -> dict:
         return {"live": True}
 
-    @app.get("/v2/health/ready", tags=["health"])
+    @app.get("/v2/health/ready", tags=["health"], **_doc(doc.Ready, alt={503: doc.Ready}))
     async def ready() -> JSONResponse:
-        """Ready while the server takes requests (models load on first use)."""
-        ok = not server.stopping
+        """Ready once the start-up models are loaded, until the server stops (others load on first use)."""
+        ok = management.server_ready(server)
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def model_ready(name: str, version: str | None = None) -> JSONResponse:
@@ -197,23 +212,28 @@ def create_app(server: "Server") -> FastAPI:
         version_of(name, version)
         return management.model_metadata(server, name)
 
-    app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)")(model_ready)
-    app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready")(model_ready)
+    ready_doc = _doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
+    app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)", **ready_doc)(model_ready)
+    app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready",
+            **ready_doc)(model_ready)
 
-    @app.get("/v2/models/stats", tags=["statistics"])
+    @app.get("/v2/models/stats", tags=["statistics"], **_doc(doc.Statistics))
     async def all_stats() -> dict:
         """Statistics of every model (Triton statistics extension)."""
         return management.model_statistics(server)
 
-    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata")(metadata)
-    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata")(metadata)
+    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata", **_doc(doc.ModelMetadata, 404))(metadata)
+    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
+            **_doc(doc.ModelMetadata, 404))(metadata)
 
     async def stats(name: str, version: str | None = None) -> dict:
         version_of(name, version)
         return management.model_statistics(server, name)
 
-    app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics")(stats)
-    app.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics")(stats)
+    app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics",
+            **_doc(doc.Statistics, 404))(stats)
+    app.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics",
+            **_doc(doc.Statistics, 404))(stats)
 
     async def model_config(name: str, version: str | None = None) -> dict:
         version_of(name, version)
@@ -224,8 +244,10 @@ def create_app(server: "Server") -> FastAPI:
                 "instances": rt.instance_count if rt is not None else cfg.instances,
                 "dispatch_max_batch": rt.sched.max_batch if rt is not None else cfg.max_batch_size}
 
-    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration")(model_config)
-    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration")(model_config)
+    config_doc = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
+    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration", **config_doc)(model_config)
+    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration",
+            **config_doc)(model_config)
 
     # -- inference ----------------------------------------------------------------------
 
@@ -236,40 +258,56 @@ def create_app(server: "Server") -> FastAPI:
         ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
         """
         ver = version_of(name, version)
-        body = await _body(request, limit)
-        req = v2.parse_infer_request(body, request.headers.get(v2.HEADER_LENGTH))
-        rt = server.runtime(name)
-        cfg = rt.config
-        inputs = v2.model_inputs(name, cfg.inputs, req.inputs, req.datatypes)
+        cfg = server.records[name].config
+        limit = _infer_limit(server, cfg)
+        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
+                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
+        async with codec.admit(_content_length(request, limit, what)):
+            body = await _body(request, limit, what)
+            req, inputs = await codec.run(len(body), _decode_infer, cfg, body, request.headers.get(v2.HEADER_LENGTH))
         out = await server.infer(name, inputs, req.cls, req.deadline_s)
-        parts, hlen = v2.build_infer_response(
-            name, ver, req, [(t.name, a) for t, a in zip(cfg.outputs, out.outputs)],
-            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us},
-        )
+        names = [t.name for t in server.runtime(name).config.outputs]
+        parts, hlen = await codec.run(
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else server.config.json_chars_per_value),
+            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us})
         if hlen is None:
-            return Response(b"".join(parts), media_type=v2.JSON_CONTENT_TYPE)
-        return Response(b"".join(parts), media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
+            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
+        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
 
-    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference",
-             openapi_extra=_INFER_DOC)(infer)
+    infer_doc = _doc(
+        {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
+                        "Inference-Header-Content-Length bytes and the tensor bytes",
+         "content": {v2.JSON_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/InferResponseBody"}},
+                     v2.BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+        400, 404, 413, 429, 503, 504,
+        openapi_extra=doc.body(doc.InferRequestBody, {
+            "id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
+            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
+            binary="JSON header of Inference-Header-Content-Length bytes, then tensor bytes"))
+    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference", **infer_doc)(infer)
     app.post("/v2/models/{name}/versions/{version}/infer", tags=["inference"], summary="Inference (version)",
-             openapi_extra=_INFER_DOC)(infer)
+             **infer_doc)(infer)
 
-    @app.post("/classify", tags=["inference"], openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"type": "object"},
-                             "example": {"model": "digits", "input": [[[0.0] * 8] * 8], "top_k": 3}}}}})
+    @app.post("/classify", tags=["inference"], **_doc(doc.ClassifyResponse, 400, 404, 413, 429, 503, 504,
+                                                      openapi_extra=doc.body(doc.ClassifyRequest, {
+                                                          "model": "mydigits", "input": [[[0.0] * 8] * 8], "top_k": 3})))
     async def classify(request: Request) -> dict:
         """Top-k labels and softmax scores of a model registered with a labels file.
 
         ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
         little-endian bytes of one or more samples. Single-input models only.
         """
-        doc = await _json(request, limit)
+        limit = max(_infer_limit(server, r.config) for r in server.records.values())
+        what = "the largest infer body limit of any model"
+        async with codec.admit(_content_length(request, limit, what)):
+            body = await _body(request, limit, what)
+            doc = await codec.run(len(body), _parse_json, body)
         if not isinstance(doc, dict) or not isinstance(doc.get("model"), str) or "input" not in doc:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
-        top_k = doc.get("top_k", 5)
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_TOP_K:
+        top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
+        if not 1 <= top_k <= MAX_TOP_K:
             raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
         rt = server.runtime(name)
         cfg = rt.config
@@ -278,7 +316,7 @@ def create_app(server: "Server") -> FastAPI:
         if len(cfg.inputs) != 1:
             raise InvalidInput(f"/classify takes single-input models; {name!r} has {len(cfg.inputs)} inputs")
         spec = cfg.inputs[0]
-        x = _classify_input(spec, doc["input"])
+        x = await codec.run(len(body), _classify_input, spec, doc["input"])
         cls = v2.InferRequest(parameters={"class": doc.get("class")}).cls
         out = await server.infer(name, [x], cls, None)
         logits = out.outputs[0].reshape(len(x), -1).astype(np.float64)
@@ -294,15 +332,20 @@ def create_app(server: "Server") -> FastAPI:
 
     # -- model repository and management -------------------------------------------------
 
-    @app.post("/v2/repository/index", tags=["repository"])
+    @app.post("/v2/repository/index", tags=["repository"],
+              **_doc({"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
     async def repository_index(request: Request) -> list:
         """Every model and its state; body ``{"ready": true}`` lists ready models only."""
-        doc = await _json(request, 1 << 16, {}) or {}
+        doc = await _json(request, small_limit, {}) or {}
         if not isinstance(doc, dict):
             raise InvalidInput("the body must be a JSON object")
-        return management.repository_index(server, bool(doc.get("ready", False)))
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"ready must be true or false, got {ready!r}")
+        return management.repository_index(server, ready)
 
-    @app.post("/v2/repository/models/{name}/register", tags=["repository"], openapi_extra={"requestBody": {
+    @app.post("/v2/repository/models/{name}/register", tags=["repository"], **_doc(doc.Registered, 400, 401, 413, 507),
+              openapi_extra={"requestBody": {
         "required": True, "content": {"multipart/form-data": {"schema": {
             "type": "object", "required": ["config"],
             "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
@@ -315,8 +358,8 @@ def create_app(server: "Server") -> FastAPI:
         the call returns, or the registration is rolled back (needs the token)."""
         authorize(request)
         check_model_name(name)
-        req = _bounded(request, limit)
-        async with req.form(max_files=3, max_fields=3, max_part_size=limit) as form:
+        req = _bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
+        async with req.form(max_files=3, max_fields=3, max_part_size=upload_limit) as form:
             unknown = set(form.keys()) - {"config", "artifact", "labels"}
             if unknown:
                 raise InvalidInput(f"unknown form fields {sorted(unknown)}: send config, artifact and labels")
@@ -335,35 +378,35 @@ def create_app(server: "Server") -> FastAPI:
         rec = await management.register_model(server, config, artifact, labels)
         return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
 
-    @app.delete("/v2/repository/models/{name}", tags=["repository"])
+    @app.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
     async def unregister(name: str, request: Request) -> dict:
         """Unload and delete a model registered at run time (needs the token)."""
         authorize(request)
         await management.unregister_model(server, check_model_name(name))
         return {"name": name, "deleted": True}
 
-    @app.post("/v2/repository/models/{name}/load", tags=["repository"])
+    @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(doc.ModelState, 401, 404, 503))
     async def load(name: str, request: Request) -> dict:
         """Start the model's workers and wait until it is ready (needs the token)."""
         authorize(request)
         await management.load_model(server, name)
         return {"name": name, "state": "READY"}
 
-    @app.post("/v2/repository/models/{name}/unload", tags=["repository"])
+    @app.post("/v2/repository/models/{name}/unload", tags=["repository"], **_doc(doc.ModelState, 401, 404))
     async def unload(name: str, request: Request) -> dict:
         """Stop the model's workers; requests get 503 until it is loaded again (needs the token)."""
         authorize(request)
         await management.unload_model(server, name)
         return {"name": name, "state": "UNAVAILABLE"}
 
-    @app.post("/v2/repository/models/{name}/config", tags=["repository"], openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"type": "object"}, "example": {
+    @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
+        config_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
-            "max_batch_size": 16}}}}})
+            "max_batch_size": 16})))
     async def configure(name: str, request: Request) -> dict:
         """Change instances and batching at run time without dropping requests (needs the token)."""
         authorize(request)
-        doc = await _json(request, 1 << 16)
+        doc = await _json(request, small_limit)
         if not isinstance(doc, dict) or not doc:
             raise InvalidInput('the body must be a JSON object, e.g. {"instances": 2}')
         unknown = set(doc) - {"instances", "batching", "max_batch_size"}
@@ -383,21 +426,23 @@ def create_app(server: "Server") -> FastAPI:
 
     # -- scheduling introspection (benchmarks read these from another process) ----------------
 
-    @app.get("/v2/models/{name}/placement", tags=["scheduling"])
+    @app.get("/v2/models/{name}/placement", tags=["scheduling"],
+             **_doc({"description": "Serving instances, the Packrat plan and reconfigurations"}, 404))
     async def placement(name: str) -> dict:
         """The serving instance set (threads, batch, CPUs), the Packrat plan and every
         reconfiguration so far, with its times on the server's clock."""
         version_of(name, None)
         return management.placement(server, name)
 
-    @app.get("/v2/scheduler/events", tags=["scheduling"])
+    @app.get("/v2/scheduler/events", tags=["scheduling"], **_doc(doc.SchedulerEvents, 400))
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
         """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
         return management.scheduler_events(server, since, limit)
 
     # -- metrics ----------------------------------------------------------------------------
 
-    @app.get("/metrics", tags=["metrics"])
+    @app.get("/metrics", tags=["metrics"], **_doc(
+        {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}))
     async def metrics() -> Response:
         """Prometheus metrics, per model and class."""
         server.metrics.refresh(list(server.runtimes.values()))

@@ -10,25 +10,34 @@ interleave.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import ipaddress
 import json
 import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import stat
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
-from splitserve.modelconfig import BatchingConfig, ModelConfig, check_model_name
+from splitserve.errors import (
+    InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
+)
+from splitserve.modelconfig import CODE_ARTIFACT_KINDS, BatchingConfig, ModelConfig, check_model_name
+from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.policy import make_policy
 
 if TYPE_CHECKING:
+    from splitserve.config import ServerConfig
     from splitserve.server.app import Server
     from splitserve.server.runtime import ModelRuntime
 
@@ -52,11 +61,20 @@ def _lock(server: "Server") -> asyncio.Lock:
     return lock
 
 
-def _record(server: "Server", name: str) -> ModelRecord:
+def record(server: "Server", name: str, version: str | None = None) -> ModelRecord:
+    """A registered model; a version, if given (not empty), must be the one it serves."""
     rec = server.records.get(name)
     if rec is None:
         raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(server.records)) or 'none'}")
+    if version and version != str(rec.version):
+        raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.version}")
     return rec
+
+
+def server_ready(server: "Server") -> bool:
+    """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
+    ready; other models load on first use, so they do not count."""
+    return not server.stopping and all(server.model_state(m) == "ready" for m in server.config.load)
 
 
 # -- security -----------------------------------------------------------------------------
@@ -100,6 +118,39 @@ def check_token(server: "Server", authorization: str | None) -> None:
         raise Unauthorized("wrong management token")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name other than localhost is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(config: "ServerConfig") -> str | None:
+    """What a bind to a non-loopback ``config.host`` lets anyone reach without the token
+    (None on loopback). Only management (register, load, unload, scale) needs the token."""
+    if is_loopback(config.host):
+        return None
+    open_ = []
+    if config.fast_port is not None:
+        open_.append(f"the fast path on TCP {config.fast_port} (inference on every registered model)")
+    if config.udp_port is not None:
+        open_.append(f"UDP {config.udp_port} (inference; answers go to the datagram's source address, "
+                     "so spoofed requests reflect traffic)")
+    if config.http_port is not None:
+        open_.append(f"HTTP {config.http_port}: inference, /classify, /metrics, /v2/scheduler/events, placement "
+                     "and model metadata")
+    if config.grpc_port is not None:
+        open_.append(f"gRPC {config.grpc_port}: inference, metadata and statistics")
+    if not open_:
+        return None
+    return (f"listening on {config.host}, which is not loopback: anyone who can reach it can use, without the "
+            f"management token, {'; '.join(open_)}; and any registered model starts its workers on its first "
+            "request. Bind to 127.0.0.1 (--host) or firewall these ports unless that is intended")
+
+
 # -- registration -----------------------------------------------------------------------
 
 
@@ -125,9 +176,49 @@ def _with_labels(config_toml: str, labels: list[str]) -> str:
     return "labels = [" + ", ".join(json.dumps(s, ensure_ascii=False) for s in labels) + "]\n" + config_toml
 
 
+@contextlib.contextmanager
+def _storage(server: "Server") -> Iterator[None]:
+    """A full disk (or quota) while registering is the client's InsufficientStorage, not a bug."""
+    try:
+        yield
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        reason = os.strerror(e.errno)
+    except sqlite3.OperationalError as e:
+        if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+            raise
+        reason = "the registry database is full"
+    log.error("registration refused, no storage left in %s: %s", server.config.data_dir, reason)
+    raise InsufficientStorage(f"the server has no storage left for the model ({reason}); nothing was registered, "
+                              "retry once space is freed")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """Make the entries of ``path`` (a rename into it, new files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _prepare(server: "Server", config_toml: str, artifact: bytes | None, labels: str | None) -> tuple[ModelConfig, Path]:
     """Validate and write the model's files into a fresh directory beside the repository."""
     cfg = ModelConfig.from_toml(config_toml)
+    if cfg.artifact.kind in CODE_ARTIFACT_KINDS and not server.config.allow_code_artifacts:
+        raise InvalidInput(f"artifact.kind {cfg.artifact.kind!r} can run code on the server, so this server refuses "
+                           "uploads of it; upload safetensors weights of a zoo architecture, or start the server "
+                           "with --allow-code-artifacts (SPLITSERVE_ALLOW_CODE_ARTIFACTS=1) if every token holder "
+                           "may run code on it")
     if labels is not None:
         if cfg.labels:
             raise InvalidInput("give labels either in config.toml or as a labels file, not both")
@@ -142,18 +233,17 @@ def _prepare(server: "Server", config_toml: str, artifact: bytes | None, labels:
     elif not artifact:
         raise InvalidInput(f"a {cfg.artifact.kind} artifact needs its file ({cfg.artifact.file!r}) uploaded")
     uploads = server.config.data_dir / UPLOAD_DIR
-    uploads.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{cfg.name}-", dir=uploads))
-    try:
-        (tmp / "config.toml").write_text(config_toml)
-        if artifact:
-            with open(tmp / str(cfg.artifact.file), "wb") as f:
-                f.write(artifact)
-                f.flush()
-                os.fsync(f.fileno())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _storage(server):
+        uploads.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{cfg.name}-", dir=uploads))
+        try:
+            _write_synced(tmp / "config.toml", config_toml.encode())
+            if artifact:
+                _write_synced(tmp / str(cfg.artifact.file), artifact)
+            _sync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return cfg, tmp
 
 
@@ -165,12 +255,19 @@ def _commit(server: "Server", cfg: ModelConfig, tmp: Path) -> ModelRecord:
         shutil.rmtree(tmp, ignore_errors=True)
         raise InvalidInput(f"model {cfg.name!r} already exists; unregister it first "
                            f"(DELETE /v2/repository/models/{cfg.name})")
-    os.rename(tmp, dest)
-    try:
-        return reg.upsert(cfg, "registered", dest)
-    except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
+    with _storage(server):
+        try:
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            # the rename is durable only once the repository directory itself is synced
+            _sync_dir(dest.parent)
+            return reg.upsert(cfg, "registered", dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
 
 
 def _remove(server: "Server", name: str) -> None:
@@ -226,7 +323,7 @@ async def unregister_model(server: "Server", name: str) -> None:
     """Unload a registered model and delete it from the registry and repository."""
     check_model_name(name)
     async with _lock(server):
-        rec = _record(server, name)
+        rec = record(server, name)
         if rec.source != "registered":
             raise InvalidInput(f"model {name!r} is {rec.source}, not registered at run time; it cannot be deleted")
         await _drop_runtime(server, name)
@@ -241,7 +338,7 @@ async def unregister_model(server: "Server", name: str) -> None:
 async def load_model(server: "Server", name: str) -> None:
     """Start the model's workers (again) and wait until it is ready."""
     async with _lock(server):
-        _record(server, name)
+        record(server, name)
         rt = server.runtime(name)
         rt.enabled = True
         try:
@@ -253,37 +350,46 @@ async def load_model(server: "Server", name: str) -> None:
 async def unload_model(server: "Server", name: str) -> None:
     """Stop the model's workers; it refuses requests (MODEL_NOT_READY) until loaded again."""
     async with _lock(server):
-        _record(server, name)
+        record(server, name)
         rt = server.runtime(name)
         rt.enabled = False
         await rt.unload()
 
 
-async def set_instances(server: "Server", name: str, instances: int) -> None:
+async def set_instances(server: "Server", name: str, instances: Any) -> None:
     """Scale the model to ``instances`` worker processes without dropping requests."""
-    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= 64:
+    instances = json_number("instances", instances, int)
+    if not 1 <= instances <= 64:
         raise InvalidInput(f"instances must be an integer between 1 and 64, got {instances!r}")
     async with _lock(server):
-        _record(server, name)
+        record(server, name)
         rt = server.runtime(name)
         # returns once retired instances are stopped and, for a loaded model, new ones serve
         await rt.resize(instances)
         log.info("model %s: %d instance(s)", name, instances)
 
 
-async def set_batching(server: "Server", name: str, policy: str, max_batch_size: int | None,
-                       max_delay_ms: float | None, preferred_batch: int | None) -> None:
-    """Swap the model's batching policy (and batch limit) in place; queued requests stay."""
+async def set_batching(server: "Server", name: str, policy: Any, max_batch_size: Any, max_delay_ms: Any,
+                       preferred_batch: Any) -> None:
+    """Swap the model's batching policy (and batch limit) in place; queued requests stay.
+
+    The values are as a client sent them (None: unchanged); each is checked here."""
     async with _lock(server):
-        _record(server, name)
+        record(server, name)
         rt = server.runtime(name)
         if rt.packrat is not None:
             raise InvalidInput(f"model {name!r} uses packrat placement: its batching follows Packrat's plan")
         cur = rt.config.batching
+        if policy is not None and not isinstance(policy, str):
+            raise InvalidInput(f"batching.policy must be a string, got {policy!r}")
         new = BatchingConfig(policy or cur.policy,
-                             cur.max_delay_ms if max_delay_ms is None else float(max_delay_ms),
-                             cur.preferred_batch if preferred_batch is None else int(preferred_batch))
-        if max_batch_size is not None and not 1 <= int(max_batch_size) <= rt.config.max_batch_size:
+                             cur.max_delay_ms if max_delay_ms is None else json_number("batching.max_delay_ms",
+                                                                                   max_delay_ms, float),
+                             cur.preferred_batch if preferred_batch is None else json_number("batching.preferred_batch",
+                                                                                         preferred_batch, int))
+        if max_batch_size is not None:
+            max_batch_size = json_number("max_batch_size", max_batch_size, int)
+        if max_batch_size is not None and not 1 <= max_batch_size <= rt.config.max_batch_size:
             raise InvalidInput(f"max_batch_size must be 1..{rt.config.max_batch_size} for {name!r} "
                                "(the tensor queues were sized for that; register a new version to raise it)")
         rt.sched.policy = make_policy(new)
@@ -354,7 +460,7 @@ def _model_stats(rec: ModelRecord, rt: "ModelRuntime | None") -> dict[str, Any]:
 def model_statistics(server: "Server", name: str | None = None) -> dict:
     """The Triton statistics extension: one entry per model (or just ``name``)."""
     if name is not None:
-        recs = [_record(server, name)]
+        recs = [record(server, name)]
     else:
         recs = sorted(server.records.values(), key=lambda r: r.func_id)
     return {"model_stats": [_model_stats(r, server.runtimes.get(r.name)) for r in recs]}
@@ -362,7 +468,7 @@ def model_statistics(server: "Server", name: str | None = None) -> dict:
 
 def model_metadata(server: "Server", name: str) -> dict:
     """v2 model metadata: shapes carry -1 for the batch dimension."""
-    rec = _record(server, name)
+    rec = record(server, name)
     cfg = server.runtimes[name].config if name in server.runtimes else rec.config
 
     def tensors(specs: tuple) -> list[dict]:

@@ -322,3 +322,76 @@ def test_register_through_load_with_config(client, stub, token):
     expect_code(lambda: stub.RepositoryModelLoad(req, metadata=auth), grpc.StatusCode.INVALID_ARGUMENT,
                 "already exists")
     np.testing.assert_array_equal(client.infer("vecadd_grpc", (a, b)), a + b)
+
+
+# -- limits, bad parameters, storage and bugs -------------------------------------------------
+
+
+def test_oversized_and_unparsable_messages_are_refused_and_the_server_serves_on(server, stub, client, fast):
+    big = raw_request("lenet", [("image", "UINT8", [2000, 1, 28, 28], np.zeros((2000, 1, 28, 28), np.uint8))])
+    details = expect_code(lambda: stub.ModelInfer(big), grpc.StatusCode.RESOURCE_EXHAUSTED, "'lenet'", "limit")
+    assert "max_batch_size 32" in details
+    channel = grpc.insecure_channel(server.grpc.removeprefix("grpc://"))
+    try:
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
+        expect_code(lambda: raw(b"\x0a\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT, "does not parse")
+    finally:
+        channel.close()
+    assert_still_serving(client, fast)
+
+
+@pytest.mark.parametrize("kind, value", [("string_param", "50"), ("bool_param", True), ("double_param", 0.0),
+                                         ("int64_param", -5), ("double_param", float("inf"))])
+def test_deadline_ms_must_be_a_positive_number(stub, kind, value):
+    req = raw_request("lenet", [("image", "UINT8", [1, 1, 28, 28], lenet_input(1))])
+    setattr(req.parameters["deadline_ms"], kind, value)
+    expect_code(lambda: stub.ModelInfer(req), grpc.StatusCode.INVALID_ARGUMENT, "deadline_ms", "positive")
+
+
+def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details(tmp_path, monkeypatch):
+    import dataclasses
+    import errno
+    import os
+
+    import httpx
+
+    from splitserve.server import management
+    from tests.inproc import quiet_config, run_server
+
+    def full(fd):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    def bug(*args, **kw):
+        raise KeyError("secret detail of a bug")
+
+    monkeypatch.setattr(os, "fsync", full)  # what a full quota answers when the upload is flushed
+    monkeypatch.setattr(management, "repository_index", bug)
+
+    def test(server):
+        token = (server.config.data_dir / "token").read_text().strip()
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.ports['grpc_port']}")
+        s = pb_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            req = pb.RepositoryModelLoadRequest(model_name="small")
+            req.parameters["config"].string_param = ('name = "small"\n[artifact]\nkind = "safetensors"\n'
+                                                     'arch = "lenet"\nfile = "w.safetensors"\n')
+            req.parameters["file:w.safetensors"].bytes_param = b"weights"
+            full_disk = expect_code(lambda: s.RepositoryModelLoad(req, metadata=(("authorization", f"Bearer {token}"),)),
+                                    grpc.StatusCode.RESOURCE_EXHAUSTED, "no storage left")
+            internal = expect_code(lambda: s.RepositoryIndex(pb.RepositoryIndexRequest()), grpc.StatusCode.INTERNAL,
+                                   "reference")
+            ready = s.ServerReady(pb.ServerReadyRequest()).ready
+            http_ready = httpx.get(f"http://127.0.0.1:{server.ports['http_port']}/v2/health/ready").json()["ready"]
+        finally:
+            channel.close()
+        return full_disk, internal, ready, http_ready
+
+    async def scenario(server):
+        return await asyncio.to_thread(test, server)
+
+    config = dataclasses.replace(quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache"),
+                                 grpc_port=0, http_port=0)
+    full_disk, internal, ready, http_ready = run_server(config, scenario)
+    assert "secret" not in internal and "KeyError" not in internal
+    assert ready is True and http_ready is True
+    assert not (tmp_path / "data" / "repository" / "small").exists()

@@ -3,8 +3,13 @@ security, statistics and metrics, against real server processes on loopback."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import errno
 import json
+import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -19,7 +24,9 @@ from splitserve.client.http import HttpClient
 from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
 from splitserve.models import build_zoo_model
 from splitserve.models.loader import save_safetensors
+from splitserve.protocol import v2
 from tests.conftest import ROOT, start_server
+from tests.inproc import quiet_config, run_server
 
 MODELS = ("lenet", "distilbert")  # UINT8 in / FP32 out, and INT32 in; vecadd1k (FP32 in) loads lazily
 UPLOAD_LIMIT = 1 << 20
@@ -472,3 +479,195 @@ def test_register_unload_load_restart_and_upload_limits(tmp_path):
             assert h.register(model_dir)["func_id"] == func_id
     finally:
         assert s.stop() == 0
+
+
+# -- in-process servers: the codec pool, limits, storage, bad input, safer defaults ---------------
+
+
+def _inproc(tmp_path, test, **overrides):
+    """Run ``test(server, base_url)`` in a thread beside an in-process server (HTTP and the
+    fast path on free ports, no workers unless a model is used)."""
+    config = dataclasses.replace(quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache"),
+                                 http_port=0, fast_port=0, **overrides)
+
+    async def scenario(server):
+        return await asyncio.to_thread(test, server, f"http://127.0.0.1:{server.ports['http_port']}")
+
+    return run_server(config, scenario)
+
+
+def _matmul_json(extra_input=True):
+    """A multi-MB JSON infer body for matmul8k (32 samples of two 64x64 FP32 inputs); with
+    ``extra_input`` it names an input the model lacks, so it is refused once decoded and no
+    worker is ever started."""
+    x = np.random.default_rng(0).standard_normal((32, 64, 64)).astype(np.float32).tolist()
+    inputs = [{"name": n, "datatype": "FP32", "shape": [32, 64, 64], "data": x}
+              for n in ("a", "b", *(("c",) if extra_input else ()))]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def test_a_large_json_body_is_decoded_off_the_loop_the_fast_path_serves(tmp_path, monkeypatch):
+    """While a multi-MB JSON body is being decoded (held mid-decode), a fast-path ping is
+    answered, and another large body beyond ``codec_max_pending`` is refused at once."""
+    decoding, release = threading.Event(), threading.Event()
+    order: list[str] = []
+    parse = v2.parse_infer_request
+
+    def held_parse(body, header_length=None):
+        decoding.set()
+        release.wait(30)  # bounded, so the old code (decoding on the loop) fails instead of hanging
+        order.append("decoded")
+        return parse(body, header_length)
+
+    monkeypatch.setattr(v2, "parse_infer_request", held_parse)
+    body = _matmul_json()
+    assert len(body) > 4 << 20
+
+    def test(server, url):
+        first: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: first.append(
+            httpx.post(f"{url}/v2/models/matmul8k/infer", content=body, timeout=120,
+                       headers={"Content-Type": "application/json"})))
+        sender.start()
+        try:
+            assert decoding.wait(60), "the large body never reached the decoder"
+            with Client(f"tcp://127.0.0.1:{server.ports['fast_port']}") as c:
+                c.ping()
+            order.append("pong")
+            second = httpx.post(f"{url}/v2/models/matmul8k/infer", content=body, timeout=120,
+                                headers={"Content-Type": "application/json"})
+        finally:
+            release.set()
+            sender.join(120)
+        return second, first[0]
+
+    second, first = _inproc(tmp_path, test, codec_max_pending=1)
+    assert order == ["pong", "decoded"]
+    assert second.status_code == 503 and "SPLITSERVE_CODEC_MAX_PENDING" in second.json()["error"]
+    assert first.status_code == 400 and "has no input 'c'" in first.json()["error"]
+
+
+def test_infer_bodies_are_limited_by_the_models_size_not_the_upload_limit(tmp_path):
+    """lenet's limit is 32 samples x 784 values x 32 characters + 64 KiB = 868,352 bytes: a
+    2 MiB body is refused before it is read, a chunked one once 868,352 bytes arrived, one
+    just inside is decoded (and refused for what it says)."""
+    too_big = 2 << 20
+
+    def test(server, url):
+        cfg = server.records["lenet"].config
+        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value) == 868_352
+        assert too_big < server.config.max_upload_bytes // 100
+        declared = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * too_big,
+                              headers={"Content-Type": "application/json"})
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(too_big // 65536):
+                yield b" " * 65536
+
+        chunked = httpx.post(f"{url}/v2/models/lenet/infer", content=chunks(),
+                             headers={"Content-Type": "application/json"})
+        inside = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * 868_000 + b"{}",
+                            headers={"Content-Type": "application/json"})
+        return declared, chunked, inside
+
+    declared, chunked, inside = _inproc(tmp_path, test)
+    for r in (declared, chunked):
+        assert r.status_code == 413, r.text
+        assert r.json()["status"] == "PAYLOAD_TOO_LARGE" and "max_batch_size 32" in r.json()["error"]
+    assert inside.status_code == 400 and "inputs" in inside.json()["error"]
+
+
+def _register(url, token, name, toml, files=None):
+    return httpx.post(f"{url}/v2/repository/models/{name}/register", headers={"Authorization": f"Bearer {token}"},
+                      files={"config": ("config.toml", toml.encode()), **(files or {})}, timeout=60)
+
+
+def test_a_full_disk_is_507_and_a_bug_is_a_500_without_its_details(tmp_path, monkeypatch, caplog):
+    from splitserve.server import management
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def bug(*args, **kw):
+        raise RuntimeError("secret detail of a bug")
+
+    monkeypatch.setattr(os, "fsync", full)  # what a full disk answers when the upload is flushed
+    monkeypatch.setattr(management, "repository_index", bug)
+
+    def test(server, url):
+        token = (server.config.data_dir / "token").read_text().strip()
+        full_disk = _register(url, token, "small", 'name = "small"\n[artifact]\nkind = "safetensors"\narch = "lenet"\n'
+                                                   'file = "w.safetensors"\n', {"artifact": ("w", b"weights")})
+        left = sorted(p.name for p in (server.config.data_dir / "repository").iterdir())
+        uploads = list((server.config.data_dir / management.UPLOAD_DIR).iterdir())
+        return full_disk, left, uploads, httpx.post(f"{url}/v2/repository/index")
+
+    with caplog.at_level(logging.ERROR):
+        full_disk, left, uploads, internal = _inproc(tmp_path, test)
+    assert full_disk.status_code == 507, full_disk.text
+    assert full_disk.json()["status"] == "INSUFFICIENT_STORAGE" and "no storage left" in full_disk.json()["error"]
+    assert left == [] and uploads == []
+    assert internal.status_code == 500 and internal.json()["status"] == "INTERNAL"
+    message = internal.json()["error"]
+    assert "secret" not in message and "RuntimeError" not in message
+    ref = message.split("reference ")[1].split()[0]
+    assert any(ref in r.getMessage() and r.exc_info for r in caplog.records)  # the details stay in the log
+
+
+def test_bad_management_input_is_a_400_with_a_message(tmp_path):
+    def test(server, url):
+        auth = {"Authorization": f"Bearer {(server.config.data_dir / 'token').read_text().strip()}"}
+        out = []
+        for body in ({"batching": {"max_delay_ms": "abc"}}, {"batching": {"preferred_batch": 2.5}},
+                     {"batching": {"policy": 3}}, {"max_batch_size": "8"}, {"instances": 1.5}):
+            out.append(httpx.post(f"{url}/v2/repository/models/lenet/config", json=body, headers=auth))
+        out.append(httpx.post(f"{url}/v2/repository/models/lenet/config", headers=auth,
+                              content=b'{"batching": {"max_delay_ms": NaN}}'))
+        nul = 'name = "nul"\n[artifact]\nkind = "safetensors"\narch = "lenet"\nfile = "a\\u0000b"\n'
+        out.append(_register(url, auth["Authorization"].split()[1], "nul", nul, {"artifact": ("a", b"x")}))
+        return out
+
+    for r in _inproc(tmp_path, test):
+        assert r.status_code == 400, r.text
+        assert any(w in r.json()["error"] for w in ("must be", "plain file name")), r.text
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_code_artifact_uploads_need_the_flag(tmp_path, allow):
+    toml = 'name = "ts"\n[artifact]\nkind = "torchscript"\nfile = "m.pt"\n' \
+           '[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [2]\n[[outputs]]\nname = "y"\ndatatype = "FP32"\nshape = [2]\n'
+
+    def test(server, url):
+        token = (server.config.data_dir / "token").read_text().strip()
+        return _register(url, token, "ts", toml, {"artifact": ("m.pt", b"not torchscript")})
+
+    r = _inproc(tmp_path, test, allow_code_artifacts=allow)
+    assert r.status_code == 400
+    if allow:  # past the gate: the worker tried the file, and the registration was rolled back
+        assert "allow-code-artifacts" not in r.json()["error"] and "TorchScript" in r.json()["error"]
+    else:
+        assert "--allow-code-artifacts" in r.json()["error"] and "run code" in r.json()["error"]
+
+
+def test_the_data_directory_is_private_and_readiness_agrees(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    os.chmod(data, 0o755)
+
+    def test(server, url):
+        return stat.S_IMODE(data.stat().st_mode), httpx.get(f"{url}/v2/health/ready")
+
+    mode, ready = _inproc(tmp_path, test)
+    assert mode == 0o700
+    assert ready.status_code == 200 and ready.json() == {"ready": True}
+
+
+def test_a_non_loopback_bind_warns_what_needs_no_token():
+    from splitserve.config import ServerConfig
+    from splitserve.server.management import exposure_warning
+
+    assert exposure_warning(ServerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(ServerConfig(host="::1")) is None
+    text = exposure_warning(ServerConfig(host="0.0.0.0"))
+    for words in ("fast path on TCP 8100", "UDP 8101", "/classify", "/metrics", "gRPC 8001", "first request"):
+        assert words in text

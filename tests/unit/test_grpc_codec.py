@@ -134,3 +134,9 @@ def test_response_and_metadata_decoding():
     set_param(meta.parameters, "func_id", 3)
     info = model_info(meta)
     assert info.inputs == (TensorSpec("a", "FP32", (4,)),) and info.max_batch_size == 8 and info.func_id == 3
+
+
+@pytest.mark.parametrize("value", [0, -1, "50", b"50", True, float("nan"), float("inf")])
+def test_a_deadline_is_a_positive_number_of_milliseconds(value):
+    with pytest.raises(InvalidInput, match="deadline_ms.*positive"):
+        _call_options({"deadline_ms": value})

@@ -156,3 +156,38 @@ def test_requested_outputs_pick_binary_per_output():
     }).encode())
     with pytest.raises(InvalidInput, match="no output 'zz'"):
         v2.build_infer_response("m", "1", bad, [("a", a)])
+
+
+@pytest.mark.parametrize("value, seconds", [(None, None), (2.5, 0.0025), (50, 0.05), (0, None), (-1, None),
+                                            ("50", None), (True, None), (float("nan"), None), (float("inf"), None)])
+def test_http_and_grpc_share_one_deadline_rule(value, seconds):
+    """HTTP's parameters.deadline_ms and gRPC's deadline_ms parameter: the same values are
+    accepted (absent: none) and the same refused (zero, negative, not finite, not a number)."""
+    from splitserve.server.grpc_server import _call_options
+
+    params = {} if value is None else {"deadline_ms": value}
+    body = json.dumps({"parameters": params, "inputs": [{"name": "x", "datatype": "FP32", "shape": [1],
+                                                         "data": [1]}]}).encode()
+    if value is None or seconds is not None:
+        assert v2.parse_infer_request(body).deadline_s == seconds == _call_options(params)[1]
+    else:
+        with pytest.raises(InvalidInput, match="positive"):
+            _ = v2.parse_infer_request(body).deadline_s
+        with pytest.raises(InvalidInput, match="positive"):
+            _call_options(params)
+
+
+def test_infer_body_limit_follows_the_model():
+    from splitserve.types import TensorSpec
+
+    specs = (TensorSpec.from_dict({"name": "x", "datatype": "UINT8", "shape": [1, 28, 28]}),
+             TensorSpec.from_dict({"name": "y", "datatype": "FP64", "shape": [3]}))
+    base = v2.infer_body_limit(specs, 1, 32)
+    assert v2.infer_body_limit(specs, 4, 32) - base == 3 * (784 * 32 + 3 * 32)  # linear in the batch
+    assert v2.infer_body_limit(specs, 1, 4) - v2.infer_body_limit(specs, 1, 2) == 784 * 2  # FP64 keeps its 8 bytes
+    # a full batch as JSON fits
+    x = np.full((4, 1, 28, 28), 255, np.uint8)
+    y = np.full((4, 3), -1.2345678901234567e-300)
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "UINT8", "shape": [4, 1, 28, 28], "data": x.tolist()},
+                                  {"name": "y", "datatype": "FP64", "shape": [4, 3], "data": y.tolist()}]})
+    assert len(body) < v2.infer_body_limit(specs, 4, 32)

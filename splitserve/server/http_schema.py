@@ -1,0 +1,264 @@
+"""What the HTTP front end's OpenAPI schema (``/openapi.json``) says each endpoint takes and
+returns: bodies, error bodies and status codes, so that a client generated from it, and
+schemathesis, see the API as it is.
+
+The models here document; handlers build their answers as plain dicts (the same ones the
+gRPC front end converts), so documenting costs no validation at run time.
+``tests/integration/test_http_schema.py`` checks the schema against a real server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitserve.protocol.v2 import DATATYPES
+
+# Why each error status is answered (the body is always ErrorBody).
+_WHY = {
+    400: "Bad input: the message names the field and what is wrong with it",
+    401: "No or wrong management token ('Authorization: Bearer <token>')",
+    404: "Unknown model or version",
+    413: "The body exceeds its limit (a model's infer limit, or the upload limit)",
+    429: "Refused by policy (best-effort work on an rt-only server)",
+    500: "A worker failed, or a server bug (the message gives a reference to the server log)",
+    503: "The model is not ready, its queue is full, too many large bodies are in hand, or the server is stopping",
+    504: "The request's deadline passed before it ran",
+    507: "The server has no storage left for the upload",
+}
+
+
+class ErrorBody(BaseModel):
+    """The protocol's error object; ``status`` names splitserve's status so clients can
+    rebuild the exact error class."""
+
+    error: str
+    status: str | None = None
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entries for these error statuses (every endpoint can also answer 500)."""
+    return {c: {"model": ErrorBody, "description": _WHY[c]} for c in sorted({*codes, 500})}
+
+
+# -- health and metadata -------------------------------------------------------------------------
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class Live(BaseModel):
+    live: bool
+
+
+class Ready(BaseModel):
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 stands for the batch dimension")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    parameters: dict[str, Any] = Field(default_factory=dict, description="splitserve additions")
+
+
+class Duration(BaseModel):
+    count: int
+    ns: int
+
+
+class BatchStats(BaseModel):
+    batch_size: int
+    compute_input: Duration
+    compute_infer: Duration
+    compute_output: Duration
+
+
+class ModelStats(BaseModel):
+    name: str
+    version: str
+    last_inference: int
+    inference_count: int
+    execution_count: int
+    inference_stats: dict[str, Duration]
+    batch_stats: list[BatchStats]
+    preemptions: int
+
+
+class Statistics(BaseModel):
+    model_stats: list[ModelStats]
+
+
+# -- inference -----------------------------------------------------------------------------------
+
+
+class InferTensor(BaseModel):
+    """A request tensor: JSON ``data`` (flat or nested), or ``parameters.binary_data_size``
+    bytes after the JSON header (binary tensor data extension)."""
+
+    name: str
+    datatype: Literal[DATATYPES]  # type: ignore[valid-type]
+    shape: list[Annotated[int, Field(ge=0)]]
+    data: list[Any] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class RequestedOutput(BaseModel):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequestBody(BaseModel):
+    """``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (positive), ``binary_data_output``."""
+
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[InferTensor] = Field(min_length=1)
+    outputs: list[RequestedOutput] | None = None
+
+
+class OutputTensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[Any] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class InferResponseBody(BaseModel):
+    """``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``."""
+
+    model_name: str
+    model_version: str
+    id: str
+    parameters: dict[str, Any] | None = None
+    outputs: list[OutputTensor]
+
+
+class ClassifyRequest(BaseModel):
+    """``input``: one sample or a batch as nested lists, or ``{"b64": ...}`` raw sample bytes."""
+
+    model: str
+    input: list[Any] | dict[str, str]
+    top_k: int = Field(5, ge=1, le=1000)
+    class_: Literal["rt", "be"] | None = Field(None, alias="class")
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int
+    score: float
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    predictions: list[list[Prediction]]
+
+
+# -- repository and management -------------------------------------------------------------------
+
+
+class IndexRequest(BaseModel):
+    ready: bool = False
+
+
+class IndexEntry(BaseModel):
+    name: str
+    version: str
+    state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
+    reason: str
+
+
+class Registered(BaseModel):
+    name: str
+    func_id: int
+    version: str
+    state: Literal["READY"]
+
+
+class Deleted(BaseModel):
+    name: str
+    deleted: bool
+
+
+class ModelState(BaseModel):
+    name: str
+    state: Literal["READY", "UNAVAILABLE"]
+
+
+class BatchingChange(BaseModel):
+    policy: Literal["work_conserving", "timeout", "none"] | None = None
+    max_delay_ms: float | None = Field(None, ge=0)
+    preferred_batch: int | None = Field(None, ge=1)
+
+
+class ConfigChange(BaseModel):
+    """At least one key; ``max_batch_size`` may only go down to 1 and up to the registered one."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
+
+    instances: int | None = Field(None, ge=1, le=64)
+    batching: BatchingChange | None = None
+    max_batch_size: int | None = Field(None, ge=1)
+
+
+class SchedulerEvents(BaseModel):
+    mode: str
+    now: float
+    events: list[dict[str, Any]]
+
+
+def body(model: type[BaseModel], example: dict[str, Any] | None = None, binary: str | None = None,
+         required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` for a request body read by hand (handlers parse bodies themselves,
+    off the loop and within limits); ``binary`` documents an octet-stream alternative."""
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+    if example is not None:
+        content["application/json"]["example"] = example
+    if binary is not None:
+        content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary", "description": binary}}
+    return {"requestBody": {"required": required, "content": content}}
+
+
+def install_openapi(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
+    """The app's schema, with the models of hand-read bodies added, and FastAPI's 422 left
+    out: validation errors are answered 400 with an ErrorBody like every other bad input."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in request_models:
+            full = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+            components.update(full.pop("$defs", {}))
+            components[model.__name__] = full
+        for path in schema["paths"].values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                responses.pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
