@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs splitserve with its test extras. Idempotent and quick when
+# Creates .venv and installs splitserve with its test and bench extras. Idempotent and quick when
 # nothing changed. torch is pinned to 2.13.0 on the first install because that CPU wheel
 # is on local disk here (seconds); pyproject itself accepts any torch >= 2.4.
 set -euo pipefail
@@ -14,6 +14,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.4"
   fi
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,bench]"
   touch "$stamp"
 fi

@@ -1,4 +1,4 @@
-"""``splitserve`` command line: serve | infer | models (and later profile | plan | bench)."""
+"""``splitserve`` command line: serve | infer | models | profile | plan, and bench with the ``bench`` extra."""
 
 from __future__ import annotations
 
@@ -12,10 +12,44 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from splitserve.config import ServerConfig, default_data_dir
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="splitserve: inference serving without the RPC tax")
+
+class _Commands(TyperGroup):
+    """The top-level commands, with ``bench`` imported only when it is named or listed: the
+    server and the other commands never import ``splitserve.bench``, and they work in an
+    install without the ``bench`` extra."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return [*super().list_commands(ctx), "bench"]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        return _bench_command() if cmd_name == "bench" else super().get_command(ctx, cmd_name)
+
+
+def _bench_command() -> Any:
+    """``splitserve bench``, or without the ``bench`` extra a stand-in that says how to get it."""
+    try:
+        from splitserve.bench.cli import bench_app
+    except ImportError as e:
+        reason = str(e)
+        missing = typer.Typer(add_completion=False)
+
+        @missing.command("bench", help="Benchmarks: not installed (pip install 'splitserve[bench]').",
+                         add_help_option=False,
+                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+        def bench() -> None:
+            typer.echo(f"splitserve bench is not installed ({reason}): pip install 'splitserve[bench]'", err=True)
+            raise typer.Exit(1)
+
+        return typer.main.get_command(missing)
+    return typer.main.get_command(bench_app)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
+                  help="splitserve: inference serving without the RPC tax")
 console = Console()
 
 
@@ -300,15 +334,7 @@ def plan(
     typer.echo(json.dumps(out, indent=2))
 
 
-def _add_subcommands() -> None:
-    """Subcommand groups that live with their own packages."""
-    from splitserve.bench.cli import bench_app
-
-    app.add_typer(bench_app, name="bench", help="Benchmarks that reproduce the papers' experiments.")
-
-
 def main() -> None:
-    _add_subcommands()
     app()
 
 

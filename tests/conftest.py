@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from splitserve.bench import serverproc
-from splitserve.bench.serverproc import ServerProcess
+from splitserve import launcher
+from splitserve.launcher import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 # Trained weights (digits) are shared by every server the tests start.
@@ -23,10 +23,10 @@ __all__ = ["CACHE", "ROOT", "ServerProcess", "start_server"]
 
 
 def start_server(data_dir: Path, *args: str, **kw: Any) -> ServerProcess:
-    """``serverproc.start_server`` with the tests' shared weight cache and working directory."""
+    """``launcher.start_server`` with the tests' shared weight cache and working directory."""
     kw.setdefault("cache_dir", CACHE)
     kw.setdefault("cwd", ROOT)
-    return serverproc.start_server(data_dir, *args, **kw)
+    return launcher.start_server(data_dir, *args, **kw)
 
 
 @pytest.fixture(scope="session")

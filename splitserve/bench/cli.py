@@ -1,7 +1,7 @@
 """``splitserve bench <scenario>``: one command per scenario, with the same options each.
 
-Imported by every ``splitserve`` invocation (the server's too), so it imports nothing heavy:
-scenarios, torch and matplotlib load only when a benchmark runs.
+``splitserve.cli`` imports this only for ``splitserve bench`` and the top-level help, so it
+imports nothing heavy: scenarios, torch and matplotlib load only when a benchmark runs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from rich.console import Console
 from splitserve.bench.scenarios import SCENARIOS, ScenarioInfo
 
 bench_app = typer.Typer(
+    name="bench",
+    add_completion=False,
     no_args_is_help=True,
+    short_help="Benchmarks that reproduce the papers' experiments.",
     help="Benchmarks that reproduce the papers' experiments. Each scenario writes result.json, "
          "report.md and PNG plots into a new folder under --out.",
 )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from splitserve.bench.scenarios.base import Context
-    from splitserve.bench.serverproc import ServerProcess
+    from splitserve.launcher import ServerProcess
 
 EVENT_LIMIT = 100_000  # scheduler events fetched per request (the server keeps 200 000)
 
@@ -33,7 +33,7 @@ def own_server(ctx: Context, label: str, args: Sequence[str],
 
     ``prepare(data_dir)`` runs before the start, e.g. to store profiles in its registry.
     """
-    from splitserve.bench.serverproc import start_server
+    from splitserve.launcher import start_server
 
     if ctx.urls:
         raise ValueError("this scenario starts its own servers with their own settings; it cannot "

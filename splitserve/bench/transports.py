@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench.serverproc import urls_from_info
+from splitserve.launcher import urls_from_info
 
 # transports served by a splitserve server, in report order
 SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "udp", "http-json", "http-binary", "grpc")

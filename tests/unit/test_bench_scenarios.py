@@ -10,7 +10,6 @@ import pytest
 
 from splitserve.bench.codecs import CodecTiming
 from splitserve.bench.inputs import make_inputs
-from splitserve.bench.measure import CallTimes
 from splitserve.bench.runner import build_params
 from splitserve.bench.scenarios import SCENARIOS, get
 from splitserve.bench.scenarios.base import apply_overrides, write_repository
@@ -18,6 +17,7 @@ from splitserve.bench.scenarios.batching import variant_name, variants
 from splitserve.bench.scenarios.load import Params as LoadParams
 from splitserve.bench.scenarios.load import find_knee, rate_ladder
 from splitserve.bench.scenarios.rpc_tax import breakdown, ratios
+from splitserve.bench.timing import CallTimes
 from splitserve.bench.transports import Target, Unavailable
 from splitserve.bench.validate import Check, ValidationFailed, check, check_all, compare
 from splitserve.registry import read_model_dir

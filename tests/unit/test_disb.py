@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from splitserve.bench import disb
+from splitserve.bench.disb import workload
 from splitserve.errors import InvalidInput
 
 
@@ -19,13 +19,13 @@ def _rng() -> np.random.Generator:
     return np.random.default_rng(11)
 
 
-@pytest.mark.parametrize("name", disb.BUILTIN)
+@pytest.mark.parametrize("name", workload.BUILTIN)
 def test_builtins_parse_and_round_trip(name: str) -> None:
-    w = disb.builtin(name, duration=2.0)
+    w = workload.builtin(name, duration=2.0)
     assert w.name == name and w.time == 2.0
-    assert disb.parse_workload(json.loads(json.dumps(w.to_dict()))) == w
-    assert {t.client.model_name for t in w.tasks} <= set(disb.MODELS)
-    rt, closed = disb.workload_arrivals(w, _rng())
+    assert workload.parse_workload(json.loads(json.dumps(w.to_dict()))) == w
+    assert {t.client.model_name for t in w.tasks} <= set(workload.MODELS)
+    rt, closed = workload.workload_arrivals(w, _rng())
     assert all(a.cls == "rt" for a in rt)
     assert [a.t for a in rt] == sorted(a.t for a in rt)
     assert all(0 <= a.t < 2.0 for a in rt)
@@ -33,7 +33,7 @@ def test_builtins_parse_and_round_trip(name: str) -> None:
 
 
 def test_a_is_periodic_vgg19_at_100_per_second_with_one_be_client() -> None:
-    rt, closed = disb.workload_arrivals(disb.builtin("A", duration=2.0), _rng())
+    rt, closed = workload.workload_arrivals(workload.builtin("A", duration=2.0), _rng())
     assert len(rt) == 200
     assert {(a.model, a.tag) for a in rt} == {("vgg19", "vgg19_rt")}
     assert np.allclose(np.diff([a.t for a in rt]), 0.01)
@@ -41,55 +41,55 @@ def test_a_is_periodic_vgg19_at_100_per_second_with_one_be_client() -> None:
 
 
 def test_b_has_a_real_time_continuous_client() -> None:
-    rt, closed = disb.workload_arrivals(disb.builtin("B"), _rng())
+    rt, closed = workload.workload_arrivals(workload.builtin("B"), _rng())
     assert rt == []
     assert [(t.client.model_name, t.cls) for t in closed] == [("vgg19", "rt"), ("resnet152", "be")]
 
 
 def test_c_has_five_be_clients() -> None:
-    rt, closed = disb.workload_arrivals(disb.builtin("C", duration=2.0), _rng())
+    rt, closed = workload.workload_arrivals(workload.builtin("C", duration=2.0), _rng())
     assert len(rt) == 200
-    assert sorted(t.client.model_name for t in closed) == sorted(disb.MODELS)
+    assert sorted(t.client.model_name for t in closed) == sorted(workload.MODELS)
     assert all(t.cls == "be" for t in closed)
 
 
 def test_d_staggers_five_periodic_clients() -> None:
-    rt, closed = disb.workload_arrivals(disb.builtin("D", duration=2.0), _rng())
-    assert Counter(a.model for a in rt) == {m: 40 for m in disb.MODELS}
+    rt, closed = workload.workload_arrivals(workload.builtin("D", duration=2.0), _rng())
+    assert Counter(a.model for a in rt) == {m: 40 for m in workload.MODELS}
     firsts = sorted({a.model: a.t for a in reversed(rt)}.values())
     assert np.allclose(firsts, [0.0, 0.01, 0.02, 0.03, 0.04])  # spread over the 50 ms period
     assert len(closed) == 5
 
 
 def test_e_is_poisson_at_20_per_second_per_model() -> None:
-    rt, _ = disb.workload_arrivals(disb.builtin("E", duration=50.0), _rng())
+    rt, _ = workload.workload_arrivals(workload.builtin("E", duration=50.0), _rng())
     counts = Counter(a.model for a in rt)
-    assert set(counts) == set(disb.MODELS)
-    for model in disb.MODELS:
+    assert set(counts) == set(workload.MODELS)
+    for model in workload.MODELS:
         assert counts[model] == pytest.approx(1000, abs=130)  # ~4 sigma
         gaps = np.diff([a.t for a in rt if a.model == model])
         assert gaps.std() > 0.5 * gaps.mean()  # not periodic
 
 
 def test_real_is_about_43_per_second() -> None:
-    w = disb.builtin("REAL", duration=20.0)
-    rt, closed = disb.workload_arrivals(w, _rng())
+    w = workload.builtin("REAL", duration=20.0)
+    rt, closed = workload.workload_arrivals(w, _rng())
     assert len(rt) / 20.0 == pytest.approx(43.0, rel=0.1)
-    assert set(Counter(a.model for a in rt)) == set(disb.MODELS)
+    assert set(Counter(a.model for a in rt)) == set(workload.MODELS)
     assert len(closed) == 5
-    again, _ = disb.workload_arrivals(disb.builtin("REAL", duration=20.0), np.random.default_rng(99))
+    again, _ = workload.workload_arrivals(workload.builtin("REAL", duration=20.0), np.random.default_rng(99))
     assert again == rt  # a fixed trace: the rng does not change it
 
 
 def test_rate_scale_lowers_the_real_time_rates() -> None:
-    rt, _ = disb.workload_arrivals(disb.builtin("A", duration=2.0, rate_scale=0.1), _rng())
+    rt, _ = workload.workload_arrivals(workload.builtin("A", duration=2.0, rate_scale=0.1), _rng())
     assert len(rt) == 20
-    real, _ = disb.workload_arrivals(disb.builtin("REAL", duration=20.0, rate_scale=0.5), _rng())
+    real, _ = workload.workload_arrivals(workload.builtin("REAL", duration=20.0, rate_scale=0.5), _rng())
     assert len(real) / 20.0 == pytest.approx(21.5, rel=0.15)
     with pytest.raises(InvalidInput, match="rate_scale"):
-        disb.builtin("A", rate_scale=0)
+        workload.builtin("A", rate_scale=0)
     with pytest.raises(InvalidInput, match="unknown DISB workload 'F'"):
-        disb.builtin("F")
+        workload.builtin("F")
 
 
 def test_disb_file_form_loads_with_its_long_model_names(tmp_path: Path) -> None:
@@ -105,10 +105,10 @@ def test_disb_file_form_loads_with_its_long_model_names(tmp_path: Path) -> None:
     }
     f = tmp_path / "w.json"
     f.write_text(json.dumps(doc))
-    w = disb.load_workload(f)
+    w = workload.load_workload(f)
     assert w.tasks[0].load.trace == (0.0, 500.0, 1500.0, 2500.0)
-    assert w.tasks[1].id == "7" and w.tasks[1].client == disb.ClientSpec("inception_v3", 4)
-    rt, closed = disb.workload_arrivals(w, _rng())
+    assert w.tasks[1].id == "7" and w.tasks[1].client == workload.ClientSpec("inception_v3", 4)
+    rt, closed = workload.workload_arrivals(w, _rng())
     assert [a.t for a in rt] == [0.0, 0.5, 1.5]  # trace in ms; 2500 ms is past the end
     assert all(a.model == "resnet152" and a.cls == "rt" for a in rt)
     assert closed[0].cls == "be"
@@ -171,34 +171,34 @@ _DELETE = object()
 )
 def test_bad_workloads_are_refused_naming_the_field(path: list[Any], value: Any, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
-        disb.parse_workload(_broken(path, value))
+        workload.parse_workload(_broken(path, value))
 
 
 def test_bad_trace_entries_are_refused() -> None:
     doc = _good()
     doc["tasks"][0]["load"] = {"type": "trace", "trace": [0, -3]}
     with pytest.raises(InvalidInput, match=r"tasks\[0\]\.load\.trace\[1\]: must be a number of ms >= 0"):
-        disb.parse_workload(doc)
+        workload.parse_workload(doc)
     doc["tasks"][0]["load"] = {"type": "trace", "trace": "0,1"}
     with pytest.raises(InvalidInput, match=r"tasks\[0\]\.load\.trace: must be a non-empty list"):
-        disb.parse_workload(doc)
+        workload.parse_workload(doc)
 
 
 def test_files_errors_name_the_file(tmp_path: Path) -> None:
     f = tmp_path / "w.json"
     f.write_text("{\"time\": 1,")
     with pytest.raises(InvalidInput, match=r"w\.json: not valid JSON: line 1"):
-        disb.load_workload(f)
+        workload.load_workload(f)
     f.write_text(json.dumps(_broken(["time"], 0)))
     with pytest.raises(InvalidInput, match=r"w\.json: time: must be a positive number"):
-        disb.load_workload(f)
+        workload.load_workload(f)
     with pytest.raises(InvalidInput, match="cannot read"):
-        disb.load_workload(tmp_path / "missing.json")
+        workload.load_workload(tmp_path / "missing.json")
     with pytest.raises(InvalidInput, match="workload: must be an object"):
-        disb.parse_workload([1, 2])
+        workload.parse_workload([1, 2])
 
 
 def test_real_scaled_far_down_leaves_out_silent_chains() -> None:
-    w = disb.builtin("REAL", duration=1.0, rate_scale=0.2)  # chains below 1 frame/s never fire
+    w = workload.builtin("REAL", duration=1.0, rate_scale=0.2)  # chains below 1 frame/s never fire
     models = {t.client.model_name for t in w.tasks if t.cls == "rt"}
     assert models == {"resnet152", "inception_v3"}

@@ -8,9 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from splitserve.bench import disb
 from splitserve.bench.cli import _extras, bench_app
-from splitserve.bench.disb_run import (
+from splitserve.bench.disb import workload
+from splitserve.bench.disb.run import (
     be_batches,
     busy_share,
     normalised,
@@ -18,10 +18,10 @@ from splitserve.bench.disb_run import (
     restore_overhead,
     run_metrics,
 )
+from splitserve.bench.disb.scenario import Params, choose_scale, resolve_workloads, scaled
 from splitserve.bench.loadgen import RunResult, Sample
 from splitserve.bench.runner import build_params
 from splitserve.bench.scenarios.base import write_repository
-from splitserve.bench.scenarios.disb import Params, WorkloadSpec, choose_scale, resolve_workloads, scaled
 from splitserve.registry import read_model_dir
 
 
@@ -43,7 +43,7 @@ def test_a_workload_file_with_a_bad_field_is_refused_naming_the_field(tmp_path):
 
 def test_workload_selection_and_bad_parameters():
     assert [w.label for w in resolve_workloads(Params(), quick=True)] == ["A", "C"]
-    assert [w.label for w in resolve_workloads(Params())] == list(disb.BUILTIN)
+    assert [w.label for w in resolve_workloads(Params())] == list(workload.BUILTIN)
     with pytest.raises(ValueError, match="unknown DISB workloads Z"):
         build_params("disb", overrides={"workloads": "A,Z"})
     with pytest.raises(ValueError, match="unknown schemes"):
@@ -58,18 +58,18 @@ def test_cli_takes_bare_models_and_parameters_as_options():
 
 
 def test_rates_are_scaled_to_the_wanted_share_of_a_core():
-    compute = {m: 0.01 for m in disb.MODELS}  # 10 ms per sample
+    compute = {m: 0.01 for m in workload.MODELS}  # 10 ms per sample
     p = Params(duration_s=10.0, rt_load=0.4)
     # A: vgg19 at 100 req/s x 10 ms = one core at scale 1, so 0.4
-    assert choose_scale(WorkloadSpec("A", builtin="A"), p, compute) == pytest.approx(0.4)
+    assert choose_scale(workload.WorkloadSpec("A", builtin="A"), p, compute) == pytest.approx(0.4)
     # D: five models at 20 req/s each
-    assert choose_scale(WorkloadSpec("D", builtin="D"), p, compute) == pytest.approx(0.4)
-    assert choose_scale(WorkloadSpec("B", builtin="B"), p, compute) == 1.0  # closed-loop RT: nothing to scale
-    assert choose_scale(WorkloadSpec("A", builtin="A"), Params(rate_scale=0.25), compute) == 0.25
-    w = disb.parse_workload({"time": 60, "tasks": [
+    assert choose_scale(workload.WorkloadSpec("D", builtin="D"), p, compute) == pytest.approx(0.4)
+    assert choose_scale(workload.WorkloadSpec("B", builtin="B"), p, compute) == 1.0  # closed-loop RT: nothing to scale
+    assert choose_scale(workload.WorkloadSpec("A", builtin="A"), Params(rate_scale=0.25), compute) == 0.25
+    w = workload.parse_workload({"time": 60, "tasks": [
         {"id": "p", "load": {"type": "poisson", "frequency": 40}, "client": {"model_name": "vgg19"}},
         {"id": "t", "load": {"type": "trace", "trace": [0, 100, 200]}, "client": {"model_name": "vgg19"}}]})
-    spec = WorkloadSpec("f", workload=w)
+    spec = workload.WorkloadSpec("f", workload=w)
     # the trace needs 3% of a core and is replayed as written; the poisson task makes up the rest
     scale = choose_scale(spec, Params(duration_s=1.0, warmup_s=0.2), compute)
     assert scale == pytest.approx((0.4 - 0.03) / 0.4)

@@ -39,7 +39,7 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "to a plain TCP echo of the same sizes.", "splitserve.bench.scenarios.fastpath_latency"),
         ScenarioInfo("disb", "DISB workloads A-E and REAL (or a DISB workload file) under rt-only, seq, concurrent "
                      "and reef: RT latency and throughput vs rt-only, preemption latency, restore overhead, "
-                     "padding pairs (REEF Fig. 11/12/15b/16).", "splitserve.bench.scenarios.disb"),
+                     "padding pairs (REEF Fig. 11/12/15b/16).", "splitserve.bench.disb.scenario"),
         ScenarioInfo("packrat", "Profile a model, then Packrat's <instances, threads, batch> choice vs one fat "
                      "instance per batch size, expected vs measured, and adaptive reconfiguration under a load "
                      "step (Packrat Fig. 4/5/6).", "splitserve.bench.scenarios.packrat"),

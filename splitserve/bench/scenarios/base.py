@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from splitserve.bench.echo import EchoProcess
-    from splitserve.bench.measure import CallTimes
-    from splitserve.bench.serverproc import ServerProcess
+    from splitserve.bench.timing import CallTimes
+    from splitserve.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Context:
                                   if "://" not in str(p) and ((p / "server.json").is_file() or p.is_file())), None)
             self.server_info = {"started_by_bench": False, "urls": target.urls}
             return target
-        from splitserve.bench.serverproc import start_server
+        from splitserve.launcher import start_server
 
         data_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
         self._tmp.append(data_dir)
@@ -309,7 +309,7 @@ def time_transport(ctx: "Context", transport: str, url: str, model: str, sample:
                    requests: int, warmup: int) -> "CallTimes | None":
     """``requests`` timed sequential calls over ``transport``; None, noted as a failure of that
     transport, when it cannot be reached or breaks while being timed."""
-    from splitserve.bench.measure import time_calls
+    from splitserve.bench.timing import time_calls
     from splitserve.errors import SplitServeError
 
     try:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.scenarios.base import (
     COLOURS,
     Context,
@@ -26,6 +25,7 @@ from splitserve.bench.scenarios.base import (
 from splitserve.bench.scenarios.base import (
     Params as BaseParams,
 )
+from splitserve.bench.timing import bottleneck, closed_loop_run, workload
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
 from splitserve.bench.validate import Expected
 

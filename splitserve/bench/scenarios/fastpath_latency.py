@@ -17,9 +17,9 @@ import numpy as np
 
 from splitserve.bench.echo import HEADER_SIZE, EchoClient
 from splitserve.bench.inputs import as_call_arg
-from splitserve.bench.measure import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
 from splitserve.bench.transports import close_sync, open_sync
 from splitserve.bench.validate import Expected
 

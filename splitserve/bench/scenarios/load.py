@@ -19,9 +19,9 @@ import numpy as np
 from splitserve.bench.arrivals import poisson, to_arrivals
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import run_in_processes
-from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.timing import bottleneck, closed_loop_run, workload
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
 from splitserve.bench.validate import Expected
 

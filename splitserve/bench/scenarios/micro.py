@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.measure import bottleneck, closed_loop_run, lat_stats, time_echo, time_local, workload
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
 from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.timing import bottleneck, closed_loop_run, lat_stats, time_echo, time_local, workload
 from splitserve.bench.transports import (
     BASELINES,
     LABEL,

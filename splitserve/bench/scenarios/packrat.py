@@ -34,11 +34,11 @@ from splitserve.bench.arrivals import from_rate_trace, to_arrivals
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import run_in_processes
-from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.ownserver import get_json, own_server
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.scenarios.trace import windowed
+from splitserve.bench.timing import bottleneck, closed_loop_run, workload
 from splitserve.bench.transports import Target, close_sync, open_sync
 from splitserve.bench.validate import Expected
 

@@ -18,9 +18,9 @@ import numpy as np
 
 from splitserve.bench import codecs
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.measure import CallTimes, lat_stats, time_echo, time_local
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
 from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.timing import CallTimes, lat_stats, time_echo, time_local
 from splitserve.bench.transports import (
     BASELINES,
     LABEL,

@@ -21,11 +21,11 @@ from splitserve.bench import traces
 from splitserve.bench.arrivals import from_rate_trace, to_arrivals
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import RunResult, run_in_processes
-from splitserve.bench.measure import bottleneck, closed_loop_run, workload
 from splitserve.bench.results import percentiles
 from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.scenarios.batching import prepare_repository, variant_name
+from splitserve.bench.timing import bottleneck, closed_loop_run, workload
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
 from splitserve.bench.validate import Expected
 

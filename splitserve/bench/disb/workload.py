@@ -115,6 +115,15 @@ class Workload:
         return out
 
 
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One workload a DISB run uses: a built-in name, or a parsed file (``workload`` set)."""
+
+    label: str
+    builtin: str | None = None
+    workload: Workload | None = None
+
+
 def _fail(path: str, message: str) -> InvalidInput:
     return InvalidInput(f"{path}: {message}")
 

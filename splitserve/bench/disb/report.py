@@ -1,20 +1,27 @@
-"""The DISB scenario's report tables, headline lines and figures (REEF Fig. 11, 12, 15b, 16)."""
+"""The DISB report: tables, headline lines and figures (REEF Fig. 11, 12, 15b, 16)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from splitserve.bench.disb.workload import WorkloadSpec
 from splitserve.bench.scenarios.base import fmt, md_table
-
-if TYPE_CHECKING:
-    from splitserve.bench.scenarios.disb import Params, WorkloadSpec
 
 SCHEMES: tuple[str, ...] = ("rt-only", "seq", "concurrent", "reef")
 COLOURS = {"rt-only": "#7f7f7f", "seq": "#ff7f0e", "concurrent": "#2ca02c", "reef": "#2b7bba"}
+
+
+class Setup(Protocol):
+    """What ``markdown`` reads of the scenario's parameters (``scenario.Params`` is one), so the
+    report does not import the scenario that imports it."""
+
+    cpus: tuple[int, ...]
+    rate_scale: float
+    rt_load: float
 
 
 def pool(runs: Mapping[str, Mapping[str, Any]], scheme: str, get: Callable[[Mapping[str, Any]], list]) -> list:
@@ -25,9 +32,9 @@ def _x(v: float | None, digits: int = 2) -> str:
     return fmt(v, digits, "x")
 
 
-def report(doc: str, p: Params, specs: Sequence[WorkloadSpec], runs: Mapping[str, Any], norm: Mapping[str, Any],
-           pair_runs: Mapping[str, Any], scales: Mapping[str, float], compute_s: Mapping[str, float],
-           fig12: Mapping[str, Any], restore: Mapping[str, Any], gen_cpus: Sequence[int]) -> tuple[list[str], str]:
+def markdown(doc: str, p: Setup, specs: Sequence[WorkloadSpec], runs: Mapping[str, Any], norm: Mapping[str, Any],
+             pair_runs: Mapping[str, Any], scales: Mapping[str, float], compute_s: Mapping[str, float],
+             fig12: Mapping[str, Any], restore: Mapping[str, Any], gen_cpus: Sequence[int]) -> tuple[list[str], str]:
     """The markdown report (``doc`` first) and the headline lines the CLI prints."""
     out = [doc, "", "## Setup", "",
            f"Every model runs one instance with one thread pinned to CPU(s) {list(p.cpus)}, so RT and BE work "

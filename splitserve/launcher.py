@@ -1,9 +1,11 @@
-"""A splitserve server in a child process on free loopback ports, for benchmarks and tests.
+"""Start a splitserve server in a child process on free loopback ports, and stop it.
 
 ``start_server`` runs ``python -m splitserve serve`` with every port set to 0 (any free port),
 waits until the server wrote ``server.json`` (it does so once the models named with ``--load``
-are ready) and returns a ``ServerProcess`` that knows the URL of every transport it opened.
-The test suite's fixtures and the benchmark scenarios share this one helper.
+are ready) and returns a ``ServerProcess`` that knows the URL of every transport it opened;
+``ServerProcess.stop`` (or leaving its ``with`` block) stops it. The test suite's fixtures and
+the benchmark scenarios share this one helper; it needs nothing beyond the standard library,
+so neither the server nor the tests depend on the ``bench`` extra for it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ServerProcess:
     info: dict
     log: Path
 
+    # One URL per front end; the server was started on loopback, so they name 127.0.0.1.
     @property
     def tcp(self) -> str:
         return f"tcp://127.0.0.1:{self.info['fast_port']}"

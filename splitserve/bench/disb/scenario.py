@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from splitserve.bench import arrivals as arr
-from splitserve.bench import disb
 from splitserve.bench.arrivals import Arrival
-from splitserve.bench.disb_run import (
+from splitserve.bench.disb import report
+from splitserve.bench.disb.run import (
     KEEP,
     ClosedTask,
     DisbJob,
@@ -49,9 +49,18 @@ from splitserve.bench.disb_run import (
     restore_overhead,
     run_metrics,
 )
+from splitserve.bench.disb.workload import (
+    BUILTIN,
+    MODELS,
+    Task,
+    Workload,
+    WorkloadSpec,
+    builtin,
+    load_workload,
+    workload_arrivals,
+)
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, own_server, server_now
-from splitserve.bench.scenarios import disb_report
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target, close_sync, open_sync
@@ -61,9 +70,8 @@ from splitserve.errors import InvalidInput
 NAME = "disb"
 SUMMARY = "DISB workloads A-E and REAL under rt-only, seq, concurrent and reef: RT latency, throughput, " \
           "preemption latency, restore overhead, padding pairs (REEF Fig. 11/12/15b/16)."
-MODELS: tuple[str, ...] = disb.MODELS
 TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
-SCHEMES: tuple[str, ...] = disb_report.SCHEMES
+SCHEMES: tuple[str, ...] = report.SCHEMES
 
 
 @dataclass
@@ -98,15 +106,6 @@ class Params(BaseParams):
 # -- workloads ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """One workload to run: a built-in name, or a parsed file (``workload`` set)."""
-
-    label: str
-    builtin: str | None = None
-    workload: disb.Workload | None = None
-
-
 def resolve_workloads(p: Params, quick: bool = False) -> list[WorkloadSpec]:
     """The workloads a run will use, every file read and checked before anything starts.
 
@@ -115,16 +114,16 @@ def resolve_workloads(p: Params, quick: bool = False) -> list[WorkloadSpec]:
     files: list[WorkloadSpec] = []
     for path in p.workload_file:
         try:
-            w = disb.load_workload(path)
+            w = load_workload(path)
         except InvalidInput as e:
             raise ValueError(f"bad DISB workload file: {e.message}") from None
         files.append(WorkloadSpec(w.name or Path(path).stem, workload=w))
     names = [n.upper() for n in p.workloads]
-    unknown = [n for n in names if n not in disb.BUILTIN]
+    unknown = [n for n in names if n not in BUILTIN]
     if unknown:
-        raise ValueError(f"unknown DISB workloads {', '.join(unknown)}; choose from {', '.join(disb.BUILTIN)}")
+        raise ValueError(f"unknown DISB workloads {', '.join(unknown)}; choose from {', '.join(BUILTIN)}")
     if not names and not files:
-        names = ["A", "C"] if quick else list(disb.BUILTIN)
+        names = ["A", "C"] if quick else list(BUILTIN)
     out = [WorkloadSpec(n, builtin=n) for n in names] + files
     labels = [w.label for w in out]
     if len(set(labels)) != len(labels):
@@ -133,11 +132,11 @@ def resolve_workloads(p: Params, quick: bool = False) -> list[WorkloadSpec]:
 
 
 def workload_models(spec: WorkloadSpec) -> set[str]:
-    w = spec.workload or disb.builtin(spec.builtin or "A", 1.0)
+    w = spec.workload or builtin(spec.builtin or "A", 1.0)
     return {t.client.model_name for t in w.tasks}
 
 
-def _task_rate(t: disb.Task, duration: float) -> float | None:
+def _task_rate(t: Task, duration: float) -> float | None:
     """Requests/s of an RT task's schedule; None for a closed-loop (continuous) one."""
     if t.load.type in ("periodic", "poisson"):
         return t.load.frequency
@@ -147,7 +146,7 @@ def _task_rate(t: disb.Task, duration: float) -> float | None:
     return None
 
 
-def rt_core_load(w: disb.Workload, compute_s: Mapping[str, float], scalable: bool) -> float:
+def rt_core_load(w: Workload, compute_s: Mapping[str, float], scalable: bool) -> float:
     """Share of one core the RT schedule of ``w`` needs: sum of rate x batch x compute time, over
     its periodic and poisson tasks (``scalable``) or its trace tasks (not)."""
     total = 0.0
@@ -170,7 +169,7 @@ def choose_scale(spec: WorkloadSpec, p: Params, compute_s: Mapping[str, float]) 
     if p.rate_scale > 0:
         return p.rate_scale
     if spec.builtin:
-        w = disb.builtin(spec.builtin, p.duration_s, 1.0)
+        w = builtin(spec.builtin, p.duration_s, 1.0)
         fixed, load = 0.0, rt_core_load(w, compute_s, True) + rt_core_load(w, compute_s, False)
     else:
         assert spec.workload is not None
@@ -181,11 +180,11 @@ def choose_scale(spec: WorkloadSpec, p: Params, compute_s: Mapping[str, float]) 
     return max(p.rt_load - fixed, 0.05 * p.rt_load) / load
 
 
-def scaled(spec: WorkloadSpec, scale: float, duration: float) -> disb.Workload:
+def scaled(spec: WorkloadSpec, scale: float, duration: float) -> Workload:
     """The workload to run: a built-in at ``scale``, or a file with its periodic and poisson
     rates times ``scale`` (trace tasks replayed as written) running for ``duration`` s."""
     if spec.builtin:
-        return disb.builtin(spec.builtin, duration, scale)
+        return builtin(spec.builtin, duration, scale)
     assert spec.workload is not None
     tasks = tuple(
         dataclasses.replace(t, load=dataclasses.replace(t.load, frequency=t.load.frequency * scale))
@@ -195,7 +194,7 @@ def scaled(spec: WorkloadSpec, scale: float, duration: float) -> disb.Workload:
     return dataclasses.replace(spec.workload, tasks=tasks, time=duration)
 
 
-def make_job(p: Params, url: str, w: disb.Workload, arrivals: Sequence[Arrival], loaded: Mapping[str, str],
+def make_job(p: Params, url: str, w: Workload, arrivals: Sequence[Arrival], loaded: Mapping[str, str],
              gen_cpus: Sequence[int], with_be: bool = True) -> DisbJob:
     """The generator job for ``w``; ``loaded`` maps served model names to zoo architectures."""
     from splitserve.models import zoo_entry
@@ -308,7 +307,7 @@ def run(ctx: Context) -> ScenarioOutput:
                     for k, spec in enumerate(specs):
                         scales.setdefault(spec.label, choose_scale(spec, p, compute_s))
                         w = scaled(spec, scales[spec.label], p.duration_s)
-                        arrivals, _ = disb.workload_arrivals(w, np.random.default_rng(p.seed + k))
+                        arrivals, _ = workload_arrivals(w, np.random.default_rng(p.seed + k))
                         job = make_job(p, url, w, arrivals, loaded, gen_cpus, with_be=mode != "rt-only")
                         t0, load0 = server_now(http), os.getloadavg()[0]
                         result = drive(job)
@@ -377,7 +376,7 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
             scales: Mapping[str, float], compute_s: Mapping[str, float], probes: Mapping[str, Any],
             gen_cpus: Sequence[int]) -> ScenarioOutput:
     norm = {w: normalised(per) for w, per in runs.items()}
-    reef_lat = disb_report.pool(runs, "reef", lambda m: m["preemption"]["latency_ms"])
+    reef_lat = report.pool(runs, "reef", lambda m: m["preemption"]["latency_ms"])
     fig12 = {
         "reef_preemption_latency_ms": dist(reef_lat),
         "reef_preemption_latency_by_workload_ms": {w: dist(per["reef"]["preemption"]["latency_ms"])
@@ -390,7 +389,7 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
     }
     # restore overhead by source: every reef DISB run pooled, and each pair's shared run (one BE
     # model beside the RT one, no other BE work sharing the core: the cleanest measurement)
-    restore = {"DISB workloads": restore_overhead(disb_report.pool(runs, "reef", lambda m: m["be_batches"]))}
+    restore = {"DISB workloads": restore_overhead(report.pool(runs, "reef", lambda m: m["be_batches"]))}
     restore |= {f"pair {n}": pr["shared"]["restore_overhead"] for n, pr in pair_runs.items() if "shared" in pr}
     restore = {src: r for src, r in restore.items() if r}
     for per in runs.values():
@@ -405,9 +404,9 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
         "generator_cpus": list(gen_cpus),
         "runs": runs, "normalised": norm, "fig12": fig12, "restore_overhead": restore, "pairs": pair_runs,
     }
-    figures = disb_report.figures(runs, norm, restore, pair_runs)
-    lines, report = disb_report.report(__doc__.split("\n\n", 1)[1].strip(), p, specs, runs, norm, pair_runs, scales,
-                                       compute_s, fig12, restore, gen_cpus)
-    return ScenarioOutput(result, report, figures, lines)
+    figures = report.figures(runs, norm, restore, pair_runs)
+    lines, markdown = report.markdown(__doc__.split("\n\n", 1)[1].strip(), p, specs, runs, norm, pair_runs, scales,
+                                      compute_s, fig12, restore, gen_cpus)
+    return ScenarioOutput(result, markdown, figures, lines)
 
 

@@ -1,5 +1,6 @@
-"""Measurement loops the scenarios share: sequential calls over a client, the in-process
-model, the echo floor, and closed-loop runs in generator processes.
+"""Timing loops the scenarios share: sequential calls over a client, the in-process model,
+the echo floor, and closed-loop runs in generator processes. (The profiler's measuring
+process is another thing: ``splitserve.placement.measure``.)
 
 Sequential loops run in the bench process with the garbage collector paused, one call at a
 time, and keep every call's time (µs) so scenarios can report medians and tails.
