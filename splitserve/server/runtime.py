@@ -136,7 +136,7 @@ class ModelRuntime:
 
     def _repack_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("model %s: reconfiguration failed: %s", self.name, task.exception())
+            log.error("model %s: reconfiguration failed", self.name, exc_info=task.exception())
 
     async def repack(self, batch: int) -> dict:
         """Packrat: serve a batch of ``batch`` with the plan the optimizer picks for it.
@@ -200,10 +200,16 @@ class ModelRuntime:
         the model stopped trying). Bounded: every start attempt is (worker_start_timeout_s)."""
         cfg = self.server.config
         attempts = cfg.worker_start_attempts
-        gave_up = lambda: any(self._start_failures.get(i, 0) >= attempts for i in ids)  # noqa: E731
-        up = lambda: all(self.sched.instances[i].ready for i in ids if i in self.sched.instances)  # noqa: E731
+
+        def up() -> bool:
+            return all(self.sched.instances[i].ready for i in ids if i in self.sched.instances)
+
+        def settled() -> bool:
+            gave_up = any(self._start_failures.get(i, 0) >= attempts for i in ids)
+            return up() or gave_up or self.state not in _RUNNING
+
         deadline = time.perf_counter() + attempts * (cfg.worker_start_timeout_s + cfg.worker_restart_backoff_max_s)
-        await self._until(lambda: up() or gave_up() or self.state not in _RUNNING, deadline)
+        await self._until(settled, deadline)
         if not up():
             raise ModelNotReady(f"model {self.name!r}: new instances did not start: {self.error or 'timed out'}")
 
@@ -243,9 +249,13 @@ class ModelRuntime:
     def _load(self) -> None:
         self.state, self.error = ModelState.LOADING, None
         self._ready_event.clear()
+        self._start_missing()
+
+    def _start_missing(self) -> None:
+        """Spawn every serving instance that has no worker (a fresh count of failed starts)."""
         for i in self.sched.serving():
-            self._start_failures[i] = 0
             if i not in self.workers:
+                self._start_failures[i] = 0
                 self._spawn(i)
 
     async def wait_ready(self) -> None:
@@ -256,6 +266,8 @@ class ModelRuntime:
             raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
         if self.state is ModelState.FAILED:
             self._load()
+        elif self.state is ModelState.READY:
+            self._start_missing()  # instances that gave up starting get another go
         self.ensure_started()
         await self._ready_event.wait()
         if self.state is not ModelState.READY:
@@ -622,6 +634,9 @@ class ModelRuntime:
             self._answer(r.handle, error)
 
     def _answer(self, call: Call, error: SplitServeError | None) -> None:
+        if call.replied:  # the watchdog answered it: only its slots are still to come back
+            call.answer(error)
+            return
         st = self.stats
         if error is None:
             st.success += 1

@@ -25,7 +25,6 @@ from splitserve.client import Client
 from splitserve.errors import InternalError, ModelNotReady, ShuttingDown, WorkerFailed
 from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.request import Batch
 from splitserve.server import management
 from splitserve.worker.messages import DoneMsg, Msg
 from tests.conftest import ROOT
