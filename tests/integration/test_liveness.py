@@ -130,21 +130,30 @@ def test_a_model_whose_load_failed_is_failed_and_refuses_calls_at_once(tmp_path)
             return out
 
     async def scenario(server):
+        rt = server.runtime("broken")
+        loads = []
+        real_spawn = rt._spawn
+        rt._spawn = lambda i: (loads.append(i), real_spawn(i))
         errors = []
         for _ in range(3):  # the first starts the load; the others find the model FAILED
             with pytest.raises(ModelNotReady) as e:
                 await server.infer("broken", [x])
             errors.append(str(e.value))
         errors += await asyncio.to_thread(over_the_fast_path, f"tcp://127.0.0.1:{server.ports['fast_port']}")
-        rt = server.runtime("broken")
         state, index = server.model_state("broken"), management.repository_index(server)
+        refused_loads = len(loads)
+        rt._retry_at = time.perf_counter()  # as if load_retry_s had passed: the next request retries
+        with pytest.raises(ModelNotReady, match="failed to load"):
+            await server.infer("broken", [x])
         with pytest.raises(ModelNotReady, match="failed to load"):
             await rt.wait_ready()  # an explicit load retries at once (and fails the same way)
-        return errors, state, index, rt.instance_count
+        return errors, state, index, rt.instance_count, (refused_loads, len(loads))
 
-    errors, state, index, instances = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    errors, state, index, instances, loads = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     assert len(errors) == 6
     assert all("failed to load" in e and "weights.safetensors" in e for e in errors), errors
+    assert all("retries the load" in e for e in errors[1:])  # refused at once, saying when it retries
+    assert loads == (1, 3)  # one load for six calls; then one per retry
     assert state == "failed" and instances == 1  # the instance is kept for the retry
     (entry,) = [m for m in index if m["name"] == "broken"]
     assert entry["state"] == "UNAVAILABLE" and "weights.safetensors" in entry["reason"]
