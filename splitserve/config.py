@@ -43,7 +43,7 @@ class ServerConfig:
     queue_slots: int = 256  # default tensor-queue slots per model and class (bounded queue)
     udp_segment: int = 60000  # payload bytes per UDP datagram (below the 65507 B limit)
     udp_response_cache: int = 1024  # answered UDP requests remembered for retransmits
-    worker_start_timeout_s: float = 120.0  # a worker that is not ready by then is restarted
+    worker_start_timeout_s: float = 120.0  # a worker that is not ready by then is killed and restarted
     worker_restart_backoff_s: float = 0.2  # first delay before restarting a dead worker
     max_upload_bytes: int = 512 << 20  # model registration upload limit
     stop_grace_s: float = 5.0  # HTTP and gRPC calls in flight get this long to finish at shutdown
@@ -70,6 +70,14 @@ class ServerConfig:
     json_chars_per_value: int = 32  # infer body limit per tensor value: the longest JSON number plus separators
     management_body_bytes: int = 64 << 10  # JSON body limit of management and repository-index calls
     allow_code_artifacts: bool = False  # accept TorchScript and torch.export uploads (they can run code here)
+    # -- liveness and lifecycle: every accepted call gets one answer, every wait has an end --
+    worker_start_attempts: int = 3  # consecutive crashed or timed-out starts before the model is FAILED
+    worker_restart_backoff_max_s: float = 5.0  # restart delays double from worker_restart_backoff_s up to this
+    load_retry_s: float = 30.0  # a FAILED model refuses calls this long; then a request (or a load) retries
+    drain_timeout_s: float = 60.0  # a retired instance's batch may run this long; then its worker is killed
+    stop_timeout_s: float = 30.0  # stop() and unload end by then: leftovers get SHUTTING_DOWN or WORKER_FAILED
+    max_call_age_s: float = 600.0  # the watchdog answers a call older than this INTERNAL (a server bug)
+    watchdog_period_s: float = 5.0  # how often the watchdog looks for over-age calls
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":
@@ -108,6 +116,12 @@ class ServerConfig:
                      "udp_rcvbuf", "udp_response_cache_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
+        if self.worker_start_attempts < 1:
+            raise InvalidInput("worker_start_attempts must be at least 1")
+        for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
+                     "watchdog_period_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidInput(f"{name} must be positive")
         return self
 
     @property

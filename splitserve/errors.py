@@ -103,12 +103,18 @@ class InsufficientStorage(SplitServeError):
     status, http_status, grpc_code = Status.INSUFFICIENT_STORAGE, 507, "RESOURCE_EXHAUSTED"
 
 
+class InternalError(SplitServeError):
+    """The server failed itself (e.g. the watchdog answering a call nothing else answered)."""
+
+    status, http_status, grpc_code = Status.INTERNAL, 500, "INTERNAL"
+
+
 _BY_STATUS: dict[int, type[SplitServeError]] = {
     cls.status: cls
     for cls in (
         BadFrame, UnknownModel, BadSize, QueueFull, DeadlineMissed, WorkerFailed, ShuttingDown,
         DuplicateRequest, BadSegment, InvalidInput, ModelNotReady, Unauthorized, Refused,
-        PayloadTooLarge, InsufficientStorage,
+        PayloadTooLarge, InsufficientStorage, InternalError,
     )
 }
 

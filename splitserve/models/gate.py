@@ -5,6 +5,9 @@ draining instance, a duplicate request id while the first is in flight, a worker
 during a batch. Sleeping and hoping the model is still running flakes on fast or loaded
 machines, so the gate's first segment waits while the file ``<gate dir>/<key>`` exists,
 where ``key`` is the sample's input; removing the file releases it. The output is the key.
+A held sample marks itself with ``<key>.held``, so a test knows its batch is mid-run.
+Loading waits the same way while ``<gate dir>/load`` exists, which holds a worker before
+READY (start time-outs, a signal during a long ``--load``).
 
 The gate directory is ``<server cache dir>/gates`` (the worker's cache directory), so a
 test that starts a server with its own cache directory owns its gates. A sample is never
@@ -32,6 +35,15 @@ def gate_dir(cache_dir: Path) -> Path:
     return cache_dir / "gates"
 
 
+LOAD_KEY = "load"
+
+
+def _wait_while(files: list[Path]) -> None:
+    give_up = time.monotonic() + MAX_HOLD_S
+    while any(f.exists() for f in files) and time.monotonic() < give_up:
+        time.sleep(_POLL_S)
+
+
 class _Hold(nn.Module):
     """Waits while any sample's gate file exists, then passes the keys on unchanged."""
 
@@ -43,9 +55,10 @@ class _Hold(nn.Module):
         """Block until every sample's gate is open (or ``MAX_HOLD_S`` passed); return ``key``."""
         if self.gates is not None:
             files = [self.gates / str(int(k)) for k in key.reshape(-1).tolist()]
-            give_up = time.monotonic() + MAX_HOLD_S
-            while any(f.exists() for f in files) and time.monotonic() < give_up:
-                time.sleep(_POLL_S)
+            for f in files:
+                if f.exists():
+                    f.with_suffix(".held").touch()
+            _wait_while(files)
         return key.clone()
 
 
@@ -59,8 +72,11 @@ def gate_model(cache_dir: Path | None = None) -> SegmentedModel:
     """The gate: segment 0 holds closed samples, segment 1 passes the keys through.
 
     Two segments give a preemption point after the hold; without ``cache_dir`` nothing
-    is ever held."""
-    return SegmentedModel([_Hold(gate_dir(cache_dir) if cache_dir is not None else None), _Pass()])
+    is ever held. Building it waits while the load gate is closed."""
+    gates = gate_dir(cache_dir) if cache_dir is not None else None
+    if gates is not None:
+        _wait_while([gates / LOAD_KEY])
+    return SegmentedModel([_Hold(gates), _Pass()])
 
 
 class Gates:
@@ -70,13 +86,17 @@ class Gates:
         self.dir = gate_dir(cache_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def close(self, key: int) -> None:
-        """Samples with this key wait from now on."""
+    def close(self, key: int | str) -> None:
+        """Samples with this key (``LOAD_KEY``: workers loading the gate) wait from now on."""
         (self.dir / str(key)).touch()
 
-    def open(self, key: int) -> None:
+    def open(self, key: int | str) -> None:
         """Samples with this key run (those waiting are released within a millisecond)."""
         (self.dir / str(key)).unlink(missing_ok=True)
+
+    def held(self, key: int) -> bool:
+        """A sample with this key has waited at its gate (its batch is mid-run)."""
+        return (self.dir / f"{key}.held").exists()
 
     def open_all(self) -> None:
         for f in self.dir.iterdir():

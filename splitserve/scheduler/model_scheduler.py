@@ -40,6 +40,11 @@ class InstanceState:
         return self.ready and self.running is None and not self.draining and not self.standby
 
     @property
+    def can_resume(self) -> bool:
+        """Free to resume its suspended batch: a draining instance must too, or its drain never ends."""
+        return self.ready and self.running is None and self.suspended is not None and not self.standby
+
+    @property
     def busy(self) -> bool:
         return self.running is not None or self.suspended is not None
 
@@ -55,8 +60,10 @@ class ClassQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, req: QueuedRequest) -> None:
-        if len(self._items) >= self.limit:
+    def push(self, req: QueuedRequest, bounded: bool = True) -> None:
+        """Queue ``req`` in slot order; QueueFull past the limit unless ``bounded`` is off
+        (requests handed back from a batch were admitted once already)."""
+        if bounded and len(self._items) >= self.limit:
             raise QueueFull(f"request queue full ({self.limit} requests waiting)")
         if not self._keys or req.seq > self._keys[-1]:
             self._items.append(req)
@@ -168,13 +175,36 @@ class ModelScheduler:
             st.suspended = batch
         return batch
 
-    def complete(self, instance: int) -> Batch | None:
-        """The instance finished its batch; returns it."""
+    def running(self, instance: int, batch_id: int | None = None) -> Batch | None:
+        """The batch running on ``instance`` if it is ``batch_id`` (None: whichever runs)."""
+        st = self.instances.get(instance)
+        if st is None or st.running is None or batch_id not in (None, st.running.batch_id):
+            return None
+        return st.running
+
+    def complete(self, instance: int, batch_id: int | None = None) -> Batch | None:
+        """The instance finished batch ``batch_id`` (None: whichever runs); returns it. A
+        report for any other batch changes nothing (None): the running one is still owed
+        its answer."""
+        batch = self.running(instance, batch_id)
+        if batch is not None:
+            self.instances[instance].running = None
+        return batch
+
+    def take_suspended(self, instance: int) -> Batch | None:
+        """Take the batch suspended on ``instance`` off it (to hand back or to answer)."""
         st = self.instances.get(instance)
         if st is None:
             return None
-        done, st.running = st.running, None
-        return done
+        batch, st.suspended = st.suspended, None
+        return batch
+
+    def requeue(self, batch: Batch) -> None:
+        """Put a batch's requests back in their queue: it reruns from segment 0 on whichever
+        instance takes it next (segments are idempotent; the requests keep their slots)."""
+        q = self.queues[batch.cls]
+        for r in batch.requests:
+            q.push(r, bounded=False)
 
     def resize(self, instances: int) -> tuple[list[int], list[int]]:
         """Scale in place to ``instances`` serving instances: (added ids, ids to drain)."""
@@ -204,15 +234,17 @@ class ModelScheduler:
 
         ``may_start(instance, cls)`` is the node's say (priority and preemption policy);
         a best-effort slot on an instance that holds a suspended batch resumes that batch
-        before any new one, so preempted work is never starved by later arrivals.
+        before any new one, so preempted work is never starved by later arrivals; a
+        draining instance still resumes its own (it takes nothing new).
         """
         out: list[Batch] = []
         for cls in classes:
             q = self.queues[cls]
             for i, st in sorted(self.instances.items()):
-                if not st.idle or (may_start is not None and not may_start(i, cls)):
+                resume = cls == RequestClass.BE and st.can_resume
+                if not (st.idle or resume) or (may_start is not None and not may_start(i, cls)):
                     continue
-                if cls == RequestClass.BE and st.suspended is not None:
+                if resume:
                     st.running, st.suspended = st.suspended, None
                     out.append(st.running)
                     continue

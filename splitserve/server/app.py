@@ -5,6 +5,7 @@ that the decoded front ends (HTTP, gRPC, in-process) share with the fast path.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_l
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, exposure_warning
 from splitserve.server.metrics import Metrics
-from splitserve.server.monitor import Call, InferenceMonitor
+from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.udp import UdpEndpoint, udp_socket
 
@@ -69,8 +70,8 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.monitor = InferenceMonitor()
         self.metrics = Metrics()
+        self.monitor = InferenceMonitor(self.metrics)
         self.coordinator = Coordinator(self, PriorityMode.parse(config.preemption))
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
@@ -80,6 +81,8 @@ class Server:
         self.listeners: list[Any] = []
         self.ports: dict[str, Any] = {}
         self.stopping = False
+        self._stopped = False
+        self._watchdog: asyncio.TimerHandle | None = None
         self.started = time.time()
         self._cpus = sorted(os.sched_getaffinity(0))
         self._cpu_cursor = 0
@@ -102,6 +105,7 @@ class Server:
 
     async def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
         cfg = self.config
         private_dir(cfg.data_dir)
         if (exposed := exposure_warning(cfg)) is not None:
@@ -142,21 +146,50 @@ class Server:
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.config.data_dir / "server.json")
 
+    def _sweep(self) -> None:
+        """The watchdog: answer calls nothing answered within max_call_age_s (see monitor)."""
+        self.monitor.sweep(time.perf_counter(), self.config.max_call_age_s)
+        self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
+
     async def stop(self) -> None:
-        """Refuse new work, let running batches finish, stop workers, free memory."""
-        self.stopping = True
+        """Refuse new work, let running batches finish, stop workers, free memory.
+
+        Ends within stop_timeout_s: then calls still waiting are answered SHUTTING_DOWN
+        and workers still running a batch are killed (their batches: WORKER_FAILED)."""
+        if self._stopped:
+            return
+        self._stopped = self.stopping = True
+        cfg = self.config
+        deadline = time.perf_counter() + cfg.stop_timeout_s
         from splitserve.server import frontends
 
-        await frontends.stop(self)
+        try:
+            await asyncio.wait_for(frontends.stop(self), max(0.0, deadline - time.perf_counter()))
+        except Exception:
+            log.exception("stopping the HTTP and gRPC front ends failed")
         for lst in self.listeners:
             lst.close()
         self.listeners.clear()
-        await asyncio.gather(*(rt.unload() for rt in self.runtimes.values()), return_exceptions=True)
+        runtimes = list(self.runtimes.values())
+        results = await asyncio.gather(*(rt.unload(deadline, "was stopped: the server is shutting down")
+                                         for rt in runtimes), return_exceptions=True)
+        for rt, r in zip(runtimes, results):
+            if isinstance(r, BaseException):
+                log.error("model %s: unload at shutdown failed", rt.name, exc_info=r)
+        for call in self.monitor.open_calls():  # none should be left; if one is, it still gets its answer
+            if call.state is CallState.RX_COMPLETE:
+                log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)
+                call.answer(ShuttingDown("the server is shutting down"))
         for conn in list(self.connections):
             conn.close()
         self.intake.close()
-        for rt in self.runtimes.values():
-            rt.close()
+        for rt in runtimes:
+            try:
+                rt.close()
+            except Exception:
+                log.exception("model %s: releasing its tensor queues failed", rt.name)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if hasattr(self, "registry"):
             await asyncio.to_thread(self.registry.close)
         try:
@@ -165,14 +198,43 @@ class Server:
             pass
 
     async def serve_forever(self) -> None:
-        """Start, run until SIGINT/SIGTERM, stop."""
-        await self.start()
-        done = asyncio.Event()
+        """Start, run until SIGINT/SIGTERM, stop. The handlers are in place before start-up,
+        so a signal during a long ``--load`` stops cleanly; a second signal exits at once."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                log.warning("%s again: exiting now without draining", sig.name)
+                self._kill_workers()
+                os._exit(128 + sig)
+            log.info("%s: shutting down (send it again to exit at once)", sig.name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, done.set)
-        await done.wait()
-        log.info("shutting down")
-        await self.stop()
+            loop.add_signal_handler(sig, on_signal, sig)
+        starting = asyncio.ensure_future(self._start())
+        signalled = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                log.info("stopping during start-up")
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+            else:
+                starting.result()  # a start-up error ends here
+                await signalled
+        finally:
+            signalled.cancel()
+            await self.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _kill_workers(self) -> None:
+        for rt in self.runtimes.values():
+            for handle in rt.workers.values():
+                handle.proc.kill()
 
     # -- models ----------------------------------------------------------------------
 

@@ -40,6 +40,14 @@ class Metrics:
         self.request = Histogram("splitserve_request_duration_seconds", "Time from header to answer", labels, buckets=_BUCKETS, registry=r)
         self.queue_depth = Gauge("splitserve_queue_depth", "Requests waiting for a batch", labels, registry=r)
         self.instances = Gauge("splitserve_instances", "Ready worker instances", ("model",), registry=r)
+        self.watchdog_expired = Counter(
+            "splitserve_watchdog_expired", "Calls the watchdog answered INTERNAL after max_call_age_s (a server bug)",
+            ("model", "state"), registry=r)
+        self.dropped_answers = Counter(
+            "splitserve_dropped_answers", "Answers not sent: after the watchdog's (late) or a second one (duplicate)",
+            ("model", "reason"), registry=r)
+        self.model_failed = Gauge("splitserve_model_failed", "1 while the model is FAILED (its load failed)",
+                                  ("model",), registry=r)
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, rt: "ModelRuntime", call: "Call", error: SplitServeError | None) -> None:
@@ -65,6 +73,7 @@ class Metrics:
             for c, q in rt.sched.queues.items():
                 self.queue_depth.labels(rt.name, class_label(c)).set(len(q))
             self.instances.labels(rt.name).set(sum(1 for s in rt.sched.instances.values() if s.ready and not s.draining))
+            self.model_failed.labels(rt.name).set(1 if rt.state == "failed" else 0)
             self.executions.labels(rt.name)  # make the series exist before the first batch
 
     def render(self) -> bytes:

@@ -1,22 +1,29 @@
 """The inference monitor: one record per call, READY → RX_COMPLETE → WORK_COMPLETE → TX_COMPLETE.
 
 A call is answered exactly once (a result or an error); its slots go back to the ring only
-when it reaches TX_COMPLETE. The monitor's counters make a lost or doubly answered call
+when it reaches TX_COMPLETE. The monitor knows every open call, so its watchdog can answer
+a call that nothing else answered in ``max_call_age_s`` (a server bug turns into an error
+and a metric, never a hung client), and its counters make a lost or doubly answered call
 visible (tests read them through the server's stats).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from enum import IntEnum
 from typing import TYPE_CHECKING, Protocol
 
-from splitserve.errors import SplitServeError
+from splitserve.errors import InternalError, SplitServeError
 from splitserve.protocol.header import RequestClass
 
 if TYPE_CHECKING:
+    from splitserve.server.metrics import Metrics
     from splitserve.server.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
 
 
 class CallState(IntEnum):
@@ -40,7 +47,7 @@ class Call:
     """Per-request state; lives in the request, never on a shared handler."""
 
     __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline",
-                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside")
+                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied")
 
     def __init__(self, monitor: "InferenceMonitor", runtime: "ModelRuntime", req_id: int, cls: RequestClass,
                  seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None) -> None:
@@ -54,7 +61,9 @@ class Call:
         self.deadline = deadline
         self.peer = peer
         self.state = CallState.READY
-        self.t_ready = time.perf_counter()
+        # The sink has its answer (from the runtime, or early from the watchdog).
+        self.replied = False
+        self.t_ready = monitor.clock()
         self.t_rx = self.t_dispatch = self.t_work = 0.0
         self.compute_ns = 0
         # True while the payload arrives in a side buffer: ``seq`` names no slots then.
@@ -66,20 +75,36 @@ class Call:
         self.t_rx = time.perf_counter()
 
     def answer(self, error: SplitServeError | None = None) -> None:
-        """Send the one answer of this call, then recycle its slots (TX_COMPLETE)."""
+        """Send the one answer of this call, then recycle its slots (TX_COMPLETE).
+
+        If the watchdog answered first, only the slots are recycled (the runtime is done
+        with them only now); a second answer is a counted no-op."""
         if self.state >= CallState.WORK_COMPLETE:
-            raise RuntimeError(f"call {self.req_id} answered twice")
+            self.monitor.dropped(self, "duplicate")
+            return
         self.state = CallState.WORK_COMPLETE
         self.t_work = time.perf_counter()
+        late = self.replied
+        self.replied = True
         try:
-            if error is None:
+            if late:
+                self.monitor.dropped(self, "late")
+            elif error is None:
                 self.sink.deliver(self)
             else:
                 self.sink.fail(self, error)
         finally:
             self.state = CallState.TX_COMPLETE
             self._free_slots()
-            self.monitor.closed(self, error)
+            self.monitor.closed(self, error, late=late)
+
+    def expire(self, error: SplitServeError) -> None:
+        """The watchdog's answer: the peer hears ``error`` now. The slots stay held until the
+        runtime or transport lets go of the call (a worker may still be writing them)."""
+        if self.replied:
+            return
+        self.replied = True
+        self.sink.fail(self, error)
 
     def abandon(self) -> None:
         """The peer went away before the request was complete: free its slots, no answer."""
@@ -122,17 +147,66 @@ class Call:
 
 
 class InferenceMonitor:
-    """Counts calls by outcome; ``in_flight`` must return to 0 when the server is idle."""
+    """Knows every open call and counts calls by outcome; ``in_flight`` returns to 0 when
+    the server is idle. ``clock`` is the one the calls' times are on (perf_counter)."""
 
-    def __init__(self) -> None:
-        self.in_flight = 0
+    def __init__(self, metrics: "Metrics | None" = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.metrics = metrics
+        self.clock = clock
         self.outcomes: Counter[str] = Counter()
+        # Insertion order is opening order, so the oldest calls come first.
+        self._open: dict[Call, None] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    def open_calls(self) -> list[Call]:
+        """The calls not yet at TX_COMPLETE, oldest first."""
+        return list(self._open)
 
     def opened(self, call: Call) -> None:
-        self.in_flight += 1
+        self._open[call] = None
         self.outcomes["accepted"] += 1
 
-    def closed(self, call: Call, error: SplitServeError | None, abandoned: bool = False) -> None:
-        self.in_flight -= 1
+    def closed(self, call: Call, error: SplitServeError | None, abandoned: bool = False, late: bool = False) -> None:
+        self._open.pop(call, None)
+        if late:  # its outcome was counted when the watchdog answered it
+            return
         key = "abandoned" if abandoned else ("ok" if error is None else f"error:{error.status.name}")
         self.outcomes[key] += 1
+
+    def dropped(self, call: Call, why: str) -> None:
+        """An answer that did not go out: ``late`` (after the watchdog's) or ``duplicate``."""
+        log.error("model %s: call %d was answered again (%s); this answer is dropped", call.runtime.name,
+                  call.req_id, why)
+        self.outcomes[f"dropped:{why}"] += 1
+        if self.metrics is not None:
+            self.metrics.dropped_answers.labels(call.runtime.name, why).inc()
+
+    def overdue(self, now: float, max_age: float) -> list[Call]:
+        """Unanswered calls older than ``max_age`` at ``now``, oldest first (decides only)."""
+        out = []
+        for call in self._open:
+            if now - call.t_ready <= max_age:
+                break  # every later call is younger
+            if not call.replied:
+                out.append(call)
+        return out
+
+    def sweep(self, now: float, max_age: float) -> list[Call]:
+        """The watchdog: answer every overdue call INTERNAL, log it and count it; returns them."""
+        calls = self.overdue(now, max_age)
+        for call in calls:
+            age = now - call.t_ready
+            log.error("watchdog: call %d to model %s unanswered after %.1f s in state %s; answering INTERNAL",
+                      call.req_id, call.runtime.name, age, call.state.name)
+            self.outcomes["expired"] += 1
+            if self.metrics is not None:
+                self.metrics.watchdog_expired.labels(call.runtime.name, call.state.name).inc()
+            try:
+                call.expire(InternalError(f"no answer after {age:.0f} s (the server's max_call_age_s); "
+                                          "the server lost this call: please report it"))
+            except Exception:  # a broken sink must not stop the sweep
+                log.exception("watchdog: answering call %d failed", call.req_id)
+        return calls

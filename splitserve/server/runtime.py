@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from splitserve.errors import BadSize, DeadlineMissed, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
@@ -32,6 +33,20 @@ if TYPE_CHECKING:
     from splitserve.server.app import Server
 
 log = logging.getLogger(__name__)
+
+
+class ModelState(StrEnum):
+    """A served model's life: UNLOADED → LOADING → READY → STOPPING → UNLOADED, and FAILED
+    when its load failed (calls are refused until a retry, after ``load_retry_s``)."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+_RUNNING = (ModelState.LOADING, ModelState.READY)
 
 
 @dataclass
@@ -79,6 +94,7 @@ class ModelRuntime:
         self.cpus: dict[int, list[int]] = {}
         self.threads: dict[int, int] = {}
         self._backoff: dict[int, float] = {}
+        self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = load_profile(server.registry, self.name)
         self.packrat = self._packrat_controller()
@@ -90,12 +106,14 @@ class ModelRuntime:
             for _ in range(cfg.instances):
                 self._add_instance(cfg.threads, self._fixed_cpus(cfg.threads))
         self.stats = ModelStats()
-        self.state = "unloaded"  # unloaded | loading | ready | failed | stopping
-        self.error: str | None = None
+        self.state = ModelState.UNLOADED
+        self.error: str | None = None  # why the last load failed
+        self._retry_at = 0.0  # FAILED: when a request may retry the load (perf_counter)
         # False after a user's unload: requests are refused (MODEL_NOT_READY) until a load;
         # a model that was never unloaded still starts lazily on first use.
         self.enabled = True
-        self._ready_event = asyncio.Event()
+        self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
+        self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
@@ -118,7 +136,7 @@ class ModelRuntime:
 
     def _repack_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("model %s: reconfiguration failed: %s", self.name, task.exception())
+            log.error("model %s: reconfiguration failed", self.name, exc_info=task.exception())
 
     async def repack(self, batch: int) -> dict:
         """Packrat: serve a batch of ``batch`` with the plan the optimizer picks for it.
@@ -145,12 +163,12 @@ class ModelRuntime:
                 added = []
                 for cpus in allocate([t] * max(0, n - len(serving)), free):
                     added.append(i := self._add_instance(t, cpus, max_batch=b))
-                    if self.state in ("loading", "ready"):
+                    if self.state in _RUNNING:
                         self._spawn(i)
                 await self._wait_instances(added)
                 t_ready = time.perf_counter()
                 self.kick()
-                await asyncio.gather(*(self._drain_and_stop(i) for i in serving[n:]))
+                await self._drain_all(serving[n:])
             record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict(), "batch": batch,
                       "start_s": t_ready - t0, "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
             self.reconfigurations.append(record)
@@ -166,6 +184,7 @@ class ModelRuntime:
         self.threads[iid] = threads
         self.cpus[iid] = cpus
         self._backoff[iid] = self.server.config.worker_restart_backoff_s
+        self._start_failures[iid] = 0
         return iid
 
     def _fixed_cpus(self, threads: int) -> list[int]:
@@ -177,17 +196,39 @@ class ModelRuntime:
         return self.server.next_cpus(threads)
 
     async def _wait_instances(self, ids: list[int]) -> None:
-        """Until the instances ``ids`` are up (or the model stopped trying)."""
-        deadline = time.perf_counter() + self.server.config.worker_start_timeout_s
-        while self.state in ("loading", "ready") and not all(
-                self.sched.instances[i].ready for i in ids if i in self.sched.instances):
-            if time.perf_counter() > deadline:
-                raise ModelNotReady(f"model {self.name!r}: new instances did not start in time")
-            await asyncio.sleep(0.01)
+        """Until the instances ``ids`` are up; ModelNotReady if one gave up starting (or
+        the model stopped trying). Bounded: every start attempt is (worker_start_timeout_s)."""
+        cfg = self.server.config
+        attempts = cfg.worker_start_attempts
+
+        def up() -> bool:
+            return all(self.sched.instances[i].ready for i in ids if i in self.sched.instances)
+
+        def settled() -> bool:
+            gave_up = any(self._start_failures.get(i, 0) >= attempts for i in ids)
+            return up() or gave_up or self.state not in _RUNNING
+
+        deadline = time.perf_counter() + attempts * (cfg.worker_start_timeout_s + cfg.worker_restart_backoff_max_s)
+        await self._until(settled, deadline)
+        if not up():
+            raise ModelNotReady(f"model {self.name!r}: new instances did not start: {self.error or 'timed out'}")
+
+    async def _until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``done()`` (re-checked at every kick) or ``deadline``; returns done()."""
+        while not done():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+        return True
 
     def _forget_instance(self, iid: int) -> None:
         self.sched.remove(iid)
-        for d in (self.workers, self.cpus, self.threads, self._backoff):
+        for d in (self.workers, self.cpus, self.threads, self._backoff, self._start_failures):
             d.pop(iid, None)
 
     @property
@@ -197,22 +238,40 @@ class ModelRuntime:
     # -- lifecycle -------------------------------------------------------------------
 
     def ensure_started(self) -> None:
-        """Start the workers if they are not running (models load on first use)."""
-        if self.state in ("loading", "ready") or not self.enabled:
+        """Start the workers if they are not running (models load on first use). A FAILED
+        model is retried only once ``load_retry_s`` has passed since it failed."""
+        if not self.enabled or self.server.stopping or self.state in (*_RUNNING, ModelState.STOPPING):
             return
-        self.state, self.error = "loading", None
+        if self.state is ModelState.FAILED and time.perf_counter() < self._retry_at:
+            return
+        self._load()
+
+    def _load(self) -> None:
+        self.state, self.error = ModelState.LOADING, None
         self._ready_event.clear()
+        self._start_missing()
+
+    def _start_missing(self) -> None:
+        """Spawn every serving instance that has no worker (a fresh count of failed starts)."""
         for i in self.sched.serving():
             if i not in self.workers:
+                self._start_failures[i] = 0
                 self._spawn(i)
 
-    async def wait_ready(self, timeout: float | None = None) -> None:
+    async def wait_ready(self) -> None:
+        """Load the model (an explicit load retries a FAILED one at once) and wait until it
+        serves; ModelNotReady with the load error if it fails. Bounded: each start attempt
+        has worker_start_timeout_s and there are worker_start_attempts of them."""
         if not self.enabled:
             raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
+        if self.state is ModelState.FAILED:
+            self._load()
+        elif self.state is ModelState.READY:
+            self._start_missing()  # instances that gave up starting get another go
         self.ensure_started()
-        await asyncio.wait_for(self._ready_event.wait(), timeout or self.server.config.worker_start_timeout_s)
-        if self.state == "failed":
-            raise ModelNotReady(f"model {self.name!r} failed to load: {self.error}")
+        await self._ready_event.wait()
+        if self.state is not ModelState.READY:
+            raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
     def _spawn(self, i: int) -> None:
         def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
@@ -228,44 +287,49 @@ class ModelRuntime:
             )
 
         self.workers[i] = handle = WorkerHandle(self, i, make_spec, self.loop)
+        timeout = self.server.config.worker_start_timeout_s
+        self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
         log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, self.threads[i],
                  self.cpus[i], handle.pid)
 
+    @staticmethod
+    def _start_timed_out(handle: WorkerHandle, timeout: float) -> None:
+        if handle.alive and not handle.started:
+            handle.kill(f"worker (pid {handle.pid}) was not ready within worker_start_timeout_s={timeout:g}s")
+
     def on_ready(self, instance: int, info: dict) -> None:
-        if instance not in self.sched.instances:
-            return
+        if instance not in self.sched.instances or self.state not in _RUNNING:
+            return  # a model that failed or is stopping has asked this worker to go
         self.sched.set_ready(instance, True)
         self._backoff[instance] = self.server.config.worker_restart_backoff_s
-        if self.state == "loading" and not self.sched.instances[instance].standby:
-            self.state = "ready"  # serve as soon as one instance can
-        if self.state == "ready" and all(self.sched.instances[i].ready for i in self.sched.serving()):
+        self._start_failures[instance] = 0
+        if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
+            self.state = ModelState.READY  # serve as soon as one instance can
+        if self.state is ModelState.READY and all(self.sched.instances[i].ready for i in self.sched.serving()):
             self._ready_event.set()  # a load returns when every instance is up
         log.info("model %s: instance %d ready (%s segments)", self.name, instance, info.get("segments"))
         self.kick()
 
     def on_failed(self, instance: int, batch_id: int, text: str) -> None:
-        if batch_id == 0:  # this instance could not load the model: do not retry in a loop
-            self.error = text
-            st = self.sched.instances.get(instance)
-            if st is not None:
-                st.draining = True  # its process exits now; on_exit forgets it
-            if any(s.ready and not s.draining for s in self.sched.instances.values()):
-                log.error("model %s: a new instance failed to load (%s); the others keep serving", self.name, text)
-                return
-            self.state = "failed"
-            self._ready_event.set()
-            self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {text}"))
+        if batch_id == 0:  # the worker could not load the model; it exits now and on_exit decides
+            log.error("model %s: instance %d failed to load: %s", self.name, instance, text)
             return
-        batch = self.sched.complete(instance)
-        if batch is not None:
+        batch = self.sched.complete(instance, batch_id)
+        if batch is None:
+            log.error("model %s: instance %d reported batch %d failed, which it was not running",
+                      self.name, instance, batch_id)
+        else:
             self.server.coordinator.finished(self, instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
         self.kick()
 
     def on_exit(self, instance: int, handle: WorkerHandle) -> None:
-        if self.workers.get(instance) is not handle:
-            return
-        del self.workers[instance]
+        if self.workers.get(instance) is handle:
+            del self.workers[instance]
+            self._worker_gone(instance, handle)
+        self.kick()
+
+    def _worker_gone(self, instance: int, handle: WorkerHandle) -> None:
         st = self.sched.instances.get(instance)
         if st is None:
             return
@@ -275,18 +339,58 @@ class ModelRuntime:
         if st.draining:
             self._forget_instance(instance)
             return
-        if self.state in ("ready", "loading") and not handle.stopping:
-            delay = self._backoff[instance]
-            self._backoff[instance] = min(delay * 2, 5.0)
-            log.warning("model %s: instance %d exited (%s); restarting in %.1fs", self.name, instance,
-                        handle.proc.returncode, delay)
-            self.loop.call_later(delay, self._restart, instance)
-        self.kick()
+        if self.state not in _RUNNING or handle.stopping:
+            return  # asked to go: the model failed, is stopping or was unloaded
+        if handle.started:
+            self._restart_later(instance, f"instance {instance} exited ({handle.proc.returncode})")
+        else:
+            self._start_failed(instance, handle)
+
+    def _start_failed(self, instance: int, handle: WorkerHandle) -> None:
+        """A worker died before READY. A load error it reported fails the model at once (the
+        same file fails the same way); a crash or a start timeout is retried, and fails the
+        model after worker_start_attempts in a row. Other instances that serve keep serving."""
+        reason = handle.load_error or handle.killed_for or f"worker (pid {handle.pid}) exited before it was ready"
+        self._start_failures[instance] += 1
+        attempts = self.server.config.worker_start_attempts
+        others = any(self.sched.instances[i].ready for i in self.sched.serving() if i != instance)
+        given_up = self._start_failures[instance] >= attempts
+        if others:
+            if given_up:
+                self.error = reason
+                log.error("model %s: instance %d did not start %d times (%s); the others keep serving, "
+                          "a load retries it", self.name, instance, attempts, reason)
+                self._ready_event.set()  # a load waiting for it ends with what serves
+            else:
+                self._restart_later(instance, reason)
+        elif given_up or handle.load_error is not None:
+            self._fail(reason)
+        else:
+            self._restart_later(instance, reason)
+
+    def _restart_later(self, instance: int, why: str) -> None:
+        delay = self._backoff[instance]
+        self._backoff[instance] = min(delay * 2, self.server.config.worker_restart_backoff_max_s)
+        log.warning("model %s: %s; restarting in %.1fs", self.name, why, delay)
+        self.loop.call_later(delay, self._restart, instance)
 
     def _restart(self, instance: int) -> None:
         st = self.sched.instances.get(instance)
-        if self.state in ("ready", "loading") and st is not None and not st.draining and instance not in self.workers:
+        if self.state in _RUNNING and st is not None and not st.draining and instance not in self.workers:
             self._spawn(instance)
+
+    def _fail(self, reason: str) -> None:
+        """The model could not load: FAILED, refusing calls (MODEL_NOT_READY and the reason)
+        until ``load_retry_s`` passed; the instances stay, so a retry starts them again."""
+        retry_s = self.server.config.load_retry_s
+        self.state, self.error = ModelState.FAILED, reason
+        self._retry_at = time.perf_counter() + retry_s
+        log.error("model %s failed to load: %s; calls are refused, a request after %gs or a load retries it",
+                  self.name, reason, retry_s)
+        for handle in list(self.workers.values()):
+            handle.kill(f"model {self.name!r} failed to load")
+        self._ready_event.set()
+        self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {reason}"))
 
     async def resize(self, instances: int) -> None:
         """Change the instance count in place (same threads), without dropping requests."""
@@ -296,10 +400,11 @@ class ModelRuntime:
             for i in added:
                 self.threads[i], self.cpus[i] = threads, self._fixed_cpus(threads)
                 self._backoff[i] = self.server.config.worker_restart_backoff_s
-                if self.state in ("loading", "ready"):
+                self._start_failures[i] = 0
+                if self.state in _RUNNING:
                     self._spawn(i)
             self.kick()
-            await asyncio.gather(*(self._drain_and_stop(i) for i in retire))
+            await self._drain_all(retire)
             await self._wait_instances(added)
 
     async def reconfigure(self, shapes: list[tuple[int, int, list[int]]],
@@ -310,23 +415,20 @@ class ModelRuntime:
             t0 = time.perf_counter()
             old = self.sched.serving()
             new = [self._add_instance(t, cpus, max_batch=b, standby=True) for t, b, cpus in shapes]
-            if self.state in ("loading", "ready"):
+            if self.state in _RUNNING:
                 for i in new:
                     self._spawn(i)
                 try:
                     await self._wait_instances(new)
                 except ModelNotReady:
-                    await asyncio.gather(*(self._drain_and_stop(i) for i in new))
+                    await self._drain_all(new)
                     raise
-                if not all(self.sched.instances[i].ready for i in new):
-                    await asyncio.gather(*(self._drain_and_stop(i) for i in new))
-                    raise ModelNotReady(f"model {self.name!r}: the new instance set did not start: {self.error}")
             t_ready = time.perf_counter()
             if on_switch is not None:
                 on_switch()
             self.sched.activate(new, old)
             self.kick()
-            await asyncio.gather(*(self._drain_and_stop(i) for i in old))
+            await self._drain_all(old)
             record = {"shapes": [(t, b) for t, b, _ in shapes], "start_s": t_ready - t0,
                       "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
             self.reconfigurations.append(record)
@@ -334,30 +436,66 @@ class ModelRuntime:
                      record["shapes"], record["start_s"], record["drain_s"])
             return record
 
-    async def _drain_and_stop(self, i: int) -> None:
-        st = self.sched.instances[i]
+    async def _drain_all(self, ids: list[int]) -> None:
+        """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
+        deadline = time.perf_counter() + self.server.config.drain_timeout_s
+        await asyncio.gather(*(self._drain_and_stop(i, deadline) for i in ids))
+
+    async def _drain_and_stop(self, i: int, deadline: float) -> None:
+        """Let instance ``i`` finish its batches (a suspended one resumes here), then stop it.
+
+        At ``deadline`` a suspended batch is handed back to the queue (it reruns from
+        segment 0 elsewhere) and a worker still running its batch is killed, which
+        answers that batch WORKER_FAILED."""
+        st = self.sched.instances.get(i)
+        if st is None:
+            return
         st.draining = True
-        while st.busy:
-            await asyncio.sleep(0.005)
+        self.kick()
+        if not await self._until(lambda: not st.busy, deadline):
+            batch = self.sched.take_suspended(i)
+            if batch is not None:
+                log.warning("model %s: instance %d could not resume its preempted batch %d before its drain "
+                            "deadline; the batch reruns on another instance", self.name, i, batch.batch_id)
+                self.server.coordinator.finished(self, i, batch, ok=False)
+                self.sched.requeue(batch)
+                self.kick()
         handle = self.workers.get(i)
         if handle is not None:
-            await handle.stop()
+            await handle.stop(timeout=max(0.0, deadline - time.perf_counter()))
         if i in self.sched.instances:
             self._forget_instance(i)
 
-    async def unload(self) -> None:
-        """Stop the workers; waiting calls are answered MODEL_NOT_READY, running ones finish."""
-        self.state = "stopping"
-        while any(s.busy for s in self.sched.instances.values()):
-            await asyncio.sleep(0.005)
-        self._fail_waiting(ModelNotReady(f"model {self.name!r} was unloaded"))
+    async def unload(self, deadline: float | None = None, reason: str = "was unloaded") -> None:
+        """Stop dispatching and stop the workers. Calls still waiting, and batches preempted
+        mid-run, are answered SHUTTING_DOWN; running batches may finish until ``deadline``
+        (default: stop_timeout_s from now), after which their workers are killed and the
+        batches answered WORKER_FAILED."""
+        if deadline is None:
+            deadline = time.perf_counter() + self.server.config.stop_timeout_s
+        self.state = ModelState.STOPPING
+        error = ShuttingDown(f"model {self.name!r} {reason}")
+        self._fail_waiting(error)
+        for i in list(self.sched.instances):
+            batch = self.sched.take_suspended(i)
+            if batch is not None:
+                self.server.coordinator.finished(self, i, batch, ok=False)
+                self._answer_batch(batch, error)
+        for handle in list(self.workers.values()):
+            if not handle.started:  # still loading: it has nothing to finish
+                handle.kill(f"model {self.name!r} {reason} while loading")
+        if not await self._until(lambda: not any(s.busy for s in self.sched.instances.values()), deadline):
+            log.error("model %s: batches still running at the stop deadline; killing their workers", self.name)
         handles = list(self.workers.values())
-        await asyncio.gather(*(h.stop() for h in handles))
+        await asyncio.gather(*(h.stop(timeout=max(0.0, deadline - time.perf_counter())) for h in handles))
+        for i in list(self.sched.instances):  # a worker whose exit is not handled yet still owes its batch
+            for lost in self.sched.set_ready(i, False):
+                self.server.coordinator.finished(self, i, lost, ok=False)
+                self._answer_batch(lost, WorkerFailed(f"model {self.name!r} stopped during the batch"))
         self.workers.clear()
-        for i in self.sched.instances:
-            self.sched.set_ready(i, False)
-        self.state = "unloaded"
-        self._ready_event.clear()
+        self.state = ModelState.UNLOADED
+        self._ready_event.set()  # a load that was waiting ends (not ready)
+        self.kick()
 
     def close(self) -> None:
         """Release the shared memory (after unload)."""
@@ -367,11 +505,24 @@ class ModelRuntime:
 
     # -- requests --------------------------------------------------------------------
 
-    def alloc(self, cls: RequestClass, count: int) -> int:
+    def _refusal(self, now: float) -> SplitServeError | None:
+        """Why a call for this model is refused now, or None. A FAILED model whose retry
+        time has come is not refused: the call's arrival retries the load."""
         if not self.enabled:
-            raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
-        if self.state == "stopping":
-            raise ShuttingDown(f"model {self.name!r} is being unloaded")
+            return ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
+        if self.server.stopping:
+            return ShuttingDown("the server is shutting down")
+        if self.state is ModelState.STOPPING:
+            return ShuttingDown(f"model {self.name!r} is being unloaded")
+        if self.state is ModelState.FAILED and now < self._retry_at:
+            return ModelNotReady(f"model {self.name!r} failed to load: {self.error} (a request retries the load "
+                                 f"in {self._retry_at - now:.0f} s, an explicit load at once)")
+        return None
+
+    def alloc(self, cls: RequestClass, count: int) -> int:
+        refused = self._refusal(time.perf_counter())
+        if refused is not None:
+            raise refused
         if count > self.config.max_batch_size:
             raise BadSize(f"{count} samples exceed max_batch_size {self.config.max_batch_size} of {self.name!r}")
         return self.rings[cls].alloc(count)
@@ -386,22 +537,28 @@ class ModelRuntime:
         self.rings[call.cls].release(call.seq, call.count)
 
     def submit(self, call: Call) -> None:
-        """RX_COMPLETE: queue the call for a batch (answers QUEUE_FULL if bounded out)."""
+        """RX_COMPLETE: queue the call for a batch. Answers at once instead if it cannot run
+        (the model failed, was unloaded or is stopping meanwhile) or is bounded out."""
         call.rx_complete()
+        self.ensure_started()
+        refused = self._refusal(call.t_rx)
+        if refused is None and self.state is ModelState.FAILED:  # its retry did not start: still failed
+            refused = ModelNotReady(f"model {self.name!r} failed to load: {self.error}")
+        if refused is not None:
+            self._answer(call, refused)
+            return
         try:
             self.sched.enqueue(QueuedRequest(call.seq, call.count, call.cls, call.t_rx, call.deadline, call))
         except SplitServeError as e:
             self._answer(call, e)
             return
-        if self.state == "failed":
-            self.state = "unloaded"
         if self.packrat is not None:
             self.packrat.observe(self.sched.waiting(), call.t_rx)
-        self.ensure_started()
         self.kick()
 
     def kick(self) -> None:
         """Run the scheduler once this loop iteration is done (batches what arrived together)."""
+        self._changed.set()
         if not self._kick_scheduled:
             self._kick_scheduled = True
             self.loop.call_soon(self._schedule)
@@ -411,8 +568,9 @@ class ModelRuntime:
         now = time.perf_counter()
         for req in self.sched.expire(now):
             self._answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
-        for batch in self.server.coordinator.schedule(self, now):
-            self._start(batch, now)
+        if self.state in _RUNNING:  # stopping: nothing new starts
+            for batch in self.server.coordinator.schedule(self, now):
+                self._start(batch, now)
         if self.packrat is not None and (self._repack_task is None or self._repack_task.done()):
             batch_size = self.packrat.next_batch(now)
             if batch_size is not None:
@@ -426,11 +584,11 @@ class ModelRuntime:
             for r in batch.requests:
                 r.handle.t_dispatch = now
         self.server.coordinator.started(self, batch)
-        handle = self.workers[batch.instance]
+        handle = self.workers.get(batch.instance)
         if handle is None or not handle.send_run(
             RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
         ):
-            self.sched.complete(batch.instance)
+            self.sched.complete(batch.instance, batch.batch_id)
             self.server.coordinator.finished(self, batch.instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"instance {batch.instance} of {self.name!r} is not running"))
 
@@ -443,14 +601,18 @@ class ModelRuntime:
             self._timer = self.loop.call_later(max(0.0, wake - now), self.kick)
 
     def on_done(self, instance: int, msg: DoneMsg) -> None:
+        # Checked before anything is taken off the instance: a report for another batch
+        # must not cost the running batch its answer.
+        batch = self.sched.running(instance, msg.batch_id)
+        if batch is None:
+            log.error("model %s: instance %d reported batch %d %s, which it was not running", self.name, instance,
+                      msg.batch_id, "preempted" if msg.kind == Msg.PREEMPTED else "done")
+            return
         if msg.kind == Msg.PREEMPTED:
             self.server.coordinator.preempted(self, instance, msg)
             self.kick()
             return
-        batch = self.sched.complete(instance)
-        if batch is None or batch.batch_id != msg.batch_id:
-            log.error("model %s: instance %d finished batch %d it was not running", self.name, instance, msg.batch_id)
-            return
+        self.sched.complete(instance, msg.batch_id)
         self.server.coordinator.finished(self, instance, batch, ok=True)
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
@@ -472,6 +634,9 @@ class ModelRuntime:
             self._answer(r.handle, error)
 
     def _answer(self, call: Call, error: SplitServeError | None) -> None:
+        if call.replied:  # the watchdog answered it: only its slots are still to come back
+            call.answer(error)
+            return
         st = self.stats
         if error is None:
             st.success += 1
@@ -506,4 +671,4 @@ class ModelRuntime:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state is ModelState.READY

@@ -49,13 +49,18 @@ class WorkerHandle:
         self.spec = spec
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        # Its own process group: a terminal's Ctrl-C reaches the server, which drains the
+        # workers, instead of failing every batch at once (the worker also ignores SIGINT).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.worker", spec.to_json()],
-            pass_fds=spec.fds(), env=env, stdin=subprocess.DEVNULL,
+            pass_fds=spec.fds(), env=env, stdin=subprocess.DEVNULL, process_group=0,
         )
         theirs.close()
         self.alive = True
         self.ready = False
+        self.started = False  # it reported READY once (a death before that is a failed start)
+        self.load_error: str | None = None  # the worker's own report of why it could not load
+        self.killed_for: str | None = None  # why the front end killed it
         self.stopping = False  # set when the front end asked it to exit: no restart then
         loop.add_reader(ours.fileno(), self._on_readable)
 
@@ -84,12 +89,14 @@ class WorkerHandle:
                 return
             kind = data[0]
             if kind == Msg.READY:
-                self.ready = True
+                self.ready = self.started = True
                 self.owner.on_ready(self.instance, json.loads(unpack_text(data)[2]))
             elif kind in (Msg.DONE, Msg.PREEMPTED):
                 self.owner.on_done(self.instance, DoneMsg.unpack(data))
             elif kind == Msg.FAILED:
                 _, bid, text = unpack_text(data)
+                if bid == 0:
+                    self.load_error = text
                 self.owner.on_failed(self.instance, bid, text)
             else:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
@@ -116,8 +123,15 @@ class WorkerHandle:
             self.proc.kill()
             self.proc.wait()
 
+    def kill(self, reason: str) -> None:
+        """SIGKILL the process (also one that is stopped); its exit is handled as any other."""
+        self.killed_for = self.killed_for or reason
+        log.error("killing worker %d: %s", self.pid, reason)
+        self.proc.kill()
+
     async def stop(self, timeout: float = 5.0) -> None:
-        """Ask the worker to exit after its current batch, and wait until it has."""
+        """Ask the worker to exit after its current batch, and wait until it has; a worker
+        still there after ``timeout`` s is killed (its batch is then lost: WORKER_FAILED)."""
         self.stopping = True
         if self.alive:
             try:

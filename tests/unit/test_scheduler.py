@@ -160,3 +160,42 @@ def test_edf_puts_the_most_urgent_real_time_request_first_and_keeps_batches_cont
     assert [r.seq for r in b.requests] == [0]  # slot 3 is not contiguous with slot 0
     with pytest.raises(InvalidInput, match="rt_policy"):
         ModelScheduler("m", WorkConserving(), 2, 64, rt_policy="lifo")
+
+
+def _preempted_on_draining_instance():
+    """The review's §1.1 set-up: a BE batch preempted on instance 0, which is then retired."""
+    s = sched(instances=2)
+    s.enqueue(req(0))
+    (b,) = s.schedule(0.0)
+    assert b.instance == 0
+    s.preempted(0, restore_segment=1)
+    s.instances[0].draining = True  # resize / reconfigure / repack retires it
+    return s, b
+
+
+def test_a_draining_instance_resumes_its_preempted_batch_so_its_drain_ends():
+    s, b = _preempted_on_draining_instance()
+    (resumed,) = s.schedule(0.1)
+    assert resumed is b and resumed.instance == 0 and resumed.resume_segment == 1
+    s.enqueue(req(1))
+    (new,) = s.schedule(0.2)
+    assert new.instance == 1  # the draining instance takes nothing new
+    assert s.complete(0, b.batch_id) is b
+    assert not s.instances[0].busy  # the drain can end
+
+
+def test_a_batch_handed_back_by_a_draining_instance_reruns_from_segment_0_elsewhere():
+    s, b = _preempted_on_draining_instance()
+    s.requeue(s.take_suspended(0))
+    assert not s.instances[0].busy
+    (again,) = s.schedule(0.1)
+    assert again.instance == 1 and again.resume_segment == 0 and again.requests == b.requests
+
+
+def test_a_report_for_another_batch_leaves_the_running_batch_in_place():
+    s = sched()
+    s.enqueue(req(0))
+    (b,) = s.schedule(0.0)
+    assert s.complete(0, b.batch_id + 1) is None
+    assert s.instances[0].running is b  # still owed its answer
+    assert s.complete(0, b.batch_id) is b
