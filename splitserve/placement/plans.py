@@ -13,8 +13,8 @@ kind together:
 2. ``Switch``: per model, make the started standby instances serve and stop dispatching to the
    retired ones (``ModelScheduler.activate``); on a model's ``final`` switch its decider's
    settings follow (Packrat's aggregation target).
-3. ``Drain``: let the retired instances finish their batches, stop them, ``unplace`` them and
-   release any partition left empty.
+3. ``Drain``: let the retired instances finish their batches, stop them and ``unplace`` them
+   (a partition made for one instance goes back to the node with it).
 
 If a start fails, the applier drains the standby instances of that wave and stops: what was
 serving still serves, and the steps already done left the node consistent.

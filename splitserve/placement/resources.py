@@ -145,35 +145,46 @@ class ResourceManager:
 
     # -- instances ---------------------------------------------------------------------------
 
-    def place(self, owner: str, instance: int, partition_id: int, placement: InstancePlacement) -> None:
-        """Record that ``owner``'s ``instance`` runs as ``placement`` inside the partition.
+    def place(self, owner: str, instance: int, placement: InstancePlacement) -> Partition:
+        """Record that ``owner``'s ``instance`` runs as ``placement``, in the owner's partition
+        that holds all its CPUs (returned); the runtime or the applier calls it before the
+        instance's worker starts.
 
-        The runtime calls it before it starts the instance's worker. Refused when the CPUs are
-        not all in the partition, or when another instance of the partition already holds one
-        of them and the two do not both share (an applier must drain that one first).
+        Refused when no partition of the owner holds all the CPUs (InvalidInput), or when
+        another instance of that partition holds one of them and the two do not both share
+        (ResourcesUnavailable: an applier must drain that one first).
         """
-        part = self._partition(partition_id)
-        if part.owner != owner:
-            raise InvalidInput(f"partition {partition_id} belongs to {part.owner!r}, not {owner!r}")
-        outside = placement.cpus - part.cpus
-        if outside:
+        part = next((p for p in self._partitions.values() if p.owner == owner and placement.cpus <= p.cpus), None)
+        if part is None:
+            mine = "; ".join(cpu_list(p.cpus) for p in self.partitions(owner)) or "none"
             raise InvalidInput(
-                f"{owner!r} instance {instance}: CPUs {cpu_list(outside)} are outside its partition "
-                f"({cpu_list(part.cpus)})"
+                f"{owner!r} instance {instance}: CPUs {cpu_list(placement.cpus)} are outside its partitions ({mine})"
             )
         for (o, i), placed in self._instances.items():
-            if placed.partition == partition_id and (o, i) != (owner, instance):
+            if placed.partition == part.id and (o, i) != (owner, instance):
                 clash = placement.clashes(placed.placement)
                 if clash:
                     raise ResourcesUnavailable(
                         f"{owner!r} instance {instance} wants CPUs {cpu_list(clash)}, which its instance {i} "
                         "still holds; drain that instance first"
                     )
-        self._instances[(owner, instance)] = _Placed(partition_id, placement)
+        self._instances[(owner, instance)] = _Placed(part.id, placement)
+        return part
 
-    def unplace(self, owner: str, instance: int) -> None:
-        """Forget an instance (its worker has stopped); its partition stays with the owner."""
-        self._instances.pop((owner, instance), None)
+    def unplace(self, owner: str, instance: int) -> Partition | None:
+        """Forget an instance whose worker has stopped (the applier's drain step calls it).
+
+        A ``Cpus`` partition, made for one instance, goes back to the node once no instance
+        sits in it, and is returned; a budget or an ``ExactCpus`` partition stays with its
+        owner, which places other instances there or releases it at unload.
+        """
+        placed = self._instances.pop((owner, instance), None)
+        if placed is None:
+            return None
+        part = self._partitions[placed.partition]
+        if isinstance(part.request, Cpus) and not any(v.partition == part.id for v in self._instances.values()):
+            return self.release_partition(part.id)
+        return None
 
     def instance_cpus(self, owner: str, instance: int) -> frozenset[int]:
         """The CPUs an instance holds (empty when it is not placed): what REEF's claims cover."""

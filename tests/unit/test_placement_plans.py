@@ -14,8 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.errors import InvalidInput, ResourcesUnavailable
-from splitserve.placement.partition import InstancePlacement
+from splitserve.placement.optimizer import LatencyProfile
+from splitserve.placement.packrat import PackratConfig, PackratController
+from splitserve.placement.partition import CoreBudget, Cpus, InstancePlacement
 from splitserve.placement.plans import Current, Drain, Start, Switch, Wanted, Wave, plan_change
+from splitserve.placement.resources import ResourceManager
+from splitserve.placement.topology import Core
 
 
 def inst(*cpus: int, batch: int = 4, shared: bool = False) -> InstancePlacement:
@@ -120,6 +124,35 @@ def test_a_wanted_placement_that_double_books_or_takes_others_cpus_is_refused():
     current = {"a": {0: inst(0, shared=True)}}
     waves = plan_change(current, {"b": [inst(0, shared=True)]}, free=frozenset())
     simulate(current, {"b": [inst(0, shared=True)]}, waves)
+
+
+def test_a_packrat_repack_and_a_fixed_resize_at_once_through_the_resource_manager():
+    """The applier's loop: place each start, unplace each drain; the manager agrees at every step."""
+    rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(12)])
+    table = {(t, b): 1e-3 + b * 1e-4 * (0.5 + 0.5 / t) for t in range(1, 9) for b in (1, 2, 4, 8, 16)}
+    budget = rm.allocate("p", CoreBudget(8))
+    pk = PackratController(PackratConfig(threads=8, batch=16), LatencyProfile("p", table), 16, rm.cores_of(budget.id))
+    for i, pl in enumerate(pk.placements(pk.resize_plan(2))):
+        rm.place("p", i, pl)
+    rm.place("f", 0, InstancePlacement(2, 4, rm.allocate("f", Cpus(2)).cpus))
+    # Packrat wants four thinner instances in its (full) budget; f grows to two instances.
+    grown = rm.allocate("f", Cpus(2))
+    wanted = {"p": pk.placements(pk.resize_plan(4)),
+              "f": [rm.placement()["f"][0], InstancePlacement(2, 4, grown.cpus)]}
+    current = rm.placement()
+    waves = plan_change(current, wanted, rm.idle_cpus(wanted))
+    simulate(current, wanted, waves)
+    assert any(not sw.final for w in waves for sw in w.switch)  # p rolls: its budget has no spare CPU
+    ids = {m: max(insts) + 1 for m, insts in current.items()}
+    for wave in waves:
+        for s in wave.start:
+            rm.place(s.model, ids[s.model] + s.index, s.placement)  # refused if it double-booked
+        for d in wave.drain:
+            for i in d.instances:
+                rm.unplace(d.model, i)
+    final = rm.placement()
+    assert Counter(final["p"].values()) == Counter(wanted["p"]) and Counter(final["f"].values()) == Counter(wanted["f"])
+    assert sum(pl.batch for pl in final["p"].values()) == 16 and rm.free_cpus() == set()
 
 
 # -- properties -------------------------------------------------------------------------------

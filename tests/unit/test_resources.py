@@ -13,6 +13,8 @@ from splitserve.placement.packrat import PackratConfig, PackratController
 from splitserve.placement.partition import CoreBudget, Cpus, ExactCpus, InstancePlacement, cpu_list
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.topology import Core
+from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.priority import InstanceView, PriorityMode, decide
 
 
 def node(sockets: int = 2, per_socket: int = 8) -> list[Core]:
@@ -31,7 +33,7 @@ def packrat(rm: ResourceManager, name: str, budget: int, batch: int = 16) -> lis
     part = rm.allocate(name, CoreBudget(budget))
     pc = PackratController(PackratConfig(threads=budget, batch=batch), profile(name), 16, rm.cores_of(part.id))
     for i, p in enumerate(pc.placements(pc.plan())):
-        rm.place(name, i, part.id, p)
+        rm.place(name, i, p)
     return [rm.instance_cpus(name, i) for i in range(len(pc.placements(pc.plan())))]
 
 
@@ -39,7 +41,7 @@ def fixed(rm: ResourceManager, name: str, instances: int, threads: int) -> list[
     """Load a fixed model: one partition of ``threads`` CPUs per instance."""
     for i in range(instances):
         part = rm.allocate(name, Cpus(threads))
-        rm.place(name, i, part.id, InstancePlacement(threads, 4, part.cpus))
+        rm.place(name, i, InstancePlacement(threads, 4, part.cpus))
     return [rm.instance_cpus(name, i) for i in range(instances)]
 
 
@@ -120,16 +122,26 @@ def test_release_returns_the_cpus_and_forgets_the_instances():
     assert rm.allocate("b", Cpus(4)).cpus == {0, 1, 2, 3}
 
 
+def test_unplacing_an_instance_returns_its_own_partition_but_keeps_a_budget():
+    rm = ResourceManager(node(sockets=1, per_socket=8))
+    fixed(rm, "f", instances=2, threads=2)
+    packrat(rm, "p", budget=4)
+    back = rm.unplace("f", 1)
+    assert back is not None and back.cpus == {2, 3} and rm.free_cpus() == {2, 3}
+    assert rm.unplace("p", 0) is None and rm.free_cpus() == {2, 3}  # the budget stays with p
+    assert rm.unplace("f", 1) is None  # already gone
+
+
 def test_instances_of_one_budget_cannot_be_placed_on_each_other():
     rm = ResourceManager(node(sockets=1, per_socket=4))
-    part = rm.allocate("m", CoreBudget(4))
-    rm.place("m", 0, part.id, InstancePlacement(4, 8, frozenset(range(4))))
+    rm.allocate("m", CoreBudget(4))
+    rm.place("m", 0, InstancePlacement(4, 8, frozenset(range(4))))
     with pytest.raises(ResourcesUnavailable, match="its instance 0 still holds; drain that instance first"):
-        rm.place("m", 1, part.id, InstancePlacement(2, 4, frozenset({0, 1})))
-    with pytest.raises(InvalidInput, match="outside its partition"):
-        rm.place("m", 1, part.id, InstancePlacement(1, 4, frozenset({7})))
+        rm.place("m", 1, InstancePlacement(2, 4, frozenset({0, 1})))
+    with pytest.raises(InvalidInput, match=r"CPUs 7 are outside its partitions \(0-3\)"):
+        rm.place("m", 1, InstancePlacement(1, 4, frozenset({7})))
     rm.unplace("m", 0)
-    rm.place("m", 1, part.id, InstancePlacement(2, 4, frozenset({0, 1})))
+    rm.place("m", 1, InstancePlacement(2, 4, frozenset({0, 1})))
     assert rm.idle_cpus(["m"]) == {2, 3}
 
 
@@ -145,6 +157,19 @@ def test_snapshot_and_claims_lookup_show_each_partition_and_its_instances():
     assert rm.snapshot("other")["partitions"] == []
     assert rm.instance_cpus("f", 0) == {0, 1}  # what the coordinator's REEF claims read
     assert rm.partition_of("f", 0).id == 1
+
+
+def test_reef_claims_from_the_manager_preempt_only_instances_on_the_claimed_cpus():
+    rm = ResourceManager(node(sockets=1, per_socket=8))
+    pk = packrat(rm, "be", budget=6)
+    fixed(rm, "rt", instances=1, threads=2)
+    # The coordinator's view, with each instance's CPUs looked up in the manager.
+    view = [InstanceView("rt", 0, rm.instance_cpus("rt", 0), ready=True, running_cls=RequestClass.RT, running_batch=1)]
+    view += [InstanceView("be", i, rm.instance_cpus("be", i), ready=True, running_cls=RequestClass.BE,
+                          running_batch=10 + i) for i in range(len(pk))]
+    d = decide(PriorityMode.REEF, view)
+    assert d.preempt == []  # RT claims CPUs 6-7 only; Packrat's BE batches run on 0-5
+    assert all(d.padding_deadline.get(("be", i)) is not None for i in range(len(pk)))
 
 
 def test_cpu_list_is_the_kernels_form():
