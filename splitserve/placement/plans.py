@@ -133,7 +133,7 @@ class _Change:
                     starts.append(Start(m, idx, p))
         return starts
 
-    def switch(self, m: str, retire: list[int], final: bool) -> tuple[Switch, Drain | None]:
+    def switch(self, m: str, retire: list[int], final: bool) -> Switch:
         activate = tuple(self.standby[m])
         self.serving.setdefault(m, set()).update((m, "new", i) for i in activate)
         self.standby[m] = []
@@ -141,14 +141,15 @@ class _Change:
             self.serving[m].discard((m, "cur", i))
             self.retire[m].discard(i)
             del self.live[(m, "cur", i)]
-        return Switch(m, activate, tuple(retire), final), (Drain(m, tuple(retire)) if retire else None)
+        return Switch(m, activate, tuple(retire), final)
 
     def blocking(self) -> set[_Key]:
-        """Running instances due to retire that stand in the way of a pending start."""
+        """Running instances due to retire that stand in the way of a pending start (only
+        running ones can: ``_check`` refused wanted instances that clash with each other)."""
         keys = set()
         for m, idxs in self.pending.items():
             for idx in idxs:
-                keys |= {k for k, _ in self.holders(self.wanted[m][idx]) if k[1] == "cur" and k[2] in self.retire[k[0]]}
+                keys |= {k for k, _ in self.holders(self.wanted[m][idx]) if k[2] in self.retire.get(k[0], ())}
         return keys
 
     def early_retire(self) -> tuple[list[Switch], list[Drain]]:
@@ -164,9 +165,8 @@ class _Change:
                     chosen.append(i)
                     left.discard(key)
             if chosen:
-                s, d = self.switch(m, chosen, final=False)
-                switches.append(s)
-                drains.append(d)  # type: ignore[arg-type]  (chosen is not empty)
+                switches.append(self.switch(m, chosen, final=False))
+                drains.append(Drain(m, tuple(chosen)))
         return switches, drains
 
     def stuck_message(self) -> str:
@@ -174,11 +174,8 @@ class _Change:
         for m in sorted(self.pending):
             for idx in self.pending[m]:
                 p = self.wanted[m][idx]
-                held = "; ".join(
-                    f"{cpu_list(c)} held by {k[0]!r} instance {k[2]}" if k[1] == "cur"
-                    else f"{cpu_list(c)} wanted by {k[0]!r}'s new instance {k[2]}"
-                    for k, c in self.holders(p)
-                )
+                # Only running instances can hold them: ``_check`` refused wanted ones that clash.
+                held = "; ".join(f"{cpu_list(c)} held by {k[0]!r} instance {k[2]}" for k, c in self.holders(p))
                 parts.append(f"{m!r} new instance {idx} (CPUs {cpu_list(p.cpus)}) needs {held}")
         return (
             "the placement change cannot be made without a pause in service: " + "; ".join(parts) +
@@ -232,10 +229,10 @@ def plan_change(current: Current, wanted: Wanted, free: frozenset[int]) -> tuple
         drains: list[Drain] = []
         for m in sorted(wanted):
             if not change.pending[m] and (change.standby[m] or change.retire[m]):
-                s, d = change.switch(m, sorted(change.retire[m]), final=True)
-                switches.append(s)
-                if d is not None:
-                    drains.append(d)
+                retire = sorted(change.retire[m])
+                switches.append(change.switch(m, retire, final=True))
+                if retire:
+                    drains.append(Drain(m, tuple(retire)))
         if not starts and not switches:
             switches, drains = change.early_retire()
             if not switches:
