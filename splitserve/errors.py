@@ -83,6 +83,12 @@ class InvalidInput(SplitServeError):
     status, http_status, grpc_code = Status.INVALID_INPUT, 400, "INVALID_ARGUMENT"
 
 
+class ResourcesUnavailable(InvalidInput):
+    """The node cannot give what a placement asks for (CPUs held by other owners, or a change
+    that cannot be made without a pause in service); the message names what is in use and by
+    whom. A kind of InvalidInput: the caller must ask for something else."""
+
+
 class ModelNotReady(SplitServeError):
     status, http_status, grpc_code = Status.MODEL_NOT_READY, 503, "UNAVAILABLE"
 

@@ -7,12 +7,15 @@ Pure: the runtime feeds it observations and a clock and applies what it returns.
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.estimator import BatchSizeEstimator
-from splitserve.placement.optimizer import LatencyProfile, Plan, optimize
+from splitserve.placement.optimizer import InstanceShape, LatencyProfile, Plan, optimize
+from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.topology import Core, allocate, read_topology
 
 PLACEMENTS = ("fixed", "packrat")
@@ -53,25 +56,64 @@ class PackratConfig:
 
 
 class PackratController:
-    """Chooses B from the observed queue depth and the plan for a B from the profile."""
+    """Chooses B from the observed queue depth and the plan for a B from the profile, and
+    places the plan's instances inside the cores it was given.
 
-    def __init__(self, cfg: PackratConfig, profile: LatencyProfile, max_batch: int, cores: list[Core] | None = None) -> None:
+    ``cores`` is the model's budget: the partition ``ResourceManager.allocate(model,
+    CoreBudget(cfg.threads))`` granted, read with ``ResourceManager.cores_of``. The plan never
+    uses more threads than the budget has CPUs, and never a CPU outside it. Until the runtime
+    is wired to the resource manager it passes None, which means every CPU this process may
+    run on (each Packrat model then plans on the whole node, as before).
+    """
+
+    def __init__(self, cfg: PackratConfig, profile: LatencyProfile, max_batch: int,
+                 cores: Sequence[Core] | None = None) -> None:
         self.cfg = cfg
         self.profile = profile
-        self.cores = cores if cores is not None else read_topology()
-        self.threads = min(cfg.threads, len(self.cores), profile.max_threads * len(self.cores))
+        self.cores = list(cores) if cores is not None else read_topology()
+        if not self.cores:
+            raise InvalidInput(f"packrat for {profile.model!r} was given no cores to place instances on")
+        self.threads = min(cfg.threads, len(self.cores))
         self.batch = cfg.batch
         self.estimator = BatchSizeEstimator(alpha=cfg.alpha, window=cfg.window,
                                             reconfig_timeout_s=cfg.reconfig_timeout_s, max_batch=max_batch)
 
     def plan(self, batch: int | None = None) -> Plan:
+        """The optimizer's ⟨i, t, b⟩ for a batch of ``batch`` (default: the current B) on the budget."""
         return optimize(self.profile, self.threads, batch or self.batch)
 
-    def shapes(self, plan: Plan) -> list[tuple[int, int, list[int]]]:
-        """(threads, batch, pinned CPUs) per instance: disjoint cores, one socket each."""
+    def resize_plan(self, instances: int) -> Plan:
+        """A plan with exactly ``instances`` instances for the current B (what a user's
+        resize of a Packrat model asks for): the budget's threads and B split as evenly as
+        they go, the larger batches on the instances with more threads.
+
+        Raises InvalidInput when the budget has fewer threads, or B fewer inputs, than
+        ``instances``.
+        """
+        T, B = self.threads, self.batch
+        if not 1 <= instances <= min(T, B):
+            raise InvalidInput(
+                f"{self.profile.model!r} uses packrat with {T} threads and a batch of {B}: it can run "
+                f"1..{min(T, B)} instances, not {instances}"
+            )
+        top = self.profile.max_threads
+        flat = [(min(T // instances + (i < T % instances), top), B // instances + (i < B % instances))
+                for i in range(instances)]
+        counts = Counter(flat)
+        shapes = tuple(InstanceShape(threads=t, batch=b, count=n)
+                       for (t, b), n in sorted(counts.items(), key=lambda kv: (-kv[0][0], -kv[0][1])))
+        return Plan(shapes=shapes, latency=max(self.profile.latency(t, b) for t, b in counts),
+                    fat_latency=self.profile.latency(min(T, top), B))
+
+    def placements(self, plan: Plan) -> list[InstancePlacement]:
+        """One placement per instance of ``plan``: disjoint CPUs of the budget, one socket each."""
         flat = [(s.threads, s.batch) for s in plan.shapes for _ in range(s.count)]
         cpus = allocate([t for t, _ in flat], self.cores)
-        return [(t, b, c) for (t, b), c in zip(flat, cpus)]
+        return [InstancePlacement(threads=t, batch=b, cpus=frozenset(c)) for (t, b), c in zip(flat, cpus)]
+
+    def shapes(self, plan: Plan) -> list[tuple[int, int, list[int]]]:
+        """``placements`` as the runtime's ``reconfigure`` takes them today: (threads, batch, CPUs)."""
+        return [(p.threads, p.batch, sorted(p.cpus)) for p in self.placements(plan)]
 
     def observe(self, queue_depth: int, now: float) -> None:
         if self.cfg.adaptive:

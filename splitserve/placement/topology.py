@@ -63,6 +63,48 @@ def read_topology(sysfs: Path = SYSFS_CPU, allowed: set[int] | None = None) -> l
     return cores
 
 
+def _by_socket(cores: Sequence[Core]) -> dict[int, list[int]]:
+    """CPU ids per socket, each list in (core, cpu) order so SMT siblings sit together."""
+    free: dict[int, list[int]] = {}
+    for c in sorted(cores, key=lambda c: (c.socket, c.core, c.cpu)):
+        free.setdefault(c.socket, []).append(c.cpu)
+    return free
+
+
+def _take(n: int, free: dict[int, list[int]], what: str) -> list[int]:
+    """Remove and return ``n`` CPUs of ``free`` (which must hold at least ``n``): from the
+    lowest-numbered socket with ``n`` free, else spread over the sockets with the most free."""
+    socket = next((s for s in sorted(free) if len(free[s]) >= n), None)
+    if socket is not None:
+        taken = free[socket][:n]
+        del free[socket][:n]
+        return sorted(taken)
+    logger.warning("%s (%d CPUs) does not fit in the free CPUs of any one socket; spreading it across sockets",
+                   what, n)
+    taken = []
+    for s in sorted(free, key=lambda s: (-len(free[s]), s)):
+        grab = min(n - len(taken), len(free[s]))
+        taken += free[s][:grab]
+        del free[s][:grab]
+        if len(taken) == n:
+            break
+    return sorted(taken)
+
+
+def take_cpus(n: int, cores: Sequence[Core], what: str = "a partition") -> list[int]:
+    """``n`` CPU ids out of ``cores``, ascending, on one socket whenever one socket has ``n``
+    (neighbouring cores, SMT siblings together), else spread over the fullest sockets (logged
+    as a warning naming ``what``). The resource manager carves partitions with it.
+
+    Raises InvalidInput when ``n`` is below 1 or ``cores`` has fewer than ``n`` CPUs.
+    """
+    if n < 1:
+        raise InvalidInput(f"{what} asks for {n} CPUs; it needs >= 1")
+    if n > len(cores):
+        raise InvalidInput(f"{what} needs {n} CPUs but only {len(cores)} are given ({sorted(c.cpu for c in cores)})")
+    return _take(n, _by_socket(cores), what)
+
+
 def allocate(thread_counts: Sequence[int], cores: Sequence[Core]) -> list[list[int]]:
     """CPU ids for each instance: ``result[i]`` has ``thread_counts[i]`` CPUs, ascending.
 
@@ -73,6 +115,9 @@ def allocate(thread_counts: Sequence[int], cores: Sequence[Core]) -> list[list[i
     sharing a physical core. When every instance fits a socket but the free CPUs left are
     fragmented across sockets, the instance is spread over the sockets with the most free
     CPUs (logged as a warning: slower, but better than refusing to serve).
+
+    ``cores`` is what the caller may use: for Packrat, the budget partition the resource
+    manager granted the model, never more.
 
     Raises InvalidInput when a thread count is below 1, when the total demand exceeds the
     CPUs available, or when one instance needs more CPUs than any socket has.
@@ -86,9 +131,7 @@ def allocate(thread_counts: Sequence[int], cores: Sequence[Core]) -> list[list[i
             f"the plan needs {demand} CPUs in all but only {len(cores)} are available "
             f"({sorted(c.cpu for c in cores)}); plan for T <= {len(cores)}"
         )
-    free: dict[int, list[int]] = {}
-    for c in sorted(cores, key=lambda c: (c.socket, c.core, c.cpu)):
-        free.setdefault(c.socket, []).append(c.cpu)
+    free = _by_socket(cores)
     largest = max((len(v) for v in free.values()), default=0)
     result: list[list[int]] = [[] for _ in thread_counts]
     order = sorted(range(len(thread_counts)), key=lambda i: (-thread_counts[i], i))
@@ -100,22 +143,5 @@ def allocate(thread_counts: Sequence[int], cores: Sequence[Core]) -> list[list[i
                 "Packrat keeps each instance on one socket, so use instances of at most "
                 f"{largest} threads"
             )
-        socket = next((s for s in sorted(free) if len(free[s]) >= n), None)
-        if socket is not None:
-            result[i] = sorted(free[socket][:n])
-            del free[socket][:n]
-            continue
-        logger.warning(
-            "instance %d (%d threads) does not fit in the free CPUs of any one socket; spreading it across sockets",
-            i,
-            n,
-        )
-        taken: list[int] = []
-        for s in sorted(free, key=lambda s: (-len(free[s]), s)):
-            grab = min(n - len(taken), len(free[s]))
-            taken += free[s][:grab]
-            del free[s][:grab]
-            if len(taken) == n:
-                break
-        result[i] = sorted(taken)
+        result[i] = _take(n, free, f"instance {i}")
     return result
