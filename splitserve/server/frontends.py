@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +23,6 @@ import uvicorn
 
 from splitserve.config import ServerConfig
 from splitserve.errors import QueueFull
-
-log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
