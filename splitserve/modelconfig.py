@@ -181,7 +181,7 @@ class ModelConfig:
         inputs = d.pop("inputs", None)
         outputs = d.pop("outputs", None)
         if (inputs is None or outputs is None) and art.kind in ("zoo", "safetensors"):
-            from splitserve.models import zoo_entry  # torch import only when needed
+            from splitserve.models.zoo import zoo_entry  # torch import only when needed
 
             entry = zoo_entry(art.arch or "")
             inputs = inputs if inputs is not None else [t.to_dict() for t in entry.inputs]

@@ -1,6 +1,13 @@
-"""The front-end process: one asyncio loop that owns every transport, every model's
-queues and scheduler, and the worker processes. ``Server.infer`` is the one request path
-that the decoded front ends (HTTP, gRPC, in-process) share with the fast path."""
+"""The node's composition root: ``Server`` builds every part of a splitserve node, hands
+each one only the interface (``server/ports.py``) it needs, and starts and stops them.
+
+Nothing below this module imports it. The parts: the fast-path transports and the HTTP
+and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
+``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
+``Coordinator`` (the runtimes' ``NodeScheduler``), and the ``ModelManager``. ``docs/node.md``
+draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
+gRPC, in-process) share with the fast path.
+"""
 
 from __future__ import annotations
 
@@ -13,50 +20,45 @@ import shutil
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.types import TensorSpec
+from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.coordinator import Coordinator
-from splitserve.server.fastpath import FastPathConnection, StreamListener, tcp_listener, unix_listener
+from splitserve.server.fastpath import StreamListener
+from splitserve.server.frontends import CodecPool
+from splitserve.server.grpc_server import GrpcFrontEnd
+from splitserve.server.http import HttpFrontEnd
 from splitserve.server.intake import Intake
-from splitserve.server.management import UPLOAD_DIR, exposure_warning
+from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
+from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
-from splitserve.server.udp import UdpEndpoint, udp_socket
+from splitserve.server.udp import UdpListener
+from splitserve.worker.pool import WorkerHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class InferOutcome:
-    """Outputs (fresh arrays, in declared order) and the server's timings of one call."""
-
-    outputs: list[np.ndarray]
-    queue_us: int
-    compute_us: int
-    total_us: int
 
 
 class _FutureSink:
     """Sink for in-process callers: copies the outputs out of the slots into a future."""
 
-    def __init__(self, future: asyncio.Future) -> None:
+    def __init__(self, future: asyncio.Future, outputs: Sequence[TensorSpec]) -> None:
         self.future = future
+        self.outputs = outputs
 
     def deliver(self, call: Call) -> None:
-        rt = call.runtime
-        outs = [
-            np.array(q.array(call.seq, call.count, spec.dtype, spec.shape))
-            for q, spec in zip(rt.tqs[call.cls][1], rt.config.outputs)
-        ]
+        views = call.runtime.output_views(call.cls, call.seq, call.count)
+        outs = [np.frombuffer(v, dtype=spec.dtype).reshape((call.count, *spec.shape)).copy()
+                for v, spec in zip(views, self.outputs)]
         if not self.future.done():
             self.future.set_result(InferOutcome(outs, call.queue_us, call.compute_ns // 1000, call.total_us))
 
@@ -66,22 +68,27 @@ class _FutureSink:
 
 
 class Server:
-    """A splitserve node's front end. ``await start()``, then ``await stop()``."""
+    """A splitserve node. ``await start()``, then ``await stop()`` (or ``serve_forever``).
 
-    def __init__(self, config: ServerConfig) -> None:
+    It is the transports' ``FastPathHost``, the decoded front ends' ``ServingAPI`` and
+    management's ``ModelDirectory``; ``start_worker`` makes the worker of one instance
+    (a process by default)."""
+
+    def __init__(self, config: ServerConfig, start_worker: WorkerFactory = WorkerHandle) -> None:
         self.config = config
         self.metrics = Metrics()
         self.monitor = InferenceMonitor(self.metrics)
-        self.coordinator = Coordinator(self, PriorityMode.parse(config.preemption))
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), PriorityMode.parse(config.preemption))
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
-        self.connections: set[FastPathConnection] = set()
         self.intake = Intake(config)  # requests still arriving on the fast path
-        self.listeners: list[Any] = []
+        self.frontends: list[FrontEnd] = []
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self._stopped = False
+        self._start_worker = start_worker
+        self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self.started = time.time()
         self._cpus = sorted(os.sched_getaffinity(0))
@@ -112,33 +119,44 @@ class Server:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
+        self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
+                              cpus=self.next_cpus, profile=self._profile, stopping=lambda: self.stopping,
+                              start_worker=self._start_worker)
+        self.management = ModelManager(cfg, self.registry, self, self.coordinator)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
-            self._remember(rec)
-        if cfg.fast_port is not None:
-            s = tcp_listener(cfg.host, cfg.fast_port)
-            self.listeners.append(StreamListener(self, s))
-            self.ports["fast_port"] = s.getsockname()[1]
-        if cfg.unix_path is not None or cfg.fast_port is not None:
-            path = cfg.unix_socket
-            self.listeners.append(StreamListener(self, unix_listener(path)))
-            self.ports["unix_path"] = str(path)
-        if cfg.udp_port is not None:
-            s = udp_socket(cfg.host, cfg.udp_port)
-            self.listeners.append(UdpEndpoint(self, s))
-            self.ports["udp_port"] = s.getsockname()[1]
-        await self._start_frontends()
+            self.remember(rec)
+        if cfg.http_port is not None or cfg.grpc_port is not None:
+            await asyncio.to_thread(self.management.ensure_token)
+        for fe in self._frontends():
+            self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
+            self.ports.update(await fe.start())
         for name in cfg.load:
             await self.runtime(name).wait_ready()
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
 
-    async def _start_frontends(self) -> None:
-        """HTTP and gRPC front ends, when their packages are part of this install."""
-        from splitserve.server import frontends
+    def _frontends(self) -> list[FrontEnd]:
+        """The front ends ``config`` turns on, in start order."""
+        cfg = self.config
+        out: list[FrontEnd] = []
+        if cfg.fast_port is not None:
+            out.append(StreamListener(self, (cfg.host, cfg.fast_port)))
+        if cfg.unix_path is not None or cfg.fast_port is not None:
+            out.append(StreamListener(self, cfg.unix_socket))
+        if cfg.udp_port is not None:
+            out.append(UdpListener(self, (cfg.host, cfg.udp_port)))
+        if cfg.http_port is not None or cfg.grpc_port is not None:
+            self._codec = CodecPool.from_config(cfg)
+            if cfg.http_port is not None:
+                out.append(HttpFrontEnd(self, self.management, self._codec, cfg))
+            if cfg.grpc_port is not None:
+                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg))
+        return out
 
-        await frontends.start(self)
+    def _profile(self, name: str) -> ModelProfile | None:
+        return load_profile(self.registry, name)
 
     def _write_server_file(self) -> None:
         info = {"pid": os.getpid(), "host": self.config.host, **self.ports}
@@ -151,6 +169,20 @@ class Server:
         self.monitor.sweep(time.perf_counter(), self.config.max_call_age_s)
         self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
 
+    async def _stop_frontends(self, deadline: float) -> None:
+        """Every front end stops taking requests; HTTP and gRPC calls in flight get stop_grace_s."""
+        async def stop_one(fe: FrontEnd) -> None:
+            try:
+                await fe.stop(self.config.stop_grace_s)
+            except Exception:
+                log.exception("stopping front end %s failed", type(fe).__name__)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(stop_one(fe) for fe in self.frontends)),
+                                   max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            log.error("front ends still stopping at the stop deadline; going on")
+
     async def stop(self) -> None:
         """Refuse new work, let running batches finish, stop workers, free memory.
 
@@ -159,17 +191,8 @@ class Server:
         if self._stopped:
             return
         self._stopped = self.stopping = True
-        cfg = self.config
-        deadline = time.perf_counter() + cfg.stop_timeout_s
-        from splitserve.server import frontends
-
-        try:
-            await asyncio.wait_for(frontends.stop(self), max(0.0, deadline - time.perf_counter()))
-        except Exception:
-            log.exception("stopping the HTTP and gRPC front ends failed")
-        for lst in self.listeners:
-            lst.close()
-        self.listeners.clear()
+        deadline = time.perf_counter() + self.config.stop_timeout_s
+        await self._stop_frontends(deadline)
         runtimes = list(self.runtimes.values())
         results = await asyncio.gather(*(rt.unload(deadline, "was stopped: the server is shutting down")
                                          for rt in runtimes), return_exceptions=True)
@@ -180,8 +203,11 @@ class Server:
             if call.state is CallState.RX_COMPLETE:
                 log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)
                 call.answer(ShuttingDown("the server is shutting down"))
-        for conn in list(self.connections):
-            conn.close()
+        for fe in self.frontends:
+            fe.close()
+        self.frontends.clear()
+        if self._codec is not None:
+            self._codec.close()
         self.intake.close()
         for rt in runtimes:
             try:
@@ -233,18 +259,14 @@ class Server:
 
     def _kill_workers(self) -> None:
         for rt in self.runtimes.values():
-            for handle in rt.workers.values():
-                handle.proc.kill()
+            rt.kill_workers("the server is exiting without draining")
 
-    # -- models ----------------------------------------------------------------------
-
-    def _remember(self, rec: ModelRecord) -> None:
-        self.records[rec.name] = rec
-        self.by_func[rec.func_id] = rec.name
+    # -- the node's models (ModelDirectory) ----------------------------------------------
 
     def remember(self, rec: ModelRecord) -> None:
         """Make a (newly registered) model known to every front end."""
-        self._remember(rec)
+        self.records[rec.name] = rec
+        self.by_func[rec.func_id] = rec.name
 
     def forget(self, name: str) -> None:
         """Drop a model from the name and func_id maps (its runtime must be gone)."""
@@ -262,16 +284,31 @@ class Server:
         rec = self.records.get(name)
         if rec is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
-        rt = self.runtimes[name] = ModelRuntime(self, rec)
+        rt = self.runtimes[name] = ModelRuntime(self.env, rec)
         return rt
 
-    def runtime_by_func(self, func_id: int) -> ModelRuntime:
+    def loaded(self, name: str) -> ModelRuntime | None:
+        return self.runtimes.get(name)
+
+    async def drop(self, name: str) -> None:
+        rt = self.runtimes.pop(name, None)
+        if rt is not None:
+            await rt.unload(disable=True)
+            rt.close()
+        self.forget(name)
+
+    # -- FastPathHost ------------------------------------------------------------------
+
+    def model(self, name: str) -> ModelPort:
+        return self.runtime(name)
+
+    def model_by_func(self, func_id: int) -> ModelPort:
         name = self.by_func.get(func_id)
         if name is None:
             raise UnknownModel(f"unknown func_id {func_id}; look the model up by name first")
         return self.runtime(name)
 
-    def request_class(self, rt: ModelRuntime, cls: int) -> RequestClass:
+    def request_class(self, port: ModelPort, cls: int) -> RequestClass:
         """The class a call runs in: its own, or the model's default; policy may refuse BE."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
@@ -280,34 +317,31 @@ class Server:
         except ValueError:
             raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
         if c == RequestClass.DEFAULT:
-            c = rt.default_class
+            c = port.default_class
         if c == RequestClass.BE and self.config.preemption == "rt-only":
             raise Refused("best-effort requests are refused in rt-only mode")
         return c
 
-    def describe(self, rt: ModelRuntime) -> dict[str, Any]:
-        cfg = rt.config
-        return {
-            "name": rt.name, "func_id": rt.func_id, "version": cfg.version, "state": rt.state,
-            "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
-            "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
-            "instances": rt.instance_count,
-            "threads": [rt.threads[i] for i in rt.sched.serving()],
-            "cpus": [rt.cpus[i] for i in rt.sched.serving()],
-            "pids": [rt.workers[i].pid if i in rt.workers else None for i in rt.sched.serving()],
-        }
+    # -- ServingAPI: the shared request path for decoded front ends --------------------------
 
     def model_state(self, name: str) -> str:
         rt = self.runtimes.get(name)
         return rt.state if rt is not None else ("unloaded" if name in self.records else "unknown")
 
-    # -- the shared request path for decoded front ends --------------------------------
+    def ready(self) -> bool:
+        """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
+        ready; other models load on first use, so they do not count."""
+        return not self.stopping and all(self.model_state(m) == "ready" for m in self.config.load)
+
+    def metrics_text(self) -> bytes:
+        self.metrics.refresh(rt.gauges() for rt in self.runtimes.values())
+        return self.metrics.render()
 
     async def infer(self, name: str, inputs: Sequence[np.ndarray], cls: "str | int | None" = None,
                     deadline_s: float | None = None) -> InferOutcome:
         """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
-        rt = self.runtime(name)
-        cfg = rt.config
+        port = self.model(name)
+        cfg = port.config
         if len(inputs) != len(cfg.inputs):
             raise InvalidInput(f"model {name!r} takes {len(cfg.inputs)} inputs "
                                f"({', '.join(t.name for t in cfg.inputs)}), got {len(inputs)}")
@@ -323,12 +357,12 @@ class Server:
             count = arr.shape[0]
         if not count:
             raise BadSize("empty batch")
-        c = self.request_class(rt, int(RequestClass.parse(cls)))
-        seq = self.intake.alloc(rt, c, count)
+        c = self.request_class(port, int(RequestClass.parse(cls)))
+        seq = self.intake.alloc(port, c, count)
         fut = self.loop.create_future()
         deadline = time.perf_counter() + deadline_s if deadline_s else None
-        call = Call(self.monitor, rt, 0, c, seq, count, _FutureSink(fut), deadline)
-        for q, spec, arr in zip(rt.tqs[c][0], cfg.inputs, inputs):
-            np.copyto(q.array(seq, count, spec.dtype, spec.shape), arr)
-        rt.submit(call)
+        call = Call(self.monitor, port, 0, c, seq, count, _FutureSink(fut, cfg.outputs), deadline)
+        for view, spec, arr in zip(port.input_views(c, seq, count), cfg.inputs, inputs):
+            np.copyto(np.frombuffer(view, dtype=spec.dtype).reshape((count, *spec.shape)), arr)
+        port.submit(call)
         return await fut

@@ -13,41 +13,26 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
-from splitserve.worker.messages import DoneMsg
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
-    from splitserve.server.runtime import ModelRuntime
+from splitserve.server.ports import Event, ScheduledModel
 
 RT, BE = RequestClass.RT, RequestClass.BE
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One step in the life of a batch, on the server's perf_counter clock."""
-
-    t: float
-    kind: str  # start | resume | preempt | preempted | done | failed
-    model: str
-    instance: int
-    batch: int
-    cls: str
-    segment: int = 0  # preempted: the restore point; resume: where it resumes
-    latency_ns: int = 0  # preempted: flag raised -> worker stopped
-
-
 class Coordinator:
-    """Node-wide scheduling across models under one ``PriorityMode``."""
+    """Node-wide scheduling across models under one ``PriorityMode`` (the node's
+    ``NodeScheduler``). ``models`` gives the node's models as they are now; ``clock``
+    stamps the event log (perf_counter seconds)."""
 
-    def __init__(self, server: "Server", mode: PriorityMode, max_events: int = 200_000) -> None:
-        self.server = server
+    def __init__(self, models: Callable[[], Iterable[ScheduledModel]], mode: PriorityMode,
+                 max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.models = models
         self.mode = mode
+        self.clock = clock
         self.events: deque[Event] = deque(maxlen=max_events)
         self._raised: set[tuple[str, int, int]] = set()
         # Cheap node-wide state, so normal mode (no RT work anywhere) skips the full view.
@@ -58,22 +43,14 @@ class Coordinator:
     # -- the node as the pure policy sees it ----------------------------------------------
 
     def view(self) -> list[InstanceView]:
-        out = []
-        for rt in self.server.runtimes.values():
-            rt_waiting = rt.sched.waiting(RT)
-            for i, st in rt.sched.instances.items():
-                b = st.running
-                out.append(InstanceView(
-                    model=rt.name, instance=i, cpus=frozenset(rt.cpus.get(i, ())),
-                    ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
-                    preempt_raised=bool(b) and (rt.name, i, b.batch_id) in self._raised,
-                    expected_end=(b.extra.get("started", b.created) + rt.expected_batch_s(b.count)) if b else None,
-                    suspended=st.suspended is not None, rt_waiting=rt_waiting,
-                ))
+        out: list[InstanceView] = []
+        for m in self.models():
+            out.extend(m.instance_views(lambda i, b, name=m.name: (name, i, b) in self._raised))
         return out
 
-    def _allowed(self, d: Decision, rt: "ModelRuntime"):
-        return lambda i, cls: cls in d.may_start.get((rt.name, i), ())
+    @staticmethod
+    def _allowed(d: Decision, model: ScheduledModel) -> Callable[[int, RequestClass], bool]:
+        return lambda i, cls: cls in d.may_start.get((model.name, i), ())
 
     # -- called by runtimes ---------------------------------------------------------------
 
@@ -81,19 +58,20 @@ class Coordinator:
         """No RT work running or waiting anywhere, and no BE work preempted or being preempted."""
         if self._rt_running or self._suspended or self._raised:
             return False
-        return not any(len(r.sched.queues[RT]) for r in self.server.runtimes.values())
+        return not any(m.rt_waiting() for m in self.models())
 
-    def schedule(self, rt: "ModelRuntime", now: float) -> list[Batch]:
-        """Batches ``rt`` may start now; preempts and pads other models' BE work as needed."""
+    def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
+        """Batches ``model`` may start now; preempts and pads other models' BE work as needed."""
         if self.mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY) or (
                 self.mode is PriorityMode.REEF and self._normal_mode()):
             if self._padding:  # RT mode just ended: lift the padding limits once
                 self._pad(Decision())
-            return self._stamp(rt.sched.schedule(now), now)
-        batches = self._stamp(rt.sched.schedule(now, (RT,), self._allowed(decide(self.mode, self.view()), rt)), now)
+            return self._stamp(model.start_batches(now, (RT, BE), None), now)
+        batches = self._stamp(model.start_batches(now, (RT,), self._allowed(decide(self.mode, self.view()), model)),
+                              now)
         d = decide(self.mode, self.view())
         self._preempt(d)
-        be = self._stamp(rt.sched.schedule(now, (BE,), self._allowed(d, rt)), now)
+        be = self._stamp(model.start_batches(now, (BE,), self._allowed(d, model)), now)
         if self.mode is PriorityMode.REEF:
             self._pad(decide(self.mode, self.view()))
         return batches + be
@@ -104,37 +82,26 @@ class Coordinator:
             b.extra["started"] = now
         return batches
 
-    def started(self, rt: "ModelRuntime", batch: Batch) -> None:
+    def started(self, model: ScheduledModel, batch: Batch) -> None:
         if batch.cls == RT:
-            self._rt_running.add((rt.name, batch.batch_id))
-        self._suspended.discard((rt.name, batch.batch_id))
-        self._log("resume" if batch.resume_segment else "start", rt, batch.instance, batch, batch.resume_segment)
+            self._rt_running.add((model.name, batch.batch_id))
+        self._suspended.discard((model.name, batch.batch_id))
+        self._log("resume" if batch.resume_segment else "start", model, batch.instance, batch, batch.resume_segment)
 
-    def preempted(self, rt: "ModelRuntime", instance: int, msg: DoneMsg) -> None:
-        restore = msg.first_segment + msg.segments_run
-        batch = rt.sched.preempted(instance, restore)
-        self._raised.discard((rt.name, instance, msg.batch_id))
-        handle = rt.workers.get(instance)
-        if handle is not None:
-            handle.flag.clear()
-        if batch is not None:
-            self._suspended.add((rt.name, batch.batch_id))
-            rt.stats.preemptions += 1
-            self.server.metrics.preemptions.labels(rt.name).inc()
-            self.server.metrics.preemption_latency.labels(rt.name).observe(msg.preempt_ns / 1e9)
-            self._log("preempted", rt, instance, batch, restore, msg.preempt_ns)
+    def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
+        self._raised.discard((model.name, instance, batch.batch_id))
+        self._suspended.add((model.name, batch.batch_id))
+        self._log("preempted", model, instance, batch, restore, latency_ns)
         self._kick_all()
 
-    def finished(self, rt: "ModelRuntime", instance: int, batch: Batch, ok: bool) -> None:
-        self._rt_running.discard((rt.name, batch.batch_id))
-        self._suspended.discard((rt.name, batch.batch_id))
-        key = (rt.name, instance, batch.batch_id)
+    def finished(self, model: ScheduledModel, instance: int, batch: Batch, ok: bool) -> None:
+        self._rt_running.discard((model.name, batch.batch_id))
+        self._suspended.discard((model.name, batch.batch_id))
+        key = (model.name, instance, batch.batch_id)
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
-            handle = rt.workers.get(instance)
-            if handle is not None:
-                handle.flag.clear()
-        self._log("done" if ok else "failed", rt, instance, batch, 0)
+            model.clear_preempt(instance)
+        self._log("done" if ok else "failed", model, instance, batch, 0)
         # An RT batch ending can end RT mode; in seq mode any end frees the node.
         if batch.cls == RT or self.mode is PriorityMode.SEQ:
             self._kick_all()
@@ -142,29 +109,29 @@ class Coordinator:
     # -- effects ---------------------------------------------------------------------------
 
     def _preempt(self, d: Decision) -> None:
-        for model, i, batch_id in d.preempt:
-            rt = self.server.runtimes[model]
-            handle = rt.workers.get(i)
-            if handle is None or batch_id == 0:
+        if not d.preempt:
+            return
+        by_name = {m.name: m for m in self.models()}
+        for name, i, batch_id in d.preempt:
+            model = by_name.get(name)
+            if model is None or batch_id == 0:
                 continue
-            handle.flag.raise_for(batch_id)
-            self._raised.add((model, i, batch_id))
-            st = rt.sched.instances.get(i)
-            if st is not None and st.running is not None:
-                self._log("preempt", rt, i, st.running, 0)
+            batch = model.preempt(i, batch_id)
+            if batch is None:
+                continue
+            self._raised.add((name, i, batch_id))
+            self._log("preempt", model, i, batch, 0)
 
     def _pad(self, d: Decision) -> None:
-        now_pc, now_ns = time.perf_counter(), time.monotonic_ns()
         self._padding = any(d.padding_deadline.values())
-        for rt in self.server.runtimes.values():
-            for i, handle in rt.workers.items():
-                end = d.padding_deadline.get((rt.name, i), 0.0)
-                handle.flag.set_padding_deadline(now_ns + int((end - now_pc) * 1e9) if end else 0)
+        for m in self.models():
+            m.pad({i: end for (name, i), end in d.padding_deadline.items() if name == m.name})
 
     def _kick_all(self) -> None:
-        for other in self.server.runtimes.values():
-            other.kick()
+        for m in self.models():
+            m.kick()
 
-    def _log(self, kind: str, rt: "ModelRuntime", instance: int, batch: Batch, segment: int, latency_ns: int = 0) -> None:
-        self.events.append(Event(time.perf_counter(), kind, rt.name, instance, batch.batch_id,
+    def _log(self, kind: str, model: ScheduledModel, instance: int, batch: Batch, segment: int,
+             latency_ns: int = 0) -> None:
+        self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,
                                  "rt" if batch.cls == RT else "be", segment, latency_ns))

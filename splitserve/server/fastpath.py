@@ -18,15 +18,20 @@ disconnected.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import socket
 import time
+from pathlib import Path
+from typing import Any
 
 from splitserve.errors import BadFrame, BadSegment, BadSize, DuplicateRequest, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
-from splitserve.server.intake import Arrival, FastPathHost
+from splitserve.server.intake import Arrival
 from splitserve.server.monitor import Call
+from splitserve.server.ports import FastPathHost, FrontEnd
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +41,17 @@ _HEADER, _PAYLOAD, _DISCARD, _LOOKUP = range(4)
 class FastPathConnection:
     """One client connection: many calls in flight, answered as they complete.
 
-    ``server`` is a ``FastPathHost`` (``server/intake.py``): the connection uses its
-    ``loop``, ``config``, ``intake`` (slot allocation and the frame-timeout sweep),
-    ``monitor``, ``connections`` (it adds and removes itself), and ``runtime``,
-    ``runtime_by_func``, ``request_class`` and ``describe``. It is the ``Sink`` of the calls
-    it receives and a ``Receiver`` for the intake.
+    ``server`` is the node as a ``FastPathHost`` (``server/ports.py``): the connection uses
+    its ``loop``, ``config``, ``intake`` (slot allocation and the frame-timeout sweep),
+    ``monitor``, and ``model``, ``model_by_func`` and ``request_class``. ``live`` is its
+    listener's set of open connections (it adds and removes itself). It is the ``Sink`` of
+    the calls it receives and a ``Receiver`` for the intake.
     """
 
-    def __init__(self, server: FastPathHost, sock: socket.socket, peer: object) -> None:
+    def __init__(self, server: FastPathHost, sock: socket.socket, peer: object,
+                 live: set[FastPathConnection]) -> None:
         self.server = server
+        self.live = live
         self.loop = server.loop
         self.cfg = server.config
         self.intake = server.intake
@@ -72,7 +79,7 @@ class FastPathConnection:
         self.closing = False  # framing lost: flush the error frame, then close
         self.closed = False
         self.loop.add_reader(self.fd, self._on_readable)
-        server.connections.add(self)
+        live.add(self)
         self.intake.watch(self, self.loop)
 
     # -- reading -------------------------------------------------------------------
@@ -162,7 +169,7 @@ class FastPathConnection:
             raise BadSegment(f"seq_num {h.seq_num} / seg_count {h.seg_count}: stream transports carry one segment")
         if h.req_id in self.in_flight:
             raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
-        rt = self.server.runtime_by_func(h.func_id)
+        rt = self.server.model_by_func(h.func_id)
         per = rt.config.request_bytes
         if h.payload_len == 0 or h.payload_len % per:
             raise BadSize(
@@ -207,13 +214,13 @@ class FastPathConnection:
         self._frame_done()
         h = self.header
         try:
-            rt = self.server.runtime(name)
+            rt = self.server.model(name)
         except SplitServeError as e:
             self._send_error(h.req_id, 0, e)
             return
         # A lookup only reports the model (its state included); it never starts workers,
         # or any peer could load every registered model. The first request starts them.
-        body = json.dumps(self.server.describe(rt)).encode()
+        body = json.dumps(rt.describe()).encode()
         reply = Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body))
         self._send([reply.pack(), body])
 
@@ -346,17 +353,30 @@ class FastPathConnection:
             arrival.call.abandon()
         self.intake.unwatch(self)
         self.sock.close()
-        self.server.connections.discard(self)
+        self.live.discard(self)
 
 
-class StreamListener:
-    """Accepts fast-path connections on a TCP or Unix listening socket."""
+class StreamListener(FrontEnd):
+    """Accepts fast-path connections on TCP (``address`` is ``(host, port)``, port 0: any
+    free one) or a Unix socket (``address`` is its path), and owns those connections."""
 
-    def __init__(self, server: FastPathHost, sock: socket.socket) -> None:
+    def __init__(self, server: FastPathHost, address: tuple[str, int] | Path) -> None:
         self.server = server
-        self.sock = sock
+        self.address = address
+        self.sock: socket.socket | None = None
+        self.connections: set[FastPathConnection] = set()
+
+    async def start(self) -> dict[str, Any]:
+        if isinstance(self.address, Path):
+            sock = unix_listener(self.address)
+            bound: dict[str, Any] = {"unix_path": str(self.address)}
+        else:
+            sock = tcp_listener(*self.address)
+            bound = {"fast_port": sock.getsockname()[1]}
         sock.setblocking(False)
-        server.loop.add_reader(sock.fileno(), self._on_accept)
+        self.sock = sock
+        self.server.loop.add_reader(sock.fileno(), self._on_accept)
+        return bound
 
     def _on_accept(self) -> None:
         for _ in range(64):
@@ -367,11 +387,18 @@ class StreamListener:
             except OSError as e:
                 log.warning("accept failed: %s", e)
                 return
-            FastPathConnection(self.server, conn, peer)
+            FastPathConnection(self.server, conn, peer, self.connections)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; open connections stay, so answers to calls in flight still go out."""
+        if self.sock is not None:
+            self.server.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
 
     def close(self) -> None:
-        self.server.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
+        for conn in list(self.connections):
+            conn.close()
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:
@@ -383,12 +410,9 @@ def tcp_listener(host: str, port: int) -> socket.socket:
     return s
 
 
-def unix_listener(path) -> socket.socket:
+def unix_listener(path: Path) -> socket.socket:
     """A listening Unix socket at ``path``, connectable by this user only. A stale socket
     file left by a dead server is replaced; a live server's socket is never taken over."""
-    import errno
-    import os
-
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

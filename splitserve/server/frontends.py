@@ -1,36 +1,28 @@
-"""Starts and stops the decoded front ends (HTTP, gRPC) beside the fast path, and owns the
-thread pool that keeps their CPU work off the fast path's event loop.
+"""Machinery shared by the decoded front ends (HTTP in ``http``, gRPC in ``grpc_server``):
+the thread pool that keeps their CPU work off the fast path's event loop, and uvicorn
+embedded in a loop it does not own.
 
-Both run on the server's own event loop: HTTP is uvicorn serving the FastAPI app of
-``splitserve.server.http`` (lifespan off, no signal handlers: ``Server.serve_forever`` owns
-the signals), gRPC is ``splitserve.server.grpc_server``. The loop only moves bytes and
-answers; parsing JSON, splitting binary tensors, converting typed gRPC contents to numpy
-and encoding large responses run in ``CodecPool``'s threads, so a multi-megabyte JSON body
-never holds up a fast-path client. (The front ends could have their own loop and thread
-instead, but ``Server.infer`` and management touch loop-owned state, so every handler
-would hop back anyway; the pool moves exactly the CPU work and nothing else.)
+Both run on the node's own event loop. The loop only moves bytes and answers; parsing
+JSON, splitting binary tensors, converting typed gRPC contents to numpy and encoding large
+responses run in ``CodecPool``'s threads, so a multi-megabyte JSON body never holds up a
+fast-path client. (The front ends could have their own loop and thread instead, but
+inference and management touch loop-owned state, so every handler would hop back anyway;
+the pool moves exactly the CPU work and nothing else.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 
+from splitserve.config import ServerConfig
 from splitserve.errors import QueueFull
-from splitserve.server import management
-
-if TYPE_CHECKING:
-    from splitserve.config import ServerConfig
-    from splitserve.server.app import Server
-
-log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -53,7 +45,7 @@ class CodecPool:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="splitserve-codec")
 
     @classmethod
-    def from_config(cls, cfg: "ServerConfig") -> "CodecPool":
+    def from_config(cls, cfg: ServerConfig) -> "CodecPool":
         return cls(cfg.codec_threads, cfg.codec_max_pending, cfg.codec_inline_bytes)
 
     def small(self, size: int | None) -> bool:
@@ -85,7 +77,7 @@ class CodecPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
+class EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside a loop it does not own: it installs no signal handlers."""
 
     @contextlib.contextmanager
@@ -95,20 +87,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # older uvicorn releases
         pass
 
-
-class _Running:
-    """What ``start`` started for one server, for ``stop``."""
-
-    def __init__(self, codec: CodecPool) -> None:
-        self.codec = codec
-        self.http: tuple[_EmbeddedUvicorn, asyncio.Task] | None = None
-        self.grpc = False
-
-
-_running: "dict[Server, _Running]" = {}
+    async def wait_started(self, task: asyncio.Task) -> None:
+        """Until uvicorn listens (it has no start-up event to await); raises its start-up error."""
+        while not self.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host:port`` (0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,60 +105,3 @@ def _bind(host: str, port: int) -> socket.socket:
     s.listen(1024)
     s.setblocking(False)
     return s
-
-
-async def _start_http(server: "Server", codec: CodecPool) -> tuple[_EmbeddedUvicorn, asyncio.Task]:
-    from splitserve.server.http import create_app
-
-    cfg = server.config
-    sock = _bind(cfg.host, cfg.http_port or 0)
-    config = uvicorn.Config(
-        create_app(server, codec), lifespan="off", http="httptools", loop="none", log_config=None,
-        access_log=False, timeout_graceful_shutdown=max(1, round(cfg.stop_grace_s)), server_header=False,
-    )
-    userver = _EmbeddedUvicorn(config)
-    task = asyncio.get_running_loop().create_task(userver.serve(sockets=[sock]), name="splitserve-http")
-    while not userver.started:
-        if task.done():
-            task.result()  # raises the start-up error
-            raise RuntimeError("the HTTP server stopped during start-up")
-        await asyncio.sleep(0.01)
-    server.ports["http_port"] = sock.getsockname()[1]
-    log.info("HTTP (Open Inference Protocol v2) on %s:%d", cfg.host, server.ports["http_port"])
-    return userver, task
-
-
-async def start(server: "Server") -> None:
-    """Start HTTP and gRPC where their ports are set; make the management token."""
-    cfg = server.config
-    if cfg.http_port is None and cfg.grpc_port is None:
-        return
-    await asyncio.to_thread(management.ensure_token, server)
-    running = _running[server] = _Running(CodecPool.from_config(cfg))
-    if cfg.http_port is not None:
-        running.http = await _start_http(server, running.codec)
-    if cfg.grpc_port is not None:
-        from splitserve.server import grpc_server
-
-        server.ports["grpc_port"] = await grpc_server.start(server, running.codec)
-        running.grpc = True
-
-
-async def stop(server: "Server") -> None:
-    """Stop taking requests on HTTP and gRPC; requests in flight get a short grace period."""
-    running = _running.pop(server, None)
-    if running is None:
-        return
-    tasks: list[asyncio.Future] = []
-    if running.http is not None:
-        userver, task = running.http
-        userver.should_exit = True
-        tasks.append(task)
-    if running.grpc:
-        from splitserve.server import grpc_server
-
-        tasks.append(asyncio.ensure_future(grpc_server.stop(server)))
-    for r in await asyncio.gather(*tasks, return_exceptions=True):
-        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-            log.warning("front end stopped with an error: %r", r)
-    running.codec.close()

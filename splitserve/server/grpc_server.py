@@ -1,13 +1,13 @@
 """The gRPC front end: Open Inference Protocol v2 (``inference.GRPCInferenceService``) with
 the model-repository and statistics extensions.
 
-``frontends.start`` calls ``start(server, codec)`` when ``config.grpc_port`` is not None,
-and ``frontends.stop`` calls ``stop(server)`` before the server stops its models. The
-servicer runs on the server's own event loop (grpc.aio). ``ModelInfer`` takes and returns
-raw message bytes, so that parsing the message, converting its tensors to numpy arrays and
-encoding the answer run in the front ends' codec threads, not on the loop the fast path
-shares; in between, the call runs through ``Server.infer`` (the path every decoded front
-end shares). Management goes through ``splitserve.server.management``, as HTTP's does.
+``GrpcFrontEnd`` is the front end the node starts when ``config.grpc_port`` is not None
+and stops before it stops its models. The servicer runs on the node's own event loop
+(grpc.aio). ``ModelInfer`` takes and returns raw message bytes, so that parsing the
+message, converting its tensors to numpy arrays and encoding the answer run in the front
+ends' codec threads, not on the loop the fast path shares; in between, the call runs
+through the ``ServingAPI`` (the path every decoded front end shares). Management goes
+through the node's ``ModelManager``, as HTTP's does.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from splitserve import __version__
+from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol._generated import grpc_service_pb2 as pb
@@ -34,17 +36,13 @@ from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import (
     deadline_seconds, infer_body_limit, model_inputs, tensor_from_bytes, tensor_to_bytes,
 )
-from splitserve.server import management
 from splitserve.server.frontends import CodecPool
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
+from splitserve.server.management import ModelManager
+from splitserve.server.ports import FrontEnd, ServingAPI
 
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ("model_repository", "statistics")
-
-_running: "dict[Server, grpc.aio.Server]" = {}
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -76,11 +74,6 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
         if key == "authorization":
             return value if isinstance(value, str) else value.decode()
     return None
-
-
-def _config(server: "Server", name: str, version: str = "") -> ModelConfig:
-    """A registered model's config; a version, if given, must be the one registered."""
-    return management.record(server, name, version).config
 
 
 def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
@@ -156,11 +149,17 @@ def _encode_response(cfg: ModelConfig, request: pb.ModelInferRequest, wanted: li
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Stateless apart from the server it serves; per-call state lives in each call."""
+    """Stateless apart from the node it serves; per-call state lives in each call."""
 
-    def __init__(self, server: "Server", codec: CodecPool) -> None:
-        self.server = server
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
+        self.api = api
+        self.manager = manager
         self.codec = codec
+        self.config = config
+
+    def _config(self, name: str, version: str = "") -> ModelConfig:
+        """A registered model's config; a version, if given, must be the one registered."""
+        return self.manager.record(name, version).config
 
     # -- health and metadata -----------------------------------------------------------
 
@@ -170,29 +169,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=management.server_ready(self.server))
+        return pb.ServerReadyResponse(ready=self.api.ready())
 
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        _config(self.server, request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.server.model_state(request.name) == "ready")
+        self._config(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.api.model_state(request.name) == "ready")
 
     @_rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        from splitserve import __version__
-
         return pb.ServerMetadataResponse(name="splitserve", version=__version__, extensions=EXTENSIONS)
 
     @_rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        s = self.server
-        cfg = _config(s, request.name, request.version)
-        meta = dict(management.model_metadata(s, request.name))
+        cfg = self._config(request.name, request.version)
+        meta = dict(self.manager.model_metadata(request.name))
         extra = meta.pop("parameters", None) or {}
         resp = json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
-        rec = s.records[request.name]
+        rec = self.manager.record(request.name)
         extra = {**extra, "func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
-                 "default_class": cfg.default_class, "state": s.model_state(request.name)}
+                 "default_class": cfg.default_class, "state": self.api.model_state(request.name)}
         for k, v in extra.items():
             if isinstance(v, (bool, int, float, str)):
                 set_param(resp.parameters, k, v)
@@ -203,16 +199,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelInfer(self, message: bytes, context: Any) -> bytes:
         """Registered without (de)serializers: ``message`` is the raw ModelInferRequest."""
-        s, codec, size = self.server, self.codec, len(message)
+        codec, size = self.codec, len(message)
         async with codec.admit(size):
             request = await codec.run(size, _parse_infer, message)
-            cfg = _config(s, request.model_name, request.model_version)
-            limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, s.config.json_chars_per_value)
+            cfg = self._config(request.model_name, request.model_version)
+            limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, self.config.json_chars_per_value)
             if size > limit:
                 raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
                                       f"bytes (max_batch_size {cfg.max_batch_size} samples of its inputs)")
             arrays, wanted, cls, deadline_s = await codec.run(size, _decode_call, cfg, request)
-        out = await s.infer(cfg.name, arrays, cls, deadline_s)
+        out = await self.api.infer(cfg.name, arrays, cls, deadline_s)
         timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
         # typed contents take up to ~8 bytes a value once serialized
         nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)
@@ -223,8 +219,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         if request.name:
-            _config(self.server, request.name, request.version)
-        stats = management.model_statistics(self.server, request.name or None)
+            self._config(request.name, request.version)
+        stats = self.manager.model_statistics(request.name or None)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     # -- model-repository extension --------------------------------------------------------
@@ -232,7 +228,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         resp = pb.RepositoryIndexResponse()
-        for m in management.repository_index(self.server, ready_only=request.ready):
+        for m in self.manager.repository_index(ready_only=request.ready):
             resp.models.add(name=str(m["name"]), version=str(m.get("version") or ""), state=str(m.get("state") or ""),
                             reason=str(m.get("reason") or ""))
         return resp
@@ -242,8 +238,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                   context: Any) -> pb.RepositoryModelLoadResponse:
         """Load a registered model. Parameters: "config" (TOML) registers it first, with a
         "file:<name>" (bytes) parameter as its artifact and "labels"; "instances" resizes it."""
-        s = self.server
-        management.check_token(s, _authorization(context))
+        self.manager.check_token(_authorization(context))
         params = {k: param_value(v) for k, v in request.parameters.items()}
         name = request.model_name
         config_toml = params.get("config")
@@ -261,21 +256,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             declared = ModelConfig.from_toml(config_toml).name
             if name and name != declared:
                 raise InvalidInput(f"config.toml names the model {declared!r}, but model_name is {name!r}")
-            rec = await management.register_model(s, config_toml, files[0] if files else None, labels)
+            rec = await self.manager.register(config_toml, files[0] if files else None, labels)
             name = rec.name
         instances = params.get("instances")
         if instances is not None:
             if isinstance(instances, bool) or not isinstance(instances, int):
                 raise InvalidInput("parameter 'instances' must be an int64")
-            await management.set_instances(s, name, instances)
-        await management.load_model(s, name)
+            await self.manager.set_instances(name, instances)
+        await self.manager.load(name)
         return pb.RepositoryModelLoadResponse()
 
     @_rpc
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: Any) -> pb.RepositoryModelUnloadResponse:
-        management.check_token(self.server, _authorization(context))
-        await management.unload_model(self.server, request.model_name)
+        self.manager.check_token(_authorization(context))
+        await self.manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
@@ -302,34 +297,39 @@ def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
     srv.add_registered_method_handlers(h.service, h.methods)
 
 
-async def start(server: "Server", codec: CodecPool) -> int:
-    """Serve gRPC on ``config.host:config.grpc_port`` (0: a free port); returns the bound port."""
-    cfg = server.config
-    port_wanted = cfg.grpc_port or 0
-    srv = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", cfg.max_upload_bytes),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),  # a port in use must fail here, not be shared silently
-    ])
-    _add_servicer(srv, InferenceServicer(server, codec))
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    try:
-        port = srv.add_insecure_port(f"{host}:{port_wanted}")
-    except RuntimeError:
-        port = 0
-    if not port:
-        await srv.stop(None)
-        raise InvalidInput(f"cannot serve gRPC on {cfg.host}:{port_wanted} (in use or not allowed); "
-                           "pick another with --grpc-port, 0 for any free port, -1 for none")
-    await srv.start()
-    _running[server] = srv
-    server.ports["grpc_port"] = port
-    log.info("gRPC (Open Inference Protocol v2) on %s:%d", cfg.host, port)
-    return port
+class GrpcFrontEnd(FrontEnd):
+    """gRPC on ``config.host:config.grpc_port`` (0: a free port)."""
 
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
+        self.servicer = InferenceServicer(api, manager, codec, config)
+        self.config = config
+        self._server: grpc.aio.Server | None = None
 
-async def stop(server: "Server") -> None:
-    """Stop accepting calls; calls in flight get ``stop_grace_s`` to finish."""
-    srv = _running.pop(server, None)
-    if srv is not None:
-        await srv.stop(server.config.stop_grace_s)
+    async def start(self) -> dict[str, Any]:
+        cfg = self.config
+        port_wanted = cfg.grpc_port or 0
+        srv = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_upload_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),  # a port in use must fail here, not be shared silently
+        ])
+        _add_servicer(srv, self.servicer)
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        try:
+            port = srv.add_insecure_port(f"{host}:{port_wanted}")
+        except RuntimeError:
+            port = 0
+        if not port:
+            await srv.stop(None)
+            raise InvalidInput(f"cannot serve gRPC on {cfg.host}:{port_wanted} (in use or not allowed); "
+                               "pick another with --grpc-port, 0 for any free port, -1 for none")
+        await srv.start()
+        self._server = srv
+        log.info("gRPC (Open Inference Protocol v2) on %s:%d", cfg.host, port)
+        return {"grpc_port": port}
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting calls; calls in flight get ``grace_s`` to finish."""
+        srv, self._server = self._server, None
+        if srv is not None:
+            await srv.stop(grace_s)

@@ -2,9 +2,9 @@
 tensor data, model repository and statistics extensions, model management, ``/classify``
 and Prometheus ``/metrics``.
 
-The app runs on the server's own event loop (``frontends`` serves it with uvicorn), so
-every handler is ``async`` and calls the server directly: ``Server.infer`` for inference,
-``splitserve.server.management`` for everything else. The loop only receives bodies
+The app runs on the node's own event loop (``HttpFrontEnd`` serves it with uvicorn), so
+every handler is ``async`` and calls the node directly: the ``ServingAPI`` for inference,
+the node's ``ModelManager`` for everything else. The loop only receives bodies
 (within the model's infer limit) and answers: infer bodies are decoded and answers encoded
 in the front ends' ``CodecPool``. Errors are the protocol's ``{"error": "..."}`` with the
 status of the ``SplitServeError`` raised; ``http_schema`` documents all of it in
@@ -13,15 +13,17 @@ status of the ``SplitServeError`` raised; ``http_schema`` documents all of it in
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import secrets
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -30,15 +32,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
+from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
-from splitserve.server import management
 from splitserve.server import http_schema as doc
-from splitserve.server.frontends import CodecPool
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
+from splitserve.server.frontends import CodecPool, EmbeddedUvicorn, bind_tcp
+from splitserve.server.management import ModelManager
+from splitserve.server.ports import FrontEnd, ServingAPI
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,8 @@ async def _json(request: Request, limit: int, default: Any = None) -> Any:
     return _parse_json(await _body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
 
 
-def _infer_limit(server: "Server", cfg: ModelConfig) -> int:
-    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value)
+def _infer_limit(config: ServerConfig, cfg: ModelConfig) -> int:
+    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.json_chars_per_value)
 
 
 def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None) -> tuple[v2.InferRequest, list[np.ndarray]]:
@@ -150,13 +151,14 @@ def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) 
     return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
 
 
-def create_app(server: "Server", codec: CodecPool) -> FastAPI:
-    """The FastAPI app of one server (handlers keep no per-request state on the app);
-    ``codec`` decodes and encodes large bodies off the loop."""
+def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> FastAPI:
+    """The FastAPI app of one node (handlers keep no per-request state on the app):
+    inference through ``api``, everything else through ``manager``; ``codec`` decodes and
+    encodes large bodies off the loop."""
     app = FastAPI(title="splitserve", version=__version__,
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
-    upload_limit = server.config.max_upload_bytes
-    small_limit = server.config.management_body_bytes
+    upload_limit = config.max_upload_bytes
+    small_limit = config.management_body_bytes
     doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange])
 
     # -- errors ----------------------------------------------------------------------------
@@ -181,10 +183,10 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         return _error(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
 
     def version_of(name: str, version: str | None) -> str:
-        return str(management.record(server, name, version).version)
+        return str(manager.record(name, version).version)
 
     def authorize(request: Request) -> None:
-        management.check_token(server, request.headers.get("authorization"))
+        manager.check_token(request.headers.get("authorization"))
 
     # -- health and metadata ------------------------------------------------------------
 
@@ -200,17 +202,17 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
     @app.get("/v2/health/ready", tags=["health"], **_doc(doc.Ready, alt={503: doc.Ready}))
     async def ready() -> JSONResponse:
         """Ready once the start-up models are loaded, until the server stops (others load on first use)."""
-        ok = management.server_ready(server)
+        ok = api.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def model_ready(name: str, version: str | None = None) -> JSONResponse:
         version_of(name, version)
-        ok = server.model_state(name) == "ready"
+        ok = api.model_state(name) == "ready"
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
     async def metadata(name: str, version: str | None = None) -> dict:
         version_of(name, version)
-        return management.model_metadata(server, name)
+        return manager.model_metadata(name)
 
     ready_doc = _doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
     app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)", **ready_doc)(model_ready)
@@ -220,7 +222,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
     @app.get("/v2/models/stats", tags=["statistics"], **_doc(doc.Statistics))
     async def all_stats() -> dict:
         """Statistics of every model (Triton statistics extension)."""
-        return management.model_statistics(server)
+        return manager.model_statistics()
 
     app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata", **_doc(doc.ModelMetadata, 404))(metadata)
     app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
@@ -228,7 +230,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
 
     async def stats(name: str, version: str | None = None) -> dict:
         version_of(name, version)
-        return management.model_statistics(server, name)
+        return manager.model_statistics(name)
 
     app.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics",
             **_doc(doc.Statistics, 404))(stats)
@@ -237,12 +239,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
 
     async def model_config(name: str, version: str | None = None) -> dict:
         version_of(name, version)
-        rt = server.runtimes.get(name)
-        rec = server.records[name]
-        cfg = rt.config if rt is not None else rec.config
-        return {**cfg.to_dict(), "func_id": rec.func_id, "source": rec.source, "state": server.model_state(name),
-                "instances": rt.instance_count if rt is not None else cfg.instances,
-                "dispatch_max_batch": rt.sched.max_batch if rt is not None else cfg.max_batch_size}
+        return manager.serving_config(name)
 
     config_doc = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
     app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration", **config_doc)(model_config)
@@ -258,17 +255,17 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
         """
         ver = version_of(name, version)
-        cfg = server.records[name].config
-        limit = _infer_limit(server, cfg)
+        cfg = manager.record(name).config
+        limit = _infer_limit(config, cfg)
         what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
                 "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
         async with codec.admit(_content_length(request, limit, what)):
             body = await _body(request, limit, what)
             req, inputs = await codec.run(len(body), _decode_infer, cfg, body, request.headers.get(v2.HEADER_LENGTH))
-        out = await server.infer(name, inputs, req.cls, req.deadline_s)
-        names = [t.name for t in server.runtime(name).config.outputs]
+        out = await api.infer(name, inputs, req.cls, req.deadline_s)
+        names = [t.name for t in manager.model_config(name).outputs]
         parts, hlen = await codec.run(
-            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else server.config.json_chars_per_value),
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),
             _encode_infer, name, ver, req, list(zip(names, out.outputs)),
             {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us})
         if hlen is None:
@@ -298,7 +295,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
         little-endian bytes of one or more samples. Single-input models only.
         """
-        limit = max(_infer_limit(server, r.config) for r in server.records.values())
+        limit = max(_infer_limit(config, r.config) for r in manager.records.values())
         what = "the largest infer body limit of any model"
         async with codec.admit(_content_length(request, limit, what)):
             body = await _body(request, limit, what)
@@ -309,8 +306,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
         if not 1 <= top_k <= MAX_TOP_K:
             raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
-        rt = server.runtime(name)
-        cfg = rt.config
+        cfg = manager.model_config(name)
         if not cfg.labels:
             raise InvalidInput(f"model {name!r} has no labels; register it with a labels file to classify")
         if len(cfg.inputs) != 1:
@@ -318,7 +314,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         spec = cfg.inputs[0]
         x = await codec.run(len(body), _classify_input, spec, doc["input"])
         cls = v2.InferRequest(parameters={"class": doc.get("class")}).cls
-        out = await server.infer(name, [x], cls, None)
+        out = await api.infer(name, [x], cls, None)
         logits = out.outputs[0].reshape(len(x), -1).astype(np.float64)
         e = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs = e / e.sum(axis=1, keepdims=True)
@@ -342,7 +338,7 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput(f"ready must be true or false, got {ready!r}")
-        return management.repository_index(server, ready)
+        return manager.repository_index(ready)
 
     @app.post("/v2/repository/models/{name}/register", tags=["repository"], **_doc(doc.Registered, 400, 401, 413, 507),
               openapi_extra={"requestBody": {
@@ -375,28 +371,28 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
             raise InvalidInput(f"config.toml is not valid TOML: {e}") from None
         if declared != name:
             raise InvalidInput(f"config.toml names the model {declared!r}, but the URL says {name!r}")
-        rec = await management.register_model(server, config, artifact, labels)
+        rec = await manager.register(config, artifact, labels)
         return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
 
     @app.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
     async def unregister(name: str, request: Request) -> dict:
         """Unload and delete a model registered at run time (needs the token)."""
         authorize(request)
-        await management.unregister_model(server, check_model_name(name))
+        await manager.unregister(check_model_name(name))
         return {"name": name, "deleted": True}
 
     @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(doc.ModelState, 401, 404, 503))
     async def load(name: str, request: Request) -> dict:
         """Start the model's workers and wait until it is ready (needs the token)."""
         authorize(request)
-        await management.load_model(server, name)
+        await manager.load(name)
         return {"name": name, "state": "READY"}
 
     @app.post("/v2/repository/models/{name}/unload", tags=["repository"], **_doc(doc.ModelState, 401, 404))
     async def unload(name: str, request: Request) -> dict:
         """Stop the model's workers; requests get 503 until it is loaded again (needs the token)."""
         authorize(request)
-        await management.unload_model(server, name)
+        await manager.unload(name)
         return {"name": name, "state": "UNAVAILABLE"}
 
     @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
@@ -418,10 +414,10 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
             b = batching or {}
             if not isinstance(b, dict) or set(b) - {"policy", "max_delay_ms", "preferred_batch"}:
                 raise InvalidInput("batching must be an object with policy, max_delay_ms and preferred_batch")
-            await management.set_batching(server, name, b.get("policy", ""), doc.get("max_batch_size"),
+            await manager.set_batching(name, b.get("policy", ""), doc.get("max_batch_size"),
                                           b.get("max_delay_ms"), b.get("preferred_batch"))
         if "instances" in doc:
-            await management.set_instances(server, name, doc["instances"])
+            await manager.set_instances(name, doc["instances"])
         return await model_config(name)
 
     # -- scheduling introspection (benchmarks read these from another process) ----------------
@@ -432,12 +428,12 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         """The serving instance set (threads, batch, CPUs), the Packrat plan and every
         reconfiguration so far, with its times on the server's clock."""
         version_of(name, None)
-        return management.placement(server, name)
+        return manager.placement(name)
 
     @app.get("/v2/scheduler/events", tags=["scheduling"], **_doc(doc.SchedulerEvents, 400))
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
         """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
-        return management.scheduler_events(server, since, limit)
+        return manager.scheduler_events(since, limit)
 
     # -- metrics ----------------------------------------------------------------------------
 
@@ -445,10 +441,41 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
         {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}))
     async def metrics() -> Response:
         """Prometheus metrics, per model and class."""
-        server.metrics.refresh(list(server.runtimes.values()))
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(api.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class HttpFrontEnd(FrontEnd):
+    """The HTTP front end: uvicorn serving ``create_app`` on the node's loop (lifespan off,
+    no signal handlers: the node owns the signals)."""
+
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
+        self.app = create_app(api, manager, codec, config)
+        self.config = config
+        self._server: EmbeddedUvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> dict[str, Any]:
+        cfg = self.config
+        sock = bind_tcp(cfg.host, cfg.http_port or 0)
+        userver = self._server = EmbeddedUvicorn(uvicorn.Config(
+            self.app, lifespan="off", http="httptools", loop="none", log_config=None, access_log=False,
+            timeout_graceful_shutdown=max(1, round(cfg.stop_grace_s)), server_header=False,
+        ))
+        task = self._task = asyncio.get_running_loop().create_task(userver.serve(sockets=[sock]),
+                                                                   name="splitserve-http")
+        await userver.wait_started(task)
+        port = sock.getsockname()[1]
+        log.info("HTTP (Open Inference Protocol v2) on %s:%d", cfg.host, port)
+        return {"http_port": port}
+
+    async def stop(self, grace_s: float) -> None:
+        # uvicorn's own timeout_graceful_shutdown (stop_grace_s) bounds the requests in flight
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
 
 
 def _classify_input(spec: Any, value: Any) -> np.ndarray:

@@ -32,15 +32,14 @@ import bisect
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from splitserve.errors import QueueFull, SplitServeError
+from splitserve.server.monitor import Call, CallTarget
 
 if TYPE_CHECKING:
     from splitserve.config import ServerConfig
     from splitserve.protocol.header import RequestClass
-    from splitserve.server.monitor import Call, InferenceMonitor
-    from splitserve.server.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +55,24 @@ class Receiver(Protocol):
         """Abandon every partial frame whose first byte came before ``now - limit``."""
 
 
-class FastPathHost(Protocol):
-    """What the fast-path transports need from the server, and nothing more."""
+class RingPort(CallTarget, Protocol):
+    """What the intake needs of a model: its slots (``server.ports.ModelPort`` extends it)."""
 
-    loop: asyncio.AbstractEventLoop
-    config: "ServerConfig"
-    intake: "Intake"
-    monitor: "InferenceMonitor"
-    connections: set[Any]  # live stream connections, closed at shutdown
+    def alloc(self, cls: "RequestClass", count: int) -> int:
+        """``count`` consecutive slots of ring ``cls``; raises why the model refuses the call
+        (QueueFull when the ring is full)."""
 
-    def runtime(self, name: str) -> "ModelRuntime":
-        """The runtime of a registered model (never starts its workers by itself)."""
+    def input_views(self, cls: "RequestClass", seq: int, count: int) -> list[memoryview]:
+        """Where the payload of slots ``seq .. seq + count`` goes, one view per input tensor."""
 
-    def runtime_by_func(self, func_id: int) -> "ModelRuntime":
-        """The runtime a func_id names; raises UnknownModel."""
+    def plan_room(self, cls: "RequestClass", count: int, movable: dict[int, int]) -> list[int] | None:
+        """Which of the ``movable`` allocations (first seq -> slot count, requests still
+        arriving) to move aside so that ``count`` slots fit; None if that is not enough."""
 
-    def request_class(self, rt: "ModelRuntime", cls: int) -> "RequestClass":
-        """The class a call runs in; raises when policy refuses it."""
 
-    def describe(self, rt: "ModelRuntime") -> dict[str, Any]:
-        """A lookup reply's JSON body."""
+def _port(call: Call) -> RingPort:
+    """The model of a call that arrives through the intake: its slots came from ``alloc``."""
+    return cast(RingPort, call.runtime)
 
 
 class Arrival:
@@ -88,7 +85,7 @@ class Arrival:
 
     __slots__ = ("call", "owner", "t0", "total", "got", "side", "_views", "_starts", "_vi", "_target")
 
-    def __init__(self, call: "Call", views: list[memoryview], owner: Receiver, t0: float) -> None:
+    def __init__(self, call: Call, views: list[memoryview], owner: Receiver, t0: float) -> None:
         self.call = call
         self.owner = owner
         self.t0 = t0  # when the frame's first byte came (time.monotonic)
@@ -165,7 +162,7 @@ class Intake:
         self.moved_aside = 0  # requests moved aside so far (a count for tests and logs)
         # Requests receiving into their slots, per ring, by first sequence number. Slots
         # are allocated in order and registered right after, so each dict is in seq order.
-        self._arriving: dict[tuple["ModelRuntime", "RequestClass"], dict[int, Arrival]] = {}
+        self._arriving: dict[tuple[RingPort, "RequestClass"], dict[int, Arrival]] = {}
         self._aside: dict[Arrival, None] = {}  # receiving into side buffers (insertion order)
         self._sources: set[Receiver] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -174,7 +171,7 @@ class Intake:
 
     # -- slots --------------------------------------------------------------------------
 
-    def alloc(self, rt: "ModelRuntime", cls: "RequestClass", count: int) -> int:
+    def alloc(self, rt: RingPort, cls: "RequestClass", count: int) -> int:
         """``rt.alloc``, moving requests that hold the ring's tail aside when it is full."""
         try:
             return rt.alloc(cls, count)
@@ -183,10 +180,10 @@ class Intake:
                 raise
         return rt.alloc(cls, count)
 
-    def arriving(self, call: "Call", views: list[memoryview], owner: Receiver, t0: float) -> Arrival:
+    def arriving(self, call: Call, views: list[memoryview], owner: Receiver, t0: float) -> Arrival:
         """Register ``call`` (its slots just allocated) as receiving into ``views``."""
         arrival = Arrival(call, views, owner, t0)
-        self._arriving.setdefault((call.runtime, call.cls), {})[call.seq] = arrival
+        self._arriving.setdefault((_port(call), call.cls), {})[call.seq] = arrival
         return arrival
 
     def arrived(self, arrival: Arrival) -> None:
@@ -195,8 +192,9 @@ class Intake:
         self._forget(arrival)
         call = arrival.call
         if call.aside:
-            seq = self.alloc(call.runtime, call.cls, call.count)
-            arrival.copy_into(call.runtime.input_views(call.cls, seq, call.count))
+            port = _port(call)
+            seq = self.alloc(port, call.cls, call.count)
+            arrival.copy_into(port.input_views(call.cls, seq, call.count))
             call.move_back(seq)
 
     def dropped(self, arrival: Arrival) -> None:
@@ -208,18 +206,18 @@ class Intake:
             del self._aside[arrival]
             self.side_bytes -= arrival.total
             return
-        key = (arrival.call.runtime, arrival.call.cls)
+        key = (_port(arrival.call), arrival.call.cls)
         waiting = self._arriving.get(key)
         if waiting is not None and waiting.get(arrival.call.seq) is arrival:
             del waiting[arrival.call.seq]
             if not waiting:
                 del self._arriving[key]
 
-    def _make_room(self, rt: "ModelRuntime", cls: "RequestClass", count: int) -> bool:
+    def _make_room(self, rt: RingPort, cls: "RequestClass", count: int) -> bool:
         waiting = self._arriving.get((rt, cls))
         if not waiting:
             return False
-        plan = rt.rings[cls].plan_room(count, {seq: a.call.count for seq, a in waiting.items()})
+        plan = rt.plan_room(cls, count, {seq: a.call.count for seq, a in waiting.items()})
         if plan is None:
             return False
         for seq in plan:

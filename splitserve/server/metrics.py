@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
 
-if TYPE_CHECKING:
-    from splitserve.server.monitor import Call
-    from splitserve.server.runtime import ModelRuntime
-
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def class_label(cls: RequestClass) -> str:
     return "rt" if cls == RequestClass.RT else "be"
+
+
+class CallTimes(Protocol):
+    """What a call's metrics are made of (``server.monitor.Call`` has it all); metrics sit
+    below every other part of the node, so they name no server type."""
+
+    cls: RequestClass
+    count: int
+    t_ready: float
+    t_rx: float
+    t_dispatch: float
+    t_work: float
+    compute_ns: int
+
+
+@dataclass(frozen=True)
+class ModelGauges:
+    """One model's live state for the gauges, taken by its runtime just before a scrape."""
+
+    name: str
+    queue_depth: Mapping[RequestClass, int]
+    ready_instances: int
+    failed: bool
 
 
 class Metrics:
@@ -50,31 +71,31 @@ class Metrics:
                                   ("model",), registry=r)
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
-    def observe_call(self, rt: "ModelRuntime", call: "Call", error: SplitServeError | None) -> None:
+    def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
         if error is None:
-            children = self._children.get((rt.name, call.cls))
+            children = self._children.get((model, call.cls))
             if children is None:  # labels() takes a lock and hashes: resolve once per series
                 cls = class_label(call.cls)
-                children = self._children[(rt.name, call.cls)] = tuple(
-                    m.labels(rt.name, cls) for m in (self.requests, self.inferences, self.queue, self.compute, self.request))
+                children = self._children[(model, call.cls)] = tuple(
+                    m.labels(model, cls) for m in (self.requests, self.inferences, self.queue, self.compute, self.request))
             requests, inferences, queue, compute, request = children
             requests.inc()
             inferences.inc(call.count)
             queue.observe(max(0.0, call.t_dispatch - call.t_rx))
             compute.observe(call.compute_ns / 1e9)
         else:
-            self.failures.labels(rt.name, class_label(call.cls), error.status.name).inc()
-            request = self.request.labels(rt.name, class_label(call.cls))
+            self.failures.labels(model, class_label(call.cls), error.status.name).inc()
+            request = self.request.labels(model, class_label(call.cls))
         request.observe(max(0.0, call.t_work - call.t_ready))
 
-    def refresh(self, runtimes: "list[ModelRuntime]") -> None:
+    def refresh(self, models: Iterable[ModelGauges]) -> None:
         """Update gauges from live state just before a scrape."""
-        for rt in runtimes:
-            for c, q in rt.sched.queues.items():
-                self.queue_depth.labels(rt.name, class_label(c)).set(len(q))
-            self.instances.labels(rt.name).set(sum(1 for s in rt.sched.instances.values() if s.ready and not s.draining))
-            self.model_failed.labels(rt.name).set(1 if rt.state == "failed" else 0)
-            self.executions.labels(rt.name)  # make the series exist before the first batch
+        for m in models:
+            for c, depth in m.queue_depth.items():
+                self.queue_depth.labels(m.name, class_label(c)).set(depth)
+            self.instances.labels(m.name).set(m.ready_instances)
+            self.model_failed.labels(m.name).set(1 if m.failed else 0)
+            self.executions.labels(m.name)  # make the series exist before the first batch
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,14 +14,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from enum import IntEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from splitserve.errors import InternalError, SplitServeError
 from splitserve.protocol.header import RequestClass
-
-if TYPE_CHECKING:
-    from splitserve.server.metrics import Metrics
-    from splitserve.server.runtime import ModelRuntime
+from splitserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +28,23 @@ class CallState(IntEnum):
     RX_COMPLETE = 1  # all input bytes are in the tensor queue
     WORK_COMPLETE = 2  # outputs are in the output queue (or the call failed)
     TX_COMPLETE = 3  # the answer left; slots recycled
+
+
+class CallTarget(Protocol):
+    """The model a call was made to, as the call and its transport use it once the call
+    exists (``server.ports.ModelPort`` extends it with what admission needs)."""
+
+    name: str
+    func_id: int
+
+    def output_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
+        """The call's output bytes (valid until the call's slots are released)."""
+
+    def submit(self, call: "Call") -> None:
+        """RX_COMPLETE: the payload is in; the model answers the call exactly once."""
+
+    def release(self, call: "Call") -> None:
+        """Free the call's slots (``call.seq``, ``call.count`` in ring ``call.cls``)."""
 
 
 class Sink(Protocol):
@@ -49,7 +63,7 @@ class Call:
     __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline",
                  "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied")
 
-    def __init__(self, monitor: "InferenceMonitor", runtime: "ModelRuntime", req_id: int, cls: RequestClass,
+    def __init__(self, monitor: "InferenceMonitor", runtime: CallTarget, req_id: int, cls: RequestClass,
                  seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None) -> None:
         self.monitor = monitor
         self.runtime = runtime
@@ -150,7 +164,7 @@ class InferenceMonitor:
     """Knows every open call and counts calls by outcome; ``in_flight`` returns to 0 when
     the server is idle. ``clock`` is the one the calls' times are on (perf_counter)."""
 
-    def __init__(self, metrics: "Metrics | None" = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, metrics: Metrics | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.metrics = metrics
         self.clock = clock
         self.outcomes: Counter[str] = Counter()

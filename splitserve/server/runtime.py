@@ -2,6 +2,9 @@
 
 Everything here runs on the front end's event loop. The scheduler decides; this module
 does the I/O its decisions need (send batch descriptors, answer calls, restart workers).
+A runtime knows its node only through ``ports.RuntimeEnv``; it is the ``ModelPort`` of
+the transports, the ``ScheduledModel`` of the coordinator and the ``ManagedModel`` of
+management.
 """
 
 from __future__ import annotations
@@ -9,76 +12,49 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
 
-from splitserve.errors import BadSize, DeadlineMissed, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
+from splitserve.errors import (
+    BadSize, DeadlineMissed, InvalidInput, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed,
+)
+from splitserve.modelconfig import BatchingConfig
 from splitserve.placement.packrat import PackratConfig, PackratController
-from splitserve.placement.profiler import load_profile
 from splitserve.placement.topology import allocate
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
 from splitserve.scheduler.policy import PackratAggregate, make_policy
+from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
+from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
+from splitserve.server.ports import InstanceWorker, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg
-from splitserve.worker.pool import WorkerHandle
 from splitserve.worker.spec import QueueFds, WorkerSpec
-
-if TYPE_CHECKING:
-    from splitserve.server.app import Server
 
 log = logging.getLogger(__name__)
 
-
-class ModelState(StrEnum):
-    """A served model's life: UNLOADED → LOADING → READY → STOPPING → UNLOADED, and FAILED
-    when its load failed (calls are refused until a retry, after ``load_retry_s``)."""
-
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    STOPPING = "stopping"
-
-
 _RUNNING = (ModelState.LOADING, ModelState.READY)
-
-
-@dataclass
-class ModelStats:
-    """Cumulative per-model counters (Open Inference Protocol statistics extension)."""
-
-    success: int = 0
-    failure: int = 0
-    inference_count: int = 0  # samples
-    execution_count: int = 0  # batches
-    queue_ns: int = 0
-    compute_ns: int = 0
-    request_ns: int = 0  # successful calls, header to answer
-    failure_ns: int = 0  # failed calls, header to answer
-    preemptions: int = 0
-    last_inference_ms: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRuntime:
     """One model as served: queues per class, a scheduler, one worker per instance."""
 
-    def __init__(self, server: "Server", record: ModelRecord) -> None:
-        self.server = server
-        self.loop = server.loop
+    def __init__(self, env: RuntimeEnv, record: ModelRecord) -> None:
+        self.env = env
+        self.settings = env.config
+        self.node = env.node
+        self.loop = env.loop
         self.record = record
         self.config = record.config
         self.name = record.name
         self.func_id = record.func_id
         cfg = self.config
         sizes = [t.nbytes for t in cfg.inputs + cfg.outputs]
-        self.nslots = ring_slots(sizes, max(cfg.queue_slots or server.config.queue_slots, 2 * cfg.max_batch_size))
+        self.nslots = ring_slots(sizes, max(cfg.queue_slots or self.settings.queue_slots, 2 * cfg.max_batch_size))
         self.rings = {c: SlotRing(self.nslots) for c in CLASSES}
         self.tqs: dict[RequestClass, tuple[list[TensorQueue], list[TensorQueue]]] = {
             c: (
@@ -88,15 +64,15 @@ class ModelRuntime:
             for c in CLASSES
         }
         self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots,
-                                    rt_policy=server.config.rt_policy)
+                                    rt_policy=self.settings.rt_policy)
         # Per instance id: its worker, CPUs and thread count (instances may differ: Packrat).
-        self.workers: dict[int, WorkerHandle] = {}
+        self.workers: dict[int, InstanceWorker] = {}
         self.cpus: dict[int, list[int]] = {}
         self.threads: dict[int, int] = {}
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
-        self.profile = load_profile(server.registry, self.name)
+        self.profile = env.profile(self.name)
         self.packrat = self._packrat_controller()
         if self.packrat is not None:
             self.sched.policy = PackratAggregate(self.packrat.batch, self.packrat.cfg.timeout_ms / 1000)
@@ -125,7 +101,7 @@ class ModelRuntime:
     # -- instances -------------------------------------------------------------------
 
     def _packrat_controller(self) -> PackratController | None:
-        pcfg = PackratConfig.parse(self.config.placement, self.config.max_batch_size, self.server.config.placement)
+        pcfg = PackratConfig.parse(self.config.placement, self.config.max_batch_size, self.settings.placement)
         if pcfg is None:
             return None
         if self.profile is None:
@@ -183,7 +159,7 @@ class ModelRuntime:
         iid = self.sched.add_instance(max_batch=max_batch, standby=standby)
         self.threads[iid] = threads
         self.cpus[iid] = cpus
-        self._backoff[iid] = self.server.config.worker_restart_backoff_s
+        self._backoff[iid] = self.settings.worker_restart_backoff_s
         self._start_failures[iid] = 0
         return iid
 
@@ -193,12 +169,12 @@ class ModelRuntime:
         if self.config.cpus:
             n = len(self.sched.instances) - 1  # this instance's position among the model's
             return [self.config.cpus[(n * threads + k) % len(self.config.cpus)] for k in range(threads)]
-        return self.server.next_cpus(threads)
+        return self.env.cpus(threads)
 
     async def _wait_instances(self, ids: list[int]) -> None:
         """Until the instances ``ids`` are up; ModelNotReady if one gave up starting (or
         the model stopped trying). Bounded: every start attempt is (worker_start_timeout_s)."""
-        cfg = self.server.config
+        cfg = self.settings
         attempts = cfg.worker_start_attempts
 
         def up() -> bool:
@@ -240,7 +216,7 @@ class ModelRuntime:
     def ensure_started(self) -> None:
         """Start the workers if they are not running (models load on first use). A FAILED
         model is retried only once ``load_retry_s`` has passed since it failed."""
-        if not self.enabled or self.server.stopping or self.state in (*_RUNNING, ModelState.STOPPING):
+        if not self.enabled or self.env.stopping() or self.state in (*_RUNNING, ModelState.STOPPING):
             return
         if self.state is ModelState.FAILED and time.perf_counter() < self._retry_at:
             return
@@ -281,19 +257,19 @@ class ModelRuntime:
                 instance=i, cpus=self.cpus[i], threads=self.threads[i], ctrl_fd=ctrl_fd, flag_fd=flag_fd,
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
-                cache_dir=str(self.server.config.cache_path),
+                cache_dir=str(self.settings.cache_path),
                 segment_capacity=self.config.capacity,
                 extra={"segment_times_ns": self.profile.segment_times_ns(self.threads[i])} if self.profile else {},
             )
 
-        self.workers[i] = handle = WorkerHandle(self, i, make_spec, self.loop)
-        timeout = self.server.config.worker_start_timeout_s
+        self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
+        timeout = self.settings.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
         log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, self.threads[i],
                  self.cpus[i], handle.pid)
 
     @staticmethod
-    def _start_timed_out(handle: WorkerHandle, timeout: float) -> None:
+    def _start_timed_out(handle: InstanceWorker, timeout: float) -> None:
         if handle.alive and not handle.started:
             handle.kill(f"worker (pid {handle.pid}) was not ready within worker_start_timeout_s={timeout:g}s")
 
@@ -301,7 +277,7 @@ class ModelRuntime:
         if instance not in self.sched.instances or self.state not in _RUNNING:
             return  # a model that failed or is stopping has asked this worker to go
         self.sched.set_ready(instance, True)
-        self._backoff[instance] = self.server.config.worker_restart_backoff_s
+        self._backoff[instance] = self.settings.worker_restart_backoff_s
         self._start_failures[instance] = 0
         if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
             self.state = ModelState.READY  # serve as soon as one instance can
@@ -319,22 +295,22 @@ class ModelRuntime:
             log.error("model %s: instance %d reported batch %d failed, which it was not running",
                       self.name, instance, batch_id)
         else:
-            self.server.coordinator.finished(self, instance, batch, ok=False)
+            self.node.finished(self, instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
         self.kick()
 
-    def on_exit(self, instance: int, handle: WorkerHandle) -> None:
+    def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
             self._worker_gone(instance, handle)
         self.kick()
 
-    def _worker_gone(self, instance: int, handle: WorkerHandle) -> None:
+    def _worker_gone(self, instance: int, handle: InstanceWorker) -> None:
         st = self.sched.instances.get(instance)
         if st is None:
             return
         for lost in self.sched.set_ready(instance, False):
-            self.server.coordinator.finished(self, instance, lost, ok=False)
+            self.node.finished(self, instance, lost, ok=False)
             self._answer_batch(lost, WorkerFailed(f"worker of {self.name!r} (pid {handle.pid}) died during the batch"))
         if st.draining:
             self._forget_instance(instance)
@@ -342,17 +318,17 @@ class ModelRuntime:
         if self.state not in _RUNNING or handle.stopping:
             return  # asked to go: the model failed, is stopping or was unloaded
         if handle.started:
-            self._restart_later(instance, f"instance {instance} exited ({handle.proc.returncode})")
+            self._restart_later(instance, f"instance {instance} (pid {handle.pid}) exited")
         else:
             self._start_failed(instance, handle)
 
-    def _start_failed(self, instance: int, handle: WorkerHandle) -> None:
+    def _start_failed(self, instance: int, handle: InstanceWorker) -> None:
         """A worker died before READY. A load error it reported fails the model at once (the
         same file fails the same way); a crash or a start timeout is retried, and fails the
         model after worker_start_attempts in a row. Other instances that serve keep serving."""
         reason = handle.load_error or handle.killed_for or f"worker (pid {handle.pid}) exited before it was ready"
         self._start_failures[instance] += 1
-        attempts = self.server.config.worker_start_attempts
+        attempts = self.settings.worker_start_attempts
         others = any(self.sched.instances[i].ready for i in self.sched.serving() if i != instance)
         given_up = self._start_failures[instance] >= attempts
         if others:
@@ -370,7 +346,7 @@ class ModelRuntime:
 
     def _restart_later(self, instance: int, why: str) -> None:
         delay = self._backoff[instance]
-        self._backoff[instance] = min(delay * 2, self.server.config.worker_restart_backoff_max_s)
+        self._backoff[instance] = min(delay * 2, self.settings.worker_restart_backoff_max_s)
         log.warning("model %s: %s; restarting in %.1fs", self.name, why, delay)
         self.loop.call_later(delay, self._restart, instance)
 
@@ -382,7 +358,7 @@ class ModelRuntime:
     def _fail(self, reason: str) -> None:
         """The model could not load: FAILED, refusing calls (MODEL_NOT_READY and the reason)
         until ``load_retry_s`` passed; the instances stay, so a retry starts them again."""
-        retry_s = self.server.config.load_retry_s
+        retry_s = self.settings.load_retry_s
         self.state, self.error = ModelState.FAILED, reason
         self._retry_at = time.perf_counter() + retry_s
         log.error("model %s failed to load: %s; calls are refused, a request after %gs or a load retries it",
@@ -399,7 +375,7 @@ class ModelRuntime:
             added, retire = self.sched.resize(instances)
             for i in added:
                 self.threads[i], self.cpus[i] = threads, self._fixed_cpus(threads)
-                self._backoff[i] = self.server.config.worker_restart_backoff_s
+                self._backoff[i] = self.settings.worker_restart_backoff_s
                 self._start_failures[i] = 0
                 if self.state in _RUNNING:
                     self._spawn(i)
@@ -438,7 +414,7 @@ class ModelRuntime:
 
     async def _drain_all(self, ids: list[int]) -> None:
         """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
-        deadline = time.perf_counter() + self.server.config.drain_timeout_s
+        deadline = time.perf_counter() + self.settings.drain_timeout_s
         await asyncio.gather(*(self._drain_and_stop(i, deadline) for i in ids))
 
     async def _drain_and_stop(self, i: int, deadline: float) -> None:
@@ -457,7 +433,7 @@ class ModelRuntime:
             if batch is not None:
                 log.warning("model %s: instance %d could not resume its preempted batch %d before its drain "
                             "deadline; the batch reruns on another instance", self.name, i, batch.batch_id)
-                self.server.coordinator.finished(self, i, batch, ok=False)
+                self.node.finished(self, i, batch, ok=False)
                 self.sched.requeue(batch)
                 self.kick()
         handle = self.workers.get(i)
@@ -466,20 +442,30 @@ class ModelRuntime:
         if i in self.sched.instances:
             self._forget_instance(i)
 
-    async def unload(self, deadline: float | None = None, reason: str = "was unloaded") -> None:
+    async def load(self) -> None:
+        """An explicit load (management): serve again after a user's unload, retry a FAILED
+        load at once, and wait until the model serves."""
+        self.enabled = True
+        await self.wait_ready()
+
+    async def unload(self, deadline: float | None = None, reason: str = "was unloaded", *,
+                     disable: bool = False) -> None:
         """Stop dispatching and stop the workers. Calls still waiting, and batches preempted
         mid-run, are answered SHUTTING_DOWN; running batches may finish until ``deadline``
         (default: stop_timeout_s from now), after which their workers are killed and the
-        batches answered WORKER_FAILED."""
+        batches answered WORKER_FAILED. ``disable`` (a user's unload): calls are refused
+        MODEL_NOT_READY until the next ``load``, instead of starting the model again."""
+        if disable:
+            self.enabled = False
         if deadline is None:
-            deadline = time.perf_counter() + self.server.config.stop_timeout_s
+            deadline = time.perf_counter() + self.settings.stop_timeout_s
         self.state = ModelState.STOPPING
         error = ShuttingDown(f"model {self.name!r} {reason}")
         self._fail_waiting(error)
         for i in list(self.sched.instances):
             batch = self.sched.take_suspended(i)
             if batch is not None:
-                self.server.coordinator.finished(self, i, batch, ok=False)
+                self.node.finished(self, i, batch, ok=False)
                 self._answer_batch(batch, error)
         for handle in list(self.workers.values()):
             if not handle.started:  # still loading: it has nothing to finish
@@ -490,12 +476,17 @@ class ModelRuntime:
         await asyncio.gather(*(h.stop(timeout=max(0.0, deadline - time.perf_counter())) for h in handles))
         for i in list(self.sched.instances):  # a worker whose exit is not handled yet still owes its batch
             for lost in self.sched.set_ready(i, False):
-                self.server.coordinator.finished(self, i, lost, ok=False)
+                self.node.finished(self, i, lost, ok=False)
                 self._answer_batch(lost, WorkerFailed(f"model {self.name!r} stopped during the batch"))
         self.workers.clear()
         self.state = ModelState.UNLOADED
         self._ready_event.set()  # a load that was waiting ends (not ready)
         self.kick()
+
+    def kill_workers(self, reason: str) -> None:
+        """Kill every worker now (the node exits without draining)."""
+        for handle in list(self.workers.values()):
+            handle.kill(reason)
 
     def close(self) -> None:
         """Release the shared memory (after unload)."""
@@ -510,7 +501,7 @@ class ModelRuntime:
         time has come is not refused: the call's arrival retries the load."""
         if not self.enabled:
             return ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
-        if self.server.stopping:
+        if self.env.stopping():
             return ShuttingDown("the server is shutting down")
         if self.state is ModelState.STOPPING:
             return ShuttingDown(f"model {self.name!r} is being unloaded")
@@ -532,6 +523,9 @@ class ModelRuntime:
 
     def output_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
         return [q.view(seq, count) for q in self.tqs[cls][1]]
+
+    def plan_room(self, cls: RequestClass, count: int, movable: dict[int, int]) -> list[int] | None:
+        return self.rings[cls].plan_room(count, movable)
 
     def release(self, call: Call) -> None:
         self.rings[call.cls].release(call.seq, call.count)
@@ -569,7 +563,7 @@ class ModelRuntime:
         for req in self.sched.expire(now):
             self._answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
         if self.state in _RUNNING:  # stopping: nothing new starts
-            for batch in self.server.coordinator.schedule(self, now):
+            for batch in self.node.schedule(self, now):
                 self._start(batch, now)
         if self.packrat is not None and (self._repack_task is None or self._repack_task.done()):
             batch_size = self.packrat.next_batch(now)
@@ -583,13 +577,13 @@ class ModelRuntime:
         if not batch.resume_segment:
             for r in batch.requests:
                 r.handle.t_dispatch = now
-        self.server.coordinator.started(self, batch)
+        self.node.started(self, batch)
         handle = self.workers.get(batch.instance)
         if handle is None or not handle.send_run(
             RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
         ):
             self.sched.complete(batch.instance, batch.batch_id)
-            self.server.coordinator.finished(self, batch.instance, batch, ok=False)
+            self.node.finished(self, batch.instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"instance {batch.instance} of {self.name!r} is not running"))
 
     def _arm_timer(self, now: float) -> None:
@@ -609,18 +603,18 @@ class ModelRuntime:
                       msg.batch_id, "preempted" if msg.kind == Msg.PREEMPTED else "done")
             return
         if msg.kind == Msg.PREEMPTED:
-            self.server.coordinator.preempted(self, instance, msg)
+            self._on_preempted(instance, msg)
             self.kick()
             return
         self.sched.complete(instance, msg.batch_id)
-        self.server.coordinator.finished(self, instance, batch, ok=True)
+        self.node.finished(self, instance, batch, ok=True)
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
             sample = msg.compute_ns / 1e9
             self._batch_s[batch.count] = sample if old is None else 0.75 * old + 0.25 * sample
         st = self.stats
         st.execution_count += 1
-        self.server.metrics.executions.labels(self.name).inc()
+        self.env.metrics.executions.labels(self.name).inc()
         st.compute_ns += msg.compute_ns
         st.batch_sizes[batch.count] = st.batch_sizes.get(batch.count, 0) + 1
         st.last_inference_ms = int(time.time() * 1000)
@@ -628,6 +622,21 @@ class ModelRuntime:
             r.handle.compute_ns = msg.compute_ns
         self._answer_batch(batch, None)
         self.kick()
+
+    def _on_preempted(self, instance: int, msg: DoneMsg) -> None:
+        """The worker stopped its batch at a segment boundary: suspend it here (its restore
+        point stays in the worker), lower the flag, and tell the node."""
+        restore = msg.first_segment + msg.segments_run
+        batch = self.sched.preempted(instance, restore)
+        handle = self.workers.get(instance)
+        if handle is not None:
+            handle.flag.clear()
+        if batch is None:
+            return
+        self.stats.preemptions += 1
+        self.env.metrics.preemptions.labels(self.name).inc()
+        self.env.metrics.preemption_latency.labels(self.name).observe(msg.preempt_ns / 1e9)
+        self.node.preempted(self, instance, batch, restore, msg.preempt_ns)
 
     def _answer_batch(self, batch: Batch, error: SplitServeError | None) -> None:
         for r in batch.requests:
@@ -652,7 +661,7 @@ class ModelRuntime:
             st.request_ns += int((call.t_work - call.t_ready) * 1e9)
         else:
             st.failure_ns += int((call.t_work - call.t_ready) * 1e9)
-        self.server.metrics.observe_call(self, call, error)
+        self.env.metrics.observe_call(self.name, call, error)
 
     def _fail_waiting(self, error: SplitServeError) -> None:
         for q in self.sched.queues.values():
@@ -672,3 +681,102 @@ class ModelRuntime:
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY
+
+    # -- ScheduledModel (the coordinator) ----------------------------------------------
+
+    def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
+        rt_waiting = self.sched.waiting(RequestClass.RT)
+        out = []
+        for i, st in self.sched.instances.items():
+            b = st.running
+            out.append(InstanceView(
+                model=self.name, instance=i, cpus=frozenset(self.cpus.get(i, ())),
+                ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
+                preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
+                expected_end=(b.extra.get("started", b.created) + self.expected_batch_s(b.count)) if b else None,
+                suspended=st.suspended is not None, rt_waiting=rt_waiting,
+            ))
+        return out
+
+    def rt_waiting(self) -> int:
+        return self.sched.waiting(RequestClass.RT)
+
+    def start_batches(self, now: float, classes: Sequence[RequestClass],
+                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
+        return self.sched.schedule(now, tuple(classes), may_start)
+
+    def preempt(self, instance: int, batch_id: int) -> Batch | None:
+        handle = self.workers.get(instance)
+        st = self.sched.instances.get(instance)
+        if handle is None or st is None or st.running is None:
+            return None
+        handle.flag.raise_for(batch_id)
+        return st.running
+
+    def clear_preempt(self, instance: int) -> None:
+        handle = self.workers.get(instance)
+        if handle is not None:
+            handle.flag.clear()
+
+    def pad(self, deadlines: Mapping[int, float]) -> None:
+        # The worker reads its deadline on CLOCK_MONOTONIC; the node decides on perf_counter.
+        now_pc, now_ns = time.perf_counter(), time.monotonic_ns()
+        for i, handle in self.workers.items():
+            end = deadlines.get(i, 0.0)
+            handle.flag.set_padding_deadline(now_ns + int((end - now_pc) * 1e9) if end else 0)
+
+    # -- ModelPort (transports) and ManagedModel (management) ----------------------------
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        serving = self.sched.serving()
+        return {
+            "name": self.name, "func_id": self.func_id, "version": cfg.version, "state": self.state,
+            "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
+            "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
+            "instances": self.instance_count,
+            "threads": [self.threads[i] for i in serving],
+            "cpus": [self.cpus[i] for i in serving],
+            "pids": [self.workers[i].pid if i in self.workers else None for i in serving],
+        }
+
+    @property
+    def dispatch_max_batch(self) -> int:
+        return self.sched.max_batch
+
+    def set_batching(self, batching: BatchingConfig, max_batch: int | None) -> None:
+        """Swap the batching policy (and the dispatch limit, at most ``max_batch_size``, which
+        the queues were sized for) in place; queued requests stay."""
+        if self.packrat is not None:
+            raise InvalidInput(f"model {self.name!r} uses packrat placement: its batching follows Packrat's plan")
+        if max_batch is not None and not 1 <= max_batch <= self.config.max_batch_size:
+            raise InvalidInput(f"max_batch_size must be 1..{self.config.max_batch_size} for {self.name!r} "
+                               "(the tensor queues were sized for that; register a new version to raise it)")
+        self.sched.policy = make_policy(batching)
+        if max_batch is not None:
+            self.sched.max_batch = max_batch
+        self.config = self.config.with_changes(batching=asdict(batching))
+        self.kick()
+
+    def placement(self) -> dict[str, Any]:
+        serving = self.sched.serving()
+        out: dict[str, Any] = {
+            "model": self.name, "placement": "packrat" if self.packrat is not None else "fixed",
+            "now": time.perf_counter(),
+            "instances": [{"id": i, "threads": self.threads[i], "batch": self.sched.instances[i].max_batch or
+                           self.config.max_batch_size, "cpus": self.cpus[i], "ready": self.sched.instances[i].ready}
+                          for i in serving],
+            "reconfigurations": self.reconfigurations,
+        }
+        if self.packrat is not None:
+            out["batch"] = self.packrat.batch
+            out["plan"] = self.packrat.plan().to_dict()
+            out["threads_budget"] = self.packrat.threads
+        return out
+
+    def gauges(self) -> ModelGauges:
+        """Live state for the metrics' gauges."""
+        return ModelGauges(
+            self.name, {c: len(q) for c, q in self.sched.queues.items()},
+            sum(1 for st in self.sched.instances.values() if st.ready and not st.draining),
+            self.state is ModelState.FAILED)

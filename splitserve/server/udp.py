@@ -26,11 +26,13 @@ import logging
 import socket
 import time
 from collections import OrderedDict
+from typing import Any
 
 from splitserve.errors import BadFrame, BadSegment, BadSize, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
-from splitserve.server.intake import Arrival, FastPathHost
+from splitserve.server.intake import Arrival
 from splitserve.server.monitor import Call
+from splitserve.server.ports import FastPathHost, FrontEnd
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +145,10 @@ class _Assembly:
 class UdpEndpoint:
     """The UDP fast-path socket; it is also the Sink for the calls it receives.
 
-    ``server`` is a ``FastPathHost`` (``server/intake.py``): the endpoint uses its ``loop``,
-    ``config`` (``udp_segment``, ``udp_rcvbuf``, the answer cache's bounds), ``intake``
-    (slot allocation and the frame-timeout sweep), ``monitor``, and ``runtime``,
-    ``runtime_by_func``, ``request_class`` and ``describe``.
+    ``server`` is the node as a ``FastPathHost`` (``server/ports.py``): the endpoint uses
+    its ``loop``, ``config`` (``udp_segment``, ``udp_rcvbuf``, the answer cache's bounds),
+    ``intake`` (slot allocation and the frame-timeout sweep), ``monitor``, and ``model``,
+    ``model_by_func`` and ``request_class``.
     """
 
     def __init__(self, server: FastPathHost, sock: socket.socket) -> None:
@@ -265,7 +267,7 @@ class UdpEndpoint:
         asm.arrival.call.runtime.submit(asm.arrival.call)
 
     def _start(self, addr: tuple, h: Header) -> _Assembly:
-        rt = self.server.runtime_by_func(h.func_id)
+        rt = self.server.model_by_func(h.func_id)
         per = rt.config.request_bytes
         total = h.total_len or h.payload_len
         if total == 0 or total % per:
@@ -289,12 +291,12 @@ class UdpEndpoint:
 
     def _on_lookup(self, addr: tuple, h: Header, name: str) -> None:
         try:
-            rt = self.server.runtime(name)
+            rt = self.server.model(name)
         except SplitServeError as e:
             self._send_error(addr, h.req_id, 0, e)
             return
         # reports the model, never starts its workers (see FastPathConnection._on_lookup)
-        body = json.dumps(self.server.describe(rt)).encode()
+        body = json.dumps(rt.describe()).encode()
         self._sendto([Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body)).pack(), body], addr)
 
     # -- Receiver (server/intake.py) -------------------------------------------------
@@ -376,3 +378,24 @@ def udp_socket(host: str, port: int) -> socket.socket:
     s = socket.socket(family, socket.SOCK_DGRAM)
     s.bind((host, port))
     return s
+
+
+class UdpListener(FrontEnd):
+    """The UDP fast path as a front end: binds ``(host, port)`` (0: any free port) at start."""
+
+    def __init__(self, server: FastPathHost, address: tuple[str, int]) -> None:
+        self.server = server
+        self.address = address
+        self.endpoint: UdpEndpoint | None = None
+
+    async def start(self) -> dict[str, Any]:
+        sock = udp_socket(*self.address)
+        self.endpoint = UdpEndpoint(self.server, sock)
+        return {"udp_port": sock.getsockname()[1]}
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop receiving at once: a datagram protocol has no connection to drain, and the
+        client retransmits a request whose answer it did not get."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

@@ -365,7 +365,7 @@ def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details
         raise KeyError("secret detail of a bug")
 
     monkeypatch.setattr(os, "fsync", full)  # what a full quota answers when the upload is flushed
-    monkeypatch.setattr(management, "repository_index", bug)
+    monkeypatch.setattr(management.ModelManager, "repository_index", bug)
 
     def test(server):
         token = (server.config.data_dir / "token").read_text().strip()

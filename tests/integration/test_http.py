@@ -592,7 +592,7 @@ def test_a_full_disk_is_507_and_a_bug_is_a_500_without_its_details(tmp_path, mon
         raise RuntimeError("secret detail of a bug")
 
     monkeypatch.setattr(os, "fsync", full)  # what a full disk answers when the upload is flushed
-    monkeypatch.setattr(management, "repository_index", bug)
+    monkeypatch.setattr(management.ModelManager, "repository_index", bug)
 
     def test(server, url):
         token = (server.config.data_dir / "token").read_text().strip()

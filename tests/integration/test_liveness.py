@@ -25,7 +25,6 @@ from splitserve.client import Client
 from splitserve.errors import InternalError, ModelNotReady, ShuttingDown, WorkerFailed
 from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.protocol.header import RequestClass
-from splitserve.server import management
 from splitserve.worker.messages import DoneMsg, Msg
 from tests.conftest import ROOT
 from tests.inproc import quiet_config, run_server, write_model
@@ -140,7 +139,7 @@ def test_a_model_whose_load_failed_is_failed_and_refuses_calls_at_once(tmp_path)
                 await server.infer("broken", [x])
             errors.append(str(e.value))
         errors += await asyncio.to_thread(over_the_fast_path, f"tcp://127.0.0.1:{server.ports['fast_port']}")
-        state, index = server.model_state("broken"), management.repository_index(server)
+        state, index = server.model_state("broken"), server.management.repository_index()
         refused_loads = len(loads)
         rt._retry_at = time.perf_counter()  # as if load_retry_s had passed: the next request retries
         with pytest.raises(ModelNotReady, match="failed to load"):

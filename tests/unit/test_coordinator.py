@@ -1,44 +1,35 @@
 """The coordinator's phase order (RT, then preemption, then BE, then padding) and its modes.
 
-The coordinator is driven through its real interface with small fakes: a server that is
-only ``runtimes`` and ``metrics``, runtimes that are a real ``ModelScheduler`` plus CPUs and
-fake worker handles whose preemption flag records what it is told. Times come from a fake
-clock: ``schedule(rt, now)`` takes it, and the module's own ``time`` reads (padding
-deadlines, event stamps) are pointed at the same clock.
+The coordinator is driven through its seams (``server/ports.py``) with small fakes: each
+model is a ``ScheduledModel`` made of a real ``ModelScheduler``, CPUs and fake preemption
+flags that record what they are told; the fake node plays the runtimes' side of
+``NodeScheduler`` (started, finished, preempted). Time is a fake clock: ``schedule(model,
+now)`` takes it, and the coordinator is built with the same clock for its event log.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ModelScheduler
 from splitserve.scheduler.policy import WorkConserving
-from splitserve.scheduler.priority import PriorityMode
-from splitserve.scheduler.request import QueuedRequest
-from splitserve.server import coordinator as coordinator_mod
+from splitserve.scheduler.priority import InstanceView, PriorityMode
+from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.coordinator import Coordinator
-from splitserve.worker.messages import DoneMsg
 
 RT, BE = RequestClass.RT, RequestClass.BE
 BATCH_S = 0.5  # every fake model's profiled batch time
 
 
 class FakeClock:
-    """Stands in for ``time`` inside the coordinator: perf_counter in s, monotonic_ns in ns."""
-
     def __init__(self) -> None:
         self.now = 100.0
 
-    def perf_counter(self) -> float:
+    def __call__(self) -> float:
         return self.now
-
-    def monotonic_ns(self) -> int:
-        return int(self.now * 1e9)
 
 
 class FakeFlag:
@@ -47,7 +38,7 @@ class FakeFlag:
     def __init__(self, log: list[tuple], key: tuple[str, int]) -> None:
         self.log, self.key = log, key
         self.raised_for = 0
-        self.padding_ns = 0
+        self.padding = 0.0
 
     def raise_for(self, batch_id: int) -> None:
         self.raised_for = batch_id
@@ -55,10 +46,6 @@ class FakeFlag:
 
     def clear(self) -> None:
         self.raised_for = 0
-
-    def set_padding_deadline(self, deadline_ns: int) -> None:
-        self.padding_ns = deadline_ns
-        self.log.append(("pad", *self.key, deadline_ns))
 
 
 class RecordingScheduler(ModelScheduler):
@@ -75,87 +62,102 @@ class RecordingScheduler(ModelScheduler):
         return out
 
 
-@dataclass
-class FakeRuntime:
-    """What the coordinator reads of a ``ModelRuntime``."""
+class FakeModel:
+    """A ``ScheduledModel``: a real scheduler, CPUs per instance and fake flags."""
 
-    name: str
-    sched: RecordingScheduler
-    cpus: dict[int, list[int]] = field(default_factory=dict)
-    workers: dict[int, Any] = field(default_factory=dict)
-    stats: Any = field(default_factory=lambda: SimpleNamespace(preemptions=0))
-    kicks: int = 0
+    def __init__(self, name: str, log: list[tuple]) -> None:
+        self.name = name
+        self.log = log
+        self.sched = RecordingScheduler(name, log)
+        self.cpus: dict[int, frozenset[int]] = {}
+        self.flags: dict[int, FakeFlag] = {}
+        self.kicks = 0
+        self.preemptions = 0
 
-    def expected_batch_s(self, count: int) -> float:
-        return BATCH_S
+    def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
+        rt_waiting = self.rt_waiting()
+        out = []
+        for i, st in self.sched.instances.items():
+            b = st.running
+            out.append(InstanceView(
+                self.name, i, self.cpus[i], st.ready, b.cls if b else None, b.batch_id if b else 0,
+                bool(b) and preempt_raised(i, b.batch_id), b.extra["started"] + BATCH_S if b else None,
+                st.suspended is not None, rt_waiting))
+        return out
+
+    def rt_waiting(self) -> int:
+        return self.sched.waiting(RT)
+
+    def start_batches(self, now: float, classes: Sequence[RequestClass],
+                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
+        return self.sched.schedule(now, tuple(classes), may_start)
+
+    def preempt(self, instance: int, batch_id: int) -> Batch | None:
+        self.flags[instance].raise_for(batch_id)
+        return self.sched.instances[instance].running
+
+    def clear_preempt(self, instance: int) -> None:
+        self.flags[instance].clear()
+
+    def pad(self, deadlines: Mapping[int, float]) -> None:
+        for i, flag in self.flags.items():
+            flag.padding = deadlines.get(i, 0.0)
+            self.log.append(("pad", self.name, i, flag.padding))
 
     def kick(self) -> None:
         self.kicks += 1
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def labels(self, *_: str) -> "_Counter":
-        return self
-
-    def inc(self) -> None:
-        self.values.append(1)
-
-    def observe(self, v: float) -> None:
-        self.values.append(v)
-
-
 class Node:
-    """A fake server with models on CPU sets, and the coordinator over it."""
+    """A fake node: models on CPU sets, the coordinator over them, and the runtimes' side
+    of ``NodeScheduler``."""
 
-    def __init__(self, mode: PriorityMode, models: dict[str, list[set[int]]], monkeypatch) -> None:
+    def __init__(self, mode: PriorityMode, models: dict[str, list[set[int]]]) -> None:
         self.log: list[tuple] = []
         self.clock = FakeClock()
-        monkeypatch.setattr(coordinator_mod, "time", self.clock)
-        self.runtimes: dict[str, FakeRuntime] = {}
+        self.models: dict[str, FakeModel] = {}
         for name, cpu_sets in models.items():
-            rt = FakeRuntime(name, RecordingScheduler(name, self.log))
+            m = FakeModel(name, self.log)
             for cpus in cpu_sets:
-                i = rt.sched.add_instance()
-                rt.sched.set_ready(i, True)
-                rt.cpus[i] = sorted(cpus)
-                rt.workers[i] = SimpleNamespace(flag=FakeFlag(self.log, (name, i)), pid=1000 + i)
-            self.runtimes[name] = rt
-        self.metrics = SimpleNamespace(preemptions=_Counter(), preemption_latency=_Counter())
-        self.coord = Coordinator(self, mode)  # type: ignore[arg-type]
+                i = m.sched.add_instance()
+                m.sched.set_ready(i, True)
+                m.cpus[i] = frozenset(cpus)
+                m.flags[i] = FakeFlag(self.log, (name, i))
+            self.models[name] = m
+        self.coord = Coordinator(lambda: self.models.values(), mode, clock=self.clock)
         self._seq = {name: {RT: 0, BE: 0} for name in models}
 
     def enqueue(self, model: str, cls: RequestClass, n: int = 1) -> None:
         for _ in range(n):
             seq = self._seq[model][cls]
             self._seq[model][cls] += 1
-            self.runtimes[model].sched.enqueue(QueuedRequest(seq, 1, cls, self.clock.now))
+            self.models[model].sched.enqueue(QueuedRequest(seq, 1, cls, self.clock.now))
 
     def schedule(self, model: str) -> list[tuple[int, str]]:
         """One runtime's scheduling pass, as ``ModelRuntime._schedule`` does it."""
-        rt = self.runtimes[model]
-        batches = self.coord.schedule(rt, self.clock.now)  # type: ignore[arg-type]
+        m = self.models[model]
+        batches = self.coord.schedule(m, self.clock.now)
         for b in batches:
-            self.coord.started(rt, b)  # type: ignore[arg-type]
+            self.coord.started(m, b)
         return [(b.instance, b.cls.name) for b in batches]
 
     def finish(self, model: str, instance: int) -> None:
-        rt = self.runtimes[model]
-        batch = rt.sched.complete(instance)
+        m = self.models[model]
+        batch = m.sched.complete(instance)
         assert batch is not None
-        self.coord.finished(rt, instance, batch, True)  # type: ignore[arg-type]
+        self.coord.finished(m, instance, batch, True)
 
     def preempted(self, model: str, instance: int, restore: int = 1) -> None:
-        rt = self.runtimes[model]
-        batch = rt.sched.instances[instance].running
-        msg = DoneMsg(kind=0, batch_id=batch.batch_id, compute_ns=0, segments_run=restore, first_segment=0,
-                      preempt_ns=2000)
-        self.coord.preempted(rt, instance, msg)  # type: ignore[arg-type]
+        """The worker stopped at a segment boundary, as ``ModelRuntime._on_preempted`` reports it."""
+        m = self.models[model]
+        batch = m.sched.preempted(instance, restore)
+        assert batch is not None
+        m.flags[instance].clear()
+        m.preemptions += 1
+        self.coord.preempted(m, instance, batch, restore, 2000)
 
     def flag(self, model: str, instance: int) -> FakeFlag:
-        return self.runtimes[model].workers[instance].flag
+        return self.models[model].flags[instance]
 
     def kinds(self) -> list[tuple]:
         return [e for e in self.log if e[0] in ("preempt", "pad") or (e[0] == "schedule" and e[3])]
@@ -165,7 +167,7 @@ class Node:
 
 
 def test_normal_mode_never_builds_the_node_view(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]}, monkeypatch)
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]})
 
     def no_view() -> None:
         raise AssertionError("normal mode must not build the node view")
@@ -178,7 +180,7 @@ def test_normal_mode_never_builds_the_node_view(monkeypatch):
 
 @pytest.mark.parametrize("mode", [PriorityMode.CONCURRENT, PriorityMode.RT_ONLY])
 def test_modes_without_priority_skip_the_view_even_with_rt_waiting(monkeypatch, mode):
-    node = Node(mode, {"a": [{0}], "b": [{0}]}, monkeypatch)
+    node = Node(mode, {"a": [{0}], "b": [{0}]})
     monkeypatch.setattr(node.coord, "view", lambda: pytest.fail("no view in a mode without priority"))
     node.enqueue("b", BE)
     assert node.schedule("b") == [(0, "BE")]
@@ -187,69 +189,70 @@ def test_modes_without_priority_skip_the_view_even_with_rt_waiting(monkeypatch, 
     assert not [e for e in node.log if e[0] == "preempt"]  # the BE batch on cpu 0 runs on
 
 
-def test_reef_phases_run_rt_then_preempt_then_be_then_pad(monkeypatch):
+def test_reef_phases_run_rt_then_preempt_then_be_then_pad():
     # a: two instances on cpus 0 and 1; b: one instance sharing cpu 0, running BE.
-    node = Node(PriorityMode.REEF, {"a": [{0}, {1}], "b": [{0}]}, monkeypatch)
+    node = Node(PriorityMode.REEF, {"a": [{0}, {1}], "b": [{0}]})
     node.enqueue("b", BE)
     assert node.schedule("b") == [(0, "BE")]
     node.log.clear()
     node.enqueue("a", RT)
     node.enqueue("a", BE, 2)
     assert node.schedule("a") == [(0, "RT"), (1, "BE")]
-    b_batch = node.runtimes["b"].sched.instances[0].running.batch_id
-    end_ns = int((node.clock.now + BATCH_S) * 1e9)  # the RT batch's expected end
+    b_batch = node.models["b"].sched.instances[0].running.batch_id
+    end = node.clock.now + BATCH_S  # the RT batch's expected end
     assert node.kinds() == [
         ("schedule", "a", ("RT",), ((0, "RT"),)),  # 1. RT starts first, on the first idle instance
         ("preempt", "b", 0, b_batch),  # 2. then BE on the cpu that RT took is preempted
         ("schedule", "a", ("BE",), ((1, "BE"),)),  # 3. then BE starts where RT claims nothing
-        ("pad", "a", 0, 0), ("pad", "a", 1, end_ns), ("pad", "b", 0, 0),  # 4. BE beside RT is padded
+        ("pad", "a", 0, 0.0), ("pad", "a", 1, end), ("pad", "b", 0, 0.0),  # 4. BE beside RT is padded
     ]
 
 
-def test_padding_deadline_is_lifted_once_rt_mode_ends(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]}, monkeypatch)
+def test_padding_deadline_is_lifted_once_rt_mode_ends():
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]})
     node.enqueue("b", BE)
     node.schedule("b")
     node.enqueue("a", RT)
     node.schedule("a")
-    assert node.flag("b", 0).padding_ns == int((node.clock.now + BATCH_S) * 1e9)
+    assert node.flag("b", 0).padding == node.clock.now + BATCH_S
     node.clock.now += 0.4
     node.finish("a", 0)  # the RT batch ends: back to normal mode
-    assert node.runtimes["b"].kicks == 1  # and every model hears of it
+    assert node.models["b"].kicks == 1  # and every model hears of it
     node.log.clear()
     node.enqueue("a", BE)
     assert node.schedule("a") == [(0, "BE")]
-    assert node.flag("b", 0).padding_ns == 0
-    assert [e for e in node.log if e[0] == "pad"] == [("pad", "a", 0, 0), ("pad", "b", 0, 0)]
+    assert node.flag("b", 0).padding == 0.0
+    assert [e for e in node.log if e[0] == "pad"] == [("pad", "a", 0, 0.0), ("pad", "b", 0, 0.0)]
     node.log.clear()
     node.enqueue("b", BE)
     node.schedule("a")
     assert [e for e in node.log if e[0] == "pad"] == []  # lifted once, not on every pass
 
 
-def test_preempted_be_batch_resumes_from_its_restore_point_after_rt(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]}, monkeypatch)
+def test_preempted_be_batch_resumes_from_its_restore_point_after_rt():
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]})
     node.enqueue("b", BE, 2)
     node.schedule("b")
     node.enqueue("a", RT)
     assert node.schedule("a") == [(0, "RT")]  # RT starts at once beside the BE batch it preempts
-    assert node.flag("b", 0).raised_for == node.runtimes["b"].sched.instances[0].running.batch_id
+    assert node.flag("b", 0).raised_for == node.models["b"].sched.instances[0].running.batch_id
     node.preempted("b", 0, restore=3)
     assert node.flag("b", 0).raised_for == 0  # the flag is down again for the next batch
-    assert node.runtimes["b"].stats.preemptions == 1 and node.metrics.preemption_latency.values == [2e-6]
+    assert [(e.kind, e.segment, e.latency_ns) for e in node.coord.events if e.kind == "preempted"] == [
+        ("preempted", 3, 2000)]
     node.enqueue("b", BE)
     assert node.schedule("b") == []  # cpu 0 is claimed: neither the suspended batch nor new BE work
     node.finish("a", 0)
     assert node.schedule("b") == [(0, "BE")]
-    resumed = node.runtimes["b"].sched.instances[0].running
+    resumed = node.models["b"].sched.instances[0].running
     assert resumed.resume_segment == 3 and resumed.count == 2  # the preempted batch, not the new request
     # the flag goes up inside schedule(), before the runtime starts the RT batch it returned
     assert node.events() == [("start", "b", 0, "be"), ("preempt", "b", 0, "be"), ("start", "a", 0, "rt"),
                              ("preempted", "b", 0, "be"), ("done", "a", 0, "rt"), ("resume", "b", 0, "be")]
 
 
-def test_a_batch_stopped_by_its_padding_deadline_is_held_until_rt_ends(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]}, monkeypatch)
+def test_a_batch_stopped_by_its_padding_deadline_is_held_until_rt_ends():
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{1}]})
     node.enqueue("b", BE)
     node.schedule("b")
     node.enqueue("a", RT)
@@ -264,8 +267,8 @@ def test_a_batch_stopped_by_its_padding_deadline_is_held_until_rt_ends(monkeypat
     assert node.schedule("b") == [(0, "BE")]
 
 
-def test_not_normal_mode_while_a_preemption_is_on_its_way(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]}, monkeypatch)
+def test_not_normal_mode_while_a_preemption_is_on_its_way():
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]})
     node.enqueue("b", BE)
     node.schedule("b")
     node.enqueue("a", RT)
@@ -279,8 +282,8 @@ def test_not_normal_mode_while_a_preemption_is_on_its_way(monkeypatch):
     assert node.coord._normal_mode()
 
 
-def test_a_be_batch_that_finishes_before_its_preemption_lowers_the_flag(monkeypatch):
-    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]}, monkeypatch)
+def test_a_be_batch_that_finishes_before_its_preemption_lowers_the_flag():
+    node = Node(PriorityMode.REEF, {"a": [{0}], "b": [{0}]})
     node.enqueue("b", BE)
     node.schedule("b")
     node.enqueue("a", RT)
@@ -292,8 +295,8 @@ def test_a_be_batch_that_finishes_before_its_preemption_lowers_the_flag(monkeypa
     assert node.coord._normal_mode()
 
 
-def test_seq_starts_nothing_while_any_batch_runs_and_rt_first_after(monkeypatch):
-    node = Node(PriorityMode.SEQ, {"a": [{0}], "b": [{1}]}, monkeypatch)
+def test_seq_starts_nothing_while_any_batch_runs_and_rt_first_after():
+    node = Node(PriorityMode.SEQ, {"a": [{0}], "b": [{1}]})
     node.enqueue("a", BE)
     assert node.schedule("a") == [(0, "BE")]
     node.enqueue("b", RT)
@@ -301,7 +304,7 @@ def test_seq_starts_nothing_while_any_batch_runs_and_rt_first_after(monkeypatch)
     assert node.schedule("b") == []  # another model's batch holds the node; no preemption in seq
     assert not [e for e in node.log if e[0] == "preempt"]
     node.finish("a", 0)
-    assert node.runtimes["b"].kicks == 1  # any end frees the node in seq mode
+    assert node.models["b"].kicks == 1  # any end frees the node in seq mode
     assert node.schedule("b") == [(0, "RT")]
     node.finish("b", 0)
     assert node.schedule("b") == [(0, "BE")]

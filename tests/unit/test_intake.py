@@ -37,6 +37,9 @@ class FakeRuntime:
         start = (seq % self.rings[cls].nslots) * SLOT
         return [memoryview(self.memory)[start : start + count * SLOT]]
 
+    def plan_room(self, cls: RequestClass, count: int, movable: dict[int, int]) -> list[int] | None:
+        return self.rings[cls].plan_room(count, movable)
+
     def release(self, call: Call) -> None:
         self.rings[call.cls].release(call.seq, call.count)
 

@@ -1,9 +1,9 @@
 """The smallest server a fast-path transport can run against, for fuzzing it in-process.
 
-``FuzzServer`` offers exactly what ``FastPathConnection`` and ``UdpEndpoint`` use of the real
-``Server`` (``loop``, ``connections``, ``monitor``, ``config``, ``runtime``, ``runtime_by_func``,
-``request_class``, ``describe``); ``FuzzRuntime`` offers what they use of a ``ModelRuntime``
-(``alloc``, ``input_views``, ``output_views``, ``release``, ``submit``, ``ensure_started``).
+``FuzzServer`` is a ``FastPathHost`` (``server/ports.py``: ``loop``, ``config``, ``intake``,
+``monitor``, ``model``, ``model_by_func``, ``request_class``), and ``connections`` is the set
+of live connections a listener would keep; ``FuzzRuntime`` is a ``ModelPort`` (``alloc``,
+``input_views``, ``output_views``, ``plan_room``, ``release``, ``submit``, ``describe``).
 The runtimes keep their inputs in real ``TensorQueue`` rings allocated by real ``SlotRing``s,
 and a *shadow* of what every ring byte must hold: a guard pattern until a slot is handed
 out, anything while a request is being received into it, and the received bytes from
@@ -145,7 +145,6 @@ class FuzzRuntime:
         self.shadows = {c: [_Shadow(q) for q in self.tqs[c][0]] for c in CLASSES}
         self.rings: dict[RequestClass, SlotRing] = {}
         self.held: dict[RequestClass, tuple[int, int]] = {}
-        self.started = 0
 
     def reset(self, start: int, free: int | None) -> None:
         """A fresh case: rings start at ``start``; all but ``free`` slots are taken by someone
@@ -187,13 +186,16 @@ class FuzzRuntime:
     def output_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
         return [q.view(seq, count) for q in self.tqs[cls][1]]
 
+    def plan_room(self, cls: RequestClass, count: int, movable: dict[int, int]) -> list[int] | None:
+        return self.rings[cls].plan_room(count, movable)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "func_id": self.func_id}
+
     def release(self, call: Call) -> None:
         for sh in self.shadows[call.cls]:
             sh.settle(call.seq, call.count)  # an abandoned call's partial bytes stay put too
         self.rings[call.cls].release(call.seq, call.count)
-
-    def ensure_started(self) -> None:
-        self.started += 1
 
     def submit(self, call: Call) -> None:
         call.rx_complete()
@@ -239,29 +241,26 @@ class FuzzServer:
                 for q in ins + outs:
                     q.close()
 
-    # -- the Server interface ---------------------------------------------------------
+    # -- FastPathHost ------------------------------------------------------------------
 
-    def runtime(self, name: str) -> FuzzRuntime:
+    def model(self, name: str) -> FuzzRuntime:
         rt = self.runtimes.get(name)
         if rt is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.runtimes))}")
         return rt
 
-    def runtime_by_func(self, func_id: int) -> FuzzRuntime:
+    def model_by_func(self, func_id: int) -> FuzzRuntime:
         rt = self.by_func.get(func_id)
         if rt is None:
             raise UnknownModel(f"unknown func_id {func_id}; look the model up by name first")
         return rt
 
-    def request_class(self, rt: FuzzRuntime, cls: int) -> RequestClass:
+    def request_class(self, port: FuzzRuntime, cls: int) -> RequestClass:
         try:
             c = RequestClass(cls)
         except ValueError:
             raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
-        return rt.default_class if c == RequestClass.DEFAULT else c
-
-    def describe(self, rt: FuzzRuntime) -> dict[str, Any]:
-        return {"name": rt.name, "func_id": rt.func_id}
+        return port.default_class if c == RequestClass.DEFAULT else c
 
     # -- the fake model ---------------------------------------------------------------
 

@@ -210,7 +210,7 @@ class StreamHarness(LoopHarness):
         self.loop_errors.clear()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.setblocking(False)
-        conn = FastPathConnection(self.server, theirs, "fuzz")  # type: ignore[arg-type]
+        conn = FastPathConnection(self.server, theirs, "fuzz", self.server.connections)  # type: ignore[arg-type]
         got = bytearray()
         try:
             bounds = [0, *case.cuts, len(case.data)]

@@ -1,0 +1,344 @@
+"""The seams of a splitserve node: what each part needs from the others, and nothing more.
+
+``server.app.Server`` is the node's composition root. It builds every part and hands each
+one only the interface below that it needs; no part imports ``app`` or names ``Server``.
+``docs/node.md`` draws who calls whom. In short:
+
+* a **transport** (``fastpath``, ``udp``) reaches the node through ``FastPathHost`` and a
+  model through ``ModelPort``;
+* the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference and
+  a ``management.ModelManager`` for everything else; every front end, fast path included,
+  is a ``FrontEnd`` the root starts and stops;
+* a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
+  ``NodeScheduler`` it asks for batches, metrics, CPUs, profiles and a worker factory; it
+  drives ``InstanceWorker`` handles;
+* the **coordinator** sees each runtime as a ``ScheduledModel``;
+* **management** sees the node's models through ``ModelDirectory`` and each one as a
+  ``ManagedModel``.
+
+These are also the interfaces a remote node implements: a cluster gateway forwards to a
+model through ``ModelPort``/``ServingAPI`` as the local transports do. So they carry
+descriptors, views and typed records, never a process, a socket or a registry handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import numpy as np
+
+from splitserve.config import ServerConfig
+from splitserve.modelconfig import BatchingConfig, ModelConfig
+from splitserve.placement.profiler import ModelProfile
+from splitserve.protocol.header import RequestClass
+from splitserve.registry import ModelRecord
+from splitserve.scheduler.priority import InstanceView, PriorityMode
+from splitserve.scheduler.request import Batch
+from splitserve.server.intake import Intake, RingPort
+from splitserve.server.metrics import Metrics
+from splitserve.server.monitor import InferenceMonitor
+from splitserve.worker.messages import RunMsg
+from splitserve.worker.pool import WorkerOwner
+from splitserve.worker.spec import WorkerSpec
+
+# -- records that cross the seams -------------------------------------------------------------
+
+
+class ModelState(StrEnum):
+    """A served model's life: UNLOADED → LOADING → READY → STOPPING → UNLOADED, and FAILED
+    when its load failed (calls are refused until a retry, after ``load_retry_s``)."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+@dataclass
+class ModelStats:
+    """Cumulative per-model counters (Open Inference Protocol statistics extension)."""
+
+    success: int = 0
+    failure: int = 0
+    inference_count: int = 0  # samples
+    execution_count: int = 0  # batches
+    queue_ns: int = 0
+    compute_ns: int = 0
+    request_ns: int = 0  # successful calls, header to answer
+    failure_ns: int = 0  # failed calls, header to answer
+    preemptions: int = 0
+    last_inference_ms: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class InferOutcome:
+    """Outputs (fresh arrays, in declared order) and the server's timings of one call."""
+
+    outputs: list[np.ndarray]
+    queue_us: int
+    compute_us: int
+    total_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One step in the life of a batch, on the server's perf_counter clock."""
+
+    t: float
+    kind: str  # start | resume | preempt | preempted | done | failed
+    model: str
+    instance: int
+    batch: int
+    cls: str
+    segment: int = 0  # preempted: the restore point; resume: where it resumes
+    latency_ns: int = 0  # preempted: flag raised -> worker stopped
+
+
+# -- transports -------------------------------------------------------------------------------
+
+
+class ModelPort(RingPort, Protocol):
+    """One served model as a transport sees it.
+
+    Called by the fast-path transports and ``Server.infer`` for every request: ``alloc``
+    the slots (raises why the model refuses the call), receive into ``input_views``,
+    ``submit`` the call once its payload is in; the model answers it exactly once through
+    the call's sink, whose ``output_views`` hold the outputs. A lookup reads ``describe``.
+    """
+
+    config: ModelConfig
+    default_class: RequestClass  # the class of a call that names none
+
+    def describe(self) -> dict[str, Any]:
+        """A lookup reply's JSON body: name, func_id, tensors, state, instances."""
+
+
+class FastPathHost(Protocol):
+    """What the fast-path transports (``FastPathConnection``, ``StreamListener``,
+    ``UdpEndpoint``) need from the node, for every frame they read."""
+
+    loop: asyncio.AbstractEventLoop
+    config: ServerConfig
+    intake: Intake  # slot allocation for requests still arriving; the frame-timeout sweep
+    monitor: InferenceMonitor
+
+    def model(self, name: str) -> ModelPort:
+        """A registered model by name (a lookup); never starts its workers. Raises UnknownModel."""
+
+    def model_by_func(self, func_id: int) -> ModelPort:
+        """The model a request's func_id names. Raises UnknownModel."""
+
+    def request_class(self, port: ModelPort, cls: int) -> RequestClass:
+        """The class a call runs in (its own, or the model's default); raises when the node
+        refuses it (stopping, or best-effort work on an rt-only node)."""
+
+
+class FrontEnd(ABC):
+    """Something that takes requests from outside: a fast-path listener (TCP, Unix, UDP),
+    HTTP, gRPC. The composition root starts them all, then stops them all, through this."""
+
+    @abstractmethod
+    async def start(self) -> dict[str, Any]:
+        """Bind and start serving; returns what was bound (e.g. ``{"http_port": 8000}``)."""
+
+    @abstractmethod
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking requests; requests in flight may finish within ``grace_s``. Called
+        before the node stops its models."""
+
+    def close(self) -> None:
+        """Let go of what is left (e.g. idle connections). Called after the models stopped,
+        so answers to calls that were running could still go out."""
+
+
+# -- the decoded front ends -------------------------------------------------------------------
+
+
+class ServingAPI(Protocol):
+    """What HTTP and gRPC need from the node to serve (management is ``ModelManager``)."""
+
+    def infer(self, name: str, inputs: Sequence[np.ndarray], cls: str | int | None = None,
+              deadline_s: float | None = None) -> Awaitable[InferOutcome]:
+        """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
+
+    def model_state(self, name: str) -> str:
+        """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
+
+    def ready(self) -> bool:
+        """Not stopping, and every start-up (``--load``) model is ready."""
+
+    def metrics_text(self) -> bytes:
+        """Prometheus text exposition, gauges refreshed now."""
+
+
+# -- runtime and coordinator ---------------------------------------------------------------------
+
+
+class ScheduledModel(Protocol):
+    """One model as the coordinator sees it. Its runtime calls the coordinator
+    (``NodeScheduler``) from its scheduling pass; the coordinator answers with these calls."""
+
+    name: str
+
+    def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
+        """Each instance: CPUs, what it runs, when that should end. ``preempt_raised(instance,
+        batch_id)`` says whether the coordinator has already asked that batch to stop."""
+
+    def rt_waiting(self) -> int:
+        """Real-time requests waiting for a batch."""
+
+    def start_batches(self, now: float, classes: Sequence[RequestClass],
+                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
+        """Take the batches that may start now (only ``classes``, only where ``may_start``)."""
+
+    def preempt(self, instance: int, batch_id: int) -> Batch | None:
+        """Ask ``batch_id`` on ``instance`` to stop at its next segment boundary; the batch,
+        or None if that instance runs no worker."""
+
+    def clear_preempt(self, instance: int) -> None:
+        """Lower the instance's preemption flag (its batch finished first)."""
+
+    def pad(self, deadlines: Mapping[int, float]) -> None:
+        """Padding deadlines (perf_counter seconds) per instance; an instance left out, or
+        0.0, runs without one."""
+
+    def kick(self) -> None:
+        """Run a scheduling pass soon (something elsewhere on the node changed)."""
+
+
+class NodeScheduler(Protocol):
+    """Node-wide scheduling (``coordinator.Coordinator``), called by every runtime."""
+
+    def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
+        """The batches ``model`` may start now; may preempt or pad other models' work."""
+
+    def started(self, model: ScheduledModel, batch: Batch) -> None:
+        """``batch`` (new, or resuming) was sent to its worker."""
+
+    def finished(self, model: ScheduledModel, instance: int, batch: Batch, ok: bool) -> None:
+        """``batch`` ended: done, failed, or handed back to the queue."""
+
+    def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
+        """``batch`` stopped at segment ``restore`` and waits, suspended, on ``instance``."""
+
+
+class PreemptPage(Protocol):
+    """A worker's shared preemption page (``worker.preempt_flag.PreemptFlag``)."""
+
+    def raise_for(self, batch_id: int) -> None: ...
+    def clear(self) -> None: ...
+    def set_padding_deadline(self, deadline_ns: int) -> None: ...
+
+
+class InstanceWorker(Protocol):
+    """The process serving one instance (``worker.pool.WorkerHandle``), as its runtime
+    drives it. It reports back through the runtime's ``WorkerOwner`` callbacks."""
+
+    pid: int
+    alive: bool
+    started: bool  # it reported READY once
+    stopping: bool  # asked to exit: no restart
+    load_error: str | None
+    killed_for: str | None
+    flag: PreemptPage
+
+    def send_run(self, msg: RunMsg) -> bool:
+        """Send a batch descriptor; False if the worker is gone."""
+
+    def kill(self, reason: str) -> None:
+        """Kill it now; its exit is reported as any other."""
+
+    async def stop(self, timeout: float = ...) -> None:
+        """Ask it to exit, killing it after ``timeout``."""
+
+
+# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
+WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop],
+                         InstanceWorker]
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """What a ``ModelRuntime`` needs from its node, built once by the composition root."""
+
+    loop: asyncio.AbstractEventLoop
+    config: ServerConfig  # queue slots, RT policy, placement default, start/drain/stop timeouts, cache dir
+    node: NodeScheduler
+    metrics: Metrics
+    cpus: Callable[[int], list[int]]  # fixed placement: the next ``n`` CPUs of the node
+    profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
+    stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
+    start_worker: WorkerFactory
+
+
+# -- management ---------------------------------------------------------------------------------
+
+
+class ManagedModel(Protocol):
+    """A served model as management drives and reports it (``runtime.ModelRuntime``)."""
+
+    name: str
+    config: ModelConfig  # as served now (batching may differ from the registered one)
+    enabled: bool  # False after a user's unload, until a load
+    error: str | None  # why the last load failed
+    stats: ModelStats
+
+    @property
+    def state(self) -> ModelState: ...
+
+    @property
+    def instance_count(self) -> int: ...
+
+    @property
+    def dispatch_max_batch(self) -> int:
+        """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
+
+    async def load(self) -> None:
+        """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""
+
+    async def wait_ready(self) -> None:
+        """Start the workers if needed and wait until the model serves (ModelNotReady if not)."""
+
+    async def unload(self, deadline: float | None = None, reason: str = ..., *, disable: bool = False) -> None:
+        """Stop the workers; with ``disable``, refuse calls until the next ``load``."""
+
+    async def resize(self, instances: int) -> None:
+        """Change the instance count without dropping requests."""
+
+    def set_batching(self, batching: BatchingConfig, max_batch: int | None) -> None:
+        """Swap the batching policy (and dispatch batch limit) in place; queued calls stay."""
+
+    def placement(self) -> dict[str, Any]:
+        """Serving instances (threads, batch, CPUs), the Packrat plan, reconfigurations."""
+
+
+class ModelDirectory(Protocol):
+    """The node's models, as ``management.ModelManager`` registers and finds them."""
+
+    records: Mapping[str, ModelRecord]  # every registered model by name
+
+    def runtime(self, name: str) -> ManagedModel:
+        """The served model (created on first use; workers start lazily). Raises UnknownModel."""
+
+    def loaded(self, name: str) -> ManagedModel | None:
+        """The served model if it was created, else None (never creates one)."""
+
+    def remember(self, rec: ModelRecord) -> None:
+        """Make a newly registered model known to every front end."""
+
+    async def drop(self, name: str) -> None:
+        """Stop the model for good (unregister): unload, free its queues, forget it."""
+
+
+class EventLog(Protocol):
+    """The coordinator's bounded log of batch events, read by management."""
+
+    mode: PriorityMode
+    events: Collection[Event]

@@ -1,0 +1,101 @@
+"""The import graph of ``splitserve/`` has no cycle, counting every import: module level,
+inside functions, and under ``TYPE_CHECKING``. A cycle means two parts are written against
+each other, so neither can be replaced or tested without the other (``docs/node.md``).
+
+Edges follow what an import names. ``from package import submodule`` depends on the
+submodule, and ``import a.b.c`` on ``a.b.c``: that Python runs ``a/__init__`` and
+``a/b/__init__`` first is how packages load, not a dependency of the importer (else every
+module in a package whose ``__init__`` re-exports it would sit in a cycle with it).
+Nothing is excluded.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import splitserve
+
+PACKAGE = Path(splitserve.__file__).parent
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the package by dotted name, with whether it is a package's ``__init__``."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_pkg: bool, modules: dict) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: resolve against this module's package
+            pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+            pkg = pkg[: len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    out = []
+    for name in names:
+        while name not in modules and "." in name:  # ``import a.b.func``-style: the module part
+            name = name.rsplit(".", 1)[0]
+        if name in modules and name != module:
+            out.append(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_pkg) in modules.items():
+        deps = graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):  # every import, at any depth
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps.update(_targets(node, module, is_pkg, modules))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as ``[a, b, ..., a]``, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path = [root]
+        stack = [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_the_graph_sees_type_only_and_function_level_imports():
+    graph = import_graph()
+    assert "splitserve.server.ports" in graph["splitserve.server.runtime"]
+    # function-level: the CLI imports the composition root only when it serves
+    assert "splitserve.server.app" in graph["splitserve.cli"]
+    # a deliberately cyclic pair is reported as a cycle
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_splitserve_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_nothing_below_the_composition_root_imports_it():
+    importers = sorted(m for m, deps in import_graph().items() if "splitserve.server.app" in deps)
+    assert importers == ["splitserve.cli"]

@@ -1,0 +1,245 @@
+"""A ``ModelRuntime`` driven through its seams (``server/ports.py``) with fakes: no
+processes, no sockets, no event loop. The node is a ``RuntimeEnv`` whose scheduler
+records what the runtime tells it, whose workers are fake ``InstanceWorker`` handles that
+record the batch descriptors they are sent, and whose loop is a queue of callbacks the
+test runs by hand; the runtime's shared-memory queues are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitserve.config import ServerConfig
+from splitserve.errors import SplitServeError
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import RequestClass
+from splitserve.registry import ModelRecord
+from splitserve.scheduler.request import Batch
+from splitserve.server.metrics import Metrics
+from splitserve.server.monitor import Call, InferenceMonitor
+from splitserve.server.ports import ModelState, RuntimeEnv, ScheduledModel
+from splitserve.server.runtime import ModelRuntime
+from splitserve.worker.messages import DoneMsg, Msg, RunMsg
+
+BE = RequestClass.BE
+
+
+class FakeLoop:
+    """The loop as the runtime uses it: callbacks wait here until ``run`` runs them."""
+
+    def __init__(self) -> None:
+        self.ready: list[tuple[Callable[..., Any], tuple]] = []
+        self.later: list[tuple[float, Callable[..., Any], tuple]] = []
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.ready.append((fn, args))
+
+    def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> "FakeLoop":
+        self.later.append((delay, fn, args))
+        return self
+
+    def cancel(self) -> None:  # the timer handle call_later returns
+        pass
+
+    def run(self) -> None:
+        while self.ready:
+            fn, args = self.ready.pop(0)
+            fn(*args)
+
+
+class FakeFlag:
+    def __init__(self) -> None:
+        self.raised_for = 0
+        self.padding_ns = 0
+
+    def raise_for(self, batch_id: int) -> None:
+        self.raised_for = batch_id
+
+    def clear(self) -> None:
+        self.raised_for = 0
+
+    def set_padding_deadline(self, deadline_ns: int) -> None:
+        self.padding_ns = deadline_ns
+
+
+class FakeWorker:
+    """An ``InstanceWorker`` that records what it is sent; the test reports for it."""
+
+    def __init__(self, owner: Any, instance: int, make_spec: Callable[[int, int], Any], loop: Any) -> None:
+        self.owner, self.instance = owner, instance
+        self.spec = make_spec(-1, -1)
+        self.pid = 4000 + instance
+        self.alive, self.started, self.stopping = True, False, False
+        self.load_error: str | None = None
+        self.killed_for: str | None = None
+        self.flag = FakeFlag()
+        self.sent: list[RunMsg] = []
+
+    def send_run(self, msg: RunMsg) -> bool:
+        self.sent.append(msg)
+        return self.alive
+
+    def ready(self) -> None:
+        self.started = True
+        self.owner.on_ready(self.instance, {"segments": 3})
+
+    def kill(self, reason: str) -> None:
+        self.killed_for = self.killed_for or reason
+        self.die()
+
+    def die(self) -> None:
+        if self.alive:
+            self.alive = False
+            self.owner.on_exit(self.instance, self)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        self.stopping = True
+        self.die()
+
+
+class RecordingNode:
+    """A ``NodeScheduler`` that lets every batch start and records what it hears."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
+        return model.start_batches(now, (RequestClass.RT, BE), None)
+
+    def started(self, model: ScheduledModel, batch: Batch) -> None:
+        self.calls.append(("started", model.name, batch.batch_id))
+
+    def finished(self, model: ScheduledModel, instance: int, batch: Batch, ok: bool) -> None:
+        self.calls.append(("finished", model.name, batch.batch_id, ok))
+
+    def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
+        self.calls.append(("preempted", model.name, batch.batch_id, restore, latency_ns))
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.answers: list[tuple[int, Any]] = []
+
+    def deliver(self, call: Call) -> None:
+        data = b"".join(bytes(v) for v in call.runtime.output_views(call.cls, call.seq, call.count))
+        self.answers.append((call.req_id, data))
+
+    def fail(self, call: Call, error: SplitServeError) -> None:
+        self.answers.append((call.req_id, error))
+
+
+MODEL = ModelConfig.from_dict({
+    "name": "double", "max_batch_size": 4, "instances": 1, "threads": 1,
+    "artifact": {"kind": "zoo", "arch": "vecadd1k"},
+    "inputs": [{"name": "x", "datatype": "UINT8", "shape": [4]}],
+    "outputs": [{"name": "y", "datatype": "UINT8", "shape": [4]}],
+})
+
+
+class Harness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.loop = FakeLoop()
+        self.node = RecordingNode()
+        self.workers: list[FakeWorker] = []
+        self.monitor = InferenceMonitor()
+        self.sink = Sink()
+
+        def start_worker(owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:
+            w = FakeWorker(owner, instance, make_spec, loop)
+            self.workers.append(w)
+            return w
+
+        env = RuntimeEnv(loop=self.loop, config=ServerConfig(data_dir=tmp_path, queue_slots=8),  # type: ignore[arg-type]
+                         node=self.node, metrics=Metrics(), cpus=lambda n: list(range(n)), profile=lambda name: None,
+                         stopping=lambda: False, start_worker=start_worker)
+        self.rt = ModelRuntime(env, ModelRecord("double", 7, 1, "test", None, MODEL))
+
+    def call(self, req_id: int, payload: bytes) -> Call:
+        seq = self.rt.alloc(BE, 1)
+        call = Call(self.monitor, self.rt, req_id, BE, seq, 1, self.sink, None)
+        self.rt.input_views(BE, seq, 1)[0][:] = payload
+        self.rt.submit(call)
+        return call
+
+    def run_batch(self, worker: FakeWorker) -> RunMsg:
+        """The worker runs the batch it was sent last: doubles each byte, reports DONE."""
+        msg = worker.sent[-1]
+        x = bytes(self.rt.input_views(BE, msg.seq, msg.count)[0])
+        self.rt.output_views(BE, msg.seq, msg.count)[0][:] = bytes((2 * b) % 256 for b in x)
+        self.rt.on_done(worker.instance, DoneMsg(Msg.DONE, msg.batch_id, 1000, 3, 0))
+        return msg
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.close()
+
+
+def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_batch(h):
+    h.call(1, bytes([1, 2, 3, 4]))
+    assert h.rt.state is ModelState.LOADING and len(h.workers) == 1  # the first call starts the model
+    (worker,) = h.workers
+    assert worker.spec.cpus == [0] and worker.spec.model["name"] == "double"
+    h.loop.run()
+    assert worker.sent == []  # nothing is dispatched to a worker that is not ready
+    worker.ready()
+    h.loop.run()
+    msg = h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([2, 4, 6, 8]))]
+    assert h.node.calls == [("started", "double", msg.batch_id), ("finished", "double", msg.batch_id, True)]
+    assert h.monitor.in_flight == 0 and h.rt.rings[BE].in_use == 0
+    assert h.rt.stats.success == 1 and h.rt.describe()["pids"] == [worker.pid]
+
+
+def test_a_worker_that_dies_mid_batch_fails_its_calls_and_is_restarted_later(h):
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.ready()
+    h.loop.run()
+    (msg,) = worker.sent
+    worker.die()
+    (answer,) = h.sink.answers
+    assert answer[0] == 1 and answer[1].status.name == "WORKER_FAILED"
+    assert h.node.calls[-1] == ("finished", "double", msg.batch_id, False)
+    restart = [fn for _, fn, _ in h.loop.later if getattr(fn, "__name__", "") == "_restart"]
+    assert restart, "a restart is scheduled after the backoff"
+    restart[0](0)
+    assert len(h.workers) == 2 and h.monitor.in_flight == 0
+
+
+def test_a_preempted_batch_is_suspended_reported_to_the_node_and_resumed(h):
+    h.call(1, bytes([5, 5, 5, 5]))
+    (worker,) = h.workers
+    worker.ready()
+    h.loop.run()
+    (msg,) = worker.sent
+    assert h.rt.preempt(0, msg.batch_id) is not None and worker.flag.raised_for == msg.batch_id
+    h.rt.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
+    assert worker.flag.raised_for == 0 and h.rt.stats.preemptions == 1
+    assert h.node.calls[-1] == ("preempted", "double", msg.batch_id, 2, 700)
+    assert h.rt.instance_views(lambda i, b: False)[0].suspended
+    h.loop.run()  # the runtime's next pass resumes it on its own instance, from segment 2
+    assert worker.sent[-1].batch_id == msg.batch_id and worker.sent[-1].resume_segment == 2
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([10, 10, 10, 10]))]
+
+
+def test_a_done_report_for_another_batch_costs_the_running_batch_nothing(h):
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.ready()
+    h.loop.run()
+    (msg,) = worker.sent
+    h.rt.on_done(0, DoneMsg(Msg.DONE, msg.batch_id + 99, 0, 3, 0))
+    assert h.sink.answers == [] and h.monitor.in_flight == 1
+    h.run_batch(worker)
+    assert [a[0] for a in h.sink.answers] == [1]
