@@ -11,13 +11,20 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.errors import InvalidInput, QueueFull
+from splitserve.errors import QueueFull
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.policy import BatchingPolicy
 from splitserve.scheduler.request import Batch, QueuedRequest
+from splitserve.types import Choice
 
 CLASSES = (RequestClass.RT, RequestClass.BE)
-RT_POLICIES = ("fifo", "edf")  # order among waiting real-time requests
+
+
+class RtPolicy(Choice, what="rt_policy"):
+    """Order among waiting real-time requests; ``ServerConfig.rt_policy``."""
+
+    FIFO = "fifo"  # arrival (slot) order
+    EDF = "edf"  # earliest deadline first
 
 
 @dataclass(slots=True)
@@ -120,11 +127,9 @@ class ModelScheduler:
     """
 
     def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int,
-                 rt_policy: str = "fifo") -> None:
-        if rt_policy not in RT_POLICIES:
-            raise InvalidInput(f"rt_policy {rt_policy!r}: use one of {', '.join(RT_POLICIES)}")
+                 rt_policy: RtPolicy | str = RtPolicy.FIFO) -> None:
         self.model = model
-        self.rt_policy = rt_policy
+        self.rt_policy = RtPolicy.parse(rt_policy)
         self.policy = policy
         self.max_batch = max_batch
         self.queues = {c: ClassQueue(queue_limit) for c in CLASSES}
@@ -252,7 +257,7 @@ class ModelScheduler:
                     continue
                 # RT under EDF: the most urgent request heads the batch, which continues
                 # over the slots after it, so the batch is still one contiguous view
-                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy == "edf" else 0
+                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
                 run = q.contiguous_run(start)
                 n = self.policy.take(run, now, st.max_batch or self.max_batch)
                 if n == 0:

@@ -72,7 +72,7 @@ class Server:
         self.config = config
         self.metrics = Metrics()
         self.monitor = InferenceMonitor(self.metrics)
-        self.coordinator = Coordinator(self, PriorityMode.parse(config.preemption))
+        self.coordinator = Coordinator(self, config.preemption, config.coordinator_events)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
@@ -281,7 +281,7 @@ class Server:
             raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
         if c == RequestClass.DEFAULT:
             c = rt.default_class
-        if c == RequestClass.BE and self.config.preemption == "rt-only":
+        if c == RequestClass.BE and self.config.preemption is PriorityMode.RT_ONLY:
             raise Refused("best-effort requests are refused in rt-only mode")
         return c
 

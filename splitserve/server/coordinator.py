@@ -45,7 +45,7 @@ class Event:
 class Coordinator:
     """Node-wide scheduling across models under one ``PriorityMode``."""
 
-    def __init__(self, server: "Server", mode: PriorityMode, max_events: int = 200_000) -> None:
+    def __init__(self, server: "Server", mode: PriorityMode, max_events: int) -> None:
         self.server = server
         self.mode = mode
         self.events: deque[Event] = deque(maxlen=max_events)
@@ -67,7 +67,8 @@ class Coordinator:
                     model=rt.name, instance=i, cpus=frozenset(rt.cpus.get(i, ())),
                     ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                     preempt_raised=bool(b) and (rt.name, i, b.batch_id) in self._raised,
-                    expected_end=(b.extra.get("started", b.created) + rt.expected_batch_s(b.count)) if b else None,
+                    expected_end=((b.created if b.started is None else b.started)
+                                  + rt.expected_batch_s(b.count)) if b else None,
                     suspended=st.suspended is not None, rt_waiting=rt_waiting,
                 ))
         return out
@@ -101,7 +102,7 @@ class Coordinator:
     @staticmethod
     def _stamp(batches: list[Batch], now: float) -> list[Batch]:
         for b in batches:
-            b.extra["started"] = now
+            b.started = now
         return batches
 
     def started(self, rt: "ModelRuntime", batch: Batch) -> None:

@@ -133,7 +133,7 @@ async def _start_http(server: "Server", codec: CodecPool) -> tuple[_EmbeddedUvic
         if task.done():
             task.result()  # raises the start-up error
             raise RuntimeError("the HTTP server stopped during start-up")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(cfg.http_start_poll_s)
     server.ports["http_port"] = sock.getsockname()[1]
     log.info("HTTP (Open Inference Protocol v2) on %s:%d", cfg.host, server.ports["http_port"])
     return userver, task

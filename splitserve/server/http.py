@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
-MAX_TOP_K = 1000
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
@@ -307,8 +306,8 @@ def create_app(server: "Server", codec: CodecPool) -> FastAPI:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
         top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
+        if not 1 <= top_k <= server.config.max_top_k:
+            raise InvalidInput(f"top_k must be an integer between 1 and {server.config.max_top_k}")
         rt = server.runtime(name)
         cfg = rt.config
         if not cfg.labels:

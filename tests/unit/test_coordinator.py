@@ -124,7 +124,7 @@ class Node:
                 rt.workers[i] = SimpleNamespace(flag=FakeFlag(self.log, (name, i)), pid=1000 + i)
             self.runtimes[name] = rt
         self.metrics = SimpleNamespace(preemptions=_Counter(), preemption_latency=_Counter())
-        self.coord = Coordinator(self, mode)  # type: ignore[arg-type]
+        self.coord = Coordinator(self, mode, max_events=10_000)  # type: ignore[arg-type]
         self._seq = {name: {RT: 0, BE: 0} for name in models}
 
     def enqueue(self, model: str, cls: RequestClass, n: int = 1) -> None:
