@@ -114,10 +114,6 @@ class ClassQueue:
         items, self._items, self._keys = self._items, [], []
         return items
 
-    @property
-    def oldest_arrival(self) -> float | None:
-        return min((r.arrival for r in self._items), default=None)
-
 
 class ModelScheduler:
     """Queues and instances of one model; ``schedule`` turns them into batches.
@@ -286,6 +282,3 @@ class ModelScheduler:
 
     def waiting(self, cls: RequestClass | None = None) -> int:
         return sum(len(q) for c, q in self.queues.items() if cls is None or c == cls)
-
-    def has_idle(self) -> bool:
-        return any(s.idle for s in self.instances.values())

@@ -83,7 +83,6 @@ class Server:
         self.stopping = False
         self._stopped = False
         self._watchdog: asyncio.TimerHandle | None = None
-        self.started = time.time()
         self._cpus = sorted(os.sched_getaffinity(0))
         self._cpu_cursor = 0
 
