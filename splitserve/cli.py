@@ -56,11 +56,6 @@ app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
 console = Console()
 
 
-def _port(value: int) -> int | None:
-    """-1 turns a front end off; 0 picks a free port."""
-    return None if value < 0 else value
-
-
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind; loopback unless you mean otherwise."),
@@ -85,8 +80,8 @@ def serve(
                  rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts,
                  log_level=log_level.upper() if log_level else None)
     cfg = ServerConfig.from_env(
-        host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
-        grpc_port=_port(grpc_port), data_dir=data_dir or default_data_dir(), load=tuple(load),
+        host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
+        data_dir=data_dir or default_data_dir(), load=tuple(load),
         **{k: v for k, v in given.items() if v is not None},
     )
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -43,7 +43,8 @@ def env_cache_dir() -> Path | None:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server-wide settings. Ports set to 0 pick a free port; None turns a front end off."""
+    """Server-wide settings. Ports set to 0 pick a free port; None (or -1, the way a flag or
+    a SPLITSERVE_*_PORT variable says it) turns a front end off."""
 
     host: str = "127.0.0.1"  # loopback unless told otherwise
     fast_port: int | None = 8100  # fast path over TCP
@@ -105,8 +106,11 @@ class ServerConfig:
         # Names given as strings (flags, tests, code) become their enum here, so an
         # unknown one is refused where it is given, with the valid ones listed.
         for f in fields(self):
+            value = getattr(self, f.name)
             if isinstance(f.default, Choice):
-                object.__setattr__(self, f.name, type(f.default).parse(getattr(self, f.name), f.name))
+                object.__setattr__(self, f.name, type(f.default).parse(value, f.name))
+            elif f.name.endswith("_port") and isinstance(value, int) and value < 0:
+                object.__setattr__(self, f.name, None)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":

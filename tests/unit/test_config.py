@@ -142,6 +142,12 @@ def test_the_cache_dir_comes_from_the_config_or_its_environment_name(monkeypatch
     assert ServerConfig(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
 
 
+def test_a_port_of_minus_one_is_off_from_a_flag_or_the_environment(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_HTTP_PORT", "-1")
+    cfg = ServerConfig.from_env(grpc_port=-1)
+    assert (cfg.http_port, cfg.grpc_port, cfg.fast_port) == (None, None, ServerConfig.fast_port)
+
+
 def _environment_reads(tree: ast.AST) -> list[int]:
     """Lines that read a variable: os.environ.get / [...] / os.getenv (copying os.environ
     for a child process is not reading a setting)."""
