@@ -15,6 +15,9 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from splitserve.config import ServerConfig, default_data_dir
+from splitserve.placement.packrat import PlacementKind
+from splitserve.scheduler.model_scheduler import RtPolicy
+from splitserve.scheduler.priority import PriorityMode
 
 
 class _Commands(TyperGroup):
@@ -53,11 +56,6 @@ app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
 console = Console()
 
 
-def _port(value: int) -> int | None:
-    """-1 turns a front end off; 0 picks a free port."""
-    return None if value < 0 else value
-
-
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind; loopback unless you mean otherwise."),
@@ -70,22 +68,23 @@ def serve(
     repository: Optional[Path] = typer.Option(None, help="Extra model repository: a directory per model with config.toml."),
     load: list[str] = typer.Option([], help="Models to load at start-up (others load on first use)."),
     queue_slots: int = typer.Option(None, help="Tensor-queue slots per model and class."),
-    preemption: str = typer.Option(None, help="reef | seq | concurrent | rt-only"),
-    rt_policy: str = typer.Option(None, help="Order among real-time requests: fifo | edf."),
-    placement: str = typer.Option(None, help="Default placement of models: fixed | packrat."),
-    log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR."),
+    preemption: Optional[PriorityMode] = typer.Option(None, help="How real-time and best-effort work share CPUs."),
+    rt_policy: Optional[RtPolicy] = typer.Option(None, help="Order among real-time requests (edf: earliest deadline)."),
+    placement: Optional[PlacementKind] = typer.Option(None, help="Placement of models whose config names none."),
+    log_level: Optional[str] = typer.Option(None, help="DEBUG, INFO, WARNING or ERROR (default: INFO)."),
     allow_code_artifacts: bool = typer.Option(
         None, help="Accept TorchScript and torch.export uploads: they run code, so every token holder can."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
-                 rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts)
+                 rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts,
+                 log_level=log_level.upper() if log_level else None)
     cfg = ServerConfig.from_env(
-        host=host, fast_port=_port(fast_port), udp_port=_port(udp_port), http_port=_port(http_port),
-        grpc_port=_port(grpc_port), data_dir=data_dir or default_data_dir(), load=tuple(load),
-        log_level=log_level.upper(), **{k: v for k, v in given.items() if v is not None},
+        host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
+        data_dir=data_dir or default_data_dir(), load=tuple(load),
+        **{k: v for k, v in given.items() if v is not None},
     )
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from splitserve.server.app import Server
 
     try:
@@ -290,7 +289,6 @@ def profile(
 
     from rich.progress import Progress
 
-    from splitserve.config import ServerConfig
     from splitserve.placement.profiler import default_batches, profile_model, save_profile
 
     reg, rec = _record(data_dir, model)

@@ -3,18 +3,25 @@ one-line reason. ``ServerConfig`` is built once (CLI or tests) and passed down e
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from splitserve.errors import InvalidInput
+from splitserve.placement.packrat import PlacementKind
+from splitserve.scheduler.model_scheduler import RtPolicy
+from splitserve.scheduler.priority import PriorityMode
+from splitserve.types import Choice
 
 
 def _env(name: str, default: Any, kind: type) -> Any:
     raw = os.environ.get(f"SPLITSERVE_{name.upper()}")
     if raw is None or raw == "":
         return default
+    if issubclass(kind, Choice):
+        return kind.parse(raw, f"SPLITSERVE_{name.upper()}")
     try:
         if kind is bool:
             return raw.strip().lower() in ("1", "true", "yes", "on")
@@ -27,9 +34,17 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_DATA_DIR") or Path.cwd() / ".splitserve")
 
 
+def env_cache_dir() -> Path | None:
+    """``SPLITSERVE_CACHE_DIR`` (trained weights), or None where it is not set. The one
+    place it is read: the server's default and the zoo's in-process default both use it."""
+    env = os.environ.get("SPLITSERVE_CACHE_DIR")
+    return Path(env) if env else None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server-wide settings. Ports set to 0 pick a free port; None turns a front end off."""
+    """Server-wide settings. Ports set to 0 pick a free port; None (or -1, the way a flag or
+    a SPLITSERVE_*_PORT variable says it) turns a front end off."""
 
     host: str = "127.0.0.1"  # loopback unless told otherwise
     fast_port: int | None = 8100  # fast path over TCP
@@ -47,11 +62,11 @@ class ServerConfig:
     worker_restart_backoff_s: float = 0.2  # first delay before restarting a dead worker
     max_upload_bytes: int = 512 << 20  # model registration upload limit
     stop_grace_s: float = 5.0  # HTTP and gRPC calls in flight get this long to finish at shutdown
-    preemption: str = "reef"  # reef | seq | concurrent | rt-only
-    rt_policy: str = "fifo"  # order among waiting real-time requests: fifo | edf (earliest deadline first)
-    placement: str = "fixed"  # default placement of models whose config names none: fixed | packrat
-    log_level: str = "INFO"
-    cache_dir: Path | None = None  # trained/derived weights (default: SPLITSERVE_CACHE_DIR or data_dir/cache)
+    preemption: PriorityMode = PriorityMode.REEF  # how RT and BE work share the node: reef | seq | concurrent | rt-only
+    rt_policy: RtPolicy = RtPolicy.FIFO  # order among waiting real-time requests: fifo | edf (earliest deadline first)
+    placement: PlacementKind = PlacementKind.FIXED  # placement of models whose config names none: fixed | packrat
+    log_level: str = "INFO"  # logging level of the server and its worker processes (DEBUG, INFO, WARNING, ERROR)
+    cache_dir: Path | None = field(default_factory=env_cache_dir)  # trained/derived weights (None: data_dir/cache)
     # -- fast path: misbehaving clients (slow, stalled, non-reading, malformed) --
     frame_timeout_s: float = 5.0  # a partial frame (stream or UDP) this old, counted from its first byte, is abandoned
     side_buffer_bytes: int = 256 << 20  # server-wide bytes of slow requests moved off their rings; past it the oldest is dropped
@@ -78,6 +93,24 @@ class ServerConfig:
     stop_timeout_s: float = 30.0  # stop() and unload end by then: leftovers get SHUTTING_DOWN or WORKER_FAILED
     max_call_age_s: float = 600.0  # the watchdog answers a call older than this INTERNAL (a server bug)
     watchdog_period_s: float = 5.0  # how often the watchdog looks for over-age calls
+    # -- tunables that were constants in the code: workers, coordinator, estimates, front-end limits --
+    worker_reap_timeout_s: float = 10.0  # a worker whose control socket closed gets this long to exit before SIGKILL
+    coordinator_events: int = 200_000  # scheduling events kept for /v2/scheduler/events; the oldest are dropped
+    batch_time_weight: float = 0.25  # weight of the newest sample in a model's batch-time EWMA (REEF's expected end)
+    segment_time_weight: float = 0.25  # weight of the newest sample in a worker's segment-time EWMA (padding budget)
+    max_labels: int = 100_000  # lines of a labels file given at registration
+    max_top_k: int = 1000  # largest top_k a /classify call may ask for
+    http_start_poll_s: float = 0.01  # how often start-up looks whether the embedded HTTP server listens yet
+
+    def __post_init__(self) -> None:
+        # Names given as strings (flags, tests, code) become their enum here, so an
+        # unknown one is refused where it is given, with the valid ones listed.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, Choice):
+                object.__setattr__(self, f.name, type(f.default).parse(value, f.name))
+            elif f.name.endswith("_port") and isinstance(value, int) and value < 0:
+                object.__setattr__(self, f.name, None)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerConfig":
@@ -100,34 +133,32 @@ class ServerConfig:
             raise InvalidInput("queue_slots must be at least 2")
         if not 1024 <= self.udp_segment <= 65507 - 64:
             raise InvalidInput("udp_segment must be between 1024 and 65443 bytes")
-        if self.rt_policy not in ("fifo", "edf"):
-            raise InvalidInput(f"rt_policy {self.rt_policy!r}: use fifo or edf")
-        if self.placement not in ("fixed", "packrat"):
-            raise InvalidInput(f"placement {self.placement!r}: use fixed or packrat")
         if self.codec_threads < 1 or self.codec_max_pending < 1 or self.json_chars_per_value < 1:
             raise InvalidInput("codec_threads, codec_max_pending and json_chars_per_value must be at least 1")
-        if self.preemption not in ("reef", "seq", "concurrent", "rt-only"):
-            raise InvalidInput(f"preemption {self.preemption!r}: use reef, seq, concurrent or rt-only")
+        if self.log_level not in logging.getLevelNamesMapping():
+            raise InvalidInput(f"log_level {self.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
         if self.frame_timeout_s <= 0:
             raise InvalidInput("frame_timeout_s must be positive")
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
-                     "udp_rcvbuf", "udp_response_cache_bytes"):
+                     "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
-                     "watchdog_period_s"):
+                     "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
+        for name in ("batch_time_weight", "segment_time_weight"):
+            if not 0 < getattr(self, name) <= 1:
+                raise InvalidInput(f"{name} must be in (0, 1]")
         return self
 
     @property
     def cache_path(self) -> Path:
-        env = os.environ.get("SPLITSERVE_CACHE_DIR")
-        return self.cache_dir or (Path(env) if env else self.data_dir / "cache")
+        return self.cache_dir or self.data_dir / "cache"
 
     @property
     def unix_socket(self) -> Path:

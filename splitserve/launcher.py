@@ -96,12 +96,6 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
     def __enter__(self) -> ServerProcess:
         return self
 

@@ -34,13 +34,32 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.errors import InvalidInput
-from splitserve.types import TensorSpec
+from splitserve.scheduler.policy import BatchingConfig
+from splitserve.types import Choice, TensorSpec
+
+__all__ = ["ArtifactConfig", "ArtifactKind", "BatchingConfig", "ModelConfig", "check_model_name"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-ARTIFACT_KINDS = ("zoo", "safetensors", "torchscript", "export")
-# Kinds whose loading runs code from the file: uploads of them need --allow-code-artifacts.
-CODE_ARTIFACT_KINDS = ("torchscript", "export")
-POLICIES = ("work_conserving", "timeout", "none")
+
+
+class ArtifactKind(Choice, what="artifact.kind",
+                   hint="torch.save pickles are not loaded: convert them to safetensors or torch.export"):
+    """What an artifact file is, and so how ``models.loader`` loads it."""
+
+    ZOO = "zoo"  # a built-in architecture with seeded weights; no file
+    SAFETENSORS = "safetensors"  # a zoo architecture with weights from a file
+    TORCHSCRIPT = "torchscript"
+    EXPORT = "export"  # a torch.export .pt2 archive
+
+    @property
+    def runs_code(self) -> bool:
+        """Loading it runs code from the file: uploads of it need --allow-code-artifacts."""
+        return self in (ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT)
+
+    @property
+    def zoo_arch(self) -> bool:
+        """It names a zoo architecture (``arch``), which also gives its inputs and outputs."""
+        return self in (ArtifactKind.ZOO, ArtifactKind.SAFETENSORS)
 
 
 def check_model_name(name: str) -> str:
@@ -53,34 +72,17 @@ def check_model_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class BatchingConfig:
-    policy: str = "work_conserving"
-    max_delay_ms: float = 2.0
-    preferred_batch: int = 8
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise InvalidInput(f"batching.policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        if self.max_delay_ms < 0 or self.preferred_batch < 1:
-            raise InvalidInput("batching.max_delay_ms must be >= 0 and batching.preferred_batch >= 1")
-
-
-@dataclass(frozen=True)
 class ArtifactConfig:
-    kind: str = "zoo"
+    kind: ArtifactKind = ArtifactKind.ZOO
     arch: str | None = None
     file: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ARTIFACT_KINDS:
-            raise InvalidInput(
-                f"artifact.kind {self.kind!r}: use one of {', '.join(ARTIFACT_KINDS)} (torch.save pickles are not "
-                "loaded: convert them to safetensors)"
-            )
-        if self.kind in ("zoo", "safetensors") and not self.arch:
+        object.__setattr__(self, "kind", ArtifactKind.parse(self.kind))
+        if self.kind.zoo_arch and not self.arch:
             raise InvalidInput(f"artifact.arch is required for a {self.kind} artifact")
-        if self.kind != "zoo" and not self.file:
+        if self.kind is not ArtifactKind.ZOO and not self.file:
             raise InvalidInput(f"artifact.file is required for a {self.kind} artifact")
         if self.file is not None and (not isinstance(self.file, str) or Path(self.file).name != self.file
                                       or self.file.startswith(".") or not self.file.isprintable()):
@@ -180,7 +182,7 @@ class ModelConfig:
             raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
         inputs = d.pop("inputs", None)
         outputs = d.pop("outputs", None)
-        if (inputs is None or outputs is None) and art.kind in ("zoo", "safetensors"):
+        if (inputs is None or outputs is None) and art.kind.zoo_arch:
             from splitserve.models.zoo import zoo_entry  # torch import only when needed
 
             entry = zoo_entry(art.arch or "")

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from splitserve.errors import InvalidInput, UnknownModel
 from splitserve.modelconfig import ModelConfig, check_model_name
@@ -186,9 +186,6 @@ class Registry:
                 "SELECT name, func_id, version, source, path, config FROM models ORDER BY func_id"
             ).fetchall()
         return [self._row(r) for r in rows]
-
-    def __iter__(self) -> Iterator[ModelRecord]:
-        return iter(self.list())
 
     def remove(self, name: str) -> None:
         """Forget a registered model and delete its repository directory (func_id is kept)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, Self
 
 import numpy as np
 
@@ -33,6 +34,30 @@ NUMPY_TO_V2: dict[np.dtype, str] = {v: k for k, v in V2_TO_NUMPY.items()}
 # A stable one-byte code per datatype, used in binary lookup answers.
 V2_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(V2_TO_NUMPY)}
 V2_FROM_CODE: dict[int, str] = {v: k for k, v in V2_CODES.items()}
+
+
+class Choice(StrEnum):
+    """A closed list of names a user writes (in a config, a flag or an environment variable).
+
+    Each list is one subclass, defined in the module that owns the concept, with ``what``
+    (how messages name the setting) and an optional ``hint``; ``parse`` is its factory.
+    Members are strings, so they compare equal to and serialise as their names."""
+
+    def __init_subclass__(cls, what: str = "", hint: str = "", **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls._what = what or cls.__name__
+        cls._hint = hint
+
+    @classmethod
+    def parse(cls, name: Any, what: str | None = None) -> Self:
+        """The member called ``name`` (a member is returned as it is); anything else is
+        refused with InvalidInput naming the setting (``what``, default the list's own) and
+        every valid name."""
+        try:
+            return cls(name)
+        except (ValueError, TypeError):
+            hint = f" ({cls._hint})" if cls._hint else ""
+            raise InvalidInput(f"unknown {what or cls._what} {name!r}; use one of {', '.join(cls)}{hint}") from None
 
 
 def numpy_dtype(datatype: str) -> np.dtype:

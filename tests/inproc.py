@@ -32,7 +32,8 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
     spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
                       threads=threads, ctrl_fd=theirs.detach(), flag_fd=flag.fd, segment_capacity=cfg.capacity,
                       queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
-                      cache_dir=str(cache_dir))
+                      cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
+                      segment_time_weight=ServerConfig.segment_time_weight)
     w = Worker(spec)
     try:
         yield w, flag, ins, outs

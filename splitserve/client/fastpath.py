@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, decode_outputs, encode_inputs
-from splitserve.errors import InvalidInput, SplitServeError, error_for_status
+from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
 from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, unpack_header
 
 
@@ -176,7 +176,7 @@ class Client:
             call = self._pending.pop(h.req_id, None)
         if call is None:
             return  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
-        if h.kind == Kind.ERROR and h.status == 8 and not call.done():
+        if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST and not call.done():
             # the server refused a duplicate of a call still in flight: that call's own answer comes later
             with self._cond:
                 self._pending[h.req_id] = call
@@ -258,7 +258,7 @@ class AsyncClient:
                 h = unpack_header(hdr)
                 payload = await self._r.readexactly(h.payload_len) if h.payload_len else b""
                 entry = self._pending.get(h.req_id)
-                if entry is None or (h.kind == Kind.ERROR and h.status == 8):
+                if entry is None or (h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST):
                     continue
                 del self._pending[h.req_id]
                 fut, decode = entry

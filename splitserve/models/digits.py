@@ -8,7 +8,6 @@ safetensors and trained again only when the cache is missing or unreadable.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -23,18 +22,10 @@ from splitserve.models.segmented import SegmentedModel, load_safetensors, save_s
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "digits.safetensors"
-# Where trained weights are cached unless a caller passes a directory.
-CACHE_DIR_ENV = "SPLITSERVE_CACHE_DIR"
 _SEED = 0
 _EPOCHS = 10
 _BATCH = 32
 _LR = 3e-3
-
-
-def default_cache_dir() -> Path:
-    """``$SPLITSERVE_CACHE_DIR`` if set, else ``~/.cache/splitserve``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "splitserve"
 
 
 def digits_dataset() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ Only ``zoo`` and ``safetensors`` are safe for files from untrusted sources. Torc
 and ``.pt2`` archives describe code to run, and ``torch.export.load`` itself unpickles
 some archive entries (its documentation warns never to load untrusted files), which is
 why the server refuses uploads of those kinds unless started with
-``--allow-code-artifacts`` (``modelconfig.CODE_ARTIFACT_KINDS``)."""
+``--allow-code-artifacts`` (``ArtifactKind.runs_code``)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ import torch
 from torch import nn
 
 from splitserve.errors import InvalidInput
-from splitserve.modelconfig import ARTIFACT_KINDS
+from splitserve.modelconfig import ArtifactKind
 from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
 from splitserve.models.zoo import build_zoo_model, init_zoo_model
 
-__all__ = ["ARTIFACT_KINDS", "load_artifact", "save_safetensors"]
+__all__ = ["load_artifact", "save_safetensors"]
 
 logger = logging.getLogger(__name__)
 
 def _existing_file(kind: str, path: Path | None) -> Path:
     if path is None:
-        raise InvalidInput(f"a {kind!r} artifact needs a path")
+        raise InvalidInput(f"a '{kind}' artifact needs a path")
     path = Path(path)
     if not path.is_file():
         raise InvalidInput(f"{kind} artifact {path} does not exist or is not a file")
@@ -67,7 +67,7 @@ def _load_export(path: Path) -> SegmentedModel:
     return SegmentedModel([program.module()])
 
 
-def load_artifact(kind: str, path: Path | None, arch: str | None, seed: int = 0,
+def load_artifact(kind: ArtifactKind | str, path: Path | None, arch: str | None, seed: int = 0,
                   cache_dir: Path | None = None) -> SegmentedModel:
     """Load the model an artifact describes, in eval mode.
 
@@ -76,21 +76,17 @@ def load_artifact(kind: str, path: Path | None, arch: str | None, seed: int = 0,
     an unknown architecture and InvalidInput for an unknown kind or an unreadable or
     mismatched file.
     """
-    if kind not in ARTIFACT_KINDS:
-        raise InvalidInput(
-            f"unknown artifact kind {kind!r}; expected one of {', '.join(ARTIFACT_KINDS)} "
-            "(pickle files from torch.save are not loaded: convert them to safetensors or torch.export)"
-        )
-    if kind in ("zoo", "safetensors") and not arch:
-        raise InvalidInput(f"a {kind!r} artifact needs an architecture name (arch)")
-    if kind == "zoo":
+    kind = ArtifactKind.parse(kind)
+    if kind.zoo_arch and not arch:
+        raise InvalidInput(f"a '{kind}' artifact needs an architecture name (arch)")
+    if kind is ArtifactKind.ZOO:
         return build_zoo_model(str(arch), seed, cache_dir)
     file = _existing_file(kind, path)
     logger.info("loading %s artifact %s", kind, file)
-    if kind == "safetensors":
+    if kind is ArtifactKind.SAFETENSORS:
         model = init_zoo_model(str(arch), seed)
         load_safetensors(model, file)
         return model
-    if kind == "torchscript":
+    if kind is ArtifactKind.TORCHSCRIPT:
         return _load_torchscript(file)
     return _load_export(file)

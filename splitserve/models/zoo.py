@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from splitserve.config import env_cache_dir
 from splitserve.errors import UnknownModel
 from splitserve.models import zoo_text, zoo_vision
-from splitserve.models.digits import default_cache_dir, digits_net, load_or_train_digits
+from splitserve.models.digits import digits_net, load_or_train_digits
 from splitserve.models.gate import gate_model
 from splitserve.models.segmented import SegmentedModel
 from splitserve.types import TensorSpec
@@ -170,5 +171,7 @@ def build_zoo_model(name: str, seed: int = 0, cache_dir: Path | None = None) -> 
     """
     entry = zoo_entry(name)
     if entry.pretrained is not None:
-        return entry.pretrained(cache_dir if cache_dir is not None else default_cache_dir())
+        if cache_dir is None:  # in-process use outside a server: share the user's cache
+            cache_dir = env_cache_dir() or Path.home() / ".cache" / "splitserve"
+        return entry.pretrained(cache_dir)
     return init_zoo_model(name, seed)

@@ -17,8 +17,15 @@ from splitserve.placement.estimator import BatchSizeEstimator
 from splitserve.placement.optimizer import InstanceShape, LatencyProfile, Plan, optimize
 from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.topology import Core, allocate, read_topology
+from splitserve.types import Choice
 
-PLACEMENTS = ("fixed", "packrat")
+
+class PlacementKind(Choice, what="placement"):
+    """How a model's instances get their CPUs: ``[placement] kind`` of a model config, and
+    ``ServerConfig.placement`` for models whose config names none."""
+
+    FIXED = "fixed"  # the config's instances and threads, pinned by the node
+    PACKRAT = "packrat"  # Packrat's ⟨instances, threads, batch⟩ plan, adapted at run time
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,12 @@ class PackratConfig:
     adaptive: bool = True  # let the estimator change B at run time
 
     @classmethod
-    def parse(cls, placement: dict[str, Any], max_batch: int, default_kind: str = "fixed") -> "PackratConfig | None":
+    def parse(cls, placement: dict[str, Any], max_batch: int,
+              default_kind: PlacementKind = PlacementKind.FIXED) -> "PackratConfig | None":
         """None for fixed placement; a checked config for Packrat."""
         d = dict(placement)
-        kind = d.pop("kind", default_kind)
-        if kind not in PLACEMENTS:
-            raise InvalidInput(f"placement.kind {kind!r}: use one of {', '.join(PLACEMENTS)}")
-        if kind == "fixed":
+        kind = PlacementKind.parse(d.pop("kind", default_kind), "placement.kind")
+        if kind is PlacementKind.FIXED:
             return None
         d.setdefault("threads", len(os.sched_getaffinity(0)))
         d.setdefault("batch", max_batch)

@@ -50,10 +50,10 @@ class ModelProfile:
     def segments_to_dict(self) -> dict[str, list[float]]:
         return {f"{t},{b}": v for (t, b), v in self.segments.items()}
 
-    def segment_times_ns(self, threads: int) -> dict[str, int]:
-        """For a worker with ``threads`` threads: "segment,batch" -> ns (its padding budget)."""
-        return {f"{i},{b}": int(s * 1e9) for (t, b), segs in self.segments.items() if t == threads
-                for i, s in enumerate(segs)}
+    def segment_times_ns(self, threads: int) -> list[tuple[int, int, int]]:
+        """For a worker with ``threads`` threads: (segment, batch, ns) (its padding budget)."""
+        return [(i, b, int(s * 1e9)) for (t, b), segs in self.segments.items() if t == threads
+                for i, s in enumerate(segs)]
 
 
 def default_batches(max_batch: int) -> list[int]:

@@ -11,13 +11,20 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.errors import InvalidInput, QueueFull
+from splitserve.errors import QueueFull
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.policy import BatchingPolicy
 from splitserve.scheduler.request import Batch, QueuedRequest
+from splitserve.types import Choice
 
 CLASSES = (RequestClass.RT, RequestClass.BE)
-RT_POLICIES = ("fifo", "edf")  # order among waiting real-time requests
+
+
+class RtPolicy(Choice, what="rt_policy"):
+    """Order among waiting real-time requests; ``ServerConfig.rt_policy``."""
+
+    FIFO = "fifo"  # arrival (slot) order
+    EDF = "edf"  # earliest deadline first
 
 
 @dataclass(slots=True)
@@ -107,10 +114,6 @@ class ClassQueue:
         items, self._items, self._keys = self._items, [], []
         return items
 
-    @property
-    def oldest_arrival(self) -> float | None:
-        return min((r.arrival for r in self._items), default=None)
-
 
 class ModelScheduler:
     """Queues and instances of one model; ``schedule`` turns them into batches.
@@ -120,11 +123,9 @@ class ModelScheduler:
     """
 
     def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int,
-                 rt_policy: str = "fifo") -> None:
-        if rt_policy not in RT_POLICIES:
-            raise InvalidInput(f"rt_policy {rt_policy!r}: use one of {', '.join(RT_POLICIES)}")
+                 rt_policy: RtPolicy | str = RtPolicy.FIFO) -> None:
         self.model = model
-        self.rt_policy = rt_policy
+        self.rt_policy = RtPolicy.parse(rt_policy)
         self.policy = policy
         self.max_batch = max_batch
         self.queues = {c: ClassQueue(queue_limit) for c in CLASSES}
@@ -252,7 +253,7 @@ class ModelScheduler:
                     continue
                 # RT under EDF: the most urgent request heads the batch, which continues
                 # over the slots after it, so the batch is still one contiguous view
-                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy == "edf" else 0
+                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
                 run = q.contiguous_run(start)
                 n = self.policy.take(run, now, st.max_batch or self.max_batch)
                 if n == 0:
@@ -281,6 +282,3 @@ class ModelScheduler:
 
     def waiting(self, cls: RequestClass | None = None) -> int:
         return sum(len(q) for c, q in self.queues.items() if cls is None or c == cls)
-
-    def has_idle(self) -> bool:
-        return any(s.idle for s in self.instances.values())

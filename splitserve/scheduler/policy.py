@@ -8,11 +8,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from enum import Enum
+from dataclasses import dataclass
 
 from splitserve.errors import InvalidInput
-from splitserve.modelconfig import BatchingConfig
 from splitserve.scheduler.request import QueuedRequest
+from splitserve.types import Choice
+
+
+class BatchingPolicyKind(Choice, what="batching.policy"):
+    """The policies a model's ``[batching]`` may name (``make_policy`` builds them)."""
+
+    WORK_CONSERVING = "work_conserving"
+    TIMEOUT = "timeout"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """``[batching]`` of a model config; unknown policy names are refused here."""
+
+    policy: BatchingPolicyKind = BatchingPolicyKind.WORK_CONSERVING
+    max_delay_ms: float = 2.0  # timeout policy: longest wait for a fuller batch
+    preferred_batch: int = 8  # timeout policy: dispatch at once at this size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", BatchingPolicyKind.parse(self.policy))
+        if self.max_delay_ms < 0 or self.preferred_batch < 1:
+            raise InvalidInput("batching.max_delay_ms must be >= 0 and batching.preferred_batch >= 1")
 
 
 class BatchingPolicy(ABC):
@@ -108,22 +130,10 @@ class PackratAggregate(BatchingPolicy):
         return run[0].arrival + self.timeout_s if run else None
 
 
-class PolicyName(str, Enum):
-    WORK_CONSERVING = "work_conserving"
-    TIMEOUT = "timeout"
-    NONE = "none"
-
-
 def make_policy(cfg: BatchingConfig) -> BatchingPolicy:
-    """The policy a model's config names; unknown names are refused with the valid ones."""
-    try:
-        name = PolicyName(cfg.policy)
-    except ValueError:
-        raise InvalidInput(
-            f"unknown batching policy {cfg.policy!r}; use one of {', '.join(p.value for p in PolicyName)}"
-        ) from None
-    if name is PolicyName.TIMEOUT:
+    """The policy a model's config names (``BatchingConfig`` has refused unknown names)."""
+    if cfg.policy is BatchingPolicyKind.TIMEOUT:
         return Timeout(cfg.max_delay_ms / 1000.0, cfg.preferred_batch)
-    if name is PolicyName.NONE:
+    if cfg.policy is BatchingPolicyKind.NONE:
         return NoBatching()
     return WorkConserving()

@@ -17,24 +17,18 @@ Modes (REEF §3.1 and the §7.1 baselines):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-from splitserve.errors import InvalidInput
 from splitserve.protocol.header import RequestClass
+from splitserve.types import Choice
 
 
-class PriorityMode(str, Enum):
+class PriorityMode(Choice, what="preemption mode"):
+    """How RT and BE work share the node (the modes above); ``ServerConfig.preemption``."""
+
     REEF = "reef"
     SEQ = "seq"
     CONCURRENT = "concurrent"
     RT_ONLY = "rt-only"
-
-    @classmethod
-    def parse(cls, name: str) -> "PriorityMode":
-        try:
-            return cls(name)
-        except ValueError:
-            raise InvalidInput(f"unknown preemption mode {name!r}; use one of {', '.join(m.value for m in cls)}") from None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.protocol.header import RequestClass
@@ -39,4 +39,4 @@ class Batch:
     batch_id: int = 0
     # REEF: segment to resume from (0 = from the start) when a preempted batch is re-run.
     resume_segment: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    started: float | None = None  # when the node last let it start (REEF's expected end counts from there)

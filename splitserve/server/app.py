@@ -12,6 +12,7 @@ gRPC, in-process) share with the fast path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import json
 import logging
@@ -74,11 +75,11 @@ class Server:
     management's ``ModelDirectory``; ``start_worker`` makes the worker of one instance
     (a process by default)."""
 
-    def __init__(self, config: ServerConfig, start_worker: WorkerFactory = WorkerHandle) -> None:
+    def __init__(self, config: ServerConfig, start_worker: WorkerFactory | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.monitor = InferenceMonitor(self.metrics)
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), PriorityMode.parse(config.preemption))
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
@@ -87,10 +88,9 @@ class Server:
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self._stopped = False
-        self._start_worker = start_worker
+        self._start_worker = start_worker or functools.partial(WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self.started = time.time()
         self._cpus = sorted(os.sched_getaffinity(0))
         self._cpu_cursor = 0
 
@@ -318,7 +318,7 @@ class Server:
             raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
         if c == RequestClass.DEFAULT:
             c = port.default_class
-        if c == RequestClass.BE and self.config.preemption == "rt-only":
+        if c == RequestClass.BE and self.config.preemption is PriorityMode.RT_ONLY:
             raise Refused("best-effort requests are refused in rt-only mode")
         return c
 

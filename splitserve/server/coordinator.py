@@ -79,7 +79,7 @@ class Coordinator:
     @staticmethod
     def _stamp(batches: list[Batch], now: float) -> list[Batch]:
         for b in batches:
-            b.extra["started"] = now
+            b.started = now
         return batches
 
     def started(self, model: ScheduledModel, batch: Batch) -> None:

@@ -87,13 +87,13 @@ class EmbeddedUvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # older uvicorn releases
         pass
 
-    async def wait_started(self, task: asyncio.Task) -> None:
+    async def wait_started(self, task: asyncio.Task, poll_s: float) -> None:
         """Until uvicorn listens (it has no start-up event to await); raises its start-up error."""
         while not self.started:
             if task.done():
                 task.result()
                 raise RuntimeError("the HTTP server stopped during start-up")
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(poll_s)
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:

@@ -44,7 +44,6 @@ from splitserve.server.ports import FrontEnd, ServingAPI
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
-MAX_TOP_K = 1000
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
@@ -304,8 +303,8 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
         top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise InvalidInput(f"top_k must be an integer between 1 and {MAX_TOP_K}")
+        if not 1 <= top_k <= config.max_top_k:
+            raise InvalidInput(f"top_k must be an integer between 1 and {config.max_top_k}")
         cfg = manager.model_config(name)
         if not cfg.labels:
             raise InvalidInput(f"model {name!r} has no labels; register it with a labels file to classify")
@@ -465,7 +464,7 @@ class HttpFrontEnd(FrontEnd):
         ))
         task = self._task = asyncio.get_running_loop().create_task(userver.serve(sockets=[sock]),
                                                                    name="splitserve-http")
-        await userver.wait_started(task)
+        await userver.wait_started(task, cfg.http_start_poll_s)
         port = sock.getsockname()[1]
         log.info("HTTP (Open Inference Protocol v2) on %s:%d", cfg.host, port)
         return {"http_port": port}

@@ -33,7 +33,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import (
     InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
 )
-from splitserve.modelconfig import CODE_ARTIFACT_KINDS, BatchingConfig, ModelConfig, check_model_name
+from splitserve.modelconfig import ArtifactKind, BatchingConfig, ModelConfig, check_model_name
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import EventLog, ManagedModel, ModelDirectory, ModelStats
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 TOKEN_FILE = "token"
 UPLOAD_DIR = ".uploads"  # beside the repository (same file system, so rename is atomic)
-MAX_LABELS = 100_000
 # runtime state -> v2 repository extension state
 _STATES = {"ready": "READY", "loading": "LOADING", "stopping": "UNLOADING",
            "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
@@ -87,14 +86,14 @@ def exposure_warning(config: "ServerConfig") -> str | None:
 # -- registration helpers (pure file work, run off the loop) ---------------------------------
 
 
-def _parse_labels(labels: str) -> list[str]:
+def _parse_labels(labels: str, limit: int) -> list[str]:
     out = [line.strip() for line in labels.splitlines()]
     while out and not out[-1]:
         out.pop()
     if not out:
         raise InvalidInput("the labels file is empty: give one label per line")
-    if len(out) > MAX_LABELS:
-        raise InvalidInput(f"the labels file has {len(out)} lines; at most {MAX_LABELS} are allowed")
+    if len(out) > limit:
+        raise InvalidInput(f"the labels file has {len(out)} lines; at most {limit} are allowed")
     if any(ch < " " or ch == "\x7f" for label in out for ch in label):
         raise InvalidInput("labels must not contain control characters")
     return out
@@ -255,7 +254,7 @@ class ModelManager:
     def _prepare(self, config_toml: str, artifact: bytes | None, labels: str | None) -> tuple[ModelConfig, Path]:
         """Validate and write the model's files into a fresh directory beside the repository."""
         cfg = ModelConfig.from_toml(config_toml)
-        if cfg.artifact.kind in CODE_ARTIFACT_KINDS and not self.config.allow_code_artifacts:
+        if cfg.artifact.kind.runs_code and not self.config.allow_code_artifacts:
             raise InvalidInput(f"artifact.kind {cfg.artifact.kind!r} can run code on the server, so this server refuses "
                                "uploads of it; upload safetensors weights of a zoo architecture, or start the server "
                                "with --allow-code-artifacts (SPLITSERVE_ALLOW_CODE_ARTIFACTS=1) if every token holder "
@@ -263,12 +262,12 @@ class ModelManager:
         if labels is not None:
             if cfg.labels:
                 raise InvalidInput("give labels either in config.toml or as a labels file, not both")
-            config_toml = _with_labels(config_toml, _parse_labels(labels))
+            config_toml = _with_labels(config_toml, _parse_labels(labels, self.config.max_labels))
             cfg = ModelConfig.from_toml(config_toml)
         if cfg.labels and len(cfg.labels) != cfg.outputs[0].numel:
             raise InvalidInput(f"{len(cfg.labels)} labels for output {cfg.outputs[0].name!r} of "
                                f"{cfg.outputs[0].numel} values: give one label per value")
-        if cfg.artifact.kind == "zoo":
+        if cfg.artifact.kind is ArtifactKind.ZOO:
             if artifact:
                 raise InvalidInput("a zoo artifact takes no file; set artifact.kind to 'safetensors' to upload weights")
         elif not artifact:

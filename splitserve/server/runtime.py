@@ -257,9 +257,9 @@ class ModelRuntime:
                 instance=i, cpus=self.cpus[i], threads=self.threads[i], ctrl_fd=ctrl_fd, flag_fd=flag_fd,
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
-                cache_dir=str(self.settings.cache_path),
-                segment_capacity=self.config.capacity,
-                extra={"segment_times_ns": self.profile.segment_times_ns(self.threads[i])} if self.profile else {},
+                cache_dir=str(self.settings.cache_path), log_level=self.settings.log_level,
+                segment_time_weight=self.settings.segment_time_weight, segment_capacity=self.config.capacity,
+                segment_times_ns=self.profile.segment_times_ns(self.threads[i]) if self.profile else [],
             )
 
         self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
@@ -611,7 +611,8 @@ class ModelRuntime:
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
             sample = msg.compute_ns / 1e9
-            self._batch_s[batch.count] = sample if old is None else 0.75 * old + 0.25 * sample
+            weight = self.settings.batch_time_weight
+            self._batch_s[batch.count] = sample if old is None else old + weight * (sample - old)
         st = self.stats
         st.execution_count += 1
         self.env.metrics.executions.labels(self.name).inc()

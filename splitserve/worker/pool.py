@@ -37,8 +37,9 @@ class WorkerHandle:
     """One worker process serving one model instance."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, reap_timeout_s: float) -> None:
         self.owner = owner
+        self.reap_timeout_s = reap_timeout_s  # an exiting worker is killed after this long
         self.instance = instance
         self.loop = loop
         self.flag = PreemptFlag()
@@ -113,7 +114,7 @@ class WorkerHandle:
         self.sock.close()
         self.owner.on_exit(self.instance, self)
         self.flag.close()
-        self.loop.run_in_executor(None, self._reap, 10.0)
+        self.loop.run_in_executor(None, self._reap, self.reap_timeout_s)
 
     def _reap(self, timeout: float) -> None:
         """Wait for the process to exit, killing it after ``timeout`` (runs off the loop)."""
@@ -129,7 +130,7 @@ class WorkerHandle:
         log.error("killing worker %d: %s", self.pid, reason)
         self.proc.kill()
 
-    async def stop(self, timeout: float = 5.0) -> None:
+    async def stop(self, timeout: float) -> None:
         """Ask the worker to exit after its current batch, and wait until it has; a worker
         still there after ``timeout`` s is killed (its batch is then lost: WORKER_FAILED)."""
         self.stopping = True

@@ -61,10 +61,7 @@ class Worker:
         self.restore: dict[int, _Restore] = {}
         # (segment, batch size) -> EWMA of its time in ns, measured here as batches run;
         # seeded from the stored profile when the server has one.
-        self.segment_times: dict[tuple[int, int], int] = {
-            (int(k.split(",")[0]), int(k.split(",")[1])): int(v)
-            for k, v in spec.extra.get("segment_times_ns", {}).items()
-        }
+        self.segment_times: dict[tuple[int, int], int] = {(i, b): ns for i, b, ns in spec.segment_times_ns}
         self.stream = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(priority=0)
@@ -138,7 +135,8 @@ class Worker:
                     key = (i, msg.count)
                     dt = time.monotonic_ns() - s0
                     old = self.segment_times.get(key)
-                    self.segment_times[key] = dt if old is None else (old * 3 + dt) // 4
+                    weight = self.spec.segment_time_weight
+                    self.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
             self._sync(launched)
             _, outs = self.queues[msg.cls]
             for tq, spec, y in zip(outs, self.cfg.outputs, acts):
@@ -181,9 +179,8 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
     spec = WorkerSpec.from_json(argv[0])
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
     try:
         worker = Worker(spec)
     except Exception as e:

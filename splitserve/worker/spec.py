@@ -27,8 +27,12 @@ class WorkerSpec:
     flag_fd: int  # one page of shared memory: byte 0 is the preemption flag
     queues: dict[str, QueueFds]  # keyed by RequestClass value as a string
     cache_dir: str
+    log_level: str  # ServerConfig.log_level
+    segment_time_weight: float  # ServerConfig.segment_time_weight
     segment_capacity: int = 1  # REEF's device-queue capacity c
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Profiled (segment, batch size, ns) for this worker's thread count: the starting point
+    # of its segment-time estimates (REEF's padding budget) until it has measured its own.
+    segment_times_ns: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -81,7 +81,7 @@ class FakeModel:
             b = st.running
             out.append(InstanceView(
                 self.name, i, self.cpus[i], st.ready, b.cls if b else None, b.batch_id if b else 0,
-                bool(b) and preempt_raised(i, b.batch_id), b.extra["started"] + BATCH_S if b else None,
+                bool(b) and preempt_raised(i, b.batch_id), b.started + BATCH_S if b else None,
                 st.suspended is not None, rt_waiting))
         return out
 

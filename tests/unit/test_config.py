@@ -1,0 +1,170 @@
+"""Name lists and tunables: one enum per list with a factory that refuses unknown names,
+used by every place that takes the name; every tunable in ``ServerConfig`` with a
+``SPLITSERVE_*`` name; only ``config.py`` reads the environment."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import typer
+
+from splitserve.cli import app
+from splitserve.config import ServerConfig
+from splitserve.errors import InvalidInput
+from splitserve.modelconfig import ArtifactConfig, ArtifactKind, ModelConfig
+from splitserve.models.loader import load_artifact
+from splitserve.placement.packrat import PackratConfig, PlacementKind
+from splitserve.scheduler.model_scheduler import ModelScheduler, RtPolicy
+from splitserve.scheduler.policy import (
+    BatchingConfig, BatchingPolicyKind, NoBatching, Timeout, WorkConserving, make_policy,
+)
+from splitserve.scheduler.priority import PriorityMode
+
+PACKAGE = Path(__file__).resolve().parents[2] / "splitserve"
+
+
+def _refused(*parts: str) -> str:
+    """A regex for a message with these parts in this order (the setting, the name given,
+    every valid name)."""
+    return ".*".join(parts)
+
+
+def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
+    for mode in PriorityMode:
+        assert PriorityMode.parse(str(mode)) is mode
+        assert ServerConfig(preemption=mode.value).preemption is mode
+        monkeypatch.setenv("SPLITSERVE_PREEMPTION", mode.value)
+        assert ServerConfig.from_env().preemption is mode
+    with pytest.raises(InvalidInput, match=_refused("preemption", "'lifo'", "reef, seq, concurrent, rt-only")):
+        ServerConfig(preemption="lifo")
+    monkeypatch.setenv("SPLITSERVE_PREEMPTION", "REEF")
+    with pytest.raises(InvalidInput, match=_refused("SPLITSERVE_PREEMPTION", "'REEF'", "reef, seq, concurrent, rt-only")):
+        ServerConfig.from_env()
+
+
+def test_rt_policies_round_trip_and_an_unknown_one_is_refused():
+    for policy in RtPolicy:
+        assert RtPolicy.parse(policy.value) is policy
+        assert ServerConfig(rt_policy=policy.value).rt_policy is policy
+        assert ModelScheduler("m", WorkConserving(), 2, 8, rt_policy=policy.value).rt_policy is policy
+    with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
+        ServerConfig(rt_policy="lifo")
+    with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
+        ModelScheduler("m", WorkConserving(), 2, 8, rt_policy="lifo")
+
+
+def test_placements_round_trip_and_an_unknown_one_is_refused():
+    for kind in PlacementKind:
+        assert PlacementKind.parse(kind.value) is kind
+        assert ServerConfig(placement=kind.value).placement is kind
+        parsed = PackratConfig.parse({"kind": kind.value, "threads": 1}, 8)
+        assert (parsed is None) == (kind is PlacementKind.FIXED)
+        # the server's default applies to a model whose [placement] names no kind
+        assert (PackratConfig.parse({}, 8, kind) is None) == (kind is PlacementKind.FIXED)
+    with pytest.raises(InvalidInput, match=_refused("placement", "'magic'", "fixed, packrat")):
+        ServerConfig(placement="magic")
+    with pytest.raises(InvalidInput, match=_refused("placement.kind", "'magic'", "fixed, packrat")):
+        PackratConfig.parse({"kind": "magic"}, 8)
+
+
+def test_artifact_kinds_round_trip_and_an_unknown_one_is_refused(tmp_path):
+    tensor = {"name": "x", "datatype": "FP32", "shape": [4]}
+    for kind in ArtifactKind:
+        assert ArtifactKind.parse(kind.value) is kind
+        art = ArtifactConfig(kind=kind.value, arch="lenet", file="model.bin")
+        assert art.kind is kind
+        cfg = ModelConfig.from_dict({"name": "m", "artifact": {"kind": kind.value, "arch": "lenet", "file": "m.bin"},
+                                     "inputs": [tensor], "outputs": [tensor]})
+        # configs travel as JSON (registry rows, worker specs) and come back as the same kind
+        again = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+        assert again == cfg and again.artifact.kind is kind
+    assert {k for k in ArtifactKind if k.runs_code} == {ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT}
+    valid = "zoo, safetensors, torchscript, export"
+    with pytest.raises(InvalidInput, match=_refused("artifact.kind", "'pickle'", valid, "torch.save")):
+        ArtifactConfig(kind="pickle", file="m.pt")
+    with pytest.raises(InvalidInput, match=_refused("'pickle'", valid)):
+        load_artifact("pickle", tmp_path / "m.pt", "lenet")
+
+
+def test_batching_policies_round_trip_and_an_unknown_one_is_refused():
+    built = {BatchingPolicyKind.WORK_CONSERVING: WorkConserving, BatchingPolicyKind.TIMEOUT: Timeout,
+             BatchingPolicyKind.NONE: NoBatching}
+    assert set(built) == set(BatchingPolicyKind)
+    for kind, policy in built.items():
+        assert BatchingPolicyKind.parse(kind.value) is kind
+        cfg = BatchingConfig(policy=kind.value)
+        assert cfg.policy is kind and isinstance(make_policy(cfg), policy)
+    valid = "work_conserving, timeout, none"
+    for bad in ("fifo", 3, None):
+        with pytest.raises(InvalidInput, match=_refused("batching.policy", valid)):
+            BatchingConfig(policy=bad)
+
+
+def test_the_cli_offers_exactly_the_enums_names():
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    ctx = serve.make_context("serve", [], resilient_parsing=True)
+    params = {p.name: p for p in serve.params}
+    for name, enum in (("preemption", PriorityMode), ("rt_policy", RtPolicy), ("placement", PlacementKind)):
+        option = params[name]
+        assert [c.value for c in option.shell_complete(ctx, "")] == [m.value for m in enum], name
+        assert all(option.process_value(ctx, m.value) is m for m in enum), name
+        with pytest.raises(typer.BadParameter):
+            option.process_value(ctx, "bogus")
+
+
+def test_every_tunable_has_an_environment_name(monkeypatch):
+    """The fields that were constants in the code are read from SPLITSERVE_* like the rest."""
+    given = {"worker_reap_timeout_s": 3.5, "coordinator_events": 17, "batch_time_weight": 0.5,
+             "segment_time_weight": 0.125, "max_labels": 9, "max_top_k": 4, "http_start_poll_s": 0.25,
+             "log_level": "DEBUG"}
+    for name, value in given.items():
+        monkeypatch.setenv(f"SPLITSERVE_{name.upper()}", str(value))
+    cfg = ServerConfig.from_env()
+    assert {name: getattr(cfg, name) for name in given} == given
+
+
+@pytest.mark.parametrize("bad", [{"segment_time_weight": 0.0}, {"batch_time_weight": 1.5}, {"max_top_k": 0},
+                                 {"coordinator_events": 0}, {"worker_reap_timeout_s": 0.0},
+                                 {"log_level": "LOUD"}])
+def test_bad_tunables_are_refused_at_start_up(bad):
+    with pytest.raises(InvalidInput, match=next(iter(bad))):
+        ServerConfig.from_env(**bad)
+
+
+def test_the_cache_dir_comes_from_the_config_or_its_environment_name(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPLITSERVE_CACHE_DIR", raising=False)
+    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "cache"
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "elsewhere"
+    assert ServerConfig(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
+
+
+def test_a_port_of_minus_one_is_off_from_a_flag_or_the_environment(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_HTTP_PORT", "-1")
+    cfg = ServerConfig.from_env(grpc_port=-1)
+    assert (cfg.http_port, cfg.grpc_port, cfg.fast_port) == (None, None, ServerConfig.fast_port)
+
+
+def _environment_reads(tree: ast.AST) -> list[int]:
+    """Lines that read a variable: os.environ.get / [...] / os.getenv (copying os.environ
+    for a child process is not reading a setting)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "getenv":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "environ":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_config_module_reads_the_environment():
+    reads = {str(p.relative_to(PACKAGE)): lines for p in sorted(PACKAGE.rglob("*.py"))
+             if (lines := _environment_reads(ast.parse(p.read_text())))}
+    assert set(reads) == {"config.py"}, reads
