@@ -125,7 +125,7 @@ class ModelRuntime:
             return {self.name: decide()}
 
         records = await self.env.placements.apply(wanted)
-        return records[self.name]
+        return {**records[self.name], **self.placer.describe()}
 
     def _serving_placements(self) -> list[InstancePlacement]:
         return [p for i in self.sched.serving() if (p := self.resources.placed(self.name, i)) is not None]
@@ -684,7 +684,7 @@ class ModelRuntime:
                 model=self.name, instance=i, cpus=self.resources.instance_cpus(self.name, i),
                 ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                 preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
-                expected_end=(b.extra.get("started", b.created) + self.expected_batch_s(b.count)) if b else None,
+                expected_end=((b.started if b.started is not None else b.created) + self.expected_batch_s(b.count)) if b else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting,
             ))
         return out
