@@ -6,15 +6,16 @@ on ``partition.ExactCpus``). Pure bookkeeping: the node's CPUs come in as a list
 ``topology.Core`` (``read_topology()`` on a real node, a synthetic list in tests); nothing
 here reads the machine, pins a process or awaits.
 
-Who calls it, and when (once the node is wired to it):
+Who calls it, and when:
 
 - the node (composition root) builds one manager from ``read_topology()`` at start and hands
   it to the runtimes, the coordinator and the HTTP front end;
-- a runtime, when it loads: ``allocate`` one ``Cpus(threads)`` per instance (fixed placement),
+- a runtime's ``placer.Placer``, when the model loads: ``allocate`` one ``SharedCpus(threads)``
+  (or ``Cpus(threads)``) per instance (fixed placement),
   one ``ExactCpus`` (a config's ``cpus``) or one ``CoreBudget(T)`` (Packrat, whose controller
   then places its instances inside ``cores_of(partition)``); ``place`` each instance as it is
   added and ``unplace`` it when it has drained; ``release`` everything when it unloads;
-- the placement applier (``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
+- the placement applier (``server.applier``, planning with ``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
   plan a change, and allocates or releases partitions as the change needs;
 - the coordinator asks ``instance_cpus`` for the CPUs REEF's claims cover;
 - ``GET /v2/placement`` and ``/v2/models/{name}/placement`` return ``snapshot()``.
@@ -32,7 +33,6 @@ from splitserve.errors import InvalidInput, ResourcesUnavailable
 from splitserve.placement.partition import (
     CoreBudget,
     CpuRequest,
-    Cpus,
     ExactCpus,
     InstancePlacement,
     Partition,
