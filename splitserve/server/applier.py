@@ -103,6 +103,8 @@ class PlacementApplier:
     def _record(self, wanted: Sequence[Any], waves: int, t0: float, switched_at: float | None,
                 error: BaseException | None) -> dict[str, Any]:
         end = self.clock()
+        if switched_at is None and error is None:  # nothing to switch: the wanted set already serves
+            switched_at = end
         out: dict[str, Any] = {
             "ok": error is None, "shapes": [(p.threads, p.batch) for p in wanted],
             "cpus": [sorted(p.cpus) for p in wanted], "waves": waves,

@@ -189,6 +189,8 @@ class ModelRuntime:
             log.warning("model %s: placement change to %s not made: %s", self.name, record["shapes"],
                         record.get("error"))
             return
+        if not record["waves"]:
+            return  # the wanted placement is what serves already: nothing happened
         self.reconfigurations.append({**record, **self.placer.describe()})
         log.info("model %s: placement now %s (new set ready in %.2fs, old drained in %.2fs)", self.name,
                  record["shapes"], record["start_s"], record["drain_s"])
