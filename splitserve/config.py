@@ -101,6 +101,10 @@ class ServerConfig:
     max_labels: int = 100_000  # lines of a labels file given at registration
     max_top_k: int = 1000  # largest top_k a /classify call may ask for
     http_start_poll_s: float = 0.01  # how often start-up looks whether the embedded HTTP server listens yet
+    # placement: the node's resource manager
+    packrat_default_share: float = 0.5  # share of the free CPUs a Packrat model without placement.threads takes at load
+    fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
+    placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -142,7 +146,8 @@ class ServerConfig:
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
-                     "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k"):
+                     "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k",
+                     "placement_history"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.worker_start_attempts < 1:
@@ -151,7 +156,7 @@ class ServerConfig:
                      "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
-        for name in ("batch_time_weight", "segment_time_weight"):
+        for name in ("batch_time_weight", "segment_time_weight", "packrat_default_share"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidInput(f"{name} must be in (0, 1]")
         return self

@@ -112,6 +112,9 @@ class ModelConfig:
     # Fixed placement: pin this model's instances to these CPUs (instance i takes the next
     # ``threads`` of them, wrapping). Empty: spread over the node round-robin.
     cpus: tuple[int, ...] = ()
+    # Whether ``cpus`` may be shared with other models that ask to share them too (REEF's RT
+    # and BE models on one CPU set); without it, a CPU another model holds refuses the load.
+    share_cpus: bool = False
     labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -128,6 +131,8 @@ class ModelConfig:
             raise InvalidInput("instances must be 1..64 and threads 1..256")
         if any(c < 0 for c in self.cpus):
             raise InvalidInput(f"cpus {list(self.cpus)}: CPU numbers cannot be negative")
+        if self.share_cpus and not self.cpus:
+            raise InvalidInput(f"model {self.name!r}: share_cpus needs cpus (the CPUs to share)")
         if self.segment_capacity is not None and not 1 <= self.segment_capacity <= 64:
             raise InvalidInput("segment_capacity must be between 1 and 64")
         if self.default_class not in ("rt", "be"):

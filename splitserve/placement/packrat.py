@@ -6,7 +6,6 @@ Pure: the runtime feeds it observations and a clock and applies what it returns.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from splitserve.errors import InvalidInput
 from splitserve.placement.estimator import BatchSizeEstimator
 from splitserve.placement.optimizer import InstanceShape, LatencyProfile, Plan, optimize
 from splitserve.placement.partition import InstancePlacement
-from splitserve.placement.topology import Core, allocate, read_topology
+from splitserve.placement.topology import Core, allocate
 from splitserve.types import Choice
 
 
@@ -32,7 +31,7 @@ class PlacementKind(Choice, what="placement"):
 class PackratConfig:
     """``[placement]`` of a model config when ``kind = "packrat"``."""
 
-    threads: int  # T: cores Packrat may use for this model
+    threads: int | None  # T: cores Packrat may use (None: a share of the free ones, see placer.PackratPlacer)
     batch: int  # B at start; the estimator moves it afterwards
     timeout_ms: float = 5.0  # batch aggregation timeout
     alpha: float = 0.1  # EWMA weight of the newest queue depth
@@ -48,7 +47,7 @@ class PackratConfig:
         kind = PlacementKind.parse(d.pop("kind", default_kind), "placement.kind")
         if kind is PlacementKind.FIXED:
             return None
-        d.setdefault("threads", len(os.sched_getaffinity(0)))
+        d.setdefault("threads", None)
         d.setdefault("batch", max_batch)
         try:
             cfg = cls(**d)
@@ -56,7 +55,7 @@ class PackratConfig:
             raise InvalidInput(f"placement: {e}") from None
         if not 1 <= cfg.batch <= max_batch:
             raise InvalidInput(f"placement.batch {cfg.batch} must be within 1..max_batch_size ({max_batch})")
-        if cfg.threads < 1 or cfg.timeout_ms < 0:
+        if (cfg.threads is not None and cfg.threads < 1) or cfg.timeout_ms < 0:
             raise InvalidInput("placement.threads must be >= 1 and placement.timeout_ms >= 0")
         return cfg
 
@@ -65,21 +64,18 @@ class PackratController:
     """Chooses B from the observed queue depth and the plan for a B from the profile, and
     places the plan's instances inside the cores it was given.
 
-    ``cores`` is the model's budget: the partition ``ResourceManager.allocate(model,
-    CoreBudget(cfg.threads))`` granted, read with ``ResourceManager.cores_of``. The plan never
-    uses more threads than the budget has CPUs, and never a CPU outside it. Until the runtime
-    is wired to the resource manager it passes None, which means every CPU this process may
-    run on (each Packrat model then plans on the whole node, as before).
+    ``cores`` is the model's budget: the partition the node's ``ResourceManager`` granted it
+    (``CoreBudget``, or the config's ``cpus``), read with ``ResourceManager.cores_of``. The plan
+    uses the budget's threads, and never a CPU outside it.
     """
 
-    def __init__(self, cfg: PackratConfig, profile: LatencyProfile, max_batch: int,
-                 cores: Sequence[Core] | None = None) -> None:
+    def __init__(self, cfg: PackratConfig, profile: LatencyProfile, max_batch: int, cores: Sequence[Core]) -> None:
         self.cfg = cfg
         self.profile = profile
-        self.cores = list(cores) if cores is not None else read_topology()
+        self.cores = list(cores)
         if not self.cores:
             raise InvalidInput(f"packrat for {profile.model!r} was given no cores to place instances on")
-        self.threads = min(cfg.threads, len(self.cores))
+        self.threads = len(self.cores)
         self.batch = cfg.batch
         self.estimator = BatchSizeEstimator(alpha=cfg.alpha, window=cfg.window,
                                             reconfig_timeout_s=cfg.reconfig_timeout_s, max_batch=max_batch)
@@ -111,15 +107,13 @@ class PackratController:
         return Plan(shapes=shapes, latency=max(self.profile.latency(t, b) for t, b in counts),
                     fat_latency=self.profile.latency(min(T, top), B))
 
-    def placements(self, plan: Plan) -> list[InstancePlacement]:
-        """One placement per instance of ``plan``: disjoint CPUs of the budget, one socket each."""
+    def placements(self, plan: Plan, shared: bool = False) -> list[InstancePlacement]:
+        """One placement per instance of ``plan``: disjoint CPUs of the budget, one socket
+        each; ``shared`` when the budget is a partition shared with other models."""
         flat = [(s.threads, s.batch) for s in plan.shapes for _ in range(s.count)]
         cpus = allocate([t for t, _ in flat], self.cores)
-        return [InstancePlacement(threads=t, batch=b, cpus=frozenset(c)) for (t, b), c in zip(flat, cpus)]
-
-    def shapes(self, plan: Plan) -> list[tuple[int, int, list[int]]]:
-        """``placements`` as the runtime's ``reconfigure`` takes them today: (threads, batch, CPUs)."""
-        return [(p.threads, p.batch, sorted(p.cpus)) for p in self.placements(plan)]
+        return [InstancePlacement(threads=t, batch=b, cpus=frozenset(c), shared=shared)
+                for (t, b), c in zip(flat, cpus)]
 
     def observe(self, queue_depth: int, now: float) -> None:
         if self.cfg.adaptive:

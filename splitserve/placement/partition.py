@@ -61,6 +61,24 @@ class Cpus:
 
 
 @dataclass(frozen=True)
+class SharedCpus:
+    """``count`` CPUs for one instance from the node's shared pool: CPUs that no unshared
+    partition holds, the least shared first. Such a partition is shared with every other
+    shared one (fixed placement's default, ``ServerConfig.fixed_cpus_shared``: small models
+    share cores among themselves, never with Packrat's budgets or an unshared ``ExactCpus``)."""
+
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise InvalidInput(f"a request for {self.count} CPUs: ask for at least 1")
+
+    def describe(self) -> str:
+        """Words for error messages and the snapshot."""
+        return f"{self.count} shared CPUs"
+
+
+@dataclass(frozen=True)
 class CoreBudget:
     """``count`` CPUs that the owner places its instances inside (Packrat's T), taken like
     ``Cpus`` so that a budget that fits one socket stays on one socket."""
@@ -101,15 +119,15 @@ class ExactCpus:
         return f"CPUs {cpu_list(self.cpus)}" + (" (shared)" if self.share else "")
 
 
-CpuRequest = Cpus | CoreBudget | ExactCpus
+CpuRequest = Cpus | SharedCpus | CoreBudget | ExactCpus
 
 
 @dataclass(frozen=True)
 class Partition:
     """A piece of the node held by one owner until it releases it.
 
-    ``shared`` is true only for an ``ExactCpus`` request that asked to share; every other
-    partition's CPUs belong to it alone.
+    ``shared`` is true only for a ``SharedCpus`` request and an ``ExactCpus`` request that
+    asked to share; every other partition's CPUs belong to it alone.
     """
 
     id: int
@@ -121,7 +139,12 @@ class Partition:
     @property
     def shared(self) -> bool:
         """Whether another shared partition may hold the same CPUs."""
-        return isinstance(self.request, ExactCpus) and self.request.share
+        return isinstance(self.request, SharedCpus) or (isinstance(self.request, ExactCpus) and self.request.share)
+
+    @property
+    def per_instance(self) -> bool:
+        """Made for one instance: it goes back to the node when that instance is unplaced."""
+        return isinstance(self.request, (Cpus, SharedCpus))
 
 
 @dataclass(frozen=True)

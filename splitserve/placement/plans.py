@@ -5,7 +5,7 @@ list of ``InstancePlacement`` it should run. ``plan_change`` compares that with 
 now and returns waves of steps. Pure: no clock, no processes; ``ResourceManager.placement()``
 and ``idle_cpus()`` give its inputs on a live node.
 
-The applier (the node's, once wired) runs each ``Wave`` in order, all of a wave's steps of one
+The node's applier (``server.applier.PlacementApplier``) runs each ``Wave`` in order, all of a wave's steps of one
 kind together:
 
 1. ``Start``: start these instances as standby (not yet dispatched to) and wait until every

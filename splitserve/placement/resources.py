@@ -6,15 +6,16 @@ on ``partition.ExactCpus``). Pure bookkeeping: the node's CPUs come in as a list
 ``topology.Core`` (``read_topology()`` on a real node, a synthetic list in tests); nothing
 here reads the machine, pins a process or awaits.
 
-Who calls it, and when (once the node is wired to it):
+Who calls it, and when:
 
 - the node (composition root) builds one manager from ``read_topology()`` at start and hands
   it to the runtimes, the coordinator and the HTTP front end;
-- a runtime, when it loads: ``allocate`` one ``Cpus(threads)`` per instance (fixed placement),
+- a runtime's ``placer.Placer``, when the model loads: ``allocate`` one ``SharedCpus(threads)``
+  (or ``Cpus(threads)``) per instance (fixed placement),
   one ``ExactCpus`` (a config's ``cpus``) or one ``CoreBudget(T)`` (Packrat, whose controller
   then places its instances inside ``cores_of(partition)``); ``place`` each instance as it is
   added and ``unplace`` it when it has drained; ``release`` everything when it unloads;
-- the placement applier (``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
+- the placement applier (``server.applier``, planning with ``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
   plan a change, and allocates or releases partitions as the change needs;
 - the coordinator asks ``instance_cpus`` for the CPUs REEF's claims cover;
 - ``GET /v2/placement`` and ``/v2/models/{name}/placement`` return ``snapshot()``.
@@ -23,6 +24,7 @@ Who calls it, and when (once the node is wired to it):
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +33,11 @@ from splitserve.errors import InvalidInput, ResourcesUnavailable
 from splitserve.placement.partition import (
     CoreBudget,
     CpuRequest,
-    Cpus,
     ExactCpus,
     InstancePlacement,
     Partition,
     PartitionKind,
+    SharedCpus,
     cpu_list,
 )
 from splitserve.placement.topology import Core, take_cpus
@@ -79,6 +81,8 @@ class ResourceManager:
         by whom (InvalidInput for CPUs the node does not have)."""
         if isinstance(request, ExactCpus):
             cpus = self._exact(owner, request)
+        elif isinstance(request, SharedCpus):
+            cpus = self._shared(owner, request)
         else:
             free = self.free_cpus()
             if request.count > len(free):
@@ -113,6 +117,16 @@ class ResourceManager:
             raise ResourcesUnavailable(f"{owner!r} asks for {request.describe()} but finds {held}{hint}")
         return request.cpus
 
+    def _shared(self, owner: str, request: SharedCpus) -> frozenset[int]:
+        pool = self.cpus - {c for p in self._partitions.values() if not p.shared for c in p.cpus}
+        if request.count > len(pool):
+            raise ResourcesUnavailable(
+                f"{owner!r} asks for {request.describe()} but only {len(pool)} CPUs may be shared "
+                f"({cpu_list(pool)}); in use: {self._holders()}"
+            )
+        load = Counter(c for p in self._partitions.values() if p.shared for c in p.cpus)
+        return frozenset(sorted(pool, key=lambda c: (load[c], c))[:request.count])
+
     def release(self, owner: str) -> list[Partition]:
         """Return every partition of ``owner`` (and forget its instances); what was released."""
         gone = [p for p in self._partitions.values() if p.owner == owner]
@@ -128,6 +142,13 @@ class ResourceManager:
         for key in [k for k, v in self._instances.items() if v.partition == partition_id]:
             del self._instances[key]
         return part
+
+    def release_unused(self, owner: str) -> list[Partition]:
+        """Return ``owner``'s per-instance (``Cpus``, ``SharedCpus``) partitions that no instance sits in: those
+        allocated for instances that never started (a refused or failed change)."""
+        used = {v.partition for v in self._instances.values()}
+        return [self.release_partition(p.id) for p in self.partitions(owner)
+                if p.per_instance and p.id not in used]
 
     def partitions(self, owner: str | None = None) -> list[Partition]:
         """The partitions of ``owner`` (every partition when None), in the order they were made."""
@@ -174,7 +195,7 @@ class ResourceManager:
     def unplace(self, owner: str, instance: int) -> Partition | None:
         """Forget an instance whose worker has stopped (the applier's drain step calls it).
 
-        A ``Cpus`` partition, made for one instance, goes back to the node once no instance
+        A ``Cpus`` or ``SharedCpus`` partition, made for one instance, goes back to the node once no instance
         sits in it, and is returned; a budget or an ``ExactCpus`` partition stays with its
         owner, which places other instances there or releases it at unload.
         """
@@ -182,9 +203,14 @@ class ResourceManager:
         if placed is None:
             return None
         part = self._partitions[placed.partition]
-        if isinstance(part.request, Cpus) and not any(v.partition == part.id for v in self._instances.values()):
+        if part.per_instance and not any(v.partition == part.id for v in self._instances.values()):
             return self.release_partition(part.id)
         return None
+
+    def placed(self, owner: str, instance: int) -> InstancePlacement | None:
+        """Where an instance sits (None when it is not placed): what its worker is pinned to."""
+        placed = self._instances.get((owner, instance))
+        return placed.placement if placed else None
 
     def instance_cpus(self, owner: str, instance: int) -> frozenset[int]:
         """The CPUs an instance holds (empty when it is not placed): what REEF's claims cover."""

@@ -129,6 +129,10 @@ class PackratAggregate(BatchingPolicy):
     def wakeup(self, run: Sequence[QueuedRequest], now: float) -> float | None:
         return run[0].arrival + self.timeout_s if run else None
 
+    def retarget(self, total: int) -> None:
+        """Aggregate ``total`` samples from now on (Packrat switched to a plan for that B)."""
+        self.total = total
+
 
 def make_policy(cfg: BatchingConfig) -> BatchingPolicy:
     """The policy a model's config names (``BatchingConfig`` has refused unknown names)."""

@@ -4,7 +4,9 @@ each one only the interface (``server/ports.py``) it needs, and starts and stops
 Nothing below this module imports it. The parts: the fast-path transports and the HTTP
 and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
 ``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
-``Coordinator`` (the runtimes' ``NodeScheduler``), and the ``ModelManager``. ``docs/node.md``
+``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
+CPUs) with the ``PlacementApplier`` that carries out changes of placement, and the
+``ModelManager``. ``docs/node.md``
 draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
 gRPC, in-process) share with the fast path.
 """
@@ -29,9 +31,12 @@ from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec
 from splitserve.placement.profiler import ModelProfile, load_profile
+from splitserve.placement.resources import ResourceManager
+from splitserve.placement.topology import read_topology
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
+from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
 from splitserve.server.frontends import CodecPool
@@ -91,14 +96,8 @@ class Server:
         self._start_worker = start_worker or functools.partial(WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self._cpus = sorted(os.sched_getaffinity(0))
-        self._cpu_cursor = 0
-
-    def next_cpus(self, threads: int) -> list[int]:
-        """The next ``threads`` usable CPUs, round-robin over the node (fixed placement)."""
-        out = [self._cpus[(self._cpu_cursor + k) % len(self._cpus)] for k in range(threads)]
-        self._cpu_cursor = (self._cpu_cursor + threads) % len(self._cpus)
-        return out
+        self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
+        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -120,9 +119,10 @@ class Server:
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
-                              cpus=self.next_cpus, profile=self._profile, stopping=lambda: self.stopping,
+                              resources=self.resources, placements=self.applier, profile=self._profile,
+                              stopping=lambda: self.stopping,
                               start_worker=self._start_worker)
-        self.management = ModelManager(cfg, self.registry, self, self.coordinator)
+        self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):

@@ -422,12 +422,18 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     # -- scheduling introspection (benchmarks read these from another process) ----------------
 
     @app.get("/v2/models/{name}/placement", tags=["scheduling"],
-             **_doc({"description": "Serving instances, the Packrat plan and reconfigurations"}, 404))
+             **_doc({"description": "Serving instances, the Packrat plan, reconfigurations and partitions"}, 404))
     async def placement(name: str) -> dict:
-        """The serving instance set (threads, batch, CPUs), the Packrat plan and every
-        reconfiguration so far, with its times on the server's clock."""
+        """The serving instance set (threads, batch, CPUs), the Packrat plan, every
+        reconfiguration so far (times on the server's clock) and the model's partitions."""
         version_of(name, None)
         return manager.placement(name)
+
+    @app.get("/v2/placement", tags=["scheduling"],
+             **_doc({"description": "Every partition of the node's CPUs and the instances on it"}))
+    async def node_placement() -> dict:
+        """The node's CPUs, those free, and every partition with its owner and instances."""
+        return manager.node_placement()
 
     @app.get("/v2/scheduler/events", tags=["scheduling"], **_doc(doc.SchedulerEvents, 400))
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:

@@ -34,6 +34,7 @@ from splitserve.errors import (
     InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
 )
 from splitserve.modelconfig import ArtifactKind, BatchingConfig, ModelConfig, check_model_name
+from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import EventLog, ManagedModel, ModelDirectory, ModelStats
@@ -163,11 +164,13 @@ class ModelManager:
     call it. It owns the management lock and the token (``ensure_token`` creates it).
     """
 
-    def __init__(self, config: ServerConfig, registry: Registry, models: ModelDirectory, events: EventLog) -> None:
+    def __init__(self, config: ServerConfig, registry: Registry, models: ModelDirectory, events: EventLog,
+                 resources: ResourceManager) -> None:
         self.config = config
         self.registry = registry
         self.models = models
         self.events = events
+        self.resources = resources
         self._lock = asyncio.Lock()
         self._token: str | None = None
 
@@ -464,9 +467,14 @@ class ModelManager:
                 "dispatch_max_batch": rt.dispatch_max_batch if rt is not None else cfg.max_batch_size}
 
     def placement(self, name: str) -> dict:
-        """How ``name`` is placed now and how it got there (for benchmarks and operators)."""
+        """How ``name`` is placed now and how it got there (for benchmarks and operators): its
+        instances, its decider's plan, its changes so far and its partitions."""
         self.record(name)
         return self.models.runtime(name).placement()
+
+    def node_placement(self) -> dict:
+        """Every partition of the node's CPUs and the instances sitting on each."""
+        return self.resources.snapshot()
 
     def scheduler_events(self, since: float = 0.0, limit: int = 10000) -> dict:
         """The coordinator's event log after ``since`` (perf_counter seconds on the server)."""

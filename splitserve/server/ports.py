@@ -10,8 +10,11 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
   a ``management.ModelManager`` for everything else; every front end, fast path included,
   is a ``FrontEnd`` the root starts and stops;
 * a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
-  ``NodeScheduler`` it asks for batches, metrics, CPUs, profiles and a worker factory; it
-  drives ``InstanceWorker`` handles;
+  ``NodeScheduler`` it asks for batches, metrics, the node's ``ResourceManager`` (CPUs), the
+  ``PlacementChanger`` that carries out its changes of placement, profiles and a worker
+  factory; it drives ``InstanceWorker`` handles;
+* the **placement applier** (``applier.PlacementApplier``) drives each model it changes as a
+  ``PlacedModel``;
 * the **coordinator** sees each runtime as a ``ScheduledModel``;
 * **management** sees the node's models through ``ModelDirectory`` and each one as a
   ``ManagedModel``.
@@ -34,7 +37,10 @@ import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.modelconfig import BatchingConfig, ModelConfig
+from splitserve.placement.partition import InstancePlacement
+from splitserve.placement.plans import Wanted
 from splitserve.placement.profiler import ModelProfile
+from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.priority import InstanceView, PriorityMode
@@ -259,6 +265,44 @@ class InstanceWorker(Protocol):
         """Ask it to exit, killing it after ``timeout``."""
 
 
+class PlacedModel(Protocol):
+    """One model as the node's placement applier drives it through a change (start the new
+    set as standby, switch, drain the old). ``runtime.ModelRuntime`` implements it."""
+
+    name: str
+
+    def add_standby(self, placements: Sequence[InstancePlacement]) -> list[int]:
+        """Add instances at ``placements`` (placed with the node's ``ResourceManager``), not yet
+        dispatched to, and start their workers if the model runs; their ids. All or none."""
+
+    async def until_ready(self, instances: Sequence[int]) -> None:
+        """Until those instances are up (at once if the model is not running); ModelNotReady
+        when one gave up starting. Bounded by the worker start timeouts."""
+
+    def switch(self, activate: Sequence[int], retire: Sequence[int], final: bool) -> None:
+        """Dispatch to ``activate`` and no longer to ``retire``. On the ``final`` switch the
+        model's placement decider settles on what serves (Packrat's aggregation target)."""
+
+    async def retire(self, instances: Sequence[int]) -> None:
+        """Drain those instances (each gets drain_timeout_s), stop their workers and unplace them."""
+
+    def changed(self, record: Mapping[str, Any]) -> None:
+        """The change ended (``record["ok"]`` says whether it was made): remember it, and let
+        the decider settle on what serves now."""
+
+
+class PlacementChanger(Protocol):
+    """The node's one applier of placement changes (``applier.PlacementApplier``), called by a
+    runtime's resize and repack (and later by node-wide deciders such as PROTEAN)."""
+
+    async def apply(self, decide: Callable[[], Wanted]) -> dict[str, dict[str, Any]]:
+        """Under the node-wide placement lock: ``decide()`` says what the models it names should
+        run (it may allocate partitions for new instances), then the change is carried out.
+        Returns a record per model changed. Raises ResourcesUnavailable when the change cannot
+        be made without double-booking a CPU or a pause in service (nothing changed then), and
+        ModelNotReady when new instances did not start (what served still serves)."""
+
+
 # ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
 WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop],
                          InstanceWorker]
@@ -272,7 +316,8 @@ class RuntimeEnv:
     config: ServerConfig  # queue slots, RT policy, placement default, start/drain/stop timeouts, cache dir
     node: NodeScheduler
     metrics: Metrics
-    cpus: Callable[[int], list[int]]  # fixed placement: the next ``n`` CPUs of the node
+    resources: ResourceManager  # the node's CPUs: the model's partitions and where its instances sit
+    placements: PlacementChanger  # the node's one applier of placement changes (resize, repack)
     profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
     stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
     start_worker: WorkerFactory

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -20,12 +21,12 @@ from splitserve.errors import (
     BadSize, DeadlineMissed, InvalidInput, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed,
 )
 from splitserve.modelconfig import BatchingConfig
-from splitserve.placement.packrat import PackratConfig, PackratController
-from splitserve.placement.topology import allocate
+from splitserve.placement.partition import InstancePlacement
+from splitserve.placement.placer import make_placer
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
-from splitserve.scheduler.policy import PackratAggregate, make_policy
+from splitserve.scheduler.policy import make_policy
 from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.metrics import ModelGauges
@@ -65,22 +66,19 @@ class ModelRuntime:
         }
         self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots,
                                     rt_policy=self.settings.rt_policy)
-        # Per instance id: its worker, CPUs and thread count (instances may differ: Packrat).
+        # Per instance id: its worker. Where each instance sits (threads, batch, CPUs) is the
+        # node's ResourceManager's record; instances exist while the model holds its CPUs
+        # (from a load until its unload gives them back).
         self.workers: dict[int, InstanceWorker] = {}
-        self.cpus: dict[int, list[int]] = {}
-        self.threads: dict[int, int] = {}
+        self.resources = env.resources
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
-        self.packrat = self._packrat_controller()
-        if self.packrat is not None:
-            self.sched.policy = PackratAggregate(self.packrat.batch, self.packrat.cfg.timeout_ms / 1000)
-            for t, b, cpus in self.packrat.shapes(self.packrat.plan()):
-                self._add_instance(t, cpus, max_batch=b)
-        else:
-            for _ in range(cfg.instances):
-                self._add_instance(cfg.threads, self._fixed_cpus(cfg.threads))
+        self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
+                                  self.settings.packrat_default_share, self.settings.fixed_cpus_shared)
+        if (policy := self.placer.policy()) is not None:
+            self.sched.policy = policy
         self.stats = ModelStats()
         self.state = ModelState.UNLOADED
         self.error: str | None = None  # why the last load failed
@@ -94,82 +92,108 @@ class ModelRuntime:
         self._timer: asyncio.TimerHandle | None = None
         self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self._batch_s: dict[int, float] = {}  # batch size -> EWMA of its compute time (s)
-        self.reconfigurations: list[dict] = []  # what each active-passive switch cost
-        self._reconfig_lock = asyncio.Lock()
+        # What each change of placement cost (bounded: the newest placement_history).
+        self.reconfigurations: deque[dict] = deque(maxlen=self.settings.placement_history)
         self._repack_task: asyncio.Task | None = None
 
     # -- instances -------------------------------------------------------------------
 
-    def _packrat_controller(self) -> PackratController | None:
-        pcfg = PackratConfig.parse(self.config.placement, self.config.max_batch_size, self.settings.placement)
-        if pcfg is None:
-            return None
-        if self.profile is None:
-            log.warning("model %s: placement is packrat but it was never profiled on this machine "
-                        "(run `splitserve profile %s`); serving with fixed placement", self.name, self.name)
-            return None
-        return PackratController(pcfg, self.profile.latency, self.config.max_batch_size)
-
     def _repack_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("model %s: reconfiguration failed", self.name, exc_info=task.exception())
+            log.warning("model %s: repack not made: %s", self.name, task.exception())
 
     async def repack(self, batch: int) -> dict:
-        """Packrat: serve a batch of ``batch`` with the plan the optimizer picks for it.
+        """Packrat: serve a batch of ``batch`` with the plan the optimizer picks for it, through
+        the node's applier (instances that keep their shape stay; the rest switch without a
+        pause in service). ResourcesUnavailable when that cannot be done in the model's budget:
+        it stays on its plan then."""
+        return await self._change(lambda: self.placer.plan_for(batch))
 
-        Only the instance count changes: scale in place. Threads or batch per instance
-        change: active-passive switch. The aggregation target follows at the switch.
-        """
-        pk = self.packrat
-        if pk is None:
-            raise ModelNotReady(f"model {self.name!r} does not use packrat placement")
-        plan = pk.plan(batch)
-        pk.switched(batch, time.perf_counter())
-        current = {(self.threads[i], self.sched.instances[i].max_batch) for i in self.sched.serving()}
-        wanted = {(sh.threads, sh.batch) for sh in plan.shapes}
-        if len(current) == 1 and current == wanted:
-            (t, b), = wanted
-            t0 = time.perf_counter()
-            async with self._reconfig_lock:
-                self.sched.policy.total = batch  # type: ignore[attr-defined]
-                serving = self.sched.serving()
-                n = plan.shapes[0].count
-                used = {c for i in serving[:n] for c in self.cpus[i]}
-                free = [c for c in pk.cores if c.cpu not in used]
-                added = []
-                for cpus in allocate([t] * max(0, n - len(serving)), free):
-                    added.append(i := self._add_instance(t, cpus, max_batch=b))
-                    if self.state in _RUNNING:
-                        self._spawn(i)
-                await self._wait_instances(added)
-                t_ready = time.perf_counter()
-                self.kick()
-                await self._drain_all(serving[n:])
-            record = {"shapes": [(t, b)] * n, "in_place": True, "plan": plan.to_dict(), "batch": batch,
-                      "start_s": t_ready - t0, "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
-            self.reconfigurations.append(record)
-            return record
-        record = await self.reconfigure(
-            pk.shapes(plan), on_switch=lambda: setattr(self.sched.policy, "total", batch))
-        record["plan"] = plan.to_dict()
-        record["batch"] = batch
-        return record
+    async def resize(self, instances: int) -> None:
+        """Change the instance count without dropping requests. Fixed placement takes CPUs for
+        added instances; Packrat splits its budget and B over ``instances``. A model that holds
+        no CPUs (not loaded) gets that many at its next load."""
+        self.placer.instances = instances
+        if self.sched.instances:
+            await self._change(lambda: self.placer.resize(self.resources, self._serving_placements(), instances))
 
-    def _add_instance(self, threads: int, cpus: list[int], max_batch: int | None = None, standby: bool = False) -> int:
-        iid = self.sched.add_instance(max_batch=max_batch, standby=standby)
-        self.threads[iid] = threads
-        self.cpus[iid] = cpus
+    async def _change(self, decide: Callable[[], list[InstancePlacement]]) -> dict:
+        """Hand a change of this model's placement to the node's applier; its record."""
+        def wanted() -> dict[str, list[InstancePlacement]]:
+            if not self.sched.instances:
+                raise ModelNotReady(f"model {self.name!r} is not loaded: it holds no CPUs to change")
+            return {self.name: decide()}
+
+        records = await self.env.placements.apply(wanted)
+        return {**records[self.name], **self.placer.describe()}
+
+    def _serving_placements(self) -> list[InstancePlacement]:
+        return [p for i in self.sched.serving() if (p := self.resources.placed(self.name, i)) is not None]
+
+    def _place(self) -> None:
+        """Take the model's CPUs from the node and add its instances (at load, and again after
+        an unload gave them back); raises ResourcesUnavailable naming what is in use."""
+        try:
+            for p in self.placer.place(self.resources):
+                self._add_instance(p)
+        except BaseException:
+            for i in list(self.sched.instances):
+                self._forget_instance(i)
+            self.resources.release(self.name)
+            raise
+
+    def _add_instance(self, placement: InstancePlacement, standby: bool = False) -> int:
+        batch = placement.batch if self.placer.per_instance_batch else None
+        iid = self.sched.add_instance(max_batch=batch, standby=standby)
+        try:
+            self.resources.place(self.name, iid, placement)
+        except BaseException:
+            self.sched.remove(iid)
+            raise
         self._backoff[iid] = self.settings.worker_restart_backoff_s
         self._start_failures[iid] = 0
         return iid
 
-    def _fixed_cpus(self, threads: int) -> list[int]:
-        """Fixed placement: the config's ``cpus`` if it names them, else the node's next
-        ``threads`` CPUs round-robin, so models spread over the cores instead of piling up."""
-        if self.config.cpus:
-            n = len(self.sched.instances) - 1  # this instance's position among the model's
-            return [self.config.cpus[(n * threads + k) % len(self.config.cpus)] for k in range(threads)]
-        return self.env.cpus(threads)
+    # -- PlacedModel (the node's placement applier) --------------------------------------
+
+    def add_standby(self, placements: Sequence[InstancePlacement]) -> list[int]:
+        ids: list[int] = []
+        try:
+            for p in placements:
+                ids.append(self._add_instance(p, standby=True))
+        except BaseException:
+            for i in ids:
+                self._forget_instance(i)
+            raise
+        if self.state in _RUNNING:
+            for i in ids:
+                self._spawn(i)
+        return ids
+
+    async def until_ready(self, instances: Sequence[int]) -> None:
+        if self.state in _RUNNING:
+            await self._wait_instances(list(instances))
+
+    def switch(self, activate: Sequence[int], retire: Sequence[int], final: bool) -> None:
+        self.sched.activate(list(activate), list(retire))
+        if final:
+            self.placer.settle(self._serving_placements())
+        self.kick()
+
+    async def retire(self, instances: Sequence[int]) -> None:
+        await self._drain_all(list(instances))
+
+    def changed(self, record: Mapping[str, Any]) -> None:
+        self.placer.settle(self._serving_placements())
+        if not record["ok"]:
+            log.warning("model %s: placement change to %s not made: %s", self.name, record["shapes"],
+                        record.get("error"))
+            return
+        if not record["waves"]:
+            return  # the wanted placement is what serves already: nothing happened
+        self.reconfigurations.append({**record, **self.placer.describe()})
+        log.info("model %s: placement now %s (new set ready in %.2fs, old drained in %.2fs)", self.name,
+                 record["shapes"], record["start_s"], record["drain_s"])
 
     async def _wait_instances(self, ids: list[int]) -> None:
         """Until the instances ``ids`` are up; ModelNotReady if one gave up starting (or
@@ -204,7 +228,8 @@ class ModelRuntime:
 
     def _forget_instance(self, iid: int) -> None:
         self.sched.remove(iid)
-        for d in (self.workers, self.cpus, self.threads, self._backoff, self._start_failures):
+        self.resources.unplace(self.name, iid)
+        for d in (self.workers, self._backoff, self._start_failures):
             d.pop(iid, None)
 
     @property
@@ -225,6 +250,12 @@ class ModelRuntime:
     def _load(self) -> None:
         self.state, self.error = ModelState.LOADING, None
         self._ready_event.clear()
+        if not self.sched.instances:
+            try:
+                self._place()
+            except SplitServeError as e:
+                self._fail(str(e))
+                return
         self._start_missing()
 
     def _start_missing(self) -> None:
@@ -250,23 +281,27 @@ class ModelRuntime:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
     def _spawn(self, i: int) -> None:
+        placed = self.resources.placed(self.name, i)
+        assert placed is not None, "an instance is placed before its worker starts"
+        cpus, threads = sorted(placed.cpus), placed.threads
+
         def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
             return WorkerSpec(
                 model=self.config.to_dict(),
                 model_dir=str(self.record.path) if self.record.path else None,
-                instance=i, cpus=self.cpus[i], threads=self.threads[i], ctrl_fd=ctrl_fd, flag_fd=flag_fd,
+                instance=i, cpus=cpus, threads=threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
                 queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
                         for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.settings.cache_path), log_level=self.settings.log_level,
                 segment_time_weight=self.settings.segment_time_weight, segment_capacity=self.config.capacity,
-                segment_times_ns=self.profile.segment_times_ns(self.threads[i]) if self.profile else [],
+                segment_times_ns=self.profile.segment_times_ns(threads) if self.profile else [],
             )
 
         self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
         timeout = self.settings.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
-        log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, self.threads[i],
-                 self.cpus[i], handle.pid)
+        log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, threads,
+                 cpus, handle.pid)
 
     @staticmethod
     def _start_timed_out(handle: InstanceWorker, timeout: float) -> None:
@@ -368,50 +403,6 @@ class ModelRuntime:
         self._ready_event.set()
         self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {reason}"))
 
-    async def resize(self, instances: int) -> None:
-        """Change the instance count in place (same threads), without dropping requests."""
-        async with self._reconfig_lock:
-            threads = self.threads[self.sched.serving()[0]] if self.sched.serving() else self.config.threads
-            added, retire = self.sched.resize(instances)
-            for i in added:
-                self.threads[i], self.cpus[i] = threads, self._fixed_cpus(threads)
-                self._backoff[i] = self.settings.worker_restart_backoff_s
-                self._start_failures[i] = 0
-                if self.state in _RUNNING:
-                    self._spawn(i)
-            self.kick()
-            await self._drain_all(retire)
-            await self._wait_instances(added)
-
-    async def reconfigure(self, shapes: list[tuple[int, int, list[int]]],
-                          on_switch: Callable[[], None] | None = None) -> dict:
-        """Active-passive switch to instances of (threads, batch, cpus): start the new set
-        beside the serving one, switch dispatch once it is ready, drain and stop the old."""
-        async with self._reconfig_lock:
-            t0 = time.perf_counter()
-            old = self.sched.serving()
-            new = [self._add_instance(t, cpus, max_batch=b, standby=True) for t, b, cpus in shapes]
-            if self.state in _RUNNING:
-                for i in new:
-                    self._spawn(i)
-                try:
-                    await self._wait_instances(new)
-                except ModelNotReady:
-                    await self._drain_all(new)
-                    raise
-            t_ready = time.perf_counter()
-            if on_switch is not None:
-                on_switch()
-            self.sched.activate(new, old)
-            self.kick()
-            await self._drain_all(old)
-            record = {"shapes": [(t, b) for t, b, _ in shapes], "start_s": t_ready - t0,
-                      "drain_s": time.perf_counter() - t_ready, "switched_at": t_ready}
-            self.reconfigurations.append(record)
-            log.info("model %s: reconfigured to %s (new set ready in %.2fs, old drained in %.2fs)", self.name,
-                     record["shapes"], record["start_s"], record["drain_s"])
-            return record
-
     async def _drain_all(self, ids: list[int]) -> None:
         """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
         deadline = time.perf_counter() + self.settings.drain_timeout_s
@@ -479,6 +470,9 @@ class ModelRuntime:
                 self.node.finished(self, i, lost, ok=False)
                 self._answer_batch(lost, WorkerFailed(f"model {self.name!r} stopped during the batch"))
         self.workers.clear()
+        for i in list(self.sched.instances):  # the CPUs go back to the node; a load takes them anew
+            self._forget_instance(i)
+        self.resources.release(self.name)
         self.state = ModelState.UNLOADED
         self._ready_event.set()  # a load that was waiting ends (not ready)
         self.kick()
@@ -546,8 +540,7 @@ class ModelRuntime:
         except SplitServeError as e:
             self._answer(call, e)
             return
-        if self.packrat is not None:
-            self.packrat.observe(self.sched.waiting(), call.t_rx)
+        self.placer.observe(self.sched.waiting(), call.t_rx)
         self.kick()
 
     def kick(self) -> None:
@@ -565,11 +558,10 @@ class ModelRuntime:
         if self.state in _RUNNING:  # stopping: nothing new starts
             for batch in self.node.schedule(self, now):
                 self._start(batch, now)
-        if self.packrat is not None and (self._repack_task is None or self._repack_task.done()):
-            batch_size = self.packrat.next_batch(now)
-            if batch_size is not None:
-                log.info("model %s: queue depth suggests batch %d; repacking", self.name, batch_size)
-                self._repack_task = self.loop.create_task(self.repack(batch_size))
+        if self.state is ModelState.READY and (self._repack_task is None or self._repack_task.done()):
+            wanted = self.placer.propose(now)
+            if wanted is not None:
+                self._repack_task = self.loop.create_task(self._change(lambda: wanted))
                 self._repack_task.add_done_callback(self._repack_done)
         self._arm_timer(now)
 
@@ -692,7 +684,7 @@ class ModelRuntime:
             b = st.running
             began = None if b is None else b.created if b.started is None else b.started
             out.append(InstanceView(
-                model=self.name, instance=i, cpus=frozenset(self.cpus.get(i, ())),
+                model=self.name, instance=i, cpus=self.resources.instance_cpus(self.name, i),
                 ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                 preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
@@ -732,13 +724,14 @@ class ModelRuntime:
     def describe(self) -> dict[str, Any]:
         cfg = self.config
         serving = self.sched.serving()
+        placed = [self.resources.placed(self.name, i) for i in serving]
         return {
             "name": self.name, "func_id": self.func_id, "version": cfg.version, "state": self.state,
             "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
             "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
             "instances": self.instance_count,
-            "threads": [self.threads[i] for i in serving],
-            "cpus": [self.cpus[i] for i in serving],
+            "threads": [p.threads if p else 0 for p in placed],
+            "cpus": [sorted(p.cpus) if p else [] for p in placed],
             "pids": [self.workers[i].pid if i in self.workers else None for i in serving],
         }
 
@@ -749,8 +742,9 @@ class ModelRuntime:
     def set_batching(self, batching: BatchingConfig, max_batch: int | None) -> None:
         """Swap the batching policy (and the dispatch limit, at most ``max_batch_size``, which
         the queues were sized for) in place; queued requests stay."""
-        if self.packrat is not None:
-            raise InvalidInput(f"model {self.name!r} uses packrat placement: its batching follows Packrat's plan")
+        if self.placer.policy() is not None:
+            raise InvalidInput(f"model {self.name!r} uses {self.placer.kind.value} placement: its batching follows "
+                               "its plan")
         if max_batch is not None and not 1 <= max_batch <= self.config.max_batch_size:
             raise InvalidInput(f"max_batch_size must be 1..{self.config.max_batch_size} for {self.name!r} "
                                "(the tensor queues were sized for that; register a new version to raise it)")
@@ -761,19 +755,14 @@ class ModelRuntime:
         self.kick()
 
     def placement(self) -> dict[str, Any]:
-        serving = self.sched.serving()
-        out: dict[str, Any] = {
-            "model": self.name, "placement": "packrat" if self.packrat is not None else "fixed",
-            "now": time.perf_counter(),
-            "instances": [{"id": i, "threads": self.threads[i], "batch": self.sched.instances[i].max_batch or
-                           self.config.max_batch_size, "cpus": self.cpus[i], "ready": self.sched.instances[i].ready}
-                          for i in serving],
-            "reconfigurations": self.reconfigurations,
-        }
-        if self.packrat is not None:
-            out["batch"] = self.packrat.batch
-            out["plan"] = self.packrat.plan().to_dict()
-            out["threads_budget"] = self.packrat.threads
+        out: dict[str, Any] = {"model": self.name, **self.placer.describe(), "now": time.perf_counter()}
+        out["instances"] = [
+            {"id": i, "threads": p.threads, "batch": self.sched.instances[i].max_batch or self.config.max_batch_size,
+             "cpus": sorted(p.cpus), "shared": p.shared, "ready": self.sched.instances[i].ready}
+            for i in self.sched.serving() if (p := self.resources.placed(self.name, i)) is not None
+        ]
+        out["reconfigurations"] = list(self.reconfigurations)
+        out["partitions"] = self.resources.snapshot(self.name)["partitions"]
         return out
 
     def gauges(self) -> ModelGauges:

@@ -671,3 +671,16 @@ def test_a_non_loopback_bind_warns_what_needs_no_token():
     text = exposure_warning(ServerConfig(host="0.0.0.0"))
     for words in ("fast path on TCP 8100", "UDP 8101", "/classify", "/metrics", "gRPC 8001", "first request"):
         assert words in text
+
+
+def test_node_and_model_placement_show_every_partition_and_its_instances(http):
+    node = http.get("/v2/placement").json()
+    owners = {p["owner"] for p in node["partitions"]}
+    assert set(MODELS) <= owners, node
+    held = [c for p in node["partitions"] for c in p["cpus"]]
+    assert set(held) | set(node["free"]) == set(node["cpus"])
+    lenet = http.get("/v2/models/lenet/placement").json()
+    assert lenet["placement"] == "fixed" and "reconfigurations" in lenet
+    assert lenet["partitions"] and all(p["owner"] == "lenet" for p in lenet["partitions"])
+    assert sorted(c for i in lenet["instances"] for c in i["cpus"]) == sorted(
+        c for p in lenet["partitions"] for i in p["instances"] for c in i["cpus"])

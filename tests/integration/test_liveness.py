@@ -65,7 +65,8 @@ def test_a_preempted_batch_on_an_instance_being_retired_is_resumed_and_the_switc
         gates.open(1)  # the BE batch reaches a segment boundary and is preempted there
         await until(lambda: any(s.suspended for s in rt.sched.instances.values()) and gates.held(2))
         (old,) = rt.sched.serving()
-        switch = asyncio.ensure_future(rt.reconfigure([(1, 8, rt.cpus[old])]))
+        # The node's applier replaces the instance by a new one (fresh CPUs from the placer).
+        switch = asyncio.ensure_future(server.applier.apply(lambda: {"gate": rt.placer.resize(server.resources, [], 1)}))
         await until(lambda: rt.sched.instances[old].draining)
         gates.open(2)  # the RT batch ends; the retired instance still holds the BE batch
         await switch

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from splitserve.errors import ModelNotReady
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.profiler import ModelProfile, machine_id, save_profile
 from splitserve.registry import Registry
@@ -66,7 +67,8 @@ def allowed_cpus(pid: int) -> set[int]:
 def test_thin_instances_are_pinned_to_disjoint_cores(tmp_path):
     async def scenario(server):
         rt = server.runtime("lenet_pk")
-        shapes = [(rt.threads[i], rt.sched.instances[i].max_batch) for i in rt.sched.serving()]
+        shapes = [(rt.resources.placed(rt.name, i).threads, rt.sched.instances[i].max_batch)
+                  for i in rt.sched.serving()]
         pins = [allowed_cpus(rt.workers[i].pid) for i in rt.sched.serving()]
         x = np.zeros((16, 1, 28, 28), np.uint8)
         out = await server.infer("lenet_pk", [x])
@@ -97,15 +99,56 @@ def test_reconfiguration_under_a_steady_stream_loses_no_request(tmp_path):
 
         clients = [asyncio.ensure_future(client(i)) for i in range(4)]
         await asyncio.sleep(0.2)
-        steps = [await rt.repack(4), await rt.reconfigure([(2, 16, [0, 1])]), await rt.repack(16)]
+        # Both switch inside the model's 2-core budget, one instance at a time (a rolling change).
+        steps = [await rt.repack(4), await rt.repack(16)]
         await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*clients)
-        final = [(rt.threads[i], rt.sched.instances[i].max_batch) for i in rt.sched.serving()]
+        final = [(rt.resources.placed(rt.name, i).threads, rt.sched.instances[i].max_batch)
+                 for i in rt.sched.serving()]
         return results, steps, final, server.monitor.in_flight
 
     results, steps, final, in_flight = run(tmp_path, scenario)
     assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:3]
     assert in_flight == 0
-    assert steps[1]["shapes"] == [(2, 16)] and steps[1]["start_s"] > 0
+    assert steps[0]["shapes"] == [(1, 2), (1, 2)] and steps[0]["batch"] == 4 and steps[0]["start_s"] > 0
+    assert steps[1]["shapes"] == [(1, 8), (1, 8)] and steps[1]["batch"] == 16
     assert final == [(1, 8), (1, 8)]
+
+
+def test_two_packrat_models_and_a_fixed_model_never_pin_onto_one_cpu(tmp_path):
+    """Every worker's ``Cpus_allowed_list``: the Packrat models' 1-core budgets and the fixed
+    model are disjoint. On a 2-CPU runner no CPU is left for the fixed model: its load is
+    refused, naming who holds what."""
+    repo = tmp_path / "repo"
+    for name in ("pk_a", "pk_b"):
+        (repo / name).mkdir(parents=True)
+        (repo / name / "config.toml").write_text(CONFIG.replace('"lenet_pk"', f'"{name}"').replace("threads = 2",
+                                                                                                  "threads = 1"))
+    (repo / "fixed").mkdir()
+    (repo / "fixed" / "config.toml").write_text('name = "fixed"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+    data = tmp_path / "data"
+    data.mkdir()
+    reg = Registry(data)
+    for name in ("pk_a", "pk_b"):
+        save_profile(reg, synthetic_profile(name))
+    reg.close()
+
+    async def scenario(server):
+        refused = None
+        try:
+            await server.runtime("fixed").wait_ready()
+        except ModelNotReady as e:
+            refused = str(e)
+        pins = {name: [allowed_cpus(w.pid) for w in rt.workers.values()] for name, rt in server.runtimes.items()}
+        return pins, refused, server.management.node_placement()
+
+    pins, refused, node = run_server(quiet_config(data, repository=repo, load=("pk_a", "pk_b")), scenario)
+    every = [c for sets in pins.values() for p in sets for c in p]
+    assert len(every) == len(set(every)), pins
+    assert [len(pins["pk_a"]), len(pins["pk_b"])] == [1, 1]
+    if NCPU >= 3:
+        assert refused is None and len(pins["fixed"]) == 1
+    else:
+        assert refused is not None and "'pk_a' holds" in refused and "'pk_b' holds" in refused, refused
+    assert {p["owner"] for p in node["partitions"]} == ({"pk_a", "pk_b", "fixed"} if NCPU >= 3 else {"pk_a", "pk_b"})

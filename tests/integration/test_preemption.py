@@ -47,7 +47,7 @@ def run_server(tmp_path, mode, scenario, vgg_cpus=(0,)):
     for name, cpus in (("resnet152", (0,)), ("vgg19", vgg_cpus)):
         (repo / name).mkdir(parents=True)
         (repo / name / "config.toml").write_text(
-            f'name = "{name}"\ncpus = {list(cpus)}\n[artifact]\nkind = "zoo"\narch = "{name}"\n')
+            f'name = "{name}"\ncpus = {list(cpus)}\nshare_cpus = true\n[artifact]\nkind = "zoo"\narch = "{name}"\n')
 
     cfg = quiet_config(tmp_path / mode, repository=repo, load=("resnet152", "vgg19"), preemption=mode)
     return run_inproc(cfg, scenario)

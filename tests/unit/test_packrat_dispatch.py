@@ -44,9 +44,9 @@ def test_controller_plans_and_pins():
     table = {(t, b): 1e-3 + b * 1e-4 * (0.5 + 0.5 / t) for t in (1, 2) for b in (1, 2, 4, 8, 16)}
     cores = [Core(0, 0, 0), Core(1, 1, 0)]
     pc = PackratController(PackratConfig(threads=2, batch=16), LatencyProfile("m", table), 16, cores)
-    shapes = pc.shapes(pc.plan())
-    assert [(t, b) for t, b, _ in shapes] == [(1, 8), (1, 8)]
-    assert sorted(c for _, _, cpus in shapes for c in cpus) == [0, 1]
+    placements = pc.placements(pc.plan())
+    assert [(p.threads, p.batch) for p in placements] == [(1, 8), (1, 8)]
+    assert sorted(c for p in placements for c in p.cpus) == [0, 1]
 
 
 def test_placement_config_is_checked():

@@ -16,9 +16,12 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import SplitServeError
 from splitserve.modelconfig import ModelConfig
+from splitserve.placement.resources import ResourceManager
+from splitserve.placement.topology import Core
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.request import Batch
+from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.ports import ModelState, RuntimeEnv, ScheduledModel
@@ -153,8 +156,10 @@ class Harness:
             self.workers.append(w)
             return w
 
+        rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(2)])
         env = RuntimeEnv(loop=self.loop, config=ServerConfig(data_dir=tmp_path, queue_slots=8),  # type: ignore[arg-type]
-                         node=self.node, metrics=Metrics(), cpus=lambda n: list(range(n)), profile=lambda name: None,
+                         node=self.node, metrics=Metrics(), resources=rm,
+                         placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: None,
                          stopping=lambda: False, start_worker=start_worker)
         self.rt = ModelRuntime(env, ModelRecord("double", 7, 1, "test", None, MODEL))
 

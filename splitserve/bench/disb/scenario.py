@@ -276,8 +276,10 @@ def run(ctx: Context) -> ScenarioOutput:
     gen_cpus = [c for c in usable if c not in p.cpus]
     cfg = {"instances": 1, "threads": 1, "default_class": "rt"}
     repo = write_repository(ctx.results.path / "repository", {
-        **{m: {**cfg, "cpus": list(p.cpus), "artifact": {"kind": "zoo", "arch": m}} for m in loaded},
-        **{n: {**cfg, "cpus": [p.pair_cpu], "artifact": {"kind": "zoo", "arch": a}} for n, a in pads.items()},
+        **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m}}
+           for m in loaded},
+        **{n: {**cfg, "cpus": [p.pair_cpu], "share_cpus": True, "artifact": {"kind": "zoo", "arch": a}}
+           for n, a in pads.items()},
     })
     schemes = [s for s in SCHEMES if s in p.schemes]
     if pairs and "reef" not in schemes:

@@ -215,10 +215,12 @@ def variants(arch: str, T: int, batches: list[int], timeout_ms: float, cpus: lis
     out: dict[str, dict[str, Any]] = {}
     for b in batches:
         art = {"kind": "zoo", "arch": arch}
+        # Every variant is measured alone, on the same T CPUs: they all ask to share them.
         out[f"{arch}_fat_b{b}"] = {"max_batch_size": b, "instances": 1, "threads": T, "cpus": cpus,
+                                   "share_cpus": True,
                                    "batching": {"policy": "timeout", "max_delay_ms": timeout_ms, "preferred_batch": b},
                                    "placement": {"kind": "fixed"}, "artifact": art}
-        out[f"{arch}_pk_b{b}"] = {"max_batch_size": b, "artifact": art,
+        out[f"{arch}_pk_b{b}"] = {"max_batch_size": b, "artifact": art, "cpus": cpus, "share_cpus": True,
                                   "placement": {"kind": "packrat", "threads": T, "batch": b, "adaptive": False,
                                                 "timeout_ms": timeout_ms}}
     return out
