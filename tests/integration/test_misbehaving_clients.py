@@ -155,7 +155,7 @@ def test_udp_segments_that_do_not_tile_the_request_are_refused(server, case):
 def test_lookup_reports_a_model_without_starting_its_workers(server):
     with raw(server) as s, udp(server) as u:
         for info in (describe(s, "matmul8k"), udp_describe(u, "matmul8k"), describe(s, "matmul8k")):
-            assert info["state"] == "unloaded" and info["pids"] == [None], info
+            assert info["state"] == "unloaded" and not any(info["pids"]), info  # no worker started
         with Client(server.tcp) as c:  # the first request starts it
             x = np.eye(64, dtype=np.float32)
             np.testing.assert_allclose(c.infer("matmul8k", (x, x)), x)
