@@ -140,7 +140,9 @@ class Binding:
         if self._pinned:
             cudart = torch.cuda.cudart()
             for tq in self._pinned:
-                cudart.cudaHostUnregister(tq.base)
+                err = cudart.cudaHostUnregister(tq.base)
+                if int(getattr(err, "value", err)) != 0:
+                    log.warning("could not unpin a %d B tensor queue (cuda error %s)", tq.size, err)
             self._pinned.clear()
         gc.collect()  # tensors over the rings must be gone before they are unmapped
         for ins, outs in self.queues.values():

@@ -59,7 +59,8 @@ class Residency(StrEnum):
 
 
 class WorkerHandle:
-    """One worker process serving one model instance."""
+    """One worker process: bound at start to its spec's model (if it names one), or to
+    whatever ``send_load`` binds later."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -82,7 +83,6 @@ class WorkerHandle:
         )
         theirs.close()
         self.alive = True
-        self.ready = False
         self.started = False  # it reported READY once (a death before that is a failed start)
         self.load_error: str | None = None  # the worker's own report of why it could not load
         self.killed_for: str | None = None  # why the front end killed it
@@ -97,6 +97,11 @@ class WorkerHandle:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def ready(self) -> bool:
+        """The process is up with a model bound: a RUN would be served."""
+        return self.alive and self.residency is Residency.BOUND
 
     def send_run(self, msg: RunMsg) -> bool:
         """Send a batch descriptor; False if the worker is gone (its exit is being handled)."""
@@ -132,7 +137,6 @@ class WorkerHandle:
             self.sock.send(bytes([Msg.UNLOAD]))
         except OSError:
             return False
-        self.ready = False
         self.residency = Residency.UNLOADING
         return True
 
@@ -155,19 +159,12 @@ class WorkerHandle:
             elif kind == Msg.READY:
                 info = unpack_ready(data)
                 self.started = True
-                self.ready = info.get("binding") is not None
-                self.residency = Residency.BOUND if self.ready else Residency.UNBOUND
+                self.residency = Residency.UNBOUND if info.get("binding") is None else Residency.BOUND
                 self.owner.on_ready(self.instance, info)
             elif kind == Msg.LOADED:
                 self._on_loaded(LoadedMsg.unpack(data))
             elif kind == Msg.UNLOADED:
-                msg = UnloadedMsg.unpack(data)
-                if self.residency is not Residency.UNLOADING:
-                    log.error("worker %d unloaded binding %s, which was not asked for", self.pid, msg.binding)
-                self.ready = False
-                self.residency = Residency.UNBOUND
-                self.binding = None
-                self.owner.on_unloaded(self.instance, msg)
+                self._on_unloaded(UnloadedMsg.unpack(data))
             else:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
 
@@ -175,10 +172,16 @@ class WorkerHandle:
         if self.residency is not Residency.LOADING or msg.binding != self.binding:
             log.error("worker %d loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
                       self.residency)
-        self.ready = True
         self.residency = Residency.BOUND
         self.binding = msg.binding
         self.owner.on_loaded(self.instance, msg)
+
+    def _on_unloaded(self, msg: UnloadedMsg) -> None:
+        if self.residency is not Residency.UNLOADING:
+            log.error("worker %d unloaded binding %s, which was not asked for", self.pid, msg.binding)
+        self.residency = Residency.UNBOUND
+        self.binding = None
+        self.owner.on_unloaded(self.instance, msg)
 
     def _on_failed(self, msg: FailedMsg) -> None:
         if msg.op == Msg.RUN:
@@ -203,7 +206,6 @@ class WorkerHandle:
         if not self.alive:
             return
         self.alive = False
-        self.ready = False
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self.owner.on_exit(self.instance, self)

@@ -36,6 +36,7 @@ from splitserve.worker.spec import WorkerSpec
 log = logging.getLogger("splitserve.worker")
 
 _FD_BYTES = array.array("i").itemsize
+_CUT = socket.MSG_TRUNC | socket.MSG_CTRUNC  # the message or its fds did not fit and were cut
 
 
 def _describe(e: BaseException) -> str:
@@ -67,6 +68,7 @@ class Worker:
         self.cache_dir = Path(spec.cache_dir)
         # Every message is received into this one buffer: a RUN costs no allocation.
         self._buf = bytearray(MAX_MESSAGE_BYTES)
+        self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
         bind = spec.binding()
@@ -204,37 +206,37 @@ class Worker:
     def step(self) -> bool:
         """Receive one message and answer it; False when the worker should exit (STOP, or
         the front end's end of the socket closed)."""
-        n, anc, flags, _ = self.ctrl.recvmsg_into([self._buf], self._ancsize)
+        n, anc, flags, _ = self.ctrl.recvmsg_into(self._bufs, self._ancsize)
+        if n >= RUN.size and self._buf[0] == Msg.RUN and not anc and not flags & _CUT:  # serving: keep it short
+            self.ctrl.send(self._answer_run(RunMsg.unpack(self._buf)))
+            return True
         fds = _received_fds(anc) if anc else []
         if n == 0 and not fds:
             return False
-        data = memoryview(self._buf)[:n]
-        kind = data[0] if n else 0
+        kind = self._buf[0] if n else 0
         if kind == Msg.STOP:
             _close_all(fds)
             return False
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if flags & _CUT:
             _close_all(fds)
             reply = FailedMsg(kind, 0, f"message over {MAX_MESSAGE_BYTES} B or {MAX_LOAD_FDS} fds, "
                                        "cut short; not acted on").pack()
         elif kind == Msg.LOAD:
-            reply = self._answer_load(data, fds)
+            reply = self._answer_load(memoryview(self._buf)[:n], fds)
         else:
             _close_all(fds)  # only a LOAD brings fds
-            if kind == Msg.RUN:
-                reply = self._answer_run(data)
-            elif kind == Msg.UNLOAD:
+            if kind == Msg.UNLOAD:
                 reply = self.unload().pack()
+            elif kind == Msg.RUN:
+                reply = (self._answer_run(RunMsg.unpack(self._buf)) if n >= RUN.size
+                         else FailedMsg(Msg.RUN, 0, f"a RUN is {RUN.size} B, not {n}").pack())
             else:
                 log.error("unknown control message kind %d (%d B)", kind, n)
                 reply = FailedMsg(kind, 0, f"unknown control message kind {kind}").pack()
         self.ctrl.send(reply)
         return True
 
-    def _answer_run(self, data: memoryview) -> bytes:
-        if len(data) < RUN.size:
-            return FailedMsg(Msg.RUN, 0, f"a RUN is {RUN.size} B, not {len(data)}").pack()
-        msg = RunMsg.unpack(data)
+    def _answer_run(self, msg: RunMsg) -> bytes:
         try:
             return self.run(msg).pack()
         except SplitServeError as e:  # refused (nothing bound): nothing ran, no traceback to show

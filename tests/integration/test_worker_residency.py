@@ -303,6 +303,8 @@ def test_a_worker_process_binds_a_model_serves_it_unloads_and_serves_another(tmp
         try:
             info = await owner.next("ready")
             assert info["binding"] is None and h.residency is Residency.UNBOUND and not h.ready
+            with pytest.raises(RuntimeError, match="nothing to unload"):
+                h.send_unload()
             pid = h.pid
             assert not mentions(own("maps", pid), lenet.tag)
 
@@ -310,6 +312,9 @@ def test_a_worker_process_binds_a_model_serves_it_unloads_and_serves_another(tmp
             assert loaded.model == "lenet" and loaded.load_ns > 0
             assert abs(loaded.nbytes - param_bytes("lenet")) <= 0.1 * param_bytes("lenet")
             assert mentions(own("maps", pid), lenet.tag) == 2 * 2 * 2  # 2 tensors x 2 classes, mapped twice
+            assert h.ready
+            with pytest.raises(RuntimeError, match="cannot load"):
+                h.send_load(resnet.bind())
             await run_and_check(owner, h, lenet, batch_id=1)
 
             assert (await unload(owner, h)).binding == loaded.binding
