@@ -23,7 +23,8 @@ from splitserve.models import build_zoo_model
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import CLASSES
 from splitserve.tensorqueue import TensorQueue, ring_slots
-from splitserve.worker.messages import DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.messages import (MAX_MESSAGE_BYTES, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
+                                        UnloadedMsg)
 from splitserve.worker.pool import Residency, WorkerHandle
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.process import Worker
@@ -212,6 +213,30 @@ def test_inproc_bad_loads_answer_failed_and_leave_no_fd_or_mapping(tmp_path):
             assert DoneMsg.unpack(ask(w, sock, RunMsg(BE, 1, 0, 1).pack())).kind == Msg.DONE
     finally:
         q.close()
+
+
+def test_inproc_malformed_control_messages_are_answered_failed_and_leave_nothing_behind(tmp_path):
+    r, w_ = os.pipe()
+    try:
+        with unbound_worker(tmp_path) as (w, sock):
+            fds_before = sorted(own("fd"))
+            cases = {
+                "unknown kind": (b"\x63hello", [], 0x63),
+                "a short RUN": (b"\x01\x01", [], Msg.RUN),
+                "fds beside a RUN": (RunMsg(BE, 4, 0, 1).pack(), [r, w_], Msg.RUN),
+                "fds beside an UNLOAD": (bytes([Msg.UNLOAD]), [r], None),
+                "over the size limit": (bytes([Msg.LOAD]) + b"x" * MAX_MESSAGE_BYTES, [], Msg.LOAD),
+            }
+            for why, (data, fds, op) in cases.items():
+                answer = ask(w, sock, data, fds)
+                if op is None:
+                    assert UnloadedMsg.unpack(answer) == UnloadedMsg(None), why
+                else:
+                    assert FailedMsg.unpack(answer).op == op, why
+                assert sorted(own("fd")) == fds_before, why  # fds that came with them were closed
+    finally:
+        os.close(r)
+        os.close(w_)
 
 
 # ---- real worker processes, through the front end's handle ----
