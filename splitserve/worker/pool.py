@@ -117,6 +117,10 @@ class WorkerHandle:
         ``on_load_failed``; False if the worker is gone (its exit is being handled)."""
         if self.residency is not Residency.UNBOUND:
             raise RuntimeError(f"worker {self.pid} is {self.residency}, not unbound: it cannot load a model now")
+        # The flag outlives bindings, and batch ids are per model: a target or deadline left
+        # for the last model must not stop the next one's batches.
+        self.flag.clear()
+        self.flag.set_padding_deadline(0)
         self._last_binding += 1
         data, fds = LoadMsg(self._last_binding, bind).pack()
         try:
