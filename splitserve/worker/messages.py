@@ -171,7 +171,7 @@ class UnloadedMsg:
 class FailedMsg:
     """A request failed: ``op`` is its kind (RUN: ``ident`` is the batch id; LOAD: the
     binding id, ``START_BINDING`` for the model of the worker's spec, after which the
-    worker exits)."""
+    worker exits; any other kind: a message the worker could not act on, ``ident`` 0)."""
 
     op: int
     ident: int

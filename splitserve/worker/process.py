@@ -58,6 +58,9 @@ def _received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
 
 
 class Worker:
+    """The process's side of one worker: CPUs, threads, control socket and preemption flag,
+    which last as long as the process, and the model bound to it, which may change."""
+
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         if spec.cpus:
