@@ -690,11 +690,12 @@ class ModelRuntime:
         out = []
         for i, st in self.sched.instances.items():
             b = st.running
+            began = None if b is None else b.created if b.started is None else b.started
             out.append(InstanceView(
                 model=self.name, instance=i, cpus=frozenset(self.cpus.get(i, ())),
                 ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                 preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
-                expected_end=(b.extra.get("started", b.created) + self.expected_batch_s(b.count)) if b else None,
+                expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting,
             ))
         return out

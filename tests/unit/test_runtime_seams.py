@@ -243,3 +243,18 @@ def test_a_done_report_for_another_batch_costs_the_running_batch_nothing(h):
     assert h.sink.answers == [] and h.monitor.in_flight == 1
     h.run_batch(worker)
     assert [a[0] for a in h.sink.answers] == [1]
+
+
+def test_the_view_of_a_running_batch_says_when_it_should_end(h):
+    # The coordinator reads this view on every real-time pass: when it raised, RT calls hung.
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.ready()
+    h.loop.run()
+    (view,) = h.rt.instance_views(lambda i, b: False)
+    batch = h.rt.sched.instances[view.instance].running
+    assert view.running_batch == batch.batch_id and view.running_cls is BE
+    assert view.expected_end == (batch.created if batch.started is None else batch.started)  # nothing measured yet
+    h.run_batch(worker)
+    (view,) = h.rt.instance_views(lambda i, b: False)
+    assert view.running_batch == 0 and view.expected_end is None
