@@ -246,6 +246,17 @@ def models_unload(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
     _managed(run)
 
 
+@models_app.command("evict")
+def models_evict(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
+                 data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP)) -> None:
+    """Release a model's weights but keep serving it: the next request loads it again."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            r = c.evict(name)
+        console.print(f"{name}: {r['state']}" + ("" if r["evicted"] else " (nothing was resident)"), highlight=False)
+    _managed(run)
+
+
 @models_app.command("scale")
 def models_scale(name: str, instances: int = typer.Argument(..., help="Worker instances (1..64)."),
                  url: str = _URL, token: Optional[str] = _TOKEN,

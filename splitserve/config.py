@@ -101,6 +101,8 @@ class ServerConfig:
     max_labels: int = 100_000  # lines of a labels file given at registration
     max_top_k: int = 1000  # largest top_k a /classify call may ask for
     http_start_poll_s: float = 0.01  # how often start-up looks whether the embedded HTTP server listens yet
+    # -- residency: worker processes load and release a model's weights while its identity stays --
+    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load; the rest exit
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -145,6 +147,8 @@ class ServerConfig:
                      "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
+        if self.evict_spare_workers < 0:
+            raise InvalidInput("evict_spare_workers must be at least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",

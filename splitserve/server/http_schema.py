@@ -205,6 +205,12 @@ class ModelState(BaseModel):
     state: Literal["READY", "UNAVAILABLE"]
 
 
+class Evicted(BaseModel):
+    name: str
+    evicted: bool = Field(description="false if nothing was resident (never loaded, failed, unloaded or evicted)")
+    state: str = Field(description="the model's state after the call: evicted, unloaded, failed, ...")
+
+
 class BatchingChange(BaseModel):
     policy: Literal["work_conserving", "timeout", "none"] | None = None
     max_delay_ms: float | None = Field(None, ge=0)

@@ -23,7 +23,7 @@ class Msg(IntEnum):
     STOP = 2  # front end -> worker: exit after the current batch
     LOAD = 3  # front end -> worker: bind a model (LoadMsg; its queue memfds as SCM_RIGHTS)
     UNLOAD = 4  # front end -> worker: release the bound model, its queue mappings and memory
-    READY = 10  # worker -> front end: started, and bound to its spec's model if it had one (JSON info)
+    READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid)
     DONE = 11  # worker -> front end: batch finished
     FAILED = 12  # worker -> front end: a RUN or LOAD (or the start) failed (FailedMsg)
     PREEMPTED = 13  # worker -> front end: batch stopped at a segment boundary
@@ -43,7 +43,8 @@ HEAD = struct.Struct("<BBxxI")
 MAX_MESSAGE_BYTES = 128 * 1024
 # At most this many memfds ride with one LOAD (tensors per class times classes).
 MAX_LOAD_FDS = 64
-# The binding a worker makes at start from its spec; LOADs use ids from 1.
+# The binding id of a FAILED that reports the process could not start (it exits then);
+# LOADs use ids from 1.
 START_BINDING = 0
 
 
@@ -170,8 +171,8 @@ class UnloadedMsg:
 @dataclass(slots=True, frozen=True)
 class FailedMsg:
     """A request failed: ``op`` is its kind (RUN: ``ident`` is the batch id; LOAD: the
-    binding id, ``START_BINDING`` for the model of the worker's spec, after which the
-    worker exits; any other kind: a message the worker could not act on, ``ident`` 0)."""
+    binding id, ``START_BINDING`` when the process could not start, after which it
+    exits; any other kind: a message the worker could not act on, ``ident`` 0)."""
 
     op: int
     ident: int
@@ -187,7 +188,7 @@ class FailedMsg:
 
 
 def pack_ready(info: dict[str, Any]) -> bytes:
-    """READY with the worker's info (pid, and the start binding's LoadedMsg fields if bound)."""
+    """READY with the worker's info (its pid)."""
     return _pack_json(Msg.READY, 0, info)
 
 

@@ -32,10 +32,9 @@ log = logging.getLogger(__name__)
 class WorkerOwner(Protocol):
     """Who a worker reports to (the model runtime), on the event loop.
 
-    ``on_ready``: the process started (``info["binding"]`` is None if its spec named no
-    model; otherwise it is bound and ``info`` holds what LOADED would say).
-    ``on_failed``: a batch failed (``batch_id``), or with ``batch_id`` 0 the spec's model
-    failed to load, after which the process exits. ``on_loaded`` / ``on_load_failed``
+    ``on_ready``: the process started, bound to nothing (``info["pid"]``).
+    ``on_failed``: a batch failed (``batch_id``), or with ``batch_id`` 0 the process could
+    not start, after which it exits. ``on_loaded`` / ``on_load_failed``
     answer ``send_load`` (a failed load leaves the process up and unbound); ``on_unloaded``
     answers ``send_unload``. ``on_exit``: the process is gone."""
 
@@ -59,8 +58,7 @@ class Residency(StrEnum):
 
 
 class WorkerHandle:
-    """One worker process: bound at start to its spec's model (if it names one), or to
-    whatever ``send_load`` binds later."""
+    """One worker process: it starts bound to nothing; ``send_load`` binds a model."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
                  loop: asyncio.AbstractEventLoop, reap_timeout_s: float) -> None:
@@ -85,13 +83,13 @@ class WorkerHandle:
         theirs.close()
         self.alive = True
         self.started = False  # it reported READY once (a death before that is a failed start)
-        self.load_error: str | None = None  # the worker's own report of why it could not load
+        self.start_error: str | None = None  # the worker's own report of why it could not start
         self.killed_for: str | None = None  # why the front end killed it
         self.stopping = False  # set when the front end asked it to exit: no restart then
         self.residency = Residency.STARTING
-        # The binding the worker holds or is loading (START_BINDING: its spec's model);
-        # LOADs number theirs from 1, so answers can be checked against the request.
-        self.binding: int | None = START_BINDING if spec.model is not None else None
+        # The binding the worker holds or is loading; LOADs number theirs from 1, so
+        # answers can be checked against the request.
+        self.binding: int | None = None
         self._last_binding = START_BINDING
         loop.add_reader(ours.fileno(), self._on_readable)
 
@@ -162,10 +160,9 @@ class WorkerHandle:
             elif kind == Msg.FAILED:
                 self._on_failed(FailedMsg.unpack(data))
             elif kind == Msg.READY:
-                info = unpack_ready(data)
                 self.started = True
-                self.residency = Residency.UNBOUND if info.get("binding") is None else Residency.BOUND
-                self.owner.on_ready(self.instance, info)
+                self.residency = Residency.UNBOUND
+                self.owner.on_ready(self.instance, unpack_ready(data))
             elif kind == Msg.LOADED:
                 self._on_loaded(LoadedMsg.unpack(data))
             elif kind == Msg.UNLOADED:
@@ -193,8 +190,8 @@ class WorkerHandle:
             self.owner.on_failed(self.instance, msg.ident, msg.text)
         elif msg.op != Msg.LOAD:  # this handle sends no such message: a bug on one side
             log.error("worker %d refused a message of kind %d: %s", self.pid, msg.op, msg.text)
-        elif not self.started:  # its spec's model: the process exits now, and on_exit follows
-            self.load_error = msg.text
+        elif not self.started:  # the process could not start: it exits now, and on_exit follows
+            self.start_error = msg.text
             self.owner.on_failed(self.instance, 0, msg.text)
         else:
             if self.residency is not Residency.LOADING or msg.ident != self.binding:

@@ -1,9 +1,8 @@
 """The worker process: one per model instance (``python -m splitserve.worker SPEC``).
 
-A worker is a process pinned to its CPUs with a control socket and a preemption flag; a
-model is *bound* to it for a while (``worker/binding.py``): at start when its spec names
-one, and later by LOAD, until an UNLOAD releases it, so one process can serve model A,
-then model B. While bound it serves RUN messages: the batch is a contiguous view of the
+A worker is a process pinned to its CPUs with a control socket and a preemption flag. It
+starts bound to nothing; a model is *bound* to it by a LOAD (``worker/binding.py``) until
+an UNLOAD releases it, so one process can serve model A, then model B. While bound it serves RUN messages: the batch is a contiguous view of the
 input queue (no gather), the model runs segment by segment with a preemption check
 between segments, and outputs are written into the output queue at the same slots. Only
 small structs cross the control socket; a LOAD's queue memfds ride beside it as
@@ -18,9 +17,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -74,9 +71,6 @@ class Worker:
         self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
-        bind = spec.binding()
-        if bind is not None:
-            self.bound = Binding(START_BINDING, bind, self.cache_dir)
 
     @property
     def model(self) -> SegmentedModel:
@@ -195,15 +189,8 @@ class Worker:
             ev.synchronize()
         launched.clear()
 
-    def ready_info(self) -> dict[str, Any]:
-        """What READY reports: the pid and, if a model is bound, what LOADED would say."""
-        info: dict[str, Any] = {"pid": os.getpid(), "binding": None}
-        if self.bound is not None:
-            info.update(asdict(self._loaded(self.bound)))
-        return info
-
     def serve(self) -> None:
-        self.ctrl.send(pack_ready(self.ready_info()))
+        self.ctrl.send(pack_ready({"pid": os.getpid()}))
         while self.step():
             pass
 

@@ -1,5 +1,6 @@
-"""What a worker process is told: at start, JSON on its command line; later, in a LOAD
-message (control, not data: tensor data stays in the queues the memfds name)."""
+"""What a worker process is told: at start, JSON on its command line (its process); later,
+in a LOAD message, the model to bind (control, not data: tensor data stays in the queues
+the memfds name)."""
 
 from __future__ import annotations
 
@@ -66,40 +67,25 @@ class BindSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A worker's start: its process (CPUs, threads, sockets, cache) and, unless ``model``
-    is None, the model it binds at once (the fields of a ``BindSpec``; ``binding()``)."""
+    """A worker's start: its process (CPUs, threads, sockets, cache, settings). It starts
+    bound to nothing; a model is bound later by a LOAD (``BindSpec``)."""
 
-    model: dict[str, Any] | None  # ModelConfig.to_dict(); None: start unbound and wait for LOAD
-    model_dir: str | None
     instance: int
     cpus: list[int]
     threads: int
     ctrl_fd: int
     flag_fd: int  # one page of shared memory: byte 0 is the preemption flag
-    queues: dict[str, QueueFds]  # keyed by RequestClass value as a string
     cache_dir: str
     log_level: str  # ServerConfig.log_level
     segment_time_weight: float  # ServerConfig.segment_time_weight
-    segment_capacity: int = 1  # REEF's device-queue capacity c
-    # Profiled (segment, batch size, ns) for this worker's thread count: the starting point
-    # of its segment-time estimates (REEF's padding budget) until it has measured its own.
-    segment_times_ns: list[tuple[int, int, int]] = field(default_factory=list)
-
-    def binding(self) -> BindSpec | None:
-        """The model this worker binds at start, if any."""
-        if self.model is None:
-            return None
-        return BindSpec(self.model, self.model_dir, self.queues, self.segment_capacity, self.segment_times_ns)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerSpec":
-        d = json.loads(text)
-        d["queues"] = {k: QueueFds(**v) for k, v in d["queues"].items()}
-        return cls(**d)
+        return cls(**json.loads(text))
 
     def fds(self) -> list[int]:
-        bind = self.binding()
-        return [self.ctrl_fd, self.flag_fd] + (bind.fds() if bind is not None else [])
+        """The fds the process inherits: its control socket and preemption page."""
+        return [self.ctrl_fd, self.flag_fd]

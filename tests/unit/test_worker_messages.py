@@ -69,13 +69,8 @@ def test_answers_round_trip():
     assert unpack_ready(pack_ready({"pid": 1, "binding": None})) == {"pid": 1, "binding": None}
 
 
-def test_a_spec_without_a_model_starts_unbound_with_only_its_own_fds():
-    spec = WorkerSpec(model=None, model_dir=None, instance=0, cpus=[0], threads=1, ctrl_fd=5, flag_fd=6, queues={},
-                      cache_dir="/c", log_level="INFO", segment_time_weight=0.25)
-    assert spec.binding() is None and spec.fds() == [5, 6]
+def test_a_worker_spec_names_only_its_process_and_its_own_fds():
+    spec = WorkerSpec(instance=0, cpus=[0], threads=1, ctrl_fd=5, flag_fd=6, cache_dir="/c", log_level="INFO",
+                      segment_time_weight=0.25)
+    assert spec.fds() == [5, 6]
     assert WorkerSpec.from_json(spec.to_json()) == spec
-    bound = WorkerSpec(model=MODEL, model_dir="/models/m", instance=0, cpus=[0], threads=1, ctrl_fd=5, flag_fd=6,
-                       queues={"1": QueueFds(8, [7], [8])}, cache_dir="/c", log_level="INFO",
-                       segment_time_weight=0.25)
-    assert bound.binding() == BindSpec(MODEL, "/models/m", {"1": QueueFds(8, [7], [8])})
-    assert bound.fds() == [5, 6, 7, 8]

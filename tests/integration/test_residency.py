@@ -1,0 +1,59 @@
+"""Residency on a real server: a model's weights are released (evict) while its identity
+(func_id, queues, statistics) stays; calls for it queue, load it again and are answered
+right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from splitserve import Client
+from splitserve.client.http import HttpClient
+from splitserve.models import build_zoo_model
+
+
+def lenet(xs: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        (y,) = build_zoo_model("lenet")(torch.from_numpy(xs))
+    return y.numpy()
+
+
+def describe(url: str) -> dict[str, Any]:
+    """A fresh lookup (a client caches the ones it made)."""
+    with Client(url) as c:
+        return c.lookup("lenet").extra
+
+
+def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_again(server_factory):
+    s = server_factory("--load", "lenet", http=True)
+    token = (s.data_dir / "token").read_text().strip()
+    xs = np.random.default_rng(0).integers(0, 256, (8, 1, 28, 28), dtype=np.uint8)
+    want = lenet(xs)
+    with HttpClient(s.http, token=token) as h, Client(s.tcp) as c:
+        np.testing.assert_allclose(c.infer("lenet", xs), want, rtol=1e-4, atol=1e-5)
+        before = describe(s.tcp)
+        assert before["residency"] == ["resident"] and before["weights_bytes"] > 0
+
+        assert h.evict("lenet") == {"name": "lenet", "evicted": True, "state": "evicted"}
+        after = describe(s.tcp)
+        assert after["func_id"] == before["func_id"] and after["state"] == "evicted" and after["enabled"]
+        assert after["residency"] == ["absent"] and after["weights_bytes"] == 0
+        assert after["pids"] == before["pids"]  # kept as a spare, bound to nothing
+        (entry,) = [m for m in h.index() if m["name"] == "lenet"]
+        assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("evicted")
+        assert h.ready()  # an evicted --load model still takes calls
+
+        # Calls for a model that is not resident queue, load it and are answered right.
+        calls = [c.submit("lenet", x) for x in xs]
+        got = np.stack([p.result().value() for p in calls])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        again = describe(s.tcp)
+        assert again["func_id"] == before["func_id"] and again["state"] == "ready"
+        assert again["residency"] == ["resident"] and again["pids"] == before["pids"]  # the spare was reused
+        (stats,) = h.stats("lenet")["model_stats"]
+        assert stats["residency"]["loads"] == 2 and stats["residency"]["evictions"] == 1
+        assert stats["residency"]["weights_bytes"] == before["weights_bytes"]
+        assert stats["inference_count"] == 16 and stats["inference_stats"]["fail"]["count"] == 0
