@@ -102,7 +102,7 @@ class ServerConfig:
     max_top_k: int = 1000  # largest top_k a /classify call may ask for
     http_start_poll_s: float = 0.01  # how often start-up looks whether the embedded HTTP server listens yet
     # -- residency: worker processes load and release a model's weights while its identity stays --
-    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load; the rest exit
+    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an

@@ -409,7 +409,7 @@ class ModelRuntime:
             self._restart_later(instance, f"instance {instance} (pid {handle.pid}) exited")
         else:  # died (or was killed) while starting or loading
             reason = (handle.start_error or handle.killed_for
-                      or f"worker (pid {handle.pid}) exited before the model was loaded")
+                      or f"worker (pid {handle.pid}) exited before it was ready")
             self._start_failed(instance, reason, explained=handle.start_error is not None)
 
     def _start_failed(self, instance: int, reason: str, explained: bool) -> None:
@@ -606,8 +606,10 @@ class ModelRuntime:
                 await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.stop_timeout_s)
             if self.state is ModelState.EVICTED:  # no call has started a load meanwhile
                 spare = self.settings.evict_spare_workers
-                extra = [self.workers[i] for i in self.sched.serving() if i in self.workers][spare:]
-                await asyncio.gather(*(h.stop(timeout=self.settings.stop_timeout_s) for h in extra))
+                extra = [i for i in self.sched.serving() if i in self.workers][spare:]
+                # Out of ``workers`` first: a load that starts while they exit spawns anew.
+                stopping = [self.workers.pop(i) for i in extra]
+                await asyncio.gather(*(h.stop(timeout=self.settings.stop_timeout_s) for h in stopping))
             return True
 
     def release_residency(self) -> bool:
@@ -626,7 +628,7 @@ class ModelRuntime:
             if st.ready:
                 self.sched.set_residency(i, Residency.UNLOADING)
                 self._unload_when_idle(i)
-            else:
+            elif handle.residency in (WorkerResidency.STARTING, WorkerResidency.LOADING):  # nothing to finish
                 handle.kill(f"model {self.name!r} was evicted while loading")
         log.info("model %s: evicting (releasing the weights of %d instance(s))", self.name, len(self.workers))
         self._evict_progress()

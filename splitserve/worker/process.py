@@ -2,11 +2,12 @@
 
 A worker is a process pinned to its CPUs with a control socket and a preemption flag. It
 starts bound to nothing; a model is *bound* to it by a LOAD (``worker/binding.py``) until
-an UNLOAD releases it, so one process can serve model A, then model B. While bound it serves RUN messages: the batch is a contiguous view of the
-input queue (no gather), the model runs segment by segment with a preemption check
-between segments, and outputs are written into the output queue at the same slots. Only
-small structs cross the control socket; a LOAD's queue memfds ride beside it as
-SCM_RIGHTS and are mapped once per binding.
+an UNLOAD releases it, so one process can serve model A, then model B. While bound it
+serves RUN messages: the batch is a contiguous view of the input queue (no gather), the
+model runs segment by segment with a preemption check between segments, and outputs are
+written into the output queue at the same slots. Only small structs cross the control
+socket; a LOAD's queue memfds ride beside it as SCM_RIGHTS and are mapped once per
+binding.
 """
 
 from __future__ import annotations

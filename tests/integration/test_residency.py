@@ -11,6 +11,7 @@ import numpy as np
 from splitserve import Client
 from splitserve.client.http import HttpClient
 from splitserve.models import build_zoo_model
+from tests.inproc import write_model
 
 
 def lenet(xs: np.ndarray) -> np.ndarray:
@@ -24,36 +25,40 @@ def lenet(xs: np.ndarray) -> np.ndarray:
 def describe(url: str) -> dict[str, Any]:
     """A fresh lookup (a client caches the ones it made)."""
     with Client(url) as c:
-        return c.lookup("lenet").extra
+        return c.lookup("twin").extra
 
 
-def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_again(server_factory):
-    s = server_factory("--load", "lenet", http=True)
+def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_again(server_factory, tmp_path):
+    write_model(tmp_path / "repo", "twin", "lenet", "instances = 2")
+    s = server_factory("--repository", str(tmp_path / "repo"), "--load", "twin", http=True)
     token = (s.data_dir / "token").read_text().strip()
     xs = np.random.default_rng(0).integers(0, 256, (8, 1, 28, 28), dtype=np.uint8)
     want = lenet(xs)
     with HttpClient(s.http, token=token) as h, Client(s.tcp) as c:
-        np.testing.assert_allclose(c.infer("lenet", xs), want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(c.infer("twin", xs), want, rtol=1e-4, atol=1e-5)
         before = describe(s.tcp)
-        assert before["residency"] == ["resident"] and before["weights_bytes"] > 0
+        assert before["residency"] == ["resident"] * 2 and before["weights_bytes"] > 0
 
-        assert h.evict("lenet") == {"name": "lenet", "evicted": True, "state": "evicted"}
+        assert h.evict("twin") == {"name": "twin", "evicted": True, "state": "evicted"}
         after = describe(s.tcp)
         assert after["func_id"] == before["func_id"] and after["state"] == "evicted" and after["enabled"]
-        assert after["residency"] == ["absent"] and after["weights_bytes"] == 0
-        assert after["pids"] == before["pids"]  # kept as a spare, bound to nothing
-        (entry,) = [m for m in h.index() if m["name"] == "lenet"]
+        assert after["residency"] == ["absent"] * 2 and after["weights_bytes"] == 0
+        # evict_spare_workers (1): one process stays, bound to nothing; the other exited
+        assert after["pids"] == [before["pids"][0], None]
+        (entry,) = [m for m in h.index() if m["name"] == "twin"]
         assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("evicted")
         assert h.ready()  # an evicted --load model still takes calls
 
         # Calls for a model that is not resident queue, load it and are answered right.
-        calls = [c.submit("lenet", x) for x in xs]
+        calls = [c.submit("twin", x) for x in xs]
         got = np.stack([p.result().value() for p in calls])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        h.load("twin")  # returns once every instance is up again
         again = describe(s.tcp)
         assert again["func_id"] == before["func_id"] and again["state"] == "ready"
-        assert again["residency"] == ["resident"] and again["pids"] == before["pids"]  # the spare was reused
-        (stats,) = h.stats("lenet")["model_stats"]
-        assert stats["residency"]["loads"] == 2 and stats["residency"]["evictions"] == 1
-        assert stats["residency"]["weights_bytes"] == before["weights_bytes"]
+        assert again["residency"] == ["resident"] * 2 and again["weights_bytes"] == before["weights_bytes"]
+        assert again["pids"][0] == before["pids"][0]  # the spare was reused ...
+        assert again["pids"][1] not in (None, before["pids"][1])  # ... and the other instance started anew
+        (stats,) = h.stats("twin")["model_stats"]
+        assert stats["residency"]["loads"] == 4 and stats["residency"]["evictions"] == 1
         assert stats["inference_count"] == 16 and stats["inference_stats"]["fail"]["count"] == 0

@@ -380,3 +380,18 @@ def test_a_failed_load_answers_the_waiting_calls_model_not_ready_with_the_error(
     ((req_id, error),) = h.sink.answers
     assert req_id == 1 and error.status.name == "MODEL_NOT_READY" and "not a safetensors file" in error.message
     assert h.rt.state is ModelState.FAILED and h.monitor.in_flight == 0
+
+
+def test_evicting_a_model_mid_load_kills_the_loading_worker_and_a_waiting_call_loads_it_anew(h):
+    h.call(1, bytes([2, 2, 2, 2]))
+    (first,) = h.workers
+    first.start()  # its LOAD is under way
+    assert h.rt.release_residency()
+    assert not first.alive and "evicted while loading" in first.killed_for
+    # nothing was resident: the eviction ends at once, and the waiting call loads the model
+    assert h.rt.stats.evictions == 1 and h.rt.state is ModelState.LOADING and len(h.workers) == 2
+    second = h.workers[1]
+    second.up()
+    h.loop.run()
+    h.run_batch(second)
+    assert h.sink.answers == [(1, bytes([4, 4, 4, 4]))] and first.sent == []

@@ -47,7 +47,8 @@ def test_load_over_the_fd_or_size_limit_is_refused_when_packed():
     many = QueueFds(8, list(range(100, 100 + MAX_LOAD_FDS)), [99])
     with pytest.raises(ValueError, match="at most"):
         LoadMsg(1, bind(many, QueueFds(8, [1], [2]))).pack()
-    huge = bind(QueueFds(8, [1], [2]), QueueFds(8, [3], [4]), segment_times_ns=[(i, 1, 10**9) for i in range(MAX_MESSAGE_BYTES // 8)])
+    profile = [(i, 1, 10**9) for i in range(MAX_MESSAGE_BYTES // 8)]
+    huge = bind(QueueFds(8, [1], [2]), QueueFds(8, [3], [4]), segment_times_ns=profile)
     with pytest.raises(ValueError, match="limit"):
         LoadMsg(1, huge).pack()
 
