@@ -191,6 +191,10 @@ class HttpClient:
     def stats(self, model: str | None = None) -> dict:
         return self._get(f"/v2/models/{_m(model)}/stats" if model else "/v2/models/stats")
 
+    def metadata(self, model: str) -> dict:
+        """v2 model metadata; its ``parameters`` carry func_id and state (splitserve additions)."""
+        return self._get(f"/v2/models/{_m(model)}")
+
     def metrics(self) -> str:
         r = self.http.get("/metrics")
         _raise_for(r)

@@ -93,6 +93,13 @@ class BatchStats(BaseModel):
     compute_output: Duration
 
 
+class Residency(BaseModel):
+    loads: int = Field(description="instances that loaded the weights")
+    load_ns: int = Field(description="their load times, summed")
+    evictions: int = Field(description="completed evictions")
+    weights_bytes: int = Field(description="what the resident instances' weights take now")
+
+
 class ModelStats(BaseModel):
     name: str
     version: str
@@ -102,6 +109,7 @@ class ModelStats(BaseModel):
     inference_stats: dict[str, Duration]
     batch_stats: list[BatchStats]
     preemptions: int
+    residency: Residency = Field(description="splitserve addition")
 
 
 class Statistics(BaseModel):

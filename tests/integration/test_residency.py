@@ -4,11 +4,14 @@ right."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
+from typer.testing import CliRunner
 
 from splitserve import Client
+from splitserve.cli import app
 from splitserve.client.http import HttpClient
 from splitserve.models import build_zoo_model
 from tests.inproc import write_model
@@ -48,6 +51,10 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         (entry,) = [m for m in h.index() if m["name"] == "twin"]
         assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("evicted")
         assert h.ready()  # an evicted --load model still takes calls
+        assert h.metadata("twin")["parameters"]["state"] == "evicted"
+        listed = CliRunner().invoke(app, ["models", "list", "--json", "--data-dir", str(s.data_dir), "--url", s.http])
+        assert listed.exit_code == 0, listed.output
+        assert [m["state"] for m in json.loads(listed.output) if m["name"] == "twin"] == ["evicted"]
 
         # Calls for a model that is not resident queue, load it and are answered right.
         calls = [c.submit("twin", x) for x in xs]

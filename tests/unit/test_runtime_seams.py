@@ -395,3 +395,20 @@ def test_evicting_a_model_mid_load_kills_the_loading_worker_and_a_waiting_call_l
     h.loop.run()
     h.run_batch(second)
     assert h.sink.answers == [(1, bytes([4, 4, 4, 4]))] and first.sent == []
+
+
+def test_a_load_that_is_not_answered_in_time_kills_the_worker_and_counts_as_a_failed_start(h):
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.start()
+    ((timeout, check, args),) = [t for t in h.loop.later if getattr(t[1], "__name__", "") == "_load_timed_out"]
+    assert timeout == h.rt.settings.worker_start_timeout_s
+    check(*args)
+    assert not worker.alive and "did not load the model" in worker.killed_for
+    assert h.sink.answers == []  # a start that failed is retried after a backoff; the call waits
+    restart = [fn for _, fn, _ in h.loop.later if getattr(fn, "__name__", "") == "_restart"]
+    restart[-1](0)
+    h.workers[1].up()
+    h.loop.run()
+    h.run_batch(h.workers[1])
+    assert [a[0] for a in h.sink.answers] == [1]
