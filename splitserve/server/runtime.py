@@ -621,7 +621,7 @@ class ModelRuntime:
             return False
         self.state, self._evicting = ModelState.EVICTED, True
         self._ready_event.set()  # a load that was waiting ends: the model is not resident
-        for i, st in self.sched.instances.items():
+        for i, st in list(self.sched.instances.items()):  # a kill may report the exit at once
             handle = self.workers.get(i)
             if handle is None:
                 continue
