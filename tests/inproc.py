@@ -48,6 +48,12 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
         ours.close()
 
 
+async def until(cond: Callable[[], bool]) -> None:
+    """Yield to the loop until ``cond()`` holds (callers bound it with wait_for)."""
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
 def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]]) -> Any:
     """Start a Server for ``config``, run ``scenario(server)``, stop it; returns the result."""
 

@@ -4,6 +4,7 @@ right."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -14,7 +15,13 @@ from splitserve import Client
 from splitserve.cli import app
 from splitserve.client.http import HttpClient
 from splitserve.models import build_zoo_model
-from tests.inproc import write_model
+from splitserve.models.gate import Gates
+from splitserve.scheduler.model_scheduler import Residency
+from splitserve.server.ports import ModelState
+from splitserve.worker.pool import Residency as WorkerResidency
+from tests.inproc import quiet_config, run_server, until, write_model
+
+BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs
 
 
 def lenet(xs: np.ndarray) -> np.ndarray:
@@ -69,3 +76,38 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         (stats,) = h.stats("twin")["model_stats"]
         assert stats["residency"]["loads"] == 4 and stats["residency"]["evictions"] == 1
         assert stats["inference_count"] == 16 and stats["inference_stats"]["fail"]["count"] == 0
+
+
+def test_an_eviction_waits_for_the_running_batch_and_calls_sent_meanwhile_queue_and_load_it_again(tmp_path):
+    write_model(tmp_path / "repo", "gate", "gate")
+    gates = Gates(tmp_path / "cache")
+    cfg = quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache", load=("gate",))
+
+    def key(k: int) -> list[np.ndarray]:
+        return [np.array([[k]], np.int64)]
+
+    async def scenario(server):
+        rt = server.runtime("gate")
+        func_id = rt.func_id
+        gates.close(1)
+        held = asyncio.ensure_future(server.infer("gate", key(1)))
+        await until(lambda: gates.held(1))
+        (i,) = rt.sched.serving()
+        evict = asyncio.ensure_future(rt.evict())
+        await until(lambda: rt.state is ModelState.EVICTED)
+        assert rt.sched.instances[i].residency is Residency.UNLOADING  # no new batch goes there
+        queued = asyncio.ensure_future(server.infer("gate", key(2)))
+        await until(lambda: rt.sched.waiting() == 1)  # taken and queued, not refused
+        assert rt.workers[i].residency is WorkerResidency.BOUND  # the UNLOAD waits for the running batch
+        gates.open(1)
+        first = (await held).outputs[0]
+        assert await evict
+        second = (await queued).outputs[0]  # it loaded the model again
+        return first, second, rt.func_id == func_id, rt.stats.evictions, rt.state
+
+    try:
+        first, second, same_id, evictions, state = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    finally:
+        gates.open_all()
+    assert first.tolist() == [[1]] and second.tolist() == [[2]]
+    assert same_id and evictions == 1 and state is ModelState.READY
