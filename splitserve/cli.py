@@ -145,9 +145,11 @@ _DATA_DIR_HELP = "The server's data directory (default: ./.splitserve)."
 _URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
 _TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
                       help="Management token (default: read DATA_DIR/token).")
+_STATE_URL = typer.Option(None, "--url", help="A running server's HTTP URL: add each model's state there "
+                                              "(ready, loading, evicted, unloaded, failed).")
 
 
-def _list_models(data_dir: Path | None, as_json: bool) -> None:
+def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
     from splitserve.registry import Registry
 
     reg = Registry(data_dir or default_data_dir())
@@ -157,15 +159,23 @@ def _list_models(data_dir: Path | None, as_json: bool) -> None:
         recs = reg.list()
     finally:
         reg.close()
+    states: dict[str, str] = {}
+    if url:
+        from splitserve.client.http import HttpClient
+
+        with HttpClient(url) as c:
+            states = {r.name: c.metadata(r.name)["parameters"]["state"] for r in recs}
     if as_json:
-        console.print_json(json.dumps([{"name": r.name, "func_id": r.func_id, **r.config.to_dict()} for r in recs]))
+        console.print_json(json.dumps([{"name": r.name, "func_id": r.func_id, **r.config.to_dict(),
+                                        **({"state": states[r.name]} if url else {})} for r in recs]))
         return
-    t = Table("func_id", "name", "inputs", "outputs", "max batch", "instances x threads", "source")
+    t = Table("func_id", "name", "inputs", "outputs", "max batch", "instances x threads", "source",
+              *(["state"] if url else []))
     for r in recs:
         c = r.config
         t.add_row(str(r.func_id), r.name, ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.inputs),
                   ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.outputs),
-                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source)
+                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *([states[r.name]] if url else []))
     console.print(t)
 
 
@@ -174,19 +184,21 @@ def models(
     ctx: typer.Context,
     data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    url: Optional[str] = _STATE_URL,
 ) -> None:
     """List registered models (same as ``splitserve models list``)."""
     if ctx.invoked_subcommand is None:
-        _list_models(data_dir, as_json)
+        _list_models(data_dir, as_json, url)
 
 
 @models_app.command("list")
 def models_list(
     data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    url: Optional[str] = _STATE_URL,
 ) -> None:
     """List registered models with their func ids, shapes and instances."""
-    _list_models(data_dir, as_json)
+    _list_models(data_dir, as_json, url)
 
 
 def _management(url: str, token: str | None, data_dir: Path | None) -> "Any":
@@ -243,6 +255,17 @@ def models_unload(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
         with _management(url, token, data_dir) as c:
             c.unload(name)
         console.print(f"{name}: unloaded")
+    _managed(run)
+
+
+@models_app.command("evict")
+def models_evict(name: str, url: str = _URL, token: Optional[str] = _TOKEN,
+                 data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP)) -> None:
+    """Release a model's weights but keep serving it: the next request loads it again."""
+    def run() -> None:
+        with _management(url, token, data_dir) as c:
+            r = c.evict(name)
+        console.print(f"{name}: {r['state']}" + ("" if r["evicted"] else " (nothing was resident)"), highlight=False)
     _managed(run)
 
 

@@ -105,6 +105,8 @@ class ServerConfig:
     packrat_default_share: float = 0.5  # share of the free CPUs a Packrat model without placement.threads takes at load
     fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
     placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
+    # -- residency: worker processes load and release a model's weights while its identity stays --
+    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -150,6 +152,8 @@ class ServerConfig:
                      "placement_history"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
+        if self.evict_spare_workers < 0:
+            raise InvalidInput("evict_spare_workers must be at least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",

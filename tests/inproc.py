@@ -18,7 +18,8 @@ from splitserve.server.app import Server
 from splitserve.tensorqueue import TensorQueue, ring_slots
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.process import Worker
-from splitserve.worker.spec import QueueFds, WorkerSpec
+from splitserve.worker.messages import LoadMsg
+from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
 
 
 @contextmanager
@@ -29,20 +30,28 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
     outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(model=cfg.to_dict(), model_dir=None, instance=0, cpus=sorted(os.sched_getaffinity(0)),
-                      threads=threads, ctrl_fd=theirs.detach(), flag_fd=flag.fd, segment_capacity=cfg.capacity,
-                      queues={str(int(RequestClass.BE)): QueueFds(n, [q.fd for q in ins], [q.fd for q in outs])},
-                      cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
+    spec = WorkerSpec(instance=0, cpus=sorted(os.sched_getaffinity(0)), threads=threads, ctrl_fd=theirs.detach(),
+                      flag_fd=flag.fd, cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
                       segment_time_weight=ServerConfig.segment_time_weight)
     w = Worker(spec)
+    # the binding owns the fds it is given: it gets copies, the queues here keep theirs
+    queues = QueueFds(n, [os.dup(q.fd) for q in ins], [os.dup(q.fd) for q in outs])
+    w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): queues}, cfg.capacity)))
     try:
         yield w, flag, ins, outs
     finally:
+        w.unload()
         w.ctrl.close()
         flag.close()
         for q in ins + outs:
             q.close()
         ours.close()
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    """Yield to the loop until ``cond()`` holds (callers bound it with wait_for)."""
+    while not cond():
+        await asyncio.sleep(0.005)
 
 
 def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]]) -> Any:

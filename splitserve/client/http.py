@@ -191,6 +191,10 @@ class HttpClient:
     def stats(self, model: str | None = None) -> dict:
         return self._get(f"/v2/models/{_m(model)}/stats" if model else "/v2/models/stats")
 
+    def metadata(self, model: str) -> dict:
+        """v2 model metadata; its ``parameters`` carry func_id and state (splitserve additions)."""
+        return self._get(f"/v2/models/{_m(model)}")
+
     def metrics(self) -> str:
         r = self.http.get("/metrics")
         _raise_for(r)
@@ -222,6 +226,14 @@ class HttpClient:
 
     def unload(self, model: str, token: str | None = None) -> None:
         _raise_for(self.http.post(f"/v2/repository/models/{_m(model)}/unload", headers=_auth(token or self.token)))
+
+    def evict(self, model: str, token: str | None = None, timeout: float = REGISTER_TIMEOUT_S) -> dict:
+        """Release the model's weights but keep serving it (the next call loads it again);
+        returns ``{"name", "evicted", "state"}``."""
+        r = self.http.post(f"/v2/repository/models/{_m(model)}/evict", headers=_auth(token or self.token),
+                           timeout=timeout)
+        _raise_for(r)
+        return r.json()
 
     def configure(self, model: str, token: str | None = None, **changes: Any) -> dict:
         """``instances=``, ``batching={...}``, ``max_batch_size=``; returns the live config."""
@@ -286,6 +298,13 @@ class AsyncHttpClient:
     async def unload(self, model: str, token: str | None = None) -> None:
         _raise_for(await self.http.post(f"/v2/repository/models/{_m(model)}/unload",
                                         headers=_auth(token or self.token)))
+
+    async def evict(self, model: str, token: str | None = None) -> dict:
+        """Release the model's weights but keep serving it (see ``HttpClient.evict``)."""
+        r = await self.http.post(f"/v2/repository/models/{_m(model)}/evict", headers=_auth(token or self.token),
+                                 timeout=REGISTER_TIMEOUT_S)
+        _raise_for(r)
+        return r.json()
 
     async def scale(self, model: str, instances: int, token: str | None = None) -> dict:
         r = await self.http.post(f"/v2/repository/models/{_m(model)}/config", json={"instances": instances},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from splitserve.errors import QueueFull
 from splitserve.protocol.header import RequestClass
@@ -27,11 +28,21 @@ class RtPolicy(Choice, what="rt_policy"):
     EDF = "edf"  # earliest deadline first
 
 
+class Residency(StrEnum):
+    """Whether an instance holds the model's weights. Only a RESIDENT instance is given
+    batches: one that is loading or unloading never is."""
+
+    ABSENT = "absent"  # no weights: no process, or one bound to nothing
+    LOADING = "loading"  # its process is starting or loading the weights
+    RESIDENT = "resident"  # the weights are loaded: it serves batches
+    UNLOADING = "unloading"  # releasing the weights once its batch (if any) has finished
+
+
 @dataclass(slots=True)
 class InstanceState:
     """What the scheduler knows of one model instance (a worker process)."""
 
-    ready: bool = False
+    residency: Residency = Residency.ABSENT
     running: Batch | None = None
     # A best-effort batch preempted here; its restore point lives in this instance's worker.
     suspended: Batch | None = None
@@ -41,6 +52,11 @@ class InstanceState:
     standby: bool = False
     # Packrat's b for this instance (None: the model's max batch).
     max_batch: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        """The weights are resident: the instance can run a batch."""
+        return self.residency is Residency.RESIDENT
 
     @property
     def idle(self) -> bool:
@@ -140,7 +156,7 @@ class ModelScheduler:
         self.queues[req.cls].push(req)
 
     def add_instance(self, max_batch: int | None = None, standby: bool = False) -> int:
-        """A new instance (not ready until its worker says so); returns its id."""
+        """A new instance (ABSENT until its worker has loaded the weights); returns its id."""
         iid = self._next_instance
         self._next_instance += 1
         self.instances[iid] = InstanceState(max_batch=max_batch, standby=standby)
@@ -157,11 +173,13 @@ class ModelScheduler:
         for i in old:
             self.instances[i].draining = True
 
-    def set_ready(self, instance: int, ready: bool) -> list[Batch]:
-        """An instance came up or went down; returns the batches lost with it (running, suspended)."""
+    def set_residency(self, instance: int, residency: Residency) -> list[Batch]:
+        """The instance's weights came, are going or went; returns the batches lost with
+        them (running, suspended) when they are gone (ABSENT, or LOADING again). While
+        UNLOADING its batches are kept: the runtime lets them end first."""
         st = self.instances[instance]
-        st.ready = ready
-        if ready:
+        st.residency = residency
+        if residency in (Residency.RESIDENT, Residency.UNLOADING):
             return []
         lost = [b for b in (st.running, st.suspended) if b is not None]
         st.running = st.suspended = None

@@ -330,8 +330,9 @@ class Server:
 
     def ready(self) -> bool:
         """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
-        ready; other models load on first use, so they do not count."""
-        return not self.stopping and all(self.model_state(m) == "ready" for m in self.config.load)
+        ready, or evicted on purpose (it takes calls and loads on the next); other models
+        load on first use, so they do not count."""
+        return not self.stopping and all(self.model_state(m) in ("ready", "evicted") for m in self.config.load)
 
     def metrics_text(self) -> bytes:
         self.metrics.refresh(rt.gauges() for rt in self.runtimes.values())

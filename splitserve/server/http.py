@@ -394,6 +394,15 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         await manager.unload(name)
         return {"name": name, "state": "UNAVAILABLE"}
 
+    @app.post("/v2/repository/models/{name}/evict", tags=["repository"], **_doc(doc.Evicted, 401, 404))
+    async def evict(name: str, request: Request) -> dict:
+        """splitserve extension: release the model's weights but keep serving it (needs the
+        token). It stays registered with its func_id; calls are still taken, they queue,
+        and the first one loads it again."""
+        authorize(request)
+        evicted = await manager.evict(name)
+        return {"name": name, "evicted": evicted, "state": manager.state(name)}
+
     @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
         config_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},

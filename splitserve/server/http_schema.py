@@ -93,6 +93,13 @@ class BatchStats(BaseModel):
     compute_output: Duration
 
 
+class Residency(BaseModel):
+    loads: int = Field(description="instances that loaded the weights")
+    load_ns: int = Field(description="their load times, summed")
+    evictions: int = Field(description="completed evictions")
+    weights_bytes: int = Field(description="what the resident instances' weights take now")
+
+
 class ModelStats(BaseModel):
     name: str
     version: str
@@ -102,6 +109,7 @@ class ModelStats(BaseModel):
     inference_stats: dict[str, Duration]
     batch_stats: list[BatchStats]
     preemptions: int
+    residency: Residency = Field(description="splitserve addition")
 
 
 class Statistics(BaseModel):
@@ -203,6 +211,12 @@ class Deleted(BaseModel):
 class ModelState(BaseModel):
     name: str
     state: Literal["READY", "UNAVAILABLE"]
+
+
+class Evicted(BaseModel):
+    name: str
+    evicted: bool = Field(description="false if nothing was resident (never loaded, failed, unloaded or evicted)")
+    state: str = Field(description="the model's state after the call: evicted, unloaded, failed, ...")
 
 
 class BatchingChange(BaseModel):

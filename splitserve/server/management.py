@@ -45,7 +45,7 @@ TOKEN_FILE = "token"
 UPLOAD_DIR = ".uploads"  # beside the repository (same file system, so rename is atomic)
 # runtime state -> v2 repository extension state
 _STATES = {"ready": "READY", "loading": "LOADING", "stopping": "UNLOADING",
-           "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE"}
+           "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE", "evicted": "UNAVAILABLE"}
 
 
 # -- security ----------------------------------------------------------------------------
@@ -153,6 +153,9 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
             for size, n in sorted(st.batch_sizes.items())
         ],
         "preemptions": st.preemptions,
+        # splitserve addition: what loading the weights cost, and what they take now
+        "residency": {"loads": st.loads, "load_ns": st.load_ns, "evictions": st.evictions,
+                      "weights_bytes": st.weights_bytes},
     }
 
 
@@ -376,6 +379,21 @@ class ModelManager:
             self.record(name)
             await self.models.runtime(name).unload(disable=True)
 
+    async def evict(self, name: str) -> bool:
+        """Release the model's weights (every instance's) but keep it registered and
+        enabled: calls queue and the first one loads it again. False if nothing was
+        resident."""
+        async with self._lock:
+            self.record(name)
+            rt = self.models.loaded(name)
+            return rt is not None and await rt.evict()
+
+    def state(self, name: str) -> str:
+        """The model's state: ``ModelState`` once served, ``unloaded`` before its first use."""
+        self.record(name)
+        rt = self.models.loaded(name)
+        return rt.state if rt is not None else "unloaded"
+
     async def set_instances(self, name: str, instances: Any) -> None:
         """Scale the model to ``instances`` worker processes without dropping requests."""
         instances = json_number("instances", instances, int)
@@ -414,7 +432,7 @@ class ModelManager:
         out = []
         for name, rec in sorted(self.models.records.items(), key=lambda kv: kv[1].func_id):
             rt = self.models.loaded(name)
-            state = rt.state if rt is not None else "unloaded"
+            state = self.state(name)
             v2 = _STATES.get(state, "UNAVAILABLE")
             if ready_only and v2 != "READY":
                 continue
@@ -422,6 +440,8 @@ class ModelManager:
                 reason = "unloaded"
             elif state == "failed":
                 reason = (rt.error if rt is not None else None) or "failed to load"
+            elif state == "evicted":
+                reason = "evicted: its weights were released; the next request loads it again"
             elif state == "unloaded":
                 reason = "not loaded yet (loads on first use)"
             else:
@@ -453,7 +473,8 @@ class ModelManager:
             "outputs": tensors(cfg.outputs),
             # splitserve additions (clients of the spec ignore them)
             "parameters": {"func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
-                           "default_class": cfg.default_class, "labels": bool(cfg.labels)},
+                           "default_class": cfg.default_class, "labels": bool(cfg.labels),
+                           "state": self.state(name)},
         }
 
     def serving_config(self, name: str) -> dict:
@@ -462,7 +483,7 @@ class ModelManager:
         rt = self.models.loaded(name)
         cfg = rt.config if rt is not None else rec.config
         return {**cfg.to_dict(), "func_id": rec.func_id, "source": rec.source,
-                "state": rt.state if rt is not None else "unloaded",
+                "state": self.state(name),
                 "instances": rt.instance_count if rt is not None else cfg.instances,
                 "dispatch_max_batch": rt.dispatch_max_batch if rt is not None else cfg.max_batch_size}
 

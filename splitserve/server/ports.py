@@ -49,21 +49,24 @@ from splitserve.server.intake import Intake, RingPort
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import InferenceMonitor
 from splitserve.worker.messages import RunMsg
-from splitserve.worker.pool import WorkerOwner
-from splitserve.worker.spec import WorkerSpec
+from splitserve.worker.pool import Residency, WorkerOwner
+from splitserve.worker.spec import BindSpec, WorkerSpec
 
 # -- records that cross the seams -------------------------------------------------------------
 
 
 class ModelState(StrEnum):
     """A served model's life: UNLOADED → LOADING → READY → STOPPING → UNLOADED, and FAILED
-    when its load failed (calls are refused until a retry, after ``load_retry_s``)."""
+    when its load failed (calls are refused until a retry, after ``load_retry_s``).
+    READY → EVICTED when its weights are released (``evict``) while it stays registered
+    and takes calls: they queue, and the first one loads it again (EVICTED → LOADING)."""
 
     UNLOADED = "unloaded"
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
     STOPPING = "stopping"
+    EVICTED = "evicted"
 
 
 @dataclass
@@ -81,6 +84,10 @@ class ModelStats:
     preemptions: int = 0
     last_inference_ms: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    loads: int = 0  # instances that loaded the weights (LOADED)
+    load_ns: int = 0  # their load times, as the workers measured them
+    evictions: int = 0  # completed evictions (every instance released its weights)
+    weights_bytes: int = 0  # not cumulative: what the resident instances' weights take now
 
 
 @dataclass
@@ -251,12 +258,26 @@ class InstanceWorker(Protocol):
     alive: bool
     started: bool  # it reported READY once
     stopping: bool  # asked to exit: no restart
-    load_error: str | None
+    start_error: str | None  # its own report of why it could not start
     killed_for: str | None
     flag: PreemptPage
+    residency: Residency  # where it is in the bind cycle
+    binding: int | None  # the binding it holds or is loading
+
+    @property
+    def ready(self) -> bool:
+        """Alive with a model bound: a RUN would be served."""
 
     def send_run(self, msg: RunMsg) -> bool:
         """Send a batch descriptor; False if the worker is gone."""
+
+    def send_load(self, bind: BindSpec) -> bool:
+        """Bind the (unbound) worker to a model; answered by ``on_loaded`` or
+        ``on_load_failed``. False if the worker is gone."""
+
+    def send_unload(self) -> bool:
+        """Release the bound model (send it with no batch running); answered by
+        ``on_unloaded``. False if the worker is gone."""
 
     def kill(self, reason: str) -> None:
         """Kill it now; its exit is reported as any other."""
@@ -353,6 +374,10 @@ class ManagedModel(Protocol):
 
     async def unload(self, deadline: float | None = None, reason: str = ..., *, disable: bool = False) -> None:
         """Stop the workers; with ``disable``, refuse calls until the next ``load``."""
+
+    async def evict(self, deadline: float | None = None) -> bool:
+        """Release the weights but keep serving: calls queue and the next one loads it
+        again. False if nothing was resident."""
 
     async def resize(self, instances: int) -> None:
         """Change the instance count without dropping requests."""

@@ -5,6 +5,21 @@ does the I/O its decisions need (send batch descriptors, answer calls, restart w
 A runtime knows its node only through ``ports.RuntimeEnv``; it is the ``ModelPort`` of
 the transports, the ``ScheduledModel`` of the coordinator and the ``ManagedModel`` of
 management.
+
+Identity and residency are separate. The model's identity (record, func_id, rings and
+tensor queues, scheduler with its queued calls, statistics) lives as long as the runtime,
+i.e. as long as the model is registered. Its residency (worker processes holding its
+weights) comes and goes: ``evict`` releases the weights of every instance and the next
+call loads them again, while the identity stays untouched.
+
+Workers start bound to nothing and are bound by a LOAD, always: a fresh process and a
+spare one that an eviction kept take the same path, so there is one way to load, one
+timeout (``worker_start_timeout_s``, for the start and again for the LOAD), and one way a
+load fails (``on_load_failed``, with the process left up and reusable). The price, one
+more control message at start, is small beside loading the weights. Each instance's
+residency is the scheduler's (``scheduler.model_scheduler.Residency``): an instance
+whose process is starting or loading is LOADING, one releasing its weights UNLOADING,
+and neither is given a batch.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.placer import make_placer
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
-from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler
+from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler, Residency
 from splitserve.scheduler.policy import make_policy
 from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
@@ -33,8 +48,9 @@ from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
 from splitserve.server.ports import InstanceWorker, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
-from splitserve.worker.messages import DoneMsg, Msg, RunMsg
-from splitserve.worker.spec import QueueFds, WorkerSpec
+from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.pool import Residency as WorkerResidency
+from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +89,7 @@ class ModelRuntime:
         self.resources = env.resources
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
+        self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
@@ -86,6 +103,8 @@ class ModelRuntime:
         # False after a user's unload: requests are refused (MODEL_NOT_READY) until a load;
         # a model that was never unloaded still starts lazily on first use.
         self.enabled = True
+        # Releasing the weights (evict): no load starts until every instance is ABSENT.
+        self._evicting = False
         self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
         self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
@@ -229,8 +248,9 @@ class ModelRuntime:
     def _forget_instance(self, iid: int) -> None:
         self.sched.remove(iid)
         self.resources.unplace(self.name, iid)
-        for d in (self.workers, self._backoff, self._start_failures):
+        for d in (self.workers, self._backoff, self._start_failures, self._weights):
             d.pop(iid, None)
+        self._weights_changed()
 
     @property
     def instance_count(self) -> int:
@@ -241,7 +261,7 @@ class ModelRuntime:
     def ensure_started(self) -> None:
         """Start the workers if they are not running (models load on first use). A FAILED
         model is retried only once ``load_retry_s`` has passed since it failed."""
-        if not self.enabled or self.env.stopping() or self.state in (*_RUNNING, ModelState.STOPPING):
+        if not self.enabled or self.env.stopping() or self._evicting or self.state in (*_RUNNING, ModelState.STOPPING):
             return
         if self.state is ModelState.FAILED and time.perf_counter() < self._retry_at:
             return
@@ -259,11 +279,16 @@ class ModelRuntime:
         self._start_missing()
 
     def _start_missing(self) -> None:
-        """Spawn every serving instance that has no worker (a fresh count of failed starts)."""
+        """Bring up every serving instance that is not resident (a fresh count of failed
+        starts): spawn a worker where there is none, LOAD into one bound to nothing."""
         for i in self.sched.serving():
-            if i not in self.workers:
+            handle = self.workers.get(i)
+            if handle is None:
                 self._start_failures[i] = 0
                 self._spawn(i)
+            elif handle.residency is WorkerResidency.UNBOUND:
+                self._start_failures[i] = 0
+                self._bind(i)
 
     async def wait_ready(self) -> None:
         """Load the model (an explicit load retries a FAILED one at once) and wait until it
@@ -271,6 +296,9 @@ class ModelRuntime:
         has worker_start_timeout_s and there are worker_start_attempts of them."""
         if not self.enabled:
             raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
+        if self._evicting:  # bounded: evict kills what has not released its weights by its deadline
+            await self._until(lambda: not self._evicting,
+                              time.perf_counter() + self.settings.drain_timeout_s + self.settings.stop_timeout_s)
         if self.state is ModelState.FAILED:
             self._load()
         elif self.state is ModelState.READY:
@@ -281,23 +309,20 @@ class ModelRuntime:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
     def _spawn(self, i: int) -> None:
+        """Start instance ``i``'s process (bound to nothing: ``on_ready`` sends the LOAD)."""
         placed = self.resources.placed(self.name, i)
         assert placed is not None, "an instance is placed before its worker starts"
         cpus, threads = sorted(placed.cpus), placed.threads
 
         def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
             return WorkerSpec(
-                model=self.config.to_dict(),
-                model_dir=str(self.record.path) if self.record.path else None,
                 instance=i, cpus=cpus, threads=threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
-                queues={str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
-                        for c, (ins, outs) in self.tqs.items()},
                 cache_dir=str(self.settings.cache_path), log_level=self.settings.log_level,
-                segment_time_weight=self.settings.segment_time_weight, segment_capacity=self.config.capacity,
-                segment_times_ns=self.profile.segment_times_ns(threads) if self.profile else [],
+                segment_time_weight=self.settings.segment_time_weight,
             )
 
         self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
+        self.sched.set_residency(i, Residency.LOADING)
         timeout = self.settings.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
         log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, threads,
@@ -308,22 +333,86 @@ class ModelRuntime:
         if handle.alive and not handle.started:
             handle.kill(f"worker (pid {handle.pid}) was not ready within worker_start_timeout_s={timeout:g}s")
 
+    def _bind_spec(self, i: int) -> BindSpec:
+        """What binds instance ``i``'s worker to this model: config, artifact, queues, and the
+        stored profile's segment times for its thread count."""
+        return BindSpec(
+            self.config.to_dict(), str(self.record.path) if self.record.path else None,
+            {str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
+             for c, (ins, outs) in self.tqs.items()},
+            self.config.capacity, self._profiled_segment_times(i))
+
+    def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
+        placed = self.resources.placed(self.name, i)
+        if self.profile is None or placed is None:
+            return []
+        return self.profile.segment_times_ns(placed.threads)
+
+    def _bind(self, i: int) -> None:
+        """LOAD this model into instance ``i``'s worker (up, bound to nothing); the
+        instance is LOADING, never dispatched to, until ``on_loaded``."""
+        handle = self.workers[i]
+        if not handle.send_load(self._bind_spec(i)):
+            return  # gone: its exit is handled as any other
+        self.sched.set_residency(i, Residency.LOADING)
+        timeout = self.settings.worker_start_timeout_s
+        self.loop.call_later(timeout, self._load_timed_out, handle, handle.binding, timeout)
+
+    @staticmethod
+    def _load_timed_out(handle: InstanceWorker, binding: int | None, timeout: float) -> None:
+        if handle.alive and handle.residency is WorkerResidency.LOADING and handle.binding == binding:
+            handle.kill(f"worker (pid {handle.pid}) did not load the model within worker_start_timeout_s={timeout:g}s")
+
     def on_ready(self, instance: int, info: dict) -> None:
         if instance not in self.sched.instances or self.state not in _RUNNING:
-            return  # a model that failed or is stopping has asked this worker to go
-        self.sched.set_ready(instance, True)
+            return  # a model that failed, is stopping or was evicted has asked this worker to go
+        self._bind(instance)
+
+    def on_loaded(self, instance: int, msg: LoadedMsg) -> None:
+        if instance not in self.sched.instances or self.state not in _RUNNING:
+            return  # evicted, failed or stopping while it loaded: the worker is being killed or stopped
+        self.sched.set_residency(instance, Residency.RESIDENT)
+        self._weights[instance] = msg.nbytes
+        self._weights_changed()
+        self.stats.loads += 1
+        self.stats.load_ns += msg.load_ns
         self._backoff[instance] = self.settings.worker_restart_backoff_s
         self._start_failures[instance] = 0
         if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
             self.state = ModelState.READY  # serve as soon as one instance can
         if self.state is ModelState.READY and all(self.sched.instances[i].ready for i in self.sched.serving()):
             self._ready_event.set()  # a load returns when every instance is up
-        log.info("model %s: instance %d ready (%s segments)", self.name, instance, info.get("segments"))
+        log.info("model %s: instance %d loaded (%d segments, %d B of weights in %.0f ms)", self.name, instance,
+                 msg.segments, msg.nbytes, msg.load_ns / 1e6)
         self.kick()
 
+    def on_load_failed(self, instance: int, binding: int, text: str) -> None:
+        """The worker could not load the model; it stays up, bound to nothing, and is
+        reused by a retry. Handled as a failed start that the worker explained."""
+        log.error("model %s: instance %d failed to load: %s", self.name, instance, text)
+        if instance not in self.sched.instances:
+            return
+        self.sched.set_residency(instance, Residency.ABSENT)
+        self.kick()
+        if self.state in _RUNNING:
+            self._start_failed(instance, text, explained=True)
+
+    def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
+        if instance not in self.sched.instances:
+            return
+        self.sched.set_residency(instance, Residency.ABSENT)
+        self._weights.pop(instance, None)
+        self._weights_changed()
+        log.info("model %s: instance %d released its weights (binding %s)", self.name, instance, msg.binding)
+        self._evict_progress()
+        self.kick()
+
+    def _weights_changed(self) -> None:
+        self.stats.weights_bytes = sum(self._weights.values())
+
     def on_failed(self, instance: int, batch_id: int, text: str) -> None:
-        if batch_id == 0:  # the worker could not load the model; it exits now and on_exit decides
-            log.error("model %s: instance %d failed to load: %s", self.name, instance, text)
+        if batch_id == 0:  # the worker could not start; it exits now and on_exit decides
+            log.error("model %s: instance %d failed to start: %s", self.name, instance, text)
             return
         batch = self.sched.complete(instance, batch_id)
         if batch is None:
@@ -332,36 +421,43 @@ class ModelRuntime:
         else:
             self.node.finished(self, instance, batch, ok=False)
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
+        self._unload_when_idle(instance)
         self.kick()
 
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
             self._worker_gone(instance, handle)
+            self._evict_progress()
         self.kick()
 
     def _worker_gone(self, instance: int, handle: InstanceWorker) -> None:
         st = self.sched.instances.get(instance)
         if st is None:
             return
-        for lost in self.sched.set_ready(instance, False):
+        was = st.residency
+        for lost in self.sched.set_residency(instance, Residency.ABSENT):
             self.node.finished(self, instance, lost, ok=False)
             self._answer_batch(lost, WorkerFailed(f"worker of {self.name!r} (pid {handle.pid}) died during the batch"))
+        if self._weights.pop(instance, None) is not None:
+            self._weights_changed()
         if st.draining:
             self._forget_instance(instance)
             return
         if self.state not in _RUNNING or handle.stopping:
-            return  # asked to go: the model failed, is stopping or was unloaded
-        if handle.started:
+            return  # asked to go: the model failed, is stopping, was unloaded or evicted
+        if was is not Residency.LOADING:
             self._restart_later(instance, f"instance {instance} (pid {handle.pid}) exited")
-        else:
-            self._start_failed(instance, handle)
+        else:  # died (or was killed) while starting or loading
+            reason = (handle.start_error or handle.killed_for
+                      or f"worker (pid {handle.pid}) exited before it was ready")
+            self._start_failed(instance, reason, explained=handle.start_error is not None)
 
-    def _start_failed(self, instance: int, handle: InstanceWorker) -> None:
-        """A worker died before READY. A load error it reported fails the model at once (the
-        same file fails the same way); a crash or a start timeout is retried, and fails the
-        model after worker_start_attempts in a row. Other instances that serve keep serving."""
-        reason = handle.load_error or handle.killed_for or f"worker (pid {handle.pid}) exited before it was ready"
+    def _start_failed(self, instance: int, reason: str, explained: bool) -> None:
+        """An instance did not come up. An error the worker ``explained`` (its start or its
+        LOAD failed, e.g. a bad artifact) fails the model at once (the same file fails the
+        same way); a crash or a timeout is retried, and fails the model after
+        worker_start_attempts in a row. Other instances that serve keep serving."""
         self._start_failures[instance] += 1
         attempts = self.settings.worker_start_attempts
         others = any(self.sched.instances[i].ready for i in self.sched.serving() if i != instance)
@@ -374,7 +470,7 @@ class ModelRuntime:
                 self._ready_event.set()  # a load waiting for it ends with what serves
             else:
                 self._restart_later(instance, reason)
-        elif given_up or handle.load_error is not None:
+        elif given_up or explained:
             self._fail(reason)
         else:
             self._restart_later(instance, reason)
@@ -387,8 +483,13 @@ class ModelRuntime:
 
     def _restart(self, instance: int) -> None:
         st = self.sched.instances.get(instance)
-        if self.state in _RUNNING and st is not None and not st.draining and instance not in self.workers:
+        if self.state not in _RUNNING or st is None or st.draining:
+            return
+        handle = self.workers.get(instance)
+        if handle is None:
             self._spawn(instance)
+        elif handle.residency is WorkerResidency.UNBOUND:  # its LOAD failed: the same process tries again
+            self._bind(instance)
 
     def _fail(self, reason: str) -> None:
         """The model could not load: FAILED, refusing calls (MODEL_NOT_READY and the reason)
@@ -451,6 +552,7 @@ class ModelRuntime:
         if deadline is None:
             deadline = time.perf_counter() + self.settings.stop_timeout_s
         self.state = ModelState.STOPPING
+        self._evicting = False  # an eviction under way ends here: the workers stop
         error = ShuttingDown(f"model {self.name!r} {reason}")
         self._fail_waiting(error)
         for i in list(self.sched.instances):
@@ -459,23 +561,107 @@ class ModelRuntime:
                 self.node.finished(self, i, batch, ok=False)
                 self._answer_batch(batch, error)
         for handle in list(self.workers.values()):
-            if not handle.started:  # still loading: it has nothing to finish
+            if handle.residency in (WorkerResidency.STARTING, WorkerResidency.LOADING):  # nothing to finish
                 handle.kill(f"model {self.name!r} {reason} while loading")
         if not await self._until(lambda: not any(s.busy for s in self.sched.instances.values()), deadline):
             log.error("model %s: batches still running at the stop deadline; killing their workers", self.name)
         handles = list(self.workers.values())
         await asyncio.gather(*(h.stop(timeout=max(0.0, deadline - time.perf_counter())) for h in handles))
         for i in list(self.sched.instances):  # a worker whose exit is not handled yet still owes its batch
-            for lost in self.sched.set_ready(i, False):
+            for lost in self.sched.set_residency(i, Residency.ABSENT):
                 self.node.finished(self, i, lost, ok=False)
                 self._answer_batch(lost, WorkerFailed(f"model {self.name!r} stopped during the batch"))
         self.workers.clear()
+        self._weights.clear()
         for i in list(self.sched.instances):  # the CPUs go back to the node; a load takes them anew
             self._forget_instance(i)
         self.resources.release(self.name)
+        self._weights_changed()
         self.state = ModelState.UNLOADED
         self._ready_event.set()  # a load that was waiting ends (not ready)
         self.kick()
+
+    async def evict(self, deadline: float | None = None) -> bool:
+        """Release the weights of every instance and give their memory back, keeping the
+        model: its func_id, queues, scheduler, statistics and queued calls stay, calls are
+        still taken (they queue), and the first one loads it again. False, and nothing
+        done, if nothing is resident or loading (never loaded, failed, stopping, evicted).
+
+        Running batches end first, until ``deadline`` (default: drain_timeout_s from now);
+        then their workers are killed and the batches answered WORKER_FAILED. A preempted
+        batch goes back to its queue and reruns from segment 0 (segments are idempotent;
+        its restore point lived in the binding). ``evict_spare_workers`` processes stay up,
+        bound to nothing, so the next load skips starting a process; the rest exit."""
+        async with self._reconfig_lock:
+            if not self.release_residency():
+                return False
+            if deadline is None:
+                deadline = time.perf_counter() + self.settings.drain_timeout_s
+            if not await self._until(lambda: not self._evicting, deadline):
+                for i, st in self.sched.instances.items():
+                    handle = self.workers.get(i)
+                    if handle is not None and st.residency is not Residency.ABSENT:
+                        handle.kill(f"model {self.name!r}: instance {i} did not release its weights by the "
+                                    "eviction's deadline")
+                await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.stop_timeout_s)
+            if self.state is ModelState.EVICTED:  # no call has started a load meanwhile
+                spare = self.settings.evict_spare_workers
+                extra = [i for i in self.sched.serving() if i in self.workers][spare:]
+                # Out of ``workers`` first: a load that starts while they exit spawns anew.
+                stopping = [self.workers.pop(i) for i in extra]
+                await asyncio.gather(*(h.stop(timeout=self.settings.stop_timeout_s) for h in stopping))
+            return True
+
+    def release_residency(self) -> bool:
+        """Begin an eviction (``evict`` waits for it): the model turns EVICTED, workers still
+        starting or loading are killed, resident instances turn UNLOADING (no new batches)
+        and release their weights as soon as their batch is done. False if nothing is
+        resident or loading."""
+        if self.state not in _RUNNING or self._evicting:
+            return False
+        self.state, self._evicting = ModelState.EVICTED, True
+        self._ready_event.set()  # a load that was waiting ends: the model is not resident
+        for i, st in list(self.sched.instances.items()):  # a kill may report the exit at once
+            handle = self.workers.get(i)
+            if handle is None:
+                continue
+            if st.ready:
+                self.sched.set_residency(i, Residency.UNLOADING)
+                self._unload_when_idle(i)
+            elif handle.residency in (WorkerResidency.STARTING, WorkerResidency.LOADING):  # nothing to finish
+                handle.kill(f"model {self.name!r} was evicted while loading")
+        log.info("model %s: evicting (releasing the weights of %d instance(s))", self.name, len(self.workers))
+        self._evict_progress()
+        return True
+
+    def _unload_when_idle(self, i: int) -> None:
+        """Send UNLOAD to an UNLOADING instance once no batch runs on it; a batch suspended
+        there goes back to its queue first (UNLOAD drops its restore point)."""
+        st = self.sched.instances.get(i)
+        handle = self.workers.get(i)
+        if st is None or handle is None or st.residency is not Residency.UNLOADING or st.running is not None:
+            return
+        if not handle.ready:
+            return  # its UNLOAD is sent already
+        batch = self.sched.take_suspended(i)
+        if batch is not None:
+            log.info("model %s: preempted batch %d goes back to the queue before instance %d unloads", self.name,
+                     batch.batch_id, i)
+            self.node.finished(self, i, batch, ok=False)
+            self.sched.requeue(batch)
+        handle.send_unload()  # False: gone, and on_exit takes it from here
+
+    def _evict_progress(self) -> None:
+        """End the eviction once no instance holds or is changing its weights; calls that
+        arrived meanwhile load the model again."""
+        if not self._evicting or any(st.residency is not Residency.ABSENT for st in self.sched.instances.values()):
+            return
+        self._evicting = False
+        self.stats.evictions += 1
+        log.info("model %s: evicted; its weights are released, the next call loads it", self.name)
+        self.kick()
+        if self.sched.waiting():
+            self.ensure_started()
 
     def kill_workers(self, reason: str) -> None:
         """Kill every worker now (the node exits without draining)."""
@@ -571,7 +757,7 @@ class ModelRuntime:
                 r.handle.t_dispatch = now
         self.node.started(self, batch)
         handle = self.workers.get(batch.instance)
-        if handle is None or not handle.send_run(
+        if handle is None or not handle.ready or not handle.send_run(
             RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
         ):
             self.sched.complete(batch.instance, batch.batch_id)
@@ -596,6 +782,7 @@ class ModelRuntime:
             return
         if msg.kind == Msg.PREEMPTED:
             self._on_preempted(instance, msg)
+            self._unload_when_idle(instance)
             self.kick()
             return
         self.sched.complete(instance, msg.batch_id)
@@ -614,6 +801,7 @@ class ModelRuntime:
         for r in batch.requests:
             r.handle.compute_ns = msg.compute_ns
         self._answer_batch(batch, None)
+        self._unload_when_idle(instance)
         self.kick()
 
     def _on_preempted(self, instance: int, msg: DoneMsg) -> None:
@@ -733,6 +921,11 @@ class ModelRuntime:
             "threads": [p.threads if p else 0 for p in placed],
             "cpus": [sorted(p.cpus) if p else [] for p in placed],
             "pids": [self.workers[i].pid if i in self.workers else None for i in serving],
+            # Residency: ``enabled`` says calls are taken (a model that is not resident
+            # loads on the next one); ``residency`` is each serving instance's.
+            "enabled": self.enabled,
+            "residency": [self.sched.instances[i].residency.value for i in serving],
+            "weights_bytes": self.stats.weights_bytes,
         }
 
     @property
@@ -758,7 +951,8 @@ class ModelRuntime:
         out: dict[str, Any] = {"model": self.name, **self.placer.describe(), "now": time.perf_counter()}
         out["instances"] = [
             {"id": i, "threads": p.threads, "batch": self.sched.instances[i].max_batch or self.config.max_batch_size,
-             "cpus": sorted(p.cpus), "shared": p.shared, "ready": self.sched.instances[i].ready}
+             "cpus": sorted(p.cpus), "shared": p.shared, "ready": self.sched.instances[i].ready,
+             "residency": self.sched.instances[i].residency.value}
             for i in self.sched.serving() if (p := self.resources.placed(self.name, i)) is not None
         ]
         out["reconfigurations"] = list(self.reconfigurations)

@@ -1,27 +1,51 @@
-"""Control messages between the front end and a worker: small fixed structs with a
-one-byte kind, over a SOCK_SEQPACKET socketpair. Tensor data never travels here."""
+"""Control messages between the front end and a worker: small typed structs with a
+one-byte kind, over a SOCK_SEQPACKET socketpair. Tensor data never travels here.
+
+The serving messages (RUN, DONE, PREEMPTED) are fixed structs. The residency messages
+(LOAD, UNLOAD and their answers) are rare, so their bodies are JSON after a fixed head; a
+LOAD's queue memfds ride beside it as SCM_RIGHTS, and the weights are read by the worker
+from the artifact, never sent.
+"""
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
+
+from splitserve.worker.spec import BindSpec
 
 
 class Msg(IntEnum):
-    RUN = 1  # front end -> worker: run a batch
+    RUN = 1  # front end -> worker: run a batch of the bound model
     STOP = 2  # front end -> worker: exit after the current batch
-    READY = 10  # worker -> front end: model loaded (payload: JSON info)
+    LOAD = 3  # front end -> worker: bind a model (LoadMsg; its queue memfds as SCM_RIGHTS)
+    UNLOAD = 4  # front end -> worker: release the bound model, its queue mappings and memory
+    READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid)
     DONE = 11  # worker -> front end: batch finished
-    FAILED = 12  # worker -> front end: batch raised (payload: message)
+    FAILED = 12  # worker -> front end: a RUN or LOAD (or the start) failed (FailedMsg)
     PREEMPTED = 13  # worker -> front end: batch stopped at a segment boundary
+    LOADED = 14  # worker -> front end: a LOAD bound its model (LoadedMsg)
+    UNLOADED = 15  # worker -> front end: an UNLOAD released the model (UnloadedMsg)
 
 
 # kind, cls, resume_segment, batch_id, seq, count
 RUN = struct.Struct("<BBHIQI")
 # kind, status, pad, batch_id, compute_ns, segments_run, first_segment, preempt_ns
 DONE = struct.Struct("<BBHIQHHQ")
-HEAD = struct.Struct("<BxxxI")  # kind, batch_id: prefix of READY/FAILED followed by text
+# kind, op, pad, id: the head of every message with a text or JSON body. ``op`` is the kind
+# of the request a FAILED answers; ``id`` a batch id (RUN) or a binding id (LOAD, LOADED).
+HEAD = struct.Struct("<BBxxI")
+# A control message never exceeds this (a LOAD with a large stored profile is the biggest);
+# it stays under the kernel's default socket buffer, which bounds one SEQPACKET message.
+MAX_MESSAGE_BYTES = 128 * 1024
+# At most this many memfds ride with one LOAD (tensors per class times classes).
+MAX_LOAD_FDS = 64
+# The binding id of a FAILED that reports the process could not start (it exits then);
+# LOADs use ids from 1.
+START_BINDING = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,7 +60,7 @@ class RunMsg:
         return RUN.pack(Msg.RUN, self.cls, self.resume_segment, self.batch_id, self.seq, self.count)
 
     @classmethod
-    def unpack(cls, b: bytes) -> "RunMsg":
+    def unpack(cls, b: bytes | bytearray) -> "RunMsg":
         _k, c, resume, bid, seq, count = RUN.unpack_from(b)
         return cls(c, bid, seq, count, resume)
 
@@ -66,10 +90,107 @@ class DoneMsg:
         return cls(kind, bid, ns, run, first, pns)
 
 
-def pack_text(kind: Msg, batch_id: int, text: str) -> bytes:
-    return HEAD.pack(kind, batch_id) + text.encode()[:60000]
+def _pack_json(kind: Msg, ident: int, body: Any, op: int = 0) -> bytes:
+    data = HEAD.pack(kind, op, ident) + json.dumps(body, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{kind.name} message of {len(data)} B is over the {MAX_MESSAGE_BYTES} B limit")
+    return data
 
 
-def unpack_text(b: bytes) -> tuple[int, int, str]:
-    kind, bid = HEAD.unpack_from(b)
-    return kind, bid, b[HEAD.size :].decode(errors="replace")
+def _unpack_json(b: bytes | bytearray) -> tuple[int, int, Any]:
+    """(op, id, body) of a message with a JSON body; ValueError if it is not one."""
+    if len(b) < HEAD.size:
+        raise ValueError(f"a {len(b)} B message is shorter than its {HEAD.size} B head")
+    _kind, op, ident = HEAD.unpack_from(b)
+    return op, ident, json.loads(bytes(b[HEAD.size :]))
+
+
+@dataclass(slots=True, frozen=True)
+class LoadMsg:
+    """Bind the worker to a model. On the wire the fds in ``bind`` are replaced by their
+    places among the SCM_RIGHTS fds; ``unpack`` puts the received ones in their place."""
+
+    binding: int
+    bind: BindSpec
+
+    def pack(self) -> tuple[bytes, list[int]]:
+        """The message and the fds to send beside it."""
+        fds = self.bind.fds()
+        if len(fds) > MAX_LOAD_FDS:
+            raise ValueError(f"a LOAD carries at most {MAX_LOAD_FDS} queue fds, not {len(fds)}")
+        body = self.bind.with_fds(list(range(len(fds)))).to_dict()
+        return _pack_json(Msg.LOAD, self.binding, body), fds
+
+    @classmethod
+    def unpack(cls, b: bytes | bytearray, fds: list[int]) -> "LoadMsg":
+        """The LOAD in ``b`` with the ``fds`` received beside it; ValueError (or TypeError,
+        KeyError) if the body is malformed or names other fds than those that came."""
+        _op, ident, body = _unpack_json(b)
+        bind = BindSpec.from_dict(body)
+        if bind.fds() != list(range(len(fds))):
+            raise ValueError(f"LOAD names queue fds {bind.fds()} but {len(fds)} came with it")
+        return cls(ident, bind.with_fds(fds))
+
+
+@dataclass(slots=True, frozen=True)
+class LoadedMsg:
+    """A binding is resident: what its weights take and how long loading them took."""
+
+    binding: int
+    model: str
+    nbytes: int  # parameters and buffers, measured on the loaded model (shared storage once)
+    load_ns: int  # from the LOAD's arrival to the model ready on its device
+    segments: int
+    device: str
+
+    def pack(self) -> bytes:
+        return _pack_json(Msg.LOADED, self.binding, {"model": self.model, "nbytes": self.nbytes,
+                                                      "load_ns": self.load_ns, "segments": self.segments,
+                                                      "device": self.device})
+
+    @classmethod
+    def unpack(cls, b: bytes | bytearray) -> "LoadedMsg":
+        _op, ident, d = _unpack_json(b)
+        return cls(ident, **d)
+
+
+@dataclass(slots=True, frozen=True)
+class UnloadedMsg:
+    """The worker released ``binding`` (None: nothing was bound, so nothing to release)."""
+
+    binding: int | None
+
+    def pack(self) -> bytes:
+        return _pack_json(Msg.UNLOADED, 0, {"binding": self.binding})
+
+    @classmethod
+    def unpack(cls, b: bytes | bytearray) -> "UnloadedMsg":
+        return cls(_unpack_json(b)[2]["binding"])
+
+
+@dataclass(slots=True, frozen=True)
+class FailedMsg:
+    """A request failed: ``op`` is its kind (RUN: ``ident`` is the batch id; LOAD: the
+    binding id, ``START_BINDING`` when the process could not start, after which it
+    exits; any other kind: a message the worker could not act on, ``ident`` 0)."""
+
+    op: int
+    ident: int
+    text: str
+
+    def pack(self) -> bytes:
+        return HEAD.pack(Msg.FAILED, self.op, self.ident) + self.text.encode()[:60000]
+
+    @classmethod
+    def unpack(cls, b: bytes | bytearray) -> "FailedMsg":
+        _kind, op, ident = HEAD.unpack_from(b)
+        return cls(op, ident, bytes(b[HEAD.size :]).decode(errors="replace"))
+
+
+def pack_ready(info: dict[str, Any]) -> bytes:
+    """READY with the worker's info (its pid)."""
+    return _pack_json(Msg.READY, 0, info)
+
+
+def unpack_ready(b: bytes | bytearray) -> dict[str, Any]:
+    return _unpack_json(b)[2]

@@ -3,38 +3,62 @@
 A ``WorkerHandle`` owns one process and the front end's end of its control socket, which
 the event loop watches. Messages arriving from the worker are handed to the owner's
 callbacks; an EOF on the socket means the process died.
+
+A process outlives the models bound to it: ``send_load`` binds one (its queues and
+artifact), ``send_unload`` releases it, and ``residency`` says where the handle is in that
+cycle, so the owner never dispatches to an instance that is loading or unloading.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Protocol
 
-from splitserve.worker.messages import DoneMsg, Msg, RunMsg, unpack_text
+from splitserve.worker.messages import (START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
+                                        UnloadedMsg, unpack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
-from splitserve.worker.spec import WorkerSpec
+from splitserve.worker.spec import BindSpec, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
 class WorkerOwner(Protocol):
-    """Who a worker reports to (the model runtime)."""
+    """Who a worker reports to (the model runtime), on the event loop.
+
+    ``on_ready``: the process started, bound to nothing (``info["pid"]``).
+    ``on_failed``: a batch failed (``batch_id``), or with ``batch_id`` 0 the process could
+    not start, after which it exits. ``on_loaded`` / ``on_load_failed``
+    answer ``send_load`` (a failed load leaves the process up and unbound); ``on_unloaded``
+    answers ``send_unload``. ``on_exit``: the process is gone."""
 
     def on_ready(self, instance: int, info: dict) -> None: ...
     def on_done(self, instance: int, msg: DoneMsg) -> None: ...
     def on_failed(self, instance: int, batch_id: int, text: str) -> None: ...
+    def on_loaded(self, instance: int, msg: LoadedMsg) -> None: ...
+    def on_load_failed(self, instance: int, binding: int, text: str) -> None: ...
+    def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None: ...
     def on_exit(self, instance: int, handle: "WorkerHandle") -> None: ...
 
 
+class Residency(StrEnum):
+    """Where a worker is in the bind cycle, as its handle knows it (RUN only while BOUND)."""
+
+    STARTING = "starting"  # the process has not reported READY yet
+    UNBOUND = "unbound"  # no model: a RUN would be refused
+    LOADING = "loading"  # LOAD sent; LOADED or FAILED not back yet
+    BOUND = "bound"  # a model is resident and serves RUN
+    UNLOADING = "unloading"  # UNLOAD sent; UNLOADED not back yet
+
+
 class WorkerHandle:
-    """One worker process serving one model instance."""
+    """One worker process: it starts bound to nothing; ``send_load`` binds a model."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
                  loop: asyncio.AbstractEventLoop, reap_timeout_s: float) -> None:
@@ -58,16 +82,25 @@ class WorkerHandle:
         )
         theirs.close()
         self.alive = True
-        self.ready = False
         self.started = False  # it reported READY once (a death before that is a failed start)
-        self.load_error: str | None = None  # the worker's own report of why it could not load
+        self.start_error: str | None = None  # the worker's own report of why it could not start
         self.killed_for: str | None = None  # why the front end killed it
         self.stopping = False  # set when the front end asked it to exit: no restart then
+        self.residency = Residency.STARTING
+        # The binding the worker holds or is loading; LOADs number theirs from 1, so
+        # answers can be checked against the request.
+        self.binding: int | None = None
+        self._last_binding = START_BINDING
         loop.add_reader(ours.fileno(), self._on_readable)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def ready(self) -> bool:
+        """The process is up with a model bound: a RUN would be served."""
+        return self.alive and self.residency is Residency.BOUND
 
     def send_run(self, msg: RunMsg) -> bool:
         """Send a batch descriptor; False if the worker is gone (its exit is being handled)."""
@@ -76,6 +109,39 @@ class WorkerHandle:
             return True
         except OSError:
             return False
+
+    def send_load(self, bind: BindSpec) -> bool:
+        """Bind the (unbound) worker to a model: its queue memfds go with the message, the
+        worker loads the weights from the artifact. The answer is ``on_loaded`` or
+        ``on_load_failed``; False if the worker is gone (its exit is being handled)."""
+        if self.residency is not Residency.UNBOUND:
+            raise RuntimeError(f"worker {self.pid} is {self.residency}, not unbound: it cannot load a model now")
+        # The flag outlives bindings, and batch ids are per model: a target or deadline left
+        # for the last model must not stop the next one's batches.
+        self.flag.clear()
+        self.flag.set_padding_deadline(0)
+        self._last_binding += 1
+        data, fds = LoadMsg(self._last_binding, bind).pack()
+        try:
+            socket.send_fds(self.sock, [data], fds)
+        except OSError:
+            return False
+        self.binding = self._last_binding
+        self.residency = Residency.LOADING
+        return True
+
+    def send_unload(self) -> bool:
+        """Release the bound model's weights and queue mappings; the answer is
+        ``on_unloaded``. False if the worker is gone. Send it only with no batch running:
+        the worker answers in order, so a batch sent before still finishes first."""
+        if self.residency is not Residency.BOUND:
+            raise RuntimeError(f"worker {self.pid} is {self.residency}, not bound: nothing to unload")
+        try:
+            self.sock.send(bytes([Msg.UNLOAD]))
+        except OSError:
+            return False
+        self.residency = Residency.UNLOADING
+        return True
 
     def _on_readable(self) -> None:
         while True:
@@ -89,18 +155,51 @@ class WorkerHandle:
                 self._gone()
                 return
             kind = data[0]
-            if kind == Msg.READY:
-                self.ready = self.started = True
-                self.owner.on_ready(self.instance, json.loads(unpack_text(data)[2]))
-            elif kind in (Msg.DONE, Msg.PREEMPTED):
+            if kind in (Msg.DONE, Msg.PREEMPTED):
                 self.owner.on_done(self.instance, DoneMsg.unpack(data))
             elif kind == Msg.FAILED:
-                _, bid, text = unpack_text(data)
-                if bid == 0:
-                    self.load_error = text
-                self.owner.on_failed(self.instance, bid, text)
+                self._on_failed(FailedMsg.unpack(data))
+            elif kind == Msg.READY:
+                self.started = True
+                self.residency = Residency.UNBOUND
+                self.owner.on_ready(self.instance, unpack_ready(data))
+            elif kind == Msg.LOADED:
+                self._on_loaded(LoadedMsg.unpack(data))
+            elif kind == Msg.UNLOADED:
+                self._on_unloaded(UnloadedMsg.unpack(data))
             else:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
+
+    def _on_loaded(self, msg: LoadedMsg) -> None:
+        if self.residency is not Residency.LOADING or msg.binding != self.binding:
+            log.error("worker %d loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
+                      self.residency)
+        self.residency = Residency.BOUND
+        self.binding = msg.binding
+        self.owner.on_loaded(self.instance, msg)
+
+    def _on_unloaded(self, msg: UnloadedMsg) -> None:
+        if self.residency is not Residency.UNLOADING:
+            log.error("worker %d unloaded binding %s, which was not asked for", self.pid, msg.binding)
+        self.residency = Residency.UNBOUND
+        self.binding = None
+        self.owner.on_unloaded(self.instance, msg)
+
+    def _on_failed(self, msg: FailedMsg) -> None:
+        if msg.op == Msg.RUN:
+            self.owner.on_failed(self.instance, msg.ident, msg.text)
+        elif msg.op != Msg.LOAD:  # this handle sends no such message: a bug on one side
+            log.error("worker %d refused a message of kind %d: %s", self.pid, msg.op, msg.text)
+        elif not self.started:  # the process could not start: it exits now, and on_exit follows
+            self.start_error = msg.text
+            self.owner.on_failed(self.instance, 0, msg.text)
+        else:
+            if self.residency is not Residency.LOADING or msg.ident != self.binding:
+                log.error("worker %d failed binding %d, but binding %s was %s", self.pid, msg.ident, self.binding,
+                          self.residency)
+            self.residency = Residency.UNBOUND
+            self.binding = None
+            self.owner.on_load_failed(self.instance, msg.ident, msg.text)
 
     def _gone(self) -> None:
         """The control socket closed (on the loop): the process is exiting or gone.
@@ -109,7 +208,6 @@ class WorkerHandle:
         if not self.alive:
             return
         self.alive = False
-        self.ready = False
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self.owner.on_exit(self.instance, self)

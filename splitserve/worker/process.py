@@ -1,97 +1,123 @@
 """The worker process: one per model instance (``python -m splitserve.worker SPEC``).
 
-It maps the model's tensor queues, loads the model, and then serves RUN messages: the
-batch is a contiguous view of the input queue (no gather), the model runs segment by
-segment with a preemption check between segments, and outputs are written into the
-output queue at the same slots. Only small structs cross the control socket.
+A worker is a process pinned to its CPUs with a control socket and a preemption flag. It
+starts bound to nothing; a model is *bound* to it by a LOAD (``worker/binding.py``) until
+an UNLOAD releases it, so one process can serve model A, then model B. While bound it
+serves RUN messages: the batch is a contiguous view of the input queue (no gather), the
+model runs segment by segment with a preemption check between segments, and outputs are
+written into the output queue at the same slots. Only small structs cross the control
+socket; a LOAD's queue memfds ride beside it as SCM_RIGHTS and are mapped once per
+binding.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.modelconfig import ModelConfig
+import torch
+
+from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
+from splitserve.models import SegmentedModel
 from splitserve.protocol.header import RequestClass
-from splitserve.tensorqueue import TensorQueue
-from splitserve.worker.messages import DoneMsg, Msg, RunMsg, pack_text
+from splitserve.worker.binding import Binding, Restore
+from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING, DoneMsg,
+                                        FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
 
 log = logging.getLogger("splitserve.worker")
 
+_FD_BYTES = array.array("i").itemsize
+_CUT = socket.MSG_TRUNC | socket.MSG_CTRUNC  # the message or its fds did not fit and were cut
 
-@dataclass
-class _Restore:
-    """REEF restore point of a preempted batch: where to resume and the activations there."""
 
-    segment: int
-    acts: tuple
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds of SCM_RIGHTS ancillary data (they are open in this process now)."""
+    fds = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
-        import torch
+    """The process's side of one worker: CPUs, threads, control socket and preemption flag,
+    which last as long as the process, and the model bound to it, which may change."""
 
-        self.torch = torch
+    def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.cfg = ModelConfig.from_dict(spec.model)
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         torch.set_num_threads(spec.threads)
         self.ctrl = socket.socket(fileno=spec.ctrl_fd)
         self.flag = PreemptFlag(spec.flag_fd)
-        self.device = torch.device(self.cfg.device)
-        self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
-        for cls, q in spec.queues.items():
-            ins = [TensorQueue(t.nbytes, q.nslots, fd) for t, fd in zip(self.cfg.inputs, q.inputs)]
-            outs = [TensorQueue(t.nbytes, q.nslots, fd) for t, fd in zip(self.cfg.outputs, q.outputs)]
-            self.queues[int(cls)] = (ins, outs)
-        from splitserve.models import load_artifact
+        self.cache_dir = Path(spec.cache_dir)
+        # Every message is received into this one buffer: a RUN costs no allocation.
+        self._buf = bytearray(MAX_MESSAGE_BYTES)
+        self._bufs = [self._buf]
+        self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
+        self.bound: Binding | None = None
 
-        art = self.cfg.artifact
-        path = Path(spec.model_dir) / art.file if (spec.model_dir and art.file) else None
-        self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=Path(spec.cache_dir))
-        self.model.eval().to(self.device)
-        self.restore: dict[int, _Restore] = {}
-        # (segment, batch size) -> EWMA of its time in ns, measured here as batches run;
-        # seeded from the stored profile when the server has one.
-        self.segment_times: dict[tuple[int, int], int] = {(i, b): ns for i, b, ns in spec.segment_times_ns}
-        self.stream = None
-        if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream(priority=0)
-            self._pin_queues()
+    @property
+    def model(self) -> SegmentedModel:
+        """The bound model; ModelNotReady if none is."""
+        return self._binding(0).model  # type: ignore[return-value]
 
-    def _pin_queues(self) -> None:
-        """Register the queues' shared memory as pinned so one H2D copy moves a batch.
+    def _binding(self, batch_id: int) -> Binding:
+        if self.bound is None:
+            raise ModelNotReady(f"no model is bound to worker {os.getpid()}; batch {batch_id} was not run")
+        return self.bound
 
-        Pinning is an optimisation: if the driver refuses the double mapping, the worker
-        still works with pageable copies, and says so."""
-        cudart = self.torch.cuda.cudart()
-        for ins, outs in self.queues.values():
-            for tq in ins + outs:
-                err = cudart.cudaHostRegister(tq.base, 2 * tq.size, 0)
-                if int(getattr(err, "value", err)) != 0:
-                    log.warning("could not pin a %d B tensor queue (cuda error %s); using pageable copies",
-                                tq.size, err)
+    def load(self, msg: LoadMsg) -> LoadedMsg:
+        """Bind the model of a LOAD; its fds belong to the binding from here on (closed by
+        it, also when loading fails)."""
+        if self.bound is not None:
+            _close_all(msg.bind.fds())
+            raise InvalidInput(f"worker {os.getpid()} is bound to model {self.bound.cfg.name!r} "
+                               f"(binding {self.bound.ident}); UNLOAD it first")
+        self.bound = Binding(msg.binding, msg.bind, self.cache_dir)
+        return self._loaded(self.bound)
 
-    def _inputs(self, msg: RunMsg) -> tuple:
-        ins, _ = self.queues[msg.cls]
-        torch = self.torch
+    def unload(self) -> UnloadedMsg:
+        """Release the bound model, its queue mappings and its memory (nothing bound: no-op)."""
+        b, self.bound = self.bound, None
+        if b is None:
+            return UnloadedMsg(None)
+        b.close()
+        log.info("unloaded model %s (binding %d)", b.cfg.name, b.ident)
+        return UnloadedMsg(b.ident)
+
+    @staticmethod
+    def _loaded(b: Binding) -> LoadedMsg:
+        return LoadedMsg(b.ident, b.cfg.name, b.nbytes, b.load_ns, b.model.num_segments,  # type: ignore[union-attr]
+                         str(b.device))
+
+    def _inputs(self, b: Binding, msg: RunMsg) -> tuple:
+        ins, _ = b.queues[msg.cls]
         xs = tuple(
             torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
-            for tq, spec in zip(ins, self.cfg.inputs)
+            for tq, spec in zip(ins, b.cfg.inputs)
         )
-        if self.device.type != "cpu":
-            xs = tuple(x.to(self.device, non_blocking=True) for x in xs)
+        if b.device.type != "cpu":
+            xs = tuple(x.to(b.device, non_blocking=True) for x in xs)
         return xs
 
-    def _should_stop(self, msg: RunMsg, i: int, first: int, count: int) -> bool:
+    def _should_stop(self, b: Binding, msg: RunMsg, i: int, first: int, count: int) -> bool:
         """REEF's check between segments: an explicit preemption of this batch, or (for
         best-effort work padded beside real-time work) a segment that would overrun the
         padding deadline."""
@@ -99,60 +125,63 @@ class Worker:
             return True  # an explicit preemption lets at least one segment run: progress
         if msg.cls == RequestClass.BE:
             deadline = self.flag.padding_deadline()
-            if deadline and time.monotonic_ns() + self.segment_times.get((i, count), 0) > deadline:
+            if deadline and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline:
                 return True
         return False
 
     def run(self, msg: RunMsg) -> DoneMsg:
-        """Run a batch from its first (or restore) segment; stop at a boundary if preempted.
+        """Run a batch of the bound model from its first (or restore) segment; stop at a
+        boundary if preempted. ModelNotReady, and nothing run, if no model is bound.
 
         At most ``segment_capacity`` segments are launched ahead of the one known to be
         finished (REEF-N's bounded device queue). On the CPU every launch completes before
         the next check, so the restore point is exactly the boundary where it stopped; on a
         CUDA stream the launched segments finish before the restore point is taken.
         """
-        torch = self.torch
+        b = self._binding(msg.batch_id)
+        model = b.model
+        assert model is not None  # a Binding has its model until it is closed
         t0 = time.perf_counter_ns()
-        saved = self.restore.pop(msg.batch_id, None)
+        saved = b.restore.pop(msg.batch_id, None)
         if saved is not None and saved.segment == msg.resume_segment:
             first, acts = saved.segment, saved.acts
         else:  # segments are idempotent: without a saved point, start over from the inputs
-            first, acts = 0, self._inputs(msg)
-        n = self.model.num_segments
+            first, acts = 0, self._inputs(b, msg)
+        n = model.num_segments
         launched: list = []  # CUDA events of segments launched but maybe unfinished
         with torch.inference_mode():
             for i in range(first, n):
-                if self._should_stop(msg, i, first, msg.count):
+                if self._should_stop(b, msg, i, first, msg.count):
                     self._sync(launched)
                     stop_ns = time.monotonic_ns()
-                    self.restore[msg.batch_id] = _Restore(i, acts)
+                    b.restore[msg.batch_id] = Restore(i, acts)
                     raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
                     return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, i - first, first,
                                    max(0, stop_ns - raised))
                 s0 = time.monotonic_ns()
-                acts = self._launch(i, acts, launched)
-                if self.stream is None:  # synchronous: this is the segment's real time
+                acts = self._launch(b, model, i, acts, launched)
+                if b.stream is None:  # synchronous: this is the segment's real time
                     key = (i, msg.count)
                     dt = time.monotonic_ns() - s0
-                    old = self.segment_times.get(key)
+                    old = b.segment_times.get(key)
                     weight = self.spec.segment_time_weight
-                    self.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
+                    b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
             self._sync(launched)
-            _, outs = self.queues[msg.cls]
-            for tq, spec, y in zip(outs, self.cfg.outputs, acts):
+            _, outs = b.queues[msg.cls]
+            for tq, spec, y in zip(outs, b.cfg.outputs, acts):
                 dst = torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
                 dst.copy_(y.reshape(dst.shape))
         return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first)
 
-    def _launch(self, i: int, acts: tuple, launched: list) -> tuple:
-        if self.stream is None:
-            return self.model.run_segment(i, acts)
-        with self.torch.cuda.stream(self.stream):
-            out = self.model.run_segment(i, acts)
-            ev = self.torch.cuda.Event()
-            ev.record(self.stream)
+    def _launch(self, b: Binding, model: SegmentedModel, i: int, acts: tuple, launched: list) -> tuple:
+        if b.stream is None:
+            return model.run_segment(i, acts)
+        with torch.cuda.stream(b.stream):
+            out = model.run_segment(i, acts)
+            ev = torch.cuda.Event()
+            ev.record(b.stream)
         launched.append(ev)
-        while len(launched) > self.spec.segment_capacity:
+        while len(launched) > b.segment_capacity:
             launched.pop(0).synchronize()
         return out
 
@@ -162,19 +191,71 @@ class Worker:
         launched.clear()
 
     def serve(self) -> None:
-        info = f'{{"pid": {os.getpid()}, "segments": {self.model.num_segments}}}'
-        self.ctrl.send(pack_text(Msg.READY, 0, info))
-        while True:
-            data = self.ctrl.recv(256)
-            if not data or data[0] == Msg.STOP:
-                return
-            msg = RunMsg.unpack(data)
-            try:
-                reply = self.run(msg).pack()
-            except Exception as e:  # a model error fails this batch, not the worker
-                log.exception("batch %d failed", msg.batch_id)
-                reply = pack_text(Msg.FAILED, msg.batch_id, f"{type(e).__name__}: {e}")
-            self.ctrl.send(reply)
+        self.ctrl.send(pack_ready({"pid": os.getpid()}))
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """Receive one message and answer it; False when the worker should exit (STOP, or
+        the front end's end of the socket closed)."""
+        n, anc, flags, _ = self.ctrl.recvmsg_into(self._bufs, self._ancsize)
+        if n >= RUN.size and self._buf[0] == Msg.RUN and not anc and not flags & _CUT:  # serving: keep it short
+            self.ctrl.send(self._answer_run(RunMsg.unpack(self._buf)))
+            return True
+        fds = _received_fds(anc) if anc else []
+        if n == 0 and not fds:
+            return False
+        kind = self._buf[0] if n else 0
+        if kind == Msg.STOP:
+            _close_all(fds)
+            return False
+        if flags & _CUT:
+            _close_all(fds)
+            reply = FailedMsg(kind, 0, f"message over {MAX_MESSAGE_BYTES} B or {MAX_LOAD_FDS} fds, "
+                                       "cut short; not acted on").pack()
+        elif kind == Msg.LOAD:
+            reply = self._answer_load(memoryview(self._buf)[:n], fds)
+        else:
+            _close_all(fds)  # only a LOAD brings fds
+            if kind == Msg.UNLOAD:
+                reply = self.unload().pack()
+            elif kind == Msg.RUN:
+                reply = (self._answer_run(RunMsg.unpack(self._buf)) if n >= RUN.size
+                         else FailedMsg(Msg.RUN, 0, f"a RUN is {RUN.size} B, not {n}").pack())
+            else:
+                log.error("unknown control message kind %d (%d B)", kind, n)
+                reply = FailedMsg(kind, 0, f"unknown control message kind {kind}").pack()
+        self.ctrl.send(reply)
+        return True
+
+    def _answer_run(self, msg: RunMsg) -> bytes:
+        try:
+            return self.run(msg).pack()
+        except SplitServeError as e:  # refused (nothing bound): nothing ran, no traceback to show
+            log.error("batch %d refused: %s", msg.batch_id, e)
+            return FailedMsg(Msg.RUN, msg.batch_id, _describe(e)).pack()
+        except Exception as e:  # a model error fails this batch, not the worker
+            log.exception("batch %d failed", msg.batch_id)
+            return FailedMsg(Msg.RUN, msg.batch_id, _describe(e)).pack()
+
+    def _answer_load(self, data: memoryview, fds: list[int]) -> bytes:
+        """LOADED, or FAILED with the error: a bad message or artifact fails this LOAD and
+        leaves the worker unbound and usable, with no fd or mapping left behind."""
+        ident = HEAD.unpack_from(data)[2] if len(data) >= HEAD.size else 0
+        try:
+            msg = LoadMsg.unpack(data, fds)
+        except Exception as e:
+            _close_all(fds)
+            log.error("malformed LOAD (binding %d): %s", ident, _describe(e))
+            return FailedMsg(Msg.LOAD, ident, f"malformed LOAD: {_describe(e)}").pack()
+        try:
+            loaded = self.load(msg)
+        except Exception as e:
+            log.exception("LOAD of binding %d failed", ident)
+            return FailedMsg(Msg.LOAD, ident, _describe(e)).pack()
+        log.info("loaded model %s (binding %d): %d B in %.1f ms", loaded.model, loaded.binding, loaded.nbytes,
+                 loaded.load_ns / 1e6)
+        return loaded.pack()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(spec)
     except Exception as e:
         log.exception("worker failed to start")
-        socket.socket(fileno=spec.ctrl_fd).send(pack_text(Msg.FAILED, 0, f"{type(e).__name__}: {e}"))
+        socket.socket(fileno=spec.ctrl_fd).send(FailedMsg(Msg.LOAD, START_BINDING, _describe(e)).pack())
         return 1
     worker.serve()
     return 0

@@ -1,4 +1,6 @@
-"""What a worker process is told at start: JSON on its command line (control, not data)."""
+"""What a worker process is told: at start, JSON on its command line (its process); later,
+in a LOAD message, the model to bind (control, not data: tensor data stays in the queues
+the memfds name)."""
 
 from __future__ import annotations
 
@@ -17,34 +19,73 @@ class QueueFds:
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class BindSpec:
+    """What binds a worker to one model: its config, artifact directory and tensor queues.
+
+    The worker maps the queues once per binding and loads the weights from the artifact
+    (never from the control socket); the fds belong to the worker from then on."""
+
     model: dict[str, Any]  # ModelConfig.to_dict()
     model_dir: str | None
+    queues: dict[str, QueueFds]  # keyed by RequestClass value as a string
+    segment_capacity: int = 1  # REEF's device-queue capacity c
+    # Profiled (segment, batch size, ns) for the worker's thread count: the starting point
+    # of its segment-time estimates (REEF's padding budget) until it has measured its own.
+    segment_times_ns: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def fds(self) -> list[int]:
+        """Every queue fd, class by class (in key order), inputs before outputs."""
+        out: list[int] = []
+        for key in sorted(self.queues):
+            q = self.queues[key]
+            out += q.inputs + q.outputs
+        return out
+
+    def with_fds(self, fds: list[int]) -> "BindSpec":
+        """The same binding with its fds replaced, in ``fds()`` order (on the receiving side
+        of SCM_RIGHTS the numbers differ). ValueError if the count does not match."""
+        if len(fds) != len(self.fds()):
+            raise ValueError(f"binding names {len(self.fds())} queue fds but {len(fds)} were passed")
+        it = iter(fds)
+        queues = {}
+        for key in sorted(self.queues):
+            q = self.queues[key]
+            queues[key] = QueueFds(q.nslots, [next(it) for _ in q.inputs], [next(it) for _ in q.outputs])
+        return BindSpec(self.model, self.model_dir, queues, self.segment_capacity, self.segment_times_ns)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BindSpec":
+        """The binding ``to_dict`` described; ValueError or TypeError if ``d`` is malformed."""
+        d = dict(d)
+        d["queues"] = {str(k): QueueFds(**v) for k, v in d["queues"].items()}
+        d["segment_times_ns"] = [(int(i), int(b), int(ns)) for i, b, ns in d.get("segment_times_ns", [])]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A worker's start: its process (CPUs, threads, sockets, cache, settings). It starts
+    bound to nothing; a model is bound later by a LOAD (``BindSpec``)."""
+
     instance: int
     cpus: list[int]
     threads: int
     ctrl_fd: int
     flag_fd: int  # one page of shared memory: byte 0 is the preemption flag
-    queues: dict[str, QueueFds]  # keyed by RequestClass value as a string
     cache_dir: str
     log_level: str  # ServerConfig.log_level
     segment_time_weight: float  # ServerConfig.segment_time_weight
-    segment_capacity: int = 1  # REEF's device-queue capacity c
-    # Profiled (segment, batch size, ns) for this worker's thread count: the starting point
-    # of its segment-time estimates (REEF's padding budget) until it has measured its own.
-    segment_times_ns: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerSpec":
-        d = json.loads(text)
-        d["queues"] = {k: QueueFds(**v) for k, v in d["queues"].items()}
-        return cls(**d)
+        return cls(**json.loads(text))
 
     def fds(self) -> list[int]:
-        out = [self.ctrl_fd, self.flag_fd]
-        for q in self.queues.values():
-            out += q.inputs + q.outputs
-        return out
+        """The fds the process inherits: its control socket and preemption page."""
+        return [self.ctrl_fd, self.flag_fd]

@@ -27,19 +27,13 @@ from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.messages import DoneMsg, Msg
 from tests.conftest import ROOT
-from tests.inproc import quiet_config, run_server, write_model
+from tests.inproc import quiet_config, run_server, until, write_model
 
 BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs
 
 
 def key(k: int) -> list[np.ndarray]:
     return [np.array([[k]], np.int64)]
-
-
-async def until(cond: Callable[[], bool]) -> None:
-    """Yield to the loop until ``cond()`` holds (callers bound it with wait_for)."""
-    while not cond():
-        await asyncio.sleep(0.005)
 
 
 def gate_server(tmp_path: Path, toml: str = "", **kw) -> tuple:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import WorkConserving
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch, QueuedRequest
@@ -120,7 +120,7 @@ class Node:
             m = FakeModel(name, self.log)
             for cpus in cpu_sets:
                 i = m.sched.add_instance()
-                m.sched.set_ready(i, True)
+                m.sched.set_residency(i, Residency.RESIDENT)
                 m.cpus[i] = frozenset(cpus)
                 m.flags[i] = FakeFlag(self.log, (name, i))
             self.models[name] = m

@@ -10,7 +10,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import QueueFull, SplitServeError
 from splitserve.modelconfig import BatchingConfig
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import make_policy
 from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.intake import Arrival, Intake
@@ -157,7 +157,7 @@ def test_a_gap_left_by_a_request_moved_aside_never_holds_a_batch(policy):
     """Slots freed by moving a request aside are never enqueued: the runs on either side of
     the gap are dispatched on their own, the later one at most one batching delay late."""
     s = ModelScheduler("m", make_policy(BatchingConfig(policy=policy, max_delay_ms=10, preferred_batch=8)), 8, 64)
-    s.set_ready(s.add_instance(), True)
+    s.set_residency(s.add_instance(), Residency.RESIDENT)
     s.enqueue(QueuedRequest(0, 1, RT, 0.0))
     s.enqueue(QueuedRequest(2, 1, RT, 0.0))  # seq 1 went aside and will come back as a new seq
     now = 0.0 if policy == "work_conserving" else s.next_wakeup(0.0)

@@ -51,18 +51,28 @@ def profile(name: str) -> ModelProfile:
 
 
 class AutoWorker(FakeWorker):
-    """A fake worker that reports READY, and each batch DONE (doubling its bytes), one loop
-    step after it is asked: the runtimes serve on their own while a change runs."""
+    """A fake worker that starts, answers its LOAD, and reports each batch DONE (doubling its
+    bytes), one loop step after it is asked: the runtimes serve on their own while a change runs."""
 
     def __init__(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> None:
         super().__init__(owner, instance, make_spec, loop)
         self.loop = loop
         if isinstance(loop, asyncio.AbstractEventLoop):
-            loop.call_soon(self.ready)
+            loop.call_soon(self._start)
 
-    def ready(self) -> None:
+    def _start(self) -> None:
         if self.alive:
-            super().ready()
+            self.start()
+
+    def send_load(self, bind: Any) -> bool:
+        ok = super().send_load(bind)
+        if self.alive and isinstance(self.loop, asyncio.AbstractEventLoop):
+            self.loop.call_soon(self._loaded)
+        return ok
+
+    def _loaded(self) -> None:
+        if self.alive:
+            self.loaded()
 
     def send_run(self, msg: RunMsg) -> bool:
         self.sent.append(msg)

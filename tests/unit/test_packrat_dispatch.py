@@ -5,7 +5,7 @@ from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.packrat import PackratConfig, PackratController
 from splitserve.placement.topology import Core
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import PackratAggregate
 from splitserve.scheduler.request import QueuedRequest
 
@@ -14,7 +14,7 @@ def packrat_sched(bs, total, timeout=0.01):
     s = ModelScheduler("m", PackratAggregate(total, timeout), 32, 256)
     ids = [s.add_instance(max_batch=b) for b in bs]
     for i in ids:
-        s.set_ready(i, True)
+        s.set_residency(i, Residency.RESIDENT)
     return s, ids
 
 

@@ -7,6 +7,7 @@ test runs by hand; the runtime's shared-memory queues are real.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.ports import ModelState, RuntimeEnv, ScheduledModel
 from splitserve.server.runtime import ModelRuntime
-from splitserve.worker.messages import DoneMsg, Msg, RunMsg
+from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.pool import Residency
+from splitserve.worker.spec import BindSpec
 
 BE = RequestClass.BE
 
@@ -69,26 +72,67 @@ class FakeFlag:
         self.padding_ns = deadline_ns
 
 
+_pids = itertools.count(4000)
+
+
 class FakeWorker:
-    """An ``InstanceWorker`` that records what it is sent; the test reports for it."""
+    """An ``InstanceWorker`` that records what it is sent (batches, LOADs, UNLOADs); the
+    test answers for it (``start``, ``loaded``, ``load_failed``, ``unloaded``, ``die``)."""
 
     def __init__(self, owner: Any, instance: int, make_spec: Callable[[int, int], Any], loop: Any) -> None:
         self.owner, self.instance = owner, instance
         self.spec = make_spec(-1, -1)
-        self.pid = 4000 + instance
+        self.pid = next(_pids)
         self.alive, self.started, self.stopping = True, False, False
-        self.load_error: str | None = None
+        self.start_error: str | None = None
         self.killed_for: str | None = None
         self.flag = FakeFlag()
+        self.residency = Residency.STARTING
+        self.binding: int | None = None
         self.sent: list[RunMsg] = []
+        self.loads: list[BindSpec] = []
+        self.unloads = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.residency is Residency.BOUND
 
     def send_run(self, msg: RunMsg) -> bool:
         self.sent.append(msg)
         return self.alive
 
-    def ready(self) -> None:
-        self.started = True
-        self.owner.on_ready(self.instance, {"segments": 3})
+    def send_load(self, bind: BindSpec) -> bool:
+        assert self.residency is Residency.UNBOUND, f"LOAD sent to a {self.residency} worker"
+        self.loads.append(bind)
+        self.residency, self.binding = Residency.LOADING, len(self.loads)
+        return self.alive
+
+    def send_unload(self) -> bool:
+        assert self.residency is Residency.BOUND, f"UNLOAD sent to a {self.residency} worker"
+        self.unloads += 1
+        self.residency = Residency.UNLOADING
+        return self.alive
+
+    def start(self) -> None:
+        self.started, self.residency = True, Residency.UNBOUND
+        self.owner.on_ready(self.instance, {"pid": self.pid})
+
+    def loaded(self, nbytes: int = 4096) -> None:
+        self.residency = Residency.BOUND
+        self.owner.on_loaded(self.instance, LoadedMsg(self.binding or 0, "double", nbytes, 2_000_000, 3, "cpu"))
+
+    def load_failed(self, text: str) -> None:
+        binding, self.binding, self.residency = self.binding or 0, None, Residency.UNBOUND
+        self.owner.on_load_failed(self.instance, binding, text)
+
+    def unloaded(self) -> None:
+        binding, self.binding, self.residency = self.binding, None, Residency.UNBOUND
+        self.owner.on_unloaded(self.instance, UnloadedMsg(binding))
+
+    def up(self) -> None:
+        """Start, then load what the runtime's LOAD named."""
+        self.start()
+        self.loaded()
 
     def kill(self, reason: str) -> None:
         self.killed_for = self.killed_for or reason
@@ -193,10 +237,10 @@ def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_ba
     h.call(1, bytes([1, 2, 3, 4]))
     assert h.rt.state is ModelState.LOADING and len(h.workers) == 1  # the first call starts the model
     (worker,) = h.workers
-    assert worker.spec.cpus == [0] and worker.spec.model["name"] == "double"
+    assert worker.spec.cpus == [0]
     h.loop.run()
     assert worker.sent == []  # nothing is dispatched to a worker that is not ready
-    worker.ready()
+    worker.up()
     h.loop.run()
     msg = h.run_batch(worker)
     assert h.sink.answers == [(1, bytes([2, 4, 6, 8]))]
@@ -208,7 +252,7 @@ def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_ba
 def test_a_worker_that_dies_mid_batch_fails_its_calls_and_is_restarted_later(h):
     h.call(1, bytes(4))
     (worker,) = h.workers
-    worker.ready()
+    worker.up()
     h.loop.run()
     (msg,) = worker.sent
     worker.die()
@@ -224,7 +268,7 @@ def test_a_worker_that_dies_mid_batch_fails_its_calls_and_is_restarted_later(h):
 def test_a_preempted_batch_is_suspended_reported_to_the_node_and_resumed(h):
     h.call(1, bytes([5, 5, 5, 5]))
     (worker,) = h.workers
-    worker.ready()
+    worker.up()
     h.loop.run()
     (msg,) = worker.sent
     assert h.rt.preempt(0, msg.batch_id) is not None and worker.flag.raised_for == msg.batch_id
@@ -241,7 +285,7 @@ def test_a_preempted_batch_is_suspended_reported_to_the_node_and_resumed(h):
 def test_a_done_report_for_another_batch_costs_the_running_batch_nothing(h):
     h.call(1, bytes(4))
     (worker,) = h.workers
-    worker.ready()
+    worker.up()
     h.loop.run()
     (msg,) = worker.sent
     h.rt.on_done(0, DoneMsg(Msg.DONE, msg.batch_id + 99, 0, 3, 0))
@@ -254,7 +298,7 @@ def test_the_view_of_a_running_batch_says_when_it_should_end(h):
     # The coordinator reads this view on every real-time pass: when it raised, RT calls hung.
     h.call(1, bytes(4))
     (worker,) = h.workers
-    worker.ready()
+    worker.up()
     h.loop.run()
     (view,) = h.rt.instance_views(lambda i, b: False)
     batch = h.rt.sched.instances[view.instance].running
@@ -263,3 +307,113 @@ def test_the_view_of_a_running_batch_says_when_it_should_end(h):
     h.run_batch(worker)
     (view,) = h.rt.instance_views(lambda i, b: False)
     assert view.running_batch == 0 and view.expected_end is None
+
+
+# -- residency: workers start bound to nothing, LOAD, and release their weights on evict ----
+
+
+def test_a_worker_is_sent_batches_only_once_its_load_is_answered(h):
+    h.call(1, bytes([1, 2, 3, 4]))
+    (worker,) = h.workers
+    worker.start()
+    (bind,) = worker.loads  # READY is answered with a LOAD of the model's queues
+    assert bind.model["name"] == "double" and sorted(bind.queues) == ["0", "1"]
+    h.loop.run()
+    assert worker.sent == [] and not h.rt.instance_views(lambda i, b: False)[0].ready
+    assert h.rt.describe()["residency"] == ["loading"]
+    worker.loaded(nbytes=4096)
+    h.loop.run()
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([2, 4, 6, 8]))]
+    d = h.rt.describe()
+    assert d["residency"] == ["resident"] and d["weights_bytes"] == 4096 and h.rt.stats.loads == 1
+
+
+def test_evict_unloads_after_the_running_batch_and_calls_that_wait_load_it_again(h):
+    h.call(1, bytes([1, 1, 1, 1]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    assert h.rt.release_residency()
+    assert h.rt.state is ModelState.EVICTED and h.rt.describe()["residency"] == ["unloading"]
+    assert worker.unloads == 0  # its batch runs on: the UNLOAD waits for it
+    h.call(2, bytes([3, 3, 3, 3]))  # taken and queued, not refused, and no load starts mid-unload
+    h.loop.run()
+    assert len(worker.sent) == 1 and len(worker.loads) == 1
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([2, 2, 2, 2]))] and worker.unloads == 1
+    h.loop.run()
+    assert len(worker.sent) == 1  # nothing is dispatched to an instance that is unloading
+    worker.unloaded()
+    # the eviction is over; the queued call loads the model again, into the same process
+    assert h.rt.stats.evictions == 1 and h.rt.stats.weights_bytes == 0
+    assert h.rt.state is ModelState.LOADING and len(worker.loads) == 2 and h.workers == [worker]
+    h.loop.run()
+    assert len(worker.sent) == 1  # loading: still nothing dispatched
+    worker.loaded()
+    h.loop.run()
+    h.run_batch(worker)
+    assert h.sink.answers[-1] == (2, bytes([6, 6, 6, 6]))
+    assert h.rt.describe()["func_id"] == 7 and h.rt.state is ModelState.READY and h.monitor.in_flight == 0
+
+
+def test_a_batch_suspended_when_its_model_is_evicted_goes_back_to_the_queue_and_reruns(h):
+    h.call(1, bytes([5, 5, 5, 5]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    (msg,) = worker.sent
+    h.rt.preempt(0, msg.batch_id)
+    h.rt.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
+    assert h.rt.release_residency()
+    # the restore point dies with the binding: the batch is handed back before the UNLOAD
+    assert worker.unloads == 1 and h.node.calls[-1] == ("finished", "double", msg.batch_id, False)
+    assert h.rt.sched.waiting() == 1 and h.sink.answers == []
+    worker.unloaded()
+    worker.loaded()
+    h.loop.run()
+    assert worker.sent[-1].resume_segment == 0
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([10, 10, 10, 10]))]
+
+
+def test_a_failed_load_answers_the_waiting_calls_model_not_ready_with_the_error(h):
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.start()
+    worker.load_failed("InvalidInput: model.safetensors is not a safetensors file")
+    ((req_id, error),) = h.sink.answers
+    assert req_id == 1 and error.status.name == "MODEL_NOT_READY" and "not a safetensors file" in error.message
+    assert h.rt.state is ModelState.FAILED and h.monitor.in_flight == 0
+
+
+def test_evicting_a_model_mid_load_kills_the_loading_worker_and_a_waiting_call_loads_it_anew(h):
+    h.call(1, bytes([2, 2, 2, 2]))
+    (first,) = h.workers
+    first.start()  # its LOAD is under way
+    assert h.rt.release_residency()
+    assert not first.alive and "evicted while loading" in first.killed_for
+    # nothing was resident: the eviction ends at once, and the waiting call loads the model
+    assert h.rt.stats.evictions == 1 and h.rt.state is ModelState.LOADING and len(h.workers) == 2
+    second = h.workers[1]
+    second.up()
+    h.loop.run()
+    h.run_batch(second)
+    assert h.sink.answers == [(1, bytes([4, 4, 4, 4]))] and first.sent == []
+
+
+def test_a_load_that_is_not_answered_in_time_kills_the_worker_and_counts_as_a_failed_start(h):
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.start()
+    ((timeout, check, args),) = [t for t in h.loop.later if getattr(t[1], "__name__", "") == "_load_timed_out"]
+    assert timeout == h.rt.settings.worker_start_timeout_s
+    check(*args)
+    assert not worker.alive and "did not load the model" in worker.killed_for
+    assert h.sink.answers == []  # a start that failed is retried after a backoff; the call waits
+    restart = [fn for _, fn, _ in h.loop.later if getattr(fn, "__name__", "") == "_restart"]
+    restart[-1](0)
+    h.workers[1].up()
+    h.loop.run()
+    h.run_batch(h.workers[1])
+    assert [a[0] for a in h.sink.answers] == [1]

@@ -3,7 +3,7 @@ import pytest
 from splitserve.errors import InvalidInput, QueueFull
 from splitserve.modelconfig import BatchingConfig
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.model_scheduler import ModelScheduler
+from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import NoBatching, Timeout, WorkConserving, make_policy
 from splitserve.scheduler.request import QueuedRequest
 
@@ -17,7 +17,7 @@ def req(seq, t=0.0, count=1, cls=BE, deadline=None):
 def sched(policy=None, instances=1, max_batch=8, limit=64):
     s = ModelScheduler("m", policy or WorkConserving(), max_batch, limit)
     for _ in range(instances):
-        s.set_ready(s.add_instance(), True)
+        s.set_residency(s.add_instance(), Residency.RESIDENT)
     return s
 
 
@@ -85,7 +85,7 @@ def test_no_batching_runs_one_request_per_dispatch():
 
 def test_deadlines_expire_waiting_requests():
     s = sched()
-    s.instances[0].ready = False
+    s.instances[0].residency = Residency.ABSENT
     s.enqueue(req(0, deadline=1.0))
     s.enqueue(req(1))
     assert [r.seq for r in s.expire(2.0)] == [0]
@@ -104,7 +104,7 @@ def test_a_worker_that_goes_down_returns_its_batch():
     s = sched()
     s.enqueue(req(0))
     (b,) = s.schedule(0.0)
-    assert s.set_ready(0, False) == [b]
+    assert s.set_residency(0, Residency.ABSENT) == [b]
     assert s.schedule(0.0) == []
 
 
@@ -118,8 +118,8 @@ def test_instances_with_their_own_batch_size_take_slices_of_one_run():
     s = sched(instances=0)
     a = s.add_instance(max_batch=2)
     b = s.add_instance(max_batch=3)
-    s.set_ready(a, True)
-    s.set_ready(b, True)
+    s.set_residency(a, Residency.RESIDENT)
+    s.set_residency(b, Residency.RESIDENT)
     for i in range(5):
         s.enqueue(req(i))
     bs = s.schedule(0.0)
@@ -131,7 +131,7 @@ def test_active_passive_switch_and_scale_in_place():
     old = s.serving()
     new = [s.add_instance(standby=True) for _ in range(3)]
     for i in new:
-        s.set_ready(i, True)
+        s.set_residency(i, Residency.RESIDENT)
     s.enqueue(req(0))
     (x,) = s.schedule(0.0)
     assert x.instance in old  # standby instances take nothing yet
@@ -150,7 +150,7 @@ def test_active_passive_switch_and_scale_in_place():
 
 def test_edf_puts_the_most_urgent_real_time_request_first_and_keeps_batches_contiguous():
     s = ModelScheduler("m", WorkConserving(), 2, 64, rt_policy="edf")
-    s.set_ready(s.add_instance(), True)
+    s.set_residency(s.add_instance(), Residency.RESIDENT)
     for seq, deadline in ((0, 9.0), (1, 5.0), (2, 7.0), (3, None)):
         s.enqueue(req(seq, cls=RT, deadline=deadline))
     (b,) = s.schedule(0.0)

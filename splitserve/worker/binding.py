@@ -1,0 +1,159 @@
+"""One model bound to a worker: its tensor queues mapped once, its weights loaded, and
+what running its batches needs (restore points, measured segment times, a CUDA stream).
+
+A binding is made from a ``BindSpec``, at start or by a LOAD, and owns the queue fds it
+was given. ``close`` (an UNLOAD, or a load that failed half way) releases all of it and
+hands the memory back, so the same process can bind another model afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from splitserve.modelconfig import ModelConfig
+from splitserve.models import SegmentedModel, load_artifact
+from splitserve.tensorqueue import TensorQueue
+from splitserve.types import TensorSpec
+from splitserve.worker.spec import BindSpec
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None)
+
+
+@dataclass
+class Restore:
+    """REEF restore point of a preempted batch: where to resume and the activations there."""
+
+    segment: int
+    acts: tuple
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold, each storage counted once (tied
+    weights and views share one)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        storage = t.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _map(specs: Sequence[TensorSpec], fds: list[int], nslots: int) -> list[TensorQueue]:
+    """Attach one class's queues; refuses fds that do not match the model's tensors (a
+    memfd smaller than its ring would turn the first access past its end into SIGBUS)."""
+    if len(fds) != len(specs):
+        raise ValueError(f"{len(fds)} queue fds for {len(specs)} tensors {[t.name for t in specs]}")
+    out: list[TensorQueue] = []
+    try:
+        for t, fd in zip(specs, fds):
+            size = os.fstat(fd).st_size
+            if size < t.nbytes * nslots:
+                raise ValueError(f"queue of {t.name!r} is {size} B, not {nslots} slots of {t.nbytes} B")
+            out.append(TensorQueue(t.nbytes, nslots, fd))
+    except BaseException:
+        for tq in out:
+            tq.close()
+        raise
+    return out
+
+
+class Binding:
+    """A model resident in this worker (build it with the spec; ``close`` releases it)."""
+
+    def __init__(self, ident: int, spec: BindSpec, cache_dir: Path) -> None:
+        """Map the queues and load the weights from the artifact; on any failure, release
+        what was taken (the fds included) and raise."""
+        t0 = time.perf_counter_ns()
+        self.ident = ident
+        self._fds = spec.fds()
+        self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
+        self.model: SegmentedModel | None = None
+        self.restore: dict[int, Restore] = {}
+        self.stream: torch.cuda.Stream | None = None
+        self._pinned: list[TensorQueue] = []
+        try:
+            self.cfg = ModelConfig.from_dict(spec.model)
+            self.device = torch.device(self.cfg.device)
+            self.segment_capacity = spec.segment_capacity
+            # (segment, batch size) -> EWMA of its time in ns, measured as batches run;
+            # seeded from the stored profile when the server has one.
+            self.segment_times: dict[tuple[int, int], int] = {(i, b): ns for i, b, ns in spec.segment_times_ns}
+            for cls, q in spec.queues.items():
+                self.queues[int(cls)] = (_map(self.cfg.inputs, q.inputs, q.nslots),
+                                         _map(self.cfg.outputs, q.outputs, q.nslots))
+            art = self.cfg.artifact
+            path = Path(spec.model_dir) / art.file if (spec.model_dir and art.file) else None
+            self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=cache_dir)
+            self.model.eval().to(self.device)
+            self.nbytes = model_bytes(self.model)
+            if self.device.type == "cuda":
+                self.stream = torch.cuda.Stream(device=self.device, priority=0)
+                self._pin_queues()
+        except BaseException:
+            self.close()
+            raise
+        self.load_ns = time.perf_counter_ns() - t0
+
+    def _pin_queues(self) -> None:
+        """Register the queues' shared memory as pinned so one H2D copy moves a batch.
+
+        Pinning is an optimisation: if the driver refuses the double mapping, the worker
+        still works with pageable copies, and says so."""
+        cudart = torch.cuda.cudart()
+        for ins, outs in self.queues.values():
+            for tq in ins + outs:
+                err = cudart.cudaHostRegister(tq.base, 2 * tq.size, 0)
+                if int(getattr(err, "value", err)) != 0:
+                    log.warning("could not pin a %d B tensor queue (cuda error %s); using pageable copies",
+                                tq.size, err)
+                else:
+                    self._pinned.append(tq)
+
+    def close(self) -> None:
+        """Release the weights, restore points, queue mappings and fds, and return the
+        memory: the queues must not stay pinned or mapped, and freed heap goes back to the
+        system (glibc keeps it otherwise; on CUDA, torch's cache keeps device memory)."""
+        self.restore.clear()
+        self.model = None
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.stream = None
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for tq in self._pinned:
+                err = cudart.cudaHostUnregister(tq.base)
+                if int(getattr(err, "value", err)) != 0:
+                    log.warning("could not unpin a %d B tensor queue (cuda error %s)", tq.size, err)
+            self._pinned.clear()
+        gc.collect()  # tensors over the rings must be gone before they are unmapped
+        for ins, outs in self.queues.values():
+            for tq in ins + outs:
+                tq.close()
+        self.queues.clear()
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed: nothing left to release
+        self._fds = []
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        trim = getattr(_libc, "malloc_trim", None)
+        if trim is not None:
+            trim(0)
