@@ -105,6 +105,7 @@ class ModelRuntime:
         self.enabled = True
         # Releasing the weights (evict): no load starts until every instance is ABSENT.
         self._evicting = False
+        self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
         self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
         self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
@@ -592,7 +593,7 @@ class ModelRuntime:
         batch goes back to its queue and reruns from segment 0 (segments are idempotent;
         its restore point lived in the binding). ``evict_spare_workers`` processes stay up,
         bound to nothing, so the next load skips starting a process; the rest exit."""
-        async with self._reconfig_lock:
+        async with self._evict_lock:
             if not self.release_residency():
                 return False
             if deadline is None:
