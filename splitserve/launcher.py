@@ -82,9 +82,6 @@ class ServerProcess:
     def info_file(self) -> Path:
         return self.data_dir / "server.json"
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait up to ``timeout`` s for a clean stop, then kill; the exit code."""
         if self.proc.poll() is None:

@@ -192,9 +192,10 @@ def _check(current: Current, wanted: Wanted, free: frozenset[int]) -> None:
     changing = {c for m in wanted for p in current.get(m, {}).values() for c in p.cpus}
     others = [(m, f"instance {i}", p) for m, insts in current.items() if m not in wanted for i, p in insts.items()]
     final = [(m, f"wanted instance {idx}", p) for m, want in wanted.items() for idx, p in enumerate(want)] + others
+    held_by_others = {c for _, _, q in others for c in q.cpus}
     for m, want in wanted.items():
         for idx, p in enumerate(want):
-            elsewhere = p.cpus - free - changing - {c for _, _, q in others for c in q.cpus}
+            elsewhere = p.cpus - free - changing - held_by_others
             if elsewhere:
                 raise ResourcesUnavailable(
                     f"{m!r} wanted instance {idx} asks for CPUs {cpu_list(elsewhere)}, which are neither free nor held "

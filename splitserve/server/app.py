@@ -202,7 +202,10 @@ class Server:
         for call in self.monitor.open_calls():  # none should be left; if one is, it still gets its answer
             if call.state is CallState.RX_COMPLETE:
                 log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)
-                call.answer(ShuttingDown("the server is shutting down"))
+                try:
+                    call.answer(ShuttingDown("the server is shutting down"))
+                except Exception:  # one broken sink must not stop the rest of the shutdown
+                    log.exception("model %s: answering call %d at shutdown failed", call.runtime.name, call.req_id)
         for fe in self.frontends:
             fe.close()
         self.frontends.clear()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,12 +29,13 @@ _T = TypeVar("_T")
 class CodecPool:
     """Decoding and encoding of HTTP and gRPC bodies, off the event loop and bounded.
 
-    ``admit`` counts a large body from before it is received until it is decoded (or
-    its response encoded): at most ``max_pending`` at once, so buffered bodies are bounded
+    ``admit`` counts a large request body from before it is received until it is decoded:
+    at most ``max_pending`` at once, so buffered bodies are bounded
     by ``max_pending`` × the per-model body limit; one more is refused with QueueFull
     (HTTP 503, gRPC UNAVAILABLE) and a message, at once. ``run`` calls a function in one
     of ``threads`` threads, or inline below ``inline_bytes`` where the hop costs more than
-    the work.
+    the work. Response encodes are not admitted (refusing then would waste an inference
+    that already ran); they are bounded by the calls in flight, which the rings bound.
     """
 
     def __init__(self, threads: int, max_pending: int, inline_bytes: int) -> None:
@@ -95,13 +95,3 @@ class EmbeddedUvicorn(uvicorn.Server):
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(poll_s)
 
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """A listening, non-blocking TCP socket on ``host:port`` (0: a free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(1024)
-    s.setblocking(False)
-    return s

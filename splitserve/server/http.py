@@ -37,7 +37,8 @@ from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServe
 from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
-from splitserve.server.frontends import CodecPool, EmbeddedUvicorn, bind_tcp
+from splitserve.server.fastpath import tcp_listener
+from splitserve.server.frontends import CodecPool, EmbeddedUvicorn
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import FrontEnd, ServingAPI
 
@@ -294,7 +295,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
         little-endian bytes of one or more samples. Single-input models only.
         """
-        limit = max(_infer_limit(config, r.config) for r in manager.records.values())
+        limit = max((_infer_limit(config, r.config) for r in manager.records.values()), default=small_limit)
         what = "the largest infer body limit of any model"
         async with codec.admit(_content_length(request, limit, what)):
             body = await _body(request, limit, what)
@@ -472,7 +473,8 @@ class HttpFrontEnd(FrontEnd):
 
     async def start(self) -> dict[str, Any]:
         cfg = self.config
-        sock = bind_tcp(cfg.host, cfg.http_port or 0)
+        sock = tcp_listener(cfg.host, cfg.http_port or 0)
+        sock.setblocking(False)
         userver = self._server = EmbeddedUvicorn(uvicorn.Config(
             self.app, lifespan="off", http="httptools", loop="none", log_config=None, access_log=False,
             timeout_graceful_shutdown=max(1, round(cfg.stop_grace_s)), server_header=False,

@@ -183,7 +183,11 @@ class Intake:
     def arriving(self, call: Call, views: list[memoryview], owner: Receiver, t0: float) -> Arrival:
         """Register ``call`` (its slots just allocated) as receiving into ``views``."""
         arrival = Arrival(call, views, owner, t0)
-        self._arriving.setdefault((_port(call), call.cls), {})[call.seq] = arrival
+        key = (_port(call), call.cls)
+        waiting = self._arriving.get(key)
+        if waiting is None:  # one dict per model and class, kept: no allocation per request
+            waiting = self._arriving[key] = {}
+        waiting[call.seq] = arrival
         return arrival
 
     def arrived(self, arrival: Arrival) -> None:
@@ -210,8 +214,6 @@ class Intake:
         waiting = self._arriving.get(key)
         if waiting is not None and waiting.get(arrival.call.seq) is arrival:
             del waiting[arrival.call.seq]
-            if not waiting:
-                del self._arriving[key]
 
     def _make_room(self, rt: RingPort, cls: "RequestClass", count: int) -> bool:
         waiting = self._arriving.get((rt, cls))

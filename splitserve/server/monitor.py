@@ -86,7 +86,7 @@ class Call:
 
     def rx_complete(self) -> None:
         self._move(CallState.READY, CallState.RX_COMPLETE)
-        self.t_rx = time.perf_counter()
+        self.t_rx = self.monitor.clock()
 
     def answer(self, error: SplitServeError | None = None) -> None:
         """Send the one answer of this call, then recycle its slots (TX_COMPLETE).
@@ -97,7 +97,7 @@ class Call:
             self.monitor.dropped(self, "duplicate")
             return
         self.state = CallState.WORK_COMPLETE
-        self.t_work = time.perf_counter()
+        self.t_work = self.monitor.clock()
         late = self.replied
         self.replied = True
         try:
@@ -157,7 +157,7 @@ class Call:
 
     @property
     def total_us(self) -> int:
-        return int((time.perf_counter() - self.t_ready) * 1e6)
+        return int((self.monitor.clock() - self.t_ready) * 1e6)
 
 
 class InferenceMonitor:

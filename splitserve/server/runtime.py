@@ -305,7 +305,8 @@ class ModelRuntime:
         elif self.state is ModelState.READY:
             self._start_missing()  # instances that gave up starting get another go
         self.ensure_started()
-        await self._ready_event.wait()
+        if self.state in _RUNNING:  # nothing started (e.g. the node is stopping): nothing to wait for
+            await self._ready_event.wait()
         if self.state is not ModelState.READY:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
@@ -859,10 +860,6 @@ class ModelRuntime:
         # scale the nearest measured size linearly: a fair guess until this size is seen
         near = min(self._batch_s, key=lambda b: abs(b - count))
         return self._batch_s[near] * count / near
-
-    @property
-    def ready(self) -> bool:
-        return self.state is ModelState.READY
 
     # -- ScheduledModel (the coordinator) ----------------------------------------------
 

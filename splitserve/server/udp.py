@@ -48,13 +48,12 @@ class Coverage:
     segment that overlaps bytes already received is refused before it can overwrite them.
     """
 
-    __slots__ = ("total", "seg_count", "segs", "received", "_starts", "_ends")
+    __slots__ = ("total", "seg_count", "segs", "_starts", "_ends")
 
     def __init__(self, total: int, seg_count: int) -> None:
         self.total = total
         self.seg_count = seg_count
         self.segs: dict[int, tuple[int, int]] = {}  # seq_num -> (offset, length)
-        self.received = 0
         self._starts: list[int] = []  # offsets of the segments received, sorted
         self._ends: list[int] = []  # their ends, in the same order
 
@@ -77,7 +76,6 @@ class Coverage:
         self._starts.insert(i, offset)
         self._ends.insert(i, offset + length)
         self.segs[seq_num] = (offset, length)
-        self.received += length
         return True
 
     @property
