@@ -90,6 +90,21 @@ class ModelStats:
     weights_bytes: int = 0  # not cumulative: what the resident instances' weights take now
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryFootprint:
+    """What one residency of a model takes in the node's memory: its weights once (mapped
+    from one file, so its instances share them) plus what each instance adds on top
+    (activations at the largest batch, the runtime's own allocations)."""
+
+    weights_bytes: int = 0
+    private_bytes: int = 0  # per instance
+    measured: bool = False  # False: from the weights file's header (or nothing known yet), not a LOADED report
+
+    def charge(self, instances: int) -> int:
+        """Bytes a residency with ``instances`` instances holds."""
+        return self.weights_bytes + self.private_bytes * instances
+
+
 @dataclass
 class InferOutcome:
     """Outputs (fresh arrays, in declared order) and the server's timings of one call."""

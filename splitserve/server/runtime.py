@@ -46,7 +46,7 @@ from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
-from splitserve.server.ports import InstanceWorker, ModelState, ModelStats, RuntimeEnv
+from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
@@ -90,6 +90,9 @@ class ModelRuntime:
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
+        # What a residency of this model takes, for the node's memory budget: updated by
+        # every LOADED, so the next load is charged what the last one measured.
+        self.footprint = MemoryFootprint()
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
@@ -376,6 +379,7 @@ class ModelRuntime:
         self.sched.set_residency(instance, Residency.RESIDENT)
         self._weights[instance] = msg.nbytes
         self._weights_changed()
+        self.footprint = MemoryFootprint(msg.nbytes, self.footprint.private_bytes, measured=True)
         self.stats.loads += 1
         self.stats.load_ns += msg.load_ns
         self._backoff[instance] = self.settings.worker_restart_backoff_s
