@@ -36,7 +36,7 @@ from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
 from splitserve.bench.validate import Expected
 
 NAME = "batching"
-SUMMARY = "Closed loop, 1-256 clients, each batching policy (none, timeout, work_conserving, adaptive): Fig. 10, Fig. 5."
+SUMMARY = "Closed loop, 1-256 clients, each batching policy (none ... adaptive): SplitRPC Fig. 10, Rafiqi Fig. 5."
 MODELS: tuple[str, ...] = ("resnet18", "resnet50", "lenet", "lstm", "vecadd1k", "matmul8k")
 TRANSPORTS: tuple[str, ...] = SERVER_TRANSPORTS
 # Each benchmark policy: (served-name suffix, [batching] keys beyond the quantum and cap, label).
@@ -223,8 +223,9 @@ def fig5_lines(p: Params, arch: str, transport: str, r: dict[str, Any]) -> list[
     if r["ewma_over_aimd_p50"]:
         per = ", ".join(f"{fmt(v, 2)} ({n})" for n, v in r["ewma_over_aimd_p50"].items())
         lines.append(f"{head} ewma p50 / aimd p50 per client count = {per} (goal <= 1)")
-    lines.append(f"{head} adaptive/work_conserving: throughput {fmt(r['adaptive_over_work_conserving_throughput'], 2)}x "
-                 f"at {r['clients_high']} clients, p50 {fmt(r['adaptive_over_work_conserving_p50_low'], 2)}x at "
+    wc_rps, wc_p50 = r["adaptive_over_work_conserving_throughput"], r["adaptive_over_work_conserving_p50_low"]
+    lines.append(f"{head} adaptive/work_conserving: throughput {fmt(wc_rps, 2)}x "
+                 f"at {r['clients_high']} clients, p50 {fmt(wc_p50, 2)}x at "
                  f"{r['clients_low']}")
     lines.append(f"{head} none's throughput max/min over the sweep = {fmt(r['none_throughput_max_over_min'], 2)} "
                  "(flat: about 1)")
