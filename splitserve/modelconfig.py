@@ -9,9 +9,15 @@ fills in inputs and outputs)::
     threads = 1
     default_class = "be"          # "rt" (real-time / strict) or "be" (best-effort)
     [batching]
-    policy = "work_conserving"    # "work_conserving" | "timeout" | "none"
+    policy = "work_conserving"    # "work_conserving" | "timeout" | "none" | "adaptive"
     max_delay_ms = 2.0            # timeout policy: longest wait for a fuller batch
     preferred_batch = 8           # timeout policy: dispatch at once at this size
+    quantum_ms = 5.0              # adaptive: threshold updated and tested every quantum
+    alpha = 0.5                   # adaptive, ewma rule: t <- alpha*t + (1-alpha)*arrivals on a rise
+    threshold_cap = 128           # adaptive: largest threshold, in samples (the fixed rule's t)
+    rule = "ewma"                 # adaptive: "ewma" | "aimd" (t += arrivals) | "fixed" (t = cap)
+    adaptive_quantum = false      # adaptive: the quantum follows the batch compute time
+    quantum_beta = 0.5            # adaptive_quantum: old quantum's weight in that average
     [artifact]
     kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export" (code: see below)
     arch = "lenet"                # zoo architecture (zoo and safetensors kinds)
@@ -182,7 +188,10 @@ class ModelConfig:
             raise InvalidInput("config has no 'name'")
         try:
             art = ArtifactConfig(**d.pop("artifact", {}))
-            batching = BatchingConfig(**d.pop("batching", {}))
+            batching = d.pop("batching", {})
+            if not isinstance(batching, dict):
+                raise InvalidInput(f"model {d.get('name')!r}: [batching] must be a table, got {batching!r}")
+            batching = BatchingConfig().changed(batching)
         except TypeError as e:
             raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
         inputs = d.pop("inputs", None)

@@ -154,6 +154,12 @@ class ModelScheduler:
     def enqueue(self, req: QueuedRequest) -> None:
         """A request finished receiving (RX_COMPLETE). Raises QueueFull when bounded out."""
         self.queues[req.cls].push(req)
+        self.policy.arrived(req.cls, req.count, req.arrival)
+
+    def batch_done(self, compute_s: float) -> None:
+        """A whole batch (not a resumed part) computed in ``compute_s``: the batching policy
+        may follow the model's speed."""
+        self.policy.batch_time(compute_s)
 
     def add_instance(self, max_batch: int | None = None, standby: bool = False) -> int:
         """A new instance (ABSENT until its worker has loaded the weights); returns its id."""

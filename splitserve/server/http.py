@@ -421,10 +421,10 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         batching = doc.get("batching")
         if batching is not None or "max_batch_size" in doc:
             b = batching or {}
-            if not isinstance(b, dict) or set(b) - {"policy", "max_delay_ms", "preferred_batch"}:
-                raise InvalidInput("batching must be an object with policy, max_delay_ms and preferred_batch")
-            await manager.set_batching(name, b.get("policy", ""), doc.get("max_batch_size"),
-                                          b.get("max_delay_ms"), b.get("preferred_batch"))
+            if not isinstance(b, dict):
+                raise InvalidInput(f"batching must be an object of [batching] keys, e.g. {{\"policy\": \"adaptive\"}}, "
+                                   f"got {b!r}")
+            await manager.set_batching(name, b, doc.get("max_batch_size"))
         if "instances" in doc:
             await manager.set_instances(name, doc["instances"])
         return await model_config(name)

@@ -220,9 +220,19 @@ class Evicted(BaseModel):
 
 
 class BatchingChange(BaseModel):
-    policy: Literal["work_conserving", "timeout", "none"] | None = None
+    """Keys of a model's ``[batching]`` (absent or null: unchanged)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["work_conserving", "timeout", "none", "adaptive"] | None = None
     max_delay_ms: float | None = Field(None, ge=0)
     preferred_batch: int | None = Field(None, ge=1)
+    quantum_ms: float | None = Field(None, gt=0, le=60_000)
+    alpha: float | None = Field(None, gt=0, lt=1)
+    threshold_cap: int | None = Field(None, ge=1)
+    rule: Literal["ewma", "aimd", "fixed"] | None = None
+    adaptive_quantum: bool | None = None
+    quantum_beta: float | None = Field(None, ge=0, lt=1)
 
 
 class ConfigChange(BaseModel):

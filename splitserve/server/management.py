@@ -33,7 +33,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import (
     InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
 )
-from splitserve.modelconfig import ArtifactKind, BatchingConfig, ModelConfig, check_model_name
+from splitserve.modelconfig import ArtifactKind, ModelConfig, check_model_name
 from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
@@ -405,22 +405,15 @@ class ModelManager:
             await self.models.runtime(name).resize(instances)
             log.info("model %s: %d instance(s)", name, instances)
 
-    async def set_batching(self, name: str, policy: Any, max_batch_size: Any, max_delay_ms: Any,
-                           preferred_batch: Any) -> None:
+    async def set_batching(self, name: str, changes: Mapping[str, Any], max_batch_size: Any) -> None:
         """Swap the model's batching policy (and batch limit) in place; queued requests stay.
 
-        The values are as a client sent them (None: unchanged); each is checked here."""
+        ``changes`` are ``[batching]`` keys as a client sent them (absent or null: unchanged) and
+        ``max_batch_size`` None leaves the limit; each value is checked here."""
         async with self._lock:
             self.record(name)
             rt = self.models.runtime(name)
-            cur = rt.config.batching
-            if policy is not None and not isinstance(policy, str):
-                raise InvalidInput(f"batching.policy must be a string, got {policy!r}")
-            new = BatchingConfig(
-                policy or cur.policy,
-                cur.max_delay_ms if max_delay_ms is None else json_number("batching.max_delay_ms", max_delay_ms, float),
-                cur.preferred_batch if preferred_batch is None else json_number("batching.preferred_batch",
-                                                                                preferred_batch, int))
+            new = rt.config.batching.changed(changes)
             limit = None if max_batch_size is None else json_number("max_batch_size", max_batch_size, int)
             rt.set_batching(new, limit)
             log.info("model %s: batching %s, max batch %d", name, new, rt.dispatch_max_batch)

@@ -798,6 +798,7 @@ class ModelRuntime:
             sample = msg.compute_ns / 1e9
             weight = self.settings.batch_time_weight
             self._batch_s[batch.count] = sample if old is None else old + weight * (sample - old)
+            self.sched.batch_done(sample)
         st = self.stats
         st.execution_count += 1
         self.env.metrics.executions.labels(self.name).inc()

@@ -34,7 +34,7 @@ def server(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("bench")
     repo = write_repository(base / "repository", {
-        **variants(("resnet18",), 8, ("work_conserving", "none")),
+        **variants(("resnet18",), 8, ("work_conserving", "none", "adaptive")),
         "lenet": {"artifact": {"kind": "zoo", "arch": "lenet", "seed": 1}},  # wrong weights on purpose
     })
     s = start_server(base / "data", "--repository", str(repo), "--load", "vecadd1k",
@@ -97,15 +97,17 @@ def test_load(server, tmp_path):
 
 def test_batching(server, tmp_path):
     code, path, lines = _run(server, tmp_path, "batching", ("resnet18",), ("tcp",), clients="1,4", duration_s=0.8,
-                             warmup_s=0.2)
+                             warmup_s=0.2, max_batch=8, policies="work_conserving,none,adaptive")
     assert code == EXIT_OK
     doc = _result(path)
     per_policy = doc["models"]["resnet18"]["tcp"]
-    assert set(per_policy) == {"work_conserving", "none"}
+    assert set(per_policy) == {"work_conserving", "none", "adaptive"}
     assert all(q["throughput_rps"] > 0 for c in per_policy.values() for q in c["points"])
     assert doc["gain_at_max_clients"]["resnet18"]["tcp"] > 0
+    assert doc["fig5"]["resnet18"]["tcp"]["adaptive_over_none_throughput"] > 0
     assert (path / "repository" / "resnet18_b8" / "config.toml").is_file()
     assert any("throughput gain at 4 clients" in line for line in lines)
+    assert any("at 4 clients adaptive/none throughput" in line for line in lines)
 
 
 def test_trace(server, tmp_path):

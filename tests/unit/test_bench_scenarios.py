@@ -13,7 +13,7 @@ from splitserve.bench.inputs import make_inputs
 from splitserve.bench.runner import build_params
 from splitserve.bench.scenarios import SCENARIOS, get
 from splitserve.bench.scenarios.base import apply_overrides, write_repository
-from splitserve.bench.scenarios.batching import variant_name, variants
+from splitserve.bench.scenarios.batching import fig5, fig5_lines, variant_name, variants
 from splitserve.bench.scenarios.load import Params as LoadParams
 from splitserve.bench.scenarios.load import find_knee, rate_ladder
 from splitserve.bench.scenarios.rpc_tax import breakdown, ratios
@@ -108,6 +108,31 @@ def test_batching_repository_is_readable_by_the_registry(tmp_path):
     off = read_model_dir(repo / "resnet18_b8_nobatch")
     assert on.name == "resnet18_b8" and on.max_batch_size == 8 and on.batching.policy == "work_conserving"
     assert off.batching.policy == "none" and off.artifact.arch == "resnet18"
+
+
+def test_batching_fig5_ratios_come_from_one_run():
+    p = build_params("batching", overrides={"clients": "1,256", "quantum_ms": "10"})
+    assert p.policies == ("none", "timeout", "work_conserving", "adaptive", "adaptive_aimd")
+    assert (p.max_batch, p.generators_for(1), p.generators_for(256)) == (128, 1, 2)
+
+    def curve(*points):
+        return {"points": [{"clients": c, "throughput_rps": rps, "p50_ms": p50} for c, rps, p50 in points]}
+
+    results = {"lenet": {"tcp": {"none": curve((1, 1000, 1.0), (256, 1100, 200.0)),
+                                 "adaptive": curve((1, 800, 6.0), (256, 4400, 40.0)),
+                                 "adaptive_aimd": curve((1, 700, 8.0), (256, 4000, 50.0)),
+                                 "work_conserving": curve((1, 1000, 1.0), (256, 5500, 30.0))}}}
+    r = fig5(p, results)["lenet"]["tcp"]
+    assert r["adaptive_over_none_throughput"] == pytest.approx(4.0)
+    assert r["adaptive_minus_none_p50_quanta"] == pytest.approx(0.5)
+    assert r["ewma_over_aimd_p50"] == pytest.approx({1: 0.75, 256: 0.8})
+    assert r["adaptive_over_work_conserving_throughput"] == pytest.approx(0.8)
+    assert r["none_throughput_max_over_min"] == pytest.approx(1.1)
+    assert "4.00x (goal >= 1.5)" in fig5_lines(p, "lenet", "tcp", r)[0]
+    adaptive_only = fig5(p, {"lenet": {"tcp": {"adaptive": results["lenet"]["tcp"]["adaptive"]}}})["lenet"]["tcp"]
+    assert adaptive_only["adaptive_over_none_throughput"] is None and adaptive_only["ewma_over_aimd_p50"] == {}
+    assert variants(("lenet",), 128, ("adaptive_aimd",), 10.0, 64)["lenet_b128_aimd"]["batching"] == \
+        {"policy": "adaptive", "rule": "aimd", "quantum_ms": 10.0, "threshold_cap": 64}
 
 
 def test_target_from_urls_and_server_json(tmp_path):
