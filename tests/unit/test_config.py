@@ -19,7 +19,7 @@ from splitserve.models.loader import load_artifact
 from splitserve.placement.packrat import PackratConfig, PlacementKind
 from splitserve.scheduler.model_scheduler import ModelScheduler, RtPolicy
 from splitserve.scheduler.policy import (
-    BatchingConfig, BatchingPolicyKind, NoBatching, Timeout, WorkConserving, make_policy,
+    Adaptive, BatchingConfig, BatchingPolicyKind, NoBatching, Timeout, WorkConserving, make_policy,
 )
 from splitserve.scheduler.priority import PriorityMode
 
@@ -91,13 +91,13 @@ def test_artifact_kinds_round_trip_and_an_unknown_one_is_refused(tmp_path):
 
 def test_batching_policies_round_trip_and_an_unknown_one_is_refused():
     built = {BatchingPolicyKind.WORK_CONSERVING: WorkConserving, BatchingPolicyKind.TIMEOUT: Timeout,
-             BatchingPolicyKind.NONE: NoBatching}
+             BatchingPolicyKind.NONE: NoBatching, BatchingPolicyKind.ADAPTIVE: Adaptive}
     assert set(built) == set(BatchingPolicyKind)
     for kind, policy in built.items():
         assert BatchingPolicyKind.parse(kind.value) is kind
         cfg = BatchingConfig(policy=kind.value)
         assert cfg.policy is kind and isinstance(make_policy(cfg), policy)
-    valid = "work_conserving, timeout, none"
+    valid = "work_conserving, timeout, none, adaptive"
     for bad in ("fifo", 3, None):
         with pytest.raises(InvalidInput, match=_refused("batching.policy", valid)):
             BatchingConfig(policy=bad)
