@@ -95,7 +95,7 @@ def _grpc(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: Sequen
     try:
         from splitserve.client import grpc as grpc_client
         from splitserve.client.common import ModelInfo, encode_inputs
-        from splitserve.protocol._generated import grpc_service_pb2 as pb
+        from splitserve.protocol import grpc_api as pb
         from splitserve.protocol.v2 import tensor_to_bytes
     except ImportError:
         return None

@@ -18,8 +18,7 @@ from google.protobuf import json_format
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
 from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol._generated import grpc_service_pb2 as pb
-from splitserve.protocol._generated import grpc_service_pb2_grpc as pb_grpc
+from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import STATUS_KEY, params_dict, set_param, set_repo_param, tensor_from_contents
 from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import tensor_from_bytes, tensor_to_bytes
@@ -160,7 +159,7 @@ class GrpcClient:
         self.timeout = timeout
         self.token = token
         self.channel = grpc.insecure_channel(_target(url), options=_OPTIONS)
-        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.stub = pb.Stub(self.channel)
         self._models: dict[str, ModelInfo] = {}
         self.closed = False
 
@@ -259,7 +258,7 @@ class AsyncGrpcClient:
         """Open the channel (on the running loop)."""
         if self.channel is None:
             self.channel = grpc.aio.insecure_channel(self._target, options=_OPTIONS)
-            self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+            self.stub = pb.Stub(self.channel)
         return self
 
     async def __aenter__(self) -> "AsyncGrpcClient":

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.errors import InvalidInput
-from splitserve.protocol._generated import grpc_service_pb2 as pb
+from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.v2 import tensor_from_json, wire_dtype
 
 # Trailing metadata of a failed call: the exact splitserve ``Status`` (gRPC codes are coarser).

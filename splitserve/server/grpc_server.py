@@ -12,10 +12,11 @@ through the node's ``ModelManager``, as HTTP's does.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -27,8 +28,7 @@ from splitserve import __version__
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol._generated import grpc_service_pb2 as pb
-from splitserve.protocol._generated import grpc_service_pb2_grpc as pb_grpc
+from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import (
     CONTENTS_FIELD, STATUS_KEY, fill_contents, param_value, params_dict, set_param, tensor_from_contents,
 )
@@ -42,10 +42,22 @@ from splitserve.server.ports import FrontEnd, ServingAPI
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ("model_repository", "statistics")
+EXTENSIONS = ("model_repository", "statistics", "model_configuration")
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
+
+
+def _failure(e: Exception, what: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status, message and trailing metadata that answer ``what`` failing with ``e``."""
+    if isinstance(e, SplitServeError):
+        return grpc.StatusCode[e.grpc_code], e.message, ((STATUS_KEY, str(int(e.status))),)
+    if isinstance(e, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"{what} timed out inside the server", ()
+    # a bug: log it, answer INTERNAL with a reference to the log, keep serving
+    ref = secrets.token_hex(6)
+    log.error("gRPC %s failed (reference %s)", what, ref, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error (reference {ref} in the server log)", ()
 
 
 def _rpc(fn: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]) -> Callable[..., Awaitable[_Resp]]:
@@ -55,15 +67,9 @@ def _rpc(fn: Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]) 
     async def handler(self: "InferenceServicer", request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
         try:
             return await fn(self, request, context)
-        except SplitServeError as e:
-            await context.abort(grpc.StatusCode[e.grpc_code], e.message,
-                                trailing_metadata=((STATUS_KEY, str(int(e.status))),))
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{fn.__name__} timed out inside the server")
-        except Exception:  # a bug: log it, answer INTERNAL with a reference to the log, keep serving
-            ref = secrets.token_hex(6)
-            log.exception("gRPC %s failed (reference %s)", fn.__name__, ref)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (reference {ref} in the server log)")
+        except Exception as e:
+            code, message, trailing = _failure(e, fn.__name__)
+            await context.abort(code, message, trailing_metadata=trailing)
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return handler
@@ -130,10 +136,13 @@ def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest) -> tuple[list[
     return arrays, wanted, cls, deadline_s
 
 
-def _encode_response(cfg: ModelConfig, request: pb.ModelInferRequest, wanted: list[str], outputs: list[np.ndarray],
-                     timings: dict[str, int]) -> bytes:
-    """The serialized ModelInferResponse (runs in a codec thread when large)."""
-    resp = pb.ModelInferResponse(model_name=cfg.name, model_version=str(cfg.version), id=request.id)
+def _encode_response(cfg: ModelConfig, request: Any, wanted: list[str], outputs: list[np.ndarray],
+                     timings: dict[str, int], streamed: bool) -> bytes:
+    """The serialized ModelInferResponse, or ModelStreamInferResponse when ``streamed`` (runs
+    in a codec thread when large)."""
+    outer = pb.ModelStreamInferResponse() if streamed else None
+    resp = outer.infer_response if outer is not None else pb.ModelInferResponse()
+    resp.model_name, resp.model_version, resp.id = cfg.name, str(cfg.version), request.id
     typed = not request.raw_input_contents and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
     for spec, arr in zip(cfg.outputs, outputs):
         if spec.name not in wanted:
@@ -145,10 +154,10 @@ def _encode_response(cfg: ModelConfig, request: pb.ModelInferRequest, wanted: li
             resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
     for k, v in timings.items():
         set_param(resp.parameters, k, v)
-    return resp.SerializeToString()
+    return (outer if outer is not None else resp).SerializeToString()
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer:
     """Stateless apart from the node it serves; per-call state lives in each call."""
 
     def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
@@ -196,12 +205,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------
 
-    @_rpc
-    async def ModelInfer(self, message: bytes, context: Any) -> bytes:
-        """Registered without (de)serializers: ``message`` is the raw ModelInferRequest."""
+    async def _infer(self, message: bytes, echo: Any = None) -> bytes:
+        """One call from its serialized ModelInferRequest to its serialized answer, through the
+        ``ServingAPI`` as every front end's calls go. ``echo`` (a ModelInferResponse), when
+        given, makes it a call on a stream: it gets the request's id and model as soon as they
+        are known, so that an error can be matched to its call, and the answer is a
+        ModelStreamInferResponse."""
         codec, size = self.codec, len(message)
         async with codec.admit(size):
             request = await codec.run(size, _parse_infer, message)
+            if echo is not None:
+                echo.id, echo.model_name, echo.model_version = request.id, request.model_name, request.model_version
             cfg = self._config(request.model_name, request.model_version)
             limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, self.config.json_chars_per_value)
             if size > limit:
@@ -212,7 +226,67 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
         # typed contents take up to ~8 bytes a value once serialized
         nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)
-        return await codec.run(nbytes, _encode_response, cfg, request, wanted, out.outputs, timings)
+        return await codec.run(nbytes, _encode_response, cfg, request, wanted, out.outputs, timings,
+                               echo is not None)
+
+    @_rpc
+    async def ModelInfer(self, message: bytes, context: Any) -> bytes:
+        """Registered without (de)serializers: ``message`` is the raw ModelInferRequest."""
+        return await self._infer(message)
+
+    async def _stream_answer(self, message: bytes) -> bytes:
+        """A streamed call's one ModelStreamInferResponse: its result, or its error in
+        ``error_message`` (with the call's id) so that the stream stays open."""
+        echo = pb.ModelInferResponse()
+        try:
+            return await self._infer(message, echo)
+        except Exception as e:
+            _, text, _ = _failure(e, "ModelStreamInfer")
+            return pb.ModelStreamInferResponse(error_message=text, infer_response=echo).SerializeToString()
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        """Registered without (de)serializers. Calls run concurrently and are answered as they
+        finish. At most ``grpc_stream_max_in_flight`` are unanswered at once: at the cap the
+        stream is not read (gRPC's flow control then holds the client back) until an answer
+        has gone out. Each call gets exactly one answer; when the client goes away, the calls
+        in flight still finish, and their answers are dropped."""
+        in_flight = asyncio.Semaphore(self.config.grpc_stream_max_in_flight)
+        # None: the reader is done, every answer is ahead of it. Bounded by in_flight: an
+        # answer holds its call's place until it is sent.
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(message: bytes) -> None:
+            answers.put_nowait(await self._stream_answer(message))
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    await in_flight.acquire()
+                    task = asyncio.create_task(answer(message))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (out := await answers.get()) is not None:
+                yield out
+                in_flight.release()
+            await reader  # the read's error, if it ended with one, ends the stream with it
+        finally:
+            reader.cancel()
+
+    # -- model configuration ----------------------------------------------------------------
+
+    @_rpc
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        self._config(request.name, request.version)
+        config = json_format.ParseDict(self.manager.triton_config(request.name), pb.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
 
     # -- statistics extension ------------------------------------------------------------
 
@@ -274,27 +348,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
-class _Handlers:
-    """Catches what the generated ``add_..._to_server`` registers, so one method can be swapped."""
-
-    def __init__(self) -> None:
-        self.service = ""
-        self.methods: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.service, self.methods = service, dict(methods)
-
-
 def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
-    """The generated handlers, with ModelInfer taking and returning bytes (decoded off the loop)."""
-    h = _Handlers()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, h)
-    h.methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer)
-    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(h.service, h.methods),))
-    srv.add_registered_method_handlers(h.service, h.methods)
+    """Every method of the service; inference takes and returns bytes (decoded off the loop)."""
+    methods = pb.method_handlers(servicer, raw=("ModelInfer", "ModelStreamInfer"))
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(pb.SERVICE.full_name, methods),))
+    srv.add_registered_method_handlers(pb.SERVICE.full_name, methods)
 
 
 class GrpcFrontEnd(FrontEnd):

@@ -239,12 +239,23 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
 
     async def model_config(name: str, version: str | None = None) -> dict:
         version_of(name, version)
+        return manager.triton_config(name)
+
+    async def native_config(name: str, version: str | None = None) -> dict:
+        version_of(name, version)
         return manager.serving_config(name)
 
-    config_doc = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
-    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration", **config_doc)(model_config)
-    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"], summary="Model configuration",
+    config_doc = _doc({"description": "Triton's model configuration (model_config.proto as JSON); splitserve's own "
+                                      "settings are its parameters"}, 404)
+    app.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration (Triton's schema)",
             **config_doc)(model_config)
+    app.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"],
+            summary="Model configuration (Triton's schema)", **config_doc)(model_config)
+    native_doc = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
+    app.get("/v2/models/{name}/config/splitserve", tags=["metadata"], summary="Model configuration (splitserve's)",
+            **native_doc)(native_config)
+    app.get("/v2/models/{name}/versions/{version}/config/splitserve", tags=["metadata"],
+            summary="Model configuration (splitserve's)", **native_doc)(native_config)
 
     # -- inference ----------------------------------------------------------------------
 

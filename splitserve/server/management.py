@@ -35,6 +35,7 @@ from splitserve.errors import (
 )
 from splitserve.modelconfig import ArtifactKind, ModelConfig, check_model_name
 from splitserve.placement.resources import ResourceManager
+from splitserve.protocol.triton_config import triton_model_config
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import EventLog, ManagedModel, ModelDirectory, ModelStats
@@ -470,8 +471,18 @@ class ModelManager:
                            "state": self.state(name)},
         }
 
+    def triton_config(self, name: str) -> dict:
+        """The model's configuration as served now, in Triton's model-configuration schema;
+        splitserve's own settings are its ``parameters``."""
+        rec, rt, cfg = self.record(name), self.models.loaded(name), self.model_config(name)
+        placement = cfg.placement or {"kind": str(self.config.placement)}
+        return triton_model_config(cfg, rt.instance_count if rt is not None else cfg.instances,
+                                   {"residency": self.state(name), "placement": placement,
+                                    "func_id": rec.func_id, "version": rec.version})
+
     def serving_config(self, name: str) -> dict:
-        """The model's config.toml as JSON, with its state and serving shape."""
+        """The model's config.toml as JSON, with its state and serving shape (splitserve's own
+        schema; ``triton_config`` is Triton's)."""
         rec = self.record(name)
         rt = self.models.loaded(name)
         cfg = rt.config if rt is not None else rec.config

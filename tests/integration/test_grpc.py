@@ -11,8 +11,7 @@ import pytest
 from splitserve import Client
 from splitserve.client.grpc import AsyncGrpcClient, GrpcClient
 from splitserve.errors import InvalidInput, ModelNotReady, Unauthorized, UnknownModel
-from splitserve.protocol._generated import grpc_service_pb2 as pb
-from splitserve.protocol._generated import grpc_service_pb2_grpc as pb_grpc
+from splitserve.protocol import grpc_api as pb
 
 MODELS = ("lenet", "vecadd1k", "bert_tiny")
 rng = np.random.default_rng(7)
@@ -47,7 +46,7 @@ def fast(server):
 @pytest.fixture(scope="module")
 def stub(server):
     channel = grpc.insecure_channel(server.grpc.removeprefix("grpc://"))
-    yield pb_grpc.GRPCInferenceServiceStub(channel)
+    yield pb.Stub(channel)
     channel.close()
 
 
@@ -370,7 +369,7 @@ def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details
     def test(server):
         token = (server.config.data_dir / "token").read_text().strip()
         channel = grpc.insecure_channel(f"127.0.0.1:{server.ports['grpc_port']}")
-        s = pb_grpc.GRPCInferenceServiceStub(channel)
+        s = pb.Stub(channel)
         try:
             req = pb.RepositoryModelLoadRequest(model_name="small")
             req.parameters["config"].string_param = ('name = "small"\n[artifact]\nkind = "safetensors"\n'

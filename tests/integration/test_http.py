@@ -94,7 +94,7 @@ def test_health_metadata_and_docs(http):
     r = http.get("/v2/models/nope")
     assert r.status_code == 404 and "unknown model 'nope'" in r.json()["error"]
     assert http.get("/v2/models/nope/ready").status_code == 404
-    assert http.get("/v2/models/distilbert/config").json()["max_batch_size"] == 8
+    assert http.get("/v2/models/distilbert/config/splitserve").json()["max_batch_size"] == 8
     assert http.get("/docs").status_code == 200
     paths = http.get("/openapi.json").json()["paths"]
     assert "/v2/models/{name}/infer" in paths and "/v2/repository/models/{name}/register" in paths

@@ -9,7 +9,7 @@ from splitserve.client.common import ModelInfo
 from splitserve.client.grpc import infer_request, infer_result, model_info
 from splitserve.errors import BadSize, InvalidInput
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol._generated import grpc_service_pb2 as pb
+from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import (
     CONTENTS_FIELD, fill_contents, params_dict, set_param, set_repo_param, tensor_from_contents,
 )
