@@ -168,3 +168,23 @@ def test_chaos_smoke(tmp_path):
     answered = sum(doc["answers"].values())
     assert answered == doc["requests"]  # every request has an outcome, lost included
     assert doc["rss"]["server_peak_mib"] > 0 and (summary.path / "timeline.png").is_file()
+
+
+def test_multimodel_smoke(tmp_path):
+    """Three distinct-seed LeNet copies on the scenario's own servers, cut to a few requests per
+    sequence: every answer is checked against its copy, the no-limit server never loads during a
+    sequence, and loading on every request loads exactly once per request."""
+    summary = run_scenario("multimodel", quick=True, out=tmp_path, models=("lenet",),
+                           overrides={"copies": "3", "cache": "2", "accessed": "1,3", "fig2_models": "3",
+                                      "requests": "12", "every_requests": "4", "overlap_requests": "0",
+                                      "concurrent_s": "0", "variants": "no-limit,load-every-request"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK, (summary.lines, (summary.path / "report.md").read_text()[-3000:])
+    doc = _result(summary.path)
+    assert [c["ok"] for c in doc["validation"]] == [True] * 3
+    cells = doc["no-limit"]
+    assert set(cells) == {f"{p}/{m}" for p in ("sequential", "uniform", "zipf") for m in (1, 3)}
+    assert all(c["loads"] == 0 and c["wrong"] == 0 and c["errors"] == 0 for c in cells.values())
+    every = doc["load-every-request"]
+    assert all(c["loads"] == c["requests"] == 4 and c["wrong"] == 0 for c in every.values())
+    assert doc["zipf_shares"]["3"][0] > doc["zipf_shares"]["3"][1]
