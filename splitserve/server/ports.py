@@ -16,6 +16,8 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 * the **placement applier** (``applier.PlacementApplier``) drives each model it changes as a
   ``PlacedModel``;
 * the **coordinator** sees each runtime as a ``ScheduledModel``;
+* the **memory manager** (``memory.MemoryManager``) is each runtime's ``ResidencyBroker`` and
+  drives each model as a ``ResidentModel``;
 * **management** sees the node's models through ``ModelDirectory`` and each one as a
   ``ManagedModel``.
 
@@ -90,6 +92,21 @@ class ModelStats:
     weights_bytes: int = 0  # not cumulative: what the resident instances' weights take now
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryFootprint:
+    """What one residency of a model takes in the node's memory: its weights once (mapped
+    from one file, so its instances share them) plus what each instance adds on top
+    (activations at the largest batch, the runtime's own allocations)."""
+
+    weights_bytes: int = 0
+    private_bytes: int = 0  # per instance
+    measured: bool = False  # False: from the weights file's header (or nothing known yet), not a LOADED report
+
+    def charge(self, instances: int) -> int:
+        """Bytes a residency with ``instances`` instances holds."""
+        return self.weights_bytes + self.private_bytes * instances
+
+
 @dataclass
 class InferOutcome:
     """Outputs (fresh arrays, in declared order) and the server's timings of one call."""
@@ -105,7 +122,7 @@ class Event:
     """One step in the life of a batch, on the server's perf_counter clock."""
 
     t: float
-    kind: str  # start | resume | preempt | preempted | done | failed
+    kind: str  # start | resume | preempt | preempted | done | failed; load_start | load_done | evict_start | evict_done
     model: str
     instance: int
     batch: int
@@ -183,6 +200,9 @@ class ServingAPI(Protocol):
 
     def model_state(self, name: str) -> str:
         """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
+
+    def model_ready(self, name: str) -> bool:
+        """The model would serve a call without an explicit load (resident or not)."""
 
     def ready(self) -> bool:
         """Not stopping, and every start-up (``--load``) model is ready."""
@@ -324,6 +344,64 @@ class PlacementChanger(Protocol):
         ModelNotReady when new instances did not start (what served still serves)."""
 
 
+class ResidentModel(Protocol):
+    """One model as the memory manager drives it (``runtime.ModelRuntime``)."""
+
+    name: str
+    enabled: bool  # False after an operator's unload: it waits for no load
+    keep_resident: bool  # never chosen as a victim
+    footprint: MemoryFootprint  # what its last load measured (or nothing yet)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    def charge(self) -> int:
+        """Bytes a residency of it takes now (weights once, private bytes per instance; 0 when unknown)."""
+
+    def pinned(self) -> bool:
+        """Not evictable now: a batch runs or is suspended on it, or its placement is changing."""
+
+    def holds_memory(self) -> bool:
+        """Its weights are resident, loading, or being released."""
+
+    def begin_load(self) -> None:
+        """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or ``load_failed``."""
+
+    def release_residency(self) -> bool:
+        """Start releasing its weights (calls keep queueing); ends in the broker's ``released``.
+        False if nothing was resident or loading, or it is being released already."""
+
+    def refuse_load(self, reason: str) -> None:
+        """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
+
+
+class ResidencyBroker(Protocol):
+    """The node's memory manager (``memory.MemoryManager``) as a runtime calls it: it asks
+    for residency before any load, reports batch starts (the LRU clock) and ends, and every
+    change of what it holds. Without a budget every request is granted at once."""
+
+    def request(self, model: ResidentModel, rt_waiting: bool) -> None:
+        """Calls wait for ``model``, which holds nothing: load it when it fits (perhaps now)."""
+
+    def touch(self, model: ResidentModel, now: float) -> None:
+        """A batch of ``model`` began (Rafiqi's "begins classification")."""
+
+    def batch_done(self, model: ResidentModel) -> None:
+        """A batch of ``model`` ended: a victim that was busy may be free now."""
+
+    def loaded(self, model: ResidentModel, nbytes: int) -> None:
+        """``model`` serves, holding ``nbytes`` (again after every LOADED, as measured)."""
+
+    def evicting(self, model: ResidentModel) -> None:
+        """``model`` began releasing its weights (the manager's choice or an operator's evict)."""
+
+    def released(self, model: ResidentModel) -> None:
+        """``model`` holds nothing any more (evicted, unloaded, or its load was abandoned)."""
+
+    def load_failed(self, model: ResidentModel, reason: str) -> None:
+        """``model``'s load failed; its waiting calls were answered."""
+
+
 # ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
 WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop],
                          InstanceWorker]
@@ -342,6 +420,7 @@ class RuntimeEnv:
     profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
     stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
     start_worker: WorkerFactory
+    memory: ResidencyBroker  # grants residency: every load goes through it
 
 
 # -- management ---------------------------------------------------------------------------------
@@ -353,6 +432,7 @@ class ManagedModel(Protocol):
     name: str
     config: ModelConfig  # as served now (batching may differ from the registered one)
     enabled: bool  # False after a user's unload, until a load
+    keep_resident: bool  # the memory manager never evicts it (an explicit load may set it)
     error: str | None  # why the last load failed
     stats: ModelStats
 
@@ -405,6 +485,13 @@ class ModelDirectory(Protocol):
 
     async def drop(self, name: str) -> None:
         """Stop the model for good (unregister): unload, free its queues, forget it."""
+
+
+class MemoryReport(Protocol):
+    """The memory manager as management reads it."""
+
+    def status(self) -> dict[str, Any]:
+        """``GET /v2/memory``'s body."""
 
 
 class EventLog(Protocol):

@@ -46,7 +46,7 @@ from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
-from splitserve.server.ports import InstanceWorker, ModelState, ModelStats, RuntimeEnv
+from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
@@ -90,6 +90,9 @@ class ModelRuntime:
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
+        # What a residency of this model takes, for the node's memory budget: updated by
+        # every LOADED, so the next load is charged what the last one measured.
+        self.footprint = MemoryFootprint()
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
@@ -106,6 +109,10 @@ class ModelRuntime:
         # Releasing the weights (evict): no load starts until every instance is ABSENT.
         self._evicting = False
         self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
+        # The memory manager never evicts it (an operator's evict still does); an explicit load may set it.
+        self.keep_resident = cfg.memory.keep_resident
+        self._asked = False  # residency requested from the node's memory manager, not granted yet
+        self._reconfiguring = 0  # placement changes under way: not evictable meanwhile
         self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
         self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
@@ -144,7 +151,12 @@ class ModelRuntime:
                 raise ModelNotReady(f"model {self.name!r} is not loaded: it holds no CPUs to change")
             return {self.name: decide()}
 
-        records = await self.env.placements.apply(wanted)
+        self._reconfiguring += 1
+        try:
+            records = await self.env.placements.apply(wanted)
+        finally:
+            self._reconfiguring -= 1
+        self.env.memory.batch_done(self)  # it may be a victim again
         return {**records[self.name], **self.placer.describe()}
 
     def _serving_placements(self) -> list[InstancePlacement]:
@@ -260,13 +272,42 @@ class ModelRuntime:
     # -- lifecycle -------------------------------------------------------------------
 
     def ensure_started(self) -> None:
-        """Start the workers if they are not running (models load on first use). A FAILED
+        """Ask the node's memory manager for residency if the model holds none (models load
+        on first use; the manager starts the load when it fits, perhaps at once). A FAILED
         model is retried only once ``load_retry_s`` has passed since it failed."""
         if not self.enabled or self.env.stopping() or self._evicting or self.state in (*_RUNNING, ModelState.STOPPING):
             return
-        if self.state is ModelState.FAILED and time.perf_counter() < self._retry_at:
+        if self.state is ModelState.FAILED:
+            if time.perf_counter() < self._retry_at:
+                return
+            self.state = ModelState.EVICTED  # the retry waits like any load: calls queue meanwhile
+        if not self._asked:
+            self._asked = True
+            self._ready_event.clear()
+        self.env.memory.request(self, self.sched.waiting(RequestClass.RT) > 0)
+
+    # -- ResidentModel (the memory manager) -------------------------------------------------
+
+    def charge(self) -> int:
+        return self.footprint.charge(self.instance_count or self.placer.instances or self.config.instances)
+
+    def pinned(self) -> bool:
+        return bool(self._reconfiguring) or any(st.busy for st in self.sched.instances.values())
+
+    def holds_memory(self) -> bool:
+        return self.state in _RUNNING or self._evicting
+
+    def begin_load(self) -> None:
+        if not self._asked or not self.enabled or self.env.stopping() or self.holds_memory():
+            self._asked = False
+            self.env.memory.released(self)  # granted too late: it holds nothing, the reservation goes back
             return
+        self._asked = False
         self._load()
+
+    def refuse_load(self, reason: str) -> None:
+        self._asked = False
+        self._fail(reason)
 
     def _load(self) -> None:
         self.state, self.error = ModelState.LOADING, None
@@ -301,11 +342,11 @@ class ModelRuntime:
             await self._until(lambda: not self._evicting,
                               time.perf_counter() + self.settings.drain_timeout_s + self.settings.stop_timeout_s)
         if self.state is ModelState.FAILED:
-            self._load()
+            self._retry_at = 0.0  # an explicit load retries at once (through the memory manager, like any load)
         elif self.state is ModelState.READY:
             self._start_missing()  # instances that gave up starting get another go
         self.ensure_started()
-        if self.state in _RUNNING:  # nothing started (e.g. the node is stopping): nothing to wait for
+        if self.state in _RUNNING or self._asked:  # nothing asked (e.g. the node is stopping): nothing to wait for
             await self._ready_event.wait()
         if self.state is not ModelState.READY:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
@@ -376,6 +417,7 @@ class ModelRuntime:
         self.sched.set_residency(instance, Residency.RESIDENT)
         self._weights[instance] = msg.nbytes
         self._weights_changed()
+        self.footprint = MemoryFootprint(msg.nbytes, self.footprint.private_bytes, measured=True)
         self.stats.loads += 1
         self.stats.load_ns += msg.load_ns
         self._backoff[instance] = self.settings.worker_restart_backoff_s
@@ -384,6 +426,8 @@ class ModelRuntime:
             self.state = ModelState.READY  # serve as soon as one instance can
         if self.state is ModelState.READY and all(self.sched.instances[i].ready for i in self.sched.serving()):
             self._ready_event.set()  # a load returns when every instance is up
+        if self.state is ModelState.READY:
+            self.env.memory.loaded(self, self.charge())
         log.info("model %s: instance %d loaded (%d segments, %d B of weights in %.0f ms)", self.name, instance,
                  msg.segments, msg.nbytes, msg.load_ns / 1e6)
         self.kick()
@@ -425,6 +469,7 @@ class ModelRuntime:
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
         self._unload_when_idle(instance)
         self.kick()
+        self.env.memory.batch_done(self)
 
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
@@ -505,6 +550,7 @@ class ModelRuntime:
             handle.kill(f"model {self.name!r} failed to load")
         self._ready_event.set()
         self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {reason}"))
+        self.env.memory.load_failed(self, reason)
 
     async def _drain_all(self, ids: list[int]) -> None:
         """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
@@ -580,7 +626,9 @@ class ModelRuntime:
         self.resources.release(self.name)
         self._weights_changed()
         self.state = ModelState.UNLOADED
+        self._asked = False
         self._ready_event.set()  # a load that was waiting ends (not ready)
+        self.env.memory.released(self)
         self.kick()
 
     async def evict(self, deadline: float | None = None) -> bool:
@@ -623,6 +671,7 @@ class ModelRuntime:
             return False
         self.state, self._evicting = ModelState.EVICTED, True
         self._ready_event.set()  # a load that was waiting ends: the model is not resident
+        self.env.memory.evicting(self)
         for i, st in list(self.sched.instances.items()):  # a kill may report the exit at once
             handle = self.workers.get(i)
             if handle is None:
@@ -661,6 +710,7 @@ class ModelRuntime:
         self._evicting = False
         self.stats.evictions += 1
         log.info("model %s: evicted; its weights are released, the next call loads it", self.name)
+        self.env.memory.released(self)
         self.kick()
         if self.sched.waiting():
             self.ensure_started()
@@ -677,6 +727,11 @@ class ModelRuntime:
                 q.close()
 
     # -- requests --------------------------------------------------------------------
+
+    def will_serve(self) -> bool:
+        """A call would be served without an explicit load (resident or not: one that is
+        not loads on the call)."""
+        return self._refusal(time.perf_counter()) is None
 
     def _refusal(self, now: float) -> SplitServeError | None:
         """Why a call for this model is refused now, or None. A FAILED model whose retry
@@ -757,6 +812,7 @@ class ModelRuntime:
         if not batch.resume_segment:
             for r in batch.requests:
                 r.handle.t_dispatch = now
+        self.env.memory.touch(self, now)
         self.node.started(self, batch)
         handle = self.workers.get(batch.instance)
         if handle is None or not handle.ready or not handle.send_run(
@@ -805,6 +861,7 @@ class ModelRuntime:
         self._answer_batch(batch, None)
         self._unload_when_idle(instance)
         self.kick()
+        self.env.memory.batch_done(self)
 
     def _on_preempted(self, instance: int, msg: DoneMsg) -> None:
         """The worker stopped its batch at a segment boundary: suspend it here (its restore

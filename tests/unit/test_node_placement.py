@@ -23,6 +23,7 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
+from splitserve.server.memory import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.ports import ModelState, RuntimeEnv
 from splitserve.server.runtime import ModelRuntime
@@ -99,11 +100,13 @@ class Node:
         self.monitor = InferenceMonitor()
         self.sink = Sink()
         self.loop = loop
+        config = ServerConfig(data_dir=tmp_path, queue_slots=32, **settings)
+        metrics = Metrics()
         self.env = RuntimeEnv(
-            loop=loop, config=ServerConfig(data_dir=tmp_path, queue_slots=32, **settings),  # type: ignore[arg-type]
-            node=RecordingNode(), metrics=Metrics(), resources=self.rm, placements=self.applier,
+            loop=loop, config=config,  # type: ignore[arg-type]
+            node=RecordingNode(), metrics=metrics, resources=self.rm, placements=self.applier,
             profile=lambda name: profile(name) if name.startswith("pk") else None, stopping=lambda: False,
-            start_worker=self._start_worker)
+            start_worker=self._start_worker, memory=MemoryManager(config, metrics))
         self._ids = 0
 
     def _start_worker(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:

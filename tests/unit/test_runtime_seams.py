@@ -24,6 +24,7 @@ from splitserve.registry import ModelRecord
 from splitserve.scheduler.request import Batch
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
+from splitserve.server.memory import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.ports import ModelState, RuntimeEnv, ScheduledModel
 from splitserve.server.runtime import ModelRuntime
@@ -201,10 +202,12 @@ class Harness:
             return w
 
         rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(2)])
-        env = RuntimeEnv(loop=self.loop, config=ServerConfig(data_dir=tmp_path, queue_slots=8),  # type: ignore[arg-type]
-                         node=self.node, metrics=Metrics(), resources=rm,
+        config = ServerConfig(data_dir=tmp_path, queue_slots=8)
+        metrics = Metrics()
+        env = RuntimeEnv(loop=self.loop, config=config,  # type: ignore[arg-type]
+                         node=self.node, metrics=metrics, resources=rm,
                          placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: None,
-                         stopping=lambda: False, start_worker=start_worker)
+                         stopping=lambda: False, start_worker=start_worker, memory=MemoryManager(config, metrics))
         self.rt = ModelRuntime(env, ModelRecord("double", 7, 1, "test", None, MODEL))
 
     def call(self, req_id: int, payload: bytes) -> Call:
