@@ -171,20 +171,25 @@ def test_chaos_smoke(tmp_path):
 
 
 def test_multimodel_smoke(tmp_path):
-    """Three distinct-seed LeNet copies on the scenario's own servers, cut to a few requests per
-    sequence: every answer is checked against its copy, the no-limit server never loads during a
-    sequence, and loading on every request loads exactly once per request."""
+    """Three distinct-seed LeNet copies with room for two, on the scenario's own servers, cut to a
+    few requests per sequence: every answer is checked against its copy, the no-limit server
+    never loads during a sequence, loading on every request loads once per request, and the
+    memory manager's loads equal the reference LRU's misses in every sequence."""
     summary = run_scenario("multimodel", quick=True, out=tmp_path, models=("lenet",),
-                           overrides={"copies": "3", "cache": "2", "accessed": "1,3", "fig2_models": "3",
-                                      "requests": "12", "every_requests": "4", "overlap_requests": "0",
-                                      "concurrent_s": "0", "variants": "no-limit,load-every-request"},
+                           overrides={"copies": "3", "cache": "2", "accessed": "3", "fig2_models": "3",
+                                      "requests": "12", "every_requests": "4", "overlap_requests": "6",
+                                      "clients": "4", "concurrent_models": "3", "concurrent_s": "1",
+                                      "variants": "no-limit,load-every-request,lru"},
                            console=Console(file=io.StringIO()))
     assert summary.exit_code == EXIT_OK, (summary.lines, (summary.path / "report.md").read_text()[-3000:])
     doc = _result(summary.path)
-    assert [c["ok"] for c in doc["validation"]] == [True] * 3
-    cells = doc["no-limit"]
-    assert set(cells) == {f"{p}/{m}" for p in ("sequential", "uniform", "zipf") for m in (1, 3)}
-    assert all(c["loads"] == 0 and c["wrong"] == 0 and c["errors"] == 0 for c in cells.values())
-    every = doc["load-every-request"]
-    assert all(c["loads"] == c["requests"] == 4 and c["wrong"] == 0 for c in every.values())
-    assert doc["zipf_shares"]["3"][0] > doc["zipf_shares"]["3"][1]
+    assert all(c["ok"] for c in doc["validation"]) and len(doc["validation"]) == 6
+    grid = {f"{p}/3" for p in ("sequential", "uniform", "zipf")}
+    assert set(doc["no-limit"]) == set(doc["lru"]) == grid
+    assert all(c["loads"] == 0 for c in doc["no-limit"].values())
+    assert all(c["loads"] == c["requests"] == 4 for c in doc["load-every-request"].values())
+    assert all(c["loads_equal_reference"] for c in doc["lru"].values())
+    assert doc["lru"]["sequential/3"]["reference_misses"] == 12 - 2  # primed with two, then every request swaps
+    assert doc["overlap"]["loading"]["loads"] > 0 == doc["overlap"]["quiet"]["loads"]
+    assert doc["concurrent"]["ok"] == doc["concurrent"]["sent"] > 0
+    assert doc["memory"]["max_resident_models"] == 2 and (summary.path / "latency_cdf.png").is_file()

@@ -174,11 +174,10 @@ def drive(client: Any, copies: Copies, seq: Sequence[int], after: Callable[[str]
 class Served:
     """A running variant: its server, a client, and its load and eviction counters."""
 
-    def __init__(self, ctx: Context, server: ServerProcess, copies: Copies, manager: bool) -> None:
+    def __init__(self, ctx: Context, server: ServerProcess, copies: Copies) -> None:
         self.ctx = ctx
         self.server = server
         self.copies = copies
-        self.manager = manager
         self.http = server.urls["http"]
         self.url = Target(server.urls).url(ctx.params.transports[0])
         self.token = (server.data_dir / "token").read_text().strip()
@@ -188,15 +187,12 @@ class Served:
         close_sync(self.client)
 
     def counts(self) -> tuple[int, int]:
-        """(loads, evictions) so far: from ``/v2/memory`` with a manager, else the model statistics."""
-        if self.manager:
-            doc = get_json(f"{self.http}/v2/memory")
-            return int(doc["loads"]), int(doc["evictions"])
-        stats = get_json(f"{self.http}/v2/models/stats")["model_stats"]
-        return (sum(s["residency"]["loads"] for s in stats), sum(s["residency"]["evictions"] for s in stats))
+        """(loads, evictions) so far, from ``/v2/memory``."""
+        doc = self.memory()
+        return int(doc["loads"]), int(doc["evictions"])
 
-    def memory(self) -> dict[str, Any] | None:
-        return get_json(f"{self.http}/v2/memory") if self.manager else None
+    def memory(self) -> dict[str, Any]:
+        return get_json(f"{self.http}/v2/memory")
 
     def prime(self, models: Sequence[int]) -> None:
         """Request ``models`` in order (untimed, answers checked), so they are the most recently used."""
@@ -269,13 +265,13 @@ def _args(repo: Any, budget: int | None, cache: int | None) -> list[str]:
 
 
 @contextmanager
-def _variant(ctx: Context, copies: Copies, label: str, args: list[str], env: dict[str, str], manager: bool,
+def _variant(ctx: Context, copies: Copies, label: str, args: list[str], env: dict[str, str],
              validate: Sequence[str]) -> Iterator[Served]:
     """One variant's own server, its answers for the ``validate`` copies checked before timing."""
     with own_server(ctx, label, args, env=env) as server:
         expected = {n: Expected(copies.arch, copies.seeds[copies.names.index(n)]) for n in validate}
         ctx.validate(Target(server.urls), expected, ctx.params.transports[:1])
-        served = Served(ctx, server, copies, manager)
+        served = Served(ctx, server, copies)
         try:
             yield served
         finally:
@@ -417,11 +413,11 @@ async def _clients(ctx: Context, s: Served) -> dict[str, Any]:
     end = clock() + p.concurrent_s
 
     async def one(i: int) -> None:
-        seq = iter(sequence(Pattern.UNIFORM, p.concurrent_models, 1 << 20, seed=p.seed * 7919 + i))
+        rng = np.random.default_rng(p.seed * 7919 + i)  # uniform, as Pattern.UNIFORM, drawn as it goes
         client = await open_async(p.transports[0], s.url)
         try:
             while clock() < end:
-                name = s.copies.names[next(seq)]
+                name = s.copies.names[int(rng.integers(p.concurrent_models))]
                 counts["sent"] += 1
                 t0 = clock()
                 try:
@@ -467,14 +463,13 @@ def run(ctx: Context) -> ScenarioOutput:
                                                for m in sorted({*p.accessed, p.fig2_models})}}
     lookup = copies.names[:max(p.accessed + (p.fig2_models,))]
     if {"no-limit", "load-every-request"} & set(p.variants):
-        with _variant(ctx, copies, "no-limit", _args(repo, None, None), _server_env(p, True), False, lookup) as s:
+        with _variant(ctx, copies, "no-limit", _args(repo, None, None), _server_env(p, True), lookup) as s:
             if "no-limit" in p.variants:
                 results["no-limit"] = _sweep(ctx, s, "no-limit", None)
             if "load-every-request" in p.variants:
                 results["load-every-request"] = _every_request(ctx, s)
     if "lru" in p.variants:
-        with _variant(ctx, copies, "lru", _args(repo, budget, p.cache), _server_env(p, True), True,
-                      copies.names) as s:
+        with _variant(ctx, copies, "lru", _args(repo, budget, p.cache), _server_env(p, True), copies.names) as s:
             results["lru"] = _sweep(ctx, s, "lru", p.cache)
             if p.overlap_requests:
                 results["overlap"] = _overlap(ctx, s)
@@ -482,7 +477,7 @@ def run(ctx: Context) -> ScenarioOutput:
                 results["concurrent"] = _concurrent(ctx, s)
             results["memory"] = s.memory()
     if "spawn-per-load" in p.variants and p.spawn_reloads:
-        with _variant(ctx, copies, "spawn-per-load", _args(repo, budget, 1), _server_env(p, False), True,
+        with _variant(ctx, copies, "spawn-per-load", _args(repo, budget, 1), _server_env(p, False),
                       copies.names[:2]) as s:
             results["spawn-per-load"] = _spawn_per_load(ctx, s)
     if importlib.util.find_spec("ray") is None:
