@@ -105,8 +105,10 @@ class ServerConfig:
     packrat_default_share: float = 0.5  # share of the free CPUs a Packrat model without placement.threads takes at load
     fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
     placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
-    # -- residency: worker processes load and release a model's weights while its identity stays --
-    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
+    # -- memory manager (Rafiqi): spare workers and cheap reloads --
+    spare_workers: int = 1  # idle worker processes (torch imported) a load binds instead of starting one; 0: none
+    recycle_slack_bytes: int = 32 << 20  # an unloaded worker within this of a fresh spare's anonymous RSS is reused
+    evict_drop_cache: bool = False  # drop an evicted model's weight file from the page cache (next load reads disk)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -152,8 +154,8 @@ class ServerConfig:
                      "placement_history"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
-        if self.evict_spare_workers < 0:
-            raise InvalidInput("evict_spare_workers must be at least 0")
+        if self.spare_workers < 0 or self.recycle_slack_bytes < 0:
+            raise InvalidInput("spare_workers and recycle_slack_bytes must be at least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
