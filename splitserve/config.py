@@ -126,8 +126,6 @@ class ServerConfig:
     packrat_default_share: float = 0.5  # share of the free CPUs a Packrat model without placement.threads takes at load
     fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
     placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
-    # -- residency: worker processes load and release a model's weights while its identity stays --
-    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
     # memory manager (Rafiqi)
     memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, a model stays until evicted or unloaded)
     max_resident_models: int | None = None  # models resident at once (None: no limit)
@@ -184,8 +182,6 @@ class ServerConfig:
                      "placement_history"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
-        if self.evict_spare_workers < 0:
-            raise InvalidInput("evict_spare_workers must be at least 0")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise InvalidInput("memory_budget_bytes must be at least 1 byte (leave it unset for no limit)")
         if self.max_resident_models is not None and self.max_resident_models < 1:

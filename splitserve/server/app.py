@@ -40,6 +40,7 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
+from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
 from splitserve.server.grpc_server import GrpcFrontEnd
 from splitserve.server.http import HttpFrontEnd
@@ -51,8 +52,8 @@ from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.udp import UdpListener
-from splitserve.worker.pool import Residency as WorkerResidency
 from splitserve.worker.pool import WorkerHandle
+from splitserve.worker.spares import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,13 @@ class Server:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
+        self.footprints = RegistryFootprints(self.registry, cfg.cache_path)
+        self.pool = SparePool(cfg, self.loop, self._start_worker)  # type: ignore[arg-type]
+        self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier, profile=self._profile,
-                              stopping=lambda: self.stopping,
-                              start_worker=self._start_worker, memory=self.memory)
+                              stopping=lambda: self.stopping, workers=self.pool,  # type: ignore[arg-type]
+                              footprints=self.footprints, memory=self.memory)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
@@ -160,9 +164,8 @@ class Server:
         return out
 
     def _spares(self) -> int:
-        """Worker processes up and bound to no model."""
-        return sum(1 for rt in self.runtimes.values() for h in rt.workers.values()
-                   if h.residency is WorkerResidency.UNBOUND)
+        """Worker processes up and bound to no model (the node's pool, once it started)."""
+        return self.pool.spares if hasattr(self, "pool") else 0
 
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)
@@ -208,6 +211,8 @@ class Server:
         for rt, r in zip(runtimes, results):
             if isinstance(r, BaseException):
                 log.error("model %s: unload at shutdown failed", rt.name, exc_info=r)
+        if hasattr(self, "pool"):
+            await self.pool.stop()
         for call in self.monitor.open_calls():  # none should be left; if one is, it still gets its answer
             if call.state is CallState.RX_COMPLETE:
                 log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)
@@ -229,6 +234,7 @@ class Server:
         if self._watchdog is not None:
             self._watchdog.cancel()
         if hasattr(self, "registry"):
+            await self.footprints.flush()
             await asyncio.to_thread(self.registry.close)
         try:
             (self.config.data_dir / "server.json").unlink()
@@ -272,6 +278,8 @@ class Server:
     def _kill_workers(self) -> None:
         for rt in self.runtimes.values():
             rt.kill_workers("the server is exiting without draining")
+        if hasattr(self, "pool"):
+            self.pool.kill_all("the server is exiting without draining")
 
     # -- the node's models (ModelDirectory) ----------------------------------------------
 

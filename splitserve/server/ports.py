@@ -283,6 +283,7 @@ class InstanceWorker(Protocol):
     flag: PreemptPage
     residency: Residency  # where it is in the bind cycle
     binding: int | None  # the binding it holds or is loading
+    rss_anon_at_start: int | None  # its anonymous RSS when it reported READY (the level a recycled worker returns to)
 
     @property
     def ready(self) -> bool:
@@ -304,6 +305,40 @@ class InstanceWorker(Protocol):
 
     async def stop(self, timeout: float = ...) -> None:
         """Ask it to exit, killing it after ``timeout``."""
+
+    def adopt(self, owner: WorkerOwner, instance: int) -> None:
+        """Report to ``owner`` as ``instance`` from now on (only while bound to nothing)."""
+
+
+class WorkerPool(Protocol):
+    """Where a runtime gets the process of an instance and where it returns it: the node's
+    pool of spare processes (``worker.spares.SparePool``), built and stopped by the root."""
+
+    def take(self, owner: WorkerOwner, instance: int) -> InstanceWorker:
+        """A process for ``instance``, reporting to ``owner`` from now on: a spare that is
+        up (``residency`` UNBOUND: send the LOAD now), or one starting (it reports
+        ``on_ready``). Called when an instance needs a process."""
+
+    def give_back(self, handle: InstanceWorker, rss_anon: int) -> bool:
+        """The runtime is done with ``handle``, unloaded (``rss_anon``: its anonymous RSS
+        after the UNLOAD): the pool keeps it as a spare or stops it (True: kept)."""
+
+    @property
+    def spares(self) -> int:
+        """Spare processes ready to be bound now."""
+
+
+class FootprintStore(Protocol):
+    """What a model's residency takes, kept across restarts (``footprints.RegistryFootprints``,
+    over the registry's ``kind="memory"`` profiles). A runtime reads its model's when it is
+    built and saves every new measurement."""
+
+    def footprint(self, record: ModelRecord) -> MemoryFootprint:
+        """The stored measurement for this version of the model, else its weights file's
+        header bytes (private bytes unknown: 0), else nothing known (0, 0)."""
+
+    def save(self, record: ModelRecord, footprint: MemoryFootprint, load_ms: float) -> None:
+        """Persist a measured footprint and load time (off the loop; returns at once)."""
 
 
 class PlacedModel(Protocol):
@@ -402,7 +437,8 @@ class ResidencyBroker(Protocol):
         """``model``'s load failed; its waiting calls were answered."""
 
 
-# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
+# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake: how the
+# root's worker pool starts a process.
 WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop],
                          InstanceWorker]
 
@@ -419,7 +455,8 @@ class RuntimeEnv:
     placements: PlacementChanger  # the node's one applier of placement changes (resize, repack)
     profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
     stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
-    start_worker: WorkerFactory
+    workers: WorkerPool  # the processes of instances: taken at a load, given back after an unload
+    footprints: FootprintStore  # measured sizes of models, kept across restarts
     memory: ResidencyBroker  # grants residency: every load goes through it
 
 

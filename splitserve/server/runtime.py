@@ -29,12 +29,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from splitserve.errors import (
     BadSize, DeadlineMissed, InvalidInput, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed,
 )
+from splitserve.memory.weights import drop_page_cache, weights_file
 from splitserve.modelconfig import BatchingConfig
 from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.placer import make_placer
@@ -50,7 +51,7 @@ from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState,
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
-from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
+from splitserve.worker.spec import BindSpec, QueueFds
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ class ModelRuntime:
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
-        # What a residency of this model takes, for the node's memory budget: updated by
-        # every LOADED, so the next load is charged what the last one measured.
-        self.footprint = MemoryFootprint()
+        # What a residency of this model takes, for the node's memory budget: stored from an
+        # earlier run, else the weights file's header; updated by every LOADED, so the next
+        # load is charged what the last one measured.
+        self.footprint = env.footprints.footprint(record)
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
@@ -352,24 +354,17 @@ class ModelRuntime:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
     def _spawn(self, i: int) -> None:
-        """Start instance ``i``'s process (bound to nothing: ``on_ready`` sends the LOAD)."""
-        placed = self.resources.placed(self.name, i)
-        assert placed is not None, "an instance is placed before its worker starts"
-        cpus, threads = sorted(placed.cpus), placed.threads
-
-        def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
-            return WorkerSpec(
-                instance=i, cpus=cpus, threads=threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
-                cache_dir=str(self.settings.cache_path), log_level=self.settings.log_level,
-                segment_time_weight=self.settings.segment_time_weight,
-            )
-
-        self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
+        """Get instance ``i`` a process from the node's pool: a spare that is up gets the
+        LOAD now; one that is starting gets it from ``on_ready``."""
+        self.workers[i] = handle = self.env.workers.take(self, i)
         self.sched.set_residency(i, Residency.LOADING)
+        if handle.residency is WorkerResidency.UNBOUND:
+            log.info("model %s: instance %d binds spare worker %d", self.name, i, handle.pid)
+            self._bind(i)
+            return
         timeout = self.settings.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
-        log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, threads,
-                 cpus, handle.pid)
+        log.info("model %s: instance %d waits for worker %d to start", self.name, i, handle.pid)
 
     @staticmethod
     def _start_timed_out(handle: InstanceWorker, timeout: float) -> None:
@@ -377,13 +372,17 @@ class ModelRuntime:
             handle.kill(f"worker (pid {handle.pid}) was not ready within worker_start_timeout_s={timeout:g}s")
 
     def _bind_spec(self, i: int) -> BindSpec:
-        """What binds instance ``i``'s worker to this model: config, artifact, queues, and the
-        stored profile's segment times for its thread count."""
+        """What binds instance ``i``'s worker to this model: config, artifact, queues, the
+        stored profile's segment times for its thread count, its CPUs and threads, and
+        whether to measure its memory (only while the model's size is not measured)."""
+        placed = self.resources.placed(self.name, i)
+        assert placed is not None, "an instance is placed before its worker binds"
         return BindSpec(
             self.config.to_dict(), str(self.record.path) if self.record.path else None,
             {str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
              for c, (ins, outs) in self.tqs.items()},
-            self.config.capacity, self._profiled_segment_times(i))
+            self.config.capacity, self._profiled_segment_times(i), cpus=sorted(placed.cpus), threads=placed.threads,
+            measure=not self.footprint.measured)
 
     def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
         placed = self.resources.placed(self.name, i)
@@ -417,7 +416,11 @@ class ModelRuntime:
         self.sched.set_residency(instance, Residency.RESIDENT)
         self._weights[instance] = msg.nbytes
         self._weights_changed()
-        self.footprint = MemoryFootprint(msg.nbytes, self.footprint.private_bytes, measured=True)
+        if msg.private_bytes is None:
+            self.footprint = replace(self.footprint, weights_bytes=msg.nbytes)
+        else:  # measured: kept across restarts
+            self.footprint = MemoryFootprint(msg.nbytes, msg.private_bytes, measured=True)
+            self.env.footprints.save(self.record, self.footprint, msg.load_ns / 1e6)
         self.stats.loads += 1
         self.stats.load_ns += msg.load_ns
         self._backoff[instance] = self.settings.worker_restart_backoff_s
@@ -444,6 +447,11 @@ class ModelRuntime:
             self._start_failed(instance, text, explained=True)
 
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
+        """The worker released the model: its process goes back to the node's pool (kept as
+        a spare if its memory came back, else stopped); the next load takes one anew."""
+        handle = self.workers.pop(instance, None)
+        if handle is not None:
+            self.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.sched.instances:
             return
         self.sched.set_residency(instance, Residency.ABSENT)
@@ -640,8 +648,8 @@ class ModelRuntime:
         Running batches end first, until ``deadline`` (default: drain_timeout_s from now);
         then their workers are killed and the batches answered WORKER_FAILED. A preempted
         batch goes back to its queue and reruns from segment 0 (segments are idempotent;
-        its restore point lived in the binding). ``evict_spare_workers`` processes stay up,
-        bound to nothing, so the next load skips starting a process; the rest exit."""
+        its restore point lived in the binding). Each process that released its weights
+        goes back to the node's pool of spares (or exits; see ``worker.spares``)."""
         async with self._evict_lock:
             if not self.release_residency():
                 return False
@@ -654,12 +662,6 @@ class ModelRuntime:
                         handle.kill(f"model {self.name!r}: instance {i} did not release its weights by the "
                                     "eviction's deadline")
                 await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.stop_timeout_s)
-            if self.state is ModelState.EVICTED:  # no call has started a load meanwhile
-                spare = self.settings.evict_spare_workers
-                extra = [i for i in self.sched.serving() if i in self.workers][spare:]
-                # Out of ``workers`` first: a load that starts while they exit spawns anew.
-                stopping = [self.workers.pop(i) for i in extra]
-                await asyncio.gather(*(h.stop(timeout=self.settings.stop_timeout_s) for h in stopping))
             return True
 
     def release_residency(self) -> bool:
@@ -710,6 +712,10 @@ class ModelRuntime:
         self._evicting = False
         self.stats.evictions += 1
         log.info("model %s: evicted; its weights are released, the next call loads it", self.name)
+        if self.settings.evict_drop_cache:
+            path = weights_file(self.config, self.record.path, self.settings.cache_path)
+            if path is not None:  # off the loop: the kernel may write back or walk many pages
+                self.loop.run_in_executor(None, drop_page_cache, path)
         self.env.memory.released(self)
         self.kick()
         if self.sched.waiting():

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,16 @@ class Restore:
 
     segment: int
     acts: tuple
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident memory in bytes (``RssAnon`` of /proc/self/status):
+    what it holds beyond mapped files, such as the weights' page-cache pages."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no RssAnon line")
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -77,9 +88,13 @@ class Binding:
     """A model resident in this worker (build it with the spec; ``close`` releases it)."""
 
     def __init__(self, ident: int, spec: BindSpec, cache_dir: Path) -> None:
-        """Map the queues and load the weights from the artifact; on any failure, release
-        what was taken (the fds included) and raise."""
+        """Map the queues and the weights (from the artifact's file); with ``spec.measure``,
+        run one batch of zeros at max_batch_size and keep what the load and that batch
+        added to the anonymous memory as ``private_bytes``. On any failure, release what
+        was taken (the fds included) and raise."""
         t0 = time.perf_counter_ns()
+        anon0 = rss_anon()
+        self.private_bytes: int | None = None
         self.ident = ident
         self._fds = spec.fds()
         self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
@@ -105,10 +120,24 @@ class Binding:
             if self.device.type == "cuda":
                 self.stream = torch.cuda.Stream(device=self.device, priority=0)
                 self._pin_queues()
+            self.load_ns = time.perf_counter_ns() - t0
+            if spec.measure:
+                self._warm_up()
+                self.private_bytes = max(0, rss_anon() - anon0)
         except BaseException:
             self.close()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
+
+    def _warm_up(self) -> None:
+        """One batch of zeros at max_batch_size: the activations and scratch memory the
+        largest batch needs are allocated once, so the memory measured after it includes them."""
+        assert self.model is not None
+        n = self.cfg.max_batch_size
+        xs = tuple(torch.from_numpy(np.zeros((n, *t.shape), t.dtype)).to(self.device) for t in self.cfg.inputs)
+        with torch.inference_mode():
+            self.model(*xs)
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
 
     def _pin_queues(self) -> None:
         """Register the queues' shared memory as pinned so one H2D copy moves a batch.

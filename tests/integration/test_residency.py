@@ -53,8 +53,8 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         after = describe(s.tcp)
         assert after["func_id"] == before["func_id"] and after["state"] == "evicted" and after["enabled"]
         assert after["residency"] == ["absent"] * 2 and after["weights_bytes"] == 0
-        # evict_spare_workers (1): one process stays, bound to nothing; the other exited
-        assert after["pids"] == [before["pids"][0], None]
+        # both processes went back to the node's pool of spares: the model holds none
+        assert after["pids"] == [None, None]
         (entry,) = [m for m in h.index() if m["name"] == "twin"]
         assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("evicted")
         assert h.ready()  # an evicted --load model still takes calls
@@ -71,8 +71,9 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         again = describe(s.tcp)
         assert again["func_id"] == before["func_id"] and again["state"] == "ready"
         assert again["residency"] == ["resident"] * 2 and again["weights_bytes"] == before["weights_bytes"]
-        assert again["pids"][0] == before["pids"][0]  # the spare was reused ...
-        assert again["pids"][1] not in (None, before["pids"][1])  # ... and the other instance started anew
+        # one of its processes came back from the pool (the pool keeps one more than its
+        # spare_workers=1 across an eviction); the other instance took the pool's own spare
+        assert None not in again["pids"] and len(set(again["pids"]) & set(before["pids"])) == 1
         (stats,) = h.stats("twin")["model_stats"]
         assert stats["residency"]["loads"] == 4 and stats["residency"]["evictions"] == 1
         assert stats["inference_count"] == 16 and stats["inference_stats"]["fail"]["count"] == 0
