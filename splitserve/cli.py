@@ -150,7 +150,8 @@ _URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
 _TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
                       help="Management token (default: read DATA_DIR/token).")
 _STATE_URL = typer.Option(None, "--url", help="A running server's HTTP URL: add each model's state there "
-                                              "(ready, loading, evicted, unloaded, failed).")
+                                              "(ready, loading, evicted, unloaded, failed), its residency "
+                                              "(RESIDENT, LOADING, EVICTED, FAILED, UNLOADED) and bytes.")
 
 
 def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
@@ -164,22 +165,36 @@ def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
     finally:
         reg.close()
     states: dict[str, str] = {}
+    memory: dict[str, dict] = {}
     if url:
         from splitserve.client.http import HttpClient
 
         with HttpClient(url) as c:
             states = {r.name: c.metadata(r.name)["parameters"]["state"] for r in recs}
+            memory = c.memory()["models"]
+
+    def live(name: str) -> dict:
+        m = memory.get(name, {})
+        return {"state": states[name], "residency": m.get("residency"), "reason": m.get("reason"),
+                "reserved_bytes": m.get("reserved_bytes", 0), "weights_bytes": m.get("weights_bytes", 0)}
+
     if as_json:
         console.print_json(json.dumps([{"name": r.name, "func_id": r.func_id, **r.config.to_dict(),
-                                        **({"state": states[r.name]} if url else {})} for r in recs]))
+                                        **(live(r.name) if url else {})} for r in recs]))
         return
     t = Table("func_id", "name", "inputs", "outputs", "max batch", "instances x threads", "source",
-              *(["state"] if url else []))
+              *(["state", "residency", "bytes"] if url else []))
     for r in recs:
         c = r.config
+        extra = []
+        if url:
+            m = live(r.name)
+            residency = m["residency"] or "EVICTED"
+            extra = [m["state"], f"{residency} ({m['reason']})" if m["reason"] else residency,
+                     str(m["reserved_bytes"] or m["weights_bytes"])]
         t.add_row(str(r.func_id), r.name, ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.inputs),
                   ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.outputs),
-                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *([states[r.name]] if url else []))
+                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *extra)
     console.print(t)
 
 

@@ -191,6 +191,10 @@ class HttpClient:
     def stats(self, model: str | None = None) -> dict:
         return self._get(f"/v2/models/{_m(model)}/stats" if model else "/v2/models/stats")
 
+    def memory(self) -> dict:
+        """``GET /v2/memory``: the memory manager's budget, LRU order and each model's residency."""
+        return self._get("/v2/memory")
+
     def metadata(self, model: str) -> dict:
         """v2 model metadata; its ``parameters`` carry func_id and state (splitserve additions)."""
         return self._get(f"/v2/models/{_m(model)}")

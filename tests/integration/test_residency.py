@@ -56,7 +56,7 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         # both processes went back to the node's pool of spares: the model holds none
         assert after["pids"] == [None, None]
         (entry,) = [m for m in h.index() if m["name"] == "twin"]
-        assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("evicted")
+        assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("EVICTED")
         assert h.ready()  # an evicted --load model still takes calls
         assert h.metadata("twin")["parameters"]["state"] == "evicted"
         listed = CliRunner().invoke(app, ["models", "list", "--json", "--data-dir", str(s.data_dir), "--url", s.http])
