@@ -651,6 +651,8 @@ def _output(p: Params, r: dict[str, Any]) -> ScenarioOutput:
                               fmt(lru[f"{pat}/{p.fig2_models}"]["throughput_rps"], 1), fmt(c["measured"], 2),
                               fmt(c["predicted"], 2), _ok(c["within"])) for pat, c in f["vs_every_request"].items()]),
                    ""]
+        lines.append("lru / load-every-request, measured vs (1+r)/(1+m·r): " + ", ".join(
+            f"{pat} {fmt(c['measured'], 2)} vs {fmt(c['predicted'], 2)}" for pat, c in f["vs_every_request"].items()))
     if "reload_spawn_over_spares" in f:
         x = f["reload_spawn_over_spares"]
         report += ["## B3 (c): reload with a new process against a spare", "",
