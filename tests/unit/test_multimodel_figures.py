@@ -77,3 +77,32 @@ def test_params_refuse_what_cannot_run():
         Params(copies=4, cache=2, accessed=(5,), fig2_models=3, concurrent_models=4)
     with pytest.raises(ValueError, match="unknown variants"):
         Params(variants=("lfu",))
+
+
+def test_drive_interleaves_the_servers_and_checks_every_answer():
+    from splitserve.bench.scenarios.multimodel import Copies, drive
+    from splitserve.client.common import InferResult
+    from splitserve.errors import ModelNotReady
+
+    calls: list[tuple[str, str]] = []
+
+    class Fake:
+        def __init__(self, label: str, answer: dict[str, float]) -> None:
+            self.label, self.answer = label, answer
+
+        def infer_result(self, name: str, x: object) -> InferResult:
+            calls.append((self.label, name))
+            if name not in self.answer:
+                raise ModelNotReady(f"no {name}")
+            return InferResult({"y": np.array([self.answer[name]], np.float32)})
+
+    copies = Copies("lenet", ["a", "b"], [1, 2], None, {"a": [np.array([1.0])], "b": [np.array([2.0])]}, 0)
+    right, swapped = Fake("right", {"a": 1.0, "b": 2.0}), Fake("swapped", {"a": 2.0})
+    evicted: list[str] = []
+    timed = drive([right, swapped], copies, [0, 1, 0], after=evicted.append)
+    assert calls == [("right", "a"), ("swapped", "a"), ("right", "b"), ("swapped", "b"), ("right", "a"),
+                     ("swapped", "a")]
+    assert evicted == ["a", "a", "b", "b", "a", "a"]
+    assert (timed[0].wrong, len(timed[0].errors)) == (0, 0)
+    assert (timed[1].wrong, len(timed[1].errors)) == (2, 1) and "no b" in timed[1].errors[0]
+    assert all(len(t.latency_ms) == 3 for t in timed)

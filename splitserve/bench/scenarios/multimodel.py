@@ -4,8 +4,8 @@
 repository (distinct seeds, so a weight mix-up after a swap is a wrong answer, and every answer
 is checked against that copy's local output). One seeded request sequence per access pattern
 (sequential, uniform, zipf truncated to 1..M) and number of models accessed M is sent at
-concurrency 1 to each variant, each its own server (no-limit's and lru's run side by side, one
-sequence on each in turn, so a machine that slows down for a while slows both alike):
+concurrency 1 to each variant, each its own server (no-limit's and lru's run side by side with
+their requests interleaved, so a machine that slows down for a while slows both alike):
 
 - ``no-limit``: no memory manager, every model resident (the throughput ceiling);
 - ``load-every-request`` (same server): the client evicts the model after each answer;
@@ -137,41 +137,45 @@ class Copies:
 
 @dataclass
 class Timed:
-    """One sequence sent at concurrency 1: per-request latency and what went wrong."""
+    """One sequence sent at concurrency 1: per-request latency, the time it took, what went wrong."""
 
     models: list[int]
     latency_ms: np.ndarray
-    wall_s: float
+    busy_s: float = 0.0  # its requests' latency plus what ran after each answer (``after``)
     wrong: int = 0
     errors: list[str] = field(default_factory=list)
 
     @property
     def throughput_rps(self) -> float:
-        return len(self.models) / self.wall_s if self.wall_s > 0 else 0.0
+        return len(self.models) / self.busy_s if self.busy_s > 0 else 0.0
 
 
-def drive(client: Any, copies: Copies, seq: Sequence[int], after: Callable[[str], None] | None = None) -> Timed:
-    """Send ``seq`` one request at a time (a failed request is counted, not retried); ``after``
-    runs after each answer, inside the wall time but outside the request's latency."""
+def drive(clients: Sequence[Any], copies: Copies, seq: Sequence[int],
+          after: Callable[[str], None] | None = None) -> list[Timed]:
+    """Send ``seq`` to every client (each its own server), one request at a time: request i
+    goes to each client in turn before request i + 1, so a moment when the machine is slow
+    falls on all of them alike. A failed request is counted, not retried; ``after`` runs after
+    each answer, in its client's busy time but not in the request's latency. Throughput is
+    requests over busy time: the other clients' turns are not counted."""
     from splitserve.errors import SplitServeError
 
-    lat = np.empty(len(seq))
-    out = Timed(list(seq), lat, 0.0)
+    out = [Timed(list(seq), np.empty(len(seq))) for _ in clients]
     clock = time.perf_counter
     with gc_paused():
-        start = clock()
         for i, m in enumerate(seq):
             name = copies.names[m]
-            t0 = clock()
-            try:
-                r = client.infer_result(name, copies.sample)
-                out.wrong += not copies.check(name, r.outputs)
-            except (SplitServeError, OSError, TimeoutError) as e:
-                out.errors.append(f"{name}: {type(e).__name__}: {e}")
-            lat[i] = (clock() - t0) * 1e3
-            if after is not None:
-                after(name)
-        out.wall_s = clock() - start
+            for client, timed in zip(clients, out):
+                t0 = clock()
+                try:
+                    r = client.infer_result(name, copies.sample)
+                    timed.wrong += not copies.check(name, r.outputs)
+                except (SplitServeError, OSError, TimeoutError) as e:
+                    timed.errors.append(f"{name}: {type(e).__name__}: {e}")
+                t1 = clock()
+                timed.latency_ms[i] = (t1 - t0) * 1e3
+                if after is not None:
+                    after(name)
+                timed.busy_s += clock() - t0
     return out
 
 
@@ -207,7 +211,7 @@ class Served:
 
     def prime(self, models: Sequence[int]) -> None:
         """Request ``models`` in order (untimed, answers checked), so they are the most recently used."""
-        timed = drive(self.client, self.copies, list(models))
+        (timed,) = drive([self.client], self.copies, list(models))
         if timed.wrong or timed.errors:
             raise RuntimeError(f"priming {[self.copies.names[m] for m in models]}: {timed.wrong} wrong answers, "
                                f"errors {timed.errors[:3]}")
@@ -215,16 +219,24 @@ class Served:
     def evict(self, name: str) -> None:
         self.management.evict(name)
 
-    def cell(self, pattern: str, m: int, seq: list[int], capacity: int | None) -> dict[str, Any]:
-        """Prime, send ``seq``, and compare the server's loads with the reference LRU's misses
-        (``capacity`` None: no limit, nothing may load)."""
+
+def cell(servers: dict[str, tuple[Served, int | None]], pattern: str, m: int,
+         seq: list[int]) -> dict[str, dict[str, Any]]:
+    """One sequence on every server at once (``drive``), each primed first, each server's
+    loads against the reference LRU's misses for its capacity (None: no limit, nothing loads)."""
+    refs, before = {}, {}
+    for label, (s, capacity) in servers.items():
         primed = list(range(m if capacity is None else min(m, capacity)))
-        self.prime(primed)
-        ref = lru_misses(seq, capacity, primed) if capacity is not None else [False] * len(seq)
-        before = self.counts()
-        timed = drive(self.client, self.copies, seq)
-        after = self.counts()
-        return summarise(pattern, m, seq, timed, ref, after[0] - before[0], after[1] - before[1])
+        s.prime(primed)
+        refs[label] = lru_misses(seq, capacity, primed) if capacity is not None else [False] * len(seq)
+        before[label] = s.counts()
+    timed = drive([s.client for s, _ in servers.values()], next(iter(servers.values()))[0].copies, seq)
+    out = {}
+    for (label, (s, _)), t in zip(servers.items(), timed):
+        after = s.counts()
+        out[label] = summarise(pattern, m, seq, t, refs[label], after[0] - before[label][0],
+                               after[1] - before[label][1])
+    return out
 
 
 def summarise(pattern: str, m: int, seq: list[int], timed: Timed, ref: list[bool], loads: int,
@@ -234,7 +246,7 @@ def summarise(pattern: str, m: int, seq: list[int], timed: Timed, ref: list[bool
     return {"pattern": pattern, "models": m, "requests": len(seq), "shares": shares(seq, m),
             "reference_misses": int(miss.sum()), "miss_ratio": float(miss.mean()) if len(seq) else None,
             "loads": loads, "evictions": evictions, "loads_equal_reference": loads == int(miss.sum()),
-            "wall_s": timed.wall_s, "throughput_rps": timed.throughput_rps, "wrong": timed.wrong,
+            "busy_s": timed.busy_s, "throughput_rps": timed.throughput_rps, "wrong": timed.wrong,
             "errors": len(timed.errors), "first_errors": timed.errors[:3],
             "latency_ms": lat_stats(timed.latency_ms), "hit_ms": lat_stats(timed.latency_ms[~miss]),
             "miss_ms": lat_stats(timed.latency_ms[miss]), "_latency": timed.latency_ms, "_miss": miss}
@@ -300,17 +312,16 @@ def _seq(p: Params, pattern: str, m: int, n: int) -> list[int]:
 
 
 def _sweep(ctx: Context, servers: dict[str, tuple[Served, int | None]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every (pattern, M) sequence on every server, one sequence on each in turn, so a machine
-    that slows down for a while slows the ratios' numerator and denominator alike."""
+    """Every (pattern, M) sequence on every server, their requests interleaved (``drive``), so a
+    machine that slows down for a while slows the ratios' numerator and denominator alike."""
     p: Params = ctx.params  # type: ignore[assignment]
     grid = _grid(p)
     out: dict[str, dict[str, dict[str, Any]]] = {label: {} for label in servers}
     with ctx.task(f"{' and '.join(servers)}: {len(grid)} sequences of {p.requests} requests each",
                   len(grid)) as advance:
         for pattern, m in grid:
-            seq = _seq(p, pattern, m, p.requests)
-            for label, (s, capacity) in servers.items():
-                out[label][f"{pattern}/{m}"] = s.cell(pattern, m, seq, capacity)
+            for label, record in cell(servers, pattern, m, _seq(p, pattern, m, p.requests)).items():
+                out[label][f"{pattern}/{m}"] = record
             advance(1)
     return out
 
@@ -326,12 +337,12 @@ def _every_request(ctx: Context, s: Served) -> dict[str, dict[str, Any]]:
                 s.evict(name)
             seq = _seq(p, pattern, m, p.requests)[:p.every_requests]
             before = s.counts()
-            timed = drive(s.client, s.copies, seq, after=s.evict)
+            (timed,) = drive([s.client], s.copies, seq, after=s.evict)
             after = s.counts()
             out[pattern] = summarise(pattern, m, seq, timed, [True] * len(seq), after[0] - before[0],
                                      after[1] - before[1])
             # the client's evict calls: in the wall time, not in any request's latency
-            out[pattern]["evict_ms_mean"] = (timed.wall_s * 1e3 - float(timed.latency_ms.sum())) / max(1, len(seq))
+            out[pattern]["evict_ms_mean"] = (timed.busy_s * 1e3 - float(timed.latency_ms.sum())) / max(1, len(seq))
             adv(1)
     return out
 
@@ -343,7 +354,7 @@ def _spawn_per_load(ctx: Context, s: Served) -> dict[str, Any]:
     seq = [(i + 1) % 2 for i in range(p.spawn_reloads)]
     with ctx.task(f"spawn-per-load: {len(seq)} reloads", 1):
         before = s.counts()
-        timed = drive(s.client, s.copies, seq)
+        (timed,) = drive([s.client], s.copies, seq)
         after = s.counts()
     return summarise("alternate", 2, seq, timed, [True] * len(seq), after[0] - before[0], after[1] - before[1])
 
@@ -384,7 +395,7 @@ def _beside(ctx: Context, s: Served, others: list[int], n: int) -> dict[str, Any
         try:
             done, k = [], 0
             while not stop.is_set():
-                done.append(drive(client, s.copies, [others[k % len(others)]]))
+                done.extend(drive([client], s.copies, [others[k % len(others)]]))
                 moving.set()
                 k += 1
             background.update(requests=len(done), wrong=sum(t.wrong for t in done),
@@ -398,7 +409,7 @@ def _beside(ctx: Context, s: Served, others: list[int], n: int) -> dict[str, Any
     thread.start()
     try:
         moving.wait()  # the second client has answered once: both are running
-        timed = drive(s.client, s.copies, [0] * n)
+        (timed,) = drive([s.client], s.copies, [0] * n)
     finally:
         stop.set()
         thread.join()
