@@ -106,3 +106,10 @@ def test_drive_interleaves_the_servers_and_checks_every_answer():
     assert (timed[0].wrong, len(timed[0].errors)) == (0, 0)
     assert (timed[1].wrong, len(timed[1].errors)) == (2, 1) and "no b" in timed[1].errors[0]
     assert all(len(t.latency_ms) == 3 for t in timed)
+
+
+def test_a_wrong_answer_to_the_b4_background_client_is_a_broken_promise():
+    quiet = {"wrong": 0, "errors": 0, "background": {"requests": 9, "wrong": 0, "errors": 0}}
+    loading = {"wrong": 0, "errors": 0, "background": {"requests": 3, "wrong": 1, "errors": 0}}
+    assert _broken({"overlap": {"quiet": quiet, "loading": loading}}) == [
+        "B4 loading, the other client: 1 wrong answers, 0 errors"]

@@ -391,17 +391,24 @@ def _beside(ctx: Context, s: Served, others: list[int], n: int) -> dict[str, Any
     background: dict[str, Any] = {}
 
     def cycle() -> None:
+        # not through ``drive``: its pause of the collector is process-wide, and the timed
+        # loop in the main thread pauses it already
+        from splitserve.errors import SplitServeError
+
         client = open_sync(ctx.params.transports[0], s.url)
+        counts = {"requests": 0, "wrong": 0, "errors": 0}
         try:
-            done, k = [], 0
             while not stop.is_set():
-                done.extend(drive([client], s.copies, [others[k % len(others)]]))
+                name = s.copies.names[others[counts["requests"] % len(others)]]
+                try:
+                    r = client.infer_result(name, s.copies.sample)
+                    counts["wrong"] += not s.copies.check(name, r.outputs)
+                except (SplitServeError, OSError, TimeoutError):
+                    counts["errors"] += 1
+                counts["requests"] += 1
                 moving.set()
-                k += 1
-            background.update(requests=len(done), wrong=sum(t.wrong for t in done),
-                              errors=sum(len(t.errors) for t in done),
-                              latency_ms=lat_stats(np.concatenate([t.latency_ms for t in done]) if done else []))
         finally:
+            background.update(counts)
             moving.set()
             close_sync(client)
 
@@ -580,9 +587,11 @@ def figures(p: Params, r: dict[str, Any]) -> dict[str, Any]:
 def _broken(r: dict[str, Any]) -> list[str]:
     """Promises the server broke: wrong answers, errors, and lru loads that are not LRU's misses."""
     runs = [(f"{v} {k}", c) for v in ("no-limit", "lru", "load-every-request") for k, c in r.get(v, {}).items()]
-    runs += [(f"B4 {ph}", r["overlap"][ph]) for ph in ("quiet", "loading") if "overlap" in r]
+    runs += [(f"B4 {ph}{who}", x) for ph in ("quiet", "loading") if "overlap" in r
+             for who, x in (("", r["overlap"][ph]), (", the other client", r["overlap"][ph]["background"]))]
     runs += [(sub, r[sub]) for sub in ("spawn-per-load", "concurrent") if sub in r]
-    out = [f"{what}: {c['wrong']} wrong answers, {c['errors']} errors {c.get('first_errors', '')}"
+    out = [f"{what}: {c['wrong']} wrong answers, {c['errors']} errors" + (f" {c['first_errors']}"
+                                                                          if c.get("first_errors") else "")
            for what, c in runs if c["wrong"] or c["errors"]]
     out += [f"lru {k}: {c['loads']} loads, the reference LRU misses {c['reference_misses']}"
             for k, c in r.get("lru", {}).items() if not c["loads_equal_reference"]]
