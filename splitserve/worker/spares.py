@@ -110,10 +110,14 @@ class SparePool:
         return False
 
     async def stop(self) -> None:
-        """Stop every spare and wait for those stopping (with the node)."""
+        """Stop every spare and wait until they are gone (with the node). One still
+        starting holds nothing and would read the STOP only once torch is imported: it is
+        killed at once instead."""
         self.stopped = True
-        for handle in [*self.idle, *self.starting.values()]:
+        for handle in self.idle:
             self._stop(handle)
+        for handle in self.starting.values():
+            self._stop(handle, grace_s=0.0)
         self.idle.clear()
         self.starting.clear()
         if self._stopping:
@@ -124,8 +128,10 @@ class SparePool:
         for handle in [*self.idle, *self.starting.values()]:
             handle.kill(reason)
 
-    def _stop(self, handle: PooledWorker) -> None:
-        task = self.loop.create_task(handle.stop(self.config.stop_timeout_s))
+    def _stop(self, handle: PooledWorker, grace_s: float | None = None) -> None:
+        """Ask ``handle`` to exit (killed after ``grace_s``, default stop_timeout_s)."""
+        grace = self.config.stop_timeout_s if grace_s is None else grace_s
+        task = self.loop.create_task(handle.stop(grace))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 

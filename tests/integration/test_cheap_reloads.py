@@ -34,7 +34,7 @@ def reference(seed: int, x: np.ndarray) -> np.ndarray:
         return build_zoo_model("resnet18", seed)(torch.from_numpy(x))[0].numpy()
 
 
-def test_an_evicted_models_memory_returns_its_reload_binds_a_spare_and_a_recycled_process_serves_another_model(tmp_path):
+def test_evicted_memory_returns_a_reload_binds_a_spare_and_a_recycled_process_serves_another_model(tmp_path):
     repo = tmp_path / "repo"
     write_model(repo, "r18a", "resnet18")
     with (write_model(repo, "r18b", "resnet18") / "config.toml").open("a") as f:

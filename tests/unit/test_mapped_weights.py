@@ -36,8 +36,8 @@ def state_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_header_bytes_of_every_zoo_models_weights_file_are_its_state_dict_bytes(name: str, cache: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_header_bytes_of_every_zoo_models_weights_file_are_its_state_dict_bytes(
+        name: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(digits, "train_digits", digits.digits_net)  # its weights, not its accuracy, matter here
     model = load_artifact("zoo", None, name, 0, cache)  # writes the file on first use
     path = weights_file(zoo_config(name), None, cache)
