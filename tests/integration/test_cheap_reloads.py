@@ -6,13 +6,17 @@ restart so it is not measured again."""
 from __future__ import annotations
 
 import asyncio
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from splitserve.config import ServerConfig
 from splitserve.models import build_zoo_model
 from tests.inproc import quiet_config, run_server, until, write_model
+from tests.integration.test_worker_residency import Queues, Recorder, load, run_and_check, start, unload, zoo
 
 BOUND_S = 120.0  # no scenario needs this long; reaching it means something hangs
 
@@ -92,3 +96,49 @@ def test_a_models_measured_size_survives_a_restart_and_is_not_measured_again(tmp
     assert measured.measured and measured.weights_bytes > 0
     footprint, loads = run_server(cfg, lambda s: asyncio.wait_for(restarted(s), BOUND_S))
     assert footprint == measured and loads == 0  # known before any load of the second server
+
+
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of ``pid`` may run on (``Cpus_allowed_list`` of every task)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                cpus: set[int] = set()
+                for part in line.split(":")[1].strip().split(","):
+                    lo, _, hi = part.partition("-")
+                    cpus.update(range(int(lo), int(hi or lo) + 1))
+                out.append(cpus)
+    return out
+
+
+def test_each_load_places_the_process_anew_all_its_threads_included_and_a_measured_load_reports_its_memory(tmp_path):
+    """A spare is started before anyone knows its instance: the LOAD pins it. A process
+    reused for another placement moves every thread, torch's pool threads included."""
+    cpus = sorted(os.sched_getaffinity(0))
+    q = Queues(zoo("resnet18"), "place-resnet18")
+
+    async def story() -> tuple:
+        owner = Recorder()
+        h = start(owner, tmp_path)
+        try:
+            await owner.next("ready")
+            first_load = await load(owner, h, replace(q.bind(), cpus=[cpus[0]], threads=2, measure=True))
+            await run_and_check(owner, h, q, batch_id=1)  # two threads: torch's pool has started its thread
+            first = thread_cpus(h.pid)
+            await unload(owner, h)
+            second_load = await load(owner, h, replace(q.bind(), cpus=[cpus[-1]], threads=1))
+            await run_and_check(owner, h, q, batch_id=2)
+            return first_load, first, second_load, thread_cpus(h.pid)
+        finally:
+            await h.stop(ServerConfig.stop_timeout_s)
+
+    try:
+        first_load, first, second_load, second = asyncio.run(asyncio.wait_for(story(), BOUND_S))
+    finally:
+        q.close()
+    assert len(first) >= 2 and all(c == {cpus[0]} for c in first), first
+    assert all(c == {cpus[-1]} for c in second), second
+    # activations of a batch of 16 and the runtime's own allocations: measured once, when asked
+    assert first_load.private_bytes is not None and first_load.private_bytes > 0
+    assert second_load.private_bytes is None
