@@ -121,7 +121,7 @@ class Server:
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
         self.footprints = RegistryFootprints(self.registry, cfg.cache_path)
-        self.pool = SparePool(cfg, self.loop, self._start_worker)  # type: ignore[arg-type]
+        self.pool = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)  # type: ignore[arg-type]
         self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier, profile=self._profile,

@@ -33,6 +33,7 @@ class PooledWorker(Protocol):
     pid: int
     alive: bool
     started: bool
+    stopping: bool  # asked to exit
     residency: Residency
     rss_anon_at_start: int | None  # its anonymous RSS when it reported READY
 
@@ -48,10 +49,12 @@ Spawn = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.Ab
 class SparePool:
     """Idle worker processes for the whole node; runs on the event loop."""
 
-    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, spawn: Spawn) -> None:
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, spawn: Spawn,
+                 node_stopping: Callable[[], bool] = lambda: False) -> None:
         self.config = config
         self.loop = loop
         self._spawn = spawn
+        self._node_stopping = node_stopping  # the node is shutting down: nothing new starts
         self.target = config.spare_workers
         # A spare returned by an eviction is kept even when the pool is full, once: the
         # load that the eviction made room for takes it, so no process starts or exits.
@@ -94,7 +97,10 @@ class SparePool:
         """Take back a process whose model was unloaded (``rss_anon``: its anonymous RSS
         after the UNLOAD). It stays as a spare if the pool has room and its memory came
         back to within ``recycle_slack_bytes`` of its level at start; otherwise it is
-        stopped. True if it was kept."""
+        stopped. True if it was kept. One that is being stopped already (its model is
+        unloading for good) is left to that."""
+        if handle.stopping:
+            return False
         start = handle.rss_anon_at_start
         recycled = (not self.stopped and handle.alive and handle.residency is Residency.UNBOUND
                     and start is not None and rss_anon - start <= self.config.recycle_slack_bytes)
@@ -143,7 +149,7 @@ class SparePool:
     def _refill(self) -> None:
         """Start spares until ``spare_workers`` are up or starting (bounded: never more,
         and not after worker_start_attempts spares in a row died before they were up)."""
-        while (not self.stopped and len(self.idle) + len(self.starting) < self.target
+        while (not self.stopped and not self._node_stopping() and len(self.idle) + len(self.starting) < self.target
                and self._failed_starts < self.config.worker_start_attempts):
             ident = next(self._ids)
             handle = self._spawn(self, -ident, self._spec, self.loop)

@@ -30,10 +30,11 @@ class Owner:
 class Pool:
     """A pool over fake workers on a real loop (its stops are tasks), recording each start."""
 
-    def __init__(self, tmp_path: Path, **settings: Any) -> None:
+    def __init__(self, tmp_path: Path, node_stopping: bool = False, **settings: Any) -> None:
         self.started: list[FakeWorker] = []
         cfg = ServerConfig(data_dir=tmp_path, **settings)
-        self.pool = SparePool(cfg, asyncio.get_running_loop(), self.spawn)  # type: ignore[arg-type]
+        self.pool = SparePool(cfg, asyncio.get_running_loop(), self.spawn,  # type: ignore[arg-type]
+                              lambda: node_stopping)
 
     def spawn(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:
         w = FakeWorker(owner, instance, make_spec, loop)
@@ -84,7 +85,7 @@ def test_a_process_given_back_is_kept_only_if_its_memory_came_back_and_the_pool_
     async def story() -> None:
         p = Pool(tmp_path, spare_workers=1, recycle_slack_bytes=32 * MIB)
         owner = Owner()
-        ws = [p.pool.take(owner, i) for i in range(4)]  # type: ignore[arg-type]
+        ws = [p.pool.take(owner, i) for i in range(5)]  # type: ignore[arg-type]
         for w in ws:
             bound_then_unloaded(w)  # type: ignore[arg-type]
         start = ws[0].rss_anon_at_start
@@ -98,6 +99,8 @@ def test_a_process_given_back_is_kept_only_if_its_memory_came_back_and_the_pool_
         await asyncio.sleep(0)  # the stops are tasks
         assert not ws[0].alive and not ws[3].alive and ws[0].stopping and ws[3].stopping
         assert p.pool.take(owner, 9) is ws[2]  # type: ignore[arg-type]  # the last one given back is taken first
+        ws[4].stopping = True  # its model is unloading for good: whoever stops it sees to it
+        assert not p.pool.give_back(ws[4], start) and ws[4].alive and ws[4].owner is owner
         zero = Pool(tmp_path, spare_workers=0)
         w = bound_then_unloaded(zero.pool.take(owner, 0))  # type: ignore[arg-type]
         assert not zero.pool.give_back(w, w.rss_anon_at_start)  # type: ignore[arg-type]  # no pool: every unload exits
@@ -135,6 +138,9 @@ def test_stopping_the_pool_stops_every_spare_and_one_that_comes_up_later(tmp_pat
         p.pool.give_back(bound_then_unloaded(p.pool.take(Owner(), 0)), 0)  # type: ignore[arg-type]
         await asyncio.sleep(0)
         assert p.spares() == []  # nothing is kept or refilled after the stop
+        halting = Pool(tmp_path, node_stopping=True, spare_workers=1)
+        halting.pool.start()
+        assert halting.started == []  # a node that is shutting down starts no spare
 
     run(story)
 
