@@ -69,7 +69,10 @@ def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]
 
 
 def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:
-    """A config with every network front end off (in-process calls only)."""
+    """A config with every network front end off (in-process calls only), and no spare
+    worker processes unless ``spare_workers`` is given: a spare costs a process start
+    (torch's import) that most tests would pay for nothing."""
+    kw.setdefault("spare_workers", 0)
     return ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
 
 

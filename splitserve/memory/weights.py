@@ -65,13 +65,13 @@ def weights_file(config: ModelConfig, model_dir: Path | None, cache_dir: Path) -
 
 def drop_page_cache(path: Path) -> None:
     """Ask the kernel to drop ``path``'s pages from the page cache, so the next load reads
-    it from disk (pages a process still maps stay). A file that is gone is left alone."""
+    it from disk (pages a process still maps stay). Never raises: a file that is gone or
+    refuses the advice is logged and left alone."""
     try:
         fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     except OSError as e:
         log.warning("could not drop %s from the page cache: %s", path, e)
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

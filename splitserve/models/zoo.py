@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ from torch import Tensor, nn
 
 from splitserve.config import env_cache_dir
 from splitserve.errors import UnknownModel
-from splitserve.models import zoo_text, zoo_vision
+from splitserve.models import segmented, zoo_text, zoo_vision
 from splitserve.models.digits import CACHE_FILE as DIGITS_FILE
 from splitserve.models.digits import digits_net, load_or_train_digits
 from splitserve.models.gate import gate_model
@@ -224,11 +227,23 @@ def zoo_skeleton(name: str) -> SegmentedModel:
         return entry.build()
 
 
+@functools.cache
+def _zoo_fingerprint() -> str:
+    """What seeded weights depend on besides the architecture's name and seed: the zoo's
+    code and torch's version (its random streams). A file written under another one is
+    stale even if its tensors have the right names and shapes."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for module in (sys.modules[__name__], zoo_vision, zoo_text, segmented):
+        h.update(Path(inspect.getfile(module)).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def load_zoo_model(name: str, seed: int, cache_dir: Path) -> SegmentedModel:
     """The seeded zoo model ``name`` with its weights mapped from its file under
     ``cache_dir`` (``zoo_weights_path``), which is written first if it is missing or does
-    not hold this architecture and seed (its metadata and its tensors' names, shapes and
-    dtypes are checked, never trusted). Trained models load as ``build_zoo_model`` does.
+    not hold this architecture and seed as this code draws them (its metadata: arch,
+    seed, the zoo's fingerprint; its tensors' names, shapes and dtypes: all are checked,
+    never trusted). Trained models load as ``build_zoo_model`` does.
 
     Processes racing to write the file each write the same bytes to a temporary name and
     rename it into place, so a reader never sees a partial file."""
@@ -237,7 +252,7 @@ def load_zoo_model(name: str, seed: int, cache_dir: Path) -> SegmentedModel:
     if entry.pretrained is not None or path is None:
         return build_zoo_model(name, seed, cache_dir)
     model = zoo_skeleton(name)
-    wanted = {"arch": name, "seed": str(seed)}
+    wanted = {"arch": name, "seed": str(seed), "zoo": _zoo_fingerprint()}
     meta = safetensors_metadata(path) if path.is_file() else None
     if meta is None or {k: meta.get(k) for k in wanted} != wanted or not state_matches(model, path):
         if path.exists():

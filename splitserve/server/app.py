@@ -49,7 +49,7 @@ from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warn
 from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
-from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, RuntimeEnv, WorkerFactory
+from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
@@ -124,11 +124,11 @@ class Server:
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
         self.footprints = RegistryFootprints(self.registry, cfg.cache_path)
-        self.pool = SparePool(cfg, self.loop, self._start_worker)  # type: ignore[arg-type]
+        self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier, profile=self._profile,
-                              stopping=lambda: self.stopping, workers=self.pool,  # type: ignore[arg-type]
+                              stopping=lambda: self.stopping, workers=self.pool,
                               footprints=self.footprints, memory=self.memory)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory)
         # uploads that a crash left half-written are never resumed

@@ -14,6 +14,7 @@ import functools
 import logging
 from pathlib import Path
 
+from splitserve.errors import InvalidInput
 from splitserve.memory.weights import header_bytes, weights_file
 from splitserve.modelconfig import ArtifactKind
 from splitserve.models.zoo import zoo_entry, zoo_skeleton
@@ -49,7 +50,11 @@ class RegistryFootprints:
             return MemoryFootprint(int(stored["weights_bytes"]), int(stored["private_bytes"]), measured=True)
         path = weights_file(record.config, record.path, self.cache_dir)
         if path is not None and path.is_file():
-            return MemoryFootprint(header_bytes(path))
+            try:
+                return MemoryFootprint(header_bytes(path))
+            except InvalidInput as e:  # its load will fail and say why; a size is not known
+                log.warning("model %s: %s", record.name, e)
+                return MemoryFootprint()
         art = record.config.artifact
         if path is not None and art.kind is ArtifactKind.ZOO and zoo_entry(str(art.arch)).pretrained is None:
             return MemoryFootprint(_zoo_state_bytes(str(art.arch)))

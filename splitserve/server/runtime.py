@@ -13,7 +13,8 @@ weights) comes and goes: ``evict`` releases the weights of every instance and th
 call loads them again, while the identity stays untouched.
 
 Workers start bound to nothing and are bound by a LOAD, always: a fresh process and a
-spare one that an eviction kept take the same path, so there is one way to load, one
+spare from the node's pool (``RuntimeEnv.workers``; an eviction gives its processes back
+to it) take the same path, so there is one way to load, one
 timeout (``worker_start_timeout_s``, for the start and again for the LOAD), and one way a
 load fails (``on_load_failed``, with the process left up and reusable). The price, one
 more control message at start, is small beside loading the weights. Each instance's

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from splitserve.config import ServerConfig
 from splitserve.worker.messages import DoneMsg, LoadedMsg, UnloadedMsg
@@ -33,6 +33,7 @@ class PooledWorker(Protocol):
     pid: int
     alive: bool
     started: bool
+    stopping: bool  # asked to exit
     residency: Residency
     rss_anon_at_start: int | None  # its anonymous RSS when it reported READY
 
@@ -41,23 +42,26 @@ class PooledWorker(Protocol):
     async def stop(self, timeout: float) -> None: ...
 
 
-# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
-Spawn = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop], PooledWorker]
+W = TypeVar("W", bound=PooledWorker)
 
 
-class SparePool:
-    """Idle worker processes for the whole node; runs on the event loop."""
+class SparePool(Generic[W]):
+    """Idle worker processes for the whole node; runs on the event loop. ``spawn`` starts
+    one (``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)``, or a fake)."""
 
-    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, spawn: Spawn) -> None:
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop,
+                 spawn: Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop], W],
+                 node_stopping: Callable[[], bool] = lambda: False) -> None:
         self.config = config
         self.loop = loop
         self._spawn = spawn
+        self._node_stopping = node_stopping  # the node is shutting down: nothing new starts
         self.target = config.spare_workers
         # A spare returned by an eviction is kept even when the pool is full, once: the
         # load that the eviction made room for takes it, so no process starts or exits.
         self.capacity = self.target + 1 if self.target else 0
-        self.idle: list[PooledWorker] = []  # up, bound to nothing; the last one given back is taken first
-        self.starting: dict[int, PooledWorker] = {}  # by their pool id, until READY
+        self.idle: list[W] = []  # up, bound to nothing; the last one given back is taken first
+        self.starting: dict[int, W] = {}  # by their pool id, until READY
         self._ids = itertools.count(1)  # a spare reports to the pool as instance -id
         self._failed_starts = 0  # in a row: refilling pauses at worker_start_attempts, until the next take
         self._stopping: set[asyncio.Task] = set()
@@ -72,7 +76,7 @@ class SparePool:
         """Start the first spares (in the background: they report READY when up)."""
         self._refill()
 
-    def take(self, owner: WorkerOwner, instance: int) -> PooledWorker:
+    def take(self, owner: WorkerOwner, instance: int) -> W:
         """A process for ``instance`` of ``owner``, which owns it from now on: an idle
         spare (up: ``residency`` UNBOUND, bind it now), else one still starting, else a
         new process (both report READY to ``owner``)."""
@@ -90,11 +94,14 @@ class SparePool:
         self._refill()
         return handle
 
-    def give_back(self, handle: PooledWorker, rss_anon: int) -> bool:
+    def give_back(self, handle: W, rss_anon: int) -> bool:
         """Take back a process whose model was unloaded (``rss_anon``: its anonymous RSS
         after the UNLOAD). It stays as a spare if the pool has room and its memory came
         back to within ``recycle_slack_bytes`` of its level at start; otherwise it is
-        stopped. True if it was kept."""
+        stopped. True if it was kept. One that is being stopped already (its model is
+        unloading for good) is left to that."""
+        if handle.stopping:
+            return False
         start = handle.rss_anon_at_start
         recycled = (not self.stopped and handle.alive and handle.residency is Residency.UNBOUND
                     and start is not None and rss_anon - start <= self.config.recycle_slack_bytes)
@@ -102,7 +109,7 @@ class SparePool:
         if recycled and len(self.idle) < self.capacity:
             self.idle.append(handle)
             log.info("worker %d recycled as a spare (anonymous RSS %d MiB, %+d MiB from its start)", handle.pid,
-                     rss_anon >> 20, (rss_anon - start) >> 20)  # type: ignore[operator]
+                     rss_anon >> 20, (rss_anon - (start or 0)) >> 20)
             return True
         why = "the pool is full" if recycled else f"its anonymous RSS ({rss_anon >> 20} MiB) did not come back"
         log.info("worker %d exits: %s", handle.pid, why)
@@ -110,10 +117,14 @@ class SparePool:
         return False
 
     async def stop(self) -> None:
-        """Stop every spare and wait for those stopping (with the node)."""
+        """Stop every spare and wait until they are gone (with the node). One still
+        starting holds nothing and would read the STOP only once torch is imported: it is
+        killed at once instead."""
         self.stopped = True
-        for handle in [*self.idle, *self.starting.values()]:
+        for handle in self.idle:
             self._stop(handle)
+        for handle in self.starting.values():
+            self._stop(handle, grace_s=0.0)
         self.idle.clear()
         self.starting.clear()
         if self._stopping:
@@ -124,8 +135,10 @@ class SparePool:
         for handle in [*self.idle, *self.starting.values()]:
             handle.kill(reason)
 
-    def _stop(self, handle: PooledWorker) -> None:
-        task = self.loop.create_task(handle.stop(self.config.stop_timeout_s))
+    def _stop(self, handle: W, grace_s: float | None = None) -> None:
+        """Ask ``handle`` to exit (killed after ``grace_s``, default stop_timeout_s)."""
+        grace = self.config.stop_timeout_s if grace_s is None else grace_s
+        task = self.loop.create_task(handle.stop(grace))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 
@@ -137,14 +150,14 @@ class SparePool:
     def _refill(self) -> None:
         """Start spares until ``spare_workers`` are up or starting (bounded: never more,
         and not after worker_start_attempts spares in a row died before they were up)."""
-        while (not self.stopped and len(self.idle) + len(self.starting) < self.target
+        while (not self.stopped and not self._node_stopping() and len(self.idle) + len(self.starting) < self.target
                and self._failed_starts < self.config.worker_start_attempts):
             ident = next(self._ids)
             handle = self._spawn(self, -ident, self._spec, self.loop)
             self.starting[ident] = handle
             self.loop.call_later(self.config.worker_start_timeout_s, self._start_timed_out, handle)
 
-    def _start_timed_out(self, handle: PooledWorker) -> None:
+    def _start_timed_out(self, handle: W) -> None:
         if handle.alive and not handle.started and any(h is handle for h in self.starting.values()):
             handle.kill(f"spare worker (pid {handle.pid}) was not ready within worker_start_timeout_s")
 
@@ -161,7 +174,7 @@ class SparePool:
         self.idle.append(handle)
         log.info("spare worker %d ready (anonymous RSS %d MiB)", handle.pid, (info.get("rss_anon") or 0) >> 20)
 
-    def on_exit(self, instance: int, handle: PooledWorker) -> None:
+    def on_exit(self, instance: int, handle: W) -> None:
         if self.starting.pop(-instance, None) is not None:
             self._failed_starts += 1
             log.error("spare worker %d exited before it was up", handle.pid)

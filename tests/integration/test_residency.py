@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,8 @@ def describe(url: str) -> dict[str, Any]:
 
 def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_again(server_factory, tmp_path):
     write_model(tmp_path / "repo", "twin", "lenet", "instances = 2")
-    s = server_factory("--repository", str(tmp_path / "repo"), "--load", "twin", http=True)
+    s = server_factory("--repository", str(tmp_path / "repo"), "--load", "twin", http=True,
+                       env={**os.environ, "SPLITSERVE_SPARE_WORKERS": "1"})
     token = (s.data_dir / "token").read_text().strip()
     xs = np.random.default_rng(0).integers(0, 256, (8, 1, 28, 28), dtype=np.uint8)
     want = lenet(xs)

@@ -120,8 +120,8 @@ def unbound_worker(cache_dir: Path) -> Iterator[tuple[Worker, socket.socket]]:
     """A Worker started with no model, and the front end's end of its control socket."""
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
-                      segment_time_weight=ServerConfig.segment_time_weight)
+    spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir),
+                      log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
     w = Worker(spec)
     try:
         yield w, ours
