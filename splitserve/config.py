@@ -129,7 +129,7 @@ class ServerConfig:
     # -- residency: worker processes load and release a model's weights while its identity stays --
     evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
     # memory manager (Rafiqi)
-    memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, a model stays until evicted or unloaded)
+    memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, no manager)
     max_resident_models: int | None = None  # models resident at once (None: no limit)
     max_concurrent_loads: int = 1  # models loading at once under a memory manager (Rafiqi: one)
     spare_workers: int = 1  # node-wide idle worker processes (torch imported) that a load binds
@@ -191,7 +191,8 @@ class ServerConfig:
         if self.max_resident_models is not None and self.max_resident_models < 1:
             raise InvalidInput("max_resident_models must be at least 1 (leave it unset for no limit)")
         if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
-            raise InvalidInput("max_concurrent_loads must be at least 1; spare_workers and recycle_slack_bytes at least 0")
+            raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers and recycle_slack_bytes at "
+                               "least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
