@@ -75,7 +75,7 @@ def serve(
     allow_code_artifacts: bool = typer.Option(
         None, help="Accept TorchScript and torch.export uploads: they run code, so every token holder can."),
     memory_budget: Optional[str] = typer.Option(
-        None, help="Bytes resident models may take (2GiB, 512MiB, 500MB or bytes); the least recently used are evicted."),
+        None, help="Bytes resident models may take (2GiB, 512MiB, 500MB or bytes); the least recently used go."),
     max_resident_models: Optional[int] = typer.Option(None, help="Models resident at once; more load on demand."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""

@@ -127,7 +127,7 @@ class ServerConfig:
     fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
     placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
     # memory manager (Rafiqi)
-    memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, a model stays until evicted or unloaded)
+    memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, no manager)
     max_resident_models: int | None = None  # models resident at once (None: no limit)
     max_concurrent_loads: int = 1  # models loading at once under a memory manager (Rafiqi: one)
     spare_workers: int = 1  # node-wide idle worker processes (torch imported) that a load binds
@@ -187,7 +187,8 @@ class ServerConfig:
         if self.max_resident_models is not None and self.max_resident_models < 1:
             raise InvalidInput("max_resident_models must be at least 1 (leave it unset for no limit)")
         if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
-            raise InvalidInput("max_concurrent_loads must be at least 1; spare_workers and recycle_slack_bytes at least 0")
+            raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers and recycle_slack_bytes at "
+                               "least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",

@@ -391,9 +391,9 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         may evict it."""
         authorize(request)
         body = await _json(request, config.management_body_bytes, {})
-        params = body.get("parameters") if isinstance(body, dict) else None
+        params = body.get("parameters") if isinstance(body, dict) else body
         if params is not None and not isinstance(params, dict):
-            raise InvalidInput(f"parameters must be an object, got {params!r}")
+            raise InvalidInput(f"the body must be an object whose parameters are an object, got {body!r}")
         await manager.load(name, keep_resident=(params or {}).get("keep_resident"))
         return {"name": name, "state": "READY"}
 

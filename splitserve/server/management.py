@@ -451,7 +451,7 @@ class ModelManager:
             elif state == "evicted":
                 reason = "EVICTED (loads on next request)"
             elif state == "unloaded":
-                reason = "EVICTED (not loaded yet; loads on first request)"
+                reason = "EVICTED (not loaded yet; loads on first use)"
             elif state == "loading":
                 reason = "LOADING"
             elif state == "ready":

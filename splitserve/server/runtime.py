@@ -116,6 +116,9 @@ class ModelRuntime:
         self.keep_resident = cfg.memory.keep_resident
         self._asked = False  # residency requested from the node's memory manager, not granted yet
         self._reconfiguring = 0  # placement changes under way: not evictable meanwhile
+        # Loaded for calls that wait and has not dispatched any of them yet: evicting it now
+        # would undo the load before it served anyone (a livelock when models swap fast).
+        self._unserved = False
         self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
         self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
@@ -295,7 +298,9 @@ class ModelRuntime:
         return self.footprint.charge(self.instance_count or self.placer.instances or self.config.instances)
 
     def pinned(self) -> bool:
-        return bool(self._reconfiguring) or any(st.busy for st in self.sched.instances.values())
+        if self._unserved and not self.sched.waiting():
+            self._unserved = False  # the calls it loaded for are gone (deadlines): nothing to serve first
+        return self._unserved or bool(self._reconfiguring) or any(st.busy for st in self.sched.instances.values())
 
     def holds_memory(self) -> bool:
         return self.state in _RUNNING or self._evicting
@@ -428,6 +433,7 @@ class ModelRuntime:
         self._start_failures[instance] = 0
         if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
             self.state = ModelState.READY  # serve as soon as one instance can
+            self._unserved = self.sched.waiting() > 0
         if self.state is ModelState.READY and all(self.sched.instances[i].ready for i in self.sched.serving()):
             self._ready_event.set()  # a load returns when every instance is up
         if self.state is ModelState.READY:
@@ -819,6 +825,7 @@ class ModelRuntime:
         if not batch.resume_segment:
             for r in batch.requests:
                 r.handle.t_dispatch = now
+        self._unserved = False
         self.env.memory.touch(self, now)
         self.node.started(self, batch)
         handle = self.workers.get(batch.instance)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import Client
 from splitserve.client.http import HttpClient
@@ -106,6 +107,12 @@ def test_five_copies_with_room_for_four_swap_right_follow_the_lru_and_keep_the_b
         assert server.model_ready(names[0])  # served without an explicit load, resident or not
         again = (await server.infer(names[0], [xs])).outputs[0]
         after = server.memory.status()
+        samples = {(s.name, s.labels.get("model")): s.value
+                   for f in text_string_to_metric_families(server.metrics_text().decode()) for s in f.samples}
+        assert samples[("splitserve_model_loads_total", names[0])] == 4
+        assert samples[("splitserve_model_evictions_total", names[0])] == 3
+        assert samples[("splitserve_memory_budget_bytes", None)] == budget
+        assert samples[("splitserve_model_load_seconds_count", names[0])] == 4
         return got, reserved, before, after, again
 
     got, reserved, before, after, again = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
@@ -159,6 +166,35 @@ def test_a_preempted_batch_is_not_evicted_until_it_has_resumed_and_finished(tmp_
     assert order == sorted(order), gate_log
     assert ("evict_start", "rtgate") not in log  # keep_resident
     assert log.index(("evict_done", "gate")) < log.index(("load_start", "other"))
+
+
+def test_a_model_loaded_for_waiting_calls_serves_them_before_it_can_be_evicted(tmp_path):
+    """With one place and two models waiting, the first to load is not the next one's
+    victim before it has started a batch (else swaps undo each other before serving)."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gate", "gate")
+    names = lenet_copies(repo, 2)
+    gates = Gates(tmp_path / "cache")
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache", max_resident_models=1,
+                       load=("gate",))
+    x = [np.zeros((1, 1, 28, 28), np.uint8)]
+
+    async def scenario(server):
+        gates.close(1)
+        held = asyncio.ensure_future(server.infer("gate", key(1)))
+        await until(lambda: gates.held(1))  # the one resident model is busy: both copies wait
+        waiting = [asyncio.ensure_future(server.infer(n, x)) for n in names]
+        await until(lambda: server.memory.status()["load_queue"] == names)
+        gates.open(1)
+        await asyncio.gather(held, *waiting)
+        return [(e.kind, e.model) for e in server.coordinator.events]
+
+    try:
+        log = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    finally:
+        gates.open_all()
+    first = names[0]
+    assert log.index(("start", first)) < log.index(("evict_start", first)) < log.index(("load_start", names[1]))
 
 
 def test_a_worker_killed_mid_load_releases_the_reservation_and_the_waiting_calls_are_answered(tmp_path):
@@ -226,6 +262,9 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     async def scenario(server):
         tcp = f"tcp://127.0.0.1:{server.ports['fast_port']}"
         http = f"http://127.0.0.1:{server.ports['http_port']}"
+        token = (server.config.data_dir / "token").read_text().strip()
+        with HttpClient(http, token=token) as h:  # one copy is kept: the other seven share one place
+            await asyncio.to_thread(h.load, names[0], keep_resident=True)
         stop, tally = threading.Event(), []
         threads = [threading.Thread(target=client, args=(i, http if i % 2 else tcp, bool(i % 2), stop, tally))
                    for i in range(clients)]
@@ -236,12 +275,22 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
         await asyncio.gather(*(asyncio.to_thread(t.join) for t in threads))
         await until(lambda: server.monitor.in_flight == 0)
         crashed = [rt.name for rt in server.runtimes.values() if rt.stats.failure]
-        return tally, server.memory.status(), crashed
+        with HttpClient(http) as h:
+            status = await asyncio.to_thread(h.memory)
+            ready = await asyncio.to_thread(lambda: [h.ready(n) for n in names])
+        return tally, status, crashed, ready
 
-    tally, status, failed = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), SWAP_S + 180))
+    tally, status, failed, ready = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), SWAP_S + 180))
     assert len(tally) == clients
     assert sum(t[0] for t in tally) == sum(t[1] for t in tally) > clients, [t[3][:3] for t in tally if t[3]]
     assert not [w for t in tally for w in t[2]]
     assert not failed
     assert status["loads"] > len(names) and status["evictions"] > 0  # it really swapped
-    assert len(status["lru"]) <= 2
+    assert len(status["lru"]) <= 2 and names[0] in status["lru"]
+    assert status["models"][names[0]]["keep_resident"] and status["models"][names[0]]["evictions"] == 0
+    assert all(ready)  # every copy is ready (served without an explicit load), resident or not
+    assert set(status) == {"budget_bytes", "max_resident_models", "max_concurrent_loads", "reserved_bytes",
+                           "resident_bytes", "lru", "loading", "load_queue", "spares", "loads", "evictions", "models"}
+    assert set(names) <= set(status["models"]) and set(status["models"][names[0]]) == {
+        "residency", "reason", "weights_bytes", "private_bytes", "reserved_bytes", "instances", "loads", "evictions",
+        "last_load_ms", "keep_resident", "last_used_s_ago"}

@@ -63,7 +63,8 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         assert h.metadata("twin")["parameters"]["state"] == "evicted"
         listed = CliRunner().invoke(app, ["models", "list", "--json", "--data-dir", str(s.data_dir), "--url", s.http])
         assert listed.exit_code == 0, listed.output
-        assert [m["state"] for m in json.loads(listed.output) if m["name"] == "twin"] == ["evicted"]
+        assert [(m["state"], m["residency"]) for m in json.loads(listed.output) if m["name"] == "twin"] == [
+            ("evicted", "EVICTED")]
 
         # Calls for a model that is not resident queue, load it and are answered right.
         calls = [c.submit("twin", x) for x in xs]
