@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from splitserve.config import ServerConfig, default_data_dir
+from splitserve.config import ServerConfig, default_data_dir, parse_bytes
 from splitserve.placement.packrat import PlacementKind
 from splitserve.scheduler.model_scheduler import RtPolicy
 from splitserve.scheduler.priority import PriorityMode
@@ -74,11 +74,15 @@ def serve(
     log_level: Optional[str] = typer.Option(None, help="DEBUG, INFO, WARNING or ERROR (default: INFO)."),
     allow_code_artifacts: bool = typer.Option(
         None, help="Accept TorchScript and torch.export uploads: they run code, so every token holder can."),
+    memory_budget: Optional[str] = typer.Option(
+        None, help="Bytes resident models may take (2GiB, 512MiB, 500MB or bytes); the least recently used go."),
+    max_resident_models: Optional[int] = typer.Option(None, help="Models resident at once; more load on demand."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
                  rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts,
-                 log_level=log_level.upper() if log_level else None)
+                 log_level=log_level.upper() if log_level else None, max_resident_models=max_resident_models,
+                 memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None)
     cfg = ServerConfig.from_env(
         host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
         data_dir=data_dir or default_data_dir(), load=tuple(load),
@@ -146,7 +150,8 @@ _URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
 _TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
                       help="Management token (default: read DATA_DIR/token).")
 _STATE_URL = typer.Option(None, "--url", help="A running server's HTTP URL: add each model's state there "
-                                              "(ready, loading, evicted, unloaded, failed).")
+                                              "(ready, loading, evicted, unloaded, failed), its residency "
+                                              "(RESIDENT, LOADING, EVICTED, FAILED, UNLOADED) and bytes.")
 
 
 def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
@@ -160,22 +165,36 @@ def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
     finally:
         reg.close()
     states: dict[str, str] = {}
+    memory: dict[str, dict] = {}
     if url:
         from splitserve.client.http import HttpClient
 
         with HttpClient(url) as c:
             states = {r.name: c.metadata(r.name)["parameters"]["state"] for r in recs}
+            memory = c.memory()["models"]
+
+    def live(name: str) -> dict:
+        m = memory.get(name, {})
+        return {"state": states[name], "residency": m.get("residency"), "reason": m.get("reason"),
+                "reserved_bytes": m.get("reserved_bytes", 0), "weights_bytes": m.get("weights_bytes", 0)}
+
     if as_json:
         console.print_json(json.dumps([{"name": r.name, "func_id": r.func_id, **r.config.to_dict(),
-                                        **({"state": states[r.name]} if url else {})} for r in recs]))
+                                        **(live(r.name) if url else {})} for r in recs]))
         return
     t = Table("func_id", "name", "inputs", "outputs", "max batch", "instances x threads", "source",
-              *(["state"] if url else []))
+              *(["state", "residency", "bytes"] if url else []))
     for r in recs:
         c = r.config
+        extra = []
+        if url:
+            m = live(r.name)
+            residency = m["residency"] or "EVICTED"
+            extra = [m["state"], f"{residency} ({m['reason']})" if m["reason"] else residency,
+                     str(m["reserved_bytes"] or m["weights_bytes"])]
         t.add_row(str(r.func_id), r.name, ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.inputs),
                   ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.outputs),
-                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *([states[r.name]] if url else []))
+                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *extra)
     console.print(t)
 
 

@@ -30,6 +30,27 @@ def _env(name: str, default: Any, kind: type) -> Any:
         raise InvalidInput(f"SPLITSERVE_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
 
 
+def parse_bytes(raw: "str | int", what: str) -> int:
+    """A size as a user writes it (``2GiB``, ``512MiB``, ``500MB``, or plain bytes)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(raw.strip() if isinstance(raw, str) else raw))
+    except ValidationError:
+        raise InvalidInput(f"{what}={raw!r} is not a size: write e.g. 2GiB, 512MiB, 500MB or plain bytes") from None
+
+
+def _parse_int(raw: str, what: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidInput(f"{what}={raw!r} is not a valid int") from None
+
+
+# Fields whose default is None read their SPLITSERVE_* variable with these parsers.
+_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "max_resident_models": _parse_int}
+
+
 def default_data_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_DATA_DIR") or Path.cwd() / ".splitserve")
 
@@ -105,9 +126,14 @@ class ServerConfig:
     packrat_default_share: float = 0.5  # share of the free CPUs a Packrat model without placement.threads takes at load
     fixed_cpus_shared: bool = True  # fixed instances without configured cpus share CPUs among themselves (never Packrat's)
     placement_history: int = 100  # changes of placement each model remembers for /v2/models/{name}/placement
-    # -- residency: worker processes load and release a model's weights while its identity stays --
-    evict_spare_workers: int = 1  # processes an evicted model keeps, bound to nothing, for a fast re-load
-    # -- Triton and KServe drop-in: gRPC streaming --
+    # memory manager (Rafiqi)
+    memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, no manager)
+    max_resident_models: int | None = None  # models resident at once (None: no limit)
+    max_concurrent_loads: int = 1  # models loading at once under a memory manager (Rafiqi: one)
+    spare_workers: int = 1  # node-wide idle worker processes (torch imported) that a load binds
+    recycle_slack_bytes: int = 32 << 20  # a worker this close to a fresh spare's anonymous RSS after UNLOAD is reused
+    evict_drop_cache: bool = False  # drop an evicted model's weight file from the page cache (an honest disk tier)
+    # Triton and KServe drop-in: gRPC streaming
     grpc_stream_max_in_flight: int = 64  # unanswered calls per ModelStreamInfer stream; reading pauses at the cap
 
     def __post_init__(self) -> None:
@@ -132,6 +158,10 @@ class ServerConfig:
             current = getattr(base, f.name)
             if isinstance(current, (bool, int, float, str)) and not isinstance(current, tuple):
                 values[f.name] = _env(f.name, current, type(current))
+        for name, parse in _OPTIONAL_PARSERS.items():
+            raw = os.environ.get(f"SPLITSERVE_{name.upper()}")
+            if raw:
+                values[name] = parse(raw, f"SPLITSERVE_{name.upper()}")
         values.update(overrides)
         cfg = replace(base, **values)
         return cfg.checked()
@@ -154,8 +184,13 @@ class ServerConfig:
                      "placement_history", "grpc_stream_max_in_flight"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
-        if self.evict_spare_workers < 0:
-            raise InvalidInput("evict_spare_workers must be at least 0")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise InvalidInput("memory_budget_bytes must be at least 1 byte (leave it unset for no limit)")
+        if self.max_resident_models is not None and self.max_resident_models < 1:
+            raise InvalidInput("max_resident_models must be at least 1 (leave it unset for no limit)")
+        if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
+            raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers and recycle_slack_bytes at "
+                               "least 0")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
@@ -166,6 +201,11 @@ class ServerConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidInput(f"{name} must be in (0, 1]")
         return self
+
+    @property
+    def memory_managed(self) -> bool:
+        """Whether a memory manager decides residency (a byte budget or a model count is set)."""
+        return self.memory_budget_bytes is not None or self.max_resident_models is not None
 
     @property
     def cache_path(self) -> Path:

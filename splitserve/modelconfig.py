@@ -18,6 +18,8 @@ fills in inputs and outputs)::
     rule = "ewma"                 # adaptive: "ewma" | "aimd" (t += arrivals) | "fixed" (t = cap)
     adaptive_quantum = false      # adaptive: the quantum follows the batch compute time
     quantum_beta = 0.5            # adaptive_quantum: old quantum's weight in that average
+    [memory]
+    keep_resident = false         # under a memory budget: never evicted (loaded on first use, then kept)
     [artifact]
     kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export" (code: see below)
     arch = "lenet"                # zoo architecture (zoo and safetensors kinds)
@@ -43,7 +45,7 @@ from splitserve.errors import InvalidInput
 from splitserve.scheduler.policy import BatchingConfig
 from splitserve.types import Choice, TensorSpec
 
-__all__ = ["ArtifactConfig", "ArtifactKind", "BatchingConfig", "ModelConfig", "check_model_name"]
+__all__ = ["ArtifactConfig", "ArtifactKind", "BatchingConfig", "MemoryConfig", "ModelConfig", "check_model_name"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -96,6 +98,17 @@ class ArtifactConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """``[memory]``: how the node's memory manager treats the model."""
+
+    keep_resident: bool = False  # never chosen for eviction (an operator's explicit evict still is)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_resident, bool):
+            raise InvalidInput(f"memory.keep_resident must be true or false, got {self.keep_resident!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the server needs to serve one model."""
 
@@ -111,6 +124,7 @@ class ModelConfig:
     default_class: str = "be"
     queue_slots: int | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "packrat", "threads": 2}
     # REEF's device-queue capacity c: segments launched ahead of the one known finished
     # (None: 4 on a GPU, where launches are asynchronous; 1 on the CPU, where they are not).
@@ -192,6 +206,7 @@ class ModelConfig:
             if not isinstance(batching, dict):
                 raise InvalidInput(f"model {d.get('name')!r}: [batching] must be a table, got {batching!r}")
             batching = BatchingConfig().changed(batching)
+            memory = MemoryConfig(**d.pop("memory", {}))
         except TypeError as e:
             raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
         inputs = d.pop("inputs", None)
@@ -211,6 +226,7 @@ class ModelConfig:
                 outputs=tuple(TensorSpec.from_dict(t) for t in outputs),
                 artifact=art,
                 batching=batching,
+                memory=memory,
                 labels=tuple(d.pop("labels", ())),
                 cpus=tuple(int(c) for c in d.pop("cpus", ())),
                 **d,

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS func_ids (name TEXT PRIMARY KEY, func_id INTEGER UNIQ
 CREATE TABLE IF NOT EXISTS profiles (
     model    TEXT NOT NULL,
     machine  TEXT NOT NULL,
-    kind     TEXT NOT NULL,          -- latency | segments
+    kind     TEXT NOT NULL,          -- latency | segments | memory
     data     TEXT NOT NULL,
     created  REAL NOT NULL,
     PRIMARY KEY (model, machine, kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ __all__ = ["CACHE", "ROOT", "ServerProcess", "start_server"]
 
 
 def start_server(data_dir: Path, *args: str, **kw: Any) -> ServerProcess:
-    """``launcher.start_server`` with the tests' shared weight cache and working directory."""
+    """``launcher.start_server`` with the tests' shared weight cache and working directory,
+    and no spare worker processes unless ``env`` says otherwise (see ``inproc.quiet_config``)."""
     kw.setdefault("cache_dir", CACHE)
     kw.setdefault("cwd", ROOT)
+    kw.setdefault("env", {**os.environ, "SPLITSERVE_SPARE_WORKERS": "0"})
     return launcher.start_server(data_dir, *args, **kw)
 
 
@@ -38,7 +41,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server_factory(tmp_path: Path) -> Iterator:
     started: list[ServerProcess] = []
 
-    def make(*args: str, data_dir: Path | None = None, **kw: bool) -> ServerProcess:
+    def make(*args: str, data_dir: Path | None = None, **kw: Any) -> ServerProcess:
         s = start_server(data_dir or tmp_path / "data", *args, **kw)
         started.append(s)
         return s

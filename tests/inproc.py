@@ -30,13 +30,13 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
     outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(instance=0, cpus=sorted(os.sched_getaffinity(0)), threads=threads, ctrl_fd=theirs.detach(),
-                      flag_fd=flag.fd, cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
-                      segment_time_weight=ServerConfig.segment_time_weight)
+    spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir),
+                      log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
     w = Worker(spec)
     # the binding owns the fds it is given: it gets copies, the queues here keep theirs
     queues = QueueFds(n, [os.dup(q.fd) for q in ins], [os.dup(q.fd) for q in outs])
-    w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): queues}, cfg.capacity)))
+    w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): queues}, cfg.capacity,
+                               cpus=sorted(os.sched_getaffinity(0)), threads=threads)))
     try:
         yield w, flag, ins, outs
     finally:
@@ -69,7 +69,10 @@ def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]
 
 
 def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:
-    """A config with every network front end off (in-process calls only)."""
+    """A config with every network front end off (in-process calls only), and no spare
+    worker processes unless ``spare_workers`` is given: a spare costs a process start
+    (torch's import) that most tests would pay for nothing."""
+    kw.setdefault("spare_workers", 0)
     return ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
 
 

@@ -10,10 +10,11 @@ for them.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,11 +28,13 @@ EVENT_LIMIT = 100_000  # scheduler events fetched per request (the server keeps 
 
 @contextmanager
 def own_server(ctx: Context, label: str, args: Sequence[str],
-               prepare: Callable[[Path], None] | None = None) -> Iterator[ServerProcess]:
+               prepare: Callable[[Path], None] | None = None,
+               env: Mapping[str, str] | None = None) -> Iterator[ServerProcess]:
     """A server of this scenario's own (HTTP on, for the introspection endpoints), stopped on
     exit with its log kept in the results folder as ``server-<label>.log``.
 
-    ``prepare(data_dir)`` runs before the start, e.g. to store profiles in its registry.
+    ``prepare(data_dir)`` runs before the start, e.g. to store profiles in its registry;
+    ``env`` adds ``SPLITSERVE_*`` settings that have no command-line flag.
     """
     from splitserve.launcher import start_server
 
@@ -43,9 +46,11 @@ def own_server(ctx: Context, label: str, args: Sequence[str],
         if prepare is not None:
             prepare(data)
         with ctx.task(f"{label}: starting a server", 1):
-            server = start_server(data, *args, http=True, timeout=ctx.start_timeout_s, log_level="WARNING")
+            server = start_server(data, *args, http=True, timeout=ctx.start_timeout_s, log_level="WARNING",
+                                  env={**os.environ, **env} if env else None)
         ctx.server_info.setdefault("started_by_bench", True)
-        ctx.server_info.setdefault("servers", {})[label] = {"args": list(args), "urls": server.urls}
+        ctx.server_info.setdefault("servers", {})[label] = {"args": list(args), "env": dict(env or {}),
+                                                            "urls": server.urls}
         try:
             yield server
         finally:

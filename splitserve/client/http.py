@@ -122,6 +122,10 @@ def _register_files(model_dir: Path) -> tuple[str, dict[str, tuple[str, bytes, s
     return name, files
 
 
+def _load_body(keep_resident: bool | None) -> dict[str, Any] | None:
+    return None if keep_resident is None else {"parameters": {"keep_resident": keep_resident}}
+
+
 def _auth(token: str | None) -> dict[str, str]:
     if not token:
         raise Unauthorized("management calls need the server's token (the file DATA_DIR/token)")
@@ -191,6 +195,10 @@ class HttpClient:
     def stats(self, model: str | None = None) -> dict:
         return self._get(f"/v2/models/{_m(model)}/stats" if model else "/v2/models/stats")
 
+    def memory(self) -> dict:
+        """``GET /v2/memory``: the memory manager's budget, LRU order and each model's residency."""
+        return self._get("/v2/memory")
+
     def metadata(self, model: str) -> dict:
         """v2 model metadata; its ``parameters`` carry func_id and state (splitserve additions)."""
         return self._get(f"/v2/models/{_m(model)}")
@@ -220,9 +228,12 @@ class HttpClient:
         _raise_for(self.http.delete(f"/v2/repository/models/{_m(model)}", headers=_auth(token or self.token)))
         self._models.pop(model, None)
 
-    def load(self, model: str, token: str | None = None, timeout: float = REGISTER_TIMEOUT_S) -> None:
+    def load(self, model: str, token: str | None = None, timeout: float = REGISTER_TIMEOUT_S,
+             keep_resident: bool | None = None) -> None:
+        """Load ``model`` and wait until it serves; ``keep_resident`` (None: unchanged) sets
+        whether the server's memory manager may evict it."""
         _raise_for(self.http.post(f"/v2/repository/models/{_m(model)}/load", headers=_auth(token or self.token),
-                                  timeout=timeout))
+                                  timeout=timeout, json=_load_body(keep_resident)))
 
     def unload(self, model: str, token: str | None = None) -> None:
         _raise_for(self.http.post(f"/v2/repository/models/{_m(model)}/unload", headers=_auth(token or self.token)))
@@ -291,9 +302,9 @@ class AsyncHttpClient:
         _raise_for(r)
         return r.json()
 
-    async def load(self, model: str, token: str | None = None) -> None:
-        _raise_for(await self.http.post(f"/v2/repository/models/{_m(model)}/load",
-                                        headers=_auth(token or self.token), timeout=REGISTER_TIMEOUT_S))
+    async def load(self, model: str, token: str | None = None, keep_resident: bool | None = None) -> None:
+        _raise_for(await self.http.post(f"/v2/repository/models/{_m(model)}/load", headers=_auth(token or self.token),
+                                        timeout=REGISTER_TIMEOUT_S, json=_load_body(keep_resident)))
 
     async def unload(self, model: str, token: str | None = None) -> None:
         _raise_for(await self.http.post(f"/v2/repository/models/{_m(model)}/unload",

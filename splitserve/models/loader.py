@@ -23,7 +23,7 @@ from torch import nn
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactKind
 from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
-from splitserve.models.zoo import build_zoo_model, init_zoo_model
+from splitserve.models.zoo import build_zoo_model, load_zoo_model, zoo_skeleton
 
 __all__ = ["load_artifact", "save_safetensors"]
 
@@ -71,8 +71,11 @@ def load_artifact(kind: ArtifactKind | str, path: Path | None, arch: str | None,
                   cache_dir: Path | None = None) -> SegmentedModel:
     """Load the model an artifact describes, in eval mode.
 
-    ``arch`` names the zoo architecture for ``zoo`` and ``safetensors``; ``seed`` and
-    ``cache_dir`` are passed to ``build_zoo_model`` for ``zoo``. Raises UnknownModel for
+    ``arch`` names the zoo architecture for ``zoo`` and ``safetensors``. Their weights are
+    mapped from a safetensors file, never copied: the artifact's own, or for ``zoo`` the
+    seeded weights' file under ``cache_dir`` (written on first use; without a
+    ``cache_dir`` the model is built in memory from its seed). TorchScript and export
+    artifacts load as their formats do (a copy in this process). Raises UnknownModel for
     an unknown architecture and InvalidInput for an unknown kind or an unreadable or
     mismatched file.
     """
@@ -80,13 +83,13 @@ def load_artifact(kind: ArtifactKind | str, path: Path | None, arch: str | None,
     if kind.zoo_arch and not arch:
         raise InvalidInput(f"a '{kind}' artifact needs an architecture name (arch)")
     if kind is ArtifactKind.ZOO:
-        return build_zoo_model(str(arch), seed, cache_dir)
+        return build_zoo_model(str(arch), seed) if cache_dir is None else load_zoo_model(str(arch), seed, cache_dir)
     file = _existing_file(kind, path)
     logger.info("loading %s artifact %s", kind, file)
     if kind is ArtifactKind.SAFETENSORS:
-        model = init_zoo_model(str(arch), seed)
+        model = zoo_skeleton(str(arch))
         load_safetensors(model, file)
-        return model
+        return model.eval()
     if kind is ArtifactKind.TORCHSCRIPT:
         return _load_torchscript(file)
     return _load_export(file)

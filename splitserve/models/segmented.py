@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -27,6 +27,11 @@ from splitserve.errors import InvalidInput
 logger = logging.getLogger(__name__)
 
 Acts = tuple[Tensor, ...]
+
+# safetensors' dtype names (a header's "dtype") as torch dtypes
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 # Cost model of balanced_segments, in multiply-accumulate units, fitted on one CPU core.
 # Besides its arithmetic, each leaf module call pays a fixed overhead (dispatch and the
@@ -223,7 +228,16 @@ def save_safetensors(model: nn.Module, path: Path, metadata: dict[str, str] | No
 
 
 def load_safetensors(model: nn.Module, path: Path) -> None:
-    """Load weights from a safetensors file into ``model``; every key must match exactly.
+    """Make ``model``'s parameters and buffers views of the safetensors file ``path``; every
+    key must match exactly.
+
+    The file is memory-mapped (copy on write), not read: the tensors page in from the page
+    cache as they are used, every process mapping the file shares those pages, and
+    dropping the model unmaps them. ``load_state_dict(assign=True)`` keeps each module's
+    own tensor properties (requires_grad) but takes the file's tensors as they are, so a
+    tensor whose dtype differs from the module's is cast here (a private copy) to keep
+    the module's dtype, as a copying load would. Tied weights come back untied (each key
+    is its own tensor, equal in value), like any safetensors round trip.
 
     Raises InvalidInput when the file cannot be read or its keys or shapes do not match
     the architecture, naming the missing and unexpected keys.
@@ -232,15 +246,43 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
         state = load_file(str(path), device="cpu")
     except (SafetensorError, OSError) as e:
         raise InvalidInput(f"{path}: not a readable safetensors file ({e})") from None
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
         raise InvalidInput(
             f"{path} does not match the architecture: missing keys {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
             f"{' ...' if len(unexpected) > 10 else ''}"
         )
+    state = {k: t if t.dtype == own[k].dtype else t.to(own[k].dtype) for k, t in state.items()}
     try:
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # same keys, wrong shapes
         raise InvalidInput(f"{path} does not match the architecture: {e}") from None
+
+
+def state_matches(model: nn.Module, path: Path) -> bool:
+    """Whether the safetensors file ``path`` holds exactly ``model``'s keys, with the same
+    shapes and dtypes (read from its header: no tensor is loaded). False if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            own = model.state_dict()
+            if keys != own.keys():
+                return False
+            for k in keys:
+                s = f.get_slice(k)
+                if tuple(s.get_shape()) != tuple(own[k].shape) or _DTYPES.get(s.get_dtype()) != own[k].dtype:
+                    return False
+    except (SafetensorError, OSError):
+        return False
+    return True
+
+
+def safetensors_metadata(path: Path) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file, or None if it has none or is unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata()
+    except (SafetensorError, OSError):
+        return None

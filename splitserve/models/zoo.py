@@ -9,8 +9,13 @@ trained once and cached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import hashlib
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +24,12 @@ from torch import Tensor, nn
 
 from splitserve.config import env_cache_dir
 from splitserve.errors import UnknownModel
-from splitserve.models import zoo_text, zoo_vision
+from splitserve.models import segmented, zoo_text, zoo_vision
+from splitserve.models.digits import CACHE_FILE as DIGITS_FILE
 from splitserve.models.digits import digits_net, load_or_train_digits
 from splitserve.models.gate import gate_model
-from splitserve.models.segmented import SegmentedModel
+from splitserve.models.segmented import (SegmentedModel, load_safetensors, safetensors_metadata, save_safetensors,
+                                         state_matches)
 from splitserve.types import TensorSpec
 
 
@@ -33,8 +40,9 @@ class ZooEntry:
     ``build`` constructs the architecture with freshly initialised weights drawn from the
     global RNG; call ``build_zoo_model`` instead for seeded weights. ``pretrained``, when
     set, builds the model from what is kept under the given cache directory (trained
-    weights; the gate's release files). ``builtin`` entries are registered by every
-    server; the others only where a repository names them.
+    weights; the gate's release files); ``cached_weights`` names the safetensors file
+    there that holds its weights, if it has any. ``builtin`` entries are registered by
+    every server; the others only where a repository names them.
     """
 
     name: str
@@ -45,6 +53,7 @@ class ZooEntry:
     build: Callable[[], SegmentedModel]
     pretrained: Callable[[Path], SegmentedModel] | None = None
     builtin: bool = True
+    cached_weights: str | None = None
 
     @property
     def request_bytes(self) -> int:
@@ -132,7 +141,7 @@ _ENTRIES = (
     ZooEntry("digits", "Small CNN trained on scikit-learn's 8x8 digits (inputs scaled 0..16 -> 0..1), "
              "3 segments; about 98% test accuracy.",
              (_spec("image", "FP32", 1, 8, 8),), (_spec("logits", "FP32", 10),), 32,
-             digits_net, pretrained=load_or_train_digits),
+             digits_net, pretrained=load_or_train_digits, cached_weights=DIGITS_FILE),
     ZooEntry("gate", "For fault tests: holds each sample while the file <cache dir>/gates/<key> exists, "
              "then returns its key; 2 segments. Not a built-in model: register it through a repository.",
              (_spec("key", "INT64", 1),), (_spec("key", "INT64", 1),), 8, gate_model, pretrained=gate_model,
@@ -140,6 +149,12 @@ _ENTRIES = (
 )
 
 ZOO: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}
+
+logger = logging.getLogger(__name__)
+
+# Under the cache directory: the seeded zoo models' weights, one safetensors file per
+# architecture and seed, written once so that every model's weights are a file to map.
+WEIGHTS_DIR = "weights"
 
 
 def zoo_entry(name: str) -> ZooEntry:
@@ -175,3 +190,74 @@ def build_zoo_model(name: str, seed: int = 0, cache_dir: Path | None = None) -> 
             cache_dir = env_cache_dir() or Path.home() / ".cache" / "splitserve"
         return entry.pretrained(cache_dir)
     return init_zoo_model(name, seed)
+
+
+def zoo_weights_path(name: str, seed: int, cache_dir: Path) -> Path | None:
+    """The safetensors file that holds the zoo model ``name``'s weights under ``cache_dir``
+    (it may not be written yet): ``weights/<name>-seed<seed>.safetensors`` for seeded
+    models, the trained cache for trained ones; None for a model without weights in a
+    file (the gate)."""
+    entry = zoo_entry(name)
+    if entry.pretrained is not None:
+        return Path(cache_dir) / entry.cached_weights if entry.cached_weights else None
+    return Path(cache_dir) / WEIGHTS_DIR / f"{name}-seed{seed}.safetensors"
+
+
+@contextlib.contextmanager
+def _init_skipped() -> Iterator[None]:
+    """Modules built inside get uninitialised tensors: ``torch.nn.init``'s in-place
+    initialisers do nothing (modules call them through the module, so this reaches every
+    ``reset_parameters``). For skeletons whose tensors are replaced by a file's at once;
+    the meta device would do too, but costs seconds on its first use in a process."""
+    inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    for n in inits:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in inits.items():
+            setattr(nn.init, n, f)
+
+
+def zoo_skeleton(name: str) -> SegmentedModel:
+    """The architecture ``name`` with uninitialised tensors (no random init paid), to be
+    given its weights by ``load_safetensors``."""
+    entry = zoo_entry(name)
+    with _init_skipped():
+        return entry.build()
+
+
+@functools.cache
+def _zoo_fingerprint() -> str:
+    """What seeded weights depend on besides the architecture's name and seed: the zoo's
+    code and torch's version (its random streams). A file written under another one is
+    stale even if its tensors have the right names and shapes."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for module in (sys.modules[__name__], zoo_vision, zoo_text, segmented):
+        h.update(Path(inspect.getfile(module)).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_zoo_model(name: str, seed: int, cache_dir: Path) -> SegmentedModel:
+    """The seeded zoo model ``name`` with its weights mapped from its file under
+    ``cache_dir`` (``zoo_weights_path``), which is written first if it is missing or does
+    not hold this architecture and seed as this code draws them (its metadata: arch,
+    seed, the zoo's fingerprint; its tensors' names, shapes and dtypes: all are checked,
+    never trusted). Trained models load as ``build_zoo_model`` does.
+
+    Processes racing to write the file each write the same bytes to a temporary name and
+    rename it into place, so a reader never sees a partial file."""
+    entry = zoo_entry(name)
+    path = zoo_weights_path(name, seed, cache_dir)
+    if entry.pretrained is not None or path is None:
+        return build_zoo_model(name, seed, cache_dir)
+    model = zoo_skeleton(name)
+    wanted = {"arch": name, "seed": str(seed), "zoo": _zoo_fingerprint()}
+    meta = safetensors_metadata(path) if path.is_file() else None
+    if meta is None or {k: meta.get(k) for k in wanted} != wanted or not state_matches(model, path):
+        if path.exists():
+            logger.warning("rewriting %s: it does not hold the weights of %s seed %d", path, name, seed)
+        save_safetensors(init_zoo_model(name, seed), path, metadata=wanted)
+        logger.info("wrote the weights of %s seed %d to %s", name, seed, path)
+    load_safetensors(model, path)
+    return model.eval()

@@ -5,7 +5,8 @@ Nothing below this module imports it. The parts: the fast-path transports and th
 and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
 ``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
 ``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
-CPUs) with the ``PlacementApplier`` that carries out changes of placement, and the
+CPUs) with the ``PlacementApplier`` that carries out changes of placement, the
+``MemoryManager`` (the runtimes' ``ResidencyBroker``: which models hold memory) and the
 ``ModelManager``. ``docs/node.md``
 draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
 gRPC, in-process) share with the fast path.
@@ -39,17 +40,20 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
+from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
 from splitserve.server.grpc_server import GrpcFrontEnd
 from splitserve.server.http import HttpFrontEnd
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
+from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
-from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, RuntimeEnv, WorkerFactory
+from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
+from splitserve.worker.spares import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,7 @@ class Server:
         self._watchdog: asyncio.TimerHandle | None = None
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
+        self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -118,11 +123,14 @@ class Server:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
+        self.footprints = RegistryFootprints(self.registry, cfg.cache_path)
+        self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
+        self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier, profile=self._profile,
-                              stopping=lambda: self.stopping,
-                              start_worker=self._start_worker)
-        self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources)
+                              stopping=lambda: self.stopping, workers=self.pool,
+                              footprints=self.footprints, memory=self.memory)
+        self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
@@ -154,6 +162,10 @@ class Server:
             if cfg.grpc_port is not None:
                 out.append(GrpcFrontEnd(self, self.management, self._codec, cfg))
         return out
+
+    def _spares(self) -> int:
+        """Worker processes up and bound to no model (the node's pool, once it started)."""
+        return self.pool.spares if hasattr(self, "pool") else 0
 
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)
@@ -199,6 +211,8 @@ class Server:
         for rt, r in zip(runtimes, results):
             if isinstance(r, BaseException):
                 log.error("model %s: unload at shutdown failed", rt.name, exc_info=r)
+        if hasattr(self, "pool"):
+            await self.pool.stop()
         for call in self.monitor.open_calls():  # none should be left; if one is, it still gets its answer
             if call.state is CallState.RX_COMPLETE:
                 log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)
@@ -220,6 +234,7 @@ class Server:
         if self._watchdog is not None:
             self._watchdog.cancel()
         if hasattr(self, "registry"):
+            await self.footprints.flush()
             await asyncio.to_thread(self.registry.close)
         try:
             (self.config.data_dir / "server.json").unlink()
@@ -263,6 +278,8 @@ class Server:
     def _kill_workers(self) -> None:
         for rt in self.runtimes.values():
             rt.kill_workers("the server is exiting without draining")
+        if hasattr(self, "pool"):
+            self.pool.kill_all("the server is exiting without draining")
 
     # -- the node's models (ModelDirectory) ----------------------------------------------
 
@@ -298,6 +315,7 @@ class Server:
         if rt is not None:
             await rt.unload(disable=True)
             rt.close()
+        self.memory.forget(name)
         self.forget(name)
 
     # -- FastPathHost ------------------------------------------------------------------
@@ -331,6 +349,14 @@ class Server:
         rt = self.runtimes.get(name)
         return rt.state if rt is not None else ("unloaded" if name in self.records else "unknown")
 
+    def model_ready(self, name: str) -> bool:
+        """Whether a call to ``name`` would be served without an explicit load: it is enabled
+        and not failed or stopping, resident or not (one that is not loads on the call)."""
+        if self.stopping or name not in self.records:
+            return False
+        rt = self.runtimes.get(name)
+        return rt is None or rt.will_serve()
+
     def ready(self) -> bool:
         """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
         ready, or evicted on purpose (it takes calls and loads on the next); other models
@@ -339,6 +365,7 @@ class Server:
 
     def metrics_text(self) -> bytes:
         self.metrics.refresh(rt.gauges() for rt in self.runtimes.values())
+        self.memory.refresh_metrics()
         return self.metrics.render()
 
     async def infer(self, name: str, inputs: Sequence[np.ndarray], cls: "str | int | None" = None,

@@ -131,6 +131,11 @@ class Coordinator:
         for m in self.models():
             m.kick()
 
+    def note(self, kind: str, model: str) -> None:
+        """A model's residency changed (the memory manager's load_start, load_done,
+        evict_start, evict_done): logged beside the batches (instance -1, batch 0)."""
+        self.events.append(Event(self.clock(), kind, model, -1, 0, ""))
+
     def _log(self, kind: str, model: ScheduledModel, instance: int, batch: Batch, segment: int,
              latency_ns: int = 0) -> None:
         self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,

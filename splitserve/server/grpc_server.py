@@ -183,7 +183,7 @@ class InferenceServicer:
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         self._config(request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.api.model_state(request.name) == "ready")
+        return pb.ModelReadyResponse(ready=self.api.model_ready(request.name))
 
     @_rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
@@ -311,7 +311,8 @@ class InferenceServicer:
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: Any) -> pb.RepositoryModelLoadResponse:
         """Load a registered model. Parameters: "config" (TOML) registers it first, with a
-        "file:<name>" (bytes) parameter as its artifact and "labels"; "instances" resizes it."""
+        "file:<name>" (bytes) parameter as its artifact and "labels"; "instances" resizes it;
+        "keep_resident" (bool) sets whether the memory manager may evict it."""
         self.manager.check_token(_authorization(context))
         params = {k: param_value(v) for k, v in request.parameters.items()}
         name = request.model_name
@@ -337,7 +338,7 @@ class InferenceServicer:
             if isinstance(instances, bool) or not isinstance(instances, int):
                 raise InvalidInput("parameter 'instances' must be an int64")
             await self.manager.set_instances(name, instances)
-        await self.manager.load(name)
+        await self.manager.load(name, keep_resident=params.get("keep_resident"))
         return pb.RepositoryModelLoadResponse()
 
     @_rpc

@@ -159,7 +159,8 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
     upload_limit = config.max_upload_bytes
     small_limit = config.management_body_bytes
-    doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange])
+    doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
+                             doc.LoadRequest])
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
 
     async def model_ready(name: str, version: str | None = None) -> JSONResponse:
         version_of(name, version)
-        ok = api.model_state(name) == "ready"
+        ok = api.model_ready(name)
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
     async def metadata(name: str, version: str | None = None) -> dict:
@@ -392,11 +393,19 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         await manager.unregister(check_model_name(name))
         return {"name": name, "deleted": True}
 
-    @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(doc.ModelState, 401, 404, 503))
+    @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(
+        doc.ModelState, 400, 401, 404, 503, openapi_extra=doc.body(doc.LoadRequest, {"parameters": {
+            "keep_resident": True}}, required=False)))
     async def load(name: str, request: Request) -> dict:
-        """Start the model's workers and wait until it is ready (needs the token)."""
+        """Start the model's workers and wait until it is ready (needs the token). The
+        optional body's ``parameters.keep_resident`` (bool) sets whether the memory manager
+        may evict it."""
         authorize(request)
-        await manager.load(name)
+        body = await _json(request, config.management_body_bytes, {})
+        params = body.get("parameters") if isinstance(body, dict) else body
+        if params is not None and not isinstance(params, dict):
+            raise InvalidInput(f"the body must be an object whose parameters are an object, got {body!r}")
+        await manager.load(name, keep_resident=(params or {}).get("keep_resident"))
         return {"name": name, "state": "READY"}
 
     @app.post("/v2/repository/models/{name}/unload", tags=["repository"], **_doc(doc.ModelState, 401, 404))
@@ -460,6 +469,12 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
         """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
         return manager.scheduler_events(since, limit)
+
+    @app.get("/v2/memory", tags=["scheduling"], **_doc(doc.Memory))
+    async def memory() -> dict:
+        """The memory manager: budget, reserved and resident bytes, LRU order, loads and
+        evictions, and each model's residency (RESIDENT, LOADING, EVICTED, FAILED, UNLOADED)."""
+        return manager.memory_status()
 
     # -- metrics ----------------------------------------------------------------------------
 

@@ -245,6 +245,46 @@ class ConfigChange(BaseModel):
     max_batch_size: int | None = Field(None, ge=1)
 
 
+class LoadRequest(BaseModel):
+    """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget."""
+
+    parameters: dict[str, Any] | None = None
+
+
+ResidencyName = Literal["RESIDENT", "LOADING", "EVICTED", "FAILED", "UNLOADED"]
+
+
+class ModelMemory(BaseModel):
+    residency: ResidencyName
+    reason: str | None
+    weights_bytes: int
+    private_bytes: int
+    reserved_bytes: int
+    instances: int
+    loads: int
+    evictions: int
+    last_load_ms: float | None
+    keep_resident: bool
+    last_used_s_ago: float | None
+
+
+class Memory(BaseModel):
+    """The memory manager: budget, reservations, LRU order (least recently used first), loads."""
+
+    budget_bytes: int | None
+    max_resident_models: int | None
+    max_concurrent_loads: int
+    reserved_bytes: int
+    resident_bytes: int
+    lru: list[str]
+    loading: list[str]
+    load_queue: list[str]
+    spares: int
+    loads: int
+    evictions: int
+    models: dict[str, ModelMemory]
+
+
 class SchedulerEvents(BaseModel):
     mode: str
     now: float

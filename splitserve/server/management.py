@@ -38,7 +38,7 @@ from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.triton_config import triton_model_config
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
-from splitserve.server.ports import EventLog, ManagedModel, ModelDirectory, ModelStats
+from splitserve.server.ports import EventLog, ManagedModel, MemoryReport, ModelDirectory, ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,9 @@ class ModelManager:
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, models: ModelDirectory, events: EventLog,
-                 resources: ResourceManager) -> None:
+                 resources: ResourceManager, memory: MemoryReport) -> None:
         self.config = config
+        self.memory = memory
         self.registry = registry
         self.models = models
         self.events = events
@@ -365,12 +366,18 @@ class ModelManager:
 
     # -- load, unload, scale, batching ---------------------------------------------------
 
-    async def load(self, name: str) -> None:
-        """Start the model's workers (again) and wait until it is ready."""
+    async def load(self, name: str, keep_resident: Any = None) -> None:
+        """Start the model's workers (again) and wait until it is ready; ``keep_resident``
+        (a bool, None: unchanged) says whether the memory manager may evict it."""
+        if keep_resident is not None and not isinstance(keep_resident, bool):
+            raise InvalidInput(f"parameter keep_resident must be true or false, got {keep_resident!r}")
         async with self._lock:
             self.record(name)
+            rt = self.models.runtime(name)
+            if keep_resident is not None:
+                rt.keep_resident = keep_resident
             try:
-                await self.models.runtime(name).load()
+                await rt.load()
             except TimeoutError:
                 raise ModelNotReady(f"model {name!r} did not load in time") from None
 
@@ -430,14 +437,19 @@ class ModelManager:
             v2 = _STATES.get(state, "UNAVAILABLE")
             if ready_only and v2 != "READY":
                 continue
+            # Triton's state names, with the residency (as /v2/memory names it) as the reason.
             if rt is not None and not rt.enabled:
-                reason = "unloaded"
+                reason = "UNLOADED"
             elif state == "failed":
-                reason = (rt.error if rt is not None else None) or "failed to load"
+                reason = f"FAILED: {(rt.error if rt is not None else None) or 'failed to load'}"
             elif state == "evicted":
-                reason = "evicted: its weights were released; the next request loads it again"
+                reason = "EVICTED (loads on next request)"
             elif state == "unloaded":
-                reason = "not loaded yet (loads on first use)"
+                reason = "EVICTED (not loaded yet; loads on first use)"
+            elif state == "loading":
+                reason = "LOADING"
+            elif state == "ready":
+                reason = "RESIDENT"
             else:
                 reason = ""
             out.append({"name": name, "version": str(rec.version), "state": v2, "reason": reason})
@@ -500,6 +512,17 @@ class ModelManager:
     def node_placement(self) -> dict:
         """Every partition of the node's CPUs and the instances sitting on each."""
         return self.resources.snapshot()
+
+    def memory_status(self) -> dict:
+        """``GET /v2/memory``: the memory manager's budget, reservations, LRU order and models.
+        Registered models it has not seen yet are listed as EVICTED (they load on first use)."""
+        out = self.memory.status()
+        for name in self.models.records:
+            out["models"].setdefault(name, {
+                "residency": "EVICTED", "reason": None, "weights_bytes": 0, "private_bytes": 0, "reserved_bytes": 0,
+                "instances": 0, "loads": 0, "evictions": 0, "last_load_ms": None,
+                "keep_resident": self.models.records[name].config.memory.keep_resident, "last_used_s_ago": None})
+        return out
 
     def scheduler_events(self, since: float = 0.0, limit: int = 10000) -> dict:
         """The coordinator's event log after ``since`` (perf_counter seconds on the server)."""

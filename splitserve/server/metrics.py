@@ -69,6 +69,19 @@ class Metrics:
             ("model", "reason"), registry=r)
         self.model_failed = Gauge("splitserve_model_failed", "1 while the model is FAILED (its load failed)",
                                   ("model",), registry=r)
+        # memory manager (Rafiqi)
+        self.memory_budget = Gauge("splitserve_memory_budget_bytes", "Bytes resident models may take (unset: no limit)",
+                                   registry=r)
+        self.memory_reserved = Gauge("splitserve_memory_reserved_bytes",
+                                     "Bytes held or reserved by resident, loading and evicting models", registry=r)
+        self.model_resident_bytes = Gauge("splitserve_model_resident_bytes", "Bytes the model's residency holds",
+                                          ("model",), registry=r)
+        self.model_loads = Counter("splitserve_model_loads", "Loads of the model's weights", ("model",), registry=r)
+        self.model_evictions = Counter("splitserve_model_evictions", "Evictions of the model's weights", ("model",),
+                                       registry=r)
+        self.model_load_seconds = Histogram("splitserve_model_load_seconds", "A load, from its start to serving",
+                                            ("model",), buckets=_BUCKETS, registry=r)
+        self.worker_spares = Gauge("splitserve_worker_spares", "Idle worker processes, bound to no model", registry=r)
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:

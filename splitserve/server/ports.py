@@ -16,6 +16,8 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 * the **placement applier** (``applier.PlacementApplier``) drives each model it changes as a
   ``PlacedModel``;
 * the **coordinator** sees each runtime as a ``ScheduledModel``;
+* the **memory manager** (``memory.MemoryManager``) is each runtime's ``ResidencyBroker`` and
+  drives each model as a ``ResidentModel``;
 * **management** sees the node's models through ``ModelDirectory`` and each one as a
   ``ManagedModel``.
 
@@ -120,7 +122,7 @@ class Event:
     """One step in the life of a batch, on the server's perf_counter clock."""
 
     t: float
-    kind: str  # start | resume | preempt | preempted | done | failed
+    kind: str  # start | resume | preempt | preempted | done | failed; load_start | load_done | evict_start | evict_done
     model: str
     instance: int
     batch: int
@@ -198,6 +200,9 @@ class ServingAPI(Protocol):
 
     def model_state(self, name: str) -> str:
         """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
+
+    def model_ready(self, name: str) -> bool:
+        """The model would serve a call without an explicit load (resident or not)."""
 
     def ready(self) -> bool:
         """Not stopping, and every start-up (``--load``) model is ready."""
@@ -278,6 +283,7 @@ class InstanceWorker(Protocol):
     flag: PreemptPage
     residency: Residency  # where it is in the bind cycle
     binding: int | None  # the binding it holds or is loading
+    rss_anon_at_start: int | None  # its anonymous RSS when it reported READY (the level a recycled worker returns to)
 
     @property
     def ready(self) -> bool:
@@ -299,6 +305,40 @@ class InstanceWorker(Protocol):
 
     async def stop(self, timeout: float = ...) -> None:
         """Ask it to exit, killing it after ``timeout``."""
+
+    def adopt(self, owner: WorkerOwner, instance: int) -> None:
+        """Report to ``owner`` as ``instance`` from now on (only while bound to nothing)."""
+
+
+class WorkerPool(Protocol):
+    """Where a runtime gets the process of an instance and where it returns it: the node's
+    pool of spare processes (``worker.spares.SparePool``), built and stopped by the root."""
+
+    def take(self, owner: WorkerOwner, instance: int) -> InstanceWorker:
+        """A process for ``instance``, reporting to ``owner`` from now on: a spare that is
+        up (``residency`` UNBOUND: send the LOAD now), or one starting (it reports
+        ``on_ready``). Called when an instance needs a process."""
+
+    def give_back(self, handle: InstanceWorker, rss_anon: int) -> bool:
+        """The runtime is done with ``handle``, unloaded (``rss_anon``: its anonymous RSS
+        after the UNLOAD): the pool keeps it as a spare or stops it (True: kept)."""
+
+    @property
+    def spares(self) -> int:
+        """Spare processes ready to be bound now."""
+
+
+class FootprintStore(Protocol):
+    """What a model's residency takes, kept across restarts (``footprints.RegistryFootprints``,
+    over the registry's ``kind="memory"`` profiles). A runtime reads its model's when it is
+    built and saves every new measurement."""
+
+    def footprint(self, record: ModelRecord) -> MemoryFootprint:
+        """The stored measurement for this version of the model, else its weights file's
+        header bytes (private bytes unknown: 0), else nothing known (0, 0)."""
+
+    def save(self, record: ModelRecord, footprint: MemoryFootprint, load_ms: float) -> None:
+        """Persist a measured footprint and load time (off the loop; returns at once)."""
 
 
 class PlacedModel(Protocol):
@@ -339,7 +379,66 @@ class PlacementChanger(Protocol):
         ModelNotReady when new instances did not start (what served still serves)."""
 
 
-# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake.
+class ResidentModel(Protocol):
+    """One model as the memory manager drives it (``runtime.ModelRuntime``)."""
+
+    name: str
+    enabled: bool  # False after an operator's unload: it waits for no load
+    keep_resident: bool  # never chosen as a victim
+    footprint: MemoryFootprint  # what its last load measured (or nothing yet)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    def charge(self) -> int:
+        """Bytes a residency of it takes now (weights once, private bytes per instance; 0 when unknown)."""
+
+    def pinned(self) -> bool:
+        """Not evictable now: a batch runs or is suspended on it, or its placement is changing."""
+
+    def holds_memory(self) -> bool:
+        """Its weights are resident, loading, or being released."""
+
+    def begin_load(self) -> None:
+        """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or ``load_failed``."""
+
+    def release_residency(self) -> bool:
+        """Start releasing its weights (calls keep queueing); ends in the broker's ``released``.
+        False if nothing was resident or loading, or it is being released already."""
+
+    def refuse_load(self, reason: str) -> None:
+        """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
+
+
+class ResidencyBroker(Protocol):
+    """The node's memory manager (``memory.MemoryManager``) as a runtime calls it: it asks
+    for residency before any load, reports batch starts (the LRU clock) and ends, and every
+    change of what it holds. Without a budget every request is granted at once."""
+
+    def request(self, model: ResidentModel, rt_waiting: bool) -> None:
+        """Calls wait for ``model``, which holds nothing: load it when it fits (perhaps now)."""
+
+    def touch(self, model: ResidentModel, now: float) -> None:
+        """A batch of ``model`` began (Rafiqi's "begins classification")."""
+
+    def batch_done(self, model: ResidentModel) -> None:
+        """A batch of ``model`` ended: a victim that was busy may be free now."""
+
+    def loaded(self, model: ResidentModel, nbytes: int) -> None:
+        """``model`` serves, holding ``nbytes`` (again after every LOADED, as measured)."""
+
+    def evicting(self, model: ResidentModel) -> None:
+        """``model`` began releasing its weights (the manager's choice or an operator's evict)."""
+
+    def released(self, model: ResidentModel) -> None:
+        """``model`` holds nothing any more (evicted, unloaded, or its load was abandoned)."""
+
+    def load_failed(self, model: ResidentModel, reason: str) -> None:
+        """``model``'s load failed; its waiting calls were answered."""
+
+
+# ``WorkerHandle(owner, instance, make_spec(ctrl_fd, flag_fd), loop)`` or a fake: how the
+# root's worker pool starts a process.
 WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], asyncio.AbstractEventLoop],
                          InstanceWorker]
 
@@ -356,7 +455,9 @@ class RuntimeEnv:
     placements: PlacementChanger  # the node's one applier of placement changes (resize, repack)
     profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
     stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
-    start_worker: WorkerFactory
+    workers: WorkerPool  # the processes of instances: taken at a load, given back after an unload
+    footprints: FootprintStore  # measured sizes of models, kept across restarts
+    memory: ResidencyBroker  # grants residency: every load goes through it
 
 
 # -- management ---------------------------------------------------------------------------------
@@ -368,6 +469,7 @@ class ManagedModel(Protocol):
     name: str
     config: ModelConfig  # as served now (batching may differ from the registered one)
     enabled: bool  # False after a user's unload, until a load
+    keep_resident: bool  # the memory manager never evicts it (an explicit load may set it)
     error: str | None  # why the last load failed
     stats: ModelStats
 
@@ -420,6 +522,13 @@ class ModelDirectory(Protocol):
 
     async def drop(self, name: str) -> None:
         """Stop the model for good (unregister): unload, free its queues, forget it."""
+
+
+class MemoryReport(Protocol):
+    """The memory manager as management reads it."""
+
+    def status(self) -> dict[str, Any]:
+        """``GET /v2/memory``'s body."""
 
 
 class EventLog(Protocol):

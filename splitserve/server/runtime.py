@@ -13,7 +13,8 @@ weights) comes and goes: ``evict`` releases the weights of every instance and th
 call loads them again, while the identity stays untouched.
 
 Workers start bound to nothing and are bound by a LOAD, always: a fresh process and a
-spare one that an eviction kept take the same path, so there is one way to load, one
+spare from the node's pool (``RuntimeEnv.workers``; an eviction gives its processes back
+to it) take the same path, so there is one way to load, one
 timeout (``worker_start_timeout_s``, for the start and again for the LOAD), and one way a
 load fails (``on_load_failed``, with the process left up and reusable). The price, one
 more control message at start, is small beside loading the weights. Each instance's
@@ -29,12 +30,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from splitserve.errors import (
     BadSize, DeadlineMissed, InvalidInput, ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed,
 )
+from splitserve.memory.weights import drop_page_cache, weights_file
 from splitserve.modelconfig import BatchingConfig
 from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.placer import make_placer
@@ -50,7 +52,7 @@ from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState,
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
-from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
+from splitserve.worker.spec import BindSpec, QueueFds
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +92,10 @@ class ModelRuntime:
         self._backoff: dict[int, float] = {}
         self._start_failures: dict[int, int] = {}  # consecutive failed starts per instance
         self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
-        # What a residency of this model takes, for the node's memory budget: updated by
-        # every LOADED, so the next load is charged what the last one measured.
-        self.footprint = MemoryFootprint()
+        # What a residency of this model takes, for the node's memory budget: stored from an
+        # earlier run, else the weights file's header; updated by every LOADED, so the next
+        # load is charged what the last one measured.
+        self.footprint = env.footprints.footprint(record)
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
@@ -109,6 +112,13 @@ class ModelRuntime:
         # Releasing the weights (evict): no load starts until every instance is ABSENT.
         self._evicting = False
         self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
+        # The memory manager never evicts it (an operator's evict still does); an explicit load may set it.
+        self.keep_resident = cfg.memory.keep_resident
+        self._asked = False  # residency requested from the node's memory manager, not granted yet
+        self._reconfiguring = 0  # placement changes under way: not evictable meanwhile
+        # Loaded for calls that wait and has not dispatched any of them yet: evicting it now
+        # would undo the load before it served anyone (a livelock when models swap fast).
+        self._unserved = False
         self._ready_event = asyncio.Event()  # set when a load ends (READY or FAILED) or is abandoned
         self._changed = asyncio.Event()  # set on every kick: waits below re-check their condition
         self._kick_scheduled = False
@@ -147,7 +157,12 @@ class ModelRuntime:
                 raise ModelNotReady(f"model {self.name!r} is not loaded: it holds no CPUs to change")
             return {self.name: decide()}
 
-        records = await self.env.placements.apply(wanted)
+        self._reconfiguring += 1
+        try:
+            records = await self.env.placements.apply(wanted)
+        finally:
+            self._reconfiguring -= 1
+        self.env.memory.batch_done(self)  # it may be a victim again
         return {**records[self.name], **self.placer.describe()}
 
     def _serving_placements(self) -> list[InstancePlacement]:
@@ -263,13 +278,44 @@ class ModelRuntime:
     # -- lifecycle -------------------------------------------------------------------
 
     def ensure_started(self) -> None:
-        """Start the workers if they are not running (models load on first use). A FAILED
+        """Ask the node's memory manager for residency if the model holds none (models load
+        on first use; the manager starts the load when it fits, perhaps at once). A FAILED
         model is retried only once ``load_retry_s`` has passed since it failed."""
         if not self.enabled or self.env.stopping() or self._evicting or self.state in (*_RUNNING, ModelState.STOPPING):
             return
-        if self.state is ModelState.FAILED and time.perf_counter() < self._retry_at:
+        if self.state is ModelState.FAILED:
+            if time.perf_counter() < self._retry_at:
+                return
+            self.state = ModelState.EVICTED  # the retry waits like any load: calls queue meanwhile
+        if not self._asked:
+            self._asked = True
+            self._ready_event.clear()
+        self.env.memory.request(self, self.sched.waiting(RequestClass.RT) > 0)
+
+    # -- ResidentModel (the memory manager) -------------------------------------------------
+
+    def charge(self) -> int:
+        return self.footprint.charge(self.instance_count or self.placer.instances or self.config.instances)
+
+    def pinned(self) -> bool:
+        if self._unserved and not self.sched.waiting():
+            self._unserved = False  # the calls it loaded for are gone (deadlines): nothing to serve first
+        return self._unserved or bool(self._reconfiguring) or any(st.busy for st in self.sched.instances.values())
+
+    def holds_memory(self) -> bool:
+        return self.state in _RUNNING or self._evicting
+
+    def begin_load(self) -> None:
+        if not self._asked or not self.enabled or self.env.stopping() or self.holds_memory():
+            self._asked = False
+            self.env.memory.released(self)  # granted too late: it holds nothing, the reservation goes back
             return
+        self._asked = False
         self._load()
+
+    def refuse_load(self, reason: str) -> None:
+        self._asked = False
+        self._fail(reason)
 
     def _load(self) -> None:
         self.state, self.error = ModelState.LOADING, None
@@ -304,34 +350,27 @@ class ModelRuntime:
             await self._until(lambda: not self._evicting,
                               time.perf_counter() + self.settings.drain_timeout_s + self.settings.stop_timeout_s)
         if self.state is ModelState.FAILED:
-            self._load()
+            self._retry_at = 0.0  # an explicit load retries at once (through the memory manager, like any load)
         elif self.state is ModelState.READY:
             self._start_missing()  # instances that gave up starting get another go
         self.ensure_started()
-        if self.state in _RUNNING:  # nothing started (e.g. the node is stopping): nothing to wait for
+        if self.state in _RUNNING or self._asked:  # nothing asked (e.g. the node is stopping): nothing to wait for
             await self._ready_event.wait()
         if self.state is not ModelState.READY:
             raise ModelNotReady(f"model {self.name!r} failed to load: {self.error or self.state}")
 
     def _spawn(self, i: int) -> None:
-        """Start instance ``i``'s process (bound to nothing: ``on_ready`` sends the LOAD)."""
-        placed = self.resources.placed(self.name, i)
-        assert placed is not None, "an instance is placed before its worker starts"
-        cpus, threads = sorted(placed.cpus), placed.threads
-
-        def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
-            return WorkerSpec(
-                instance=i, cpus=cpus, threads=threads, ctrl_fd=ctrl_fd, flag_fd=flag_fd,
-                cache_dir=str(self.settings.cache_path), log_level=self.settings.log_level,
-                segment_time_weight=self.settings.segment_time_weight,
-            )
-
-        self.workers[i] = handle = self.env.start_worker(self, i, make_spec, self.loop)
+        """Get instance ``i`` a process from the node's pool: a spare that is up gets the
+        LOAD now; one that is starting gets it from ``on_ready``."""
+        self.workers[i] = handle = self.env.workers.take(self, i)
         self.sched.set_residency(i, Residency.LOADING)
+        if handle.residency is WorkerResidency.UNBOUND:
+            log.info("model %s: instance %d binds spare worker %d", self.name, i, handle.pid)
+            self._bind(i)
+            return
         timeout = self.settings.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
-        log.info("model %s: starting instance %d (%d threads on cpus %s, pid %d)", self.name, i, threads,
-                 cpus, handle.pid)
+        log.info("model %s: instance %d waits for worker %d to start", self.name, i, handle.pid)
 
     @staticmethod
     def _start_timed_out(handle: InstanceWorker, timeout: float) -> None:
@@ -339,13 +378,17 @@ class ModelRuntime:
             handle.kill(f"worker (pid {handle.pid}) was not ready within worker_start_timeout_s={timeout:g}s")
 
     def _bind_spec(self, i: int) -> BindSpec:
-        """What binds instance ``i``'s worker to this model: config, artifact, queues, and the
-        stored profile's segment times for its thread count."""
+        """What binds instance ``i``'s worker to this model: config, artifact, queues, the
+        stored profile's segment times for its thread count, its CPUs and threads, and
+        whether to measure its memory (only while the model's size is not measured)."""
+        placed = self.resources.placed(self.name, i)
+        assert placed is not None, "an instance is placed before its worker binds"
         return BindSpec(
             self.config.to_dict(), str(self.record.path) if self.record.path else None,
             {str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
              for c, (ins, outs) in self.tqs.items()},
-            self.config.capacity, self._profiled_segment_times(i))
+            self.config.capacity, self._profiled_segment_times(i), cpus=sorted(placed.cpus), threads=placed.threads,
+            measure=not self.footprint.measured)
 
     def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
         placed = self.resources.placed(self.name, i)
@@ -379,15 +422,22 @@ class ModelRuntime:
         self.sched.set_residency(instance, Residency.RESIDENT)
         self._weights[instance] = msg.nbytes
         self._weights_changed()
-        self.footprint = MemoryFootprint(msg.nbytes, self.footprint.private_bytes, measured=True)
+        if msg.private_bytes is None:
+            self.footprint = replace(self.footprint, weights_bytes=msg.nbytes)
+        else:  # measured: kept across restarts
+            self.footprint = MemoryFootprint(msg.nbytes, msg.private_bytes, measured=True)
+            self.env.footprints.save(self.record, self.footprint, msg.load_ns / 1e6)
         self.stats.loads += 1
         self.stats.load_ns += msg.load_ns
         self._backoff[instance] = self.settings.worker_restart_backoff_s
         self._start_failures[instance] = 0
         if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
             self.state = ModelState.READY  # serve as soon as one instance can
+            self._unserved = self.sched.waiting() > 0
         if self.state is ModelState.READY and all(self.sched.instances[i].ready for i in self.sched.serving()):
             self._ready_event.set()  # a load returns when every instance is up
+        if self.state is ModelState.READY:
+            self.env.memory.loaded(self, self.charge())
         log.info("model %s: instance %d loaded (%d segments, %d B of weights in %.0f ms)", self.name, instance,
                  msg.segments, msg.nbytes, msg.load_ns / 1e6)
         self.kick()
@@ -404,6 +454,11 @@ class ModelRuntime:
             self._start_failed(instance, text, explained=True)
 
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
+        """The worker released the model: its process goes back to the node's pool (kept as
+        a spare if its memory came back, else stopped); the next load takes one anew."""
+        handle = self.workers.pop(instance, None)
+        if handle is not None:
+            self.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.sched.instances:
             return
         self.sched.set_residency(instance, Residency.ABSENT)
@@ -429,6 +484,7 @@ class ModelRuntime:
             self._answer_batch(batch, WorkerFailed(f"model {self.name!r} raised: {text}"))
         self._unload_when_idle(instance)
         self.kick()
+        self.env.memory.batch_done(self)
 
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
@@ -509,6 +565,7 @@ class ModelRuntime:
             handle.kill(f"model {self.name!r} failed to load")
         self._ready_event.set()
         self._fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {reason}"))
+        self.env.memory.load_failed(self, reason)
 
     async def _drain_all(self, ids: list[int]) -> None:
         """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
@@ -584,7 +641,9 @@ class ModelRuntime:
         self.resources.release(self.name)
         self._weights_changed()
         self.state = ModelState.UNLOADED
+        self._asked = False
         self._ready_event.set()  # a load that was waiting ends (not ready)
+        self.env.memory.released(self)
         self.kick()
 
     async def evict(self, deadline: float | None = None) -> bool:
@@ -596,8 +655,8 @@ class ModelRuntime:
         Running batches end first, until ``deadline`` (default: drain_timeout_s from now);
         then their workers are killed and the batches answered WORKER_FAILED. A preempted
         batch goes back to its queue and reruns from segment 0 (segments are idempotent;
-        its restore point lived in the binding). ``evict_spare_workers`` processes stay up,
-        bound to nothing, so the next load skips starting a process; the rest exit."""
+        its restore point lived in the binding). Each process that released its weights
+        goes back to the node's pool of spares (or exits; see ``worker.spares``)."""
         async with self._evict_lock:
             if not self.release_residency():
                 return False
@@ -610,12 +669,6 @@ class ModelRuntime:
                         handle.kill(f"model {self.name!r}: instance {i} did not release its weights by the "
                                     "eviction's deadline")
                 await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.stop_timeout_s)
-            if self.state is ModelState.EVICTED:  # no call has started a load meanwhile
-                spare = self.settings.evict_spare_workers
-                extra = [i for i in self.sched.serving() if i in self.workers][spare:]
-                # Out of ``workers`` first: a load that starts while they exit spawns anew.
-                stopping = [self.workers.pop(i) for i in extra]
-                await asyncio.gather(*(h.stop(timeout=self.settings.stop_timeout_s) for h in stopping))
             return True
 
     def release_residency(self) -> bool:
@@ -627,6 +680,7 @@ class ModelRuntime:
             return False
         self.state, self._evicting = ModelState.EVICTED, True
         self._ready_event.set()  # a load that was waiting ends: the model is not resident
+        self.env.memory.evicting(self)
         for i, st in list(self.sched.instances.items()):  # a kill may report the exit at once
             handle = self.workers.get(i)
             if handle is None:
@@ -665,6 +719,11 @@ class ModelRuntime:
         self._evicting = False
         self.stats.evictions += 1
         log.info("model %s: evicted; its weights are released, the next call loads it", self.name)
+        if self.settings.evict_drop_cache:
+            path = weights_file(self.config, self.record.path, self.settings.cache_path)
+            if path is not None:  # off the loop: the kernel may write back or walk many pages
+                self.loop.run_in_executor(None, drop_page_cache, path)
+        self.env.memory.released(self)
         self.kick()
         if self.sched.waiting():
             self.ensure_started()
@@ -681,6 +740,11 @@ class ModelRuntime:
                 q.close()
 
     # -- requests --------------------------------------------------------------------
+
+    def will_serve(self) -> bool:
+        """A call would be served without an explicit load (resident or not: one that is
+        not loads on the call)."""
+        return self._refusal(time.perf_counter()) is None
 
     def _refusal(self, now: float) -> SplitServeError | None:
         """Why a call for this model is refused now, or None. A FAILED model whose retry
@@ -761,6 +825,8 @@ class ModelRuntime:
         if not batch.resume_segment:
             for r in batch.requests:
                 r.handle.t_dispatch = now
+        self._unserved = False
+        self.env.memory.touch(self, now)
         self.node.started(self, batch)
         handle = self.workers.get(batch.instance)
         if handle is None or not handle.ready or not handle.send_run(
@@ -810,6 +876,7 @@ class ModelRuntime:
         self._answer_batch(batch, None)
         self._unload_when_idle(instance)
         self.kick()
+        self.env.memory.batch_done(self)
 
     def _on_preempted(self, instance: int, msg: DoneMsg) -> None:
         """The worker stopped its batch at a segment boundary: suspend it here (its restore

@@ -12,12 +12,14 @@ import ctypes
 import gc
 import itertools
 import logging
+import mmap
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -40,6 +42,16 @@ class Restore:
     acts: tuple
 
 
+def rss_anon() -> int:
+    """This process's anonymous resident memory in bytes (``RssAnon`` of /proc/self/status):
+    what it holds beyond mapped files, such as the weights' page-cache pages."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no RssAnon line")
+
+
 def model_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold, each storage counted once (tied
     weights and views share one)."""
@@ -52,6 +64,18 @@ def model_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def _page_in(model: nn.Module) -> None:
+    """Touch every page of the model's tensors, so that weights mapped from a file are in
+    memory when the load reports LOADED (from the page cache: milliseconds; from disk: the
+    read) instead of faulting in during the first batches, where they would inflate the
+    segment times REEF pads with."""
+    page = mmap.PAGESIZE
+    with torch.inference_mode():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.device.type == "cpu" and t.numel() and t.is_contiguous():
+                t.reshape(-1).view(torch.uint8)[::page].max()
 
 
 def _map(specs: Sequence[TensorSpec], fds: list[int], nslots: int) -> list[TensorQueue]:
@@ -77,9 +101,13 @@ class Binding:
     """A model resident in this worker (build it with the spec; ``close`` releases it)."""
 
     def __init__(self, ident: int, spec: BindSpec, cache_dir: Path) -> None:
-        """Map the queues and load the weights from the artifact; on any failure, release
-        what was taken (the fds included) and raise."""
+        """Map the queues and the weights (from the artifact's file); with ``spec.measure``,
+        run one batch of zeros at max_batch_size and keep what the load and that batch
+        added to the anonymous memory as ``private_bytes``. On any failure, release what
+        was taken (the fds included) and raise."""
         t0 = time.perf_counter_ns()
+        anon0 = rss_anon()
+        self.private_bytes: int | None = None
         self.ident = ident
         self._fds = spec.fds()
         self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
@@ -100,15 +128,30 @@ class Binding:
             art = self.cfg.artifact
             path = Path(spec.model_dir) / art.file if (spec.model_dir and art.file) else None
             self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=cache_dir)
+            _page_in(self.model)
             self.model.eval().to(self.device)
             self.nbytes = model_bytes(self.model)
             if self.device.type == "cuda":
                 self.stream = torch.cuda.Stream(device=self.device, priority=0)
                 self._pin_queues()
+            self.load_ns = time.perf_counter_ns() - t0
+            if spec.measure:
+                self._warm_up()
+                self.private_bytes = max(0, rss_anon() - anon0)
         except BaseException:
             self.close()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
+
+    def _warm_up(self) -> None:
+        """One batch of zeros at max_batch_size: the activations and scratch memory the
+        largest batch needs are allocated once, so the memory measured after it includes them."""
+        assert self.model is not None
+        n = self.cfg.max_batch_size
+        xs = tuple(torch.from_numpy(np.zeros((n, *t.shape), t.dtype)).to(self.device) for t in self.cfg.inputs)
+        with torch.inference_mode():
+            self.model(*xs)
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
 
     def _pin_queues(self) -> None:
         """Register the queues' shared memory as pinned so one H2D copy moves a batch.

@@ -23,7 +23,7 @@ class Msg(IntEnum):
     STOP = 2  # front end -> worker: exit after the current batch
     LOAD = 3  # front end -> worker: bind a model (LoadMsg; its queue memfds as SCM_RIGHTS)
     UNLOAD = 4  # front end -> worker: release the bound model, its queue mappings and memory
-    READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid)
+    READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid, anonymous RSS)
     DONE = 11  # worker -> front end: batch finished
     FAILED = 12  # worker -> front end: a RUN or LOAD (or the start) failed (FailedMsg)
     PREEMPTED = 13  # worker -> front end: batch stopped at a segment boundary
@@ -134,7 +134,8 @@ class LoadMsg:
 
 @dataclass(slots=True, frozen=True)
 class LoadedMsg:
-    """A binding is resident: what its weights take and how long loading them took."""
+    """A binding is resident: what its weights take, what it took on top of them, and how
+    long loading them took."""
 
     binding: int
     model: str
@@ -142,11 +143,14 @@ class LoadedMsg:
     load_ns: int  # from the LOAD's arrival to the model ready on its device
     segments: int
     device: str
+    # Anonymous RSS the load and a warm-up batch at max_batch_size added to the process
+    # (activations, allocator, runtime); None when the LOAD did not ask for the measure.
+    private_bytes: int | None = None
 
     def pack(self) -> bytes:
         return _pack_json(Msg.LOADED, self.binding, {"model": self.model, "nbytes": self.nbytes,
                                                       "load_ns": self.load_ns, "segments": self.segments,
-                                                      "device": self.device})
+                                                      "device": self.device, "private_bytes": self.private_bytes})
 
     @classmethod
     def unpack(cls, b: bytes | bytearray) -> "LoadedMsg":
@@ -156,16 +160,19 @@ class LoadedMsg:
 
 @dataclass(slots=True, frozen=True)
 class UnloadedMsg:
-    """The worker released ``binding`` (None: nothing was bound, so nothing to release)."""
+    """The worker released ``binding`` (None: nothing was bound, so nothing to release)
+    and holds ``rss_anon`` bytes of anonymous memory now (what decides whether the process
+    is reused)."""
 
     binding: int | None
+    rss_anon: int = 0
 
     def pack(self) -> bytes:
-        return _pack_json(Msg.UNLOADED, 0, {"binding": self.binding})
+        return _pack_json(Msg.UNLOADED, 0, {"binding": self.binding, "rss_anon": self.rss_anon})
 
     @classmethod
     def unpack(cls, b: bytes | bytearray) -> "UnloadedMsg":
-        return cls(_unpack_json(b)[2]["binding"])
+        return cls(**_unpack_json(b)[2])
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,7 +195,8 @@ class FailedMsg:
 
 
 def pack_ready(info: dict[str, Any]) -> bytes:
-    """READY with the worker's info (its pid)."""
+    """READY with the worker's info (its pid, and ``rss_anon``: its anonymous RSS, the
+    level a process bound to nothing returns to)."""
     return _pack_json(Msg.READY, 0, info)
 
 

@@ -6,7 +6,9 @@ callbacks; an EOF on the socket means the process died.
 
 A process outlives the models bound to it: ``send_load`` binds one (its queues and
 artifact), ``send_unload`` releases it, and ``residency`` says where the handle is in that
-cycle, so the owner never dispatches to an instance that is loading or unloading.
+cycle, so the owner never dispatches to an instance that is loading or unloading. Its
+owner changes too: a spare belongs to the node's ``SparePool`` (``worker/spares.py``)
+until a runtime takes it (``adopt``), and goes back to it after an UNLOAD.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class WorkerHandle:
         spec = make_spec(theirs.fileno(), self.flag.fd)
         self.spec = spec
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        env.setdefault("OMP_NUM_THREADS", "1")  # one thread until a LOAD places it
         # Its own process group: a terminal's Ctrl-C reaches the server, which drains the
         # workers, instead of failing every batch at once (the worker also ignores SIGINT).
         self.proc = subprocess.Popen(
@@ -83,6 +85,7 @@ class WorkerHandle:
         theirs.close()
         self.alive = True
         self.started = False  # it reported READY once (a death before that is a failed start)
+        self.rss_anon_at_start: int | None = None  # its anonymous RSS when it reported READY
         self.start_error: str | None = None  # the worker's own report of why it could not start
         self.killed_for: str | None = None  # why the front end killed it
         self.stopping = False  # set when the front end asked it to exit: no restart then
@@ -96,6 +99,13 @@ class WorkerHandle:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def adopt(self, owner: WorkerOwner, instance: int) -> None:
+        """Report to ``owner`` as ``instance`` from now on (a spare taken by a runtime, or
+        given back to the pool). Only a process with no model bound changes hands."""
+        if self.residency not in (Residency.STARTING, Residency.UNBOUND):
+            raise RuntimeError(f"worker {self.pid} is {self.residency}: only an unbound worker changes owner")
+        self.owner, self.instance = owner, instance
 
     @property
     def ready(self) -> bool:
@@ -162,7 +172,9 @@ class WorkerHandle:
             elif kind == Msg.READY:
                 self.started = True
                 self.residency = Residency.UNBOUND
-                self.owner.on_ready(self.instance, unpack_ready(data))
+                info = unpack_ready(data)
+                self.rss_anon_at_start = info.get("rss_anon")
+                self.owner.on_ready(self.instance, info)
             elif kind == Msg.LOADED:
                 self._on_loaded(LoadedMsg.unpack(data))
             elif kind == Msg.UNLOADED:

@@ -1,8 +1,9 @@
 """The worker process: one per model instance (``python -m splitserve.worker SPEC``).
 
-A worker is a process pinned to its CPUs with a control socket and a preemption flag. It
-starts bound to nothing; a model is *bound* to it by a LOAD (``worker/binding.py``) until
-an UNLOAD releases it, so one process can serve model A, then model B. While bound it
+A worker is a process with a control socket and a preemption flag. It starts bound to
+nothing (a spare, on one thread); a model is *bound* to it by a LOAD
+(``worker/binding.py``), which also pins it to the instance's CPUs and threads, until an
+UNLOAD releases it, so one process can serve model A, then model B. While bound it
 serves RUN messages: the batch is a contiguous view of the input queue (no gather), the
 model runs segment by segment with a preemption check between segments, and outputs are
 written into the output queue at the same slots. Only small structs cross the control
@@ -25,7 +26,7 @@ import torch
 from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
 from splitserve.models import SegmentedModel
 from splitserve.protocol.header import RequestClass
-from splitserve.worker.binding import Binding, Restore
+from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING, DoneMsg,
                                         FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
@@ -55,15 +56,25 @@ def _received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
     return list(fds)
 
 
+def _place(cpus: list[int], threads: int) -> None:
+    """Pin every thread of this process to ``cpus`` (none: leave them) and run torch on
+    ``threads``. Every thread, not only this one: a process reused from another model
+    keeps the pool threads that model's placement started, pinned where it was."""
+    if cpus:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:
+                pass  # the thread ended meanwhile
+    torch.set_num_threads(threads)
+
+
 class Worker:
     """The process's side of one worker: CPUs, threads, control socket and preemption flag,
     which last as long as the process, and the model bound to it, which may change."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        if spec.cpus:
-            os.sched_setaffinity(0, spec.cpus)
-        torch.set_num_threads(spec.threads)
         self.ctrl = socket.socket(fileno=spec.ctrl_fd)
         self.flag = PreemptFlag(spec.flag_fd)
         self.cache_dir = Path(spec.cache_dir)
@@ -90,22 +101,28 @@ class Worker:
             _close_all(msg.bind.fds())
             raise InvalidInput(f"worker {os.getpid()} is bound to model {self.bound.cfg.name!r} "
                                f"(binding {self.bound.ident}); UNLOAD it first")
+        try:
+            _place(msg.bind.cpus, msg.bind.threads)
+        except BaseException:
+            _close_all(msg.bind.fds())
+            raise
         self.bound = Binding(msg.binding, msg.bind, self.cache_dir)
         return self._loaded(self.bound)
 
     def unload(self) -> UnloadedMsg:
-        """Release the bound model, its queue mappings and its memory (nothing bound: no-op)."""
+        """Release the bound model, its queue mappings and its memory (nothing bound: no-op),
+        and report the anonymous memory left."""
         b, self.bound = self.bound, None
         if b is None:
-            return UnloadedMsg(None)
+            return UnloadedMsg(None, rss_anon())
         b.close()
         log.info("unloaded model %s (binding %d)", b.cfg.name, b.ident)
-        return UnloadedMsg(b.ident)
+        return UnloadedMsg(b.ident, rss_anon())
 
     @staticmethod
     def _loaded(b: Binding) -> LoadedMsg:
         return LoadedMsg(b.ident, b.cfg.name, b.nbytes, b.load_ns, b.model.num_segments,  # type: ignore[union-attr]
-                         str(b.device))
+                         str(b.device), b.private_bytes)
 
     def _inputs(self, b: Binding, msg: RunMsg) -> tuple:
         ins, _ = b.queues[msg.cls]
@@ -191,7 +208,7 @@ class Worker:
         launched.clear()
 
     def serve(self) -> None:
-        self.ctrl.send(pack_ready({"pid": os.getpid()}))
+        self.ctrl.send(pack_ready({"pid": os.getpid(), "rss_anon": rss_anon()}))
         while self.step():
             pass
 

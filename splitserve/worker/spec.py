@@ -5,7 +5,7 @@ the memfds name)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -20,10 +20,13 @@ class QueueFds:
 
 @dataclass(frozen=True)
 class BindSpec:
-    """What binds a worker to one model: its config, artifact directory and tensor queues.
+    """What binds a worker to one model: its config, artifact directory, tensor queues and
+    where the instance sits (CPUs, threads).
 
     The worker maps the queues once per binding and loads the weights from the artifact
-    (never from the control socket); the fds belong to the worker from then on."""
+    (never from the control socket); the fds belong to the worker from then on. The
+    placement comes with the binding, not the process, because a spare process is started
+    before anyone knows which instance it will serve."""
 
     model: dict[str, Any]  # ModelConfig.to_dict()
     model_dir: str | None
@@ -32,6 +35,11 @@ class BindSpec:
     # Profiled (segment, batch size, ns) for the worker's thread count: the starting point
     # of its segment-time estimates (REEF's padding budget) until it has measured its own.
     segment_times_ns: list[tuple[int, int, int]] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)  # the instance's CPUs (empty: leave the affinity as it is)
+    threads: int = 1  # torch's intra-op threads for the instance
+    # Run one batch of zeros at max_batch_size after the load and report the memory it
+    # took (LOADED's private_bytes): asked only while the model's size is not yet known.
+    measure: bool = False
 
     def fds(self) -> list[int]:
         """Every queue fd, class by class (in key order), inputs before outputs."""
@@ -51,7 +59,7 @@ class BindSpec:
         for key in sorted(self.queues):
             q = self.queues[key]
             queues[key] = QueueFds(q.nslots, [next(it) for _ in q.inputs], [next(it) for _ in q.outputs])
-        return BindSpec(self.model, self.model_dir, queues, self.segment_capacity, self.segment_times_ns)
+        return replace(self, queues=queues)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,12 +75,9 @@ class BindSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A worker's start: its process (CPUs, threads, sockets, cache, settings). It starts
-    bound to nothing; a model is bound later by a LOAD (``BindSpec``)."""
+    """A worker's start: its process (sockets, cache, settings). It starts bound to
+    nothing, on one thread; a LOAD binds a model and places it (``BindSpec``)."""
 
-    instance: int
-    cpus: list[int]
-    threads: int
     ctrl_fd: int
     flag_fd: int  # one page of shared memory: byte 0 is the preemption flag
     cache_dir: str

@@ -170,3 +170,28 @@ def test_chaos_smoke(tmp_path):
     answered = sum(doc["answers"].values())
     assert answered == doc["requests"]  # every request has an outcome, lost included
     assert doc["rss"]["server_peak_mib"] > 0 and (summary.path / "timeline.png").is_file()
+
+
+def test_multimodel_smoke(tmp_path):
+    """Three distinct-seed LeNet copies with room for two, on the scenario's own servers, cut to a
+    few requests per sequence: every answer is checked against its copy, the no-limit server
+    never loads during a sequence, loading on every request loads once per request, and the
+    memory manager's loads equal the reference LRU's misses in every sequence."""
+    summary = run_scenario("multimodel", quick=True, out=tmp_path, models=("lenet",),
+                           overrides={"copies": "3", "cache": "2", "accessed": "3", "fig2_models": "3",
+                                      "requests": "12", "every_requests": "4", "overlap_requests": "6",
+                                      "clients": "4", "concurrent_models": "3", "concurrent_s": "1",
+                                      "variants": "no-limit,load-every-request,lru"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK, (summary.lines, (summary.path / "report.md").read_text()[-3000:])
+    doc = _result(summary.path)
+    assert all(c["ok"] for c in doc["validation"]) and len(doc["validation"]) == 6
+    grid = {f"{p}/3" for p in ("sequential", "uniform", "zipf")}
+    assert set(doc["no-limit"]) == set(doc["lru"]) == grid
+    assert all(c["loads"] == 0 for c in doc["no-limit"].values())
+    assert all(c["loads"] == c["requests"] == 4 for c in doc["load-every-request"].values())
+    assert all(c["loads_equal_reference"] for c in doc["lru"].values())
+    assert doc["lru"]["sequential/3"]["reference_misses"] == 12 - 2  # primed with two, then every request swaps
+    assert doc["overlap"]["loading"]["loads"] > 0 == doc["overlap"]["quiet"]["loads"]
+    assert doc["concurrent"]["ok"] == doc["concurrent"]["sent"] > 0
+    assert doc["memory"]["max_resident_models"] == 2 and (summary.path / "latency_cdf.png").is_file()

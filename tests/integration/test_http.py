@@ -83,7 +83,8 @@ def test_health_metadata_and_docs(http):
     assert http.get("/v2/health/ready").json() == {"ready": True}
     assert http.get("/v2/models/lenet/ready").json() == {"name": "lenet", "ready": True}
     assert http.get("/v2/models/lenet/versions/1/ready").status_code == 200
-    assert http.get("/v2/models/matmul8k/ready").status_code == 400  # registered, never loaded
+    # registered, never loaded: ready all the same (a call is served without an explicit load)
+    assert http.get("/v2/models/matmul8k/ready").status_code == 200
     meta = http.get("/v2/models/lenet").json()
     assert meta["name"] == "lenet" and meta["versions"] == ["1"] and meta["platform"] == "pytorch"
     assert meta["inputs"] == [{"name": "image", "datatype": "UINT8", "shape": [-1, 1, 28, 28]}]
@@ -408,7 +409,7 @@ def test_register_unload_load_restart_and_upload_limits(tmp_path):
                 {"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": [0] * 784}]})
             assert r.status_code == 503 and r.json()["status"] == "MODEL_NOT_READY"
             (entry,) = [m for m in h.index() if m["name"] == "mylenet"]
-            assert entry == {"name": "mylenet", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+            assert entry == {"name": "mylenet", "version": "1", "state": "UNAVAILABLE", "reason": "UNLOADED"}
             assert not h.ready("mylenet")
             h.load("mylenet")
             np.testing.assert_allclose(h.infer("mylenet", x), want, rtol=1e-4, atol=1e-5)

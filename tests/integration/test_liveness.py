@@ -246,7 +246,10 @@ def spawn_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
     log = data / "server.log"
     cmd = [sys.executable, "-m", "splitserve", "serve", "--fast-port", "0", "--udp-port", "-1", "--http-port", "-1",
            "--grpc-port", "-1", "--data-dir", str(data), "--repository", str(tmp_path / "repo"), *args]
-    child_env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache"), **(env or {})}
+    # No spare processes: each server's children are the workers of its instances, which
+    # these tests follow one by one.
+    child_env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache"), "SPLITSERVE_SPARE_WORKERS": "0",
+                 **(env or {})}
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env,
                                 start_new_session=True)

@@ -54,7 +54,8 @@ class Queues:
     def bind(self, model_dir: Path | None = None, nslots: int | None = None) -> BindSpec:
         return BindSpec(self.cfg.to_dict(), str(model_dir) if model_dir else None,
                         {str(int(c)): QueueFds(nslots or self.n, [q.fd for q in ins], [q.fd for q in outs])
-                         for c, (ins, outs) in self.tqs.items()}, self.cfg.capacity)
+                         for c, (ins, outs) in self.tqs.items()}, self.cfg.capacity,
+                        threads=torch.get_num_threads())  # in-process workers leave the test's threads as they are
 
     def put(self, seq: int, x: np.ndarray) -> None:
         spec = self.cfg.inputs[0]
@@ -119,9 +120,8 @@ def unbound_worker(cache_dir: Path) -> Iterator[tuple[Worker, socket.socket]]:
     """A Worker started with no model, and the front end's end of its control socket."""
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    spec = WorkerSpec(instance=0, cpus=[], threads=torch.get_num_threads(), ctrl_fd=theirs.detach(), flag_fd=flag.fd,
-                      cache_dir=str(cache_dir), log_level=ServerConfig.log_level,
-                      segment_time_weight=ServerConfig.segment_time_weight)
+    spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir),
+                      log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
     w = Worker(spec)
     try:
         yield w, ours
@@ -158,13 +158,13 @@ def test_inproc_load_run_unload_maps_once_and_releases_every_fd_and_mapping(tmp_
                 assert (done.kind, done.batch_id) == (Msg.DONE, bid)
                 assert mentions(own("maps"), q.tag) == 2 * maps0
             np.testing.assert_allclose(q.out(5, 3), expected("lenet", x), rtol=1e-5, atol=1e-6)
-            assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.UNLOAD]))) == UnloadedMsg(1)
+            assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.UNLOAD]))).binding == 1
             assert (mentions(own("fd"), q.tag), mentions(own("maps"), q.tag)) == (fds0, maps0)
             q.out(5, 3)[:] = -1
             refused = FailedMsg.unpack(ask(w, sock, RunMsg(BE, 3, 5, 3).pack()))
             assert (refused.op, refused.ident) == (Msg.RUN, 3) and "no model is bound" in refused.text
             assert (q.out(5, 3) == -1).all()  # nothing ran
-            assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.UNLOAD]))) == UnloadedMsg(None)
+            assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.UNLOAD]))).binding is None
     finally:
         q.close()
 
@@ -232,7 +232,7 @@ def test_inproc_malformed_control_messages_are_answered_failed_and_leave_nothing
             for why, (data, fds, op) in cases.items():
                 answer = ask(w, sock, data, fds)
                 if op is None:
-                    assert UnloadedMsg.unpack(answer) == UnloadedMsg(None), why
+                    assert UnloadedMsg.unpack(answer).binding is None, why
                 else:
                     assert FailedMsg.unpack(answer).op == op, why
                 assert sorted(own("fd")) == fds_before, why  # fds that came with them were closed
@@ -281,7 +281,7 @@ def start(owner: Recorder, cache_dir: Path) -> WorkerHandle:
     """A worker process on one thread, bound to nothing."""
 
     def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
-        return WorkerSpec(instance=0, cpus=[], threads=1, ctrl_fd=ctrl_fd, flag_fd=flag_fd, cache_dir=str(cache_dir),
+        return WorkerSpec(ctrl_fd=ctrl_fd, flag_fd=flag_fd, cache_dir=str(cache_dir),
                           log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
 
     return WorkerHandle(owner, 0, make_spec, asyncio.get_running_loop(), ServerConfig.worker_reap_timeout_s)

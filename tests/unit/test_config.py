@@ -119,7 +119,8 @@ def test_every_tunable_has_an_environment_name(monkeypatch):
     """The fields that were constants in the code are read from SPLITSERVE_* like the rest."""
     given = {"worker_reap_timeout_s": 3.5, "coordinator_events": 17, "batch_time_weight": 0.5,
              "segment_time_weight": 0.125, "max_labels": 9, "max_top_k": 4, "http_start_poll_s": 0.25,
-             "log_level": "DEBUG", "evict_spare_workers": 2}
+             "log_level": "DEBUG", "spare_workers": 2, "recycle_slack_bytes": 1 << 20,
+             "evict_drop_cache": True}
     for name, value in given.items():
         monkeypatch.setenv(f"SPLITSERVE_{name.upper()}", str(value))
     cfg = ServerConfig.from_env()
@@ -128,7 +129,8 @@ def test_every_tunable_has_an_environment_name(monkeypatch):
 
 @pytest.mark.parametrize("bad", [{"segment_time_weight": 0.0}, {"batch_time_weight": 1.5}, {"max_top_k": 0},
                                  {"coordinator_events": 0}, {"worker_reap_timeout_s": 0.0},
-                                 {"log_level": "LOUD"}, {"evict_spare_workers": -1}])
+                                 {"log_level": "LOUD"}, {"spare_workers": -1},
+                                 {"recycle_slack_bytes": -1}])
 def test_bad_tunables_are_refused_at_start_up(bad):
     with pytest.raises(InvalidInput, match=next(iter(bad))):
         ServerConfig.from_env(**bad)

@@ -23,11 +23,13 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
+from splitserve.server.memory import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.server.ports import ModelState, RuntimeEnv
 from splitserve.server.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg
-from tests.unit.test_runtime_seams import FakeLoop, FakeWorker, RecordingNode, Sink
+from splitserve.worker.spares import SparePool
+from tests.unit.test_runtime_seams import FakeLoop, FakeWorker, NoFootprints, RecordingNode, Sink
 
 BE = RequestClass.BE
 
@@ -99,11 +101,14 @@ class Node:
         self.monitor = InferenceMonitor()
         self.sink = Sink()
         self.loop = loop
+        config = ServerConfig(data_dir=tmp_path, queue_slots=32, **settings)
+        metrics = Metrics()
         self.env = RuntimeEnv(
-            loop=loop, config=ServerConfig(data_dir=tmp_path, queue_slots=32, **settings),  # type: ignore[arg-type]
-            node=RecordingNode(), metrics=Metrics(), resources=self.rm, placements=self.applier,
+            loop=loop, config=config,  # type: ignore[arg-type]
+            node=RecordingNode(), metrics=metrics, resources=self.rm, placements=self.applier,
             profile=lambda name: profile(name) if name.startswith("pk") else None, stopping=lambda: False,
-            start_worker=self._start_worker)
+            workers=SparePool(ServerConfig(data_dir=tmp_path, spare_workers=0), loop, self._start_worker),
+            footprints=NoFootprints(), memory=MemoryManager(config, metrics))
         self._ids = 0
 
     def _start_worker(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:
@@ -125,8 +130,8 @@ class Node:
         return call
 
     def pins(self, rt: ModelRuntime) -> list[frozenset[int]]:
-        """The CPUs each live worker of ``rt`` was started on (what it pins itself to)."""
-        return [frozenset(w.spec.cpus) for w in self.workers if w.owner is rt and w.alive]
+        """The CPUs of each instance of ``rt`` with a live worker (what its LOAD pins it to)."""
+        return [frozenset(rt.resources.placed(rt.name, i).cpus) for i, w in sorted(rt.workers.items()) if w.alive]
 
     def close(self) -> None:
         for rt in self.runtimes.values():

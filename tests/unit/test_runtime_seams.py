@@ -24,11 +24,13 @@ from splitserve.registry import ModelRecord
 from splitserve.scheduler.request import Batch
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
+from splitserve.server.memory import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
-from splitserve.server.ports import ModelState, RuntimeEnv, ScheduledModel
+from splitserve.server.ports import MemoryFootprint, ModelState, RuntimeEnv, ScheduledModel
 from splitserve.server.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency
+from splitserve.worker.spares import SparePool
 from splitserve.worker.spec import BindSpec
 
 BE = RequestClass.BE
@@ -89,6 +91,7 @@ class FakeWorker:
         self.flag = FakeFlag()
         self.residency = Residency.STARTING
         self.binding: int | None = None
+        self.rss_anon_at_start: int | None = None
         self.sent: list[RunMsg] = []
         self.loads: list[BindSpec] = []
         self.unloads = 0
@@ -113,9 +116,13 @@ class FakeWorker:
         self.residency = Residency.UNLOADING
         return self.alive
 
+    def adopt(self, owner: Any, instance: int) -> None:
+        self.owner, self.instance = owner, instance
+
     def start(self) -> None:
         self.started, self.residency = True, Residency.UNBOUND
-        self.owner.on_ready(self.instance, {"pid": self.pid})
+        self.rss_anon_at_start = 100 << 20
+        self.owner.on_ready(self.instance, {"pid": self.pid, "rss_anon": self.rss_anon_at_start})
 
     def loaded(self, nbytes: int = 4096) -> None:
         self.residency = Residency.BOUND
@@ -127,7 +134,7 @@ class FakeWorker:
 
     def unloaded(self) -> None:
         binding, self.binding, self.residency = self.binding, None, Residency.UNBOUND
-        self.owner.on_unloaded(self.instance, UnloadedMsg(binding))
+        self.owner.on_unloaded(self.instance, UnloadedMsg(binding, self.rss_anon_at_start or 0))
 
     def up(self) -> None:
         """Start, then load what the runtime's LOAD named."""
@@ -146,6 +153,19 @@ class FakeWorker:
     async def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
         self.die()
+
+
+class NoFootprints:
+    """A ``FootprintStore`` that knows nothing and keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[str, MemoryFootprint, float]] = []
+
+    def footprint(self, record: ModelRecord) -> MemoryFootprint:
+        return MemoryFootprint()
+
+    def save(self, record: ModelRecord, footprint: MemoryFootprint, load_ms: float) -> None:
+        self.saved.append((record.name, footprint, load_ms))
 
 
 class RecordingNode:
@@ -191,21 +211,31 @@ class Harness:
     def __init__(self, tmp_path: Path) -> None:
         self.loop = FakeLoop()
         self.node = RecordingNode()
-        self.workers: list[FakeWorker] = []
+        self.started: list[FakeWorker] = []  # every process started, spares of the pool included
         self.monitor = InferenceMonitor()
         self.sink = Sink()
 
         def start_worker(owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:
             w = FakeWorker(owner, instance, make_spec, loop)
-            self.workers.append(w)
+            self.started.append(w)
             return w
 
         rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(2)])
-        env = RuntimeEnv(loop=self.loop, config=ServerConfig(data_dir=tmp_path, queue_slots=8),  # type: ignore[arg-type]
-                         node=self.node, metrics=Metrics(), resources=rm,
+        cfg = ServerConfig(data_dir=tmp_path, queue_slots=8)
+        metrics = Metrics()
+        self.pool = SparePool(cfg, self.loop, start_worker)  # type: ignore[arg-type]
+        self.footprints = NoFootprints()
+        env = RuntimeEnv(loop=self.loop, config=cfg,  # type: ignore[arg-type]
+                         node=self.node, metrics=metrics, resources=rm,
                          placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: None,
-                         stopping=lambda: False, start_worker=start_worker)
+                         stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
+                         footprints=self.footprints, memory=MemoryManager(cfg, metrics))
         self.rt = ModelRuntime(env, ModelRecord("double", 7, 1, "test", None, MODEL))
+
+    @property
+    def workers(self) -> list[FakeWorker]:
+        """The processes the runtime took, in the order they were started."""
+        return [w for w in self.started if w.owner is self.rt]
 
     def call(self, req_id: int, payload: bytes) -> Call:
         seq = self.rt.alloc(BE, 1)
@@ -237,10 +267,10 @@ def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_ba
     h.call(1, bytes([1, 2, 3, 4]))
     assert h.rt.state is ModelState.LOADING and len(h.workers) == 1  # the first call starts the model
     (worker,) = h.workers
-    assert worker.spec.cpus == [0]
     h.loop.run()
     assert worker.sent == []  # nothing is dispatched to a worker that is not ready
     worker.up()
+    assert worker.loads[0].cpus == [0] and worker.loads[0].threads == 1  # placed by its LOAD
     h.loop.run()
     msg = h.run_batch(worker)
     assert h.sink.answers == [(1, bytes([2, 4, 6, 8]))]

@@ -63,7 +63,9 @@ def test_malformed_load_raises_rather_than_binding(data):
 def test_answers_round_trip():
     loaded = LoadedMsg(3, "lenet", 246_000, 1_500_000, 3, "cpu")
     assert LoadedMsg.unpack(loaded.pack()) == loaded
-    assert UnloadedMsg.unpack(UnloadedMsg(3).pack()) == UnloadedMsg(3)
+    measured = LoadedMsg(3, "lenet", 246_000, 1_500_000, 3, "cpu", private_bytes=5 << 20)
+    assert LoadedMsg.unpack(measured.pack()) == measured
+    assert UnloadedMsg.unpack(UnloadedMsg(3, 150 << 20).pack()) == UnloadedMsg(3, 150 << 20)
     assert UnloadedMsg.unpack(UnloadedMsg(None).pack()) == UnloadedMsg(None)
     failed = FailedMsg(Msg.LOAD, 3, "InvalidInput: not a safetensors file ✗")
     assert FailedMsg.unpack(failed.pack()) == failed
@@ -71,7 +73,6 @@ def test_answers_round_trip():
 
 
 def test_a_worker_spec_names_only_its_process_and_its_own_fds():
-    spec = WorkerSpec(instance=0, cpus=[0], threads=1, ctrl_fd=5, flag_fd=6, cache_dir="/c", log_level="INFO",
-                      segment_time_weight=0.25)
+    spec = WorkerSpec(ctrl_fd=5, flag_fd=6, cache_dir="/c", log_level="INFO", segment_time_weight=0.25)
     assert spec.fds() == [5, 6]
     assert WorkerSpec.from_json(spec.to_json()) == spec

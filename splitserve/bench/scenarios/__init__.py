@@ -50,6 +50,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("fuzz", "The control header, the stream frame state machine and UDP reassembly under random "
                      "and mutated input: inputs tried and failures found per target (>= 1M inputs).",
                      "splitserve.bench.scenarios.fuzz"),
+        ScenarioInfo("multimodel", "More models than fit: an LRU memory manager under sequential, uniform and zipf "
+                     "access against no limit, loading on every request and a new process per load; miss ratios vs "
+                     "a reference LRU, throughput vs 1/(1+m·r) (Rafiqi Fig. 2/3/4).",
+                     "splitserve.bench.scenarios.multimodel"),
     )
 }
 

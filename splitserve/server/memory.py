@@ -1,0 +1,201 @@
+"""The node's memory manager: applies ``memory.cache.ResidencyCache``'s decisions.
+
+One per node, built by the composition root and handed to every runtime as its
+``ports.ResidencyBroker``. It runs on the node's loop (every call is a loop callback, so
+there are no locks): a runtime asks it for residency before any load, and it starts the
+evictions and loads the cache decides, re-planning after every request for a model that
+is not resident, every load and eviction that ends, and every batch that ends while a load
+waits (a victim that was busy may be free then). It logs ``load_start``, ``load_done``,
+``evict_start`` and ``evict_done`` into the coordinator's event log and keeps the memory
+metrics. Without a budget (``memory_budget_bytes`` and ``max_resident_models`` unset) it
+grants every request at once, as the node did before it had a manager, and logs nothing.
+
+A load's size is what its runtime knows (``ResidentModel.charge``: measured by its last
+load, or 0 when nothing is known); when the load measures more, the measured bytes replace
+the reservation at once and the next plan evicts least recently used models until the
+budget holds again (the budget can be exceeded by that difference meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.config import ServerConfig
+from splitserve.memory.cache import HOLDING, Residency, ResidencyCache
+from splitserve.server.metrics import Metrics
+from splitserve.server.ports import ResidentModel
+
+log = logging.getLogger(__name__)
+
+
+class MemoryManager:
+    """Rafiqi's memory manager on the node's loop (the runtimes' ``ResidencyBroker``).
+
+    ``note(kind, model)`` appends to the coordinator's event log; ``spares()`` counts the
+    node's idle worker processes; ``clock`` is perf_counter seconds, the LRU's clock."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics, note: Callable[[str, str], None] = lambda k, m: None,
+                 spares: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.managed = config.memory_managed
+        loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
+        self.cache = ResidencyCache(config.memory_budget_bytes, config.max_resident_models, loads)
+        self.metrics = metrics
+        self._note = note
+        self.spares = spares
+        self.clock = clock
+        self.models: dict[str, ResidentModel] = {}
+        self._load_began: dict[str, float] = {}
+        self.last_load_ms: dict[str, float] = {}
+        self._planning = False
+        self._again = False
+        if config.memory_budget_bytes is not None:
+            metrics.memory_budget.set(config.memory_budget_bytes)
+
+    # -- ResidencyBroker ---------------------------------------------------------------------
+
+    def request(self, model: ResidentModel, rt_waiting: bool) -> None:
+        self.models[model.name] = model
+        self.cache.request(model.name, self.clock(), rt_waiting)
+        self._plan()
+
+    def touch(self, model: ResidentModel, now: float) -> None:
+        self.cache.touch(model.name, now)
+
+    def batch_done(self, model: ResidentModel) -> None:
+        if self.cache.load_queue():  # a load may wait for a victim that was busy
+            self._plan()
+
+    def loaded(self, model: ResidentModel, nbytes: int) -> None:
+        self.models[model.name] = model
+        e = self.cache.entry(model.name)
+        first = e.residency is Residency.LOADING
+        self.cache.loaded(model.name, nbytes)
+        self.metrics.model_resident_bytes.labels(model.name).set(nbytes)
+        if first:
+            began = self._load_began.pop(model.name, None)
+            if began is not None:
+                seconds = self.clock() - began
+                self.last_load_ms[model.name] = seconds * 1e3
+                self.metrics.model_load_seconds.labels(model.name).observe(seconds)
+            self.metrics.model_loads.labels(model.name).inc()
+            self._event("load_done", model.name)
+            log.info("memory: %s resident (%d bytes; %d of %s reserved)", model.name, nbytes, self.cache.reserved,
+                     self.config.memory_budget_bytes)
+        self._plan()  # what it measured may exceed what it reserved
+
+    def evicting(self, model: ResidentModel) -> None:
+        self.models[model.name] = model
+        self.cache.evicting(model.name)
+        self._event("evict_start", model.name)
+
+    def released(self, model: ResidentModel) -> None:
+        e = self.cache.entry(model.name)
+        was = e.residency
+        self.cache.released(model.name, disabled=not model.enabled)
+        self._load_began.pop(model.name, None)
+        self.metrics.model_resident_bytes.labels(model.name).set(0)
+        if was is Residency.EVICTING:
+            self.metrics.model_evictions.labels(model.name).inc()
+            self._event("evict_done", model.name)
+        self._plan()
+
+    def load_failed(self, model: ResidentModel, reason: str) -> None:
+        self.cache.failed(model.name, reason)
+        self._load_began.pop(model.name, None)
+        self.metrics.model_resident_bytes.labels(model.name).set(0)
+        self._plan()
+
+    # -- the node's other parts ----------------------------------------------------------------
+
+    def forget(self, name: str) -> None:
+        """``name`` was unregistered."""
+        self.models.pop(name, None)
+        self.cache.forget(name)
+        self._load_began.pop(name, None)
+        self.last_load_ms.pop(name, None)
+
+    def refresh_metrics(self) -> None:
+        """Gauges from live state, just before a scrape."""
+        self.metrics.memory_reserved.set(self.cache.reserved)
+        self.metrics.worker_spares.set(self.spares())
+
+    def status(self) -> dict[str, Any]:
+        """``GET /v2/memory``: budget, reserved and resident bytes, LRU order, the load queue, and each model."""
+        cache, now = self.cache, self.clock()
+        models = {}
+        for name, e in sorted(cache.entries.items()):
+            m = self.models.get(name)
+            footprint = m.footprint if m is not None else None
+            models[name] = {
+                # an evicting model is on its way out: users see it as EVICTED (it loads on its next request)
+                "residency": (Residency.EVICTED if e.residency is Residency.EVICTING else e.residency).value,
+                "reason": e.reason if e.residency is Residency.FAILED else
+                ("releasing its weights" if e.residency is Residency.EVICTING else None),
+                "weights_bytes": footprint.weights_bytes if footprint is not None else 0,
+                "private_bytes": footprint.private_bytes if footprint is not None else 0,
+                "reserved_bytes": e.charge if e.residency in HOLDING else 0,
+                "instances": m.instance_count if m is not None else 0,
+                "loads": e.loads, "evictions": e.evictions,
+                "last_load_ms": self.last_load_ms.get(name),
+                "keep_resident": m.keep_resident if m is not None else e.keep_resident,
+                "last_used_s_ago": None if e.last_used is None else max(0.0, now - e.last_used),
+            }
+        return {
+            "budget_bytes": self.config.memory_budget_bytes, "max_resident_models": self.config.max_resident_models,
+            "max_concurrent_loads": self.config.max_concurrent_loads, "reserved_bytes": cache.reserved,
+            "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
+            "lru": cache.lru(),
+            "loading": sorted(n for n, e in cache.entries.items() if e.residency is Residency.LOADING),
+            "load_queue": cache.load_queue(), "spares": self.spares(),
+            "loads": sum(e.loads for e in cache.entries.values()),
+            "evictions": sum(e.evictions for e in cache.entries.values()),
+            "models": models,
+        }
+
+    # -- applying the plan -----------------------------------------------------------------------
+
+    def _event(self, kind: str, name: str) -> None:
+        if self.managed:  # without a manager the event log stays as it was: batches only
+            self._note(kind, name)
+
+    def _plan(self) -> None:
+        """Plan and carry the plan out; a runtime that reports back at once (a load that fails
+        to place, an eviction with nothing left to release) makes it plan again afterwards."""
+        if self._planning:
+            self._again = True
+            return
+        self._planning = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._plan_once()
+        finally:
+            self._planning = False
+
+    def _plan_once(self) -> None:
+        cache = self.cache
+        for name, m in self.models.items():
+            e = cache.entry(name)
+            e.keep_resident = m.keep_resident
+            if e.residency not in HOLDING:
+                e.charge = m.charge()
+        busy = {n for n, m in self.models.items() if m.pinned()}
+        plan = cache.plan(self.clock(), busy)
+        for name in plan.evict:
+            m = self.models[name]
+            log.info("memory: evicting %s (least recently used) to make room", name)
+            if not m.release_residency() and not m.holds_memory():
+                self.released(m)  # it held nothing after all
+        for name, why in plan.refuse.items():
+            log.warning("memory: %s", why)
+            self.models[name].refuse_load(why)
+        for name in plan.load:
+            m = self.models[name]
+            self._load_began[name] = self.clock()
+            self._event("load_start", name)
+            m.begin_load()

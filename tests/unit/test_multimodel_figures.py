@@ -1,0 +1,115 @@
+"""The multimodel scenario's figures from synthetic runs: no processes, no sockets.
+
+A run that follows the cost model exactly (every hit costs c, every miss c + s) must give the
+prediction back as the measurement, so any slip in how the scenario splits hits from misses,
+sums wall time or pairs cells with their baselines shows up here rather than as a noisy ratio.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitserve.bench.access import lru_misses
+from splitserve.bench.scenarios.multimodel import Params, Timed, _broken, _public, _seq, figures, summarise
+
+HIT_MS, SWAP_MS = 10.0, 30.0  # r = 3
+
+
+def _run(pattern: str, m: int, seq: list[int], capacity: int | None, every: bool = False) -> dict:
+    primed = list(range(m if capacity is None else min(m, capacity)))
+    ref = [True] * len(seq) if every else lru_misses(seq, capacity, primed) if capacity else [False] * len(seq)
+    lat = np.where(ref, HIT_MS + SWAP_MS, HIT_MS)
+    timed = Timed(seq, lat, float(lat.sum()) / 1e3)
+    return summarise(pattern, m, seq, timed, ref, int(sum(ref)), int(sum(ref)))
+
+
+def _params() -> Params:
+    return Params(models=("lenet",), copies=6, accessed=(2, 5, 6), requests=400, every_requests=50,
+                  fig2_models=5, concurrent_s=0)
+
+
+def test_a_run_that_follows_the_cost_model_meets_every_prediction():
+    p = _params()
+    grid = [(pat, m) for pat in p.patterns for m in (2, 5, 6)]
+    r = {"no-limit": {f"{pat}/{m}": _run(pat, m, _seq(p, pat, m, p.requests), None) for pat, m in grid},
+         "lru": {f"{pat}/{m}": _run(pat, m, _seq(p, pat, m, p.requests), p.cache) for pat, m in grid},
+         "load-every-request": {pat: _run(pat, 5, _seq(p, pat, 5, p.requests)[:50], None, every=True)
+                                for pat in p.patterns}}
+    f = figures(p, r)
+    assert f["r"]["value"] == pytest.approx(SWAP_MS / HIT_MS)
+    assert all(f["miss_ratio_equal"].values())
+    for key, cell in f["vs_ceiling"].items():
+        assert cell["measured"] == pytest.approx(cell["predicted"]), key
+        assert cell["within"] is True
+    # primed with models 0..3, the round robin hits them once, then misses every time
+    assert f["vs_ceiling"]["sequential/5"]["miss_ratio"] == (400 - 4) / 400
+    assert f["vs_ceiling"]["sequential/2"]["predicted"] == pytest.approx(1.0)  # fits: no misses
+    assert all(c["within"] for c in f["vs_every_request"].values())
+    assert f["mean_order"] is True  # sequential > uniform > zipf
+    assert _broken(r) == []
+
+
+def test_loads_that_differ_from_the_reference_are_a_broken_promise():
+    p = _params()
+    seq = _seq(p, "uniform", 5, 100)
+    cell = _run("uniform", 5, seq, p.cache)
+    cell["loads"] += 1
+    cell["loads_equal_reference"] = False
+    assert _broken({"lru": {"uniform/5": cell}}) == [
+        f"lru uniform/5: {cell['loads']} loads, the reference LRU misses {cell['reference_misses']}"]
+    assert figures(p, {"lru": {"uniform/5": cell}})["miss_ratio_equal"] == {"uniform/5": False}
+
+
+def test_wrong_answers_are_a_broken_promise_and_raw_arrays_stay_out_of_the_result():
+    p = _params()
+    seq = _seq(p, "zipf", 5, 50)
+    cell = _run("zipf", 5, seq, None)
+    cell["wrong"] = 2
+    assert _broken({"no-limit": {"zipf/5": cell}})[0].startswith("no-limit zipf/5: 2 wrong answers")
+    assert not any(k.startswith("_") for k in _public({"no-limit": {"zipf/5": cell}})["no-limit"]["zipf/5"])
+
+
+def test_params_refuse_what_cannot_run():
+    with pytest.raises(ValueError, match="cache 8 must be"):
+        Params(copies=8, cache=8)
+    with pytest.raises(ValueError, match="must lie in 1..copies"):
+        Params(copies=4, cache=2, accessed=(5,), fig2_models=3, concurrent_models=4)
+    with pytest.raises(ValueError, match="unknown variants"):
+        Params(variants=("lfu",))
+
+
+def test_drive_interleaves_the_servers_and_checks_every_answer():
+    from splitserve.bench.scenarios.multimodel import Copies, drive
+    from splitserve.client.common import InferResult
+    from splitserve.errors import ModelNotReady
+
+    calls: list[tuple[str, str]] = []
+
+    class Fake:
+        def __init__(self, label: str, answer: dict[str, float]) -> None:
+            self.label, self.answer = label, answer
+
+        def infer_result(self, name: str, x: object) -> InferResult:
+            calls.append((self.label, name))
+            if name not in self.answer:
+                raise ModelNotReady(f"no {name}")
+            return InferResult({"y": np.array([self.answer[name]], np.float32)})
+
+    copies = Copies("lenet", ["a", "b"], [1, 2], None, {"a": [np.array([1.0])], "b": [np.array([2.0])]}, 0)
+    right, swapped = Fake("right", {"a": 1.0, "b": 2.0}), Fake("swapped", {"a": 2.0})
+    evicted: list[str] = []
+    timed = drive([right, swapped], copies, [0, 1, 0], after=evicted.append)
+    assert calls == [("right", "a"), ("swapped", "a"), ("right", "b"), ("swapped", "b"), ("right", "a"),
+                     ("swapped", "a")]
+    assert evicted == ["a", "a", "b", "b", "a", "a"]
+    assert (timed[0].wrong, len(timed[0].errors)) == (0, 0)
+    assert (timed[1].wrong, len(timed[1].errors)) == (2, 1) and "no b" in timed[1].errors[0]
+    assert all(len(t.latency_ms) == 3 for t in timed)
+
+
+def test_a_wrong_answer_to_the_b4_background_client_is_a_broken_promise():
+    quiet = {"wrong": 0, "errors": 0, "background": {"requests": 9, "wrong": 0, "errors": 0}}
+    loading = {"wrong": 0, "errors": 0, "background": {"requests": 3, "wrong": 1, "errors": 0}}
+    assert _broken({"overlap": {"quiet": quiet, "loading": loading}}) == [
+        "B4 loading, the other client: 1 wrong answers, 0 errors"]
