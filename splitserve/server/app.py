@@ -48,6 +48,7 @@ from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
+from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
 
@@ -98,6 +99,8 @@ class Server:
         self._watchdog: asyncio.TimerHandle | None = None
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
+        # client regions of Triton's system shared-memory extension (HTTP and gRPC)
+        self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -150,9 +153,9 @@ class Server:
         if cfg.http_port is not None or cfg.grpc_port is not None:
             self._codec = CodecPool.from_config(cfg)
             if cfg.http_port is not None:
-                out.append(HttpFrontEnd(self, self.management, self._codec, cfg))
+                out.append(HttpFrontEnd(self, self.management, self._codec, cfg, self.shm))
             if cfg.grpc_port is not None:
-                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg))
+                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg, self.shm))
         return out
 
     def _profile(self, name: str) -> ModelProfile | None:
@@ -211,6 +214,7 @@ class Server:
         self.frontends.clear()
         if self._codec is not None:
             self._codec.close()
+        self.shm.unregister()
         self.intake.close()
         for rt in runtimes:
             try:
