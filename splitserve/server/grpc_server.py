@@ -172,6 +172,7 @@ def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: li
     resp.model_name, resp.model_version, resp.id = cfg.name, str(cfg.version), request.id
     in_shm = any(t.parameters.get(SHM_REGION) is not None for t in request.inputs)
     typed = not request.raw_input_contents and not in_shm and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
+    raw: list[bytes] = []  # by position among the outputs, as clients index raw_output_contents
     for spec, arr in zip(cfg.outputs, outputs):
         if spec.name not in call.wanted:
             continue
@@ -179,10 +180,13 @@ def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: li
         if spec.name in call.shm_views:  # written into its region: no contents
             for k, v in call.shm_params[spec.name].items():
                 t.parameters[k].CopyFrom(v)
+            raw.append(b"")
         elif typed:
             fill_contents(t.contents, arr, spec.datatype)
         else:
-            resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
+            raw.append(bytes(tensor_to_bytes(arr)))
+    if any(raw):  # an empty entry holds a shared-memory output's place before the others'
+        resp.raw_output_contents.extend(raw)
     for k, v in timings.items():
         set_param(resp.parameters, k, v)
     return (outer if outer is not None else resp).SerializeToString()

@@ -42,6 +42,14 @@ CUDA_UNSUPPORTED = ("CUDA shared memory is not supported: this splitserve server
 class _Region:
     status: RegionStatus
     mapping: mmap.mmap  # the object from its start through the region's end
+    fd: int  # kept open to see whether the object still covers the region (fstat)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # a call in flight reads or writes it: unmapped when its views go
 
 
 class SystemSharedMemory(SharedMemoryRegions):
@@ -49,9 +57,11 @@ class SystemSharedMemory(SharedMemoryRegions):
     regions' sizes). Register and unregister run on the loop; ``view`` may run in a codec
     thread, so the table is guarded by a lock.
 
-    A region is mapped once, at registration. Unregistering closes the mapping unless a call
-    in flight still holds a view of it; then it is unmapped when the last such view goes
-    (its bytes no longer count against ``max_bytes`` from the unregister on)."""
+    A region is mapped once, at registration, and its object's descriptor kept (at most
+    ``max_regions``) to check at each use that the client has not shrunk the object.
+    Unregistering closes both, but the mapping stays while a call in flight holds a view of
+    it, until the last such view goes (its bytes no longer count against ``max_bytes`` from
+    the unregister on)."""
 
     def __init__(self, max_regions: int, max_bytes: int, directory: Path = SHM_DIR) -> None:
         self.max_regions = max_regions
@@ -90,8 +100,8 @@ class SystemSharedMemory(SharedMemoryRegions):
             if self._bytes + byte_size > self.max_bytes:
                 raise Refused(f"region {name!r} of {byte_size} bytes would take the registered shared memory past "
                               f"{self.max_bytes} bytes (SPLITSERVE_SHM_MAX_BYTES); {self._bytes} are registered")
-            mapping = _map(path, key, name, offset, byte_size)
-            self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), mapping)
+            fd, mapping = _map(path, key, name, offset, byte_size)
+            self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), mapping, fd)
             self._bytes += byte_size
         log.info("registered shared-memory region %r: %d bytes at offset %d of %s", name, byte_size, offset, key)
 
@@ -101,10 +111,7 @@ class SystemSharedMemory(SharedMemoryRegions):
             for n in names:
                 region = self._regions.pop(n)
                 self._bytes -= region.status.byte_size
-                try:
-                    region.mapping.close()
-                except BufferError:
-                    pass  # a call in flight reads or writes it: unmapped when its views go
+                region.close()
         if names:
             log.info("unregistered shared-memory regions %s", ", ".join(map(repr, names)))
 
@@ -127,11 +134,19 @@ class SystemSharedMemory(SharedMemoryRegions):
                 raise InvalidInput(f"{what}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
                                    f"{ref.byte_size} runs past the end of region {ref.region!r} ({size} bytes)")
             start = region.status.offset + ref.offset
+            # Touching mapped pages past the end of a file is SIGBUS, which would end the
+            # server: refuse when the client shrank its object since it registered it.
+            # (Shrinking it while a call copies is still the client's way to crash it, as
+            # with Triton; the copy is short.)
+            if os.fstat(region.fd).st_size < start + ref.byte_size:
+                raise InvalidInput(f"{what}: the shared-memory object {region.status.key!r} of region "
+                                   f"{ref.region!r} was shrunk below the region's end; register it again")
             return memoryview(region.mapping)[start : start + ref.byte_size]
 
 
-def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> mmap.mmap:
-    """Map ``path`` from its start through ``offset + byte_size``, read/write and shared."""
+def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> tuple[int, mmap.mmap]:
+    """Open ``path`` and map it from its start through ``offset + byte_size``, read/write and
+    shared; the descriptor and the mapping."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -146,9 +161,10 @@ def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> mmap.m
         if offset + byte_size > st.st_size:
             raise InvalidInput(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} runs past "
                                f"the end of {key!r} ({st.st_size} bytes)")
-        return mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        return fd, mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 # -- the tensors of one call --------------------------------------------------------------------

@@ -11,7 +11,10 @@ import pytest
 
 from splitserve.errors import BadSize, InvalidInput, NotFound, Refused
 from splitserve.modelconfig import ModelConfig
+from splitserve.protocol import grpc_api as pb
+from splitserve.protocol.grpc_codec import set_param
 from splitserve.protocol.v2 import ShmRef, parse_infer_request, shm_ref
+from splitserve.server.grpc_server import _decode_call, _encode_response
 from splitserve.server.shm import SystemSharedMemory, input_tensor, output_views, write_outputs
 
 CFG = ModelConfig.from_dict({
@@ -117,3 +120,31 @@ def test_wire_parameters_name_a_region() -> None:
     assert req.shm_outputs == {"y": ShmRef("o", 0, 16)} and not req.inputs
     with pytest.raises(InvalidInput, match="also carries data"):
         parse_infer_request(body.replace(b'"shape": [1, 4],', b'"shape": [1, 4], "data": [1, 2, 3, 4],'))
+
+
+def test_an_object_shrunk_after_registration_is_refused_not_touched(objects: Path) -> None:
+    regions = SystemSharedMemory(8, 1 << 20, objects)
+    regions.register("r", "/obj", 0, 64)
+    (objects / "obj").write_bytes(b"\0" * 32)  # the client truncates it: touching bytes 32.. would be SIGBUS
+    assert bytes(regions.view(ShmRef("r", 0, 32), "input 'a'")) == b"\0" * 32
+    with pytest.raises(InvalidInput, match="was shrunk below the region's end"):
+        regions.view(ShmRef("r", 16, 32), "input 'a'")
+
+
+def test_grpc_answer_keeps_raw_output_positions_around_a_shared_memory_output(objects: Path) -> None:
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]},
+                                                              {"name": "z", "datatype": "FP32", "shape": [4]}]})
+    regions = SystemSharedMemory(8, 1 << 20, objects)
+    regions.register("o", "/obj", 0, 16)
+    request = pb.ModelInferRequest(model_name="m", id="7", raw_input_contents=[np.ones(4, np.float32).tobytes()])
+    request.inputs.add(name="a", datatype="FP32", shape=[1, 4])
+    y = request.outputs.add(name="y")
+    set_param(y.parameters, "shared_memory_region", "o")
+    set_param(y.parameters, "shared_memory_byte_size", 16)
+    request.outputs.add(name="z")
+    call = _decode_call(cfg, request, regions)
+    ys, zs = np.full((1, 4), 2, np.float32), np.full((1, 4), 3, np.float32)
+    resp = pb.ModelInferResponse.FromString(_encode_response(cfg, request, call, [ys, zs], {}, False))
+    assert list(resp.raw_output_contents) == [b"", zs.tobytes()]  # z stays second, where clients look
+    assert resp.outputs[0].parameters["shared_memory_region"].string_param == "o"
+    assert (objects / "obj").read_bytes()[:16] == ys.tobytes()
