@@ -481,7 +481,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         return {"name": name, "evicted": evicted, "state": manager.state(name)}
 
     @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
-        config_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
+        native_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
             "max_batch_size": 16})))
     async def configure(name: str, request: Request) -> dict:
@@ -503,7 +503,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             await manager.set_batching(name, b, doc.get("max_batch_size"))
         if "instances" in doc:
             await manager.set_instances(name, doc["instances"])
-        return await model_config(name)
+        return await native_config(name)  # what was changed, in the keys it was sent in
 
     # -- scheduling introspection (benchmarks read these from another process) ----------------
 
