@@ -40,23 +40,27 @@ def server_us(result: Any, key: str) -> int:
     return response.parameters[key].int64_param
 
 
-def timed(call: Callable[[], Any], requests: int, warmup: int) -> dict[str, float]:
-    """Medians, in microseconds: end-to-end, the tax (end-to-end minus the server's compute),
-    the server's part of it (its receive-to-answer time minus compute) and the rest (client
-    and wire: end-to-end minus the server's receive-to-answer time)."""
-    e2e, tax, server, wire = [], [], [], []
+def timed(calls: dict[str, Callable[[], Any]], requests: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Per way of calling, medians in microseconds: end-to-end, the tax (end-to-end minus the
+    server's compute), the server's part of it (its receive-to-answer time minus compute)
+    and the rest (client and wire: end-to-end minus the server's receive-to-answer time).
+    The ways take turns, call by call, so a busy machine weighs on each alike."""
+    samples: dict[str, dict[str, list[float]]] = {
+        way: {"e2e_us": [], "tax_us": [], "server_us": [], "client_and_wire_us": []} for way in calls}
     for i in range(warmup + requests):
-        t0 = time.perf_counter()
-        result = call()
-        us = (time.perf_counter() - t0) * 1e6
-        if i >= warmup:
+        for way, call in calls.items():
+            t0 = time.perf_counter()
+            result = call()
+            us = (time.perf_counter() - t0) * 1e6
+            if i < warmup:
+                continue
             compute, total = server_us(result, "compute_us"), server_us(result, "total_us")
-            e2e.append(us)
-            tax.append(us - compute)
-            server.append(total - compute)
-            wire.append(us - total)
-    return {name: statistics.median(v) for name, v in
-            (("e2e_us", e2e), ("tax_us", tax), ("server_us", server), ("client_and_wire_us", wire))}
+            got = samples[way]
+            got["e2e_us"].append(us)
+            got["tax_us"].append(us - compute)
+            got["server_us"].append(total - compute)
+            got["client_and_wire_us"].append(us - total)
+    return {way: {k: statistics.median(v) for k, v in got.items()} for way, got in samples.items()}
 
 
 def run(requests: int, warmup: int) -> dict[str, Any]:
@@ -89,7 +93,7 @@ def run(requests: int, warmup: int) -> dict[str, Any]:
                     shm.get_contents_as_numpy(regions[1], np.float32, [1, 1000]).copy()
                     return result
 
-                out[name] = {"plain": timed(plain, requests, warmup), "shm": timed(shared, requests, warmup)}
+                out[name] = timed({"plain": plain, "shm": shared}, requests, warmup)
                 out[name]["tax_ratio"] = out[name]["plain"]["tax_us"] / out[name]["shm"]["tax_us"]
             http.unregister_system_shared_memory()
             return out
