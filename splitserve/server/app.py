@@ -5,8 +5,8 @@ Nothing below this module imports it. The parts: the fast-path transports and th
 and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
 ``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
 ``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
-CPUs) with the ``PlacementApplier`` that carries out changes of placement, and the
-``ModelManager``. ``docs/node.md``
+CPUs) with the ``PlacementApplier`` that carries out changes of placement, the
+``ModelManager``, and the clients' system shared-memory regions (``SystemSharedMemory``). ``docs/node.md``
 draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
 gRPC, in-process) share with the fast path.
 """
