@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs splitserve with its test and bench extras. Idempotent and quick when
-# nothing changed. torch is pinned to 2.13.0 on the first install because that CPU wheel
-# is on local disk here (seconds); pyproject itself accepts any torch >= 2.4.
+# Creates .venv and installs splitserve with its test and bench extras, then trains and caches the
+# digits model. Idempotent and quick when nothing changed. torch is pinned to 2.13.0 on the first
+# install because that CPU wheel is on local disk here (seconds); pyproject itself accepts any torch >= 2.4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,4 +16,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   .venv/bin/python -m pip install -q -e ".[test,bench]"
   touch "$stamp"
+fi
+# digits trains on first use (~20 s on a small machine): do it here, once, for the server's default
+# weight cache and the tests' shared one, so that no first request waits for it. A file test when
+# the caches are full, so this stays quick.
+need=()
+for d in "${SPLITSERVE_CACHE_DIR:-${SPLITSERVE_DATA_DIR:-.splitserve}/cache}" .pytest_cache/splitserve-cache; do
+  [ -f "$d/digits.safetensors" ] || need+=(--cache-dir "$d")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  .venv/bin/python -m splitserve prepare "${need[@]}"
 fi

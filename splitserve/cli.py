@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +22,7 @@ from splitserve.config import ServerConfig, default_data_dir, parse_bytes
 from splitserve.placement.packrat import PlacementKind
 from splitserve.scheduler.model_scheduler import RtPolicy
 from splitserve.scheduler.priority import PriorityMode
+from splitserve.types import TensorSpec
 
 
 class _Commands(TyperGroup):
@@ -131,7 +136,16 @@ def infer(
             x = x[0] if len(x) == 1 else x
         else:
             raise typer.BadParameter("give --sample, --input or --random")
-        res = c.infer_result(model, x, cls=cls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as shown:
+            status: list[Any] = []
+
+            def show(line: str) -> None:
+                if not status:  # only calls that take a while get a progress line
+                    status.append(shown.enter_context(console.status(line)))
+                status[0].update(line)
+
+            pending = pool.submit(c.infer_result, model, x, cls=cls)
+            res = answer_with_progress(pending, lambda: _model_state(url, model), show, model, _PROGRESS_POLL_S)
     for name, y in res.outputs.items():
         if y.ndim == 1 and y.size <= 1000 and np.issubdtype(y.dtype, np.floating):
             top = int(np.argmax(y))
@@ -142,6 +156,55 @@ def infer(
     console.print(f"server: queue {res.queue_us} us, compute {res.compute_us} us, total {res.total_us} us")
 
 
+_PROGRESS_POLL_S = 0.5  # how often ``infer`` looks at a model that has not answered yet
+
+
+def model_state(info: Any) -> str | None:
+    """The server's state of a model (ready, loading, evicted...) in a lookup's answer, from
+    any transport: the fast path says ``state``, HTTP and gRPC metadata its parameters."""
+    extra = info.extra
+    state = extra.get("state") or (extra.get("parameters") or {}).get("state")
+    if isinstance(state, dict):  # gRPC metadata as JSON: {"string_param": ...}
+        state = state.get("string_param")
+    return state if isinstance(state, str) else None
+
+
+def _model_state(url: str, model: str) -> str | None:
+    """The model's state now, asked on a connection of its own (lookups are cached per
+    client, and the first is busy with the call); None when the server does not say."""
+    from splitserve.client import connect
+
+    try:
+        with connect(url) as c:
+            return model_state(c.lookup(model))
+    except Exception:  # noqa: BLE001 - a progress line must never fail the call it reports on
+        return None
+
+
+def progress_line(model: str, state: str | None, waited_s: float) -> str:
+    """What ``infer`` shows while a call is unanswered: what the model is doing, and for how long."""
+    if state in ("unloaded", "loading", "evicted"):
+        return f"{model}: loading ({waited_s:.0f} s; its first call starts it)"
+    if state == "failed":
+        return f"{model}: its load failed ({waited_s:.0f} s); waiting for the server's answer"
+    if state == "ready":
+        return f"{model}: running ({waited_s:.0f} s)"
+    return f"{model}: waiting for the answer ({waited_s:.0f} s)"
+
+
+def answer_with_progress(pending: "concurrent.futures.Future[Any]", state: Callable[[], str | None],
+                         show: Callable[[str], None], model: str, poll_s: float,
+                         clock: Callable[[], float] = time.monotonic) -> Any:
+    """The call's answer (or its error); every ``poll_s`` it is not there, ``show`` a line
+    saying what the model is doing (its ``state()``)."""
+    start = clock()
+    while True:
+        try:
+            return pending.result(timeout=poll_s)
+        except concurrent.futures.TimeoutError:
+            show(progress_line(model, state(), clock() - start))
+
+
 models_app = typer.Typer(add_completion=False, help="List, register, load, unload and scale models.")
 app.add_typer(models_app, name="models")
 
@@ -149,53 +212,125 @@ _DATA_DIR_HELP = "The server's data directory (default: ./.splitserve)."
 _URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
 _TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
                       help="Management token (default: read DATA_DIR/token).")
-_STATE_URL = typer.Option(None, "--url", help="A running server's HTTP URL: add each model's state there "
-                                              "(ready, loading, evicted, unloaded, failed), its residency "
-                                              "(RESIDENT, LOADING, EVICTED, FAILED, UNLOADED) and bytes.")
+_STATE_URL = typer.Option(None, "--url", help="A running server's HTTP URL, for each model's state (ready, "
+                                              "loading, evicted, unloaded, failed), residency (RESIDENT, LOADING, "
+                                              "EVICTED, FAILED, UNLOADED) and bytes; default: the server running "
+                                              "on the data directory, if any.")
+_WIDE = typer.Option(False, "--wide", help="Every field (func_id, tensor names, batch, instances, source), "
+                                           "not the 80-column summary.")
 
 
-def _list_models(data_dir: Path | None, as_json: bool, url: str | None) -> None:
+def short_shapes(specs: Sequence[TensorSpec]) -> str:
+    """Tensors as ``DTYPE[dims]``, runs of equal ones counted: ``3×INT32[512]``."""
+    runs: list[list[Any]] = []
+    for t in specs:
+        text = f"{t.datatype}[{','.join(map(str, t.shape))}]"
+        if runs and runs[-1][1] == text:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, text])
+    return ", ".join(f"{n}×{text}" if n > 1 else text for n, text in runs)
+
+
+def models_table(recs: Sequence[Any], live: Mapping[str, Mapping[str, Any]] | None, wide: bool) -> Table:
+    """The ``models`` table: compact (name, residency, version, bytes, short shapes; fits 80
+    columns for the built-in models) or ``wide`` (every field, full tensor names). ``live``:
+    each model's state, residency and bytes on a running server (``_live``); None: no server
+    answered, so no such columns."""
+    def row(name: str) -> Mapping[str, Any]:
+        return live.get(name, {}) if live is not None else {}
+
+    if not wide:
+        cols = [] if live is None else ["state", "bytes"]
+        t = Table("name", *cols[:1], "ver", *cols[1:], "inputs → outputs")
+        for r in recs:
+            m, c = row(r.name), r.config
+            shown = [] if live is None else [m.get("residency") or m.get("state", "?"), _size(m.get("bytes"))]
+            t.add_row(r.name, *shown[:1], str(r.version), *shown[1:],
+                      f"{short_shapes(c.inputs)} → {short_shapes(c.outputs)}")
+        return t
+    cols = [] if live is None else ["state", "residency", "bytes"]
+    t = Table()
+    for header in ("func_id", "name", "version", "inputs", "outputs", "max batch", "instances x threads", "source",
+                   *cols):  # in a narrow terminal, wrapped rather than cut short
+        t.add_column(header, overflow="fold", no_wrap=header == "name")
+    for r in recs:
+        m, c = row(r.name), r.config
+        residency = m.get("residency") or ""
+        t.add_row(str(r.func_id), r.name, str(r.version),
+                  ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.inputs),
+                  ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.outputs),
+                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source,
+                  *([m.get("state", "?"), f"{residency} ({m['reason']})" if m.get("reason") else residency,
+                     str(m.get("bytes") or 0)] if live is not None else []))
+    return t
+
+
+def _size(n: int | None) -> str:
+    """Bytes for a narrow column: ``44.7M``; ``-`` when unknown."""
+    if not n:
+        return "-"
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _server_url(data_dir: Path) -> str | None:
+    """The HTTP URL of the server running on ``data_dir`` (its server.json), if any."""
+    try:
+        info = json.loads((data_dir / "server.json").read_text())
+        return f"http://{info.get('host', '127.0.0.1')}:{int(info['http_port'])}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _live(url: str, names: Sequence[str]) -> dict[str, dict[str, Any]] | None:
+    """Each model's state, residency and bytes on the server at ``url`` (its metadata and
+    ``/v2/memory``); None when it does not answer."""
+    import httpx
+
+    from splitserve.client.http import HttpClient
+    from splitserve.errors import SplitServeError
+
+    try:
+        with HttpClient(url, timeout=_STATE_TIMEOUT_S) as c:
+            states = {n: c.metadata(n)["parameters"]["state"] for n in names}
+            memory = c.memory()["models"]
+    except (SplitServeError, httpx.HTTPError, OSError, KeyError):
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for n in names:
+        m = memory.get(n, {})
+        out[n] = {"state": states[n], "residency": m.get("residency"), "reason": m.get("reason"),
+                  "bytes": m.get("reserved_bytes") or m.get("weights_bytes", 0)}
+    return out
+
+
+_STATE_TIMEOUT_S = 2.0  # how long ``models`` waits for a server's answer before listing without states
+
+
+def _list_models(data_dir: Path | None, as_json: bool, url: str | None, wide: bool) -> None:
     from splitserve.registry import Registry
 
-    reg = Registry(data_dir or default_data_dir())
+    data_dir = data_dir or default_data_dir()
+    reg = Registry(data_dir)
     try:
         if not reg.list():
             reg.sync()
         recs = reg.list()
     finally:
         reg.close()
-    states: dict[str, str] = {}
-    memory: dict[str, dict] = {}
-    if url:
-        from splitserve.client.http import HttpClient
-
-        with HttpClient(url) as c:
-            states = {r.name: c.metadata(r.name)["parameters"]["state"] for r in recs}
-            memory = c.memory()["models"]
-
-    def live(name: str) -> dict:
-        m = memory.get(name, {})
-        return {"state": states[name], "residency": m.get("residency"), "reason": m.get("reason"),
-                "reserved_bytes": m.get("reserved_bytes", 0), "weights_bytes": m.get("weights_bytes", 0)}
-
+    url = url or _server_url(data_dir)
+    live = _live(url, [r.name for r in recs]) if url else None
     if as_json:
         console.print_json(json.dumps([{"name": r.name, "func_id": r.func_id, **r.config.to_dict(),
-                                        **(live(r.name) if url else {})} for r in recs]))
+                                        **(live[r.name] if live else {})} for r in recs]))
         return
-    t = Table("func_id", "name", "inputs", "outputs", "max batch", "instances x threads", "source",
-              *(["state", "residency", "bytes"] if url else []))
-    for r in recs:
-        c = r.config
-        extra = []
-        if url:
-            m = live(r.name)
-            residency = m["residency"] or "EVICTED"
-            extra = [m["state"], f"{residency} ({m['reason']})" if m["reason"] else residency,
-                     str(m["reserved_bytes"] or m["weights_bytes"])]
-        t.add_row(str(r.func_id), r.name, ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.inputs),
-                  ", ".join(f"{s.name} {s.datatype}{list(s.shape)}" for s in c.outputs),
-                  str(c.max_batch_size), f"{c.instances} x {c.threads}", r.source, *extra)
-    console.print(t)
+    console.print(models_table(recs, live, wide))
+    if live is None and not wide:
+        console.print("(no server answered: start one, or pass --url, to see each model's state; "
+                      "--wide shows every field)", style="dim", highlight=False)
 
 
 @models_app.callback(invoke_without_command=True)
@@ -204,10 +339,11 @@ def models(
     data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     url: Optional[str] = _STATE_URL,
+    wide: bool = _WIDE,
 ) -> None:
     """List registered models (same as ``splitserve models list``)."""
     if ctx.invoked_subcommand is None:
-        _list_models(data_dir, as_json, url)
+        _list_models(data_dir, as_json, url, wide)
 
 
 @models_app.command("list")
@@ -215,9 +351,10 @@ def models_list(
     data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     url: Optional[str] = _STATE_URL,
+    wide: bool = _WIDE,
 ) -> None:
-    """List registered models with their func ids, shapes and instances."""
-    _list_models(data_dir, as_json, url)
+    """List registered models: name, state, version and shapes (``--wide``: every field)."""
+    _list_models(data_dir, as_json, url, wide)
 
 
 def _management(url: str, token: str | None, data_dir: Path | None) -> "Any":
@@ -316,6 +453,33 @@ def _record(data_dir: Path | None, model: str):
     if not reg.list():
         reg.sync()
     return reg, reg.get(model)
+
+
+@app.command()
+def prepare(
+    cache_dir: list[Path] = typer.Option(None, "--cache-dir",
+                                         help="Weight caches to fill (default: the server's, DATA_DIR/cache)."),
+    data_dir: Path = typer.Option(None, help=_DATA_DIR_HELP),
+) -> None:
+    """Train and cache the models that train on first use (digits), so that no first request
+    waits for it; quick when the caches are full. scripts/setup.sh runs it."""
+    import shutil
+
+    from splitserve.models.digits import CACHE_FILE, load_or_train_digits
+
+    dirs = cache_dir or [ServerConfig.from_env(data_dir=data_dir or default_data_dir()).cache_path]
+    missing = [d for d in dirs if not (d / CACHE_FILE).exists()]
+    if not missing:
+        return
+    with console.status(f"training digits (once; cached in {missing[0]})"):
+        missing[0].mkdir(parents=True, exist_ok=True)
+        load_or_train_digits(missing[0])
+    for d in missing[1:]:  # the same seeded weights: copied, not trained again
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{CACHE_FILE}.tmp"
+        shutil.copyfile(missing[0] / CACHE_FILE, tmp)
+        tmp.replace(d / CACHE_FILE)  # a server reading the cache meanwhile never sees half a file
+    console.print(f"digits: trained and cached in {', '.join(map(str, missing))}", highlight=False)
 
 
 @app.command()

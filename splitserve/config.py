@@ -135,6 +135,9 @@ class ServerConfig:
     evict_drop_cache: bool = False  # drop an evicted model's weight file from the page cache (an honest disk tier)
     # Triton and KServe drop-in: gRPC streaming
     grpc_stream_max_in_flight: int = 64  # unanswered calls per ModelStreamInfer stream; reading pauses at the cap
+    # -- Triton and KServe drop-in: system shared memory --
+    shm_max_regions: int = 64  # client shared-memory regions registered at once; more are refused
+    shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -181,7 +184,7 @@ class ServerConfig:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
                      "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k",
-                     "placement_history", "grpc_stream_max_in_flight"):
+                     "placement_history", "grpc_stream_max_in_flight", "shm_max_regions", "shm_max_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:

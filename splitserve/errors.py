@@ -28,6 +28,7 @@ class Status(IntEnum):
     REFUSED = 13  # refused by policy (e.g. best-effort in rt-only mode)
     PAYLOAD_TOO_LARGE = 14  # a body over its limit (HTTP and gRPC; the fast path says BAD_SIZE)
     INSUFFICIENT_STORAGE = 15  # the server's disk is full (ENOSPC, EDQUOT)
+    NOT_FOUND = 16  # a named thing other than a model is not there (a shared-memory region or object)
     INTERNAL = 99
 
 
@@ -109,6 +110,14 @@ class InsufficientStorage(SplitServeError):
     status, http_status, grpc_code = Status.INSUFFICIENT_STORAGE, 507, "RESOURCE_EXHAUSTED"
 
 
+class NotFound(SplitServeError):
+    """A management call names something that is not there: a shared-memory region or
+    object, or an extension this server lacks (CUDA shared memory). An inference call that
+    names a missing region is InvalidInput instead: its request is what is wrong."""
+
+    status, http_status, grpc_code = Status.NOT_FOUND, 404, "NOT_FOUND"
+
+
 class InternalError(SplitServeError):
     """The server failed itself (e.g. the watchdog answering a call nothing else answered)."""
 
@@ -120,7 +129,7 @@ _BY_STATUS: dict[int, type[SplitServeError]] = {
     for cls in (
         BadFrame, UnknownModel, BadSize, QueueFull, DeadlineMissed, WorkerFailed, ShuttingDown,
         DuplicateRequest, BadSegment, InvalidInput, ModelNotReady, Unauthorized, Refused,
-        PayloadTooLarge, InsufficientStorage, InternalError,
+        PayloadTooLarge, InsufficientStorage, NotFound, InternalError,
     )
 }
 

@@ -10,6 +10,11 @@ An input sends its bytes with ``parameters.binary_data_size``; a request asks fo
 outputs with ``parameters.binary_data_output`` (all outputs) or per output with
 ``outputs[i].parameters.binary_data``. BYTES elements are each a 4-byte little-endian
 length and the bytes.
+
+With Triton's system shared-memory extension, a tensor names a region that the client
+registered instead of carrying bytes: ``parameters.shared_memory_region``,
+``shared_memory_byte_size`` and ``shared_memory_offset`` (``ShmRef``). Such an input has
+no ``data``; such an output is written into its region and its entry carries no data.
 """
 
 from __future__ import annotations
@@ -163,6 +168,54 @@ def datatype_of(arr: np.ndarray) -> str:
     return v2_datatype(arr.dtype.newbyteorder("="))
 
 
+# -- system shared memory ----------------------------------------------------------------------
+
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """Where a tensor lies in a registered shared-memory region: ``byte_size`` bytes from
+    ``offset`` (counted from the region's start)."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+    def as_params(self) -> dict[str, Any]:
+        """The tensor parameters that name this place (what a response echoes)."""
+        return {SHM_REGION: self.region, SHM_BYTE_SIZE: self.byte_size, SHM_OFFSET: self.offset}
+
+
+def shm_ref(tensor: str, params: Mapping[str, Any]) -> ShmRef | None:
+    """The region a tensor's parameters name (HTTP and gRPC alike), None when they name none."""
+    region = params.get(SHM_REGION)
+    if region is None:
+        return None
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{tensor}: {SHM_REGION} must be a region name, got {region!r}")
+    values = []
+    for key, default in ((SHM_OFFSET, 0), (SHM_BYTE_SIZE, None)):
+        v = params.get(key, default)
+        if v is None:
+            raise InvalidInput(f"{tensor}: {SHM_REGION} {region!r} needs {SHM_BYTE_SIZE}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidInput(f"{tensor}: {key} must be a non-negative integer, got {v!r}")
+        values.append(v)
+    return ShmRef(region, *values)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmInput:
+    """An input that lies in shared memory: where, and the datatype and shape it declares."""
+
+    ref: ShmRef
+    datatype: str
+    shape: tuple[int, ...]
+
+
 # -- requests ----------------------------------------------------------------------------------
 
 
@@ -177,6 +230,8 @@ class InferRequest:
     # requested outputs: name -> binary?  (None: every output, with ``binary_output``)
     outputs: dict[str, bool] | None = None
     binary_output: bool = False
+    shm_inputs: dict[str, ShmInput] = field(default_factory=dict)  # inputs to read from shared memory
+    shm_outputs: dict[str, ShmRef] = field(default_factory=dict)  # outputs to write into shared memory
 
     @property
     def cls(self) -> RequestClass:
@@ -265,8 +320,14 @@ def parse_infer_request(body: "bytes | bytearray | memoryview", header_length: "
             raise InvalidInput(f"inputs[{i}] needs 'name', 'datatype' and 'shape'")
         if name in req.inputs:
             raise InvalidInput(f"input {name!r} is given twice")
-        size = _params(t, f"input {name!r}").get("binary_data_size")
-        if size is not None:
+        params = _params(t, f"input {name!r}")
+        size = params.get("binary_data_size")
+        ref = shm_ref(f"input {name!r}", params)
+        if ref is not None:
+            if size is not None or "data" in t:
+                raise InvalidInput(f"input {name!r} names shared-memory region {ref.region!r} and also carries data")
+            req.shm_inputs[name] = ShmInput(ref, datatype.upper(), check_shape(name, shape))
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
             if off + size > len(blob):
@@ -288,7 +349,11 @@ def parse_infer_request(body: "bytes | bytearray | memoryview", header_length: "
         for i, o in enumerate(outs):
             if not isinstance(o, Mapping) or not isinstance(o.get("name"), str):
                 raise InvalidInput(f"outputs[{i}] must be an object with a 'name'")
-            req.outputs[o["name"]] = bool(_params(o, f"output {o['name']!r}").get("binary_data", req.binary_output))
+            params = _params(o, f"output {o['name']!r}")
+            req.outputs[o["name"]] = bool(params.get("binary_data", req.binary_output))
+            ref = shm_ref(f"output {o['name']!r}", params)
+            if ref is not None:
+                req.shm_outputs[o["name"]] = ref
     return req
 
 
@@ -366,6 +431,11 @@ def build_infer_response(model: str, version: str, req: InferRequest, outputs: S
     blobs: list[bytes] = []
     for name, arr in outputs:
         if wanted is not None and name not in wanted:
+            continue
+        ref = req.shm_outputs.get(name)
+        if ref is not None:  # already written into its region
+            doc["outputs"].append({"name": name, "datatype": datatype_of(arr), "shape": list(arr.shape),
+                                   "parameters": ref.as_params()})
             continue
         binary = wanted[name] if wanted is not None else req.binary_output
         doc["outputs"].append(_tensor_entry(name, arr, binary, blobs))

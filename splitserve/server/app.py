@@ -6,9 +6,9 @@ and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
 ``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
 ``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
 CPUs) with the ``PlacementApplier`` that carries out changes of placement, the
-``MemoryManager`` (the runtimes' ``ResidencyBroker``: which models hold memory) and the
-``ModelManager``. ``docs/node.md``
-draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
+``MemoryManager`` (the runtimes' ``ResidencyBroker``: which models hold memory), the
+``ModelManager``, and the clients' system shared-memory regions (``SystemSharedMemory``).
+``docs/node.md`` draws them. ``Server.infer`` is the one request path that the decoded front ends (HTTP,
 gRPC, in-process) share with the fast path.
 """
 
@@ -51,6 +51,7 @@ from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
+from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
 from splitserve.worker.spares import SparePool
@@ -103,6 +104,8 @@ class Server:
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
+        # client regions of Triton's system shared-memory extension (HTTP and gRPC)
+        self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -158,9 +161,9 @@ class Server:
         if cfg.http_port is not None or cfg.grpc_port is not None:
             self._codec = CodecPool.from_config(cfg)
             if cfg.http_port is not None:
-                out.append(HttpFrontEnd(self, self.management, self._codec, cfg))
+                out.append(HttpFrontEnd(self, self.management, self._codec, cfg, self.shm))
             if cfg.grpc_port is not None:
-                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg))
+                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg, self.shm))
         return out
 
     def _spares(self) -> int:
@@ -225,6 +228,7 @@ class Server:
         self.frontends.clear()
         if self._codec is not None:
             self._codec.close()
+        self.shm.unregister()
         self.intake.close()
         for rt in runtimes:
             try:

@@ -1,5 +1,5 @@
 """The gRPC front end: Open Inference Protocol v2 (``inference.GRPCInferenceService``) with
-the model-repository and statistics extensions.
+the model-repository, statistics, model-configuration and system shared-memory extensions.
 
 ``GrpcFrontEnd`` is the front end the node starts when ``config.grpc_port`` is not None
 and stops before it stops its models. The servicer runs on the node's own event loop
@@ -17,6 +17,7 @@ import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -26,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from splitserve import __version__
 from splitserve.config import ServerConfig
-from splitserve.errors import InvalidInput, PayloadTooLarge, SplitServeError
+from splitserve.errors import InvalidInput, NotFound, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import (
@@ -34,15 +35,16 @@ from splitserve.protocol.grpc_codec import (
 )
 from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import (
-    deadline_seconds, infer_body_limit, model_inputs, tensor_from_bytes, tensor_to_bytes,
+    SHM_REGION, deadline_seconds, infer_body_limit, model_inputs, shm_ref, tensor_from_bytes, tensor_to_bytes,
 )
 from splitserve.server.frontends import CodecPool
 from splitserve.server.management import ModelManager
-from splitserve.server.ports import FrontEnd, ServingAPI
+from splitserve.server.ports import FrontEnd, ServingAPI, SharedMemoryRegions
+from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ("model_repository", "statistics", "model_configuration")
+EXTENSIONS = ("model_repository", "statistics", "model_configuration", "system_shared_memory")
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -91,23 +93,31 @@ def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
     return cls, deadline_seconds(params.get("deadline_ms"))
 
 
-def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest) -> list[np.ndarray]:
-    """The request's input tensors as arrays in the model's declared order, fully checked."""
-    raw = request.raw_input_contents
+def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> list[np.ndarray]:
+    """The request's input tensors as arrays in the model's declared order, fully checked;
+    those that name a shared-memory region are arrays over it. ``raw_input_contents`` holds
+    the bytes of the other inputs, in order."""
+    refs = [shm_ref(f"input {t.name!r}", params_dict(t.parameters)) for t in request.inputs]
+    raw = list(request.raw_input_contents)
     if raw:
-        if len(raw) != len(request.inputs):
-            raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+        carried = sum(ref is None for ref in refs)
+        if len(raw) != carried:
+            raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {carried} inputs not in shared memory")
         typed = [t.name for t in request.inputs if t.HasField("contents")]
         if typed:
             raise InvalidInput(f"input {typed[0]!r} has typed contents next to raw_input_contents; "
                                "use one or the other")
     given: dict[str, np.ndarray] = {}
     datatypes: dict[str, str] = {}
-    for i, t in enumerate(request.inputs):
+    for t, ref in zip(request.inputs, refs):
         if t.name in given:
             raise InvalidInput(f"input {t.name!r} of {cfg.name!r} is given twice")
-        if raw:
-            given[t.name] = tensor_from_bytes(t.name, t.datatype, tuple(t.shape), raw[i])
+        if ref is not None:
+            if t.HasField("contents"):
+                raise InvalidInput(f"input {t.name!r} names shared-memory region {ref.region!r} and also has contents")
+            given[t.name] = input_tensor(shm, t.name, t.datatype, tuple(t.shape), ref)
+        elif raw:
+            given[t.name] = tensor_from_bytes(t.name, t.datatype, tuple(t.shape), raw.pop(0))
         elif t.HasField("contents"):
             given[t.name] = tensor_from_contents(t.name, t.datatype, tuple(t.shape), t.contents)
         else:
@@ -123,35 +133,60 @@ def _parse_infer(message: bytes) -> pb.ModelInferRequest:
         raise InvalidInput(f"the ModelInferRequest message does not parse: {e}") from None
 
 
-def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest) -> tuple[list[np.ndarray], list[str], RequestClass,
-                                                                          float | None]:
-    """Inputs, wanted outputs, class and deadline of a ModelInfer call (runs in a codec thread)."""
-    arrays = decode_inputs(cfg, request)
+@dataclass
+class _Decoded:
+    """A ModelInfer call, decoded: inputs, wanted outputs, the regions of those that go to
+    shared memory (their parameters echoed in the answer), class and deadline."""
+
+    arrays: list[np.ndarray]
+    wanted: list[str]
+    shm_views: dict[str, memoryview]
+    shm_params: dict[str, Any]
+    cls: RequestClass
+    deadline_s: float | None
+
+
+def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> _Decoded:
+    """A ModelInfer call, decoded and checked (runs in a codec thread)."""
+    arrays = decode_inputs(cfg, request, shm)
     declared = [o.name for o in cfg.outputs]
     wanted = [o.name for o in request.outputs] or declared
     for n in wanted:
         if n not in declared:
             raise InvalidInput(f"model {cfg.name!r} has no output {n!r}; its outputs are {', '.join(declared)}")
+    refs = {o.name: ref for o in request.outputs
+            if (ref := shm_ref(f"output {o.name!r}", params_dict(o.parameters))) is not None}
+    views = output_views(shm, cfg, arrays[0].shape[0], refs)
     cls, deadline_s = _call_options(params_dict(request.parameters))
-    return arrays, wanted, cls, deadline_s
+    return _Decoded(arrays, wanted, views, {n: o.parameters for o in request.outputs if (n := o.name) in refs},
+                    cls, deadline_s)
 
 
-def _encode_response(cfg: ModelConfig, request: Any, wanted: list[str], outputs: list[np.ndarray],
+def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: list[np.ndarray],
                      timings: dict[str, int], streamed: bool) -> bytes:
-    """The serialized ModelInferResponse, or ModelStreamInferResponse when ``streamed`` (runs
-    in a codec thread when large)."""
+    """The serialized ModelInferResponse, or ModelStreamInferResponse when ``streamed``, the
+    outputs that go to shared memory written there (runs in a codec thread when large)."""
+    write_outputs(call.shm_views, {spec.name: arr for spec, arr in zip(cfg.outputs, outputs)})
     outer = pb.ModelStreamInferResponse() if streamed else None
     resp = outer.infer_response if outer is not None else pb.ModelInferResponse()
     resp.model_name, resp.model_version, resp.id = cfg.name, str(cfg.version), request.id
-    typed = not request.raw_input_contents and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
+    in_shm = any(t.parameters.get(SHM_REGION) is not None for t in request.inputs)
+    typed = not request.raw_input_contents and not in_shm and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
+    raw: list[bytes] = []  # by position among the outputs, as clients index raw_output_contents
     for spec, arr in zip(cfg.outputs, outputs):
-        if spec.name not in wanted:
+        if spec.name not in call.wanted:
             continue
         t = resp.outputs.add(name=spec.name, datatype=spec.datatype, shape=arr.shape)
-        if typed:
+        if spec.name in call.shm_views:  # written into its region: no contents
+            for k, v in call.shm_params[spec.name].items():
+                t.parameters[k].CopyFrom(v)
+            raw.append(b"")
+        elif typed:
             fill_contents(t.contents, arr, spec.datatype)
         else:
-            resp.raw_output_contents.append(bytes(tensor_to_bytes(arr)))
+            raw.append(bytes(tensor_to_bytes(arr)))
+    if any(raw):  # an empty entry holds a shared-memory output's place before the others'
+        resp.raw_output_contents.extend(raw)
     for k, v in timings.items():
         set_param(resp.parameters, k, v)
     return (outer if outer is not None else resp).SerializeToString()
@@ -160,11 +195,13 @@ def _encode_response(cfg: ModelConfig, request: Any, wanted: list[str], outputs:
 class InferenceServicer:
     """Stateless apart from the node it serves; per-call state lives in each call."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions) -> None:
         self.api = api
         self.manager = manager
         self.codec = codec
         self.config = config
+        self.shm = shm
 
     def _config(self, name: str, version: str = "") -> ModelConfig:
         """A registered model's config; a version, if given, must be the one registered."""
@@ -221,12 +258,12 @@ class InferenceServicer:
             if size > limit:
                 raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
                                       f"bytes (max_batch_size {cfg.max_batch_size} samples of its inputs)")
-            arrays, wanted, cls, deadline_s = await codec.run(size, _decode_call, cfg, request)
-        out = await self.api.infer(cfg.name, arrays, cls, deadline_s)
+            call = await codec.run(size, _decode_call, cfg, request, self.shm)
+        out = await self.api.infer(cfg.name, call.arrays, call.cls, call.deadline_s)
         timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
         # typed contents take up to ~8 bytes a value once serialized
         nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)
-        return await codec.run(nbytes, _encode_response, cfg, request, wanted, out.outputs, timings,
+        return await codec.run(nbytes, _encode_response, cfg, request, call, out.outputs, timings,
                                echo is not None)
 
     @_rpc
@@ -349,6 +386,33 @@ class InferenceServicer:
         return pb.RepositoryModelUnloadResponse()
 
 
+    # -- system shared-memory extension (CUDA's: refused, there is no GPU) ------------------
+
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        resp = pb.SystemSharedMemoryStatusResponse()
+        for r in self.shm.status(request.name or None):
+            resp.regions[r.name].CopyFrom(resp.RegionStatus(name=r.name, key=r.key, offset=r.offset,
+                                                            byte_size=r.byte_size))
+        return resp
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.shm.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        raise NotFound(CUDA_UNSUPPORTED)
+
+    CudaSharedMemoryRegister = CudaSharedMemoryUnregister = CudaSharedMemoryStatus
+
+
 def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
     """Every method of the service; inference takes and returns bytes (decoded off the loop)."""
     methods = pb.method_handlers(servicer, raw=("ModelInfer", "ModelStreamInfer"))
@@ -359,8 +423,9 @@ def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
 class GrpcFrontEnd(FrontEnd):
     """gRPC on ``config.host:config.grpc_port`` (0: a free port)."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
-        self.servicer = InferenceServicer(api, manager, codec, config)
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions) -> None:
+        self.servicer = InferenceServicer(api, manager, codec, config, shm)
         self.config = config
         self._server: grpc.aio.Server | None = None
 

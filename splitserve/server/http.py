@@ -33,18 +33,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
 from splitserve.config import ServerConfig
-from splitserve.errors import BadSize, InvalidInput, PayloadTooLarge, SplitServeError
+from splitserve.errors import BadSize, InvalidInput, NotFound, PayloadTooLarge, SplitServeError
 from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.server.fastpath import tcp_listener
 from splitserve.server.frontends import CodecPool, EmbeddedUvicorn
 from splitserve.server.management import ModelManager
-from splitserve.server.ports import FrontEnd, ServingAPI
+from splitserve.server.ports import FrontEnd, ServingAPI, SharedMemoryRegions
+from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration", "system_shared_memory"]
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
@@ -118,15 +119,22 @@ def _infer_limit(config: ServerConfig, cfg: ModelConfig) -> int:
     return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.json_chars_per_value)
 
 
-def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None) -> tuple[v2.InferRequest, list[np.ndarray]]:
-    """The request and the model's inputs in declared order (runs in a codec thread)."""
+def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None, shm: SharedMemoryRegions
+                  ) -> tuple[v2.InferRequest, list[np.ndarray], dict[str, memoryview]]:
+    """The request, the model's inputs in declared order (those in shared memory: arrays over
+    their regions) and the regions its outputs go to (runs in a codec thread)."""
     req = v2.parse_infer_request(body, header_length)
-    return req, v2.model_inputs(cfg.name, cfg.inputs, req.inputs, req.datatypes)
+    for name, t in req.shm_inputs.items():
+        req.inputs[name] = input_tensor(shm, name, t.datatype, t.shape, t.ref)
+    inputs = v2.model_inputs(cfg.name, cfg.inputs, req.inputs, req.datatypes)
+    return req, inputs, output_views(shm, cfg, inputs[0].shape[0], req.shm_outputs)
 
 
 def _encode_infer(model: str, version: str, req: v2.InferRequest, outputs: list[tuple[str, np.ndarray]],
-                  parameters: dict[str, Any]) -> tuple[bytes, int | None]:
-    """The response body and its JSON header length (runs in a codec thread when large)."""
+                  parameters: dict[str, Any], shm_views: dict[str, memoryview]) -> tuple[bytes, int | None]:
+    """The response body and its JSON header length, the outputs that go to shared memory
+    written there (runs in a codec thread when large)."""
+    write_outputs(shm_views, dict(outputs))
     parts, hlen = v2.build_infer_response(model, version, req, outputs, parameters)
     return b"".join(parts), hlen
 
@@ -151,16 +159,17 @@ def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) 
     return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
 
 
-def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> FastAPI:
+def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+               shm: SharedMemoryRegions) -> FastAPI:
     """The FastAPI app of one node (handlers keep no per-request state on the app):
-    inference through ``api``, everything else through ``manager``; ``codec`` decodes and
-    encodes large bodies off the loop."""
+    inference through ``api``, tensors in shared memory through ``shm``, everything else
+    through ``manager``; ``codec`` decodes and encodes large bodies off the loop."""
     app = FastAPI(title="splitserve", version=__version__,
                   description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
     upload_limit = config.max_upload_bytes
     small_limit = config.management_body_bytes
     doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
-                             doc.LoadRequest])
+                             doc.LoadRequest, doc.ShmRegister])
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -273,13 +282,14 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
                 "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
         async with codec.admit(_content_length(request, limit, what)):
             body = await _body(request, limit, what)
-            req, inputs = await codec.run(len(body), _decode_infer, cfg, body, request.headers.get(v2.HEADER_LENGTH))
+            req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
+                                                     request.headers.get(v2.HEADER_LENGTH), shm)
         out = await api.infer(name, inputs, req.cls, req.deadline_s)
         names = [t.name for t in manager.model_config(name).outputs]
         parts, hlen = await codec.run(
             sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),
             _encode_infer, name, ver, req, list(zip(names, out.outputs)),
-            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us})
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
         if hlen is None:
             return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
         return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
@@ -337,6 +347,60 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             preds.append([{"label": cfg.labels[i] if i < len(cfg.labels) else str(i), "index": int(i),
                            "score": float(p[i])} for i in idx])
         return {"model": name, "predictions": preds}
+
+    # -- system shared-memory extension (CUDA's: refused, there is no GPU) ------------------
+
+    def region_list(name: str | None) -> list[dict[str, Any]]:
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in shm.status(name)]
+
+    shm_status_doc = _doc({"model": list[doc.ShmRegion]}, 404)
+
+    @app.get("/v2/systemsharedmemory/status", tags=["shared memory"], **shm_status_doc)
+    async def regions_status() -> list:
+        """Every registered system shared-memory region."""
+        return region_list(None)
+
+    @app.get("/v2/systemsharedmemory/region/{name}/status", tags=["shared memory"], **shm_status_doc)
+    async def region_status(name: str) -> list:
+        """One registered system shared-memory region (404 when it is not registered)."""
+        return region_list(name)
+
+    @app.post("/v2/systemsharedmemory/region/{name}/register", tags=["shared memory"],
+              **_doc({"description": "Registered"}, 400, 404, 413, 429, openapi_extra=doc.body(
+                  doc.ShmRegister, {"key": "/input0", "offset": 0, "byte_size": 602112})))
+    async def region_register(name: str, request: Request) -> dict:
+        """Register ``byte_size`` bytes from ``offset`` of the shared-memory object ``key``
+        (``/name`` under /dev/shm) as region ``name``; body ``{"key", "offset", "byte_size"}``."""
+        doc = await _json(request, small_limit)
+        if not isinstance(doc, dict) or not isinstance(doc.get("key"), str) or "byte_size" not in doc:
+            raise InvalidInput('the body must be {"key": "/name", "offset": 0, "byte_size": N}')
+        shm.register(name, doc["key"], v2.json_number("offset", doc.get("offset", 0), int),
+                     v2.json_number("byte_size", doc["byte_size"], int))
+        return {}
+
+    @app.post("/v2/systemsharedmemory/unregister", tags=["shared memory"], **_doc({"description": "Unregistered"}))
+    async def regions_unregister() -> dict:
+        """Unregister every region; calls in flight that use one still get their answers."""
+        shm.unregister(None)
+        return {}
+
+    @app.post("/v2/systemsharedmemory/region/{name}/unregister", tags=["shared memory"],
+              **_doc({"description": "Unregistered"}))
+    async def region_unregister(name: str) -> dict:
+        """Unregister a region (no error when it is not registered); a call in flight that
+        uses it still gets its answer."""
+        shm.unregister(name)
+        return {}
+
+    async def cuda_shared_memory(request: Request) -> dict:
+        """CUDA shared memory: not supported (no GPU); always 404."""
+        raise NotFound(CUDA_UNSUPPORTED)
+
+    for path in ("/v2/cudasharedmemory/status", "/v2/cudasharedmemory/region/{name}/status"):
+        app.get(path, tags=["shared memory"], **_doc({"description": "never"}, 404))(cuda_shared_memory)
+    for path in ("/v2/cudasharedmemory/unregister", "/v2/cudasharedmemory/region/{name}/register",
+                 "/v2/cudasharedmemory/region/{name}/unregister"):
+        app.post(path, tags=["shared memory"], **_doc({"description": "never"}, 404))(cuda_shared_memory)
 
     # -- model repository and management -------------------------------------------------
 
@@ -425,7 +489,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         return {"name": name, "evicted": evicted, "state": manager.state(name)}
 
     @app.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
-        config_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
+        native_doc["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
             "max_batch_size": 16})))
     async def configure(name: str, request: Request) -> dict:
@@ -447,7 +511,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             await manager.set_batching(name, b, doc.get("max_batch_size"))
         if "instances" in doc:
             await manager.set_instances(name, doc["instances"])
-        return await model_config(name)
+        return await native_config(name)  # what was changed, in the keys it was sent in
 
     # -- scheduling introspection (benchmarks read these from another process) ----------------
 
@@ -491,8 +555,9 @@ class HttpFrontEnd(FrontEnd):
     """The HTTP front end: uvicorn serving ``create_app`` on the node's loop (lifespan off,
     no signal handlers: the node owns the signals)."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig) -> None:
-        self.app = create_app(api, manager, codec, config)
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions) -> None:
+        self.app = create_app(api, manager, codec, config, shm)
         self.config = config
         self._server: EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None

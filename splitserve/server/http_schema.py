@@ -21,9 +21,9 @@ from splitserve.protocol.v2 import DATATYPES
 _WHY = {
     400: "Bad input: the message names the field and what is wrong with it",
     401: "No or wrong management token ('Authorization: Bearer <token>')",
-    404: "Unknown model or version",
+    404: "Unknown model or version; a shared-memory region or object that is not there",
     413: "The body exceeds its limit (a model's infer limit, or the upload limit)",
-    429: "Refused by policy (best-effort work on an rt-only server)",
+    429: "Refused by policy (best-effort work on an rt-only server), or the shared-memory caps are reached",
     500: "A worker failed, or a server bug (the message gives a reference to the server log)",
     503: "The model is not ready, its queue is full, too many large bodies are in hand, or the server is stopping",
     504: "The request's deadline passed before it ran",
@@ -187,6 +187,22 @@ class ClassifyResponse(BaseModel):
 
 class IndexRequest(BaseModel):
     ready: bool = False
+
+
+class ShmRegister(BaseModel):
+    """System shared-memory extension: a region of a POSIX shared-memory object."""
+
+    key: str = Field(pattern=r"^/?[^/.\x00][^/\x00]*$",
+                     description="the object's key as shm_open takes it ('/name', under /dev/shm)")
+    offset: int = Field(0, ge=0, description="where the region starts inside the object")
+    byte_size: int = Field(ge=1, description="the region's length")
+
+
+class ShmRegion(BaseModel):
+    name: str
+    key: str
+    offset: int
+    byte_size: int
 
 
 class IndexEntry(BaseModel):

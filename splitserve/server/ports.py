@@ -6,8 +6,9 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 
 * a **transport** (``fastpath``, ``udp``) reaches the node through ``FastPathHost`` and a
   model through ``ModelPort``;
-* the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference and
-  a ``management.ModelManager`` for everything else; every front end, fast path included,
+* the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference,
+  ``SharedMemoryRegions`` for the tensors clients keep in shared memory and a
+  ``management.ModelManager`` for everything else; every front end, fast path included,
   is a ``FrontEnd`` the root starts and stops;
 * a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
   ``NodeScheduler`` it asks for batches, metrics, the node's ``ResourceManager`` (CPUs), the
@@ -44,6 +45,7 @@ from splitserve.placement.plans import Wanted
 from splitserve.placement.profiler import ModelProfile
 from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.header import RequestClass
+from splitserve.protocol.v2 import ShmRef
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch
@@ -209,6 +211,38 @@ class ServingAPI(Protocol):
 
     def metrics_text(self) -> bytes:
         """Prometheus text exposition, gauges refreshed now."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionStatus:
+    """One registered system shared-memory region, as the extension's status reports it."""
+
+    name: str
+    key: str  # the shared-memory object's key ("/name")
+    offset: int  # where the region starts inside the object
+    byte_size: int
+
+
+class SharedMemoryRegions(Protocol):
+    """The node's registered system shared-memory regions (``shm.SystemSharedMemory``, built
+    by the root). HTTP and gRPC call ``register``/``unregister``/``status`` for the
+    extension's calls on the loop, and ``view`` (in codec threads too) for every tensor of
+    an inference call that names a region; the call keeps its views until it is answered, so
+    a region unregistered meanwhile stays mapped until then."""
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``byte_size`` bytes from ``offset`` of the object ``key`` as region ``name``.
+        Raises InvalidInput (bad key or name, too small), NotFound (no such object) or Refused (caps)."""
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region ``name`` (None: every region); a name not registered is no error."""
+
+    def status(self, name: str | None = None) -> list[RegionStatus]:
+        """Every region, or the one named (NotFound when it is not registered)."""
+
+    def view(self, ref: ShmRef, what: str) -> memoryview:
+        """The writable bytes ``ref`` names, checked to lie inside its region; InvalidInput
+        naming ``what`` and the region when it is not registered or ``ref`` runs past it."""
 
 
 # -- runtime and coordinator ---------------------------------------------------------------------

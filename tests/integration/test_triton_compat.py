@@ -7,9 +7,8 @@ worker processes), so every test here also proves that splitserve's gRPC front e
 ``tritonclient.grpc`` cannot be imported in one process (both register ``inference.*``
 messages in protobuf's default pool), so the kserve clients run in a child process.
 
-Organised by what a client does (metadata, inference, errors, streaming, management), one
-function per client flavour where they differ; a transport extension (shared memory)
-adds its own section with the same fixtures.
+Organised by what a client does (metadata, inference, errors, streaming, system shared
+memory, management), one function per client flavour where they differ.
 """
 
 from __future__ import annotations
@@ -17,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import queue
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
+import tritonclient.utils.shared_memory as shm
 import tritonclient.grpc.aio as tgrpc_aio
 import tritonclient.http as thttp
 import tritonclient.http.aio as thttp_aio
@@ -314,6 +316,121 @@ def test_async_stream(node: Node) -> None:
             await c.close()
 
     assert sorted(asyncio.run(scenario())) == [f"a{i}" for i in range(6)]
+
+
+# -- system shared memory ------------------------------------------------------------------------
+
+@pytest.fixture
+def regions(http: thttp.InferenceServerClient) -> Iterator[Any]:
+    """``make(name, byte_size)`` creates a POSIX shared-memory object (key ``/<name>-<pid>``)
+    and registers it with the server under ``name``; every one is unregistered and destroyed after."""
+    made = []
+
+    def make(name: str, byte_size: int, register: bool = True) -> Any:
+        key = f"/splitserve-test-{name}-{os.getpid()}"
+        handle = shm.create_shared_memory_region(name, key, byte_size)
+        made.append(handle)
+        if register:
+            http.register_system_shared_memory(name, key, byte_size)
+        return handle
+
+    yield make
+    http.unregister_system_shared_memory()
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.mark.parametrize("module", [thttp, tgrpc], ids=["http", "grpc"])
+def test_shared_memory_inference_equals_the_normal_path(module: Any, regions: Any, http: thttp.InferenceServerClient,
+                                                        grpc: tgrpc.InferenceServerClient) -> None:
+    client = http if module is thttp else grpc
+    arrays = samples("vecadd1k", 3)
+    a, b = arrays["a"], arrays["b"]
+    inp = regions("in", a.nbytes + b.nbytes + 64)  # b lies at an offset
+    out = regions("out", a.nbytes)
+    shm.set_shared_memory_region(inp, [a])
+    shm.set_shared_memory_region(inp, [b], offset=a.nbytes)
+    inputs = [module.InferInput("a", list(a.shape), "FP32"), module.InferInput("b", list(b.shape), "FP32")]
+    inputs[0].set_shared_memory("in", a.nbytes)
+    inputs[1].set_shared_memory("in", b.nbytes, offset=a.nbytes)
+    wanted = module.InferRequestedOutput("sum")
+    wanted.set_shared_memory("out", a.nbytes)
+    result = client.infer("vecadd1k", inputs, outputs=[wanted])
+    if module is thttp:  # the answer carries no data: it is in the region
+        assert result.get_output("sum")["parameters"]["shared_memory_region"] == "out"
+        assert "data" not in result.get_output("sum") and result.get_response().get("parameters") is not None
+    else:
+        assert result.get_output("sum").parameters["shared_memory_region"].string_param == "out"
+        assert not result.get_response().raw_output_contents
+    normal = client.infer("vecadd1k", inputs_for(module, arrays)).as_numpy("sum")
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [3, 1024]), normal)
+    # the input may be in shared memory and the output on the wire, too
+    inputs[0].set_shared_memory("in", a.nbytes)
+    np.testing.assert_array_equal(client.infer("vecadd1k", inputs).as_numpy("sum"), normal)
+    listed = client.get_system_shared_memory_status()
+    if module is tgrpc:
+        listed = [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                  for r in listed.regions.values()]
+    assert sorted((r["name"], int(r["byte_size"])) for r in listed) == [("in", a.nbytes + b.nbytes + 64),
+                                                                       ("out", a.nbytes)]
+    client.unregister_system_shared_memory()
+    assert len(http.get_system_shared_memory_status()) == 0 and not grpc.get_system_shared_memory_status().regions
+
+
+def test_shared_memory_errors(regions: Any, http: thttp.InferenceServerClient,
+                              grpc: tgrpc.InferenceServerClient) -> None:
+    image = samples("lenet", 1)["image"]
+    handle = regions("img", image.nbytes)
+    shm.set_shared_memory_region(handle, [image])
+    cases = [("img", image.nbytes, 1, "runs past the end of region 'img'"),  # offset out of bounds
+             ("img", image.nbytes - 1, 0, "shared_memory_byte_size 783"),  # not the tensor's bytes
+             ("nope", image.nbytes, 0, "no system shared-memory region 'nope'")]
+    for client, module, code in ((http, thttp, "400"), (grpc, tgrpc, "StatusCode.INVALID_ARGUMENT")):
+        for region, size, offset, message in cases:
+            t = module.InferInput("image", list(image.shape), "UINT8")
+            t.set_shared_memory(region, size, offset=offset)
+            e = _error(lambda: client.infer("lenet", [t]))
+            assert e.status() == code and message in e.message(), e.message()
+    for client, code in ((http, "404"), (grpc, "StatusCode.NOT_FOUND")):
+        e = _error(lambda: client.get_system_shared_memory_status("nope"))
+        assert e.status() == code and "no system shared-memory region 'nope'" in e.message()
+        e = _error(lambda: client.get_cuda_shared_memory_status())
+        assert e.status() == code and "CUDA shared memory is not supported" in e.message()
+    e = _error(lambda: http.register_system_shared_memory("evil", "/../etc/passwd", 8))
+    assert e.status() == "400" and "'..'" in e.message()
+    key = f"/splitserve-test-small-{os.getpid()}"
+    small = shm.create_shared_memory_region("small", key, 16)
+    try:
+        e = _error(lambda: grpc.register_system_shared_memory("small", key, 32))
+        assert e.status() == "StatusCode.INVALID_ARGUMENT" and "runs past the end" in e.message()
+    finally:
+        shm.destroy_shared_memory_region(small)
+
+
+def test_unregistering_a_region_in_use_keeps_the_call_safe(node: Node, regions: Any,
+                                                           grpc: tgrpc.InferenceServerClient) -> None:
+    key = np.array([[11]], np.int64)
+    inp, out = regions("held-in", key.nbytes), regions("held-out", key.nbytes)
+    shm.set_shared_memory_region(inp, [key])
+    t = tgrpc.InferInput("key", [1, 1], "INT64")
+    t.set_shared_memory("held-in", key.nbytes)
+    wanted = tgrpc.InferRequestedOutput("key")
+    wanted.set_shared_memory("held-out", key.nbytes)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    node.gates.close(11)
+    try:
+        grpc.async_infer("gate", [t], lambda result, error: answers.put((result, error)), outputs=[wanted])
+        end = time.monotonic() + 120
+        while not node.gates.held(11):  # then the call is past decoding, holding views of both regions
+            assert time.monotonic() < end, "the gate never held the call"
+            time.sleep(0.01)
+        grpc.unregister_system_shared_memory()
+        assert not grpc.get_system_shared_memory_status().regions
+    finally:
+        node.gates.open_all()
+    result, error = answers.get(timeout=120)
+    assert error is None, error
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.int64, [1, 1]), key)
 
 
 # -- management with the token ----------------------------------------------------------------------

@@ -15,7 +15,10 @@ from splitserve.protocol.grpc_codec import (
 )
 from splitserve.protocol.header import RequestClass
 from splitserve.server.grpc_server import _call_options, decode_inputs
+from splitserve.server.shm import SystemSharedMemory
 from splitserve.types import V2_TO_NUMPY, TensorSpec
+
+NO_SHM = SystemSharedMemory(max_regions=1, max_bytes=1)  # no region registered
 
 CFG = ModelConfig.from_dict({
     "name": "m", "max_batch_size": 8, "artifact": {"kind": "zoo", "arch": "vecadd1k"},
@@ -71,7 +74,7 @@ def test_client_request_decodes_on_the_server_side():
     b = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
     req = pb.ModelInferRequest.FromString(infer_request(info, [a, b], "be", 50).SerializeToString())
     assert params_dict(req.parameters) == {"class": "be", "deadline_ms": 50.0}
-    got = decode_inputs(CFG, req)
+    got = decode_inputs(CFG, req, NO_SHM)
     np.testing.assert_array_equal(got[0], a)
     np.testing.assert_array_equal(got[1], b)
     # the same tensors as typed contents, given in another order
@@ -80,7 +83,7 @@ def test_client_request_decodes_on_the_server_side():
     tb.contents.int_contents.extend(b.ravel().tolist())
     ta = typed.inputs.add(name="a", datatype="FP32", shape=[3, 4])
     ta.contents.fp32_contents.extend(a.ravel().tolist())
-    got = decode_inputs(CFG, typed)
+    got = decode_inputs(CFG, typed, NO_SHM)
     np.testing.assert_array_equal(got[0], a)
     np.testing.assert_array_equal(got[1], b)
 
@@ -92,27 +95,27 @@ def test_decode_inputs_refusals():
     req = infer_request(info, [a, b], None, None)
     req.raw_input_contents[0] = b"\x00" * 15
     with pytest.raises(BadSize, match="15 bytes"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
     req = infer_request(info, [a, b], None, None)
     req.inputs[1].datatype = "FP32"
     with pytest.raises(InvalidInput, match="INT32, got FP32"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
     req = infer_request(info, [a, b], None, None)
     req.inputs[0].shape[:] = [2, 2]
     with pytest.raises(BadSize, match=r"\[n, 4\]"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
     req = infer_request(info, [a, b], None, None)
     req.inputs[1].name = "a"
     with pytest.raises(InvalidInput, match="twice"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
     req = infer_request(info, [a, b], None, None)
     req.inputs[0].contents.fp32_contents.extend([0.0] * 4)
     with pytest.raises(InvalidInput, match="one or the other"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
     req = infer_request(info, [a, b], None, None)
     del req.raw_input_contents[1]
     with pytest.raises(InvalidInput, match="1 entries for 2 inputs"):
-        decode_inputs(CFG, req)
+        decode_inputs(CFG, req, NO_SHM)
 
 
 def test_response_and_metadata_decoding():

@@ -17,6 +17,7 @@ from splitserve.protocol.v2 import tensor_to_bytes
 from splitserve.server.frontends import CodecPool
 from splitserve.server.grpc_server import InferenceServicer
 from splitserve.server.ports import InferOutcome
+from splitserve.server.shm import SystemSharedMemory
 from splitserve.types import TensorSpec
 
 MODEL = ModelConfig("m", (TensorSpec("x", "FP32", (2,)),), (TensorSpec("y", "FP32", (2,)),),
@@ -62,7 +63,8 @@ async def settle() -> None:
 
 def servicer(api: FakeAPI, limit: int) -> InferenceServicer:
     codec = CodecPool(threads=1, max_pending=4, inline_bytes=1 << 20)  # every body decoded inline
-    return InferenceServicer(api, FakeManager(), codec, ServerConfig(grpc_stream_max_in_flight=limit))  # type: ignore[arg-type]
+    return InferenceServicer(api, FakeManager(), codec, ServerConfig(grpc_stream_max_in_flight=limit),  # type: ignore[arg-type]
+                             SystemSharedMemory(max_regions=1, max_bytes=1))
 
 
 def test_stream_reads_at_most_the_limit_ahead_answers_by_id_and_keeps_going_after_an_error() -> None:
