@@ -13,10 +13,13 @@ from pathlib import Path
 
 import splitserve
 from splitserve.bench import EXTRA_MODULES
+from splitserve.bench.peers import PEERS
 
 PACKAGE = Path(splitserve.__file__).parent
 BENCH = PACKAGE / "bench"
 ROOT = PACKAGE.parent
+# the peers' server scripts: they import the peers (pytriton, ray) from environments of their own
+PEER_SCRIPTS = [BENCH / "peers" / p.script for p in PEERS.values()]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -69,7 +72,17 @@ def test_the_server_and_cli_import_only_core_dependencies() -> None:
 
 def test_the_benchmarks_import_only_core_and_bench_dependencies() -> None:
     allowed = _declared(PROJECT["dependencies"]) | _declared(PROJECT["optional-dependencies"]["bench"])
-    assert _undeclared(BENCH.rglob("*.py"), allowed) == {}
+    assert _undeclared([f for f in BENCH.rglob("*.py") if f not in PEER_SCRIPTS], allowed) == {}
+
+
+def test_the_peers_server_scripts_import_their_peer_and_never_splitserve() -> None:
+    # they run in the peers' own environments (bench peers), where splitserve is not installed
+    for f in PEER_SCRIPTS:
+        tree = ast.parse(f.read_text(), str(f))
+        tops = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else n.names[:1])}
+        assert "splitserve" not in tops and "torch" in tops, f
 
 
 def test_the_bench_extra_is_what_splitserve_bench_checks_for_and_the_setup_installs() -> None:
