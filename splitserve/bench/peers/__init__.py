@@ -159,7 +159,7 @@ class PeerServer:
         return code if code is not None else self.proc.wait(10.0)
 
 
-def export_models(models: Sequence[str], folder: Path, threads: int, cpus: int, seed: int = 0) -> Path:
+def export_models(models: Sequence[str], folder: Path, threads: int, seed: int = 0) -> Path:
     """Export each zoo model (seeded weights; any batch size up to its max) with ``torch.export``
     to ``folder/<model>.pt2``; write and return the manifest the peers' scripts read."""
     import numpy as np
@@ -184,7 +184,7 @@ def export_models(models: Sequence[str], folder: Path, threads: int, cpus: int, 
                         "inputs": [s.to_dict() for s in entry.inputs],
                         "outputs": [s.to_dict() for s in entry.outputs]})
     manifest = folder / "models.json"
-    manifest.write_text(json.dumps({"models": entries, "threads": threads, "cpus": cpus}, indent=1))
+    manifest.write_text(json.dumps({"models": entries, "threads": threads}, indent=1))
     return manifest
 
 

@@ -39,7 +39,7 @@ class Model:
         self.shape = tuple(shape)
         self.run.set_max_batch_size(max_batch)
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)  # __init__ sets the model's max batch
     async def run(self, samples: list[np.ndarray]) -> list[bytes]:
         with torch.inference_mode():
             (y, *_) = self.program(torch.from_numpy(np.stack(samples)))
@@ -53,8 +53,9 @@ class Model:
 def main(manifest: str, ready: str, http: str) -> None:
     spec = json.loads(Path(manifest).read_text())
     stop = threading.Event()
-    # a loopback node address: the machine may have no other, and nothing outside needs to reach it
-    ray.init(num_cpus=spec["cpus"], include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    # A loopback node address: the machine may have no other, and nothing outside needs to reach
+    # it. The replica asks for no CPUs, so Ray's count only sizes its pool of idle workers.
+    ray.init(num_cpus=spec["threads"], include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": int(http)})
         for m in spec["models"]:

@@ -262,7 +262,7 @@ def run(ctx: Context) -> ScenarioOutput:
     @functools.cache
     def manifest() -> Path:  # once, and only for a peer that could be built
         with ctx.task("exporting the models for the peers", 1):
-            return export_models(models, work, p.threads, p.threads)
+            return export_models(models, work, p.threads)
 
     try:
         peers = [s for s in dict.fromkeys(e.server for e in wanted) if s != "splitserve"]
