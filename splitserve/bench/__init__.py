@@ -8,7 +8,7 @@ naming what is missing, rather than after a run's measurements when the plots ar
 from importlib.util import find_spec
 
 # the bench extra's packages in pyproject.toml, by import name
-EXTRA_MODULES: tuple[str, ...] = ("matplotlib",)
+EXTRA_MODULES: tuple[str, ...] = ("matplotlib", "tritonclient", "httpx")
 
 _missing = [m for m in EXTRA_MODULES if find_spec(m) is None]
 if _missing:

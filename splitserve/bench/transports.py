@@ -37,6 +37,8 @@ SHORT: dict[str, str] = {
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
 FAST_PATH: tuple[str, ...] = ("tcp", "unix", "udp")
+# third-party clients (bench peers), by the names in splitserve.bench.peers.clients.CLIENTS
+PEER_CLIENTS: tuple[str, ...] = ("tritonclient-http", "tritonclient-grpc", "httpx-raw")
 
 
 class Unavailable(Exception):
@@ -101,7 +103,10 @@ def _classes(transport: str) -> tuple[type | None, type | None, dict[str, Any]]:
     if transport == "grpc":
         mod = _import_client("splitserve.client.grpc", "the gRPC")
         return getattr(mod, "GrpcClient", None), getattr(mod, "AsyncGrpcClient", None), {}
-    raise ValueError(f"unknown transport {transport!r}; use one of {', '.join(SCHEME)}")
+    if transport in PEER_CLIENTS:
+        mod = _import_client("splitserve.bench.peers.clients", "a third-party")
+        return (*mod.classes(transport), {})
+    raise ValueError(f"unknown transport {transport!r}; use one of {', '.join((*SCHEME, *PEER_CLIENTS))}")
 
 
 class _Encoding:

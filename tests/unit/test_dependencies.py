@@ -13,10 +13,13 @@ from pathlib import Path
 
 import splitserve
 from splitserve.bench import EXTRA_MODULES
+from splitserve.bench.peers import PEERS
 
 PACKAGE = Path(splitserve.__file__).parent
 BENCH = PACKAGE / "bench"
 ROOT = PACKAGE.parent
+# the peers' server scripts: they import the peers (pytriton, ray) from environments of their own
+PEER_SCRIPTS = [BENCH / "peers" / p.script for p in PEERS.values()]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -69,7 +72,19 @@ def test_the_server_and_cli_import_only_core_dependencies() -> None:
 
 def test_the_benchmarks_import_only_core_and_bench_dependencies() -> None:
     allowed = _declared(PROJECT["dependencies"]) | _declared(PROJECT["optional-dependencies"]["bench"])
-    assert _undeclared(BENCH.rglob("*.py"), allowed) == {}
+    assert _undeclared([f for f in BENCH.rglob("*.py") if f not in PEER_SCRIPTS], allowed) == {}
+
+
+def test_the_peers_server_scripts_import_their_peer_and_never_splitserve() -> None:
+    # they run in the peers' own environments (bench peers), where splitserve is not installed
+    for f in PEER_SCRIPTS:
+        tops: set[str] = set()
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.Import):
+                tops |= {a.name.split(".")[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                tops.add(n.module.split(".")[0])
+        assert "splitserve" not in tops and "torch" in tops, f
 
 
 def test_the_bench_extra_is_what_splitserve_bench_checks_for_and_the_setup_installs() -> None:
