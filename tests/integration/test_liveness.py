@@ -265,10 +265,21 @@ def wait_for(cond: Callable[[], bool], proc: subprocess.Popen, what: str) -> Non
 
 
 def children(pid: int) -> list[int]:
+    """The worker processes of server ``pid``. Only those: importing torch may run a short-lived
+    helper (``ldconfig -p``, from cuda-python's library finder where it is installed), and a
+    signal sent when that appears would arrive before the server's handlers exist."""
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except FileNotFoundError:
         return []
+    return [k for k in kids if b"splitserve.worker" in _cmdline(k)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
 
 
 def alive(pid: int) -> bool:

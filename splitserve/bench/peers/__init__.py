@@ -189,9 +189,8 @@ def export_models(models: Sequence[str], folder: Path, threads: int, seed: int =
 
 
 def default_cache() -> Path:
-    """Where the peers' environments live between runs."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "splitserve" / "bench-peers"
+    """Where the peers' environments live between runs (the scenario's ``cache_dir`` moves it)."""
+    return Path.home() / ".cache" / "splitserve" / "bench-peers"
 
 
 def default_python() -> str:
