@@ -19,16 +19,18 @@ CACHE = ROOT / ".pytest_cache" / "splitserve-cache"
 # Hypothesis caches what it learns from the source even with database=None; keep that out of
 # the work tree (the property tests set derandomize=True and database=None themselves).
 set_hypothesis_home_dir(ROOT / ".pytest_cache" / "hypothesis")
+# No spare worker processes in the servers the tests start, the benchmarks' own included: a
+# spare costs a process importing torch per server (seconds of CPU each on 2 cores), and the
+# tests that are about spares ask for them (``spare_workers=1``, or an ``env`` of their own).
+os.environ.setdefault("SPLITSERVE_SPARE_WORKERS", "0")
 
 __all__ = ["CACHE", "ROOT", "ServerProcess", "start_server"]
 
 
 def start_server(data_dir: Path, *args: str, **kw: Any) -> ServerProcess:
-    """``launcher.start_server`` with the tests' shared weight cache and working directory,
-    and no spare worker processes unless ``env`` says otherwise (see ``inproc.quiet_config``)."""
+    """``launcher.start_server`` with the tests' shared weight cache and working directory."""
     kw.setdefault("cache_dir", CACHE)
     kw.setdefault("cwd", ROOT)
-    kw.setdefault("env", {**os.environ, "SPLITSERVE_SPARE_WORKERS": "0"})
     return launcher.start_server(data_dir, *args, **kw)
 
 
