@@ -278,11 +278,13 @@ def _size(n: int | None) -> str:
 
 def _server_url(data_dir: Path) -> str | None:
     """The HTTP URL of the server running on ``data_dir`` (its server.json), if any."""
+    from splitserve.launcher import urls_from_info
+
     try:
         info = json.loads((data_dir / "server.json").read_text())
-        return f"http://{info.get('host', '127.0.0.1')}:{int(info['http_port'])}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
+    return urls_from_info(info).get("http") if isinstance(info, dict) else None
 
 
 def _live(url: str, names: Sequence[str]) -> dict[str, dict[str, Any]] | None:
