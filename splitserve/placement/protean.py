@@ -342,6 +342,12 @@ def reconfig_budget(groups: int, fraction: float) -> int:
 Thresholds = Callable[[Geometry, float], tuple[float, float]]
 
 
+def _reportable(bound: float | None) -> float | str | None:
+    """A threshold as JSON can carry it: "inf" (a candidate that never wins) as a string,
+    since strict JSON has no infinity; None for an open bound."""
+    return str(bound) if bound is not None and math.isinf(bound) else bound
+
+
 class GeometryController:
     """Algorithm 2 for one node (PROTEAN §4.4). A "group" is what is reconfigured as a whole
     (a GPU; a CPU node is one group). Every group starts at (4g, 2g, 1g).
@@ -415,8 +421,8 @@ class GeometryController:
         return goal, {
             "be_mem": need,
             "small_set": list(chosen) if chosen is not None else None,
-            "t_low": lo if lo is None or math.isfinite(lo) else None,
-            "t_high": hi if hi is None or math.isfinite(hi) else None,
+            "t_low": _reportable(lo),
+            "t_high": _reportable(hi),
             "threshold_source": source,
             "target": str(goal),
         }

@@ -3,6 +3,7 @@ CPU geometry family: hand-computed cases and a fake clock, no processes."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -317,3 +318,11 @@ def test_thresholds_are_crossovers_of_the_eta_model() -> None:
     c = _controller(thresholds=lambda g, n: derive_thresholds(g, model, strict, be, strict_batches=2, **kw))
     assert c.target(4)[0] == FALLBACK_GEOMETRY  # below T_low = 8
     assert c.target(10)[0] == INITIAL_GEOMETRY
+
+
+def test_last_tick_is_json_ready() -> None:
+    c = _controller(thresholds=lambda g, n: (math.inf, math.inf))
+    assert c.tick(4.0, 10) == []
+    last = json.loads(json.dumps(c.last, allow_nan=False))
+    assert last["t_low"] == "inf" and last["target"] == "(4g,3g)" and last["prediction"] == 10.0
+    assert last["wait"] == [1] and last["small_set"] == [1, 2] and last["t"] == 4.0
