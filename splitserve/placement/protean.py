@@ -98,7 +98,7 @@ class JobDistributor:
 
     ``batch_mem(model)``: bytes one batch of a BE model holds (its footprint at its batch
     size), to count the BE batches the tags predict on a partition; None or unknown falls back
-    to a running BE batch of that model, else one batch per tagged partition.
+    to a running BE batch of that model, else a wholly tagged partition counts as one batch.
     """
 
     def __init__(self, model: SlowdownModel, batch_mem: Callable[[str], int | None] | None = None) -> None:
