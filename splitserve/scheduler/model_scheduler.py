@@ -8,7 +8,7 @@ batch is a run of consecutive slots, i.e. one contiguous view of the tensor queu
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -254,10 +254,13 @@ class ModelScheduler:
         return [r for c in CLASSES for r in self.queues[c].remove_expired(now)]
 
     def schedule(self, now: float, classes: tuple[RequestClass, ...] = CLASSES,
-                 may_start: Callable[[int, RequestClass], bool] | None = None) -> list[Batch]:
+                 may_start: Callable[[int, RequestClass], bool] | None = None,
+                 pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
         """Batches to start now, RT before BE, one per idle instance.
 
         ``may_start(instance, cls)`` is the node's say (priority and preemption policy);
+        ``pick(cls, batch_size, idle_ids)`` is the node's choice of the instance (its
+        partition) for each batch, None to hold the batch back (default: the first idle);
         a best-effort slot on an instance that holds a suspended batch resumes that batch
         before any new one, so preempted work is never starved by later arrivals; a
         draining instance still resumes its own (it takes nothing new).
@@ -279,6 +282,11 @@ class ModelScheduler:
                 # over the slots after it, so the batch is still one contiguous view
                 start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
                 run = q.contiguous_run(start)
+                if pick is not None:
+                    chosen = self._pick(pick, cls, run, may_start)
+                    if chosen is None:
+                        continue
+                    i, st = chosen, self.instances[chosen]
                 n = self.policy.take(run, now, st.max_batch or self.max_batch)
                 if n == 0:
                     continue
@@ -292,6 +300,14 @@ class ModelScheduler:
                 st.running = batch
                 out.append(batch)
         return out
+
+    def _pick(self, pick: Callable[[RequestClass, int, Sequence[int]], int | None], cls: RequestClass,
+              run: list[QueuedRequest], may_start: Callable[[int, RequestClass], bool] | None) -> int | None:
+        """The idle instance ``pick`` chooses for a batch of ``run``'s head (None: none of them)."""
+        idle = [i for i, st in sorted(self.instances.items())
+                if st.idle and (may_start is None or may_start(i, cls))]
+        chosen = pick(cls, min(sum(r.count for r in run), self.max_batch), idle)
+        return chosen if chosen in idle else None
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time a waiting request could become dispatchable without a new event."""

@@ -45,6 +45,8 @@ class InstanceView:
     expected_end: float | None = None  # when the running batch should finish (profiled)
     suspended: bool = False  # holds a preempted BE batch
     rt_waiting: int = 0  # RT requests waiting for this instance's model
+    partition: int = -1  # the node partition it sits on (-1: the node has none)
+    running_count: int = 0  # samples in the running batch (its memory footprint, for PROTEAN's placement)
 
 
 @dataclass
