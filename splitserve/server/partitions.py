@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from splitserve.config import ServerConfig
@@ -35,7 +35,9 @@ from splitserve.placement.node_partitions import (
     BatchChooser, initial_layout, parse_geometry, slice_cpus, slots_of, split_memory, worker_cpus,
 )
 from splitserve.placement.partition import Carved, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list
-from splitserve.placement.protean import Geometry, GeometryController, Job, JobDistributor, ProteanSettings, carve
+from splitserve.placement.protean import (
+    Geometry, GeometryController, Job, JobDistributor, ProteanSettings, carve, derive_thresholds,
+)
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
@@ -56,38 +58,6 @@ def protean_settings(config: ServerConfig) -> ProteanSettings:
         require_same_target=config.protean_require_same_target, t_low=config.protean_t_low,
         t_high=config.protean_t_high, keep_alive_s=config.protean_keep_alive_s,
         unknown_fbr=config.protean_unknown_fbr)
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with geometries as their unit lists, for JSON."""
-    if isinstance(value, Geometry):
-        return list(value.units)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-class _Fbrs(Mapping[str, float]):
-    """The fitted FBRs, read from the profiles when the slowdown model asks (a model's FBR can
-    be fitted while the node runs); a model with none is missing (its FBR is unknown_fbr)."""
-
-    def __init__(self, owner: PartitionManager) -> None:
-        self.owner = owner
-
-    def __getitem__(self, model: str) -> float:
-        profiles = self.owner.profiles
-        value = profiles.fbr(model) if profiles is not None else None
-        if value is None:
-            raise KeyError(model)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())  # only looked up by name
-
-    def __len__(self) -> int:
-        return 0
 
 
 class PartitionManager:
@@ -120,15 +90,14 @@ class PartitionManager:
         self._parts = self._carve(layout.cpu_sets)
         self.settings = protean_settings(config)
         self.policy = config.strict_placement.resolve(config.partitioning)
-        self.slowdown = SlowdownModel(self._solo, _Fbrs(self), len(self.cpus), config.protean_unknown_fbr)
-        self.chooser = BatchChooser(self.policy, JobDistributor(self.slowdown)
-                                    if self.policy is StrictPlacement.ETA else None)
+        self.slowdown = self._slowdown_model()
+        self.chooser = BatchChooser(self.policy, self._distributor())
         self.autoscaler = InstanceAutoscaler(config.protean_keep_alive_s)
         self.controller: GeometryController | None = None
         self.controller_off: str | None = None  # why no geometry controller runs
         if self.geometry is not None and self.unit is not None:
-            self.controller = GeometryController(self.settings, 1, total_mem * self.unit // len(self.cpus),
-                                                 self._be_mem_of)
+            self.controller = GeometryController(self.settings, 1, self._unit_mem(), self._be_mem_of,
+                                                 self._thresholds)
         else:
             self.controller_off = (f"{len(self.cpus)} worker cores: PROTEAN's geometries need at least 7"
                                    if config.partitioning is Partitioning.PROTEAN else
@@ -139,7 +108,9 @@ class PartitionManager:
         self._tasks: set[asyncio.Task] = set()
         self._scaling: set[str] = set()  # models whose resize is under way
         self._cold_seen: dict[str, int] = {}
-        self._be_shape: tuple[int, int] = (1, 0)  # (batch, bytes of one batch) of the main BE model, last tick
+        # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
+        # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
+        self._main: dict[bool, Job] = {}
         log.info("partitions (%s, strict placement %s): %s on worker CPUs %s", self.partitioning.value,
                  self.policy.value, "; ".join(f"{p.id}: {cpu_list(p.cpus)}" for p in self._parts),
                  cpu_list(self.cpus))
@@ -187,6 +158,36 @@ class PartitionManager:
 
     def _solo(self, model: str, cores: int, batch: int) -> float | None:
         return self.profiles.solo(model, cores, batch) if self.profiles is not None else None
+
+    def _slowdown_model(self) -> SlowdownModel:
+        """The slowdown model over the FBRs known now."""
+        fbr: dict[str, float] = {}
+        if self.profiles is not None:
+            for m in self.models():
+                value = self.profiles.fbr(m.name)
+                if value is not None:
+                    fbr[m.name] = value
+        return SlowdownModel(self._solo, fbr, len(self.cpus), self.config.protean_unknown_fbr)
+
+    def _distributor(self) -> JobDistributor | None:
+        return JobDistributor(self.slowdown, self._batch_mem) if self.policy is StrictPlacement.ETA else None
+
+    def _refresh(self) -> None:
+        """Look at the FBRs again (a model's FBR can be fitted, or a model registered, while
+        the node runs: every autoscaler tick does)."""
+        self.slowdown = self._slowdown_model()
+        self.chooser.distributor = self._distributor()
+
+    def _batch_mem(self, model: str) -> int | None:
+        """Bytes one batch of ``model`` at its dispatch size holds (None: not a model here)."""
+        models = {m.name: m for m in self.models()}
+        m = models.get(model)
+        return self.mem(model, m.dispatch_max_batch, models) if m is not None else None
+
+    def _unit_mem(self) -> int:
+        """Memory of one "1g" partition: the partitions' memory in proportion to cores."""
+        assert self.unit is not None
+        return self.total_mem * self.unit // len(self.cpus)
 
     def mem(self, model: str, batch: int, models: Mapping[str, PartitionedModel]) -> int:
         """Bytes a batch of ``batch`` of ``model`` takes: its profiled footprint, else what its
@@ -278,6 +279,7 @@ class PartitionManager:
 
     def _autoscale(self) -> None:
         """One instance per pending batch, warm ones on every partition, surplus retired after the keep-alive."""
+        self._refresh()
         models = [m for m in self.models() if m.placed_now()]
         current = {m.name: m.instance_count for m in models}
         target = self.autoscaler.tick(self.clock(), {m.name: m.waiting_requests() for m in models},
@@ -297,20 +299,32 @@ class PartitionManager:
 
     def _be_mem_of(self, be_requests: float) -> int:
         """Algorithm 2's mem(BE_model, n): whole batches of the main BE model at its footprint."""
-        batch, nbytes = self._be_shape
-        return math.ceil(be_requests / batch) * nbytes
+        be = self._main.get(False)
+        return math.ceil(be_requests / be.batch) * be.mem_bytes if be is not None else 0
+
+    def _thresholds(self, candidate: Geometry, pred: float) -> tuple[float, float]:
+        """T_low and T_high for ``candidate``: crossovers of the η model for the main strict
+        and BE models (open, 0 and infinity, until both are known with a footprint)."""
+        strict, be = self._main.get(True), self._main.get(False)
+        if strict is None or be is None or be.mem_bytes <= 0:
+            return 0.0, math.inf
+        assert self.unit is not None
+        return derive_thresholds(candidate, self.slowdown, strict, be, unit_cores=self.unit,
+                                 unit_mem=self._unit_mem())
 
     def _monitor(self) -> None:
         """Algorithm 2's tick: forecast best-effort demand; change the geometry when it says so."""
         assert self.controller is not None
         models = {m.name: m for m in self.models()}
-        waiting = {name: m.waiting_requests(RequestClass.BE) for name, m in models.items()}
-        running = [v for v in self.view() if v.running_cls == RequestClass.BE]
-        be = sum(waiting.values()) + len(running)
-        if be:  # the BE model with most work now stands for the BE mix in mem(BE_model, n)
-            main = max(models, key=lambda n: waiting[n] + sum(v.model == n for v in running))
-            batch = models[main].dispatch_max_batch
-            self._be_shape = (batch, self.mem(main, batch, models))
+        node = self.view()
+        for strict, cls in ((True, RequestClass.RT), (False, RequestClass.BE)):
+            work = {n: m.waiting_requests(cls) + sum(v.model == n and v.running_cls == cls for v in node)
+                    for n, m in models.items()}
+            if any(work.values()):  # the model with most work of the class stands for its mix
+                main = max(work, key=lambda n: work[n])
+                batch = models[main].dispatch_max_batch
+                self._main[strict] = Job(main, batch, strict, self.mem(main, batch, models))
+        be = sum(m.waiting_requests(RequestClass.BE) for m in models.values())
         decided = self.controller.tick(self.clock(), float(be))
         log.debug("geometry controller: %s", self.controller.last)
         for group, geometry in decided:
@@ -382,7 +396,7 @@ class PartitionManager:
             for i, q in insts.items():
                 if q.partition in on:
                     on[q.partition].setdefault(model, []).append(i)
-        controller = (_plain(self.controller.last) if self.controller is not None else {"off": self.controller_off})
+        controller = self.controller.last if self.controller is not None else {"off": self.controller_off}
         return {
             "partitioning": self.partitioning.value, "strict_placement": self.policy.value,
             "worker_cpus": list(self.cpus), "geometry": [p.cores for p in parts],

@@ -16,13 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.protean_standins import install
-
-install()
-
-from splitserve.errors import WorkerFailed  # noqa: E402
-from splitserve.models.gate import Gates  # noqa: E402
-from tests.inproc import quiet_config, run_server, until, write_model  # noqa: E402
+from splitserve.errors import WorkerFailed
+from splitserve.models.gate import Gates
+from tests.inproc import quiet_config, run_server, until, write_model
 
 BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs
 
@@ -162,12 +158,9 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
 
         clients = [asyncio.ensure_future(client()) for _ in range(4)]
         await until(lambda: len(ledger) > 20)
+        # two 1-core partitions become one of both cores while four clients keep sending
         one = await asyncio.to_thread(_post, url, {"geometry": "2"}, token)
         assert one["geometry"] == [2] and not set(p["id"] for p in one["partitions"]) & set(before)
-        mid = len(ledger)
-        await until(lambda: len(ledger) > mid + 20)
-        two = await asyncio.to_thread(_post, url, {"geometry": "1,1"}, token)
-        assert two["geometry"] == [1, 1]
         mid = len(ledger)
         await until(lambda: len(ledger) > mid + 20)
         stop.set()
@@ -181,7 +174,7 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
         now = partitions_of(server)
         placed = server.resources.placement()["gate"]
         assert {q.partition for q in placed.values()} == set(now)
-        assert len(server.partitions.changes) == 2 and all(c["ok"] for c in server.partitions.changes)
+        assert [c["ok"] for c in server.partitions.changes] == [True]
         # the old partitions went back: only the current ones (and the models' places on them) remain
         assert {p.request.partition for p in server.resources.partitions("gate")} == set(now)
 
