@@ -92,10 +92,7 @@ class Coordinator:
 
     def _start(self, model: ScheduledModel, now: float, classes: tuple[RequestClass, ...],
                may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
-        pick = self._pick(model)
-        if pick is None:
-            return model.start_batches(now, classes, may_start)
-        return model.start_batches(now, classes, may_start, pick)
+        return model.start_batches(now, classes, may_start, self._pick(model))
 
     @staticmethod
     def _stamp(batches: list[Batch], now: float) -> list[Batch]:
