@@ -327,17 +327,17 @@ class PartitionManager:
         be = sum(m.waiting_requests(RequestClass.BE) for m in models.values())
         decided = self.controller.tick(self.clock(), float(be))
         log.debug("geometry controller: %s", self.controller.last)
-        for group, geometry in decided:
-            if self._lock.locked():
-                break  # a change is under way: the controller asks again on a later tick
+        for group, geometry in decided:  # each is in flight for the controller until ``applied``
             self._spawn("geometry change", self._controller_change(group, geometry))
 
     async def _controller_change(self, group: int, geometry: Geometry) -> None:
-        assert self.unit is not None
-        log.info("geometry controller: re-carving to %s (%s)", geometry.units, self.controller and self.controller.last)
-        await self._reconfigure(carve(geometry, self.cpus, self.unit), "controller", geometry)
-        if self.controller is not None:
-            self.controller.applied(group, geometry)
+        assert self.unit is not None and self.controller is not None
+        log.info("geometry controller: re-carving to %s (%s)", geometry, self.controller.last)
+        before = self.controller.current[group]
+        try:
+            await self._reconfigure(carve(geometry, self.cpus, self.unit), "controller", geometry)
+        finally:  # a change that failed leaves the old geometry in force
+            self.controller.applied(group, geometry if self.geometry == geometry else before)
 
     # -- geometry changes -----------------------------------------------------------------
 

@@ -254,7 +254,7 @@ class Model:
         return 1
 
     def placed_now(self) -> bool:
-        return True
+        return bool(self.partition)
 
     def waiting_requests(self, cls: RequestClass | None = None) -> int:
         return self.sched.waiting(cls)
@@ -354,3 +354,29 @@ def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
     assert models["m"].resized == [5]  # five requests of batch 1: five instances
     assert pm.snapshot()["cold_starts"] == {"m": 3}
     assert pm.metrics.cold_starts.labels("m")._value.get() == 3
+
+
+def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mismatch():
+    models: dict[str, Model] = {}
+    cfg = ServerConfig(partitioning="protean", preemption="concurrent")
+    holder: dict[str, Coordinator] = {}
+    pm = PartitionManager(cfg, ResourceManager(cores(8)), Changer(), lambda: models.values(),
+                          lambda: holder["c"].view(), Metrics(), 7 * GB, clock=lambda: 0.0)
+    holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm)
+    assert [p.cores for p in pm.current()] == [4, 2, 1] and pm.controller is not None
+    models["be"] = Model("be", [])
+    for seq in range(10):  # 10 GB of BE demand: more than (2g, 1g) or a 3g holds, so (4g, 3g)
+        models["be"].enqueue(BE, seq)
+
+    async def ticks(n: int) -> None:
+        for _ in range(n):
+            pm._monitor()
+        await asyncio.gather(*pm._tasks)
+
+    asyncio.run(ticks(3))
+    assert [p.cores for p in pm.current()] == [4, 2, 1] and pm.controller.last["wait"] == [3]
+    asyncio.run(ticks(1))
+    assert [p.cores for p in pm.current()] == [4, 3]
+    assert pm.geometry is not None and pm.geometry.units == (4, 3)
+    assert pm.controller.current[0].units == (4, 3)
+    assert sorted(c for p in pm.current() for c in p.cpus) == list(range(1, 8))  # CPU 0 stays the front end's
