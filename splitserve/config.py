@@ -11,6 +11,7 @@ from typing import Any
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.packrat import PlacementKind
+from splitserve.placement.partition import Partitioning, StrictPlacement
 from splitserve.scheduler.model_scheduler import ClassOrder, RtPolicy
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.types import Choice
@@ -47,8 +48,17 @@ def _parse_int(raw: str, what: str) -> int:
         raise InvalidInput(f"{what}={raw!r} is not a valid int") from None
 
 
+def _parse_float(raw: str, what: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise InvalidInput(f"{what}={raw!r} is not a valid float") from None
+
+
 # Fields whose default is None read their SPLITSERVE_* variable with these parsers.
-_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "max_resident_models": _parse_int}
+_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "max_resident_models": _parse_int,
+                     "partition_memory_bytes": parse_bytes, "protean_t_low": _parse_float,
+                     "protean_t_high": _parse_float}
 
 
 def default_data_dir() -> Path:
@@ -140,6 +150,22 @@ class ServerConfig:
     shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
     # -- request classes: one class model for REEF and PROTEAN (rt = PROTEAN's strict) --
     class_order: ClassOrder = ClassOrder.PRIORITY  # who goes first: priority (rt, then be) | arrival (oldest, any class)
+    # -- PROTEAN in the node (p-node): partitions, per-batch placement, autoscaling, geometry changes --
+    partitioning: Partitioning = Partitioning.NONE  # carve the worker cores into partitions: none | static | colocate | protean
+    geometry: str = ""  # static geometry: partition core counts like "1,1" or "4,2,1" (empty: derived from the cores)
+    strict_placement: StrictPlacement = StrictPlacement.AUTO  # partition of an rt batch: auto | eta | largest | balanced
+    partition_memory_bytes: int | None = None  # memory the partitions share by cores (None: memory_budget_bytes, else RAM)
+    partition_warm_instances: int = 1  # warm instances per partition per model: any partition takes any batch at once
+    partition_autoscale_s: float = 0.5  # how often the autoscaler compares pending batches with instances
+    protean_monitor_interval_s: float = 2.0  # Algorithm 2's monitor interval W (not given: splitserve's choice)
+    protean_ewma_weight: float = 0.5  # weight of the newest sample in the BE demand forecast (not given)
+    protean_wait_limit: int = 3  # mismatching intervals tolerated before a geometry change (paper: 3)
+    protean_reconfig_fraction: float = 0.3  # share of partition groups changed at once (paper: ~30 %)
+    protean_require_same_target: bool = False  # count only mismatches towards one target (not given: pseudo-code)
+    protean_t_low: float | None = None  # override of T_low in BE requests (None: derived from the slowdown model)
+    protean_t_high: float | None = None  # override of T_high in BE requests (None: derived from the slowdown model)
+    protean_keep_alive_s: float = 600.0  # surplus instances retire after this long of continuous surplus (paper: ~10 min)
+    protean_unknown_fbr: float = 1.0  # FBR of a model with no fitted FBR (not given: splitserve's choice)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -168,6 +194,11 @@ class ServerConfig:
             if raw:
                 values[name] = parse(raw, f"SPLITSERVE_{name.upper()}")
         values.update(overrides)
+        # protean isolates rt work by partition instead of preempting it: concurrent unless
+        # the user chose a preemption mode (a flag or SPLITSERVE_PREEMPTION)
+        chosen = "preemption" in overrides or bool(os.environ.get("SPLITSERVE_PREEMPTION"))
+        if not chosen and Partitioning.parse(values.get("partitioning", base.partitioning)) is Partitioning.PROTEAN:
+            values["preemption"] = PriorityMode.CONCURRENT
         cfg = replace(base, **values)
         return cfg.checked()
 
@@ -206,7 +237,17 @@ class ServerConfig:
                      "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
-        for name in ("batch_time_weight", "segment_time_weight", "packrat_default_share"):
+        if self.geometry and self.partitioning is Partitioning.NONE:
+            raise InvalidInput(f"geometry {self.geometry!r} needs partitioning static, colocate or protean")
+        if self.partition_memory_bytes is not None and self.partition_memory_bytes < 1:
+            raise InvalidInput("partition_memory_bytes must be at least 1 byte (leave it unset for the default)")
+        if self.partition_warm_instances < 1 or self.protean_wait_limit < 0:
+            raise InvalidInput("partition_warm_instances must be at least 1 and protean_wait_limit at least 0")
+        for name in ("partition_autoscale_s", "protean_monitor_interval_s", "protean_keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidInput(f"{name} must be positive")
+        for name in ("batch_time_weight", "segment_time_weight", "packrat_default_share", "protean_ewma_weight",
+                     "protean_reconfig_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidInput(f"{name} must be in (0, 1]")
         return self

@@ -7,7 +7,9 @@ one of three requests:
 
 - ``Cpus(n)``: ``n`` CPUs for one instance (fixed placement without configured cpus);
 - ``ExactCpus(cpus, share)``: exactly these CPUs (a model config's ``cpus``);
-- ``CoreBudget(n)``: ``n`` CPUs that the owner divides among its instances itself (Packrat).
+- ``CoreBudget(n)``: ``n`` CPUs that the owner divides among its instances itself (Packrat);
+- ``Carved(cpus)``: one of the node's own partitions (PROTEAN's slices: ``partitioning`` other
+  than none), which models then join with ``OnPartition(id)`` to co-locate their instances.
 
 An ``InstancePlacement`` is one instance's shape inside a partition: ⟨threads, batch, cpus⟩.
 Everything here is an immutable value; nothing reads the machine.
@@ -15,12 +17,37 @@ Everything here is an immutable value; nothing reads the machine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.errors import InvalidInput
+from splitserve.types import Choice
+
+
+class Partitioning(Choice, what="partitioning"):
+    """How the node carves its worker cores into partitions (``ServerConfig.partitioning``)."""
+
+    NONE = "none"  # no partitions: each model is placed by its own placer (fixed or Packrat)
+    STATIC = "static"  # ``geometry`` core counts, fixed for the node's life unless an operator changes it
+    COLOCATE = "colocate"  # one partition of every worker core, shared by all models (INFless/Llama, Molecule)
+    PROTEAN = "protean"  # PROTEAN's geometries (4g,2g,1g)/(4g,3g) with >= 7 worker cores, else a static split
+
+
+class StrictPlacement(Choice, what="strict_placement"):
+    """Which partition a batch goes to (``ServerConfig.strict_placement``)."""
+
+    AUTO = "auto"  # eta under protean, balanced under static and colocate
+    ETA = "eta"  # PROTEAN's Algorithm 1: rt to the least predicted slowdown among partitions not taken by be
+    LARGEST = "largest"  # the smart-static straw man: rt always on the largest partition, be on the others
+    BALANCED = "balanced"  # naive slicing: the partition with the most free memory, whatever the class
+
+    def resolve(self, partitioning: Partitioning) -> "StrictPlacement":
+        """The policy ``auto`` stands for under ``partitioning``."""
+        if self is not StrictPlacement.AUTO:
+            return self
+        return StrictPlacement.ETA if partitioning is Partitioning.PROTEAN else StrictPlacement.BALANCED
 
 
 class PartitionKind(str, Enum):
@@ -119,7 +146,38 @@ class ExactCpus:
         return f"CPUs {cpu_list(self.cpus)}" + (" (shared)" if self.share else "")
 
 
-CpuRequest = Cpus | SharedCpus | CoreBudget | ExactCpus
+@dataclass(frozen=True)
+class Carved:
+    """One of the node's own partitions (``partitioning`` other than none), carved at start or
+    by a geometry change. Its CPUs are nobody else's: ``Cpus``, ``SharedCpus``, ``CoreBudget``
+    and ``ExactCpus`` never get them. A new geometry's partitions may overlap the old one's
+    while the change switches the instances over (both sets run briefly on the same cores)."""
+
+    cpus: frozenset[int]
+
+    def __post_init__(self) -> None:
+        if not self.cpus:
+            raise InvalidInput("a partition needs at least one CPU")
+
+    def describe(self) -> str:
+        """Words for error messages and the snapshot."""
+        return f"node partition on CPUs {cpu_list(self.cpus)}"
+
+
+@dataclass(frozen=True)
+class OnPartition:
+    """A model's place on the node partition ``partition`` (a ``Carved`` one, whose CPUs it
+    gets): several models join one partition, so their instances co-locate there (PROTEAN's
+    MPS-style sharing of a slice)."""
+
+    partition: int
+
+    def describe(self) -> str:
+        """Words for error messages and the snapshot."""
+        return f"a place on node partition {self.partition}"
+
+
+CpuRequest = Cpus | SharedCpus | CoreBudget | ExactCpus | Carved | OnPartition
 
 
 @dataclass(frozen=True)
@@ -155,13 +213,16 @@ class InstancePlacement:
     ``shared`` says the instance may sit on a CPU that another shared instance holds: the
     instances of a shared partition, and those a config wraps onto fewer CPUs than its
     instances need (``cpus`` may then hold fewer ids than ``threads``). Every other instance
-    has its CPUs to itself.
+    has its CPUs to itself. ``partition`` names the node partition (``Carved``) the instance
+    sits on, -1 when the node has none: two placements on equal CPUs of different node
+    partitions differ, so a geometry change moves every instance onto its new partition.
     """
 
     threads: int
     batch: int
     cpus: frozenset[int]
     shared: bool = False
+    partition: int = -1
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.batch < 1 or not self.cpus:
@@ -178,4 +239,33 @@ class InstancePlacement:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form."""
-        return {"threads": self.threads, "batch": self.batch, "cpus": sorted(self.cpus), "shared": self.shared}
+        out: dict[str, Any] = {"threads": self.threads, "batch": self.batch, "cpus": sorted(self.cpus),
+                               "shared": self.shared}
+        if self.partition >= 0:
+            out["partition"] = self.partition
+        return out
+
+
+@dataclass(frozen=True)
+class NodePartition:
+    """One partition of the node: the ``ResourceManager``'s ``Carved`` partition ``id``, its
+    CPUs and its memory budget (what Algorithm 1's fits and tags use)."""
+
+    id: int
+    cpus: frozenset[int]
+    mem_bytes: int
+
+    @property
+    def cores(self) -> int:
+        return len(self.cpus)
+
+
+class PartitionSource(Protocol):
+    """The node's partitions as a model's ``placer.PartitionPlacer`` reads them when it places
+    instances (``server.partitions.PartitionManager``; a list in tests)."""
+
+    partitioning: Partitioning
+    warm: int  # warm instances per partition per model
+
+    def current(self) -> Sequence[NodePartition]:
+        """The partitions new instances go on (the newest geometry's)."""

@@ -12,6 +12,9 @@ applier) and never looks inside. Two kinds:
 - ``PackratPlacer``: one budget of cores (``CoreBudget(placement.threads)``, or the config's
   ``cpus``) inside which Packrat's controller plans ⟨instances, threads, batch⟩; it owns the
   model's batching policy (Packrat's aggregation) and moves its target when a plan switches.
+- ``PartitionPlacer``: with ``ServerConfig.partitioning`` other than none, every model's: its
+  instances sit on the node's partitions (``OnPartition``), warm ones on each, beside the
+  other models' (PROTEAN's co-location on a slice); threads = the partition's cores.
 
 Who calls what, and when: ``place`` when the model loads; ``resize`` when a user changes the
 instance count; ``observe`` and ``propose`` on every scheduling pass (Packrat's adaptive B);
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +36,8 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.packrat import PackratConfig, PackratController, PlacementKind
 from splitserve.placement.partition import (
-    CoreBudget, Cpus, CpuRequest, ExactCpus, InstancePlacement, Partition, SharedCpus,
+    CoreBudget, Cpus, CpuRequest, ExactCpus, InstancePlacement, NodePartition, OnPartition, Partition, Partitioning,
+    PartitionSource, SharedCpus,
 )
 from splitserve.placement.resources import ResourceManager
 from splitserve.scheduler.policy import BatchingPolicy, PackratAggregate
@@ -43,7 +48,7 @@ log = logging.getLogger(__name__)
 class Placer(ABC):
     """One model's placement decider (see the module doc for who calls it and when)."""
 
-    kind: PlacementKind
+    kind: PlacementKind | Partitioning
 
     def __init__(self, owner: str, config: ModelConfig) -> None:
         self.owner = owner
@@ -234,11 +239,84 @@ class PackratPlacer(Placer):
         return self.controller
 
 
+def spread(parts: Sequence[NodePartition], count: int, warm: int, kept: Sequence[InstancePlacement],
+           batch: int) -> list[InstancePlacement]:
+    """Placements of ``count`` instances of one model (at least ``warm`` per partition): those
+    ``kept`` that sit on one of ``parts`` stay (up to ``count``), the rest go one at a time to
+    the partition with fewest (ties: the larger one). Each instance has one thread per core of
+    its partition and is shared: instances of every model co-locate on a partition."""
+    ids = {p.id for p in parts}
+    count = max(count, warm * len(parts))
+    keep = [k for k in kept if k.partition in ids]
+    on = Counter(k.partition for k in keep)
+    def short() -> int:  # instances still owed to partitions below ``warm``
+        return sum(max(0, warm - on[p.id]) for p in parts)
+
+    # Shrinking: drop from the partitions with most, never below ``warm`` on any.
+    while len(keep) + short() > count:
+        most = max(parts, key=lambda p: (on[p.id], -p.cores, p.id))
+        if on[most.id] <= warm:
+            break
+        del keep[max(i for i, k in enumerate(keep) if k.partition == most.id)]
+        on[most.id] -= 1
+    out = list(keep)
+    while len(out) < count:
+        p = min(parts, key=lambda q: (on[q.id], -q.cores, q.id))
+        out.append(InstancePlacement(p.cores, batch, p.cpus, shared=True, partition=p.id))
+        on[p.id] += 1
+    return out
+
+
+class PartitionPlacer(Placer):
+    """A model's instances on the node's partitions: ``max(instances, warm × partitions)`` of
+    them, warm ones on every partition so that any partition can take any model's batch
+    without a cold start, added ones on the partitions with fewest. A place on a partition is
+    the model's ``OnPartition`` partition of the ``ResourceManager``."""
+
+    def __init__(self, owner: str, config: ModelConfig, partitions: PartitionSource) -> None:
+        super().__init__(owner, config)
+        self.partitions = partitions
+        self.kind = partitions.partitioning
+
+    def place(self, rm: ResourceManager) -> list[InstancePlacement]:
+        parts = self.partitions.current()
+        self._join(rm, parts)
+        return spread(parts, self.instances or 0, self.partitions.warm, (), self.config.max_batch_size)
+
+    def resize(self, rm: ResourceManager, serving: Sequence[InstancePlacement],
+               instances: int) -> list[InstancePlacement]:
+        parts = self.partitions.current()
+        self._join(rm, parts)
+        return spread(parts, instances, self.partitions.warm, serving, self.config.max_batch_size)
+
+    def move(self, rm: ResourceManager, serving: Sequence[InstancePlacement],
+             parts: Sequence[NodePartition]) -> list[InstancePlacement]:
+        """As many instances as serve now, on the partitions ``parts`` (a geometry change)."""
+        self._join(rm, parts)
+        return spread(parts, len(serving), self.partitions.warm, (), self.config.max_batch_size)
+
+    def _join(self, rm: ResourceManager, parts: Sequence[NodePartition]) -> None:
+        """Take a place on each of ``parts`` the model has none on yet."""
+        have = {p.request.partition for p in rm.partitions(self.owner) if isinstance(p.request, OnPartition)}
+        self._allocate_all(rm, [OnPartition(p.id) for p in parts if p.id not in have])
+
+    def describe(self) -> dict[str, Any]:
+        return {"placement": self.kind.value, "partitions": [p.id for p in self.partitions.current()],
+                "warm_per_partition": self.partitions.warm}
+
+
 def make_placer(owner: str, config: ModelConfig, default_kind: PlacementKind, profile: LatencyProfile | None,
-                default_share: float, fixed_shared: bool) -> Placer:
-    """The placer a model's config asks for. A Packrat model that was never profiled on this
-    machine is served with fixed placement (logged): its optimizer has nothing to plan from."""
+                default_share: float, fixed_shared: bool, partitions: PartitionSource | None = None) -> Placer:
+    """The placer a model's config asks for; on a partitioned node (``partitions``), every
+    model's instances go on the node's partitions, whatever its config says (logged when it
+    names CPUs or Packrat). A Packrat model that was never profiled on this machine is served
+    with fixed placement (logged): its optimizer has nothing to plan from."""
     pcfg = PackratConfig.parse(config.placement, config.max_batch_size, default_kind)
+    if partitions is not None and partitions.partitioning is not Partitioning.NONE:
+        if config.cpus or pcfg is not None:
+            log.warning("model %s: the node is partitioned (%s); its instances go on the node's partitions, "
+                        "not on its configured cpus or Packrat plan", owner, partitions.partitioning.value)
+        return PartitionPlacer(owner, config, partitions)
     if pcfg is None:
         return FixedPlacer(owner, config, fixed_shared)
     if profile is None:

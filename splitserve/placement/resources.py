@@ -18,6 +18,10 @@ Who calls it, and when:
 - the placement applier (``server.applier``, planning with ``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
   plan a change, and allocates or releases partitions as the change needs;
 - the coordinator asks ``instance_cpus`` for the CPUs REEF's claims cover;
+- with ``partitioning`` other than none, the node's partition manager (``server.partitions``)
+  ``allocate``s one ``Carved`` partition per node partition, and each model's
+  ``PartitionPlacer`` joins them with ``OnPartition``: its instances sit there, beside other
+  models' (all shared);
 - ``GET /v2/placement`` and ``/v2/models/{name}/placement`` return ``snapshot()``.
 """
 
@@ -31,10 +35,12 @@ from typing import Any
 
 from splitserve.errors import InvalidInput, ResourcesUnavailable
 from splitserve.placement.partition import (
+    Carved,
     CoreBudget,
     CpuRequest,
     ExactCpus,
     InstancePlacement,
+    OnPartition,
     Partition,
     PartitionKind,
     SharedCpus,
@@ -81,6 +87,14 @@ class ResourceManager:
         by whom (InvalidInput for CPUs the node does not have)."""
         if isinstance(request, ExactCpus):
             cpus = self._exact(owner, request)
+        elif isinstance(request, Carved):
+            cpus = self._carved(owner, request)
+        elif isinstance(request, OnPartition):
+            node_part = self._partition(request.partition)
+            if not isinstance(node_part.request, Carved):
+                raise InvalidInput(f"{owner!r} asks for a place on partition {request.partition}, "
+                                   "which is not one of the node's partitions")
+            cpus = node_part.cpus
         elif isinstance(request, SharedCpus):
             cpus = self._shared(owner, request)
         else:
@@ -115,6 +129,21 @@ class ResourceManager:
             )
             hint = "" if request.share else "; to share CPUs with another model, both must ask to share"
             raise ResourcesUnavailable(f"{owner!r} asks for {request.describe()} but finds {held}{hint}")
+        return request.cpus
+
+    def _carved(self, owner: str, request: Carved) -> frozenset[int]:
+        unknown = request.cpus - self.cpus
+        if unknown:
+            raise InvalidInput(f"a node partition on CPUs {cpu_list(unknown)}, which this node does not have "
+                               f"(it has {cpu_list(self.cpus)})")
+        # Only other node partitions and the models' places on them may overlap: the old and
+        # the new geometry run side by side while a change switches over.
+        blocking = [p for p in self._partitions.values()
+                    if p.cpus & request.cpus and not isinstance(p.request, (Carved, OnPartition))]
+        if blocking:
+            held = "; ".join(f"{cpu_list(p.cpus & request.cpus)} held by {p.owner!r} ({p.request.describe()})"
+                             for p in blocking)
+            raise ResourcesUnavailable(f"{owner!r} cannot carve {request.describe()}: {held}")
         return request.cpus
 
     def _shared(self, owner: str, request: SharedCpus) -> frozenset[int]:
@@ -175,7 +204,10 @@ class ResourceManager:
         another instance of that partition holds one of them and the two do not both share
         (ResourcesUnavailable: an applier must drain that one first).
         """
-        part = next((p for p in self._partitions.values() if p.owner == owner and placement.cpus <= p.cpus), None)
+        part = next((p for p in self._partitions.values() if p.owner == owner and placement.cpus <= p.cpus
+                     and (placement.partition < 0
+                          or isinstance(p.request, OnPartition) and p.request.partition == placement.partition)),
+                    None)
         if part is None:
             mine = "; ".join(cpu_list(p.cpus) for p in self.partitions(owner)) or "none"
             raise InvalidInput(

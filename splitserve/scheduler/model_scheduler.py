@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -275,11 +275,14 @@ class ModelScheduler:
         return [r for c in CLASSES for r in self.queues[c].remove_expired(now)]
 
     def schedule(self, now: float, classes: tuple[RequestClass, ...] = CLASSES,
-                 may_start: Callable[[int, RequestClass], bool] | None = None) -> list[Batch]:
+                 may_start: Callable[[int, RequestClass], bool] | None = None,
+                 pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
         """Batches to start now, one per idle instance: RT before BE, or under
         ``ClassOrder.ARRIVAL`` the class whose oldest request came first (on each instance).
 
         ``may_start(instance, cls)`` is the node's say (priority and preemption policy);
+        ``pick(cls, batch_size, idle_ids)`` is the node's choice of the instance (its
+        partition) for each batch, None to hold the batch back (default: the first idle);
         a best-effort slot on an instance that holds a suspended batch resumes that batch
         before any new one, so preempted work is never starved by later arrivals; a
         draining instance still resumes its own (it takes nothing new).
@@ -290,14 +293,14 @@ class ModelScheduler:
                 # A class that cannot start a batch here (its batching policy waits, the node
                 # says no) leaves the instance to the next oldest.
                 for cls in sorted(classes, key=lambda c: self._head_arrival(c, st)):
-                    batch = self._start_on(i, st, cls, now, may_start)
+                    batch = self._start_on(i, st, cls, now, may_start, pick)
                     if batch is not None:
                         out.append(batch)
                         break
             return out
         for cls in classes:
             for i, st in sorted(self.instances.items()):
-                batch = self._start_on(i, st, cls, now, may_start)
+                batch = self._start_on(i, st, cls, now, may_start, pick)
                 if batch is not None:
                     out.append(batch)
         return out
@@ -310,8 +313,10 @@ class ModelScheduler:
         return math.inf if head is None else head
 
     def _start_on(self, i: int, st: InstanceState, cls: RequestClass, now: float,
-                  may_start: Callable[[int, RequestClass], bool] | None) -> Batch | None:
-        """The batch of ``cls`` instance ``i`` starts now (a resumed one first), or None."""
+                  may_start: Callable[[int, RequestClass], bool] | None,
+                  pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None) -> Batch | None:
+        """The batch of ``cls`` instance ``i`` starts now (a resumed one first), or None;
+        with ``pick``, a new batch goes to the idle instance it chooses instead."""
         resume = cls == RequestClass.BE and st.can_resume
         if not (st.idle or resume) or (may_start is not None and not may_start(i, cls)):
             return None
@@ -325,6 +330,11 @@ class ModelScheduler:
         # over the slots after it, so the batch is still one contiguous view
         start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
         run = q.contiguous_run(start)
+        if pick is not None:
+            chosen = self._pick(pick, cls, run, may_start)
+            if chosen is None:
+                return None
+            i, st = chosen, self.instances[chosen]
         n = self.policy.take(run, now, st.max_batch or self.max_batch)
         if n == 0:
             return None
@@ -342,6 +352,14 @@ class ModelScheduler:
         """Arrival of the oldest request waiting in any class (None: none waits)."""
         heads = [t for q in self.queues.values() if (t := q.head_arrival()) is not None]
         return min(heads, default=None)
+
+    def _pick(self, pick: Callable[[RequestClass, int, Sequence[int]], int | None], cls: RequestClass,
+              run: list[QueuedRequest], may_start: Callable[[int, RequestClass], bool] | None) -> int | None:
+        """The idle instance ``pick`` chooses for a batch of ``run``'s head (None: none of them)."""
+        idle = [i for i, st in sorted(self.instances.items())
+                if st.idle and (may_start is None or may_start(i, cls))]
+        chosen = pick(cls, min(sum(r.count for r in run), self.max_batch), idle)
+        return chosen if chosen in idle else None
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time a waiting request could become dispatchable without a new event."""

@@ -49,6 +49,8 @@ class InstanceView:
     suspended: bool = False  # holds a preempted BE batch
     rt_waiting: int = 0  # RT requests waiting for this instance's model
     oldest_waiting: float | None = None  # arrival of its model's oldest waiting request, any class
+    partition: int = -1  # the node partition it sits on (-1: the node has none)
+    running_count: int = 0  # samples in the running batch (its memory footprint, for PROTEAN's placement)
 
 
 @dataclass

@@ -31,6 +31,7 @@ import numpy as np
 from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec
+from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.topology import read_topology
@@ -49,6 +50,7 @@ from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warn
 from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
+from splitserve.server.partitions import PartitionManager
 from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
@@ -57,6 +59,16 @@ from splitserve.worker.pool import WorkerHandle
 from splitserve.worker.spares import SparePool
 
 log = logging.getLogger(__name__)
+
+
+def _partition_memory(config: ServerConfig) -> int:
+    """The bytes the node's partitions share by cores: ``partition_memory_bytes``, else the
+    memory budget, else the machine's physical memory."""
+    if config.partition_memory_bytes is not None:
+        return config.partition_memory_bytes
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class _FutureSink:
@@ -89,9 +101,17 @@ class Server:
         self.config = config
         self.metrics = Metrics()
         self.monitor = InferenceMonitor(self.metrics)
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events,
-                                       class_order=config.class_order)
         self.runtimes: dict[str, ModelRuntime] = {}
+        self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
+        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
+        # PROTEAN's partitions, per-batch placement, autoscaler and geometry controller (partitioning set)
+        self.partitions: PartitionManager | None = None
+        if config.partitioning is not Partitioning.NONE:
+            self.partitions = PartitionManager(config, self.resources, self.applier, lambda: self.runtimes.values(),
+                                               lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events,
+                                       class_order=config.class_order, placement=self.partitions,
+                                       partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
         self.intake = Intake(config)  # requests still arriving on the fast path
@@ -102,8 +122,6 @@ class Server:
         self._start_worker = start_worker or functools.partial(WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
-        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
@@ -133,8 +151,11 @@ class Server:
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier, profile=self._profile,
                               stopping=lambda: self.stopping, workers=self.pool,
-                              footprints=self.footprints, memory=self.memory)
-        self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory)
+                              footprints=self.footprints, memory=self.memory, partitions=self.partitions)
+        self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
+                                       self.partitions)
+        if self.partitions is not None:
+            self.partitions.start(self.loop)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
@@ -208,6 +229,8 @@ class Server:
             return
         self._stopped = self.stopping = True
         deadline = time.perf_counter() + self.config.stop_timeout_s
+        if self.partitions is not None:
+            await self.partitions.stop()  # no autoscaling or geometry change while the models stop
         await self._stop_frontends(deadline)
         runtimes = list(self.runtimes.values())
         results = await asyncio.gather(*(rt.unload(deadline, "was stopped: the server is shutting down")

@@ -6,20 +6,21 @@ first, raises preemption flags on BE batches that sit on CPUs the RT work needs,
 BE batches start where policy allows, and sets padding deadlines for BE work running
 beside RT work. It also keeps a bounded event log (start, preempt, resume, done) that
 tests and the DISB benchmark read to check the order of events rather than wall-clock
-thresholds.
+thresholds. On a partitioned node it asks the node's ``BatchPlacement`` which instance (so
+which partition) takes each batch, and every event names the partition.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
-from splitserve.server.ports import Event, ScheduledModel
+from splitserve.server.ports import BatchPlacement, Event, ScheduledModel
 
 RT, BE = RequestClass.RT, RequestClass.BE
 
@@ -28,15 +29,20 @@ class Coordinator:
     """Node-wide scheduling across models under one ``PriorityMode`` (the node's
     ``NodeScheduler``). ``models`` gives the node's models as they are now; ``clock``
     stamps the event log (perf_counter seconds); ``class_order`` says whether ``seq`` hands
-    the node to real-time work first or to the oldest waiting request."""
+    the node to real-time work first or to the oldest waiting request. ``placement`` chooses
+    each batch's instance on a partitioned node (None: the first idle one);
+    ``partition_of(model, instance)`` names an instance's partition in the log (-1: none)."""
 
     def __init__(self, models: Callable[[], Iterable[ScheduledModel]], mode: PriorityMode,
                  max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter,
-                 class_order: ClassOrder = ClassOrder.PRIORITY) -> None:
+                 class_order: ClassOrder = ClassOrder.PRIORITY, placement: BatchPlacement | None = None,
+                 partition_of: Callable[[str, int], int] | None = None) -> None:
         self.models = models
         self.mode = mode
         self.class_order = class_order
         self.clock = clock
+        self.placement = placement
+        self.partition_of = partition_of
         self.events: deque[Event] = deque(maxlen=max_events)
         self._raised: set[tuple[str, int, int]] = set()
         # Cheap node-wide state, so normal mode (no RT work anywhere) skips the full view.
@@ -56,6 +62,13 @@ class Coordinator:
     def _allowed(d: Decision, model: ScheduledModel) -> Callable[[int, RequestClass], bool]:
         return lambda i, cls: cls in d.may_start.get((model.name, i), ())
 
+    def _pick(self, model: ScheduledModel) -> Callable[[RequestClass, int, Sequence[int]], int | None] | None:
+        """The per-batch choice of instance for ``model`` (None: the node has no partitions)."""
+        placement = self.placement
+        if placement is None:
+            return None
+        return lambda cls, size, idle: placement.choose(model.name, cls, size, idle, self.view())
+
     # -- called by runtimes ---------------------------------------------------------------
 
     def _normal_mode(self) -> bool:
@@ -70,18 +83,22 @@ class Coordinator:
                 self.mode is PriorityMode.REEF and self._normal_mode()):
             if self._padding:  # RT mode just ended: lift the padding limits once
                 self._pad(Decision())
-            return self._stamp(model.start_batches(now, (RT, BE), None), now)
+            return self._stamp(self._start(model, now, (RT, BE), None), now)
         if self.mode is PriorityMode.SEQ and self.class_order is ClassOrder.ARRIVAL:
             d = decide(self.mode, self.view(), self.class_order)
-            return self._stamp(model.start_batches(now, (RT, BE), self._allowed(d, model)), now)
-        batches = self._stamp(model.start_batches(now, (RT,), self._allowed(decide(self.mode, self.view()), model)),
+            return self._stamp(self._start(model, now, (RT, BE), self._allowed(d, model)), now)
+        batches = self._stamp(self._start(model, now, (RT,), self._allowed(decide(self.mode, self.view()), model)),
                               now)
         d = decide(self.mode, self.view())
         self._preempt(d)
-        be = self._stamp(model.start_batches(now, (BE,), self._allowed(d, model)), now)
+        be = self._stamp(self._start(model, now, (BE,), self._allowed(d, model)), now)
         if self.mode is PriorityMode.REEF:
             self._pad(decide(self.mode, self.view()))
         return batches + be
+
+    def _start(self, model: ScheduledModel, now: float, classes: tuple[RequestClass, ...],
+               may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
+        return model.start_batches(now, classes, may_start, self._pick(model))
 
     @staticmethod
     def _stamp(batches: list[Batch], now: float) -> list[Batch]:
@@ -145,5 +162,6 @@ class Coordinator:
 
     def _log(self, kind: str, model: ScheduledModel, instance: int, batch: Batch, segment: int,
              latency_ns: int = 0) -> None:
+        partition = self.partition_of(model.name, instance) if self.partition_of is not None else -1
         self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,
-                                 "rt" if batch.cls == RT else "be", segment, latency_ns))
+                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition))

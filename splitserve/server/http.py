@@ -169,7 +169,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     upload_limit = config.max_upload_bytes
     small_limit = config.management_body_bytes
     doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
-                             doc.LoadRequest, doc.ShmRegister])
+                             doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -535,6 +535,25 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     async def scheduler_events(since: float = 0.0, limit: int = 10000) -> dict:
         """Batch events (start, preempt, preempted, resume, done) after ``since`` (server clock)."""
         return manager.scheduler_events(since, limit)
+
+    @app.get("/v2/partitions", tags=["scheduling"],
+             **_doc({"description": "The node's partitions (PROTEAN): CPUs, memory, tags, instances, geometry"}, 404))
+    async def partitions() -> dict:
+        """The node's partitions: each one's CPUs, memory budget, Algorithm 1's tag and the
+        models' instances on it; the geometry, the controller's last tick, cold starts."""
+        return manager.partition_status()
+
+    @app.post("/v2/partitions", tags=["scheduling"], **_doc(
+        {"description": "The partitions after the change"}, 400, 401, 404, 503,
+        openapi_extra=doc.body(doc.GeometryChange, {"geometry": "1,1"})))
+    async def set_partitions(request: Request) -> dict:
+        """Re-carve the partitions to ``geometry`` (core counts, e.g. ``"1,1"``), moving every
+        model's instances without a request lost (needs the token)."""
+        authorize(request)
+        body = await _json(request, small_limit)
+        if not isinstance(body, dict) or set(body) != {"geometry"}:
+            raise InvalidInput('the body must be {"geometry": "<core counts>"}, e.g. {"geometry": "1,1"}')
+        return await manager.set_geometry(body["geometry"])
 
     @app.get("/v2/memory", tags=["scheduling"], **_doc(doc.Memory))
     async def memory() -> dict:

@@ -269,6 +269,12 @@ class ConfigChange(BaseModel):
     max_batch_size: int | None = Field(None, ge=1)
 
 
+class GeometryChange(BaseModel):
+    """``POST /v2/partitions``: the partitions' core counts, largest first (``"1,1"``, ``"4,2,1"``)."""
+
+    geometry: str = Field(pattern=r"^\s*[1-9][0-9]*(\s*,\s*[1-9][0-9]*)*\s*$")
+
+
 class LoadRequest(BaseModel):
     """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget."""
 

@@ -31,14 +31,16 @@ from typing import Any
 
 from splitserve.config import ServerConfig
 from splitserve.errors import (
-    InsufficientStorage, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel,
+    InsufficientStorage, InvalidInput, ModelNotReady, NotFound, SplitServeError, Unauthorized, UnknownModel,
 )
 from splitserve.modelconfig import ArtifactKind, ModelConfig, check_model_name
 from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.triton_config import triton_model_config
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
-from splitserve.server.ports import EventLog, ManagedModel, MemoryReport, ModelDirectory, ModelStats
+from splitserve.server.ports import (
+    EventLog, ManagedModel, MemoryReport, ModelDirectory, ModelStats, PartitionControl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +173,9 @@ class ModelManager:
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, models: ModelDirectory, events: EventLog,
-                 resources: ResourceManager, memory: MemoryReport) -> None:
+                 resources: ResourceManager, memory: MemoryReport, partitions: PartitionControl | None = None) -> None:
         self.config = config
+        self.partitions = partitions
         self.memory = memory
         self.registry = registry
         self.models = models
@@ -514,6 +517,25 @@ class ModelManager:
     def node_placement(self) -> dict:
         """Every partition of the node's CPUs and the instances sitting on each."""
         return self.resources.snapshot()
+
+    def partition_status(self) -> dict:
+        """``GET /v2/partitions``: the node's partitions, their tags and instances, the geometry
+        controller's last tick and the cold starts (NotFound when the node has none)."""
+        return self._partitions().snapshot()
+
+    async def set_geometry(self, geometry: Any) -> dict:
+        """``POST /v2/partitions``: re-carve the partitions (core counts), under the management
+        lock, moving every model's instances without a request lost."""
+        if not isinstance(geometry, str) or not geometry.strip():
+            raise InvalidInput(f'geometry must be a string of partition core counts, e.g. "1,1", got {geometry!r}')
+        control = self._partitions()
+        async with self._lock:
+            return await control.set_geometry(geometry)
+
+    def _partitions(self) -> PartitionControl:
+        if self.partitions is None:
+            raise NotFound("this node has no partitions: start it with --partitioning static, colocate or protean")
+        return self.partitions
 
     def memory_status(self) -> dict:
         """``GET /v2/memory``: the memory manager's budget, reservations, LRU order and models.

@@ -87,6 +87,11 @@ class Metrics:
         self.model_resident_bytes = Gauge("splitserve_model_resident_bytes", "Bytes the model's residency holds",
                                           ("model",), registry=r)
         self.model_loads = Counter("splitserve_model_loads", "Loads of the model's weights", ("model",), registry=r)
+        # PROTEAN in the node: instances the autoscaler added beyond the warm ones, and geometry changes
+        self.cold_starts = Counter("splitserve_cold_starts", "Instances the autoscaler started for pending batches",
+                                   ("model",), registry=r)
+        self.geometry_changes = Counter("splitserve_geometry_changes", "Re-carvings of the node's partitions",
+                                        ("origin", "outcome"), registry=r)
         self.model_evictions = Counter("splitserve_model_evictions", "Evictions of the model's weights", ("model",),
                                        registry=r)
         self.model_load_seconds = Histogram("splitserve_model_load_seconds", "A load, from its start to serving",

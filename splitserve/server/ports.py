@@ -40,7 +40,7 @@ import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.modelconfig import BatchingConfig, ModelConfig
-from splitserve.placement.partition import InstancePlacement
+from splitserve.placement.partition import InstancePlacement, NodePartition, PartitionSource
 from splitserve.placement.plans import Wanted
 from splitserve.placement.profiler import ModelProfile
 from splitserve.placement.resources import ResourceManager
@@ -133,6 +133,7 @@ class Event:
     cls: str
     segment: int = 0  # preempted: the restore point; resume: where it resumes
     latency_ns: int = 0  # preempted: flag raised -> worker stopped
+    partition: int = -1  # the node partition the instance sits on (-1: none, or not an instance's event)
 
 
 # -- transports -------------------------------------------------------------------------------
@@ -266,8 +267,10 @@ class ScheduledModel(Protocol):
         """Real-time requests waiting for a batch."""
 
     def start_batches(self, now: float, classes: Sequence[RequestClass],
-                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
-        """Take the batches that may start now (only ``classes``, only where ``may_start``)."""
+                      may_start: Callable[[int, RequestClass], bool] | None,
+                      pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
+        """Take the batches that may start now (only ``classes``, only where ``may_start``);
+        ``pick(cls, batch_size, idle_ids)`` chooses the instance of each batch (None: it waits)."""
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         """Ask ``batch_id`` on ``instance`` to stop at its next segment boundary; the batch,
@@ -282,6 +285,17 @@ class ScheduledModel(Protocol):
 
     def kick(self) -> None:
         """Run a scheduling pass soon (something elsewhere on the node changed)."""
+
+
+class BatchPlacement(Protocol):
+    """The node's per-batch choice of a partition (``partitions.PartitionManager``), called by
+    the coordinator for every batch a model could start."""
+
+    def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
+               node: Sequence[InstanceView]) -> int | None:
+        """Which of ``model``'s ``idle`` instances takes a batch of ``batch_size`` of ``cls``
+        (its partition chosen under ``strict_placement``), given the whole node; None: the
+        batch waits (best effort that fits no partition, or rt whose partition is busy)."""
 
 
 class NodeScheduler(Protocol):
@@ -481,6 +495,60 @@ WorkerFactory = Callable[[WorkerOwner, int, Callable[[int, int], WorkerSpec], as
                          InstanceWorker]
 
 
+class PartitionedModel(Protocol):
+    """One model as the node's partition manager drives it (``runtime.ModelRuntime``): its
+    autoscaler reads the pending work and sets the instance count; a geometry change moves
+    its instances onto new partitions through the node's applier."""
+
+    name: str
+    footprint: MemoryFootprint  # measured at its first load (private bytes: one instance's own, at max batch)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    @property
+    def dispatch_max_batch(self) -> int: ...
+
+    def placed_now(self) -> bool:
+        """It holds instances (loaded or loading): autoscaling and geometry changes apply to it."""
+
+    def waiting_requests(self, cls: RequestClass | None = None) -> int:
+        """Requests waiting for a batch (of ``cls``, or of every class)."""
+
+    async def resize(self, instances: int) -> None:
+        """Serve with ``instances`` instances (the placer spreads them over the partitions)."""
+
+    def placements_on(self, partitions: Sequence[NodePartition]) -> list[InstancePlacement]:
+        """As many instances as serve now, on ``partitions`` (``NodePartition``s of a new
+        geometry); takes the model's places on them from the ``ResourceManager``."""
+
+
+class PartitionProfiles(Protocol):
+    """What PROTEAN's slowdown model and Algorithm 1 read from the stored profiles
+    (``protean_profiles.ProteanProfiles``, built by the root)."""
+
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds of a batch alone on a partition of ``cores`` cores (None: not profiled)."""
+
+    def fbr(self, model: str) -> float | None:
+        """The model's fitted FBR (None: not identified)."""
+
+    def footprint(self, model: str, batch: int) -> int | None:
+        """Peak bytes one batch adds (None: not measured)."""
+
+
+class PartitionControl(Protocol):
+    """The node's partitions as management reads and changes them (``GET``/``POST /v2/partitions``)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Partitions (id, cpus, memory, tag, instances per model), geometry, the controller's
+        last tick, cold starts."""
+
+    async def set_geometry(self, geometry: str) -> dict[str, Any]:
+        """Re-carve the partitions to ``geometry`` (core counts, ``"1,1"``) through the node's
+        applier, every model's instances moving without a request lost; the new snapshot."""
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     """What a ``ModelRuntime`` needs from its node, built once by the composition root."""
@@ -496,6 +564,7 @@ class RuntimeEnv:
     workers: WorkerPool  # the processes of instances: taken at a load, given back after an unload
     footprints: FootprintStore  # measured sizes of models, kept across restarts
     memory: ResidencyBroker  # grants residency: every load goes through it
+    partitions: PartitionSource | None = None  # the node's partitions (None: partitioning none)
 
 
 # -- management ---------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ from splitserve.errors import (
 )
 from splitserve.memory.weights import drop_page_cache, weights_file
 from splitserve.modelconfig import BatchingConfig
-from splitserve.placement.partition import InstancePlacement
-from splitserve.placement.placer import make_placer
+from splitserve.placement.partition import InstancePlacement, NodePartition
+from splitserve.placement.placer import PartitionPlacer, make_placer
 from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler, Residency
@@ -99,7 +99,8 @@ class ModelRuntime:
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
         self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
-                                  self.settings.packrat_default_share, self.settings.fixed_cpus_shared)
+                                  self.settings.packrat_default_share, self.settings.fixed_cpus_shared,
+                                  env.partitions)
         if (policy := self.placer.policy()) is not None:
             self.sched.policy = policy
         self.stats = ModelStats(slo=env.metrics.slo_tally(self.name))
@@ -289,6 +290,19 @@ class ModelRuntime:
     @property
     def instance_count(self) -> int:
         return len(self.sched.serving())
+
+    # -- PartitionedModel (the node's partition manager) ---------------------------------
+
+    def placed_now(self) -> bool:
+        return bool(self.sched.instances) and self.state in _RUNNING
+
+    def waiting_requests(self, cls: RequestClass | None = None) -> int:
+        return self.sched.waiting(cls)
+
+    def placements_on(self, partitions: Sequence[NodePartition]) -> list[InstancePlacement]:
+        if not isinstance(self.placer, PartitionPlacer):
+            raise InvalidInput(f"model {self.name!r} is not placed on the node's partitions")
+        return self.placer.move(self.resources, self._serving_placements(), partitions)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -960,12 +974,14 @@ class ModelRuntime:
         for i, st in self.sched.instances.items():
             b = st.running
             began = None if b is None else b.created if b.started is None else b.started
+            placed = self.resources.placed(self.name, i)
             out.append(InstanceView(
                 model=self.name, instance=i, cpus=self.resources.instance_cpus(self.name, i),
                 ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                 preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
+                partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
             ))
         return out
 
@@ -973,8 +989,9 @@ class ModelRuntime:
         return self.sched.waiting(RequestClass.RT)
 
     def start_batches(self, now: float, classes: Sequence[RequestClass],
-                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
-        return self.sched.schedule(now, tuple(classes), may_start)
+                      may_start: Callable[[int, RequestClass], bool] | None,
+                      pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
+        return self.sched.schedule(now, tuple(classes), may_start, pick)
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         handle = self.workers.get(instance)
@@ -1010,6 +1027,7 @@ class ModelRuntime:
             "threads": [p.threads if p else 0 for p in placed],
             "cpus": [sorted(p.cpus) if p else [] for p in placed],
             "pids": [self.workers[i].pid if i in self.workers else None for i in serving],
+            "partitions": [p.partition if p else -1 for p in placed],
             # Residency: ``enabled`` says calls are taken (a model that is not resident
             # loads on the next one); ``residency`` is each serving instance's.
             "enabled": self.enabled,
@@ -1040,7 +1058,7 @@ class ModelRuntime:
         out: dict[str, Any] = {"model": self.name, **self.placer.describe(), "now": time.perf_counter()}
         out["instances"] = [
             {"id": i, "threads": p.threads, "batch": self.sched.instances[i].max_batch or self.config.max_batch_size,
-             "cpus": sorted(p.cpus), "shared": p.shared, "ready": self.sched.instances[i].ready,
+             "cpus": sorted(p.cpus), "shared": p.shared, "partition": p.partition, "ready": self.sched.instances[i].ready,
              "residency": self.sched.instances[i].residency.value}
             for i in self.sched.serving() if (p := self.resources.placed(self.name, i)) is not None
         ]

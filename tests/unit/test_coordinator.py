@@ -89,7 +89,9 @@ class FakeModel:
         return self.sched.waiting(RT)
 
     def start_batches(self, now: float, classes: Sequence[RequestClass],
-                      may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
+                      may_start: Callable[[int, RequestClass], bool] | None,
+                      pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
+        assert pick is None  # the node has no partitions
         return self.sched.schedule(now, tuple(classes), may_start)
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:

@@ -1,0 +1,409 @@
+"""PROTEAN on one node: the node's partitions, the per-batch choice of one, the instance
+autoscaler and geometry changes, on the loop.
+
+With ``ServerConfig.partitioning`` other than none the root builds one ``PartitionManager``.
+It carves the worker cores into partitions at start (``Carved`` partitions of the node's
+``ResourceManager``, so nothing else pins onto them), and is:
+
+- the runtimes' ``PartitionSource`` (``RuntimeEnv.partitions``): each model's
+  ``PartitionPlacer`` puts warm instances on every partition;
+- the coordinator's ``BatchPlacement``: for every batch, the instance whose partition the
+  node's ``strict_placement`` picks (PROTEAN's Algorithm 1, smart-static or naive);
+- management's ``PartitionControl``: ``GET``/``POST /v2/partitions``.
+
+Every change of placement it makes (an autoscaler's resize, a geometry change from the
+controller or an operator) goes through the node's one applier (``PlacementChanger``), so
+the old instances drain while the new ones serve and no request is lost or answered twice.
+The deciders are pure (``placement.protean``, ``placement.autoscale``,
+``placement.node_partitions``); this module reads the node, calls them on timers and
+applies what they say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from splitserve.config import ServerConfig
+from splitserve.placement.autoscale import InstanceAutoscaler
+from splitserve.placement.node_partitions import (
+    BatchChooser, initial_layout, parse_geometry, slice_cpus, slots_of, split_memory, worker_cpus,
+)
+from splitserve.placement.partition import Carved, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list
+from splitserve.placement.protean import (
+    Geometry, GeometryController, Job, JobDistributor, ProteanSettings, carve, derive_thresholds,
+)
+from splitserve.placement.resources import ResourceManager
+from splitserve.placement.slowdown import SlowdownModel
+from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.priority import InstanceView
+from splitserve.server.metrics import Metrics
+from splitserve.server.ports import PartitionedModel, PartitionProfiles, PlacementChanger
+
+log = logging.getLogger(__name__)
+
+NODE_OWNER = "node"  # the owner of the node's partitions in the ResourceManager
+
+
+def protean_settings(config: ServerConfig) -> ProteanSettings:
+    """The ``protean_*`` settings as Algorithm 2 and the autoscaler take them."""
+    return ProteanSettings(
+        monitor_interval_s=config.protean_monitor_interval_s, ewma_weight=config.protean_ewma_weight,
+        wait_limit=config.protean_wait_limit, reconfig_fraction=config.protean_reconfig_fraction,
+        require_same_target=config.protean_require_same_target, t_low=config.protean_t_low,
+        t_high=config.protean_t_high, keep_alive_s=config.protean_keep_alive_s,
+        unknown_fbr=config.protean_unknown_fbr)
+
+
+class PartitionManager:
+    """The node's partitions and what PROTEAN does with them (see the module doc).
+
+    ``models()`` gives the node's models; ``view()`` the coordinator's view of every instance
+    (what runs where); ``total_mem`` the bytes the partitions share by cores; ``profiles``
+    (settable once the registry is open) the solo latencies, FBRs and footprints.
+    """
+
+    def __init__(self, config: ServerConfig, resources: ResourceManager, changer: PlacementChanger,
+                 models: Callable[[], Iterable[PartitionedModel]], view: Callable[[], list[InstanceView]],
+                 metrics: Metrics, total_mem: int, profiles: PartitionProfiles | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.partitioning = config.partitioning
+        self.warm = config.partition_warm_instances
+        self.resources = resources
+        self.changer = changer
+        self.models = models
+        self.view = view
+        self.metrics = metrics
+        self.total_mem = total_mem
+        self.profiles = profiles
+        self.clock = clock
+        self.cpus = worker_cpus(sorted(resources.cpus))
+        layout = initial_layout(config.partitioning, config.geometry, self.cpus)
+        self.geometry: Geometry | None = layout.geometry  # PROTEAN's units, None for a static layout
+        self.unit = layout.unit
+        self._parts = self._carve(layout.cpu_sets)
+        self.settings = protean_settings(config)
+        self.policy = config.strict_placement.resolve(config.partitioning)
+        self.slowdown = self._slowdown_model()
+        self.chooser = BatchChooser(self.policy, self._distributor())
+        self.autoscaler = InstanceAutoscaler(config.protean_keep_alive_s)
+        self.controller: GeometryController | None = None
+        self.controller_off: str | None = None  # why no geometry controller runs
+        if self.geometry is not None and self.unit is not None:
+            self.controller = GeometryController(self.settings, 1, self._unit_mem(), self._be_mem_of,
+                                                 self._thresholds)
+        else:
+            self.controller_off = (f"{len(self.cpus)} worker cores: PROTEAN's geometries need at least 7"
+                                   if config.partitioning is Partitioning.PROTEAN else
+                                   f"partitioning {config.partitioning.value} keeps its geometry")
+        self.changes: deque[dict[str, Any]] = deque(maxlen=config.placement_history)
+        self._lock = asyncio.Lock()  # one geometry change at a time
+        self._timers: list[asyncio.TimerHandle] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._scaling: set[str] = set()  # models whose resize is under way
+        self._cold_seen: dict[str, int] = {}
+        # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
+        # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
+        self._main: dict[bool, Job] = {}
+        log.info("partitions (%s, strict placement %s): %s on worker CPUs %s", self.partitioning.value,
+                 self.policy.value, "; ".join(f"{p.id}: {cpu_list(p.cpus)}" for p in self._parts),
+                 cpu_list(self.cpus))
+        if len(resources.cpus) <= 2:
+            log.info("partitions: %d CPUs: the front end shares the partitions' cores with the workers",
+                     len(resources.cpus))
+        if self.controller is None and config.partitioning is Partitioning.PROTEAN:
+            log.info("partitions: no geometry controller (%s); static geometry", self.controller_off)
+
+    # -- PartitionSource (the models' placers) ------------------------------------------------
+
+    def current(self) -> list[NodePartition]:
+        return list(self._parts)
+
+    # -- the partitions ------------------------------------------------------------------
+
+    def _carve(self, cpu_sets: Sequence[Sequence[int]]) -> list[NodePartition]:
+        mems = split_memory(self.total_mem, cpu_sets)
+        parts: list[NodePartition] = []
+        try:
+            for cpus, mem in zip(cpu_sets, mems):
+                p = self.resources.allocate(NODE_OWNER, Carved(frozenset(cpus)))
+                parts.append(NodePartition(p.id, p.cpus, mem))
+        except BaseException:
+            for p in parts:
+                self.resources.release_partition(p.id)
+            raise
+        return parts
+
+    def _release(self, parts: Sequence[NodePartition]) -> None:
+        """Give back partitions no instance sits on any more, with the models' places on them."""
+        for part in parts:
+            places = [p for p in self.resources.partitions()
+                      if isinstance(p.request, OnPartition) and p.request.partition == part.id]
+            placed = self.resources.placement()
+            busy = {m for m, insts in placed.items() for q in insts.values() if q.partition == part.id}
+            if busy:
+                log.error("partition %d still holds instances of %s; kept", part.id, ", ".join(sorted(busy)))
+                continue
+            for p in places:
+                self.resources.release_partition(p.id)
+            self.resources.release_partition(part.id)
+
+    # -- profiles ------------------------------------------------------------------------
+
+    def _solo(self, model: str, cores: int, batch: int) -> float | None:
+        return self.profiles.solo(model, cores, batch) if self.profiles is not None else None
+
+    def _slowdown_model(self) -> SlowdownModel:
+        """The slowdown model over the FBRs known now."""
+        fbr: dict[str, float] = {}
+        if self.profiles is not None:
+            for m in self.models():
+                value = self.profiles.fbr(m.name)
+                if value is not None:
+                    fbr[m.name] = value
+        return SlowdownModel(self._solo, fbr, len(self.cpus), self.config.protean_unknown_fbr)
+
+    def _distributor(self) -> JobDistributor | None:
+        return JobDistributor(self.slowdown, self._batch_mem) if self.policy is StrictPlacement.ETA else None
+
+    def _refresh(self) -> None:
+        """Look at the FBRs again (a model's FBR can be fitted, or a model registered, while
+        the node runs: every autoscaler tick does)."""
+        self.slowdown = self._slowdown_model()
+        self.chooser.distributor = self._distributor()
+
+    def _batch_mem(self, model: str) -> int | None:
+        """Bytes one batch of ``model`` at its dispatch size holds (None: not a model here)."""
+        models = {m.name: m for m in self.models()}
+        m = models.get(model)
+        return self.mem(model, m.dispatch_max_batch, models) if m is not None else None
+
+    def _unit_mem(self) -> int:
+        """Memory of one "1g" partition: the partitions' memory in proportion to cores."""
+        assert self.unit is not None
+        return self.total_mem * self.unit // len(self.cpus)
+
+    def mem(self, model: str, batch: int, models: Mapping[str, PartitionedModel]) -> int:
+        """Bytes a batch of ``batch`` of ``model`` takes: its profiled footprint, else what its
+        instance added at its first load (measured at max batch)."""
+        found = self.profiles.footprint(model, batch) if self.profiles is not None else None
+        if found is not None:
+            return found
+        m = models.get(model)
+        return m.footprint.private_bytes if m is not None else 0
+
+    # -- BatchPlacement (the coordinator) --------------------------------------------------
+
+    def _be_demand(self, node: Sequence[InstanceView],
+                   models: Mapping[str, PartitionedModel]) -> tuple[int, list[str]]:
+        """Best-effort memory demand (Algorithm 1's BE_mem): batches of BE requests queued,
+        and BE batches running, each at its footprint; and the models they belong to."""
+        total, names = 0, []
+        for v in node:
+            if v.running_cls == RequestClass.BE:
+                total += self.mem(v.model, v.running_count, models)
+                names.append(v.model)
+        for m in models.values():
+            waiting = m.waiting_requests(RequestClass.BE)
+            if waiting:
+                batch = m.dispatch_max_batch
+                total += math.ceil(waiting / batch) * self.mem(m.name, batch, models)
+                names.append(m.name)
+        return total, list(dict.fromkeys(names))
+
+    def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
+               node: Sequence[InstanceView]) -> int | None:
+        """See ``ports.BatchPlacement.choose``."""
+        parts = self._parts
+        ids = {p.id for p in parts}
+        where = {v.instance: v.partition for v in node if v.model == model}
+        eligible = {where[i] for i in idle if where.get(i) in ids}
+        if not eligible:
+            return None
+        models = {m.name: m for m in self.models()}
+        running = [(v.partition, Job(v.model, v.running_count, v.running_cls == RequestClass.RT,
+                                     self.mem(v.model, v.running_count, models)))
+                   for v in node if v.running_cls is not None and v.partition in ids]
+        be_mem, be_models = self._be_demand(node, models)
+        job = Job(model, batch_size, cls == RequestClass.RT, self.mem(model, batch_size, models))
+        chosen = self.chooser.choose(job, slots_of(parts, running), eligible, be_mem, be_models)
+        return next((i for i in idle if where.get(i) == chosen), None)
+
+    def partition_of(self, model: str, instance: int) -> int:
+        """The node partition ``model``'s ``instance`` sits on (-1: not placed)."""
+        placed = self.resources.placed(model, instance)
+        return placed.partition if placed is not None else -1
+
+    # -- timers: autoscaler and geometry controller ------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start ticking on ``loop``: the autoscaler, and the geometry controller when it runs."""
+        self._every(loop, self.config.partition_autoscale_s, self._autoscale)
+        if self.controller is not None:
+            self._every(loop, self.settings.monitor_interval_s, self._monitor)
+
+    def _every(self, loop: asyncio.AbstractEventLoop, period: float, tick: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                tick()
+            except Exception:  # a tick that fails must not stop the next ones
+                log.exception("partitions: %s failed", tick.__name__)
+            self._timers.append(loop.call_later(period, run))
+        self._timers.append(loop.call_later(period, run))
+
+    async def stop(self) -> None:
+        """Stop ticking; a change under way is cancelled (the applier leaves what serves serving)."""
+        for t in self._timers:
+            t.cancel()
+        self._timers.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, what: str, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=f"partitions-{what}")
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("partitions: %s not made: %s", what, t.exception())
+        task.add_done_callback(done)
+        return task
+
+    def _autoscale(self) -> None:
+        """One instance per pending batch, warm ones on every partition, surplus retired after the keep-alive."""
+        self._refresh()
+        models = [m for m in self.models() if m.placed_now()]
+        current = {m.name: m.instance_count for m in models}
+        target = self.autoscaler.tick(self.clock(), {m.name: m.waiting_requests() for m in models},
+                                      {m.name: m.dispatch_max_batch for m in models}, current)
+        for name, n in self.autoscaler.cold_starts.items():
+            if n > self._cold_seen.get(name, 0):
+                self.metrics.cold_starts.labels(name).inc(n - self._cold_seen.get(name, 0))
+                self._cold_seen[name] = n
+        floor = self.warm * len(self._parts)
+        for m in models:
+            want = max(target.get(m.name, current[m.name]), floor)
+            if want != current[m.name] and m.name not in self._scaling and not self._lock.locked():
+                log.info("autoscaler: model %s %d -> %d instances", m.name, current[m.name], want)
+                self._scaling.add(m.name)
+                task = self._spawn(f"resize of {m.name}", m.resize(want))
+                task.add_done_callback(lambda _t, name=m.name: self._scaling.discard(name))
+
+    def _be_mem_of(self, be_requests: float) -> int:
+        """Algorithm 2's mem(BE_model, n): whole batches of the main BE model at its footprint."""
+        be = self._main.get(False)
+        return math.ceil(be_requests / be.batch) * be.mem_bytes if be is not None else 0
+
+    def _thresholds(self, candidate: Geometry, pred: float) -> tuple[float, float]:
+        """T_low and T_high for ``candidate``: crossovers of the η model for the main strict
+        and BE models (open, 0 and infinity, until both are known with a footprint)."""
+        strict, be = self._main.get(True), self._main.get(False)
+        if strict is None or be is None or be.mem_bytes <= 0:
+            return 0.0, math.inf
+        assert self.unit is not None
+        return derive_thresholds(candidate, self.slowdown, strict, be, unit_cores=self.unit,
+                                 unit_mem=self._unit_mem())
+
+    def _monitor(self) -> None:
+        """Algorithm 2's tick: forecast best-effort demand; change the geometry when it says so."""
+        assert self.controller is not None
+        models = {m.name: m for m in self.models()}
+        node = self.view()
+        for strict, cls in ((True, RequestClass.RT), (False, RequestClass.BE)):
+            work = {n: m.waiting_requests(cls) + sum(v.model == n and v.running_cls == cls for v in node)
+                    for n, m in models.items()}
+            if any(work.values()):  # the model with most work of the class stands for its mix
+                main = max(work, key=lambda n: work[n])
+                batch = models[main].dispatch_max_batch
+                self._main[strict] = Job(main, batch, strict, self.mem(main, batch, models))
+        be = sum(m.waiting_requests(RequestClass.BE) for m in models.values())
+        decided = self.controller.tick(self.clock(), float(be))
+        log.debug("geometry controller: %s", self.controller.last)
+        for group, geometry in decided:  # each is in flight for the controller until ``applied``
+            self._spawn("geometry change", self._controller_change(group, geometry))
+
+    async def _controller_change(self, group: int, geometry: Geometry) -> None:
+        assert self.unit is not None and self.controller is not None
+        log.info("geometry controller: re-carving to %s (%s)", geometry, self.controller.last)
+        before = self.controller.current[group]
+        try:
+            await self._reconfigure(carve(geometry, self.cpus, self.unit), "controller", geometry)
+        finally:  # a change that failed leaves the old geometry in force
+            self.controller.applied(group, geometry if self.geometry == geometry else before)
+
+    # -- geometry changes -----------------------------------------------------------------
+
+    async def set_geometry(self, geometry: str) -> dict[str, Any]:
+        """See ``ports.PartitionControl.set_geometry``."""
+        sets = slice_cpus(parse_geometry(geometry), self.cpus)
+        await self._reconfigure(sets, "operator", None)
+        return self.snapshot()
+
+    async def _reconfigure(self, cpu_sets: Sequence[Sequence[int]], origin: str, geometry: Geometry | None) -> None:
+        """Carve ``cpu_sets`` and move every placed model's instances onto them through the
+        node's applier (new set standby, one switch, old set drained), then give the old
+        partitions back. On failure the old partitions keep serving and the new ones go."""
+        async with self._lock:
+            old, new = self._parts, []
+            t0 = self.clock()
+
+            def decide() -> dict[str, list[Any]]:
+                new.extend(self._carve(cpu_sets))
+                self._parts = new
+                return {m.name: m.placements_on(new) for m in self.models() if m.placed_now()}
+
+            try:
+                records = await self.changer.apply(decide)
+            except BaseException as e:
+                if new:
+                    self._parts = old
+                    self._release(new)
+                self.metrics.geometry_changes.labels(origin, "failed").inc()
+                self.changes.append({"origin": origin, "ok": False, "error": str(e) or type(e).__name__,
+                                     "cpus": [list(s) for s in cpu_sets], "at": t0})
+                raise
+            self._release(old)
+            if origin == "operator" or geometry is not None:
+                self.geometry = geometry
+            self.metrics.geometry_changes.labels(origin, "ok").inc()
+            self.changes.append({"origin": origin, "ok": True, "cpus": [list(s) for s in cpu_sets], "at": t0,
+                                 "took_s": self.clock() - t0, "models": sorted(records)})
+            log.info("partitions (%s): now %s", origin, "; ".join(f"{p.id}: {cpu_list(p.cpus)}" for p in new))
+
+    # -- PartitionControl (management) --------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """``GET /v2/partitions``'s body (see ``ports.PartitionControl.snapshot``)."""
+        node = self.view()
+        models = {m.name: m for m in self.models()}
+        parts = self._parts
+        ids = {p.id for p in parts}
+        running = [(v.partition, Job(v.model, v.running_count, v.running_cls == RequestClass.RT,
+                                     self.mem(v.model, v.running_count, models)))
+                   for v in node if v.running_cls is not None and v.partition in ids]
+        be_mem, _ = self._be_demand(node, models)
+        tags = self.chooser.tags(slots_of(parts, running), be_mem)
+        on: dict[int, dict[str, list[int]]] = {p.id: {} for p in parts}
+        for model, insts in self.resources.placement().items():
+            for i, q in insts.items():
+                if q.partition in on:
+                    on[q.partition].setdefault(model, []).append(i)
+        controller = self.controller.last if self.controller is not None else {"off": self.controller_off}
+        return {
+            "partitioning": self.partitioning.value, "strict_placement": self.policy.value,
+            "worker_cpus": list(self.cpus), "geometry": [p.cores for p in parts],
+            "geometry_units": list(self.geometry.units) if self.geometry is not None else None,
+            "unit_cores": self.unit, "be_mem_bytes": be_mem, "warm_per_partition": self.warm,
+            "partitions": [{"id": p.id, "cpus": sorted(p.cpus), "cores": p.cores, "mem_bytes": p.mem_bytes,
+                            "tag": tags.get(p.id, 0.0), "instances": on[p.id]} for p in parts],
+            "controller": controller, "cold_starts": dict(self.autoscaler.cold_starts),
+            "changes": list(self.changes), "now": self.clock(),
+        }

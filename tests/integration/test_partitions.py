@@ -1,0 +1,181 @@
+"""PROTEAN in the node, through real servers (in this process) and real worker processes:
+instances pinned to their partitions, rt batches kept off partitions best-effort work has
+taken (Algorithm 1's tags), a geometry change under a steady stream of requests, and a
+worker killed mid-batch restarting on its partition."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve.errors import WorkerFailed
+from splitserve.models.gate import Gates
+from tests.inproc import quiet_config, run_server, until, write_model
+
+BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs
+
+
+def key(k: int) -> list[np.ndarray]:
+    return [np.array([[k]], np.int64)]
+
+
+def cpus_allowed(pid: int) -> set[int]:
+    """The CPUs the kernel lets ``pid`` run on (``Cpus_allowed_list`` of /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            out: set[int] = set()
+            for part in line.split(":", 1)[1].strip().split(","):
+                lo, _, hi = part.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1))
+            return out
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def gate_repo(tmp_path: Path, *models: tuple[str, str]) -> tuple[Path, Path, Gates]:
+    repo = tmp_path / "repo"
+    for name, toml in models:
+        write_model(repo, name, "gate", toml)
+    cache = tmp_path / "cache"
+    return repo, cache, Gates(cache)
+
+
+def partitions_of(server) -> dict[int, set[int]]:
+    return {p["id"]: set(p["cpus"]) for p in server.management.partition_status()["partitions"]}
+
+
+def test_instances_sit_pinned_on_their_partitions_and_a_killed_worker_restarts_on_its_own(tmp_path):
+    repo, cache, gates = gate_repo(tmp_path, ("gate", ""))
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static", load=("gate",))
+
+    async def scenario(server):
+        rt = server.runtime("gate")
+        parts = partitions_of(server)
+        d = rt.describe()
+        # one warm instance per partition, each pinned to exactly its partition's CPUs
+        assert sorted(d["partitions"]) == sorted(parts)
+        for pid, part, threads in zip(d["pids"], d["partitions"], d["threads"]):
+            assert cpus_allowed(pid) == parts[part]
+            assert threads == len(parts[part])
+        gates.close(7)
+        call = asyncio.ensure_future(server.infer("gate", key(7)))
+        await until(lambda: gates.held(7))
+        (i,) = [i for i, st in rt.sched.instances.items() if st.running is not None]
+        part = server.resources.placed("gate", i).partition
+        old = rt.workers[i].pid
+        os.kill(old, signal.SIGKILL)
+        with pytest.raises(WorkerFailed):
+            await call  # its batch is answered once, with an error
+        gates.open(7)
+        await until(lambda: i in rt.workers and rt.workers[i].pid != old and rt.sched.instances[i].ready)
+        assert server.resources.placed("gate", i).partition == part
+        assert cpus_allowed(rt.workers[i].pid) == parts[part]
+        out = await server.infer("gate", key(8))
+        assert out.outputs[0].tolist() == [[8]]
+        events = [e for e in server.coordinator.events if e.kind in ("start", "done", "failed")]
+        assert events and all(e.partition in parts for e in events)
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
+def test_protean_keeps_rt_batches_off_partitions_that_best_effort_work_has_taken(tmp_path):
+    repo, cache, gates = gate_repo(tmp_path, ("be", 'default_class = "be"\nmax_batch_size = 1'),
+                                   ("rt", 'default_class = "rt"\nmax_batch_size = 1'))
+    data = tmp_path / "data"
+
+    async def measure(server):
+        return server.runtime("be").footprint
+
+    # A first run measures what one best-effort batch adds (the node's footprint fallback);
+    # the second gives each of two partitions 1.5 of it: one BE batch on each makes a BE
+    # demand of 2, which tags the first partition 1 and the second 1/3.
+    footprint = run_server(quiet_config(data, repository=repo, cache_dir=cache, load=("be",)),
+                           lambda s: asyncio.wait_for(measure(s), BOUND_S))
+    assert footprint.measured and footprint.private_bytes > 0
+    cfg = quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
+                       preemption="concurrent", partition_memory_bytes=3 * footprint.private_bytes,
+                       load=("be", "rt"))
+
+    async def scenario(server):
+        be = server.runtime("be")
+        gates.close(1)
+        gates.close(2)
+        first = asyncio.ensure_future(server.infer("be", key(1)))
+        await until(lambda: gates.held(1))
+        second = asyncio.ensure_future(server.infer("be", key(2)))
+        await until(lambda: gates.held(2))
+        on = {server.resources.placed("be", i).partition for i, st in be.sched.instances.items() if st.running}
+        snap = server.management.partition_status()
+        tags = {p["id"]: p["tag"] for p in snap["partitions"]}
+        assert len(on) == 2  # the first fills the small partition's memory: the second spills
+        assert sorted(tags.values()) == [pytest.approx(1 / 3), 1.0]
+        open_part = next(p for p, t in tags.items() if t < 1)
+        for k in range(10, 16):
+            out = await server.infer("rt", key(k))
+            assert out.outputs[0].tolist() == [[k]]
+        gates.open(1)
+        gates.open(2)
+        await asyncio.gather(first, second)
+        rt_starts = [e for e in server.coordinator.events if e.model == "rt" and e.kind == "start"]
+        assert len(rt_starts) == 6 and {e.partition for e in rt_starts} == {open_part}
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
+def _post(url: str, body: dict, token: str) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=BOUND_S) as r:
+        return json.loads(r.read())
+
+
+def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_once(tmp_path):
+    repo, cache, _ = gate_repo(tmp_path, ("gate", "max_batch_size = 4"))
+    cfg = replace(quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static",
+                               geometry="1,1", load=("gate",)), http_port=0)
+
+    async def scenario(server):
+        url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"
+        token = server.management.ensure_token()
+        before = partitions_of(server)
+        ledger: dict[int, list[int]] = {}
+        stop = asyncio.Event()
+        keys = iter(range(100, 1_000_000))
+
+        async def client() -> None:
+            while not stop.is_set():
+                k = next(keys)
+                ledger[k] = []
+                out = await server.infer("gate", key(k))
+                ledger[k].append(int(out.outputs[0][0, 0]))
+
+        clients = [asyncio.ensure_future(client()) for _ in range(4)]
+        await until(lambda: len(ledger) > 20)
+        # two 1-core partitions become one of both cores while four clients keep sending
+        one = await asyncio.to_thread(_post, url, {"geometry": "2"}, token)
+        assert one["geometry"] == [2] and not set(p["id"] for p in one["partitions"]) & set(before)
+        mid = len(ledger)
+        await until(lambda: len(ledger) > mid + 20)
+        stop.set()
+        await asyncio.gather(*clients)
+        # every request answered once, with its own answer; nothing dropped, nothing left open
+        assert all(v == [k] for k, v in ledger.items())
+        out = server.monitor.outcomes
+        assert out["accepted"] == out["ok"] == len(ledger)
+        assert not [k for k in out if k.startswith(("dropped", "error", "expired"))]
+        assert server.monitor.in_flight == 0
+        now = partitions_of(server)
+        placed = server.resources.placement()["gate"]
+        assert {q.partition for q in placed.values()} == set(now)
+        assert [c["ok"] for c in server.partitions.changes] == [True]
+        # the old partitions went back: only the current ones (and the models' places on them) remain
+        assert {p.request.partition for p in server.resources.partitions("gate")} == set(now)
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
