@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 
 from splitserve.config import ServerConfig, default_data_dir, parse_bytes
 from splitserve.placement.packrat import PlacementKind
-from splitserve.scheduler.model_scheduler import RtPolicy
+from splitserve.scheduler.model_scheduler import ClassOrder, RtPolicy
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.types import TensorSpec
 
@@ -82,12 +82,15 @@ def serve(
     memory_budget: Optional[str] = typer.Option(
         None, help="Bytes resident models may take (2GiB, 512MiB, 500MB or bytes); the least recently used go."),
     max_resident_models: Optional[int] = typer.Option(None, help="Models resident at once; more load on demand."),
+    class_order: Optional[ClassOrder] = typer.Option(
+        None, help="Which waiting request goes first: priority (rt, then be) or arrival (oldest, any class)."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
                  rt_policy=rt_policy, placement=placement, allow_code_artifacts=allow_code_artifacts,
                  log_level=log_level.upper() if log_level else None, max_resident_models=max_resident_models,
-                 memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None)
+                 memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None,
+                 class_order=class_order)
     cfg = ServerConfig.from_env(
         host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
         data_dir=data_dir or default_data_dir(), load=tuple(load),

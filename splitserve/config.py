@@ -11,7 +11,7 @@ from typing import Any
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.packrat import PlacementKind
-from splitserve.scheduler.model_scheduler import RtPolicy
+from splitserve.scheduler.model_scheduler import ClassOrder, RtPolicy
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.types import Choice
 
@@ -138,6 +138,8 @@ class ServerConfig:
     # -- Triton and KServe drop-in: system shared memory --
     shm_max_regions: int = 64  # client shared-memory regions registered at once; more are refused
     shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
+    # -- request classes: one class model for REEF and PROTEAN (rt = PROTEAN's strict) --
+    class_order: ClassOrder = ClassOrder.PRIORITY  # who goes first: priority (rt, then be) | arrival (oldest, any class)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -194,6 +196,10 @@ class ServerConfig:
         if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
             raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers and recycle_slack_bytes at "
                                "least 0")
+        if self.class_order is ClassOrder.ARRIVAL and self.preemption is PriorityMode.REEF:
+            raise InvalidInput("class_order=arrival does not go with preemption=reef (reef preempts best-effort work "
+                               "for real-time work: that is class priority); use preemption seq, concurrent or "
+                               "rt-only, or class_order=priority")
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",

@@ -20,6 +20,9 @@ fills in inputs and outputs)::
     quantum_beta = 0.5            # adaptive_quantum: old quantum's weight in that average
     [memory]
     keep_resident = false         # under a memory budget: never evicted (loaded on first use, then kept)
+    [slo]                         # soft SLO of its real-time calls (late ones are served, counted missed)
+    target_ms = 50.0              # either a target in ms ...
+    multiplier = 3.0              # ... or k x its profiled solo latency at max_batch_size on the whole node
     [artifact]
     kind = "zoo"                  # "zoo" | "safetensors" | "torchscript" | "export" (code: see below)
     arch = "lenet"                # zoo architecture (zoo and safetensors kinds)
@@ -35,6 +38,7 @@ accepts uploads of them only when started with ``--allow-code-artifacts``.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -45,7 +49,8 @@ from splitserve.errors import InvalidInput
 from splitserve.scheduler.policy import BatchingConfig
 from splitserve.types import Choice, TensorSpec
 
-__all__ = ["ArtifactConfig", "ArtifactKind", "BatchingConfig", "MemoryConfig", "ModelConfig", "check_model_name"]
+__all__ = ["ArtifactConfig", "ArtifactKind", "BatchingConfig", "MemoryConfig", "ModelConfig", "SloConfig",
+           "check_model_name"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -109,6 +114,34 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class SloConfig:
+    """``[slo]``: the soft latency target of the model's real-time calls (PROTEAN §5: 3x the
+    solo batch latency on the whole device), unless a call names its own ``slo_ms``. A late
+    call is still served; it is counted ``missed``. Neither key: no SLO."""
+
+    target_ms: float | None = None  # a fixed target
+    multiplier: float | None = None  # k x L[all worker cores, max_batch_size] from the stored latency profile
+
+    def __post_init__(self) -> None:
+        for key in ("target_ms", "multiplier"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise InvalidInput(f"slo.{key} must be a positive number, got {value!r}")
+        if self.target_ms is not None and self.multiplier is not None:
+            raise InvalidInput("[slo] takes target_ms or multiplier, not both")
+
+    def seconds(self, solo_s: float | None) -> float | None:
+        """The SLO in seconds, given the profiled solo latency (None: not profiled); None when
+        there is none (no key, or a multiplier without a profile)."""
+        if self.target_ms is not None:
+            return self.target_ms / 1e3
+        if self.multiplier is not None and solo_s is not None:
+            return self.multiplier * solo_s
+        return None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the server needs to serve one model."""
 
@@ -125,6 +158,7 @@ class ModelConfig:
     queue_slots: int | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     placement: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "packrat", "threads": 2}
     # REEF's device-queue capacity c: segments launched ahead of the one known finished
     # (None: 4 on a GPU, where launches are asynchronous; 1 on the CPU, where they are not).
@@ -207,6 +241,10 @@ class ModelConfig:
                 raise InvalidInput(f"model {d.get('name')!r}: [batching] must be a table, got {batching!r}")
             batching = BatchingConfig().changed(batching)
             memory = MemoryConfig(**d.pop("memory", {}))
+            slo = d.pop("slo", {})
+            if not isinstance(slo, dict):
+                raise InvalidInput(f"model {d.get('name')!r}: [slo] must be a table, got {slo!r}")
+            slo = SloConfig(**slo)
         except TypeError as e:
             raise InvalidInput(f"model {d.get('name')!r}: {e}") from None
         inputs = d.pop("inputs", None)
@@ -227,6 +265,7 @@ class ModelConfig:
                 artifact=art,
                 batching=batching,
                 memory=memory,
+                slo=slo,
                 labels=tuple(d.pop("labels", ())),
                 cpus=tuple(int(c) for c in d.pop("cpus", ())),
                 **d,

@@ -54,7 +54,7 @@ def _fast_path(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: S
 
     def encode() -> None:
         arrays, _, _ = encode_inputs(info, arg)
-        _request_header(info, 1, arrays, None, None).pack()
+        _request_header(info, 1, arrays, None, None, None).pack()
 
     def decode() -> None:
         decode_outputs(info, payload, 1, False)
@@ -79,7 +79,7 @@ def _http(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: Sequen
     answer = b"".join(bytes(p) for p in parts)
 
     def encode() -> None:
-        http._infer_body(info, arg, None, None, binary)
+        http._infer_body(info, arg, None, None, None, binary)
 
     def decode() -> None:
         resp = v2.parse_infer_response(answer, hlen)

@@ -22,10 +22,13 @@ from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_s
 from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, unpack_header
 
 
-def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None) -> Header:
+def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None,
+                    slo_ms: float | None) -> Header:
+    """``deadline_ms`` is hard (still queued then, the call fails), ``slo_ms`` soft (a late
+    real-time call is served and counted missed); 0 or None: none."""
     return Header(
         Kind.REQUEST, req_id=req_id, func_id=info.func_id, cls=int(RequestClass.parse(cls)),
-        deadline_us=int(deadline_ms * 1000) if deadline_ms else 0,
+        deadline_us=int(deadline_ms * 1000) if deadline_ms else 0, slo_us=int(slo_ms * 1000) if slo_ms else 0,
         payload_len=sum(a.nbytes for a in arrays),
     )
 
@@ -107,12 +110,13 @@ class Client:
             info = self._models[model] = call.result()
         return info
 
-    def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> PendingCall:
+    def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+               slo_ms: float | None = None) -> PendingCall:
         """Send a call and return at once; ``.result()`` gives an ``InferResult``."""
         info = self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
-        h = _request_header(info, req_id, arrays, cls, deadline_ms)
+        h = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
         return self._call([h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched))
 
     def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
@@ -290,10 +294,11 @@ class AsyncClient:
             self._models[model] = info
         return info
 
-    async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> InferResult:
+    async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+                           slo_ms: float | None = None) -> InferResult:
         info = await self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
-        h = _request_header(info, next(self._ids), arrays, cls, deadline_ms)
+        h = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
         return await self._call([h.pack(), *(memoryview(a).cast("B") for a in arrays)],
                                 lambda hh, p: _result(info, hh, p, count, batched))
 
@@ -360,14 +365,15 @@ class UdpClient:
             info = self._models[model] = Client._check(h, p, ModelInfo.from_json)
         return info
 
-    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> InferResult:
+    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+                     slo_ms: float | None = None) -> InferResult:
         info = self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
         rid = next(self._ids)
         payload = memoryview(b"".join(memoryview(a).cast("B") for a in arrays)) if len(arrays) > 1 else memoryview(arrays[0]).cast("B")
         total = len(payload)
         segs = max(1, -(-total // self.segment))
-        base = _request_header(info, rid, arrays, cls, deadline_ms)
+        base = _request_header(info, rid, arrays, cls, deadline_ms, slo_ms)
         dgrams = []
         for i in range(segs):
             chunk = payload[i * self.segment : (i + 1) * self.segment]

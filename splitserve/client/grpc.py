@@ -78,7 +78,7 @@ def model_info(resp: pb.ModelMetadataResponse) -> ModelInfo:
 
 
 def infer_request(info: ModelInfo, arrays: Sequence[np.ndarray], cls: Any, deadline_ms: float | None,
-                  outputs: Sequence[str] = ()) -> pb.ModelInferRequest:
+                  outputs: Sequence[str] = (), slo_ms: float | None = None) -> pb.ModelInferRequest:
     req = pb.ModelInferRequest(model_name=info.name)
     for spec, a in zip(info.inputs, arrays):
         req.inputs.add(name=spec.name, datatype=spec.datatype, shape=a.shape)
@@ -90,6 +90,8 @@ def infer_request(info: ModelInfo, arrays: Sequence[np.ndarray], cls: Any, deadl
         set_param(req.parameters, "class", "rt" if c == RequestClass.RT else "be")
     if deadline_ms:
         set_param(req.parameters, "deadline_ms", float(deadline_ms))
+    if slo_ms:
+        set_param(req.parameters, "slo_ms", float(slo_ms))
     return req
 
 
@@ -178,17 +180,21 @@ class GrpcClient:
             info = self._models[model] = model_info(self._call("ModelMetadata", pb.ModelMetadataRequest(name=model)))
         return info
 
-    def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> GrpcPendingCall:
+    def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+               slo_ms: float | None = None) -> GrpcPendingCall:
         """Send a call and return at once; ``.result()`` gives an ``InferResult``."""
         info = self.lookup(model)
         arrays, _, batched = encode_inputs(info, x)
-        fut = self.stub.ModelInfer.future(infer_request(info, arrays, cls, deadline_ms), timeout=self.timeout)
+        fut = self.stub.ModelInfer.future(infer_request(info, arrays, cls, deadline_ms, slo_ms=slo_ms),
+                                         timeout=self.timeout)
         return GrpcPendingCall(fut, batched)
 
-    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None) -> InferResult:
+    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+                     slo_ms: float | None = None) -> InferResult:
         info = self.lookup(model)
         arrays, _, batched = encode_inputs(info, x)
-        return infer_result(self._call("ModelInfer", infer_request(info, arrays, cls, deadline_ms)), batched)
+        request = infer_request(info, arrays, cls, deadline_ms, slo_ms=slo_ms)
+        return infer_result(self._call("ModelInfer", request), batched)
 
     def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         """numpy in, numpy out: the single output, or a dict of outputs."""
@@ -288,10 +294,11 @@ class AsyncGrpcClient:
         return info
 
     async def infer_result(self, model: str, x: Any, *, cls: Any = None,
-                           deadline_ms: float | None = None) -> InferResult:
+                           deadline_ms: float | None = None, slo_ms: float | None = None) -> InferResult:
         info = await self.lookup(model)
         arrays, _, batched = encode_inputs(info, x)
-        return infer_result(await self._call("ModelInfer", infer_request(info, arrays, cls, deadline_ms)), batched)
+        request = infer_request(info, arrays, cls, deadline_ms, slo_ms=slo_ms)
+        return infer_result(await self._call("ModelInfer", request), batched)
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         return (await self.infer_result(model, x, **kw)).value()

@@ -64,7 +64,7 @@ def _model_info(doc: dict) -> ModelInfo:
                      int(params.get("max_batch_size", 1)), doc)
 
 
-def _infer_body(info: ModelInfo, x: Any, cls: Any, deadline_ms: float | None,
+def _infer_body(info: ModelInfo, x: Any, cls: Any, deadline_ms: float | None, slo_ms: float | None,
                 binary: bool) -> tuple[bytes, dict[str, str], int, bool]:
     arrays, count, batched = encode_inputs(info, x)
     params: dict[str, Any] = {}
@@ -73,6 +73,8 @@ def _infer_body(info: ModelInfo, x: Any, cls: Any, deadline_ms: float | None,
         params["class"] = "rt" if c == RequestClass.RT else "be"
     if deadline_ms:
         params["deadline_ms"] = float(deadline_ms)
+    if slo_ms:
+        params["slo_ms"] = float(slo_ms)
     parts, hlen = v2.build_infer_request([(t.name, a) for t, a in zip(info.inputs, arrays)], binary=binary,
                                          parameters=params)
     if hlen is None:
@@ -161,9 +163,9 @@ class HttpClient:
         return info
 
     def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
-                     binary: bool = True) -> InferResult:
+                     slo_ms: float | None = None, binary: bool = True) -> InferResult:
         info = self.lookup(model)
-        body, headers, _, batched = _infer_body(info, x, cls, deadline_ms, binary)
+        body, headers, _, batched = _infer_body(info, x, cls, deadline_ms, slo_ms, binary)
         r = self.http.post(f"/v2/models/{_m(model)}/infer", content=body, headers=headers)
         return _infer_result(info, r, batched)
 
@@ -285,9 +287,9 @@ class AsyncHttpClient:
         return info
 
     async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
-                           binary: bool = True) -> InferResult:
+                           slo_ms: float | None = None, binary: bool = True) -> InferResult:
         info = await self.lookup(model)
-        body, headers, _, batched = _infer_body(info, x, cls, deadline_ms, binary)
+        body, headers, _, batched = _infer_body(info, x, cls, deadline_ms, slo_ms, binary)
         r = await self.http.post(f"/v2/models/{_m(model)}/infer", content=body, headers=headers)
         return _infer_result(info, r, batched)
 

@@ -16,7 +16,7 @@ MAGIC = b"SPRC"
 VERSION = 1
 HEADER_SIZE = 64
 # magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status,
-# deadline_us, payload_len, payload_offset, total_len, queue_us, compute_us, total_us, reserved
+# deadline_us, payload_len, payload_offset, total_len, queue_us, compute_us, total_us, slo_us
 _FORMAT = struct.Struct("<4sBBBBQHHHHQIIIIIIQ")
 assert _FORMAT.size == HEADER_SIZE
 
@@ -87,13 +87,16 @@ class Header:
     queue_us: int = 0
     compute_us: int = 0
     total_us: int = 0
+    # request: the soft SLO in µs from when the server has the header (0: the model's own, if
+    # any); served late rather than dropped, only counted (replies carry 0)
+    slo_us: int = 0
     version: int = VERSION
 
     def pack(self) -> bytes:
         return _FORMAT.pack(
             MAGIC, self.version, self.kind, self.flags, self.cls, self.req_id, self.func_id,
             self.seq_num, self.seg_count, self.status, self.deadline_us, self.payload_len,
-            self.payload_offset, self.total_len, self.queue_us, self.compute_us, self.total_us, 0,
+            self.payload_offset, self.total_len, self.queue_us, self.compute_us, self.total_us, self.slo_us,
         )
 
     def pack_into(self, buf: "bytearray | memoryview", offset: int = 0) -> None:
@@ -101,7 +104,7 @@ class Header:
             buf, offset, MAGIC, self.version, self.kind, self.flags, self.cls, self.req_id,
             self.func_id, self.seq_num, self.seg_count, self.status, self.deadline_us,
             self.payload_len, self.payload_offset, self.total_len, self.queue_us,
-            self.compute_us, self.total_us, 0,
+            self.compute_us, self.total_us, self.slo_us,
         )
 
 
@@ -110,7 +113,7 @@ def unpack_header(buf: "bytes | bytearray | memoryview") -> Header:
     if len(buf) < HEADER_SIZE:
         raise BadFrame(f"header is {len(buf)} bytes, expected {HEADER_SIZE}")
     (magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status, deadline_us,
-     payload_len, payload_offset, total_len, queue_us, compute_us, total_us, reserved) = (
+     payload_len, payload_offset, total_len, queue_us, compute_us, total_us, slo_us) = (
         _FORMAT.unpack_from(buf, 0)
     )
     if magic != MAGIC:
@@ -121,12 +124,9 @@ def unpack_header(buf: "bytes | bytearray | memoryview") -> Header:
         raise BadFrame(f"unknown frame kind {kind}")
     if payload_len > MAX_PAYLOAD:
         raise BadFrame(f"payload_len {payload_len} exceeds the limit of {MAX_PAYLOAD} bytes")
-    if reserved:
-        # Refused rather than ignored: an accepted header always packs back to the bytes sent.
-        raise BadFrame(f"reserved bytes 56-63 must be zero, got {reserved:#x}")
     return Header(
         kind=kind, req_id=req_id, func_id=func_id, cls=cls, flags=flags, seq_num=seq_num,
         seg_count=seg_count, status=status, deadline_us=deadline_us, payload_len=payload_len,
         payload_offset=payload_offset, total_len=total_len, queue_us=queue_us,
-        compute_us=compute_us, total_us=total_us, version=version,
+        compute_us=compute_us, total_us=total_us, slo_us=slo_us, version=version,
     )

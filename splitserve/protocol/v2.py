@@ -248,19 +248,26 @@ class InferRequest:
 
     @property
     def deadline_s(self) -> float | None:
-        """``parameters.deadline_ms`` in seconds (see ``deadline_seconds``)."""
-        return deadline_seconds(self.parameters.get("deadline_ms"))
+        """``parameters.deadline_ms`` (hard: a call still queued then is dropped) in seconds."""
+        return ms_parameter(self.parameters, "deadline_ms")
+
+    @property
+    def slo_s(self) -> float | None:
+        """``parameters.slo_ms`` (soft: a late real-time call is served and counted missed) in seconds."""
+        return ms_parameter(self.parameters, "slo_ms")
 
 
-def deadline_seconds(ms: Any) -> float | None:
-    """A request's ``deadline_ms`` parameter (HTTP and gRPC alike) in seconds; None when absent.
+def ms_parameter(params: Mapping[str, Any], name: str) -> float | None:
+    """A request's ``deadline_ms`` or ``slo_ms`` parameter (HTTP and gRPC alike) in seconds;
+    None when absent.
 
     It must be a positive, finite number of milliseconds: 0 does not mean "none", so a
     client that computed a deadline already past gets an error, not an unbounded wait."""
+    ms = params.get(name)
     if ms is None:
         return None
     if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < math.inf:
-        raise InvalidInput(f"parameter 'deadline_ms' must be a positive number of milliseconds, got {ms!r}")
+        raise InvalidInput(f"parameter {name!r} must be a positive number of milliseconds, got {ms!r}")
     return float(ms) / 1000.0
 
 

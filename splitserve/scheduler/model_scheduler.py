@@ -1,13 +1,16 @@
 """Per-model scheduling: class queues, instances, batching. Pure: a clock is passed in.
 
-Real-time requests are always considered before best-effort ones, so an RT request is
-never queued behind BE requests. Within a class, requests are kept in slot order and a
+Under ``ClassOrder.PRIORITY`` (the default) real-time requests are always considered before
+best-effort ones, so an RT request is never queued behind BE requests; under ``ARRIVAL`` an
+idle instance takes whichever class's oldest request came first (the class-agnostic
+baselines of PROTEAN's evaluation). Within a class, requests are kept in slot order and a
 batch is a run of consecutive slots, i.e. one contiguous view of the tensor queue.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -25,7 +28,14 @@ class RtPolicy(Choice, what="rt_policy"):
     """Order among waiting real-time requests; ``ServerConfig.rt_policy``."""
 
     FIFO = "fifo"  # arrival (slot) order
-    EDF = "edf"  # earliest deadline first
+    EDF = "edf"  # earliest deadline first: the earlier of a request's soft SLO and hard deadline
+
+
+class ClassOrder(Choice, what="class_order"):
+    """Which class an idle instance serves first; ``ServerConfig.class_order``."""
+
+    PRIORITY = "priority"  # real-time before best-effort (REEF, PROTEAN)
+    ARRIVAL = "arrival"  # the oldest waiting request first, whatever its class (Molecule, INFless, naive slicing)
 
 
 class Residency(StrEnum):
@@ -72,6 +82,10 @@ class InstanceState:
         return self.running is not None or self.suspended is not None
 
 
+def _urgency(req: QueuedRequest) -> float:
+    return min(t for t in (req.slo, req.deadline, math.inf) if t is not None)
+
+
 class ClassQueue:
     """Received requests of one class, ordered by slot sequence number (bounded by the ring)."""
 
@@ -97,9 +111,14 @@ class ClassQueue:
             self._keys.insert(i, req.seq)
 
     def earliest_deadline(self) -> int:
-        """Index of the request with the earliest deadline (no deadline sorts last; ties: oldest)."""
-        inf = float("inf")
-        return min(range(len(self._items)), key=lambda i: (self._items[i].deadline or inf, i))
+        """Index of the most urgent request: the earliest of its SLO and its deadline (neither
+        sorts last; ties: oldest)."""
+        return min(range(len(self._items)), key=lambda i: (_urgency(self._items[i]), i))
+
+    def head_arrival(self) -> float | None:
+        """Arrival of the request first in slot order (slots are handed out as headers arrive),
+        None when empty."""
+        return self._items[0].arrival if self._items else None
 
     def contiguous_run(self, start: int = 0) -> list[QueuedRequest]:
         """The longest run from ``start`` whose slots follow one another without a gap."""
@@ -139,9 +158,11 @@ class ModelScheduler:
     """
 
     def __init__(self, model: str, policy: BatchingPolicy, max_batch: int, queue_limit: int,
-                 rt_policy: RtPolicy | str = RtPolicy.FIFO) -> None:
+                 rt_policy: RtPolicy | str = RtPolicy.FIFO,
+                 class_order: ClassOrder | str = ClassOrder.PRIORITY) -> None:
         self.model = model
         self.rt_policy = RtPolicy.parse(rt_policy)
+        self.class_order = ClassOrder.parse(class_order)
         self.policy = policy
         self.max_batch = max_batch
         self.queues = {c: ClassQueue(queue_limit) for c in CLASSES}
@@ -255,7 +276,8 @@ class ModelScheduler:
 
     def schedule(self, now: float, classes: tuple[RequestClass, ...] = CLASSES,
                  may_start: Callable[[int, RequestClass], bool] | None = None) -> list[Batch]:
-        """Batches to start now, RT before BE, one per idle instance.
+        """Batches to start now, one per idle instance: RT before BE, or under
+        ``ClassOrder.ARRIVAL`` the class whose oldest request came first (on each instance).
 
         ``may_start(instance, cls)`` is the node's say (priority and preemption policy);
         a best-effort slot on an instance that holds a suspended batch resumes that batch
@@ -263,35 +285,63 @@ class ModelScheduler:
         draining instance still resumes its own (it takes nothing new).
         """
         out: list[Batch] = []
-        for cls in classes:
-            q = self.queues[cls]
+        if self.class_order is ClassOrder.ARRIVAL:
             for i, st in sorted(self.instances.items()):
-                resume = cls == RequestClass.BE and st.can_resume
-                if not (st.idle or resume) or (may_start is not None and not may_start(i, cls)):
-                    continue
-                if resume:
-                    st.running, st.suspended = st.suspended, None
-                    out.append(st.running)
-                    continue
-                if not len(q):
-                    continue
-                # RT under EDF: the most urgent request heads the batch, which continues
-                # over the slots after it, so the batch is still one contiguous view
-                start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
-                run = q.contiguous_run(start)
-                n = self.policy.take(run, now, st.max_batch or self.max_batch)
-                if n == 0:
-                    continue
-                reqs = q.pop(start, n)
-                batch = Batch(
-                    model=self.model, instance=i, cls=cls, seq=reqs[0].seq,
-                    count=sum(r.count for r in reqs), requests=reqs, created=now,
-                    batch_id=self._next_batch_id,
-                )
-                self._next_batch_id += 1
-                st.running = batch
-                out.append(batch)
+                # A class that cannot start a batch here (its batching policy waits, the node
+                # says no) leaves the instance to the next oldest.
+                for cls in sorted(classes, key=lambda c: self._head_arrival(c, st)):
+                    batch = self._start_on(i, st, cls, now, may_start)
+                    if batch is not None:
+                        out.append(batch)
+                        break
+            return out
+        for cls in classes:
+            for i, st in sorted(self.instances.items()):
+                batch = self._start_on(i, st, cls, now, may_start)
+                if batch is not None:
+                    out.append(batch)
         return out
+
+    def _head_arrival(self, cls: RequestClass, st: InstanceState) -> float:
+        """When the request that ``cls`` would serve next on this instance arrived (inf: none)."""
+        if cls == RequestClass.BE and st.can_resume and st.suspended is not None:
+            return min(r.arrival for r in st.suspended.requests)
+        head = self.queues[cls].head_arrival()
+        return math.inf if head is None else head
+
+    def _start_on(self, i: int, st: InstanceState, cls: RequestClass, now: float,
+                  may_start: Callable[[int, RequestClass], bool] | None) -> Batch | None:
+        """The batch of ``cls`` instance ``i`` starts now (a resumed one first), or None."""
+        resume = cls == RequestClass.BE and st.can_resume
+        if not (st.idle or resume) or (may_start is not None and not may_start(i, cls)):
+            return None
+        if resume:
+            st.running, st.suspended = st.suspended, None
+            return st.running
+        q = self.queues[cls]
+        if not len(q):
+            return None
+        # RT under EDF: the most urgent request heads the batch, which continues
+        # over the slots after it, so the batch is still one contiguous view
+        start = q.earliest_deadline() if cls == RequestClass.RT and self.rt_policy is RtPolicy.EDF else 0
+        run = q.contiguous_run(start)
+        n = self.policy.take(run, now, st.max_batch or self.max_batch)
+        if n == 0:
+            return None
+        reqs = q.pop(start, n)
+        batch = Batch(
+            model=self.model, instance=i, cls=cls, seq=reqs[0].seq,
+            count=sum(r.count for r in reqs), requests=reqs, created=now,
+            batch_id=self._next_batch_id,
+        )
+        self._next_batch_id += 1
+        st.running = batch
+        return batch
+
+    def oldest_waiting(self) -> float | None:
+        """Arrival of the oldest request waiting in any class (None: none waits)."""
+        heads = [t for q in self.queues.values() if (t := q.head_arrival()) is not None]
+        return min(heads, default=None)
 
     def next_wakeup(self, now: float) -> float | None:
         """Earliest time a waiting request could become dispatchable without a new event."""

@@ -9,7 +9,9 @@ Modes (REEF §3.1 and the §7.1 baselines):
   on claimed CPUs are preempted at their next segment boundary and resumed later from
   their restore point; BE work on other CPUs goes on beside it (padding) only while each
   of its segments ends before the RT work is expected to finish (rule 1, adapted).
-- ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork).
+- ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork);
+  under ``ClassOrder.ARRIVAL`` the model whose oldest waiting request came first, whatever
+  its class, takes the node (Molecule's time sharing).
 - ``concurrent``: everything runs side by side, no priority (like several GPU streams).
 - ``rt-only``: BE is refused at admission; RT runs as in ``concurrent``.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.types import Choice
 
 
@@ -45,6 +48,7 @@ class InstanceView:
     expected_end: float | None = None  # when the running batch should finish (profiled)
     suspended: bool = False  # holds a preempted BE batch
     rt_waiting: int = 0  # RT requests waiting for this instance's model
+    oldest_waiting: float | None = None  # arrival of its model's oldest waiting request, any class
 
 
 @dataclass
@@ -79,12 +83,18 @@ def rt_claims(node: list[InstanceView]) -> frozenset[int]:
     return frozenset(claimed)
 
 
-def decide(mode: PriorityMode, node: list[InstanceView]) -> Decision:
-    """What each instance may do now under ``mode``."""
+def decide(mode: PriorityMode, node: list[InstanceView], order: ClassOrder = ClassOrder.PRIORITY) -> Decision:
+    """What each instance may do now under ``mode`` (``order`` matters only to ``seq``)."""
     d = Decision()
     keys = [(v.model, v.instance) for v in node]
     if mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY):
         d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
+        return d
+    if mode is PriorityMode.SEQ and order is ClassOrder.ARRIVAL:
+        waiting = [v for v in node if v.ready and v.oldest_waiting is not None]
+        busy = any(v.running_cls is not None for v in node)
+        first = None if busy or not waiting else min(waiting, key=lambda v: v.oldest_waiting or 0.0).model
+        d.may_start = {k: ({RequestClass.RT, RequestClass.BE} if k[0] == first else set()) for k in keys}
         return d
     if mode is PriorityMode.SEQ:
         busy = any(v.running_cls is not None for v in node)

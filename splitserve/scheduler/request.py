@@ -21,8 +21,11 @@ class QueuedRequest:
     count: int
     cls: RequestClass
     arrival: float
-    deadline: float | None = None
+    deadline: float | None = None  # hard: still queued after it, the request is dropped
     handle: Any = None
+    # Soft SLO of a real-time request (None for best-effort): served late rather than dropped,
+    # only counted; an EDF key beside the deadline. Same clock as ``deadline``.
+    slo: float | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -89,7 +89,8 @@ class Server:
         self.config = config
         self.metrics = Metrics()
         self.monitor = InferenceMonitor(self.metrics)
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events)
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events,
+                                       class_order=config.class_order)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
@@ -373,7 +374,7 @@ class Server:
         return self.metrics.render()
 
     async def infer(self, name: str, inputs: Sequence[np.ndarray], cls: "str | int | None" = None,
-                    deadline_s: float | None = None) -> InferOutcome:
+                    deadline_s: float | None = None, slo_s: float | None = None) -> InferOutcome:
         """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
         port = self.model(name)
         cfg = port.config
@@ -395,8 +396,9 @@ class Server:
         c = self.request_class(port, int(RequestClass.parse(cls)))
         seq = self.intake.alloc(port, c, count)
         fut = self.loop.create_future()
-        deadline = time.perf_counter() + deadline_s if deadline_s else None
-        call = Call(self.monitor, port, 0, c, seq, count, _FutureSink(fut, cfg.outputs), deadline)
+        now = time.perf_counter()
+        call = Call(self.monitor, port, 0, c, seq, count, _FutureSink(fut, cfg.outputs),
+                    now + deadline_s if deadline_s else None, slo=now + slo_s if slo_s else None)
         for view, spec, arr in zip(port.input_views(c, seq, count), cfg.inputs, inputs):
             np.copyto(np.frombuffer(view, dtype=spec.dtype).reshape((count, *spec.shape)), arr)
         port.submit(call)

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from splitserve.protocol.header import RequestClass
+from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
 from splitserve.server.ports import Event, ScheduledModel
@@ -26,12 +27,15 @@ RT, BE = RequestClass.RT, RequestClass.BE
 class Coordinator:
     """Node-wide scheduling across models under one ``PriorityMode`` (the node's
     ``NodeScheduler``). ``models`` gives the node's models as they are now; ``clock``
-    stamps the event log (perf_counter seconds)."""
+    stamps the event log (perf_counter seconds); ``class_order`` says whether ``seq`` hands
+    the node to real-time work first or to the oldest waiting request."""
 
     def __init__(self, models: Callable[[], Iterable[ScheduledModel]], mode: PriorityMode,
-                 max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter,
+                 class_order: ClassOrder = ClassOrder.PRIORITY) -> None:
         self.models = models
         self.mode = mode
+        self.class_order = class_order
         self.clock = clock
         self.events: deque[Event] = deque(maxlen=max_events)
         self._raised: set[tuple[str, int, int]] = set()
@@ -67,6 +71,9 @@ class Coordinator:
             if self._padding:  # RT mode just ended: lift the padding limits once
                 self._pad(Decision())
             return self._stamp(model.start_batches(now, (RT, BE), None), now)
+        if self.mode is PriorityMode.SEQ and self.class_order is ClassOrder.ARRIVAL:
+            d = decide(self.mode, self.view(), self.class_order)
+            return self._stamp(model.start_batches(now, (RT, BE), self._allowed(d, model)), now)
         batches = self._stamp(model.start_batches(now, (RT,), self._allowed(decide(self.mode, self.view()), model)),
                               now)
         d = decide(self.mode, self.view())

@@ -30,7 +30,7 @@ from typing import Any
 from splitserve.errors import BadFrame, BadSegment, BadSize, DuplicateRequest, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 from splitserve.server.intake import Arrival
-from splitserve.server.monitor import Call
+from splitserve.server.monitor import Call, after_us
 from splitserve.server.ports import FastPathHost, FrontEnd
 
 log = logging.getLogger(__name__)
@@ -179,8 +179,9 @@ class FastPathConnection:
         count = h.payload_len // per
         cls = self.server.request_class(rt, h.cls)
         seq = self.intake.alloc(rt, cls, count)
-        deadline = time.perf_counter() + h.deadline_us / 1e6 if h.deadline_us else None
-        call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, deadline)
+        now = time.perf_counter()
+        call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, after_us(now, h.deadline_us),
+                    slo=after_us(now, h.slo_us))
         self.in_flight[h.req_id] = call
         self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
         self.state = _PAYLOAD

@@ -18,7 +18,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -35,7 +35,7 @@ from splitserve.protocol.grpc_codec import (
 )
 from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import (
-    SHM_REGION, deadline_seconds, infer_body_limit, model_inputs, shm_ref, tensor_from_bytes, tensor_to_bytes,
+    SHM_REGION, infer_body_limit, ms_parameter, model_inputs, shm_ref, tensor_from_bytes, tensor_to_bytes,
 )
 from splitserve.server.frontends import CodecPool
 from splitserve.server.management import ModelManager
@@ -84,13 +84,20 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def _call_options(params: dict[str, Any]) -> tuple[RequestClass, float | None]:
-    """The request class and deadline (seconds) from the parameters "class" and "deadline_ms"."""
+class CallOptions(NamedTuple):
+    """A call's parameters "class", "deadline_ms" (hard) and "slo_ms" (soft), times in seconds."""
+
+    cls: RequestClass
+    deadline_s: float | None
+    slo_s: float | None
+
+
+def _call_options(params: dict[str, Any]) -> CallOptions:
     try:
         cls = RequestClass.parse(params.get("class"))
     except InvalidInput as e:
         raise InvalidInput(f"parameter 'class': {e.message}") from None
-    return cls, deadline_seconds(params.get("deadline_ms"))
+    return CallOptions(cls, ms_parameter(params, "deadline_ms"), ms_parameter(params, "slo_ms"))
 
 
 def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> list[np.ndarray]:
@@ -136,14 +143,13 @@ def _parse_infer(message: bytes) -> pb.ModelInferRequest:
 @dataclass
 class _Decoded:
     """A ModelInfer call, decoded: inputs, wanted outputs, the regions of those that go to
-    shared memory (their parameters echoed in the answer), class and deadline."""
+    shared memory (their parameters echoed in the answer), class, deadline and SLO."""
 
     arrays: list[np.ndarray]
     wanted: list[str]
     shm_views: dict[str, memoryview]
     shm_params: dict[str, Any]
-    cls: RequestClass
-    deadline_s: float | None
+    options: CallOptions
 
 
 def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> _Decoded:
@@ -157,9 +163,8 @@ def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMem
     refs = {o.name: ref for o in request.outputs
             if (ref := shm_ref(f"output {o.name!r}", params_dict(o.parameters))) is not None}
     views = output_views(shm, cfg, arrays[0].shape[0], refs)
-    cls, deadline_s = _call_options(params_dict(request.parameters))
     return _Decoded(arrays, wanted, views, {n: o.parameters for o in request.outputs if (n := o.name) in refs},
-                    cls, deadline_s)
+                    _call_options(params_dict(request.parameters)))
 
 
 def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: list[np.ndarray],
@@ -259,7 +264,8 @@ class InferenceServicer:
                 raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
                                       f"bytes (max_batch_size {cfg.max_batch_size} samples of its inputs)")
             call = await codec.run(size, _decode_call, cfg, request, self.shm)
-        out = await self.api.infer(cfg.name, call.arrays, call.cls, call.deadline_s)
+        opts = call.options
+        out = await self.api.infer(cfg.name, call.arrays, opts.cls, opts.deadline_s, opts.slo_s)
         timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
         # typed contents take up to ~8 bytes a value once serialized
         nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)

@@ -272,7 +272,9 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     async def infer(name: str, request: Request, version: str | None = None) -> Response:
         """Run an inference: JSON tensors, or the binary tensor data extension.
 
-        Request ``parameters``: ``class`` ("rt" or "be") and ``deadline_ms``; the response's
+        Request ``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (hard: still queued
+        then, the call is answered 504) and ``slo_ms`` (soft, real-time calls: a late one is
+        served and counted ``missed``); the response's
         ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
         """
         ver = version_of(name, version)
@@ -284,7 +286,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             body = await _body(request, limit, what)
             req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
                                                      request.headers.get(v2.HEADER_LENGTH), shm)
-        out = await api.infer(name, inputs, req.cls, req.deadline_s)
+        out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
         names = [t.name for t in manager.model_config(name).outputs]
         parts, hlen = await codec.run(
             sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),

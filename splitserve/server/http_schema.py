@@ -100,6 +100,12 @@ class Residency(BaseModel):
     weights_bytes: int = Field(description="what the resident instances' weights take now")
 
 
+class SloCounts(BaseModel):
+    met: int = Field(description="real-time calls with an SLO answered with their result by it")
+    missed: int = Field(description="answered with their result after it (served late, never dropped for it)")
+    dropped: int = Field(description="answered with an error (a hard deadline, a failure)")
+
+
 class ModelStats(BaseModel):
     name: str
     version: str
@@ -110,6 +116,7 @@ class ModelStats(BaseModel):
     batch_stats: list[BatchStats]
     preemptions: int
     residency: Residency = Field(description="splitserve addition")
+    slo: SloCounts = Field(description="splitserve addition: soft SLOs of real-time calls")
 
 
 class Statistics(BaseModel):
@@ -136,7 +143,8 @@ class RequestedOutput(BaseModel):
 
 
 class InferRequestBody(BaseModel):
-    """``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (positive), ``binary_data_output``."""
+    """``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (positive; hard), ``slo_ms``
+    (positive; soft, real-time calls), ``binary_data_output``."""
 
     id: str | None = None
     parameters: dict[str, Any] | None = None

@@ -157,6 +157,8 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
         # splitserve addition: what loading the weights cost, and what they take now
         "residency": {"loads": st.loads, "load_ns": st.load_ns, "evictions": st.evictions,
                       "weights_bytes": st.weights_bytes},
+        # splitserve addition: soft SLOs of its real-time calls (met, missed = served late, dropped = an error)
+        "slo": dict(st.slo),
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -12,6 +13,15 @@ from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SloOutcome(StrEnum):
+    """What became of a real-time call's soft SLO, counted once when the call is answered
+    (``server.monitor`` decides it)."""
+
+    MET = "met"  # answered with its result by its SLO
+    MISSED = "missed"  # answered with its result, late (served anyway: the SLO is never enforced)
+    DROPPED = "dropped"  # answered with an error (a hard deadline, a failure, the watchdog)
 
 
 def class_label(cls: RequestClass) -> str:
@@ -82,6 +92,12 @@ class Metrics:
         self.model_load_seconds = Histogram("splitserve_model_load_seconds", "A load, from its start to serving",
                                             ("model",), buckets=_BUCKETS, registry=r)
         self.worker_spares = Gauge("splitserve_worker_spares", "Idle worker processes, bound to no model", registry=r)
+        # request classes: soft SLOs of real-time calls (PROTEAN's compliance)
+        self.slo_requests = Counter("splitserve_slo_requests", "Calls with a soft SLO, by what became of it: "
+                                    "met, missed (served late) or dropped (answered with an error)",
+                                    ("model", "class", "outcome"), registry=r)
+        # The same counts per model for the statistics JSON; they outlive a model's runtime, as the series do.
+        self._slo_tallies: dict[str, dict[str, int]] = {}
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
@@ -100,6 +116,19 @@ class Metrics:
             self.failures.labels(model, class_label(call.cls), error.status.name).inc()
             request = self.request.labels(model, class_label(call.cls))
         request.observe(max(0.0, call.t_work - call.t_ready))
+
+    def count_slo(self, model: str, cls: RequestClass, outcome: SloOutcome) -> None:
+        """A call with an SLO was answered."""
+        self.slo_requests.labels(model, class_label(cls), outcome).inc()
+        self.slo_tally(model)[outcome] += 1
+
+    def slo_tally(self, model: str) -> dict[str, int]:
+        """``model``'s SLO outcomes so far, ``{"met": n, "missed": n, "dropped": n}`` (live:
+        later calls update the same dict)."""
+        tally = self._slo_tallies.get(model)
+        if tally is None:
+            tally = self._slo_tallies[model] = {o.value: 0 for o in SloOutcome}
+        return tally
 
     def refresh(self, models: Iterable[ModelGauges]) -> None:
         """Update gauges from live state just before a scrape."""

@@ -18,9 +18,21 @@ from typing import Protocol
 
 from splitserve.errors import InternalError, SplitServeError
 from splitserve.protocol.header import RequestClass
-from splitserve.server.metrics import Metrics
+from splitserve.server.metrics import Metrics, SloOutcome
 
 log = logging.getLogger(__name__)
+
+
+def slo_outcome(slo: float, answered: float, error: SplitServeError | None) -> SloOutcome:
+    """The outcome of a call with SLO ``slo`` answered at ``answered`` (same clock)."""
+    if error is not None:
+        return SloOutcome.DROPPED
+    return SloOutcome.MET if answered <= slo else SloOutcome.MISSED
+
+
+def after_us(now: float, us: int) -> float | None:
+    """``us`` microseconds after ``now`` (a header's ``deadline_us`` or ``slo_us``); None for 0, which means none."""
+    return now + us / 1e6 if us else None
 
 
 class CallState(IntEnum):
@@ -60,11 +72,12 @@ class Sink(Protocol):
 class Call:
     """Per-request state; lives in the request, never on a shared handler."""
 
-    __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline",
+    __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline", "slo",
                  "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied")
 
     def __init__(self, monitor: "InferenceMonitor", runtime: CallTarget, req_id: int, cls: RequestClass,
-                 seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None) -> None:
+                 seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None,
+                 slo: float | None = None) -> None:
         self.monitor = monitor
         self.runtime = runtime
         self.req_id = req_id
@@ -72,7 +85,10 @@ class Call:
         self.seq = seq
         self.count = count
         self.sink = sink
-        self.deadline = deadline
+        self.deadline = deadline  # hard: still queued then, the call is answered DEADLINE_MISSED
+        # Soft, real-time calls only: the call's own (``slo`` here), else its model's, set when
+        # it is admitted (``ModelPort.submit``); its outcome is counted when it is answered.
+        self.slo = slo if cls == RequestClass.RT else None
         self.peer = peer
         self.state = CallState.READY
         # The sink has its answer (from the runtime, or early from the watchdog).
@@ -189,6 +205,16 @@ class InferenceMonitor:
             return
         key = "abandoned" if abandoned else ("ok" if error is None else f"error:{error.status.name}")
         self.outcomes[key] += 1
+        if not abandoned:
+            self._count_slo(call, error)
+
+    def _count_slo(self, call: Call, error: SplitServeError | None) -> None:
+        """The one place SLO outcomes are counted: every call is answered once, here or by the watchdog."""
+        if call.slo is None:
+            return
+        if self.metrics is not None:
+            outcome = slo_outcome(call.slo, call.t_work or self.clock(), error)
+            self.metrics.count_slo(call.runtime.name, call.cls, outcome)
 
     def dropped(self, call: Call, why: str) -> None:
         """An answer that did not go out: ``late`` (after the watchdog's) or ``duplicate``."""
@@ -218,9 +244,11 @@ class InferenceMonitor:
             self.outcomes["expired"] += 1
             if self.metrics is not None:
                 self.metrics.watchdog_expired.labels(call.runtime.name, call.state.name).inc()
+            error = InternalError(f"no answer after {age:.0f} s (the server's max_call_age_s); "
+                                  "the server lost this call: please report it")
+            self._count_slo(call, error)
             try:
-                call.expire(InternalError(f"no answer after {age:.0f} s (the server's max_call_age_s); "
-                                          "the server lost this call: please report it"))
+                call.expire(error)
             except Exception:  # a broken sink must not stop the sweep
                 log.exception("watchdog: answering call %d failed", call.req_id)
         return calls

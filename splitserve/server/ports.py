@@ -50,7 +50,7 @@ from splitserve.registry import ModelRecord
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
-from splitserve.server.metrics import Metrics
+from splitserve.server.metrics import Metrics, SloOutcome
 from splitserve.server.monitor import InferenceMonitor
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
@@ -92,6 +92,8 @@ class ModelStats:
     load_ns: int = 0  # their load times, as the workers measured them
     evictions: int = 0  # completed evictions (every instance released its weights)
     weights_bytes: int = 0  # not cumulative: what the resident instances' weights take now
+    # Soft SLOs of its real-time calls: met, missed, dropped (``Metrics.slo_tally``, live)
+    slo: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in SloOutcome})
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +199,10 @@ class ServingAPI(Protocol):
     """What HTTP and gRPC need from the node to serve (management is ``ModelManager``)."""
 
     def infer(self, name: str, inputs: Sequence[np.ndarray], cls: str | int | None = None,
-              deadline_s: float | None = None) -> Awaitable[InferOutcome]:
-        """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
+              deadline_s: float | None = None, slo_s: float | None = None) -> Awaitable[InferOutcome]:
+        """Run one call: inputs in declared order, each shaped ``(n, *shape)``; ``deadline_s``
+        is hard (queued past it, the call fails), ``slo_s`` soft (a real-time call is served
+        late and counted missed), both from now."""
 
     def model_state(self, name: str) -> str:
         """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""

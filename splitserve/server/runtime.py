@@ -83,7 +83,7 @@ class ModelRuntime:
             for c in CLASSES
         }
         self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots,
-                                    rt_policy=self.settings.rt_policy)
+                                    rt_policy=self.settings.rt_policy, class_order=self.settings.class_order)
         # Per instance id: its worker. Where each instance sits (threads, batch, CPUs) is the
         # node's ResourceManager's record; instances exist while the model holds its CPUs
         # (from a load until its unload gives them back).
@@ -102,7 +102,8 @@ class ModelRuntime:
                                   self.settings.packrat_default_share, self.settings.fixed_cpus_shared)
         if (policy := self.placer.policy()) is not None:
             self.sched.policy = policy
-        self.stats = ModelStats()
+        self.stats = ModelStats(slo=env.metrics.slo_tally(self.name))
+        self.slo_s = self._model_slo()  # the SLO of its real-time calls that name none (None: no SLO)
         self.state = ModelState.UNLOADED
         self.error: str | None = None  # why the last load failed
         self._retry_at = 0.0  # FAILED: when a request may retry the load (perf_counter)
@@ -128,6 +129,20 @@ class ModelRuntime:
         # What each change of placement cost (bounded: the newest placement_history).
         self.reconfigurations: deque[dict] = deque(maxlen=self.settings.placement_history)
         self._repack_task: asyncio.Task | None = None
+
+    def _model_slo(self) -> float | None:
+        """``[slo]`` in seconds: a target, or k x the profiled solo latency at the model's
+        largest batch on every CPU of the node (PROTEAN §5), as far as the profile reaches."""
+        slo = self.config.slo
+        solo = None
+        if slo.multiplier is not None:
+            if self.profile is None:
+                log.warning("model %s: [slo] multiplier needs a latency profile (splitserve profile %s); "
+                            "its real-time calls have no SLO unless they name slo_ms", self.name, self.name)
+                return None
+            lat = self.profile.latency
+            solo = lat.latency(min(len(self.resources.cpus), lat.max_threads), self.config.max_batch_size)
+        return slo.seconds(solo)
 
     # -- instances -------------------------------------------------------------------
 
@@ -784,6 +799,8 @@ class ModelRuntime:
         """RX_COMPLETE: queue the call for a batch. Answers at once instead if it cannot run
         (the model failed, was unloaded or is stopping meanwhile) or is bounded out."""
         call.rx_complete()
+        if call.cls == RequestClass.RT and call.slo is None and self.slo_s is not None:
+            call.slo = call.t_ready + self.slo_s  # admitted: a refusal below counts as dropped too
         self.ensure_started()
         refused = self._refusal(call.t_rx)
         if refused is None and self.state is ModelState.FAILED:  # its retry did not start: still failed
@@ -792,7 +809,8 @@ class ModelRuntime:
             self._answer(call, refused)
             return
         try:
-            self.sched.enqueue(QueuedRequest(call.seq, call.count, call.cls, call.t_rx, call.deadline, call))
+            self.sched.enqueue(QueuedRequest(call.seq, call.count, call.cls, call.t_rx, call.deadline, call,
+                                             slo=call.slo))
         except SplitServeError as e:
             self._answer(call, e)
             return
@@ -937,6 +955,7 @@ class ModelRuntime:
 
     def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
         rt_waiting = self.sched.waiting(RequestClass.RT)
+        oldest = self.sched.oldest_waiting()
         out = []
         for i, st in self.sched.instances.items():
             b = st.running
@@ -946,7 +965,7 @@ class ModelRuntime:
                 ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
                 preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
-                suspended=st.suspended is not None, rt_waiting=rt_waiting,
+                suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
             ))
         return out
 

@@ -17,7 +17,7 @@ from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactConfig, ArtifactKind, ModelConfig
 from splitserve.models.loader import load_artifact
 from splitserve.placement.packrat import PackratConfig, PlacementKind
-from splitserve.scheduler.model_scheduler import ModelScheduler, RtPolicy
+from splitserve.scheduler.model_scheduler import ClassOrder, ModelScheduler, RtPolicy
 from splitserve.scheduler.policy import (
     Adaptive, BatchingConfig, BatchingPolicyKind, NoBatching, Timeout, WorkConserving, make_policy,
 )
@@ -107,7 +107,8 @@ def test_the_cli_offers_exactly_the_enums_names():
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
     ctx = serve.make_context("serve", [], resilient_parsing=True)
     params = {p.name: p for p in serve.params}
-    for name, enum in (("preemption", PriorityMode), ("rt_policy", RtPolicy), ("placement", PlacementKind)):
+    for name, enum in (("preemption", PriorityMode), ("rt_policy", RtPolicy), ("placement", PlacementKind),
+                       ("class_order", ClassOrder)):
         option = params[name]
         assert [c.value for c in option.shell_complete(ctx, "")] == [m.value for m in enum], name
         assert all(option.process_value(ctx, m.value) is m for m in enum), name

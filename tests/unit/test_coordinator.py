@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
+from splitserve.scheduler.model_scheduler import ClassOrder, ModelScheduler, Residency
 from splitserve.scheduler.policy import WorkConserving
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch, QueuedRequest
@@ -51,8 +51,8 @@ class FakeFlag:
 class RecordingScheduler(ModelScheduler):
     """A real ModelScheduler that notes which classes each ``schedule`` call was asked for."""
 
-    def __init__(self, name: str, log: list[tuple]) -> None:
-        super().__init__(name, WorkConserving(), max_batch=4, queue_limit=64)
+    def __init__(self, name: str, log: list[tuple], class_order: ClassOrder = ClassOrder.PRIORITY) -> None:
+        super().__init__(name, WorkConserving(), max_batch=4, queue_limit=64, class_order=class_order)
         self.log = log
 
     def schedule(self, now, classes=(RT, BE), may_start=None):
@@ -65,10 +65,10 @@ class RecordingScheduler(ModelScheduler):
 class FakeModel:
     """A ``ScheduledModel``: a real scheduler, CPUs per instance and fake flags."""
 
-    def __init__(self, name: str, log: list[tuple]) -> None:
+    def __init__(self, name: str, log: list[tuple], class_order: ClassOrder = ClassOrder.PRIORITY) -> None:
         self.name = name
         self.log = log
-        self.sched = RecordingScheduler(name, log)
+        self.sched = RecordingScheduler(name, log, class_order)
         self.cpus: dict[int, frozenset[int]] = {}
         self.flags: dict[int, FakeFlag] = {}
         self.kicks = 0
@@ -82,7 +82,7 @@ class FakeModel:
             out.append(InstanceView(
                 self.name, i, self.cpus[i], st.ready, b.cls if b else None, b.batch_id if b else 0,
                 bool(b) and preempt_raised(i, b.batch_id), b.started + BATCH_S if b else None,
-                st.suspended is not None, rt_waiting))
+                st.suspended is not None, rt_waiting, self.sched.oldest_waiting()))
         return out
 
     def rt_waiting(self) -> int:
@@ -112,19 +112,20 @@ class Node:
     """A fake node: models on CPU sets, the coordinator over them, and the runtimes' side
     of ``NodeScheduler``."""
 
-    def __init__(self, mode: PriorityMode, models: dict[str, list[set[int]]]) -> None:
+    def __init__(self, mode: PriorityMode, models: dict[str, list[set[int]]],
+                 class_order: ClassOrder = ClassOrder.PRIORITY) -> None:
         self.log: list[tuple] = []
         self.clock = FakeClock()
         self.models: dict[str, FakeModel] = {}
         for name, cpu_sets in models.items():
-            m = FakeModel(name, self.log)
+            m = FakeModel(name, self.log, class_order)
             for cpus in cpu_sets:
                 i = m.sched.add_instance()
                 m.sched.set_residency(i, Residency.RESIDENT)
                 m.cpus[i] = frozenset(cpus)
                 m.flags[i] = FakeFlag(self.log, (name, i))
             self.models[name] = m
-        self.coord = Coordinator(lambda: self.models.values(), mode, clock=self.clock)
+        self.coord = Coordinator(lambda: self.models.values(), mode, clock=self.clock, class_order=class_order)
         self._seq = {name: {RT: 0, BE: 0} for name in models}
 
     def enqueue(self, model: str, cls: RequestClass, n: int = 1) -> None:
@@ -308,3 +309,19 @@ def test_seq_starts_nothing_while_any_batch_runs_and_rt_first_after():
     assert node.schedule("b") == [(0, "RT")]
     node.finish("b", 0)
     assert node.schedule("b") == [(0, "BE")]
+
+
+def test_seq_under_arrival_order_gives_the_node_to_the_oldest_waiting_request_whatever_its_class():
+    node = Node(PriorityMode.SEQ, {"a": [{0}], "b": [{1}]}, ClassOrder.ARRIVAL)
+    node.enqueue("a", BE)  # arrives first
+    node.clock.now += 1
+    node.enqueue("b", RT)
+    node.clock.now += 1
+    node.enqueue("a", RT)
+    assert node.schedule("b") == []  # a's best-effort request is older: a takes the node
+    assert node.schedule("a") == [(0, "BE")]
+    node.finish("a", 0)
+    assert node.schedule("a") == []  # b's real-time request came before a's
+    assert node.schedule("b") == [(0, "RT")]
+    node.finish("b", 0)
+    assert node.schedule("a") == [(0, "RT")]

@@ -61,14 +61,14 @@ def test_the_bench_generator_only_finds_headers_that_hold(rnd):
 
 
 @pytest.mark.parametrize("value", [1, 2**63, 2**64 - 1])
-def test_nonzero_reserved_bytes_are_a_bad_frame(value):
-    # Found by the fuzzer: the reserved word was ignored, so a header that packs back to
-    # other bytes was accepted (docs/protocol.md says it is zero).
-    buf = frame(Kind.REQUEST, reserved=value)
-    with pytest.raises(BadFrame, match="reserved"):
-        unpack_header(buf)
+def test_slo_us_in_bytes_56_to_63_round_trips(value):
+    # Bytes 56-63 were reserved (refused unless zero); they now carry a request's soft SLO,
+    # so any value is accepted and packs back to the bytes sent.
+    buf = frame(Kind.REQUEST, slo_us=value)
+    h = target.check_header_bytes(buf)
+    assert h is not None and h.slo_us == value and buf[56:64] == value.to_bytes(8, "little")
 
 
 def test_field_table_matches_the_header_layout():
-    assert [SPANS[f][0] for f in FIELDS][-1] + SPANS["reserved"][1] == HEADER_SIZE
+    assert [SPANS[f][0] for f in FIELDS][-1] + SPANS["slo_us"][1] == HEADER_SIZE
     assert SPANS["payload_len"] == (32, 4)

@@ -60,12 +60,15 @@ def test_parameters():
     load = pb.RepositoryModelLoadRequest()
     set_repo_param(load.parameters, "file:w", b"\x00\x01")
     assert load.parameters["file:w"].bytes_param == b"\x00\x01"
-    assert _call_options({"class": "rt", "deadline_ms": 20}) == (RequestClass.RT, 0.02)
-    assert _call_options({}) == (RequestClass.DEFAULT, None)
+    assert _call_options({"class": "rt", "deadline_ms": 20}) == (RequestClass.RT, 0.02, None)
+    assert _call_options({"class": "rt", "slo_ms": 5}) == (RequestClass.RT, None, 0.005)
+    assert _call_options({}) == (RequestClass.DEFAULT, None, None)
     with pytest.raises(InvalidInput, match="class"):
         _call_options({"class": "urgent"})
     with pytest.raises(InvalidInput, match="deadline_ms"):
         _call_options({"deadline_ms": -1})
+    with pytest.raises(InvalidInput, match="slo_ms"):
+        _call_options({"slo_ms": 0})
 
 
 def test_client_request_decodes_on_the_server_side():

@@ -38,7 +38,7 @@ class FakeAPI:
         self.calls: list[tuple[np.ndarray, asyncio.Future[InferOutcome]]] = []
 
     async def infer(self, name: str, inputs: list[np.ndarray], cls: object = None,
-                    deadline_s: float | None = None) -> InferOutcome:
+                    deadline_s: float | None = None, slo_s: float | None = None) -> InferOutcome:
         fut: asyncio.Future[InferOutcome] = asyncio.get_running_loop().create_future()
         self.calls.append((inputs[0], fut))
         return await fut

@@ -7,10 +7,17 @@ from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, 
 def test_round_trip_and_size():
     h = Header(Kind.REQUEST, req_id=2**63 + 5, func_id=65535, cls=RequestClass.RT, seq_num=3, seg_count=7,
                deadline_us=1234, payload_len=784, payload_offset=10, total_len=9000, status=4,
-               queue_us=1, compute_us=2, total_us=3)
+               queue_us=1, compute_us=2, total_us=3, slo_us=2**64 - 1)
     b = h.pack()
     assert len(b) == HEADER_SIZE and b[:4] == b"SPRC"
     assert unpack_header(b) == h
+
+
+def test_slo_us_is_bytes_56_to_63():
+    b = Header(Kind.REQUEST, slo_us=250_000).pack()
+    assert int.from_bytes(b[56:64], "little") == 250_000
+    assert unpack_header(b).slo_us == 250_000
+    assert Header(Kind.RESPONSE).pack()[56:64] == bytes(8)  # replies carry 0
 
 
 @pytest.mark.parametrize("mutate, word", [

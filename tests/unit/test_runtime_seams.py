@@ -17,6 +17,8 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import SplitServeError
 from splitserve.modelconfig import ModelConfig
+from splitserve.placement.optimizer import LatencyProfile
+from splitserve.placement.profiler import ModelProfile
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.topology import Core
 from splitserve.protocol.header import RequestClass
@@ -208,7 +210,7 @@ MODEL = ModelConfig.from_dict({
 
 
 class Harness:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, config: ModelConfig = MODEL, profile: ModelProfile | None = None) -> None:
         self.loop = FakeLoop()
         self.node = RecordingNode()
         self.started: list[FakeWorker] = []  # every process started, spares of the pool included
@@ -227,20 +229,20 @@ class Harness:
         self.footprints = NoFootprints()
         env = RuntimeEnv(loop=self.loop, config=cfg,  # type: ignore[arg-type]
                          node=self.node, metrics=metrics, resources=rm,
-                         placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: None,
+                         placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: profile,
                          stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
                          footprints=self.footprints, memory=MemoryManager(cfg, metrics))
-        self.rt = ModelRuntime(env, ModelRecord("double", 7, 1, "test", None, MODEL))
+        self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config))
 
     @property
     def workers(self) -> list[FakeWorker]:
         """The processes the runtime took, in the order they were started."""
         return [w for w in self.started if w.owner is self.rt]
 
-    def call(self, req_id: int, payload: bytes) -> Call:
-        seq = self.rt.alloc(BE, 1)
-        call = Call(self.monitor, self.rt, req_id, BE, seq, 1, self.sink, None)
-        self.rt.input_views(BE, seq, 1)[0][:] = payload
+    def call(self, req_id: int, payload: bytes, cls: RequestClass = BE, slo: float | None = None) -> Call:
+        seq = self.rt.alloc(cls, 1)
+        call = Call(self.monitor, self.rt, req_id, cls, seq, 1, self.sink, None, slo=slo)
+        self.rt.input_views(cls, seq, 1)[0][:] = payload
         self.rt.submit(call)
         return call
 
@@ -447,3 +449,26 @@ def test_a_load_that_is_not_answered_in_time_kills_the_worker_and_counts_as_a_fa
     h.loop.run()
     h.run_batch(h.workers[1])
     assert [a[0] for a in h.sink.answers] == [1]
+
+
+def test_a_model_slo_multiplier_reads_the_profile_on_the_whole_node_at_max_batch(tmp_path, caplog):
+    # The node has 2 CPUs; the profile reaches 2 threads: L[2, max_batch 4] = 0.05 s.
+    lat = LatencyProfile("double", {(1, 1): 0.02, (1, 4): 0.08, (2, 1): 0.015, (2, 4): 0.05})
+    config = MODEL.with_changes(slo={"multiplier": 3.0})
+    h = Harness(tmp_path, config, ModelProfile(lat, {}, "test"))
+    try:
+        assert h.rt.slo_s == pytest.approx(0.15)
+        rt_call = h.call(1, bytes(4), RequestClass.RT)  # names no SLO: the model's
+        assert rt_call.slo == pytest.approx(rt_call.t_ready + 0.15)
+        own = h.call(2, bytes(4), RequestClass.RT, slo=rt_call.t_ready + 9.0)  # its own wins
+        assert own.slo == rt_call.t_ready + 9.0
+        assert h.call(3, bytes(4)).slo is None  # best effort: none
+        (q1, q2) = h.rt.sched.queues[RequestClass.RT]._items
+        assert (q1.slo, q2.slo) == (rt_call.slo, own.slo)  # the scheduler sees it (EDF)
+    finally:
+        h.close()
+    unprofiled = Harness(tmp_path, config)
+    try:
+        assert unprofiled.rt.slo_s is None and "needs a latency profile" in caplog.text
+    finally:
+        unprofiled.close()

@@ -44,6 +44,7 @@ def valid_header(rnd: random.Random) -> bytes:
     return frame(kind, req_id=rnd.getrandbits(64), func_id=rnd.getrandbits(16), cls=rnd.choice((0, 1, 255)),
                  flags=rnd.choice((0, SEGMENTED)), seq_num=rnd.getrandbits(16), seg_count=rnd.getrandbits(16),
                  status=rnd.choice((0, 1, 8, 99)), deadline_us=rnd.choice((0, rnd.getrandbits(64))),
+                 slo_us=rnd.choice((0, rnd.getrandbits(64))),
                  payload_len=rnd.choice((0, 784, rnd.randint(0, 1 << 30))), payload_offset=rnd.getrandbits(32),
                  total_len=rnd.getrandbits(32))
 

@@ -37,6 +37,8 @@ def check_answer(w: Wire, payload: bytes, server: FuzzServer, outputs: dict[int,
     fake model gave, consumed here) checks a whole RESPONSE payload; None skips that."""
     if not w.framing_ok or w.kind not in SERVER_KINDS:
         raise PropertyViolation(f"the server sent a malformed frame: {w}")
+    if w.slo_us:
+        raise PropertyViolation(f"a {w.kind} frame for req_id {w.req_id} carries slo_us {w.slo_us} (replies carry 0)")
     if (w.status != 0) != (w.kind == ERROR):
         raise PropertyViolation(f"a {w.kind} frame with status {w.status} for req_id {w.req_id}")
     if w.kind == ERROR:

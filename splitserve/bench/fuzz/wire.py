@@ -25,7 +25,7 @@ SEGMENTED = 1
 SPEC = struct.Struct("<4sBBBBQHHHHQIIIIIIQ")
 FIELDS = ("magic", "version", "kind", "flags", "cls", "req_id", "func_id", "seq_num", "seg_count", "status",
           "deadline_us", "payload_len", "payload_offset", "total_len", "queue_us", "compute_us", "total_us",
-          "reserved")
+          "slo_us")
 
 
 def _spans() -> dict[str, tuple[int, int]]:
@@ -64,7 +64,7 @@ class Wire:
     queue_us: int
     compute_us: int
     total_us: int
-    reserved: int
+    slo_us: int  # a request's soft SLO (any value); a server's frame carries 0
 
     @classmethod
     def decode(cls, buf: bytes | bytearray | memoryview) -> "Wire":
@@ -74,17 +74,17 @@ class Wire:
     def framing_ok(self) -> bool:
         """What a stream needs to find the next frame: magic, version, a kind, a sane length."""
         return (self.magic == MAGIC and self.version == VERSION and REQUEST <= self.kind <= PONG
-                and self.payload_len <= MAX_PAYLOAD and self.reserved == 0)
+                and self.payload_len <= MAX_PAYLOAD)
 
 
 def frame(kind: int, payload: bytes = b"", *, req_id: int = 0, func_id: int = 0, cls: int = 255, flags: int = 0,
           seq_num: int = 0, seg_count: int = 1, status: int = 0, deadline_us: int = 0, payload_len: int | None = None,
           payload_offset: int = 0, total_len: int = 0, magic: bytes = MAGIC, version: int = VERSION,
-          reserved: int = 0) -> bytes:
+          slo_us: int = 0) -> bytes:
     """One frame: a header (any field settable, however wrong) and its payload."""
     n = len(payload) if payload_len is None else payload_len
     return SPEC.pack(magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count, status, deadline_us,
-                     n, payload_offset, total_len, 0, 0, 0, reserved) + payload
+                     n, payload_offset, total_len, 0, 0, 0, slo_us) + payload
 
 
 def set_field(data: bytes, name: str, value: int) -> bytes:
