@@ -7,6 +7,7 @@ times (each rate holds until the next point). ``load_csv`` also reads explicit a
 
 from __future__ import annotations
 
+import bisect
 import csv
 import math
 from dataclasses import dataclass, field
@@ -222,3 +223,124 @@ def load_csv(path: Path | str) -> CsvTrace:
         raise InvalidInput(f"{path}: trace file has no rows")
     result.arrivals.sort(key=lambda a: a.t)
     return result
+
+
+# -- PROTEAN's traces (§5): shapes matched to the published peak:mean, scaled to a mean rate --
+
+WIKI_PEAK_TO_MEAN = 316 / 303  # PROTEAN §5: the Wikipedia trace's peak:mean (diurnal, smooth)
+TWITTER_PEAK_TO_MEAN = 4561 / 2969  # PROTEAN §5: the Twitter trace's peak:mean (erratic)
+
+
+def fit_peak_to_mean(shape: np.ndarray, mean_rate: float, peak_to_mean: float) -> np.ndarray:
+    """``shape`` mapped affinely onto rates whose mean is ``mean_rate`` and whose peak is
+    ``peak_to_mean`` times that, keeping its ups and downs in place.
+
+    An affine map keeps the shape's timing and ordering and hits both targets exactly, which a
+    multiplicative scale cannot (it fixes the ratio the shape happens to have). A map so steep
+    that a trough would go below 0 is refused: that shape cannot have that peak:mean.
+    """
+    _check_positive("peak_to_mean", peak_to_mean)
+    if peak_to_mean < 1:
+        raise InvalidInput(f"peak_to_mean must be >= 1, got {peak_to_mean!r}")
+    if not (math.isfinite(mean_rate) and mean_rate >= 0):
+        raise InvalidInput(f"mean_rate must be a number >= 0, got {mean_rate!r}")
+    x = np.asarray(shape, dtype=np.float64)
+    if x.size == 0 or not np.all(np.isfinite(x)):
+        raise InvalidInput("the shape must be a non-empty array of finite numbers")
+    x = x / x.mean() if x.mean() > 0 else x
+    spread = float(x.max()) - 1.0
+    if spread <= 0:  # a flat shape has peak:mean 1 whatever the scale
+        return np.full(x.shape, float(mean_rate))
+    a = (peak_to_mean - 1.0) / spread
+    rates = 1.0 + a * (x - 1.0)
+    if float(rates.min()) < 0:
+        raise InvalidInput(f"this shape cannot reach peak:mean {peak_to_mean:g} without negative rates")
+    return mean_rate * rates
+
+
+def _steps(duration: float, rates: np.ndarray) -> RatePoints:
+    step = duration / len(rates)
+    return [(i * step, float(r)) for i, r in enumerate(rates)]
+
+
+def wiki_like(duration: float, mean_rate: float, rng: np.random.Generator,
+              peak_to_mean: float = WIKI_PEAK_TO_MEAN, noise: float = 0.02, points: int = 240) -> RatePoints:
+    """A Wikipedia-like day compressed into ``duration`` s: the smooth two-peak diurnal curve
+    with a little seeded noise, at ``mean_rate`` req/s with exactly ``peak_to_mean`` (PROTEAN
+    §5 gives 316:303 for the real trace, which is nearly flat).
+
+    The seed also picks where in the day the run starts, so two seeds give different runs.
+    """
+    _check_positive("duration", duration)
+    if points < 2:
+        raise InvalidInput(f"points must be >= 2, got {points}")
+    start = float(rng.uniform(0.0, 24.0))
+    hours = (start + (np.arange(points) + 0.5) * 24.0 / points) % 24.0
+    shape = diurnal_shape(hours) * (1.0 + noise * rng.standard_normal(points))
+    return _steps(duration, fit_peak_to_mean(np.clip(shape, 0.0, None), mean_rate, peak_to_mean))
+
+
+def twitter_like(duration: float, mean_rate: float, rng: np.random.Generator,
+                 peak_to_mean: float = TWITTER_PEAK_TO_MEAN, points: int = 240, bursts: int = 6) -> RatePoints:
+    """An erratic Twitter-like trace in ``duration`` s at ``mean_rate`` req/s with exactly
+    ``peak_to_mean`` (PROTEAN §5: 4561:2969): a log-normal AR(1) walk (load that drifts and
+    jitters from step to step) with ``bursts`` short seeded surges on top.
+    """
+    _check_positive("duration", duration)
+    if points < 2:
+        raise InvalidInput(f"points must be >= 2, got {points}")
+    walk = np.empty(points)
+    walk[0] = 0.0
+    for i in range(1, points):  # AR(1): each step keeps 0.8 of the last one's deviation
+        walk[i] = 0.8 * walk[i - 1] + 0.25 * rng.standard_normal()
+    shape = np.exp(walk)
+    for _ in range(max(0, bursts)):
+        at, width = int(rng.integers(0, points)), int(rng.integers(1, max(2, points // 40) + 1))
+        shape[at:at + width] *= 1.0 + float(rng.uniform(0.5, 1.5))
+    return _steps(duration, fit_peak_to_mean(shape, mean_rate, peak_to_mean))
+
+
+def peak_to_mean_of(points: RatePoints, duration: float) -> float:
+    """The highest step rate over the time-averaged rate of a step trace."""
+    mean = mean_rate_of(points, duration)
+    return max(r for t, r in points if t < duration) / mean if mean > 0 else math.nan
+
+
+def switch_schedule(duration: float, every_s: float, models: tuple[str, ...] | list[str],
+                    rng: np.random.Generator) -> list[tuple[float, str]]:
+    """``(from time s, model)``: a model picked at random every ``every_s`` seconds, never the
+    one just used when there is a choice (PROTEAN §5: the BE model "varies randomly (every
+    ~20 s)"), so every boundary is a real switch."""
+    _check_positive("duration", duration)
+    _check_positive("every_s", every_s)
+    if not models:
+        raise InvalidInput("switch_schedule needs at least one model")
+    out: list[tuple[float, str]] = []
+    t, last = 0.0, None
+    while t < duration:
+        choices = [m for m in models if m != last] or list(models)
+        last = choices[int(rng.integers(0, len(choices)))]
+        out.append((t, last))
+        t += every_s
+    return out
+
+
+def model_at(schedule: list[tuple[float, str]], t: float) -> str:
+    """The model a ``switch_schedule`` names at time ``t``."""
+    i = bisect.bisect_right([start for start, _ in schedule], t) - 1
+    return schedule[max(i, 0)][1]
+
+
+def strict_be_mix(times: np.ndarray, strict_model: str, be_schedule: list[tuple[float, str]],
+                  strict_share: float, rng: np.random.Generator) -> list[Arrival]:
+    """One arrival per send time: exactly ``round(strict_share × n)`` of them, chosen at random,
+    are strict (``rt``) requests for ``strict_model``; the rest are best-effort requests for
+    whichever model ``be_schedule`` names at their time. Tags say ``strict`` or ``be``."""
+    if not (math.isfinite(strict_share) and 0 <= strict_share <= 1):
+        raise InvalidInput(f"strict_share must be within 0..1, got {strict_share!r}")
+    n = len(times)
+    strict = np.zeros(n, dtype=bool)
+    strict[rng.permutation(n)[:round(strict_share * n)]] = True
+    return [Arrival(float(t), strict_model, "rt", "strict") if s
+            else Arrival(float(t), model_at(be_schedule, float(t)), "be", "be")
+            for t, s in zip(times, strict, strict=True)]

@@ -57,6 +57,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("peers", "splitserve vs Triton (PyTriton) and Ray Serve on the same models with the same "
                      "clients (tritonclient, httpx): single-client p50/p99, closed-loop throughput at 1, 8 and 32 "
                      "clients, and ratios from the same run (issue 14).", "splitserve.bench.scenarios.peers"),
+        ScenarioInfo("protean", "PROTEAN on one node: protean vs naive, colocate, timeshare and smart-static on "
+                     "identical Wikipedia- or Twitter-like arrivals, 50/50 strict/BE: strict SLO compliance, p99 "
+                     "breakdown, SLO-crossing percentile, BE tail, cold starts (PROTEAN Fig. 5/6/8/11/13/15; "
+                     "issue 12).", "splitserve.bench.protean.scenario"),
     )
 }
 

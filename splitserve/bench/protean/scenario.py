@@ -1,0 +1,319 @@
+"""protean: PROTEAN's evaluation on one node (PROTEAN §5-6, Fig. 5/6/8/11/13/15, §4.2).
+
+Every scheme (``protean``, ``naive``, ``colocate``, ``timeshare``, ``smart-static``,
+``protean-no-keepalive``) is a set of ``ServerConfig`` overrides (``schemes.SCHEMES``) on a
+server of its own, and every server gets the identical arrival list: a Wikipedia-like
+(peak:mean 316:303) or Twitter-like (4561:2969) trace, or a CSV file, with half the requests
+strict (``rt``) for one model and half best-effort for a model that switches every
+``switch_s`` seconds. The strict model is profiled first (L[threads, batch] at its batch, the
+store Packrat uses); its solo latency on the whole node at the batch, times ``slo_multiplier``,
+is the SLO each strict request carries (``slo_ms``), and the same profile gives the solo time
+on each partition for the p99 breakdown. The node's capacity is measured on the first
+scheme's server, before its run, by a closed loop of ``2 × batch`` clients per model; the mix's
+capacity is the harmonic combination of those, and the trace is scaled to ``load`` of it.
+Compliance is computed from end-to-end latency measured from each request's arrival time in
+the trace (client queueing counts) and cross-checked with the server's
+``splitserve_slo_requests_total``. ``scenario=crowded`` sends mostly best-effort load, so it
+crowds the largest partition, and compares ``protean`` with ``smart-static`` (the η ablation).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from splitserve.bench import traces
+from splitserve.bench.arrivals import Arrival, from_rate_trace
+from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, get_json, own_server, server_now
+from splitserve.bench.protean import analysis, report
+from splitserve.bench.protean.load import TraceJob, capacity, drive
+from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
+from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.transports import Target
+from splitserve.bench.validate import Expected
+
+NAME = "protean"
+SUMMARY = ("PROTEAN on one node: strict SLO compliance, p99 breakdown, SLO-crossing percentile, BE tail and cold "
+           "starts for protean vs naive, colocate, timeshare and smart-static on identical Wikipedia- or "
+           "Twitter-like arrivals (PROTEAN Fig. 5/6/8/11/13/15).")
+MODELS: tuple[str, ...] = ("resnet152", "densenet201", "vgg19", "inception_v3", "distilbert", "resnet18", "lenet")
+TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
+TRACES: tuple[str, ...] = ("wiki", "twitter")  # or the path of a CSV trace (time,rate or time,model,class)
+SETTINGS: tuple[str, ...] = ("mix", "crowded")
+
+
+@dataclass
+class Params(BaseParams):
+    models: tuple[str, ...] = ("resnet152", "densenet201", "vgg19", "distilbert")  # the strict one, then BE ones
+    transports: tuple[str, ...] = ("tcp",)
+    scenario: str = "mix"  # mix: the 50/50 evaluation; crowded: BE crowds the large partition (eta ablation)
+    schemes: tuple[str, ...] = ("protean", "naive", "colocate", "timeshare", "smart-static", "protean-no-keepalive")
+    trace: str = "wiki"  # wiki | twitter | a CSV file
+    duration_s: float = 40.0  # of the trace, per scheme
+    warmup_s: float = 4.0  # left out of every number
+    load: float = 0.7  # offered load as a fraction of the node's measured capacity for the mix
+    strict_share: float = 0.5  # PROTEAN §5: 50/50 strict/BE (crowded: 0.25)
+    switch_s: float = 20.0  # PROTEAN §5: the BE model changes every ~20 s
+    batch: int = 4  # max_batch_size of every model (PROTEAN picks batches with 50-200 ms on 7g)
+    slo_multiplier: float = 3.0  # PROTEAN §5: SLO = 3x solo at the batch on the whole device (Fig. 15: 2)
+    geometry: str = ""  # static partition core counts for every server ("1,1"); empty: the server's own
+    capacity_s: float = 3.0  # closed-loop seconds per model for the capacity measurement
+    connections: int = 8  # fast-path connections of the generator
+    queue_slots: int = 1024  # per model and class: room for a burst of the open loop (bounded)
+    budget_s: float = 1.0  # profiler: most seconds per (threads, batch) point
+    profile_dir: str = ""  # profile store; empty: <out>/.packrat-profiles (shared with bench packrat)
+    reprofile: bool = False  # measure the profile again even if the store has it
+    keep_samples: int = 5000  # strict latencies kept per scheme in result.json (for the CDF)
+
+    def check(self) -> None:
+        check_schemes(self.schemes)
+        if self.scenario not in SETTINGS:
+            raise ValueError(f"scenario must be one of {', '.join(SETTINGS)}, got {self.scenario!r}")
+        if self.trace not in TRACES and not Path(self.trace).is_file():
+            raise ValueError(f"trace must be one of {', '.join(TRACES)} or a CSV file, got {self.trace!r}")
+        if len(self.models) < 2:
+            raise ValueError("models: name the strict model, then at least one best-effort model")
+        if not 0 < self.load <= 5:
+            raise ValueError(f"load must be a fraction of capacity in (0, 5], got {self.load}")
+        if self.duration_s <= self.warmup_s:
+            raise ValueError("duration_s must be longer than warmup_s")
+        if self.batch < 1 or self.slo_multiplier <= 0 or self.switch_s <= 0:
+            raise ValueError("batch, slo_multiplier and switch_s must be positive")
+
+    @classmethod
+    def quick(cls) -> Params:
+        return cls(models=("resnet152", "vgg19", "distilbert"), schemes=("protean", "timeshare"), duration_s=15.0,
+                   warmup_s=2.0, switch_s=5.0, capacity_s=1.5, budget_s=0.5, connections=4)
+
+    def setting(self) -> Params:
+        """The parameters the chosen ``scenario`` runs with: crowded defaults to mostly BE load
+        (strict_share 0.25), near capacity, and protean vs smart-static (what was not set)."""
+        if self.scenario != "crowded":
+            return self
+        import dataclasses
+
+        default = Params()
+        change: dict[str, Any] = {}
+        if self.strict_share == default.strict_share:
+            change["strict_share"] = 0.25
+        if self.load == default.load:
+            change["load"] = 0.9
+        if self.schemes in (default.schemes, Params.quick().schemes):
+            change["schemes"] = ("protean", "smart-static")
+        return dataclasses.replace(self, **change)
+
+
+# Parameters the paper does not give, recorded with their values in every result.json.
+NOT_GIVEN = {
+    "batch_timeout": "none: work-conserving batching (a free instance takes what waits, up to the batch)",
+    "latency_origin": "the request's arrival time in the trace (client queueing counts)",
+    "be_switch": "uniform among the BE models, never the same one twice in a row",
+    "strict_share_draw": "exactly round(share x n) arrivals, chosen at random",
+    "capacity": "closed loop of 2 x batch clients per model on the first scheme's server, harmonic mix",
+    "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process)",
+    "p99_breakdown": "each part's share of the mean latency of requests at or above p99, applied to p99",
+    "request_to_batch": "the latest batch of the model done before the reply arrived (server clock)",
+}
+
+
+def _arrivals(p: Params, mean_rate: float, strict: str, bes: Sequence[str]) -> tuple[list[Arrival], dict[str, Any]]:
+    """The run's arrival list at ``mean_rate`` req/s, and what it was made of."""
+    rng = np.random.default_rng(p.seed)
+    if p.trace in TRACES:
+        make = traces.wiki_like if p.trace == "wiki" else traces.twitter_like
+        points = make(p.duration_s, mean_rate, rng)
+        times = from_rate_trace(points, p.duration_s, rng)
+        info = {"kind": p.trace, "peak_to_mean": traces.peak_to_mean_of(points, p.duration_s)}
+    else:
+        csv = traces.load_csv(p.trace)
+        if csv.kind == "arrivals":  # replayed as written: models and classes are the file's
+            return [a for a in csv.arrivals if a.t < p.duration_s], {"kind": "csv-arrivals", "file": p.trace}
+        end = max(t for t, _ in csv.rates) or p.duration_s
+        raw_mean = traces.mean_rate_of(csv.rates, end)
+        scale = mean_rate / raw_mean if raw_mean > 0 else 0.0
+        points = [(t * p.duration_s / end, r * scale) for t, r in csv.rates]
+        times = from_rate_trace(points, p.duration_s, rng)
+        info = {"kind": "csv-rate", "file": p.trace, "peak_to_mean": traces.peak_to_mean_of(points, p.duration_s)}
+    schedule = traces.switch_schedule(p.duration_s, p.switch_s, list(bes), rng)
+    info |= {"mean_rate_rps": mean_rate, "be_schedule": schedule}
+    return traces.strict_be_mix(times, strict, schedule, p.strict_share, rng), info
+
+
+def _text(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:  # loopback, our own server
+            return r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _partition_cores(doc: Any) -> dict[int, int]:
+    """Partition id -> cores, from ``GET /v2/partitions`` (contract: id, cpus per partition)."""
+    rows = doc.get("partitions", []) if isinstance(doc, Mapping) else doc if isinstance(doc, list) else []
+    return {int(r["id"]): len(r["cpus"]) for r in rows if isinstance(r, Mapping) and "id" in r and "cpus" in r}
+
+
+def _find(doc: Any, key: str) -> Any:
+    """The first value under ``key`` anywhere in a JSON document (None when absent)."""
+    if isinstance(doc, Mapping):
+        if key in doc:
+            return doc[key]
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for v in doc:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _cold_starts(partitions: Any, metrics: str | None) -> dict[str, Any]:
+    """Cold starts as the server reports them: ``cold_starts`` in /v2/partitions and every
+    ``*cold_start*`` counter in /metrics (None where the server has neither)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics or ""):
+        if "cold_start" in family.name:
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    counters[s.name] = counters.get(s.name, 0.0) + float(s.value)
+    found = _find(partitions, "cold_starts")
+    total = sum(found.values()) if isinstance(found, Mapping) else found
+    return {"partitions": found, "metrics": counters or None,
+            "total": total if total is not None else (sum(counters.values()) if counters else None)}
+
+
+def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any]], cores: Mapping[int, int],
+                   solo: Any, whole: int, slo_s: float, p: Params, strict: str) -> dict[str, Any]:
+    """Every number of one scheme's run (samples scheduled before warm-up are left out)."""
+    kept = [s for s in result.samples if s.scheduled >= p.warmup_s]
+    rt = [s for s in kept if s.cls == "rt"]
+    be = [s for s in kept if s.cls == "be"]
+    rt_ok = [s for s in rt if s.ok]
+    lat = [s.latency for s in rt_ok]
+    errors = len(rt) - len(rt_ok)
+    batches = analysis.batch_partitions(events, strict)
+    samples = [analysis.StrictSample(s.latency, s.server_compute_s or 0.0,
+                                     cores.get(analysis.partition_of(s.done + offset, batches), whole))
+               for s in rt_ok]
+    share = analysis.compliance(lat, errors, slo_s)
+    d = analysis.dist_ms(lat)
+    bd = analysis.tail_breakdown(samples, solo, whole)
+    used: dict[str, int] = {}
+    for _, part in batches:
+        used[str(part)] = used.get(str(part), 0) + 1
+    be_ok = [s.latency for s in be if s.ok]
+    return {
+        "strict": {"requests": len(rt), "errors": errors, "compliance": share,
+                   "violations": None if share is None else round((1 - share) * len(rt)),
+                   "p50_ms": d["p50"], "p99_ms": d["p99"], "max_ms": d["max"],
+                   "crossing_percentile": analysis.crossing_percentile(lat, errors, slo_s)},
+        "strict_p99_breakdown_ms": {k: v * 1e3 for k, v in bd.items()} if bd else None,
+        "strict_batches_by_partition": used,
+        "be": {"requests": len(be), "errors": len(be) - len(be_ok), **analysis.dist_ms(be_ok)},
+        "generator_bottleneck": result.bottleneck_reason if result.generator_bottleneck else None,
+        "strict_latency_ms": sorted(v * 1e3 for v in lat)[:: max(1, len(lat) // max(1, p.keep_samples))],
+    }
+
+
+def run(ctx: Context) -> ScenarioOutput:
+    from splitserve.bench.scenarios.packrat import ensure_profile
+    from splitserve.models import zoo_entry
+
+    p: Params = ctx.params.setting()  # type: ignore[attr-defined]
+    p.check()
+    if ctx.urls:
+        raise ValueError("protean starts one server per scheme with its own settings; it cannot measure a running "
+                         "server (--url)")
+    strict, bes = p.models[0], tuple(p.models[1:])
+    for m in p.models:
+        if p.batch > zoo_entry(m).max_batch:
+            raise ValueError(f"batch {p.batch}: {m} takes at most {zoo_entry(m).max_batch} samples per batch")
+    whole = len(os.sched_getaffinity(0))
+    prof, _ = ensure_profile(ctx, strict, whole, [p.batch])
+
+    def solo(cores: int) -> float:
+        return prof.latency.latency(max(1, min(cores, whole)), p.batch)
+
+    slo_s = p.slo_multiplier * solo(whole)
+    repo = write_repository(ctx.results.path / "repository", {
+        m: {"max_batch_size": p.batch, "instances": 1, "threads": whole, "queue_slots": p.queue_slots,
+            "default_class": "rt" if m == strict else "be", "artifact": {"kind": "zoo", "arch": m}}
+        for m in p.models})
+
+    def prepare(data: Path) -> None:  # the strict model's profile, for the servers' eta and SLO
+        from splitserve.placement.profiler import save_profile
+        from splitserve.registry import Registry
+
+        reg = Registry(data)
+        try:
+            save_profile(reg, prof)
+        finally:
+            reg.close()
+
+    specs = {m: tuple(s.to_dict() for s in zoo_entry(m).inputs) for m in p.models}
+    shares = {strict: p.strict_share, **{b: (1 - p.strict_share) / len(bes) for b in bes}}
+    caps: dict[str, Any] = {}
+    arrivals: list[Arrival] = []
+    trace_info: dict[str, Any] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    servers: dict[str, dict[str, Any]] = {}
+    truncated = False
+    schemes = check_schemes(p.schemes)
+    for scheme in schemes:
+        overrides = dict(SCHEMES[scheme]) | ({"geometry": p.geometry} if p.geometry else {})
+        args = ["--repository", str(repo)] + [a for m in p.models for a in ("--load", m)]
+        with own_server(ctx, scheme, args, prepare, env=server_env(overrides)) as server:
+            target = Target(server.urls)
+            url, http = target.url(p.transports[0]), server.urls["http"]
+            ctx.validate(target, {m: Expected(m) for m in p.models}, p.transports[:1])
+            if not caps:
+                with ctx.task(f"{scheme}: capacity of each model", len(p.models)) as advance:
+                    for m in p.models:
+                        caps[m] = capacity(url, m, specs[m], p.batch, p.capacity_s, p.seed, p.transports[0])
+                        advance(1)
+                mix = analysis.capacity_of_mix({m: c["rps"] for m, c in caps.items()}, shares)
+                caps["mix_rps"] = mix
+                caps["measured_on"] = scheme
+                arrivals, trace_info = _arrivals(p, p.load * mix, strict, bes)
+            job = TraceJob(url, tuple(specs.items()), tuple(arrivals), slo_s * 1e3, p.connections,
+                           max(30.0, p.duration_s), p.seed, transport=p.transports[0])
+            with ctx.task(f"{scheme}: {len(arrivals)} requests over {p.duration_s:g} s", 1):
+                t0 = server_now(http)
+                result, offset = drive(job)
+            time.sleep(0.2)  # let the last done events land in the log
+            events, more = fetch_events(http, t0)
+            truncated |= more
+            try:
+                partitions = get_json(f"{http}/v2/partitions")
+            except (urllib.error.URLError, OSError, ValueError):
+                partitions = None
+            metrics = _text(f"{http}/metrics")
+            m = scheme_numbers(result, offset, events, _partition_cores(partitions), solo, whole, slo_s, p, strict)
+            slo = analysis.prom_counter(metrics or "", "splitserve_slo_requests", {"model": strict, "class": "rt"})
+            m["server_slo"] = slo or None
+            m["cold_starts"] = _cold_starts(partitions, metrics)
+            m["partitions"] = partitions
+            runs[scheme] = m
+            servers[scheme] = {"overrides": overrides}
+    if truncated:
+        ctx.notes.append(f"a run logged more than {EVENT_LIMIT} scheduler events; only the last were analysed")
+    result = {
+        "setting": p.scenario, "strict_model": strict, "be_models": list(bes), "whole_cores": whole,
+        "slo_ms": slo_s * 1e3, "solo_ms": {c: solo(c) * 1e3 for c in range(1, whole + 1)},
+        "capacity": caps, "trace": trace_info, "offered_rps": trace_info.get("mean_rate_rps"),
+        "requests": len(arrivals), "schemes": servers, "not_given": NOT_GIVEN,
+        "runs": runs, "ratios": analysis.ratios(runs, REFERENCE),
+    }
+    lines, markdown = report.markdown(__doc__.split("\n\n", 1)[1].strip(), p, result)
+    return ScenarioOutput(result, markdown, report.figures(result), lines)

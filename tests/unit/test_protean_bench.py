@@ -1,0 +1,168 @@
+"""bench protean's pure parts: PROTEAN's traces, the strict/BE mix, the p99 breakdown, the
+SLO-crossing percentile, the ratios and the scheme table (issue 12, Must have 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from splitserve.bench import traces
+from splitserve.bench.arrivals import from_rate_trace
+from splitserve.bench.protean import analysis
+from splitserve.bench.protean.schemes import SCHEMES, check_schemes, server_env
+from splitserve.config import ServerConfig
+
+
+@pytest.mark.parametrize(("make", "target"), [(traces.wiki_like, 316 / 303), (traces.twitter_like, 4561 / 2969)])
+def test_traces_have_the_papers_peak_to_mean_at_the_asked_mean(make, target) -> None:
+    for seed in range(5):
+        points = make(120.0, 50.0, np.random.default_rng(seed))
+        assert traces.mean_rate_of(points, 120.0) == pytest.approx(50.0)
+        assert traces.peak_to_mean_of(points, 120.0) == pytest.approx(target)
+    # the arrivals drawn from it follow: mean within Poisson noise of 50 req/s over 120 s
+    times = from_rate_trace(make(120.0, 50.0, np.random.default_rng(0)), 120.0, np.random.default_rng(1))
+    assert len(times) / 120.0 == pytest.approx(50.0, rel=0.05)
+
+
+def test_twitter_like_is_more_erratic_than_wiki_like() -> None:
+    def jitter(points: traces.RatePoints) -> float:
+        rates = np.array([r for _, r in points])
+        return float(np.mean(np.abs(np.diff(rates))) / rates.mean())
+
+    rng = np.random.default_rng(3)
+    assert jitter(traces.twitter_like(60.0, 10.0, rng)) > 3 * jitter(traces.wiki_like(60.0, 10.0, rng))
+
+
+@pytest.mark.parametrize("make", [traces.wiki_like, traces.twitter_like])
+def test_traces_are_seeded(make) -> None:
+    assert make(30.0, 20.0, np.random.default_rng(7)) == make(30.0, 20.0, np.random.default_rng(7))
+    assert make(30.0, 20.0, np.random.default_rng(7)) != make(30.0, 20.0, np.random.default_rng(8))
+
+
+def test_fit_peak_to_mean_refuses_what_would_need_negative_rates() -> None:
+    with pytest.raises(Exception, match="negative"):
+        # the shape's own peak:mean is 2; stretching it to 2.5 takes its zero trough below 0
+        traces.fit_peak_to_mean(np.array([0.0, 1.0, 1.0, 1.0, 2.0]), 1.0, 2.5)
+
+
+def test_mix_has_exactly_the_strict_share_and_switches_the_be_model() -> None:
+    rng = np.random.default_rng(0)
+    times = np.sort(rng.uniform(0.0, 60.0, 1001))
+    schedule = traces.switch_schedule(60.0, 20.0, ["a", "b", "c"], rng)
+    mix = traces.strict_be_mix(times, "s", schedule, 0.5, rng)
+    strict = [a for a in mix if a.cls == "rt"]
+    assert len(strict) == round(0.5 * 1001) and {a.model for a in strict} == {"s"}
+    assert [t for t, _ in schedule] == [0.0, 20.0, 40.0]
+    assert all(x[1] != y[1] for x, y in zip(schedule, schedule[1:]))  # every boundary is a switch
+    for a in mix:
+        if a.cls == "be":
+            assert a.model == schedule[int(a.t // 20.0)][1]
+    assert traces.strict_be_mix(times, "s", schedule, 0.5, np.random.default_rng(1)) != mix
+    assert traces.strict_be_mix(times, "s", schedule, 0.75, np.random.default_rng(5)) == \
+        traces.strict_be_mix(times, "s", schedule, 0.75, np.random.default_rng(5))
+
+
+def test_breakdown_parts_add_up_to_the_latency() -> None:
+    solo = {1: 0.030, 2: 0.020}.__getitem__
+    # compute 0.040 on a 1-core partition: 20 minimum, 10 deficiency, 10 interference; queue 60
+    parts = analysis.split(analysis.StrictSample(0.100, 0.040, 1), solo, 2)
+    assert parts == pytest.approx({"minimum": 0.020, "deficiency": 0.010, "interference": 0.010, "queueing": 0.060})
+    # a partial batch faster than solo on its partition: no interference, deficiency only up to compute
+    parts = analysis.split(analysis.StrictSample(0.050, 0.025, 1), solo, 2)
+    assert parts == pytest.approx({"minimum": 0.020, "deficiency": 0.005, "interference": 0.0, "queueing": 0.025})
+    # on the whole node there is no deficiency
+    parts = analysis.split(analysis.StrictSample(0.030, 0.025, 2), solo, 2)
+    assert parts["deficiency"] == 0.0 and sum(parts.values()) == pytest.approx(0.030)
+
+
+def test_tail_breakdown_is_as_tall_as_p99_and_made_of_the_tail() -> None:
+    solo = {1: 0.030, 2: 0.020}.__getitem__
+    fast = [analysis.StrictSample(0.025, 0.020, 2)] * 99
+    slow = [analysis.StrictSample(0.200, 0.050, 1)] * 2
+    bd = analysis.tail_breakdown(fast + slow, solo, 2)
+    assert bd is not None
+    p99 = float(np.percentile([s.e2e_s for s in fast + slow], 99))
+    assert sum(bd.values()) == pytest.approx(p99)
+    # the tail is the slow requests: queueing 150 of 200 ms
+    assert bd["queueing"] / p99 == pytest.approx(0.75)
+    assert analysis.tail_breakdown([], solo, 2) is None
+
+
+def test_crossing_percentile_on_synthetic_latencies() -> None:
+    lat = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert analysis.crossing_percentile(lat, 0, 0.080) == pytest.approx(80.0)
+    assert analysis.compliance(lat, 0, 0.080) == pytest.approx(0.80)
+    # an error is a miss: 80 of 101
+    assert analysis.crossing_percentile(lat, 1, 0.080) == pytest.approx(100 * 80 / 101)
+    assert analysis.crossing_percentile(lat, 0, 0.100) is None  # never crosses
+    assert analysis.compliance([], 0, 0.1) is None
+
+
+def test_requests_are_matched_to_the_batch_and_partition_that_answered_them() -> None:
+    events = [
+        {"t": 1.0, "kind": "start", "model": "s", "instance": 0, "batch": 1, "cls": "rt", "partition": 0},
+        {"t": 1.1, "kind": "start", "model": "s", "instance": 1, "batch": 2, "cls": "rt", "partition": 1},
+        {"t": 1.2, "kind": "start", "model": "be", "instance": 0, "batch": 1, "cls": "be", "partition": 1},
+        {"t": 1.3, "kind": "done", "model": "s", "instance": 1, "batch": 2, "cls": "rt"},
+        {"t": 1.5, "kind": "done", "model": "s", "instance": 0, "batch": 1, "cls": "rt"},
+    ]
+    batches = analysis.batch_partitions(events, "s")
+    assert batches == [(1.3, 1), (1.5, 0)]
+    assert analysis.partition_of(1.31, batches) == 1
+    assert analysis.partition_of(1.6, batches) == 0
+    assert analysis.partition_of(0.5, batches) == -1
+
+
+def test_ratios_and_capacity_of_a_mix() -> None:
+    runs = {"protean": {"strict": {"violations": 2, "p99_ms": 50.0}, "strict_p99_breakdown_ms": {"queueing": 10.0}},
+            "timeshare": {"strict": {"violations": 20, "p99_ms": 200.0},
+                          "strict_p99_breakdown_ms": {"queueing": 150.0}}}
+    r = analysis.ratios(runs, "protean")
+    assert r["timeshare"] == {"queue_share_of_p99": 0.75, "violations_vs_reference": 10.0,
+                              "reference_p99_over_p99": 0.25}
+    assert r["protean"] == {"queue_share_of_p99": 0.2}
+    # half the requests at 100 req/s, half at 50 req/s: 2/3 of 100
+    assert analysis.capacity_of_mix({"a": 100.0, "b": 50.0}, {"a": 0.5, "b": 0.5}) == pytest.approx(200 / 3)
+
+
+def test_server_slo_counter_is_read_per_outcome() -> None:
+    text = ('# HELP splitserve_slo_requests_total SLO outcomes\n# TYPE splitserve_slo_requests_total counter\n'
+            'splitserve_slo_requests_total{model="s",class="rt",outcome="met"} 5.0\n'
+            'splitserve_slo_requests_total{model="s",class="rt",outcome="missed"} 2.0\n'
+            'splitserve_slo_requests_total{model="o",class="rt",outcome="met"} 7.0\n')
+    assert analysis.prom_counter(text, "splitserve_slo_requests", {"model": "s", "class": "rt"}) == \
+        {"outcome=met": 5.0, "outcome=missed": 2.0}
+
+
+def test_every_scheme_is_server_config_overrides_only() -> None:
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    for name, overrides in SCHEMES.items():
+        for key, value in server_env(overrides).items():
+            assert key.startswith("SPLITSERVE_")
+            field = key[len("SPLITSERVE_"):].lower()
+            assert field in overrides and str(overrides[field]) == value
+        # once p-node and p-classes are merged, every key is a ServerConfig field
+        missing = set(overrides) - fields
+        if not missing:
+            ServerConfig.from_env(**overrides)  # and a valid value for it
+    assert SCHEMES["protean"] == {"partitioning": "protean"}
+    assert SCHEMES["timeshare"] == {"partitioning": "colocate", "class_order": "arrival", "preemption": "seq"}
+    assert SCHEMES["smart-static"]["strict_placement"] == "largest"
+    assert check_schemes(["timeshare", "protean"]) == ("protean", "timeshare")
+    with pytest.raises(ValueError, match="choose from"):
+        check_schemes(["molecule"])
+
+
+def test_crowded_setting_is_mostly_be_near_capacity_and_the_eta_ablation() -> None:
+    from splitserve.bench.protean.scenario import Params
+
+    p = Params(scenario="crowded").setting()
+    assert (p.strict_share, p.load, p.schemes) == (0.25, 0.9, ("protean", "smart-static"))
+    # what the user set is kept
+    p = Params(scenario="crowded", strict_share=0.4, schemes=("protean", "naive")).setting()
+    assert (p.strict_share, p.schemes) == (0.4, ("protean", "naive"))
+    assert Params().setting() == Params()
+    with pytest.raises(ValueError, match="unknown schemes"):
+        Params(schemes=("protean", "oracle")).check()
