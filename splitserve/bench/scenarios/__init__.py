@@ -61,6 +61,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "identical Wikipedia- or Twitter-like arrivals, 50/50 strict/BE: strict SLO compliance, p99 "
                      "breakdown, SLO-crossing percentile, BE tail, cold starts (PROTEAN Fig. 5/6/8/11/13/15; "
                      "issue 12).", "splitserve.bench.protean.scenario"),
+        ScenarioInfo("cluster-spot", "PROTEAN Fig. 9 simulated at the paper's scale: normalised cost and strict SLO "
+                     "compliance of protean, spot-only and on-demand-only at P_rev 0, 0.354 and 0.708 on emulated "
+                     "revocations; evictions, fallbacks, requeued and lost requests (issue 13).",
+                     "splitserve.bench.scenarios.cluster_spot"),
     )
 }
 
