@@ -148,6 +148,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def _apply(self, out) -> None:
         if isinstance(out, Deliver):
             self.answers[out.entry.req_id] = self.answers.get(out.entry.req_id, 0) + 1
+            # a late answer from a lost node can win while the request waits to be sent again
+            if out.entry.req_id in self.waiting:
+                self.waiting.remove(out.entry.req_id)
         elif isinstance(out, Resend):
             self.waiting.append(out.entry.req_id)
 
