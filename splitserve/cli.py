@@ -519,7 +519,11 @@ def profile(
     reg, rec = _record(data_dir, model)
     try:
         if colocate:
-            _profile_colocation(reg, [rec, *(reg.get(o) for o in colocate)], cores, batch, data_dir, budget_s,
+            others = [reg.find(o) for o in colocate]
+            if None in others:
+                raise typer.BadParameter(f"--colocate: unknown model(s) "
+                                         f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
+            _profile_colocation(reg, [rec, *others], cores, batch, data_dir, budget_s,
                                 omp_wait_policy.upper() if omp_wait_policy else None)
             return
         ts = _int_list(threads) or list(range(1, len(os.sched_getaffinity(0)) + 1))
