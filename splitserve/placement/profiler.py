@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,7 +249,7 @@ class _Process:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      env={**os.environ, **env}, bufsize=0)
         self._buf = b""
-        self.warm_s = 0.0
+        self.estimate_s = 0.0  # seconds per batch: the warm-up batch's, then the latest solo mean
 
     def send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -301,7 +301,7 @@ class MeasuringProcesses:
                 self.procs.append(_Process(m, cache_dir, env))
             deadline = time.monotonic() + start_timeout_s
             for p in self.procs:  # they load side by side; wait for all to be warm
-                p.warm_s = float(p.read(deadline)["warm_s"])
+                p.estimate_s = float(p.read(deadline)["warm_s"])
         except BaseException:
             self.close()
             raise
@@ -317,32 +317,35 @@ class MeasuringProcesses:
             p.close()
         self.procs = []
 
-    def run(self, which: Sequence[int], window_s: float, lead_s: float = 0.05) -> list[float]:
+    def run(self, which: Sequence[int], window_s: float, lead_s: float = 0.05, tries: int = 4) -> list[float]:
         """Run processes ``which`` (indices) together for ``window_s`` of full overlap; each
-        one's mean batch latency in that window. InvalidInput when one finished no batch
-        inside it (a window too short for the model)."""
+        one's mean batch latency in that window. A window in which one of them finished no
+        batch is run again twice as long, ``tries`` times in all (then InvalidInput). A
+        process run alone keeps its mean as the estimate ``window`` sizes windows from."""
         procs = [self.procs[i] for i in which]
-        t0 = time.monotonic() + lead_s  # every process is sleeping until t0 when it comes
-        w0 = t0 + lead_s
-        w1 = w0 + window_s
-        for p in procs:
-            p.send({"t0": t0, "w0": w0, "w1": w1})
-        # each finishes the batch it is in at w1: allow a generous multiple of the window
-        deadline = w1 + 10 * window_s + 30.0
-        out = []
-        for p in procs:
-            r = p.read(deadline)
-            if r["mean_s"] is None:
-                raise InvalidInput(f"{p.measurer.key}: no batch finished inside a {window_s:.2f} s window; "
-                                   "raise the budget")
-            out.append(float(r["mean_s"]))
-        return out
+        for _ in range(tries):
+            t0 = time.monotonic() + lead_s  # every process is sleeping until t0 when it comes
+            w0 = t0 + lead_s
+            w1 = w0 + window_s
+            for p in procs:
+                p.send({"t0": t0, "w0": w0, "w1": w1})
+            # each finishes the batch it is in at w1: allow a generous multiple of the window
+            deadline = w1 + 10 * window_s + 30.0
+            means = [p.read(deadline)["mean_s"] for p in procs]
+            if None not in means:
+                if len(procs) == 1:
+                    procs[0].estimate_s = float(means[0])
+                return [float(m) for m in means]
+            window_s *= 2
+        raise InvalidInput(f"{', '.join(p.measurer.key for p, m in zip(procs, means) if m is None)}: no batch "
+                           f"finished inside a {window_s / 2:.2f} s window; raise the budget")
 
     def window(self, which: Sequence[int], budget_s: float, min_iters: int) -> float:
         """A window long enough for ``min_iters`` batches of the slowest of ``which`` if each
         were slowed as much as processor sharing among them would (and some), at least
-        ``budget_s``."""
-        slowest = max(self.procs[i].warm_s for i in which)
+        ``budget_s``. The estimate of a batch's time is its latest solo mean (at first, the
+        warm-up batch's time)."""
+        slowest = max(self.procs[i].estimate_s for i in which)
         return max(budget_s, min_iters * slowest * len(which) * 1.5)
 
 
@@ -392,25 +395,42 @@ def profile_colocation(configs: Sequence[ModelConfig], cores: int, batch: int | 
     part = tuple(cpus)[:cores]
     if len(part) != cores:
         raise InvalidInput(f"{cores} cores asked for, {len(part)} CPUs given")
-    # as many warm processes of a model as the largest set runs at once
-    copies = {n: max([1, *(s.count(n) for s in sets)]) for n in by_name}
-    measurers = [Measurer(by_name[n], (model_dirs or {}).get(n), batches[n], part)
-                 for n in by_name for _ in range(copies[n])]
-    first = {n: next(i for i, m in enumerate(measurers) if m.config.name == n) for n in by_name}
-    runs: list[ColocationRun] = []
+    measurers = colocation_measurers([by_name[n] for n in by_name], batches, sets, part, model_dirs)
     with MeasuringProcesses(measurers, cache_dir, omp_wait_policy=omp_wait_policy) as procs:
-        solo = {n: procs.run([first[n]], procs.window([first[n]], budget_s, min_iters))[0] for n in by_name}
-        for s in sets:
-            which = [first[n] + s[:i].count(n) for i, n in enumerate(s)]
-            means = procs.run(which, procs.window(which, budget_s, min_iters))
-            run = ColocationRun(cores, tuple(member_key(n, batches[n]) for n in s),
-                                tuple(m / solo[n] for m, n in zip(means, s)), tuple(solo[n] for n in s),
-                                tuple(means))
-            runs.append(run)
-            if on_run is not None:
-                on_run(run)
-    return ColocationProfile(cores, part, {member_key(n, batches[n]): v for n, v in solo.items()}, runs,
-                             machine_id(), omp_wait_policy)
+        solo, runs = run_colocations(procs, range(len(measurers)), sets, budget_s=budget_s, min_iters=min_iters,
+                                     on_run=on_run)
+    return ColocationProfile(cores, part, solo, runs, machine_id(), omp_wait_policy)
+
+
+def colocation_measurers(configs: Sequence[ModelConfig], batches: Mapping[str, int], sets: Sequence[Sequence[str]],
+                         cpus: Sequence[int], model_dirs: Mapping[str, Path | None] | None = None) -> list[Measurer]:
+    """The processes ``sets`` need on ``cpus``: as many of each model as one set runs at once."""
+    return [Measurer(c, (model_dirs or {}).get(c.name), batches[c.name], tuple(cpus))
+            for c in configs for _ in range(max([1, *(list(s).count(c.name) for s in sets)]))]
+
+
+def run_colocations(procs: MeasuringProcesses, which: Iterable[int], sets: Sequence[Sequence[str]], *,
+                    budget_s: float, min_iters: int,
+                    on_run: Callable[[ColocationRun], None] | None = None) -> tuple[dict[str, float], list[ColocationRun]]:
+    """Solo times and co-location runs of ``sets`` (model names) with the processes ``which``
+    of ``procs`` (``colocation_measurers``' processes, all on the same CPUs, the copies of a
+    model next to each other): every model alone first, then each set; (solo seconds per member key, runs)."""
+    mine = list(which)
+    names = list(dict.fromkeys(procs.procs[i].measurer.config.name for i in mine))
+    first = {n: next(i for i in mine if procs.procs[i].measurer.config.name == n) for n in names}
+    keys = {n: procs.procs[first[n]].measurer.key for n in names}
+    cores = len(procs.procs[mine[0]].measurer.cpus)
+    solo = {n: procs.run([first[n]], procs.window([first[n]], budget_s, min_iters))[0] for n in names}
+    runs: list[ColocationRun] = []
+    for s in sets:
+        together = [first[n] + list(s[:i]).count(n) for i, n in enumerate(s)]
+        means = procs.run(together, procs.window(together, budget_s, min_iters))
+        run = ColocationRun(cores, tuple(keys[n] for n in s), tuple(m / solo[n] for m, n in zip(means, s)),
+                            tuple(solo[n] for n in s), tuple(means))
+        runs.append(run)
+        if on_run is not None:
+            on_run(run)
+    return {keys[n]: v for n, v in solo.items()}, runs
 
 
 def load_colocations(registry: Any, model: str, machine: str | None = None) -> list[ColocationRun]:

@@ -185,3 +185,14 @@ def test_profile_refuses_options_that_do_not_go_together(tmp_path: Path, args: l
 
     out = CliRunner().invoke(app, ["profile", *args, "--data-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert out.exit_code == 2 and message in out.output, out.output
+
+
+def test_slowdown_bench_holds_out_runs_whose_members_the_training_runs_identify() -> None:
+    from splitserve.bench.scenarios.slowdown import rel_errors, split_sets
+
+    train, held = split_sets(["a", "b", "c"])
+    assert train == [("a", "a"), ("b", "b"), ("c", "c"), ("a", "b")]
+    assert held == [("a", "c"), ("b", "c"), ("a", "b", "c")]
+    errs = rel_errors([{"predicted_s": p, "measured_s": 1.0} for p in (1.1, 0.8, 1.0, None)] +
+                      [{"predicted_s": 2.0, "measured_s": 1.0}])
+    assert errs == {"median": pytest.approx(0.15), "p90": pytest.approx(0.76), "n": 4}
