@@ -571,12 +571,7 @@ def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: 
         t.add_row(" + ".join(r.members), ", ".join(f"{x * 1e3:.2f}" for x in r.mean_s),
                   ", ".join(f"{x * 1e3:.2f}" for x in r.solo_s), ", ".join(f"{x:.2f}" for x in r.slowdowns))
     console.print(t)
-    try:
-        fit = fit_stored_fbr(reg, names, cores, prof.machine)
-    except ImportError:
-        console.print("FBRs not fitted: splitserve.placement.slowdown is not installed here; the runs are stored",
-                      highlight=False)
-        return
+    fit = fit_stored_fbr(reg, names, cores, prof.machine)
     t = Table("key", "FBR", title=f"FBRs fitted from {fit.equations} equations (Eq. 1)")
     for key in sorted({*fit.fbr, *fit.unidentified}):
         t.add_row(key, "unidentified" if key in fit.unidentified else f"{fit.fbr[key]:.3f}")

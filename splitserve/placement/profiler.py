@@ -410,11 +410,12 @@ def colocation_measurers(configs: Sequence[ModelConfig], batches: Mapping[str, i
 
 
 def run_colocations(procs: MeasuringProcesses, which: Iterable[int], sets: Sequence[Sequence[str]], *,
-                    budget_s: float, min_iters: int,
-                    on_run: Callable[[ColocationRun], None] | None = None) -> tuple[dict[str, float], list[ColocationRun]]:
+                    budget_s: float, min_iters: int, on_run: Callable[[ColocationRun], None] | None = None
+                    ) -> tuple[dict[str, float], list[ColocationRun]]:
     """Solo times and co-location runs of ``sets`` (model names) with the processes ``which``
     of ``procs`` (``colocation_measurers``' processes, all on the same CPUs, the copies of a
-    model next to each other): every model alone first, then each set; (solo seconds per member key, runs)."""
+    model next to each other): every model alone first, then each set. Returns (solo
+    seconds per member key, runs)."""
     mine = list(which)
     names = list(dict.fromkeys(procs.procs[i].measurer.config.name for i in mine))
     first = {n: next(i for i in mine if procs.procs[i].measurer.config.name == n) for n in names}
@@ -453,7 +454,7 @@ def fit_stored_fbr(registry: Any, models: Sequence[str], cores: int, machine: st
     """Fit FBRs (``slowdown.fit_fbr``) over every stored run on ``cores`` cores that has one
     of ``models`` in it, and store the fit (kind ``fbr``) under each model of those runs.
     Returns the ``FbrFit``; its ``unidentified`` keys got no number."""
-    from splitserve.placement.slowdown import Colocation, fit_fbr  # p-pure's; imported only when fitting
+    from splitserve.placement.slowdown import Colocation, fit_fbr  # scipy: paid only where a fit is made
 
     machine = machine or machine_id()
     runs: list[ColocationRun] = []
@@ -478,6 +479,6 @@ def load_fbr(registry: Any, model: str, machine: str | None = None) -> float | N
     stored = registry.load_profile(model, machine or machine_id(), "fbr")
     if stored is None:
         return None
-    from splitserve.placement.slowdown import FbrFit
+    from splitserve.placement.slowdown import FbrFit  # scipy: paid only where a fit is read
 
     return fbr_of(FbrFit.from_dict(stored), model)

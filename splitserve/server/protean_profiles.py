@@ -43,8 +43,8 @@ class ProteanProfiles:
     def _read(self, model: str) -> _Rows:
         rows = self._rows.get(model)
         if rows is None:
-            rows = self._rows[model] = _Rows(self._latency(model), self._fbr(model),
-                                             {int(b): int(n) for b, n in (self._load(model, "footprint") or {}).items()},
+            footprint = {int(b): int(n) for b, n in (self._load(model, "footprint") or {}).items()}
+            rows = self._rows[model] = _Rows(self._latency(model), self._fbr(model), footprint,
                                              self._private_bytes(model))
         return rows
 
@@ -65,7 +65,7 @@ class ProteanProfiles:
         stored = self._load(model, "fbr")
         if stored is None:
             return None
-        from splitserve.placement.slowdown import FbrFit  # p-pure's module, needed only once a fit is stored
+        from splitserve.placement.slowdown import FbrFit  # scipy: paid only by a node with a stored fit
 
         return fbr_of(FbrFit.from_dict(stored), model)
 

@@ -5,10 +5,6 @@ refuses co-location options that do not go together (before anything is measured
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,62 +17,11 @@ from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.profiler import (ColocationProfile, ColocationRun, ModelProfile, colocation_sets,
                                            fit_stored_fbr, footprint_at, load_colocations, load_fbr,
                                            load_footprint, load_profile, save_colocation, save_profile)
+from splitserve.placement.slowdown import FbrFit
 from splitserve.registry import Registry
 from splitserve.server.protean_profiles import ProteanProfiles
 
 M = "test-machine"
-
-
-def _fake_slowdown() -> types.ModuleType:
-    """The contract's ``slowdown`` names, enough to test the storing side until p-pure's
-    module is merged: least squares over the equations with a slowdown above 1, clipped at 0."""
-    mod = types.ModuleType("splitserve.placement.slowdown")
-
-    @dataclass(frozen=True)
-    class Colocation:
-        members: tuple[str, ...]
-        slowdowns: tuple[float, ...]
-
-    @dataclass(frozen=True)
-    class FbrFit:
-        fbr: dict[str, float]
-        unidentified: tuple[str, ...]
-        residuals: dict[str, float] = field(default_factory=dict)
-        equations: int = 0
-
-        def to_dict(self) -> dict[str, Any]:
-            return {"fbr": self.fbr, "unidentified": list(self.unidentified), "residuals": self.residuals,
-                    "equations": self.equations}
-
-        @classmethod
-        def from_dict(cls, d: dict[str, Any]) -> FbrFit:
-            return cls(dict(d["fbr"]), tuple(d["unidentified"]), dict(d["residuals"]), int(d["equations"]))
-
-    def fit_fbr(runs: list[Colocation]) -> FbrFit:
-        keys = sorted({k for r in runs for k in r.members})
-        rows = [([r.members.count(k) for k in keys], s) for r in runs for s in r.slowdowns if s > 1]
-        used = {k for r in runs for k, s in zip(r.members, r.slowdowns) if s > 1} | \
-            {k for r in runs if any(s > 1 for s in r.slowdowns) for k in r.members}
-        if not rows:
-            return FbrFit({}, tuple(keys), {}, 0)
-        x = np.clip(np.linalg.lstsq(np.array([a for a, _ in rows], float), np.array([b for _, b in rows]),
-                                    rcond=None)[0], 0, None)
-        return FbrFit({k: float(v) for k, v in zip(keys, x) if k in used},
-                      tuple(k for k in keys if k not in used), {}, len(rows))
-
-    mod.Colocation, mod.FbrFit, mod.fit_fbr = Colocation, FbrFit, fit_fbr  # type: ignore[attr-defined]
-    return mod
-
-
-@pytest.fixture
-def slowdown(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """p-pure's slowdown module where merged, else the contract's fake."""
-    try:
-        return importlib.import_module("splitserve.placement.slowdown")
-    except ImportError:
-        fake = _fake_slowdown()
-        monkeypatch.setitem(sys.modules, "splitserve.placement.slowdown", fake)
-        return fake
 
 
 @pytest.fixture
@@ -119,7 +64,7 @@ def test_colocation_runs_are_kept_under_every_member_and_a_rerun_replaces_its_se
 
 
 def test_fbrs_are_fitted_from_stored_runs_and_an_unidentified_one_is_never_stored(
-        registry: Any, slowdown: types.ModuleType) -> None:
+        registry: Any) -> None:
     runs = [ColocationRun(1, ("a@4", "a@4"), (1.6, 1.6), (0.01, 0.01), (0.016, 0.016)),
             ColocationRun(1, ("a@4", "b@2"), (1.3, 1.3), (0.01, 0.02), (0.013, 0.026)),
             # c never slowed anything past Eq. 1's floor: nothing identifies it
@@ -135,11 +80,11 @@ def test_fbrs_are_fitted_from_stored_runs_and_an_unidentified_one_is_never_store
 
 
 def test_protean_profiles_read_solo_fbr_and_footprint_with_their_fallbacks(
-        registry: Any, slowdown: types.ModuleType) -> None:
+        registry: Any) -> None:
     save_profile(registry, ModelProfile(_latency("a"), {}, M, {2: 2048}))
     save_profile(registry, ModelProfile(_latency("b"), {}, M))
     registry.save_profile("b", M, "memory", {"version": 1, "weights_bytes": 10, "private_bytes": 777})
-    registry.save_profile("a", M, "fbr", slowdown.FbrFit({"a@4": 0.7, "a@1": 0.5}, (), {}, 2).to_dict())
+    registry.save_profile("a", M, "fbr", FbrFit({"a@4": 0.7, "a@1": 0.5}, (), {}, 2).to_dict())
     p = ProteanProfiles(registry, M)
     assert p.solo("a", 2, 4) == pytest.approx(0.016) and p.solo("a", 1, 2) == pytest.approx(0.05 / 3)
     assert p.solo("a", 3, 4) is None and p.solo("nothing", 1, 1) is None  # never measured: no number

@@ -157,11 +157,7 @@ def _pass(ctx: Context, p: Params, configs: list[Any], cache: Path, omp: str) ->
 
 def _fit(result: dict[str, Any]) -> None:
     """FBRs fitted per partition size on the training runs; predictions of the held-out runs."""
-    try:
-        from splitserve.placement.slowdown import Colocation, fit_fbr
-    except ImportError:
-        result["fit_error"] = "splitserve.placement.slowdown is not installed: measured only"
-        return
+    from splitserve.placement.slowdown import Colocation, fit_fbr
     whole = max(result["cores"])
     solo = {(k.rsplit("@", 1)[0], c): v for c, r in result["cores"].items() for k, v in r["solo_s"].items()}
     for cores, r in result["cores"].items():
@@ -246,9 +242,6 @@ def _output(p: Params, passes: list[dict[str, Any]]) -> ScenarioOutput:
                    f". Load average (1, 5, 15 min) before: {load}; after: "
                    f"{', '.join(f'{x:.1f}' for x in ps['load_average_after'])} (anything above 0 is another "
                    "process sharing these CPUs).", ""]
-        if "fit_error" in ps:
-            report += [f"FBRs not fitted: {ps['fit_error']}.", ""]
-            lines.append(f"{tag}: {ps['fit_error']}")
         for cores, r in ps["cores"].items():
             report += [f"### {cores} core(s)", "", "Solo batch latency (ms), measured in this run: " +
                        ", ".join(f"{k} {fmt(v * 1e3, 2)}" for k, v in r["solo_s"].items()), ""]
@@ -256,15 +249,13 @@ def _output(p: Params, passes: list[dict[str, Any]]) -> ScenarioOutput:
                      ", ".join(fmt(v * 1e3, 2) for v in x.mean_s), ", ".join(fmt(v, 2) for v in x.slowdowns))
                     for i, x in enumerate(r["train"] + r["held_out"])]
             report += [md_table(("role", "members", "mean ms", "slowdown vs solo"), rows), ""]
-            if "fit" not in r:
-                continue
             fit = r["fit"]
-            unidentified = set(fit.get("unidentified", ()))
+            unidentified = set(fit["unidentified"])
             report += ["Fitted FBRs (training runs): " + ", ".join(
                 f"{k} {'unidentified' if k in unidentified else fmt(v, 3)}" for k, v in sorted(fit["fbr"].items()))
                 + (f"; unidentified: {', '.join(sorted(unidentified))}" if unidentified else ""),
-                "", "Fit residuals (RMS of predicted − measured slowdown per member): " + (", ".join(f"{k} {fmt(v, 3)}" for k, v in fit.get("residuals", {}).items())
-                                         or "none"), ""]
+                "", "Fit residuals (RMS of predicted − measured slowdown per member): "
+                + (", ".join(f"{k} {fmt(v, 3)}" for k, v in fit["residuals"].items()) or "none"), ""]
             prow = [(" + ".join(x["run"]), x["member"], fmt(x["measured_s"] * 1e3, 2),
                      fmt(None if x["predicted_s"] is None else x["predicted_s"] * 1e3, 2),
                      fmt(None if x["predicted_s"] is None else 100 * (x["predicted_s"] / x["measured_s"] - 1), 1, "%"))
