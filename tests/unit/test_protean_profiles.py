@@ -141,3 +141,14 @@ def test_slowdown_bench_holds_out_runs_whose_members_the_training_runs_identify(
     errs = rel_errors([{"predicted_s": p, "measured_s": 1.0} for p in (1.1, 0.8, 1.0, None)] +
                       [{"predicted_s": 2.0, "measured_s": 1.0}])
     assert errs == {"median": pytest.approx(0.15), "p90": pytest.approx(0.76), "n": 4}
+
+
+def test_slowdown_bench_keeps_the_median_of_each_members_measurements_over_rounds() -> None:
+    from splitserve.bench.scenarios.slowdown import median_rounds
+
+    def rnd(solo: float, s: tuple[float, float]) -> tuple[dict[str, float], list[ColocationRun]]:
+        return {"a@1": solo}, [ColocationRun(1, ("a@1", "a@1"), s, (solo, solo), (solo * s[0], solo * s[1]))]
+
+    solo, (run,) = median_rounds([rnd(1.0, (2.0, 2.2)), rnd(3.0, (1.0, 9.0)), rnd(2.0, (2.1, 2.0))])
+    assert solo == {"a@1": 2.0}
+    assert run.members == ("a@1", "a@1") and run.slowdowns == (2.0, 2.2) and run.solo_s == (2.0, 2.0)

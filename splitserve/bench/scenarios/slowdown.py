@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +47,13 @@ class Params(BaseParams):
     min_iters: int = 5  # the window holds at least this many batches of the slowest member
     omp_policies: tuple[str, ...] = ("", "PASSIVE")  # OMP_WAIT_POLICY per pass ("": unset)
     interference: bool = True  # alone on c0 vs another model busy on c1 (needs 2 CPUs)
+    rounds: int = 3  # every measurement repeated, medians kept: other work on the machine drifts between windows
 
     def check(self) -> None:
         if len(self.models) < 2:
             raise ValueError("slowdown needs at least two models")
-        if self.batch < 1 or self.budget_s <= 0 or self.min_iters < 1:
-            raise ValueError("batch and min_iters must be >= 1 and budget_s > 0")
+        if self.batch < 1 or self.budget_s <= 0 or self.min_iters < 1 or self.rounds < 1:
+            raise ValueError("batch, min_iters and rounds must be >= 1 and budget_s > 0")
         usable = len(os.sched_getaffinity(0))
         if not self.cores or not all(1 <= c <= usable for c in self.cores):
             raise ValueError(f"cores {list(self.cores)} must each be within 1..{usable} (the usable CPUs)")
@@ -60,7 +62,7 @@ class Params(BaseParams):
 
     @classmethod
     def quick(cls) -> Params:
-        return cls(cores=(1,), budget_s=0.2, min_iters=3, omp_policies=("",))
+        return cls(batch=2, cores=(1,), budget_s=0.2, min_iters=3, omp_policies=("",), rounds=1)
 
 
 def split_sets(models: list[str]) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
@@ -70,6 +72,20 @@ def split_sets(models: list[str]) -> tuple[list[tuple[str, ...]], list[tuple[str
     train = [(m, m) for m in models] + pairs[:1]
     held = pairs[1:] + ([tuple(models)] if len(models) > 2 else [])
     return train, held
+
+
+def median_rounds(rounds: list[tuple[dict[str, float], list[Any]]]) -> tuple[dict[str, float], list[Any]]:
+    """One (solo, runs) from several rounds of ``run_colocations``: per member, the median of
+    its solo time, co-located mean and slowdown (each slowdown a ratio within its round)."""
+    from splitserve.placement.profiler import ColocationRun
+
+    solo = {k: statistics.median(r[0][k] for r in rounds) for k in rounds[0][0]}
+    runs = []
+    for same in zip(*(r[1] for r in rounds)):
+        def med(field: str, same: tuple[Any, ...] = same) -> tuple[float, ...]:
+            return tuple(statistics.median(vals) for vals in zip(*(getattr(x, field) for x in same)))
+        runs.append(ColocationRun(same[0].cores, same[0].members, med("slowdowns"), med("solo_s"), med("mean_s")))
+    return solo, runs
 
 
 def rel_errors(predictions: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -136,20 +152,27 @@ def _pass(ctx: Context, p: Params, configs: list[Any], cache: Path, omp: str) ->
         procs = MeasuringProcesses(measurers, cache, omp_wait_policy=omp or None)
     with procs:
         for cores, which in groups.items():
-            with ctx.task(f"co-locating on {cores} core(s)", 1):
-                solo, runs = run_colocations(procs, which, train + held, budget_s=p.budget_s, min_iters=p.min_iters)
+            with ctx.task(f"co-locating on {cores} core(s)", p.rounds) as advance:
+                rounds = []
+                for _ in range(p.rounds):
+                    rounds.append(run_colocations(procs, which, train + held, budget_s=p.budget_s,
+                                                  min_iters=p.min_iters))
+                    advance(1)
+            solo, runs = median_rounds(rounds)
             out["cores"][cores] = {"solo_s": solo, "train": runs[:len(train)], "held_out": runs[len(train):]}
         if cross:
             rows = []
-            with ctx.task("cross-partition interference", len(names)):
-                for a in names:
-                    alone = procs.run([on_c0[a]], procs.window([on_c0[a]], p.budget_s, p.min_iters))[0]
-                    for b in names:
-                        if b != a:
-                            together = [on_c0[a], on_c1[b]]
-                            beside = procs.run(together, procs.window(together, p.budget_s, p.min_iters))[0]
-                            rows.append({"model": a, "busy": b, "alone_s": alone, "beside_s": beside,
-                                         "ratio": beside / alone})
+            with ctx.task("cross-partition interference", len(names) * (len(names) - 1)) as advance:
+                for a, b in itertools.permutations(names, 2):
+                    alone_s, beside_s = [], []
+                    for _ in range(p.rounds):  # alone, then beside, in each round: one machine state per ratio
+                        alone_s.append(procs.run([on_c0[a]], procs.window([on_c0[a]], p.budget_s, p.min_iters))[0])
+                        together = [on_c0[a], on_c1[b]]
+                        beside_s.append(procs.run(together, procs.window(together, p.budget_s, p.min_iters))[0])
+                    rows.append({"model": a, "busy": b, "alone_s": statistics.median(alone_s),
+                                 "beside_s": statistics.median(beside_s),
+                                 "ratio": statistics.median(x / y for x, y in zip(beside_s, alone_s))})
+                    advance(1)
             out["interference"] = rows
     out["load_average_after"] = os.getloadavg()
     return out
