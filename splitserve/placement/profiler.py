@@ -253,7 +253,10 @@ class _Process:
 
     def send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        try:
+            self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        except BrokenPipeError:
+            raise InvalidInput(f"measuring {self.measurer.key} failed{self._stderr()}") from None
 
     def read(self, deadline: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -374,6 +377,8 @@ def profile_colocation(configs: Sequence[ModelConfig], cores: int, batch: int | 
     same warm processes, so each slowdown is one machine state's ratio. ``omp_wait_policy``
     sets OMP_WAIT_POLICY in the measuring processes (PASSIVE: idle OpenMP threads sleep
     instead of spinning on CPUs a co-runner needs). ``on_run`` is called as each run ends.
+    ``cpus`` names the partition's CPUs (its first ``cores``); by default the topology's
+    allocator picks ``cores`` neighbouring ones.
     """
     by_name = {c.name: c for c in configs}
     if not by_name:
