@@ -18,7 +18,6 @@ busy beside it. End of stdin ends the process.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import json
 import os
@@ -52,20 +51,19 @@ def _trim_heap() -> None:
     """Give freed heap memory back to the OS, so that a batch's allocations fault in anew
     (and show in the peak) instead of reusing what an earlier batch left in malloc's arenas."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):  # glibc only
-            libc.malloc_trim(0)
+    libc = ctypes.CDLL(None)  # this process's own symbols: no library search (find_library runs ldconfig)
+    if hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
 
-def peak_added(run: Callable[[], Any], device: Any) -> int | None:
-    """Bytes of memory ``run()`` added at its peak: CUDA's peak allocation on a GPU, the rise
-    of the peak RSS (VmHWM) over the RSS before it on the CPU. None where it cannot be
-    measured (the peak cannot be reset), rather than a number that is some earlier peak."""
-    import torch
+def peak_added(run: Callable[[], Any], device: Any = None) -> int | None:
+    """Bytes of memory ``run()`` added at its peak: CUDA's peak allocation on a GPU (a
+    ``torch.device`` of type cuda), the rise of the peak RSS (VmHWM) over the RSS before it
+    on the CPU. None where it cannot be measured (the peak cannot be reset), rather than a
+    number that is some earlier peak."""
+    if device is not None and device.type == "cuda":
+        import torch
 
-    if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

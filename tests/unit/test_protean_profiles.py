@@ -99,14 +99,12 @@ def test_protean_profiles_read_solo_fbr_and_footprint_with_their_fallbacks(
 
 
 def test_peak_added_sees_what_a_batch_allocates() -> None:
-    import torch
-
     n = 64 * 2**20
 
     def batch() -> None:
         np.ones(n, np.uint8)  # written, so resident: the peak rises by about n
 
-    added = peak_added(batch, torch.device("cpu"))
+    added = peak_added(batch)
     if added is None:
         pytest.skip("this kernel does not let a process reset its peak RSS")
     assert 0.9 * n <= added <= 1.5 * n
@@ -152,3 +150,30 @@ def test_slowdown_bench_keeps_the_median_of_each_members_measurements_over_round
     solo, (run,) = median_rounds([rnd(1.0, (2.0, 2.2)), rnd(3.0, (1.0, 9.0)), rnd(2.0, (2.1, 2.0))])
     assert solo == {"a@1": 2.0}
     assert run.members == ("a@1", "a@1") and run.slowdowns == (2.0, 2.2) and run.solo_s == (2.0, 2.0)
+
+
+def test_slowdown_bench_reports_predictions_errors_and_interference_from_measured_runs() -> None:
+    from splitserve.bench.scenarios.slowdown import Params, _fit, _output
+
+    def run(members: tuple[str, ...], s: float) -> ColocationRun:
+        solo = {"a@2": 0.01, "b@2": 0.02, "c@2": 0.04}
+        return ColocationRun(1, members, tuple(s for _ in members), tuple(solo[m] for m in members),
+                             tuple(solo[m] * s for m in members))
+
+    ps = {"omp_wait_policy": None, "batches": {"a": 2, "b": 2, "c": 2}, "load_average_before": (0.0, 0.0, 0.0),
+          "load_average_after": (0.1, 0.0, 0.0),
+          "cores": {1: {"solo_s": {"a@2": 0.01, "b@2": 0.02, "c@2": 0.04},
+                        "train": [run(("a@2", "a@2"), 2.0), run(("b@2", "b@2"), 2.0), run(("c@2", "c@2"), 2.0),
+                                  run(("a@2", "b@2"), 2.0)],
+                        "held_out": [run(("a@2", "c@2"), 2.2), run(("b@2", "c@2"), 2.0),
+                                     run(("a@2", "b@2", "c@2"), 3.0)]}},
+          "interference": [{"model": "a", "busy": "b", "alone_s": 0.01, "beside_s": 0.011, "ratio": 1.1}]}
+    _fit(ps)
+    r = ps["cores"][1]
+    assert r["fit"]["fbr"] == pytest.approx({"a@2": 1.0, "b@2": 1.0, "c@2": 1.0})
+    assert r["error"]["n"] == 7 and r["error"]["median"] == pytest.approx(0.0, abs=1e-9)
+    assert r["error"]["p90"] == pytest.approx(0.2 / 2.2, rel=0.3)  # the 2.2 pair: Eq. 1 says 2
+    out = _output(Params.quick(), [ps])
+    assert "median 0.0%" in out.report and "| a | b | 10.00 | 11.00 | 1.100 |" in out.report
+    assert out.result["passes"][0]["cores"]["1"]["held_out"][0]["members"] == ["a@2", "c@2"]
+    assert "slowdown" in out.figures

@@ -115,7 +115,9 @@ def predict(fit: Any, runs: list[Any], solo: dict[tuple[str, int], float], whole
             corunners = names[:i] + names[i + 1:]
             out.append({"cores": r.cores, "run": list(r.members), "member": key, "measured_s": r.mean_s[i],
                         "predicted_s": model.predict(name, batch, r.cores, corunners),
-                        "measured_slowdown": r.slowdowns[i]})
+                        "measured_slowdown": r.slowdowns[i],
+                        # an unidentified FBR counts as the model's unknown_fbr (1.0): said, not hidden
+                        "fbrs_fitted": all(n in fbr for n in names)})
     return out
 
 
@@ -281,10 +283,12 @@ def _output(p: Params, passes: list[dict[str, Any]]) -> ScenarioOutput:
                 + (", ".join(f"{k} {fmt(v, 3)}" for k, v in fit["residuals"].items()) or "none"), ""]
             prow = [(" + ".join(x["run"]), x["member"], fmt(x["measured_s"] * 1e3, 2),
                      fmt(None if x["predicted_s"] is None else x["predicted_s"] * 1e3, 2),
-                     fmt(None if x["predicted_s"] is None else 100 * (x["predicted_s"] / x["measured_s"] - 1), 1, "%"))
+                     fmt(None if x["predicted_s"] is None else 100 * (x["predicted_s"] / x["measured_s"] - 1), 1, "%"),
+                     "yes" if x["fbrs_fitted"] else "no: unknown_fbr used")
                     for x in r["predictions"]]
             e = r["error"]
-            report += [md_table(("held-out run", "member", "measured ms", "predicted ms", "error"), prow), "",
+            report += [md_table(("held-out run", "member", "measured ms", "predicted ms", "error", "every FBR fitted"),
+                                prow), "",
                        f"Relative error over {e['n']} held-out members: median {fmt(_pct(e['median']), 1, '%')}, "
                        f"p90 {fmt(_pct(e['p90']), 1, '%')}.", ""]
             lines.append(f"{tag}, {cores} core(s): held-out error median {fmt(_pct(e['median']), 1, '%')}, "
