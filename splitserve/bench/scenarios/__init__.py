@@ -43,6 +43,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("packrat", "Profile a model, then Packrat's <instances, threads, batch> choice vs one fat "
                      "instance per batch size, expected vs measured, and adaptive reconfiguration under a load "
                      "step (Packrat Fig. 4/5/6).", "splitserve.bench.scenarios.packrat"),
+        ScenarioInfo("slowdown", "PROTEAN's slowdown model: FBRs fitted on some co-locations of zoo models on 1..C "
+                     "cores predict held-out ones (median and p90 relative error, fit residuals); cross-partition "
+                     "interference of disjoint cores (PROTEAN Eq. 1/2, Fig. 3).",
+                     "splitserve.bench.scenarios.slowdown"),
         ScenarioInfo("chaos", "Mixed RT/BE load at 2x capacity over every transport while workers are killed, "
                      "clients stall or stop reading, frames are malformed and models are resized, reconfigured "
                      "and reloaded: a ledger proves one answer per request (issue 9).",
