@@ -138,6 +138,8 @@ class ServerConfig:
     # -- Triton and KServe drop-in: system shared memory --
     shm_max_regions: int = 64  # client shared-memory regions registered at once; more are refused
     shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
+    # -- fast path at the limit (issue 15) --
+    fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -182,6 +184,8 @@ class ServerConfig:
             raise InvalidInput("frame_timeout_s must be positive")
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
+        if self.fast_stage_trace < 0:
+            raise InvalidInput("fast_stage_trace must be 0 (off) or a number of calls")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
                      "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k",
                      "placement_history", "grpc_stream_max_in_flight", "shm_max_regions", "shm_max_bytes"):

@@ -181,6 +181,7 @@ class FastPathConnection:
         seq = self.intake.alloc(rt, cls, count)
         deadline = time.perf_counter() + h.deadline_us / 1e6 if h.deadline_us else None
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, deadline)
+        call.t_first = self.frame_t0
         self.in_flight[h.req_id] = call
         self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
         self.state = _PAYLOAD
@@ -260,6 +261,7 @@ class FastPathConnection:
         self.in_flight.pop(call.req_id, None)
         if self.closed:
             return
+        call.t_tx = time.perf_counter()
         outs = call.runtime.output_views(call.cls, call.seq, call.count)
         h = Header(
             Kind.RESPONSE, req_id=call.req_id, func_id=call.runtime.func_id, cls=call.cls,
