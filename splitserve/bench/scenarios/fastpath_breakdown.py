@@ -115,6 +115,32 @@ class _Stamped:
         self.sock.close()
 
 
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far (schedstat: ns on a CPU); 0 once it is gone."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except OSError:
+        pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the server's workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
 def _pyspy(p: Params) -> str | None:
     return (p.pyspy or shutil.which("py-spy")) if p.profile else None
 
@@ -162,13 +188,27 @@ def _measure(ctx: Context, url: str, http: str, model: str, p: Params, server_pi
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             client: dict[int, dict[str, float]] = {}
             echo_us = np.empty(p.requests)
+            # CPU per call, which the machine's noise moves far less than wall time: the
+            # fast-path calls and the echo calls alternate, so each side's CPU is its own.
+            workers = _children(server_pid)
+            fe0, w0, e0 = _cpu_ns(server_pid), sum(map(_cpu_ns, workers)), _cpu_ns(echo.proc.pid)
+            client_cpu = echo_cpu_client = 0.0
             with gc_paused():
                 for i in range(p.requests):
                     rid = base + p.warmup + i
+                    c0 = time.thread_time()
                     client[rid] = c.call(x, rid)
+                    c1 = time.thread_time()
                     t0 = time.perf_counter()
                     ec.call()
                     echo_us[i] = (time.perf_counter() - t0) * 1e6
+                    client_cpu += c1 - c0
+                    echo_cpu_client += time.thread_time() - c1
+            cpu = {"front end": (_cpu_ns(server_pid) - fe0) / 1e3 / p.requests,
+                   "workers": (sum(map(_cpu_ns, workers)) - w0) / 1e3 / p.requests,
+                   "client": client_cpu * 1e6 / p.requests,
+                   "echo server": (_cpu_ns(echo.proc.pid) - e0) / 1e3 / p.requests,
+                   "echo client": echo_cpu_client * 1e6 / p.requests}
     finally:
         c.close()
         if prof is not None:
@@ -189,7 +229,7 @@ def _measure(ctx: Context, url: str, http: str, model: str, p: Params, server_pi
     e2e = np.array([(r["c_end"] - r["c_start"]) * 1e6 for r in rows])
     compute = np.array([r["compute_ns"] / 1e3 for r in rows])
     return {"joined": len(rows), "stages_us": per_stage, "e2e_us": lat(e2e), "e2e_minus_compute_us": lat(e2e - compute),
-            "echo_us": lat(echo_us),
+            "echo_us": lat(echo_us), "cpu_us_per_call": cpu,
             "hot_frames": _hot_frames(raw) if prof is not None and raw.exists() else []}
 
 
@@ -232,7 +272,11 @@ def _output(results: dict[str, Any]) -> ScenarioOutput:
     rows.append(("TCP echo (same run)", *(f"{fmt(results[k]['echo_us']['p50'])} / {fmt(results[k]['echo_us']['mean'])}"
                                           for k in keys)))
     report += ["Each cell: p50 / mean µs per stage (medians do not add up; means do).", "",
-               md_table(("stage", *keys), rows), ""]
+               md_table(("stage", *keys), rows), "",
+               "CPU time per call (µs, all threads; the front end's includes the py-spy sampling's "
+               "interruptions when profiling):", "",
+               md_table(("process", *keys), [(name, *(fmt(results[k]["cpu_us_per_call"][name]) for k in keys))
+                                             for name in next(iter(results.values()))["cpu_us_per_call"]]), ""]
     for k, r in results.items():
         ratio = (r["e2e_minus_compute_us"]["p50"] / r["echo_us"]["p50"]
                  if r["e2e_minus_compute_us"]["p50"] and r["echo_us"]["p50"] else None)
