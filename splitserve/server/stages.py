@@ -25,12 +25,12 @@ class StagedCall(Protocol):
     t_start_w: float  # the worker began the batch
     compute_ns: int  # the worker's run
     t_done: float  # the front end read the worker's DONE
-    t_tx: float  # the answer was being written
-    t_work: float  # answered
+    t_work: float  # the runtime answered it (WORK_COMPLETE)
+    t_tx: float  # its transport began writing the answer
 
 
 # The stamps in the order a call passes them; a record lists them under these names.
-STAMPS = ("t_first", "t_ready", "t_rx", "t_dispatch", "t_start_w", "t_done", "t_tx", "t_work")
+STAMPS = ("t_first", "t_ready", "t_rx", "t_dispatch", "t_start_w", "t_done", "t_work", "t_tx")
 
 
 class StageTrace:

@@ -258,6 +258,24 @@ def run(ctx: Context) -> ScenarioOutput:
     return _output(results)
 
 
+def _plot(results: dict[str, Any]) -> Any:
+    """One stacked bar per run: the mean time of each stage (means add up to the mean E2E)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 1.2 + 0.6 * len(results)))
+    ax = fig.subplots()
+    keys = list(results)
+    left = np.zeros(len(keys))
+    for name, _, _ in STAGES:
+        width = np.array([results[k]["stages_us"][name]["mean"] or 0.0 for k in keys])
+        ax.barh(keys, width, left=left, label=name)
+        left += width
+    ax.set_xlabel("mean µs per call")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(keys) < 3 else -0.2))
+    fig.tight_layout()
+    return fig
+
+
 def _output(results: dict[str, Any]) -> ScenarioOutput:
     report = [__doc__.split("\n\n", 1)[1].strip(), ""]
     lines = []
@@ -286,4 +304,5 @@ def _output(results: dict[str, Any]) -> ScenarioOutput:
             report += [f"## py-spy, server process, {k}: top of stack", "",
                        md_table(("frame", "share of samples"), [(f, f"{100 * s:.1f} %") for f, s in r["hot_frames"]]),
                        ""]
-    return ScenarioOutput({"runs": results}, "\n".join(report), {}, lines)
+    return ScenarioOutput({"runs": results}, "\n".join(report), {"fastpath_breakdown": _plot(results)} if results else {},
+                          lines)
