@@ -181,7 +181,7 @@ class FastPathConnection:
         seq = self.intake.alloc(rt, cls, count)
         deadline = time.perf_counter() + h.deadline_us / 1e6 if h.deadline_us else None
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, deadline)
-        call.t_first = self.frame_t0
+        call.t_first = self.frame_t0  # time.monotonic is perf_counter's clock (CLOCK_MONOTONIC) on Linux
         self.in_flight[h.req_id] = call
         self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
         self.state = _PAYLOAD

@@ -3,8 +3,9 @@
 
 Every stamp is on ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, which the worker
 processes and a client on the same host share), so a client can join its own stamps to the
-server's by ``req_id`` and see where one call's time went. Only successful calls are kept,
-the newest ``limit`` of them; with a limit of 0 nothing is built at all.
+server's by ``req_id`` and see where one call's time went. Only successful calls over the
+stream fast path (TCP, Unix) are kept, the newest ``limit`` of them; with a limit of 0
+nothing is built at all.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ class StageTrace:
         self._calls: deque[tuple] = deque(maxlen=limit)
 
     def record(self, model: str, call: StagedCall) -> None:
-        """Keep ``call``'s stamps (it was just answered with a result)."""
+        """Keep ``call``'s stamps (it was just answered with a result) if its transport stamps
+        its write: the stream fast path does; UDP, HTTP and gRPC calls are not kept."""
+        if not call.t_tx:
+            return
         self._calls.append((model, call.req_id, call.count, call.compute_ns, *(getattr(call, s) for s in STAMPS)))
 
     def snapshot(self) -> list[dict[str, Any]]:
