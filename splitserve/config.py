@@ -167,6 +167,8 @@ class ServerConfig:
     protean_t_high: float | None = None  # override of T_high in BE requests (None: derived from the slowdown model)
     protean_keep_alive_s: float = 600.0  # surplus instances retire after this long of continuous surplus (paper: ~10 min)
     protean_unknown_fbr: float = 1.0  # FBR of a model with no fitted FBR (not given: splitserve's choice)
+    # -- fast path at the limit (issue 15) --
+    fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -216,6 +218,8 @@ class ServerConfig:
             raise InvalidInput("frame_timeout_s must be positive")
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
+        if self.fast_stage_trace < 0:
+            raise InvalidInput("fast_stage_trace must be 0 (off) or a number of calls")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
                      "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k",
                      "placement_history", "grpc_stream_max_in_flight", "shm_max_regions", "shm_max_bytes"):

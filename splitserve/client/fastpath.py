@@ -22,6 +22,9 @@ from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_s
 from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, unpack_header
 
 
+_RX_BYTES = 64 * 1024  # the sync client's receive buffer; bigger payloads are read past it
+
+
 def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None,
                     slo_ms: float | None) -> Header:
     """``deadline_ms`` is hard (still queued then, the call fails), ``slo_ms`` soft (a late
@@ -95,7 +98,11 @@ class Client:
         self._reading = False
         self._pending: dict[int, PendingCall] = {}
         self._models: dict[str, ModelInfo] = {}
-        self._hdr = bytearray(HEADER_SIZE)
+        # Answers are read through this buffer: one recv usually brings a whole small frame
+        # (header and payload), where reading them apart took two system calls per answer.
+        self._rx = bytearray(_RX_BYTES)
+        self._rx_mv = memoryview(self._rx)
+        self._rx_start = self._rx_end = 0  # the unparsed bytes are _rx[_rx_start:_rx_end]
         self.closed = False
 
     # -- public API -------------------------------------------------------------------
@@ -105,7 +112,8 @@ class Client:
         info = self._models.get(model)
         if info is None:
             body = model.encode()
-            call = self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+            req_id = next(self._ids)
+            call = self._call(req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
                               lambda h, p: self._check(h, p, ModelInfo.from_json))
             info = self._models[model] = call.result()
         return info
@@ -117,7 +125,7 @@ class Client:
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
         h = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
-        return self._call([h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched))
+        return self._call(req_id, [h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched))
 
     def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
         return self.submit(model, x, **kw).result()
@@ -128,7 +136,8 @@ class Client:
 
     def ping(self) -> float:
         t = time.perf_counter()
-        self._call([Header(Kind.PING, req_id=next(self._ids)).pack()], lambda h, p: None).result()
+        req_id = next(self._ids)
+        self._call(req_id, [Header(Kind.PING, req_id=req_id).pack()], lambda h, p: None).result()
         return time.perf_counter() - t
 
     def close(self) -> None:
@@ -150,8 +159,7 @@ class Client:
             raise error_for_status(h.status, payload.decode(errors="replace"))
         return parse(payload)
 
-    def _call(self, parts: list, decode: Callable[[Header, bytes], Any]) -> PendingCall:
-        req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
+    def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any]) -> PendingCall:
         call = PendingCall(self, req_id, decode)
         with self._cond:
             self._pending[req_id] = call
@@ -163,19 +171,41 @@ class Client:
                 self.sock.sendall(rest)
         return call
 
-    def _recv_exact(self, buf: "bytearray | memoryview") -> None:
-        mv = memoryview(buf)
-        while len(mv):
-            n = self.sock.recv_into(mv)
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` unparsed bytes are buffered (``need`` <= the buffer)."""
+        if self._rx_start + need > len(self._rx):  # no room after them: move them to the front
+            n = self._rx_end - self._rx_start
+            self._rx[:n] = self._rx[self._rx_start : self._rx_end]
+            self._rx_start, self._rx_end = 0, n
+        while self._rx_end - self._rx_start < need:
+            n = self.sock.recv_into(self._rx_mv[self._rx_end :])
             if n == 0:
                 raise ConnectionError("server closed the connection")
-            mv = mv[n:]
+            self._rx_end += n
+
+    def _take(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the stream, in a buffer of their own (decoded arrays keep it)."""
+        out = bytearray(n)
+        have = min(n, self._rx_end - self._rx_start)
+        out[:have] = self._rx_mv[self._rx_start : self._rx_start + have]
+        self._rx_start += have
+        mv = memoryview(out)[have:]
+        while len(mv):  # a payload bigger than what was buffered: straight into its own buffer
+            got = self.sock.recv_into(mv)
+            if got == 0:
+                raise ConnectionError("server closed the connection")
+            mv = mv[got:]
+        if self._rx_start == self._rx_end:
+            self._rx_start = self._rx_end = 0
+        return out
 
     def _read_one(self) -> None:
-        self._recv_exact(self._hdr)
-        h = unpack_header(self._hdr)
-        payload = bytearray(h.payload_len)
-        self._recv_exact(payload)
+        self._fill(HEADER_SIZE)
+        h = unpack_header(self._rx_mv[self._rx_start : self._rx_start + HEADER_SIZE])
+        self._rx_start += HEADER_SIZE
+        if h.payload_len <= len(self._rx):
+            self._fill(h.payload_len)
+        payload = self._take(h.payload_len)
         with self._cond:
             call = self._pending.pop(h.req_id, None)
         if call is None:

@@ -101,7 +101,7 @@ class Server:
     def __init__(self, config: ServerConfig, start_worker: WorkerFactory | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.monitor = InferenceMonitor(self.metrics)
+        self.monitor = InferenceMonitor(self.metrics, stage_trace=config.fast_stage_trace)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
@@ -395,6 +395,11 @@ class Server:
         ready, or evicted on purpose (it takes calls and loads on the next); other models
         load on first use, so they do not count."""
         return not self.stopping and all(self.model_state(m) in ("ready", "evicted") for m in self.config.load)
+
+    def stage_trace(self) -> dict[str, Any]:
+        stages = self.monitor.stages
+        return {"enabled": stages is not None, "now": time.perf_counter(),
+                "calls": stages.snapshot() if stages is not None else []}
 
     def metrics_text(self) -> bytes:
         self.metrics.refresh(rt.gauges() for rt in self.runtimes.values())

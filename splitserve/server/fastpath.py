@@ -182,6 +182,7 @@ class FastPathConnection:
         now = time.perf_counter()
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, after_us(now, h.deadline_us),
                     slo=after_us(now, h.slo_us))
+        call.t_first = self.frame_t0  # time.monotonic is perf_counter's clock (CLOCK_MONOTONIC) on Linux
         self.in_flight[h.req_id] = call
         self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
         self.state = _PAYLOAD
@@ -261,6 +262,7 @@ class FastPathConnection:
         self.in_flight.pop(call.req_id, None)
         if self.closed:
             return
+        call.t_tx = time.perf_counter()
         outs = call.runtime.output_views(call.cls, call.seq, call.count)
         h = Header(
             Kind.RESPONSE, req_id=call.req_id, func_id=call.runtime.func_id, cls=call.cls,

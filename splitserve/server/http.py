@@ -555,6 +555,12 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             raise InvalidInput('the body must be {"geometry": "<core counts>"}, e.g. {"geometry": "1,1"}')
         return await manager.set_geometry(body["geometry"])
 
+    @app.get("/v2/debug/stages", tags=["scheduling"], **_doc(doc.Stages))
+    async def stages() -> dict:
+        """Where the newest fast-path calls spent their time: one record of stamps per call
+        (``fast_stage_trace`` of them; none unless the server was started with it)."""
+        return api.stage_trace()
+
     @app.get("/v2/memory", tags=["scheduling"], **_doc(doc.Memory))
     async def memory() -> dict:
         """The memory manager: budget, reserved and resident bytes, LRU order, loads and

@@ -315,6 +315,15 @@ class Memory(BaseModel):
     models: dict[str, ModelMemory]
 
 
+class Stages(BaseModel):
+    """Per-stage stamps (server clock, seconds) of the newest successful fast-path calls;
+    ``enabled`` is false when the server keeps none (``fast_stage_trace`` 0)."""
+
+    enabled: bool
+    now: float
+    calls: list[dict[str, Any]]
+
+
 class SchedulerEvents(BaseModel):
     mode: str
     now: float

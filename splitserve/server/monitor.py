@@ -19,6 +19,7 @@ from typing import Protocol
 from splitserve.errors import InternalError, SplitServeError
 from splitserve.protocol.header import RequestClass
 from splitserve.server.metrics import Metrics, SloOutcome
+from splitserve.server.stages import StageTrace
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class Call:
     """Per-request state; lives in the request, never on a shared handler."""
 
     __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline", "slo",
-                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied")
+                 "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied",
+                 "t_first", "t_start_w", "t_done", "t_tx")
 
     def __init__(self, monitor: "InferenceMonitor", runtime: CallTarget, req_id: int, cls: RequestClass,
                  seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None,
@@ -95,6 +97,10 @@ class Call:
         self.replied = False
         self.t_ready = monitor.clock()
         self.t_rx = self.t_dispatch = self.t_work = 0.0
+        # Stage stamps for ``server/stages.py``: the frame's first byte (a transport that
+        # knows it sets it), the worker's start, its DONE read here, the answer's write.
+        self.t_first = self.t_ready
+        self.t_start_w = self.t_done = self.t_tx = 0.0
         self.compute_ns = 0
         # True while the payload arrives in a side buffer: ``seq`` names no slots then.
         self.aside = False
@@ -180,9 +186,12 @@ class InferenceMonitor:
     """Knows every open call and counts calls by outcome; ``in_flight`` returns to 0 when
     the server is idle. ``clock`` is the one the calls' times are on (perf_counter)."""
 
-    def __init__(self, metrics: Metrics | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, metrics: Metrics | None = None, clock: Callable[[], float] = time.perf_counter,
+                 stage_trace: int = 0) -> None:
         self.metrics = metrics
         self.clock = clock
+        # The stages of the newest ``stage_trace`` successful calls (None: not kept).
+        self.stages = StageTrace(stage_trace) if stage_trace else None
         self.outcomes: Counter[str] = Counter()
         # Insertion order is opening order, so the oldest calls come first.
         self._open: dict[Call, None] = {}
@@ -205,6 +214,8 @@ class InferenceMonitor:
             return
         key = "abandoned" if abandoned else ("ok" if error is None else f"error:{error.status.name}")
         self.outcomes[key] += 1
+        if self.stages is not None and key == "ok":
+            self.stages.record(call.runtime.name, call)
         if not abandoned:
             self._count_slo(call, error)
 

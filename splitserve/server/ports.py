@@ -217,6 +217,9 @@ class ServingAPI(Protocol):
     def metrics_text(self) -> bytes:
         """Prometheus text exposition, gauges refreshed now."""
 
+    def stage_trace(self) -> dict[str, Any]:
+        """``GET /v2/debug/stages``: ``enabled``, the clock ``now`` and the kept calls' stamps."""
+
 
 @dataclass(frozen=True, slots=True)
 class RegionStatus:

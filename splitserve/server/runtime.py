@@ -903,8 +903,10 @@ class ModelRuntime:
         st.compute_ns += msg.compute_ns
         st.batch_sizes[batch.count] = st.batch_sizes.get(batch.count, 0) + 1
         st.last_inference_ms = int(time.time() * 1000)
+        t_done, t_start_w = time.perf_counter(), msg.start_ns / 1e9
         for r in batch.requests:
-            r.handle.compute_ns = msg.compute_ns
+            call = r.handle
+            call.compute_ns, call.t_done, call.t_start_w = msg.compute_ns, t_done, t_start_w
         self._answer_batch(batch, None)
         self._unload_when_idle(instance)
         self.kick()

@@ -33,8 +33,8 @@ class Msg(IntEnum):
 
 # kind, cls, resume_segment, batch_id, seq, count
 RUN = struct.Struct("<BBHIQI")
-# kind, status, pad, batch_id, compute_ns, segments_run, first_segment, preempt_ns
-DONE = struct.Struct("<BBHIQHHQ")
+# kind, status, pad, batch_id, compute_ns, segments_run, first_segment, preempt_ns, start_ns
+DONE = struct.Struct("<BBHIQHHQQ")
 # kind, op, pad, id: the head of every message with a text or JSON body. ``op`` is the kind
 # of the request a FAILED answers; ``id`` a batch id (RUN) or a binding id (LOAD, LOADED).
 HEAD = struct.Struct("<BBxxI")
@@ -70,7 +70,9 @@ class DoneMsg:
     """DONE or PREEMPTED: ``segments_run`` segments from ``first_segment`` were executed.
 
     For PREEMPTED, the restore point is ``first_segment + segments_run`` and ``preempt_ns``
-    is the time from the preemption flag being raised to the worker stopping.
+    is the time from the preemption flag being raised to the worker stopping. ``start_ns``
+    is when the worker began the batch (``perf_counter_ns``: CLOCK_MONOTONIC, the front
+    end's clock too), so the front end can tell the hand-off from the way back.
     """
 
     kind: int
@@ -79,15 +81,16 @@ class DoneMsg:
     segments_run: int
     first_segment: int
     preempt_ns: int = 0
+    start_ns: int = 0
 
     def pack(self) -> bytes:
         return DONE.pack(self.kind, 0, 0, self.batch_id, self.compute_ns, self.segments_run,
-                         self.first_segment, self.preempt_ns)
+                         self.first_segment, self.preempt_ns, self.start_ns)
 
     @classmethod
     def unpack(cls, b: bytes) -> "DoneMsg":
-        kind, _s, _p, bid, ns, run, first, pns = DONE.unpack_from(b)
-        return cls(kind, bid, ns, run, first, pns)
+        kind, _s, _p, bid, ns, run, first, pns, start = DONE.unpack_from(b)
+        return cls(kind, bid, ns, run, first, pns, start)
 
 
 def _pack_json(kind: Msg, ident: int, body: Any, op: int = 0) -> bytes:

@@ -174,7 +174,7 @@ class Worker:
                     b.restore[msg.batch_id] = Restore(i, acts)
                     raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
                     return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, i - first, first,
-                                   max(0, stop_ns - raised))
+                                   max(0, stop_ns - raised), t0)
                 s0 = time.monotonic_ns()
                 acts = self._launch(b, model, i, acts, launched)
                 if b.stream is None:  # synchronous: this is the segment's real time
@@ -188,7 +188,7 @@ class Worker:
             for tq, spec, y in zip(outs, b.cfg.outputs, acts):
                 dst = torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
                 dst.copy_(y.reshape(dst.shape))
-        return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first)
+        return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first, start_ns=t0)
 
     def _launch(self, b: Binding, model: SegmentedModel, i: int, acts: tuple, launched: list) -> tuple:
         if b.stream is None:

@@ -195,3 +195,14 @@ def test_multimodel_smoke(tmp_path):
     assert doc["overlap"]["loading"]["loads"] > 0 == doc["overlap"]["quiet"]["loads"]
     assert doc["concurrent"]["ok"] == doc["concurrent"]["sent"] > 0
     assert doc["memory"]["max_resident_models"] == 2 and (summary.path / "latency_cdf.png").is_file()
+
+
+def test_fastpath_breakdown_joins_the_clients_and_the_servers_stamps(tmp_path):
+    summary = run_scenario("fastpath-breakdown", quick=True, out=tmp_path, models=("vecadd1k",), transports=("unix",),
+                           overrides={"requests": "40", "warmup": "5", "profile": "false"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK
+    run = _result(summary.path)["runs"]["vecadd1k unix"]
+    assert run["joined"] == 40  # every call found its server record
+    means = [s["mean"] for s in run["stages_us"].values()]
+    assert all(m is not None for m in means) and abs(sum(means) - run["e2e_us"]["mean"]) < 1e-6 * run["e2e_us"]["mean"]

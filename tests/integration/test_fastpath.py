@@ -25,7 +25,9 @@ MODELS = ("lenet", "vecadd1k", "digits")
 def server(tmp_path_factory):
     from tests.conftest import start_server
 
-    s = start_server(tmp_path_factory.mktemp("spine"), *sum((["--load", m] for m in MODELS), []))
+    # HTTP and the stage trace are on for test_stage_stamps_of_a_call_are_in_order_across_processes.
+    s = start_server(tmp_path_factory.mktemp("spine"), *sum((["--load", m] for m in MODELS), []), http=True,
+                     env={**os.environ, "SPLITSERVE_FAST_STAGE_TRACE": "64"})
     yield s
     assert s.stop() == 0
 
@@ -308,3 +310,19 @@ def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
                 assert c2.lookup("resnet50").extra["pids"][0] != pid
     finally:
         s.stop()
+
+
+def test_stage_stamps_of_a_call_are_in_order_across_processes(server):
+    """The front end's and the worker's stamps share one clock: a call's stages are in order."""
+    from splitserve.bench.ownserver import get_json
+    from splitserve.server.stages import STAMPS
+
+    with Client(server.tcp) as c:
+        rid = c.submit("vecadd1k", {"a": np.ones(1024, np.float32), "b": np.ones(1024, np.float32)}).req_id
+        c.infer_result("vecadd1k", {"a": np.ones(1024, np.float32), "b": np.ones(1024, np.float32)})
+    trace = get_json(f"{server.http}/v2/debug/stages")
+    rec = next(r for r in trace["calls"] if r["req_id"] == rid)
+    stamps = [rec[s] for s in STAMPS]
+    assert trace["enabled"] and rec["model"] == "vecadd1k" and rec["compute_ns"] > 0
+    assert stamps == sorted(stamps) and stamps[0] > 0, " ".join(f"{s}={t:.6f}" for s, t in zip(STAMPS, stamps))
+    assert rec["t_start_w"] + rec["compute_ns"] / 1e9 <= rec["t_done"]

@@ -88,3 +88,21 @@ def test_a_second_answer_is_a_counted_no_op():
     assert metrics.registry.get_sample_value("splitserve_dropped_answers_total",
                                              {"model": "m", "reason": "duplicate"}) == 1
     assert mon.in_flight == 0
+
+
+def test_stage_trace_keeps_the_newest_successful_calls_only_and_is_bounded():
+    clock, metrics = FakeClock(), Metrics()
+    mon, rt, sink = InferenceMonitor(metrics, clock, stage_trace=2), FakeRuntime(), FakeSink()
+    for req_id in (1, 2, 3, 4, 5):
+        c = call(mon, rt, sink, req_id)
+        c.rx_complete()
+        clock.t += 1
+        c.t_tx = 0.0 if req_id == 5 else clock.t  # 5: a transport that does not stamp its write (UDP, HTTP)
+        c.answer(ModelNotReady("x") if req_id == 3 else None)  # a failed call is not a stage sample
+
+    kept = mon.stages.snapshot()
+
+    assert [r["req_id"] for r in kept] == [2, 4]
+    assert kept[1]["model"] == "m" and kept[1]["t_first"] == kept[1]["t_ready"] == 103.0
+    assert kept[1]["t_rx"] == 103.0 and kept[1]["t_work"] == kept[1]["t_tx"] == 104.0
+    assert InferenceMonitor(metrics, clock).stages is None  # off by default: nothing is kept

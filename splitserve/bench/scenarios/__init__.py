@@ -37,6 +37,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "(Fig. 12).", "splitserve.bench.scenarios.micro"),
         ScenarioInfo("fastpath-latency", "Fast path TCP round trip and 32-connection throughput next "
                      "to a plain TCP echo of the same sizes.", "splitserve.bench.scenarios.fastpath_latency"),
+        ScenarioInfo("fastpath-breakdown", "Per-stage breakdown of one fast-path call: client, front end, "
+                     "hand-off, worker, the way back (timestamps and py-spy).",
+                     "splitserve.bench.scenarios.fastpath_breakdown"),
         ScenarioInfo("disb", "DISB workloads A-E and REAL (or a DISB workload file) under rt-only, seq, concurrent "
                      "and reef: RT latency and throughput vs rt-only, preemption latency, restore overhead, "
                      "padding pairs (REEF Fig. 11/12/15b/16).", "splitserve.bench.disb.scenario"),
