@@ -313,6 +313,7 @@ class ClusterConfig:
     gateway_client_in_flight: int = 1024  # unanswered calls per client connection; more pause its reading
     gateway_held_bytes: int = 256 << 20  # request payload bytes the gateway holds unanswered; more are refused QUEUE_FULL
     gateway_routes_bytes: int = 4 << 20  # longest routing-table line the gateway process reads from its actor
+    gateway_dispatch_wait_s: float = 5.0  # a request with no node serving its model waits this long, then MODEL_NOT_READY
     reconcile_interval_s: float = 0.5  # how often the controller reads Ray's node table and draining nodes
     node_start_timeout_s: float = 120.0  # a node server whose `splitserve serve` is not up by then is replaced
     node_stats_timeout_s: float = 2.0  # a node server's stats() call that takes longer counts as missed

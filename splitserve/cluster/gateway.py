@@ -148,6 +148,10 @@ class GatewayCore:
         self._link_tasks: dict[str, asyncio.Task] = {}
         self._control_ids = itertools.count(1)
         self._held_bytes = 0
+        # requests waiting for a node with their model (ledger id -> entry, exclude); bounded
+        # by the ledger's capacity, each for at most gateway_dispatch_wait_s
+        self._parked: dict[int, tuple[Entry, frozenset[str]]] = {}
+        self._parked_since: dict[int, float] = {}
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self.answers_by_node: dict[str, int] = {}  # results delivered, per node (status and tests)
@@ -173,6 +177,7 @@ class GatewayCore:
             if link is not None:
                 for model in route.models - link.func_ids.keys():
                     self._spawn(self._learn(link, model))
+        self._unpark()
         log.info("routes v%d: %s", routes.version,
                  ", ".join(f"{n.node[:12]}={n.state}" for n in routes.nodes) or "no nodes")
 
@@ -280,9 +285,22 @@ class GatewayCore:
     def _dispatch(self, entry: Entry, exclude: frozenset[str]) -> None:
         try:
             node = self.dispatcher.choose(entry.model, entry.cls, self.views(), self.ledger.in_flight(), exclude)
-        except (ModelNotReady, QueueFull) as e:
+        except ModelNotReady as e:
+            # no node serves it right now (one lost, its replacement starting, the others
+            # suspect): wait a bounded time for one rather than refuse at once
+            since = self._parked_since.get(entry.req_id, self.clock())
+            if self.clock() - since < self.cfg.gateway_dispatch_wait_s:
+                self._parked_since[entry.req_id] = since
+                self._parked[entry.req_id] = (entry, exclude)
+            else:
+                self._parked_since.pop(entry.req_id, None)
+                self._outcome(self.ledger.fail(entry.req_id, e))
+            return
+        except QueueFull as e:
+            self._parked_since.pop(entry.req_id, None)
             self._outcome(self.ledger.fail(entry.req_id, e))
             return
+        self._parked_since.pop(entry.req_id, None)
         held: _Held = entry.handle  # type: ignore[assignment]
         link = self._links[node]
         h = held.header
@@ -364,6 +382,7 @@ class GatewayCore:
         if h.kind == Kind.LOOKUP_REPLY:
             link.lookups[model] = payload
             link.func_ids[model] = h.func_id
+            self._unpark()
         else:
             log.warning("node %s has no model %s: %s", link.node[:12], model, payload.decode(errors="replace"))
 
@@ -387,6 +406,13 @@ class GatewayCore:
                     link.writer.write(Header(Kind.PING, req_id=cid).pack())
             for node in self.health.check(self.clock()):
                 self._lose(node, f"silent for {self.health.dead_after_s:.1f} s")
+            self._unpark()
+
+    def _unpark(self) -> None:
+        """Try the waiting requests again (a node came, or their wait is over)."""
+        parked, self._parked = self._parked, {}
+        for entry, exclude in parked.values():
+            self._dispatch(entry, exclude)
 
     def _lose(self, node: str, why: str) -> None:
         """``node`` is out of dispatch: close its link and send what it held elsewhere."""
@@ -411,7 +437,7 @@ class GatewayCore:
 
     def stats(self) -> dict[str, Any]:
         """What the gateway holds and has done (for ``cluster status`` and tests)."""
-        return {"routes": self.routes.version, "held": len(self.ledger), "held_bytes": self._held_bytes,
+        return {"routes": self.routes.version, "held": len(self.ledger), "held_bytes": self._held_bytes, "waiting": len(self._parked),
                 "in_flight": dict(self.ledger.in_flight()), "delivered": self.ledger.delivered,
                 "resent": self.ledger.resent, "dropped": self.ledger.dropped,
                 "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links)}

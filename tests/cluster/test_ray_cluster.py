@@ -34,8 +34,9 @@ IMAGE = bytes(784)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("ray")
-    cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, ping_interval_s=0.5, ping_misses=3,
-                                 notice_min_s=25, notice_max_s=25, drain_lead_s=6, drain_margin_s=3,
+    # a 25 s notice (providers give 30-120 s): a node starts in ~17 s on 2 busy cores
+    cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, notice_min_s=25, notice_max_s=25,
+                                 drain_lead_s=6, drain_margin_s=3,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
     local = LocalCluster(cfg, str(root), NodeSpec(token="cluster-test-token", cache_dir=str(CACHE),
                                                   tmp_root=str(root)))
