@@ -99,4 +99,4 @@ def test_the_bench_extra_is_what_splitserve_bench_checks_for_and_the_setup_insta
     provides = packages_distributions()
     checked = {_norm(d) for m in EXTRA_MODULES for d in provides.get(m, ())}
     assert checked == _declared(PROJECT["optional-dependencies"]["bench"])
-    assert '".[test,bench]"' in (ROOT / "scripts" / "setup.sh").read_text()
+    assert '".[test,bench,cluster]"' in (ROOT / "scripts" / "setup.sh").read_text()
