@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs splitserve with its test and bench extras, then trains and caches the
+# Creates .venv and installs splitserve with its test, bench and cluster (Ray) extras, then trains and caches the
 # digits model. Idempotent and quick when nothing changed. torch is pinned to 2.13.0 on the first
 # install because that CPU wheel is on local disk here (seconds); pyproject itself accepts any torch >= 2.4.
 set -euo pipefail
@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.4"
   fi
-  .venv/bin/python -m pip install -q -e ".[test,bench]"
+  .venv/bin/python -m pip install -q -e ".[test,bench,cluster]"
   touch "$stamp"
 fi
 # digits trains on first use (~20 s on a small machine): do it here, once, for the server's default

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import json
 import logging
 import time
@@ -27,34 +28,41 @@ from splitserve.types import TensorSpec
 
 
 class _Commands(TyperGroup):
-    """The top-level commands, with ``bench`` imported only when it is named or listed: the
-    server and the other commands never import ``splitserve.bench``, and they work in an
-    install without the ``bench`` extra."""
+    """The top-level commands, with ``bench`` and ``cluster`` imported only when named or
+    listed: the server and the other commands never import them, and they work in an install
+    without the ``bench`` or ``cluster`` extra."""
 
     def list_commands(self, ctx: typer.Context) -> list[str]:
-        return [*super().list_commands(ctx), "bench"]
+        return [*super().list_commands(ctx), *_EXTRAS]
 
     def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
-        return _bench_command() if cmd_name == "bench" else super().get_command(ctx, cmd_name)
+        return _extra_command(cmd_name) if cmd_name in _EXTRAS else super().get_command(ctx, cmd_name)
 
 
-def _bench_command() -> Any:
-    """``splitserve bench``, or without the ``bench`` extra a stand-in that says how to get it."""
+# command -> (module, its typer app, the extra that installs what it imports)
+_EXTRAS = {"bench": ("splitserve.bench.cli", "bench_app", "bench"),
+           "cluster": ("splitserve.cluster.cli", "cluster_app", "cluster")}
+
+
+def _extra_command(name: str) -> Any:
+    """``splitserve bench``/``cluster``, or without its extra a stand-in that says how to get it."""
+    module, attr, extra = _EXTRAS[name]
     try:
-        from splitserve.bench.cli import bench_app
+        sub = getattr(importlib.import_module(module), attr)
     except ImportError as e:
         reason = str(e)
         missing = typer.Typer(add_completion=False)
 
-        @missing.command("bench", help="Benchmarks: not installed (pip install 'splitserve[bench]').",
-                         add_help_option=False,
+        @missing.command(name, help=f"Not installed (pip install 'splitserve[{extra}]').", add_help_option=False,
                          context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-        def bench() -> None:
-            typer.echo(f"splitserve bench is not installed ({reason}): pip install 'splitserve[bench]'", err=True)
+        def stand_in() -> None:
+            typer.echo(f"splitserve {name} is not installed ({reason}): pip install 'splitserve[{extra}]'", err=True)
             raise typer.Exit(1)
 
         return typer.main.get_command(missing)
-    return typer.main.get_command(bench_app)
+    command = typer.main.get_command(sub)
+    command.name = name
+    return command
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,

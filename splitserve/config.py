@@ -313,6 +313,14 @@ class ClusterConfig:
     requests_per_node: int = 32  # queued and running requests one node should carry; more asks for nodes
     slo_target: float = 0.99  # strict SLO compliance below this asks for one more node
     autoscale_interval_s: float = 1.0  # how often the autoscaler and procurement look at the cluster
+    # the Ray half (c-ray): gateway, node servers, controller
+    gateway_client_in_flight: int = 1024  # unanswered calls per client connection; more pause its reading
+    gateway_held_bytes: int = 256 << 20  # request payload bytes the gateway holds unanswered; more are refused QUEUE_FULL
+    gateway_routes_bytes: int = 4 << 20  # longest routing-table line the gateway process reads from its actor
+    gateway_dispatch_wait_s: float = 5.0  # a request with no node serving its model waits this long, then MODEL_NOT_READY
+    reconcile_interval_s: float = 0.5  # how often the controller reads Ray's node table and draining nodes
+    node_start_timeout_s: float = 120.0  # a node server whose `splitserve serve` is not up by then is replaced
+    node_stats_timeout_s: float = 2.0  # a node server's stats() call that takes longer counts as missed
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -348,11 +356,12 @@ class ClusterConfig:
         if not 0 < self.slo_target <= 1:
             raise InvalidInput(f"slo_target must be in (0, 1], got {self.slo_target}")
         for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
-                     "ping_interval_s", "autoscale_interval_s"):
+                     "ping_interval_s", "autoscale_interval_s", "reconcile_interval_s", "node_start_timeout_s",
+                     "node_stats_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
-                     "requests_per_node"):
+                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.keep_alive_s < 0:

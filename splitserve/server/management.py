@@ -164,6 +164,28 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     }
 
 
+def ensure_token_file(path: Path) -> str:
+    """The management token in ``path``, created (mode 0600) when it is not there; also the
+    cluster's one token, which every node server is given (``splitserve cluster up``)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            log.warning("management token %s had mode %o; setting 0600", path, mode)
+            os.chmod(path, 0o600)
+        token = path.read_text().strip()
+        if not token:
+            raise InvalidInput(f"management token file {path} is empty; delete it to make a new one")
+        log.info("management token: %s", path)
+    else:
+        token = secrets.token_urlsafe(32)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        log.info("created management token %s (send it as 'Authorization: Bearer <token>')", path)
+    return token
+
+
 class ModelManager:
     """Register, unregister, load, unload, scale and re-batch the node's models, and the
     read-only views of them (index, statistics, metadata, placement, scheduler events).
@@ -211,27 +233,9 @@ class ModelManager:
 
     def ensure_token(self) -> str:
         """The management token: read ``data_dir/token``, or create it (mode 0600) on first start."""
-        if self._token is not None:
-            return self._token
-        path = self.config.data_dir / TOKEN_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
-                log.warning("management token %s had mode %o; setting 0600", path, mode)
-                os.chmod(path, 0o600)
-            token = path.read_text().strip()
-            if not token:
-                raise InvalidInput(f"management token file {path} is empty; delete it to make a new one")
-            log.info("management token: %s", path)
-        else:
-            token = secrets.token_urlsafe(32)
-            with os.fdopen(fd, "w") as f:
-                f.write(token + "\n")
-            log.info("created management token %s (send it as 'Authorization: Bearer <token>')", path)
-        self._token = token
-        return token
+        if self._token is None:
+            self._token = ensure_token_file(self.config.data_dir / TOKEN_FILE)
+        return self._token
 
     def check_token(self, authorization: str | None) -> None:
         """Accept ``Bearer <token>``; raise Unauthorized otherwise (constant-time compare)."""

@@ -21,6 +21,9 @@ ROOT = PACKAGE.parent
 # the peers' server scripts: they import the peers (pytriton, ray) from environments of their own
 PEER_SCRIPTS = [BENCH / "peers" / p.script for p in PEERS.values()]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+# the Ray half of cluster mode: imported only by `splitserve cluster` and Ray's own processes
+RAY_HALF = [PACKAGE / "cluster" / f for f in ("raycompat.py", "provider.py", "node_server.py", "controller.py",
+                                              "ingress.py", "local.py", "cli.py")]
 
 
 def _norm(name: str) -> str:
@@ -65,9 +68,14 @@ def _undeclared(files: Iterable[Path], allowed: set[str]) -> dict[str, list[str]
 
 def test_the_server_and_cli_import_only_core_dependencies() -> None:
     core = _declared(PROJECT["dependencies"])
-    files = [f for f in PACKAGE.rglob("*.py") if BENCH not in f.parents]
+    files = [f for f in PACKAGE.rglob("*.py") if BENCH not in f.parents and f not in RAY_HALF]
     assert _undeclared(files, core) == {}
     assert "matplotlib" not in core
+
+
+def test_the_ray_half_imports_only_core_and_cluster_dependencies() -> None:
+    allowed = _declared(PROJECT["dependencies"]) | _declared(PROJECT["optional-dependencies"]["cluster"])
+    assert _undeclared(RAY_HALF, allowed) == {}
 
 
 def test_the_benchmarks_import_only_core_and_bench_dependencies() -> None:
@@ -91,4 +99,4 @@ def test_the_bench_extra_is_what_splitserve_bench_checks_for_and_the_setup_insta
     provides = packages_distributions()
     checked = {_norm(d) for m in EXTRA_MODULES for d in provides.get(m, ())}
     assert checked == _declared(PROJECT["optional-dependencies"]["bench"])
-    assert '".[test,bench]"' in (ROOT / "scripts" / "setup.sh").read_text()
+    assert '".[test,bench,cluster]"' in (ROOT / "scripts" / "setup.sh").read_text()

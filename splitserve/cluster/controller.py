@@ -1,0 +1,352 @@
+"""The cluster controller: one detached, named Ray actor on the head (docs/cluster.md §2.7).
+
+It owns the cluster's model registry (a model registered once is registered on every node,
+now and later), the node table and the reconciliation loop. Every ``reconcile_interval_s``
+it reads Ray's node table and draining nodes, and:
+
+- a node Ray lists as dead leaves the table (billed to now, an eviction unless the cluster
+  retired it); the gateway has already re-sent its work on its own health checks;
+- a draining node (an eviction notice: Ray's PREEMPTION drain, from the provider or from the
+  revocation emulator) keeps serving until a replacement serves or ``drain_lead_s`` before its
+  deadline, whichever is first; ``drain_margin_s`` before the deadline it leaves the routes
+  (the gateway re-sends what it still holds there) and is retired;
+- node servers that came up get the registered models and join the routes;
+- every ``autoscale_interval_s`` the pure autoscaler sets the node count from the requests
+  the gateway holds, procurement (PROTEAN §4.5) picks each new node's market, and the cost
+  ledger bills every node from its request to its end.
+
+Ray carries only control calls; routes reach the gateway through ``routes``, a long poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from splitserve.cluster import raycompat
+from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad
+from splitserve.cluster.cost import CostLedger
+from splitserve.cluster.dispatch import NodeState
+from splitserve.cluster.gateway import NodeRoute, Routes
+from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.pools import Market
+from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
+from splitserve.cluster.revocation import RevocationEmulator
+from splitserve.config import ClusterConfig
+from splitserve.errors import InvalidInput, SplitServeError
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "splitserve-controller"
+NAMESPACE = "splitserve"
+_LONG_POLL_S = 1.0
+
+
+@dataclass
+class _Node:
+    node_id: str
+    market: Market
+    order: int | None  # the procurement order it fills while starting
+    server: Any  # the NodeServer actor handle
+    starting: Any = None  # the endpoint() call in flight while it starts
+    endpoint: NodeEndpoint | None = None
+    state: NodeState = NodeState.STARTING
+    deadline: float | None = None  # an eviction notice's deadline (epoch s)
+    models: frozenset[str] = frozenset()
+    retiring: bool = False  # scale-in or notice: the cluster ends it
+
+
+@dataclass
+class _Registry:
+    """The cluster's models: a func id each (the cluster's own, not any node's) and the spec a
+    node registers (None: built in everywhere)."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    specs: dict[str, ModelSpec | None] = field(default_factory=dict)
+
+    def add(self, name: str, spec: ModelSpec | None) -> int:
+        if name not in self.ids:
+            self.ids[name] = max(self.ids.values(), default=0) + 1
+            self.specs[name] = spec
+        return self.ids[name]
+
+
+class Controller:
+    """The cluster's control plane (an async Ray actor; one loop, no locks)."""
+
+    def __init__(self, cfg: ClusterConfig, node_spec: NodeSpec, provider: Any, builtin_models: list[str],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.node_spec = node_spec
+        self.provider = provider
+        self.clock = clock
+        self.address = raycompat.gcs_address()
+        self.registry = _Registry()
+        for name in builtin_models:
+            self.registry.add(name, None)
+        self.nodes: dict[str, _Node] = {}
+        self.cost = CostLedger()
+        self.autoscaler = ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target,
+                                            cfg.keep_alive_s)
+        self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
+        self.revocation = RevocationEmulator(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s,
+                                             cfg.notice_max_s, random.Random(cfg.revocation_seed), clock())
+        self._routes = Routes(0)
+        self._changed = asyncio.Event()
+        self._gateway: dict[str, Any] = {}
+        self._cancelled: set[int] = set()
+        self._target = cfg.min_nodes
+        self._next_autoscale = 0.0
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- the API (called through Ray) --------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the reconciliation loop (idempotent)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def register(self, spec: ModelSpec) -> int:
+        """Register ``spec`` on every serving node; returns its cluster func id. New nodes get
+        it when they start."""
+        if spec.name in self.registry.ids:
+            raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
+        ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD]
+        await asyncio.gather(*(n.server.ensure_models.remote([spec]) for n in ready))
+        fid = self.registry.add(spec.name, spec)
+        for n in ready:
+            n.models = n.models | {spec.name}
+        self._publish()
+        log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid, len(ready))
+        return fid
+
+    async def routes(self, version: int, gateway_stats: dict | None = None) -> str | None:
+        """Long poll: the routing table as JSON once it is newer than ``version`` (None after
+        a second without a change). The gateway's stats ride along (the autoscaler's input)."""
+        if gateway_stats is not None:
+            self._gateway = gateway_stats
+        if self._routes.version <= version:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), _LONG_POLL_S)
+            except TimeoutError:
+                return None
+        return self._routes.to_json()
+
+    async def status(self) -> dict:
+        """Nodes (market, state, models, in flight), the target, the cost so far."""
+        now = self.clock()
+        in_flight = self._gateway.get("in_flight", {})
+        return {
+            "target": self._target,
+            "nodes": [{"node": n.node_id, "market": str(n.market), "state": str(n.state),
+                       "models": sorted(n.models), "in_flight": in_flight.get(n.node_id, 0),
+                       "deadline": n.deadline, "endpoint": None if n.endpoint is None else
+                       f"{n.endpoint.host}:{n.endpoint.fast_port}"} for n in self.nodes.values()],
+            "models": dict(self.registry.ids),
+            "gateway": self._gateway,
+            "cost": self.cost.summary(now),
+            "fallbacks": self.procurement.fallbacks,
+        }
+
+    async def stop_all(self) -> None:
+        """Retire every node (``cluster down``)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        await asyncio.gather(*(self._retire(n, evicted=False) for n in list(self.nodes.values())),
+                             return_exceptions=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._reconcile(self.clock())
+            except Exception:  # noqa: BLE001 - one bad round must not stop the control plane
+                log.exception("reconciliation failed; trying again next round")
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+
+    async def _reconcile(self, now: float) -> None:
+        ray_nodes = await asyncio.to_thread(raycompat.nodes)
+        alive = {n.node_id for n in ray_nodes if n.alive}
+        draining = await asyncio.to_thread(raycompat.draining_nodes, self.address)
+        for n in list(self.nodes.values()):
+            if n.node_id not in alive:
+                self._end(n, now, evicted=not n.retiring)
+            elif n.node_id in draining and n.deadline is None:
+                self._noticed(n, draining[n.node_id] or now + self.cfg.notice_min_s, now)
+        for n in list(self.nodes.values()):
+            if n.state is NodeState.STARTING and n.starting is not None:
+                await self._check_started(n, now)
+        self._drain_doomed(now)
+        live_spot = [n.node_id for n in self.nodes.values() if n.market is Market.SPOT and n.deadline is None
+                     and n.state is NodeState.ACTIVE]
+        for notice in self.revocation.tick(now, live_spot):
+            log.info("revocation emulator: notice for %s, deadline in %.1f s", notice.node[:12], notice.deadline - now)
+            await asyncio.to_thread(raycompat.drain_node, self.address, notice.node, notice.deadline - now,
+                                    "splitserve revocation emulator")
+        if now >= self._next_autoscale:
+            self._next_autoscale = now + self.cfg.autoscale_interval_s
+            self._autoscale(now)
+
+    def _staying(self) -> list[_Node]:
+        return [n for n in self.nodes.values() if n.deadline is None and not n.retiring
+                and n.state is NodeState.ACTIVE]
+
+    def _autoscale(self, now: float) -> None:
+        load = ClusterLoad(int(self._gateway.get("held", 0)), len(self._staying()), self.procurement.open_orders)
+        self._target = self.autoscaler.tick(now, load)
+        have = len(self._staying()) + self.procurement.open_orders
+        while have < self._target:
+            self._act(self.procurement.open(now), now)
+            have += 1
+        while have > self._target and (order := self.procurement.newest()) is not None:
+            self._cancelled.add(order)
+            self._act(self.procurement.close(order), now)
+            have -= 1
+        surplus = have - self._target
+        # the dearest first: on-demand before spot
+        for n in sorted(self._staying(), key=lambda n: n.market is Market.SPOT)[:max(0, surplus)]:
+            log.info("scale-in: draining node %s (%s)", n.node_id[:12], n.market)
+            self._set_state(n, NodeState.DRAINING, now)
+            n.retiring = True
+            self._spawn(self._retire_when_idle(n))
+        self._act(self.procurement.tick(now), now)
+
+    def _act(self, actions: list[Action], now: float) -> None:
+        for a in actions:
+            if isinstance(a, Launch):
+                if a.market is Market.SPOT and self.revocation.spot_request_fails():
+                    log.info("order %d: the spot request failed (emulated)", a.order)
+                    self._act(self.procurement.failed(a.order, now), now)
+                    continue
+                self._spawn(self._launch(a.order, a.market))
+            elif isinstance(a, Cancel):
+                self._cancelled.add(a.order)
+
+    async def _launch(self, order: int, market: Market) -> None:
+        requested = self.clock()
+        try:
+            node_id = await self.provider.launch.remote(str(market))
+        except ray.exceptions.RayError as e:
+            log.warning("order %d: no %s node: %s", order, market, e)
+            if order not in self._cancelled:
+                self._act(self.procurement.failed(order, self.clock()), self.clock())
+            return
+        self.cost.requested(node_id, str(market), market, self.cfg.prices.of(market), requested)
+        server = NodeServerActor.options(name=node_server_name(node_id), namespace=NAMESPACE, lifetime="detached",
+                                         **raycompat.on_node(node_id)).remote(self.node_spec)
+        n = _Node(node_id, market, order, server, starting=server.endpoint.remote())
+        self.nodes[node_id] = n
+        if order in self._cancelled:
+            self._cancelled.discard(order)
+            n.order = None
+            await self._retire(n, evicted=False)
+
+    async def _check_started(self, n: _Node, now: float) -> None:
+        ready, _ = ray.wait([n.starting], timeout=0)
+        if not ready:
+            return
+        starting, n.starting = n.starting, None
+        try:
+            n.endpoint = await starting
+            specs = [s for s in self.registry.specs.values() if s is not None]
+            await n.server.ensure_models.remote(specs)
+        except (ray.exceptions.RayError, SplitServeError) as e:
+            log.warning("node %s did not start its server: %s", n.node_id[:12], e)
+            order, n.order = n.order, None
+            if order is not None:
+                self._act(self.procurement.failed(order, now), now)
+            await self._retire(n, evicted=False)
+            return
+        n.models = frozenset(self.registry.ids)
+        if n.order is not None:
+            self.procurement.ready(n.order)
+            n.order = None
+        self.cost.ready(n.node_id, now)
+        self._set_state(n, NodeState.ACTIVE, now)
+        log.info("node %s (%s) serves at %s:%d", n.node_id[:12], n.market, n.endpoint.host, n.endpoint.fast_port)
+
+    def _noticed(self, n: _Node, deadline: float, now: float) -> None:
+        n.deadline = deadline
+        log.warning("eviction notice for node %s (%s): deadline in %.1f s", n.node_id[:12], n.market, deadline - now)
+        if n.order is not None:  # still starting: its order is open again
+            self._act(self.procurement.failed(n.order, now), now)
+            n.order = None
+        self._next_autoscale = now  # order the replacement this round
+
+    def _drain_doomed(self, now: float) -> None:
+        """Doomed nodes stop taking work once a replacement serves (or at the lead), and leave
+        the routes at the margin so that the gateway re-sends what they still hold."""
+        replacement_serves = len(self._staying()) >= self._target
+        for n in list(self.nodes.values()):
+            if n.deadline is None or n.retiring:
+                continue
+            if n.state is NodeState.ACTIVE and (replacement_serves or now >= n.deadline - self.cfg.drain_lead_s):
+                self._set_state(n, NodeState.DRAINING, now)
+            if now >= n.deadline - self.cfg.drain_margin_s or (n.state is NodeState.DRAINING and self._idle(n)):
+                n.retiring = True
+                self._spawn(self._retire(n, evicted=now >= n.deadline - self.cfg.drain_margin_s))
+
+    def _idle(self, n: _Node) -> bool:
+        return int(self._gateway.get("in_flight", {}).get(n.node_id, 0)) == 0
+
+    async def _retire_when_idle(self, n: _Node) -> None:
+        """Scale-in: the node leaves once the gateway holds nothing on it (bounded by the margin)."""
+        until = self.clock() + max(self.cfg.drain_margin_s, self.cfg.reconcile_interval_s * 4)
+        while not self._idle(n) and self.clock() < until:
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+        await self._retire(n, evicted=False)
+
+    async def _retire(self, n: _Node, evicted: bool) -> None:
+        n.retiring = True
+        self._end(n, self.clock(), evicted)
+        try:
+            await n.server.stop.remote()
+            ray.kill(n.server, no_restart=True)
+        except ray.exceptions.RayError as e:
+            log.info("node server on %s was already gone: %s", n.node_id[:12], e)
+        try:
+            await self.provider.terminate.remote(n.node_id)
+        except ray.exceptions.RayError as e:
+            log.info("node %s was already gone: %s", n.node_id[:12], e)
+
+    def _end(self, n: _Node, now: float, evicted: bool) -> None:
+        if self.nodes.pop(n.node_id, None) is None:
+            return
+        if evicted:
+            log.warning("node %s (%s) is gone", n.node_id[:12], n.market)
+        self.cost.ended(n.node_id, now, evicted=evicted)
+        self.revocation.gone(n.node_id)
+        if n.order is not None:
+            self._act(self.procurement.failed(n.order, now), now)
+        self._publish()
+
+    def _set_state(self, n: _Node, state: NodeState, now: float) -> None:
+        n.state = state
+        if state is NodeState.DRAINING:
+            self.cost.drained(n.node_id, now)
+        self._publish()
+
+    def _publish(self) -> None:
+        nodes = tuple(NodeRoute(n.node_id, n.endpoint.host, n.endpoint.fast_port, n.market, n.state, n.models)
+                      for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.STARTING)
+        self._routes = Routes(self._routes.version + 1, nodes, tuple(sorted(self.registry.ids.items())))
+        self._changed.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+# Detached and named so that tools and a restarted driver find it; on the head.
+ControllerActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1)(Controller)

@@ -1,0 +1,492 @@
+"""The cluster gateway's data plane: the fast path in front of many node servers (docs/cluster.md §2.4).
+
+One asyncio process, no Ray: Ray is never on the per-request path. Clients speak the
+ordinary fast path (docs/protocol.md) to the gateway; for each request the gateway
+
+- keeps it in the ``Ledger`` (header and payload) until its first answer,
+- chooses a node with the ``Dispatcher`` (ACTIVE nodes with the model, the class's market
+  first, the least loaded),
+- rewrites ``req_id`` to the ledger's gateway-unique id and ``func_id`` to that node's own
+  id for the model (node registries assign ids independently; the cluster's ids are the
+  controller's), and forwards the frame over one persistent TCP link to the node,
+- maps the answer back to the client's ``req_id`` and cluster ``func_id``.
+
+A link's EOF, or a node silent for ``ping_misses`` pings (``HealthTracker``), or the
+controller's routes saying DEAD, takes the node out and re-sends what it held; a late
+answer for a request already answered is dropped by the ledger. What the gateway holds is
+bounded: the ledger's capacity, the payload bytes held, each node's window, each client
+connection's unanswered calls (its reading pauses past ``gateway_client_in_flight``).
+
+Routes (which nodes exist, their state, market and models; the cluster's model ids) come
+from the controller through the Gateway actor, as JSON lines on this process's stdin
+(``python -m splitserve.cluster.gateway``); the process prints its bound port as one JSON
+line on stdout once it listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
+from splitserve.cluster.health import HealthTracker
+from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
+from splitserve.cluster.pools import Market
+from splitserve.config import ClusterConfig
+from splitserve.errors import (
+    BadFrame, ModelNotReady, PayloadTooLarge, QueueFull, SplitServeError, UnknownModel, error_for_status,
+)
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+
+log = logging.getLogger(__name__)
+
+# Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
+_CONTROL_BIT = 1 << 63
+_DISCARD_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class NodeRoute:
+    """One node server as the controller publishes it."""
+
+    node: str
+    host: str
+    port: int
+    market: Market
+    state: NodeState
+    models: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The controller's routing table: every node, and the cluster's func id per model."""
+
+    version: int
+    nodes: tuple[NodeRoute, ...] = ()
+    models: tuple[tuple[str, int], ...] = ()  # (name, cluster func id)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "models": [list(m) for m in self.models],
+                           "nodes": [asdict(n) | {"market": str(n.market), "state": str(n.state),
+                                                  "models": sorted(n.models)} for n in self.nodes]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Routes":
+        doc = json.loads(text)
+        nodes = tuple(NodeRoute(n["node"], n["host"], int(n["port"]), Market.parse(n["market"]),
+                                NodeState.parse(n["state"]), frozenset(n["models"])) for n in doc["nodes"])
+        return cls(int(doc["version"]), nodes, tuple((str(m), int(f)) for m, f in doc["models"]))
+
+
+@dataclass
+class _Held:
+    """What the ledger keeps per request: who asked, and the frame to send again."""
+
+    client: "_ClientConn"
+    req_id: int  # the client's
+    func_id: int  # the cluster's
+    header: Header
+    payload: bytes
+    deadline: float | None
+
+
+@dataclass
+class _ClientConn:
+    writer: asyncio.StreamWriter
+    limit: int
+    unanswered: int = 0
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.room.set()
+
+    def write(self, parts: list[bytes]) -> None:
+        if not self.closed:
+            self.writer.writelines(parts)
+
+    def answered(self) -> None:
+        self.unanswered -= 1
+        if self.unanswered < self.limit:
+            self.room.set()
+
+
+@dataclass
+class _Link:
+    """One persistent TCP connection to a node server."""
+
+    node: str
+    writer: asyncio.StreamWriter
+    func_ids: dict[str, int] = field(default_factory=dict)  # model -> the node's func id
+    lookups: dict[str, bytes] = field(default_factory=dict)  # model -> the node's LOOKUP_REPLY JSON
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)  # control id -> reply
+
+
+class GatewayCore:
+    """The gateway's state and request path; ``serve`` binds it to a TCP port."""
+
+    def __init__(self, cfg: ClusterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.ledger = Ledger(cfg.ledger_capacity, cfg.max_attempts)
+        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(cfg.revocation_seed))
+        self.health = HealthTracker(cfg.ping_interval_s, cfg.ping_misses)
+        self.routes = Routes(0)
+        self._by_node: dict[str, NodeRoute] = {}
+        self._names: dict[int, str] = {}  # cluster func id -> model
+        self._links: dict[str, _Link] = {}
+        self._link_tasks: dict[str, asyncio.Task] = {}
+        self._control_ids = itertools.count(1)
+        self._held_bytes = 0
+        # requests waiting for a node with their model (ledger id -> entry, exclude); bounded
+        # by the ledger's capacity, each for at most gateway_dispatch_wait_s
+        self._parked: dict[int, tuple[Entry, frozenset[str]]] = {}
+        self._parked_since: dict[int, float] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.answers_by_node: dict[str, int] = {}  # results delivered, per node (status and tests)
+
+    # -- routes -----------------------------------------------------------------------------
+
+    def update(self, routes: Routes) -> None:
+        """Apply a newer routing table: links to new nodes, lost work of DEAD or removed ones."""
+        if routes.version <= self.routes.version:
+            return
+        self.routes = routes
+        self._names = {f: m for m, f in routes.models}
+        self._by_node = {n.node: n for n in routes.nodes}
+        for node in list(self._link_tasks):
+            route = self._by_node.get(node)
+            if route is None or route.state is NodeState.DEAD:
+                self._link_tasks.pop(node).cancel()
+                self._lose(node, "the controller retired it")
+        for route in routes.nodes:
+            if route.state is not NodeState.DEAD and route.node not in self._link_tasks:
+                self._link_tasks[route.node] = self._spawn(self._keep_link(route.node))
+            link = self._links.get(route.node)
+            if link is not None:
+                for model in route.models - link.func_ids.keys():
+                    self._spawn(self._learn(link, model))
+        self._unpark()
+        log.info("routes v%d: %s", routes.version,
+                 ", ".join(f"{n.node[:12]}={n.state}" for n in routes.nodes) or "no nodes")
+
+    def views(self) -> list[NodeView]:
+        """Dispatch's view: a node is ACTIVE only while its route says so, its link is up and
+        its health is ALIVE; it has the models whose node func id the link learned."""
+        now = self.clock()
+        serving = self.health.serving(now)
+        out = []
+        for node, link in self._links.items():
+            route = self._by_node.get(node)
+            if route is None:
+                continue
+            state = route.state if node in serving else NodeState.STARTING
+            out.append(NodeView(node, route.market, state, frozenset(route.models & link.func_ids.keys())))
+        return out
+
+    # -- clients ----------------------------------------------------------------------------
+
+    async def serve(self, host: str, port: int) -> int:
+        """Listen for clients; returns the bound port."""
+        self._server = await asyncio.start_server(self._client, host, port)
+        self._spawn(self._pinger())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for link in self._links.values():
+            link.writer.close()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _ClientConn(writer, self.cfg.gateway_client_in_flight)
+        try:
+            while True:
+                await conn.room.wait()
+                try:
+                    h = unpack_header(await reader.readexactly(HEADER_SIZE))
+                except BadFrame as e:
+                    conn.write(_error(Header(Kind.ERROR), e))
+                    break
+                if h.payload_len > self.cfg.gateway_held_bytes:
+                    await _discard(reader, h.payload_len)
+                    conn.write(_error(h, PayloadTooLarge(
+                        f"payload of {h.payload_len} bytes is over the gateway's {self.cfg.gateway_held_bytes}")))
+                    continue
+                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
+                self._frame(conn, h, payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            conn.closed = True
+            writer.close()
+
+    def _frame(self, conn: _ClientConn, h: Header, payload: bytes) -> None:
+        if h.kind == Kind.PING:
+            conn.write([Header(Kind.PONG, req_id=h.req_id).pack()])
+        elif h.kind == Kind.LOOKUP:
+            conn.write(self._lookup(h, payload))
+        elif h.kind == Kind.REQUEST:
+            self._request(conn, h, payload)
+        else:
+            conn.write(_error(h, BadFrame(f"a client may not send frame kind {h.kind}")))
+
+    def _lookup(self, h: Header, payload: bytes) -> list[bytes]:
+        name = payload.decode(errors="replace")
+        fid = next((f for m, f in self.routes.models if m == name), None)
+        if fid is None:
+            return _error(h, UnknownModel(f"no model named {name!r} in the cluster"))
+        reply = next((link.lookups[name] for link in self._links.values() if name in link.lookups), None)
+        if reply is None:
+            return _error(h, ModelNotReady(f"model {name!r}: no node serves it yet"))
+        body = json.dumps(json.loads(reply) | {"func_id": fid}).encode()
+        return [Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=fid, payload_len=len(body)).pack(), body]
+
+    def _request(self, conn: _ClientConn, h: Header, payload: bytes) -> None:
+        model = self._names.get(h.func_id)
+        if model is None:
+            conn.write(_error(h, UnknownModel(f"no model with func_id {h.func_id} in the cluster")))
+            return
+        if self._held_bytes + len(payload) > self.cfg.gateway_held_bytes:
+            conn.write(_error(h, QueueFull(f"the gateway holds {self._held_bytes} bytes of unanswered requests")))
+            return
+        now = self.clock()
+        deadline = now + h.deadline_us / 1e6 if h.deadline_us else None
+        held = _Held(conn, h.req_id, h.func_id, h, payload, deadline)
+        try:
+            cls = RequestClass(h.cls)
+            entry = self.ledger.accept(model, cls, held, now, deadline)
+        except (ValueError, SplitServeError) as e:
+            err = e if isinstance(e, SplitServeError) else BadFrame(f"unknown request class {h.cls}")
+            conn.write(_error(h, err))
+            return
+        self._held_bytes += len(payload)
+        conn.unanswered += 1
+        if conn.unanswered >= conn.limit:
+            conn.room.clear()
+        self._dispatch(entry, frozenset())
+
+    def _dispatch(self, entry: Entry, exclude: frozenset[str]) -> None:
+        try:
+            node = self.dispatcher.choose(entry.model, entry.cls, self.views(), self.ledger.in_flight(), exclude)
+        except ModelNotReady as e:
+            # no node serves it right now (one lost, its replacement starting, the others
+            # suspect): wait a bounded time for one rather than refuse at once
+            since = self._parked_since.get(entry.req_id, self.clock())
+            if self.clock() - since < self.cfg.gateway_dispatch_wait_s:
+                self._parked_since[entry.req_id] = since
+                self._parked[entry.req_id] = (entry, exclude)
+            else:
+                self._parked_since.pop(entry.req_id, None)
+                self._outcome(self.ledger.fail(entry.req_id, e))
+            return
+        except QueueFull as e:
+            self._parked_since.pop(entry.req_id, None)
+            self._outcome(self.ledger.fail(entry.req_id, e))
+            return
+        self._parked_since.pop(entry.req_id, None)
+        held: _Held = entry.handle  # type: ignore[assignment]
+        link = self._links[node]
+        h = held.header
+        remaining = 0
+        if held.deadline is not None:
+            remaining = max(1, int((held.deadline - self.clock()) * 1e6))
+        fwd = Header(Kind.REQUEST, req_id=entry.req_id, func_id=link.func_ids[entry.model], cls=h.cls,
+                     deadline_us=remaining, payload_len=len(held.payload), slo_us=h.slo_us)
+        self.ledger.sent(entry.req_id, node)
+        link.writer.writelines([fwd.pack(), held.payload])
+
+    def _outcome(self, out: Outcome, reply: tuple[Header, bytes] | None = None) -> None:
+        if isinstance(out, Resend):
+            self._dispatch(out.entry, out.exclude)
+            return
+        if isinstance(out, Drop):
+            log.debug("dropped an answer for %d from %s: %s", out.req_id, out.node, out.reason)
+            return
+        held: _Held = out.entry.handle  # type: ignore[assignment]
+        self._held_bytes -= len(held.payload)
+        held.client.answered()
+        if out.error is None and reply is not None:
+            h, payload = reply
+            h.req_id, h.func_id = held.req_id, held.func_id
+            held.client.write([h.pack(), payload])
+            self.answers_by_node[out.node or ""] = self.answers_by_node.get(out.node or "", 0) + 1
+        else:
+            held.client.write(_error(Header(Kind.ERROR, req_id=held.req_id, func_id=held.func_id), out.error))
+
+    # -- node links -------------------------------------------------------------------------
+
+    async def _keep_link(self, node: str) -> None:
+        """Connect to ``node`` and read its answers; reconnect after a loss while its route
+        stays (a node that restarted its server comes back with new func ids)."""
+        while (route := self._by_node.get(node)) is not None and route.state is not NodeState.DEAD:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(route.host, route.port),
+                                                        self.cfg.ping_interval_s)
+            except (OSError, TimeoutError) as e:
+                log.info("node %s at %s:%d: no connection yet (%s)", node[:12], route.host, route.port, e)
+                await asyncio.sleep(self.cfg.ping_interval_s)
+                continue
+            with contextlib.suppress(OSError):
+                writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link = _Link(node, writer)
+            self._links[node] = link
+            self.health.add(node, self.clock())
+            for model in route.models:
+                self._spawn(self._learn(link, model))
+            try:
+                await self._read_link(link, reader)
+            finally:
+                self._lose(node, "its connection closed")
+            await asyncio.sleep(self.cfg.ping_interval_s)
+
+    async def _read_link(self, link: _Link, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, OSError, BadFrame):
+            while True:
+                h = unpack_header(await reader.readexactly(HEADER_SIZE))
+                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
+                now = self.clock()
+                self.health.heard(link.node, now)
+                if h.req_id & _CONTROL_BIT:
+                    fut = link.pending.pop(h.req_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((h, payload))
+                    continue
+                error = None
+                if h.kind == Kind.ERROR:
+                    error = error_for_status(h.status, payload.decode(errors="replace"))
+                self._outcome(self.ledger.answered(h.req_id, link.node, now, error), (h, payload))
+
+    async def _learn(self, link: _Link, model: str) -> None:
+        """LOOKUP ``model`` on ``link``'s node: its func id there, and the reply for clients."""
+        try:
+            h, payload = await self._control(link, Kind.LOOKUP, model.encode())
+        except (TimeoutError, ConnectionError):
+            return
+        if h.kind == Kind.LOOKUP_REPLY:
+            link.lookups[model] = payload
+            link.func_ids[model] = h.func_id
+            self._unpark()
+        else:
+            log.warning("node %s has no model %s: %s", link.node[:12], model, payload.decode(errors="replace"))
+
+    async def _control(self, link: _Link, kind: Kind, body: bytes = b"") -> tuple[Header, bytes]:
+        cid = _CONTROL_BIT | next(self._control_ids)
+        fut = asyncio.get_running_loop().create_future()
+        link.pending[cid] = fut
+        link.writer.writelines([Header(kind, req_id=cid, payload_len=len(body)).pack(), body])
+        try:
+            return await asyncio.wait_for(fut, self.health.dead_after_s)
+        finally:
+            link.pending.pop(cid, None)
+
+    async def _pinger(self) -> None:
+        """Every ping interval: PING each link; nodes silent for ``ping_misses`` intervals are lost."""
+        while True:
+            await asyncio.sleep(self.cfg.ping_interval_s)
+            for link in list(self._links.values()):
+                cid = _CONTROL_BIT | next(self._control_ids)
+                with contextlib.suppress(OSError, RuntimeError):
+                    link.writer.write(Header(Kind.PING, req_id=cid).pack())
+            for node in self.health.check(self.clock()):
+                self._lose(node, f"silent for {self.health.dead_after_s:.1f} s")
+            self._unpark()
+
+    def _unpark(self) -> None:
+        """Try the waiting requests again (a node came, or their wait is over)."""
+        parked, self._parked = self._parked, {}
+        for entry, exclude in parked.values():
+            self._dispatch(entry, exclude)
+
+    def _lose(self, node: str, why: str) -> None:
+        """``node`` is out of dispatch: close its link and send what it held elsewhere."""
+        link = self._links.pop(node, None)
+        self.health.remove(node)
+        if link is not None:
+            link.writer.close()
+            for fut in link.pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"node {node} lost"))
+        outcomes = self.ledger.node_lost(node, self.clock())
+        if link is not None or outcomes:
+            log.warning("node %s lost (%s): %d requests sent again or answered", node[:12], why, len(outcomes))
+        for out in outcomes:
+            self._outcome(out)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def stats(self) -> dict[str, Any]:
+        """What the gateway holds and has done (for ``cluster status`` and tests)."""
+        return {"routes": self.routes.version, "held": len(self.ledger), "held_bytes": self._held_bytes, "waiting": len(self._parked),
+                "in_flight": dict(self.ledger.in_flight()), "delivered": self.ledger.delivered,
+                "resent": self.ledger.resent, "dropped": self.ledger.dropped,
+                "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links)}
+
+
+def _error(h: Header, e: SplitServeError) -> list[bytes]:
+    body = e.message.encode()
+    return [Header(Kind.ERROR, req_id=h.req_id, func_id=h.func_id, status=int(e.status),
+                   payload_len=len(body)).pack(), body]
+
+
+async def _discard(reader: asyncio.StreamReader, n: int) -> None:
+    while n > 0:
+        chunk = await reader.read(min(n, _DISCARD_CHUNK))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        n -= len(chunk)
+
+
+async def run(host: str, port: int, cfg: ClusterConfig) -> None:
+    """The gateway process: serve clients, apply the routes read from stdin, and stop at its EOF
+    (its Gateway actor is gone)."""
+    core = GatewayCore(cfg)
+    bound = await core.serve(host, port)
+    print(json.dumps({"host": host, "port": bound}), flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=cfg.gateway_routes_bytes)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := await reader.readline():
+            if line.startswith(b"{"):
+                core.update(Routes.from_json(line.decode()))
+            elif line.strip() == b"stats":
+                print(json.dumps(core.stats()), flush=True)
+    finally:
+        await core.close()
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="splitserve cluster gateway (data plane; started by the Gateway actor)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(run(args.host, args.port, ClusterConfig.from_env()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The Gateway actor: supervises the gateway's data-plane process and feeds it routes.
+
+The data plane (``cluster/gateway.py``) never imports Ray; this actor starts it with the
+cluster's settings in its environment, long-polls the controller's ``routes`` with the
+gateway's own stats (the autoscaler's input), and writes each newer table to the process's
+stdin. A data plane that died is started again on the same port with the latest table
+(clients reconnect; calls in flight on the dead connections are the only ones lost).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import fields
+from typing import Any
+
+import ray
+
+from splitserve.cluster.node_server import die_with_parent
+from splitserve.config import ClusterConfig
+from splitserve.errors import InternalError
+
+log = logging.getLogger(__name__)
+
+GATEWAY_NAME = "splitserve-gateway"
+
+
+def cluster_env(cfg: ClusterConfig) -> dict[str, str]:
+    """``cfg`` as the SPLITSERVE_CLUSTER_* variables ``ClusterConfig.from_env`` reads back."""
+    return {f"SPLITSERVE_CLUSTER_{f.name.upper()}": str(getattr(cfg, f.name))
+            for f in fields(cfg) if getattr(cfg, f.name) is not None}
+
+
+class Gateway:
+    """One data-plane process on this (ingress) node."""
+
+    def __init__(self, cfg: ClusterConfig, host: str, port: int, controller: Any) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.port = port
+        self.controller = controller
+        self._lock = threading.Lock()  # one conversation with the process at a time
+        self._routes: str | None = None
+        self._version = 0
+        self._stopped = threading.Event()
+        self._start_process()
+        threading.Thread(target=self._poll, name="gateway-routes", daemon=True).start()
+
+    def _start_process(self) -> None:
+        env = {**os.environ, **cluster_env(self.cfg)}
+        cmd = [sys.executable, "-m", "splitserve.cluster.gateway", "--host", self.host, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     preexec_fn=die_with_parent, text=True, bufsize=1)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise InternalError(f"the gateway process exited with {self.proc.wait()} before it listened")
+        self.port = int(json.loads(line)["port"])
+        if self._routes is not None:
+            self.proc.stdin.write(self._routes + "\n")
+        log.info("gateway data plane pid %d on %s:%d", self.proc.pid, self.host, self.port)
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stats(self) -> dict:
+        """The data plane's ledger and link counters."""
+        with self._lock:
+            if self.proc.poll() is not None:
+                self._start_process()
+            self.proc.stdin.write("stats\n")
+            return json.loads(self.proc.stdout.readline())
+
+    def _poll(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                stats = self.stats()
+                doc = ray.get(self.controller.routes.remote(self._version, stats))
+            except (ray.exceptions.RayError, OSError, ValueError) as e:
+                log.warning("gateway: routes poll failed (%s); again", e)
+                self._stopped.wait(self.cfg.reconcile_interval_s)
+                continue
+            if doc is not None:
+                with self._lock:
+                    self._routes = doc
+                    self._version = json.loads(doc)["version"]
+                    self.proc.stdin.write(doc + "\n")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._lock:
+            if self.proc.poll() is None:
+                self.proc.stdin.close()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+
+
+# Threaded (the routes poll runs beside stats calls); restarted by Ray if its process dies.
+GatewayActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1,
+                          max_concurrency=4)(Gateway)

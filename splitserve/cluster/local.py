@@ -1,0 +1,119 @@
+"""A whole cluster on this machine, or the splitserve actors on an existing Ray cluster.
+
+``LocalCluster`` is what ``splitserve cluster up`` and the tests run: a Ray head on
+127.0.0.1 (no CPUs, so only the control actors land there; fast health checks), the
+provider that starts serving raylets, the controller and the gateway. ``attach`` puts the
+same actors on a Ray cluster someone else runs (``cluster up --address``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from splitserve.cluster import raycompat
+from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+from splitserve.cluster.ingress import GATEWAY_NAME, GatewayActor
+from splitserve.cluster.node_server import NodeSpec
+from splitserve.cluster.provider import PROVIDER_NAME, ProviderActor
+from splitserve.config import ClusterConfig
+from splitserve.errors import InternalError
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+@dataclass
+class Handles:
+    """The cluster's actors, as a driver holds them."""
+
+    address: str
+    controller: Any
+    gateway: Any
+    provider: Any
+    gateway_port: int
+
+
+def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_port: int,
+           models: list[str]) -> Handles:
+    """Create (or find) the provider, controller and gateway on the cluster this driver is
+    connected to, and start the controller's loop."""
+    address = raycompat.gcs_address()
+    opts = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True)
+    provider = ProviderActor.options(name=PROVIDER_NAME, **opts).remote(address)
+    controller = ControllerActor.options(name=CONTROLLER_NAME, **opts).remote(cfg, node_spec, provider, models)
+    ray.get(controller.start.remote())
+    gateway = GatewayActor.options(name=GATEWAY_NAME, **opts).remote(cfg, gateway_host, gateway_port, controller)
+    _, port = ray.get(gateway.address.remote())
+    return Handles(address, controller, gateway, provider, port)
+
+
+def find() -> Handles:
+    """The actors of the cluster this driver is connected to (``cluster status``/``down``)."""
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        gateway = ray.get_actor(GATEWAY_NAME, namespace=NAMESPACE)
+        provider = ray.get_actor(PROVIDER_NAME, namespace=NAMESPACE)
+    except ValueError as e:
+        raise InternalError(f"no splitserve cluster on this Ray cluster: {e}") from None
+    _, port = ray.get(gateway.address.remote())
+    return Handles(raycompat.gcs_address(), controller, gateway, provider, port)
+
+
+def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
+    """Block until ``count`` nodes are ACTIVE; returns the controller's status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = ray.get(controller.status.remote())
+        if sum(1 for n in status["nodes"] if n["state"] == "active") >= count:
+            return status
+        if time.monotonic() > deadline:
+            raise InternalError(f"{count} nodes were not serving within {timeout_s} s: {status['nodes']}")
+        time.sleep(_POLL_S)
+
+
+def stop_actors(h: Handles) -> None:
+    """Retire every node, then stop the gateway and the provider's raylets."""
+    ray.get(h.controller.stop_all.remote())
+    ray.get(h.gateway.stop.remote())
+    ray.get(h.provider.shutdown.remote())
+    for actor in (h.gateway, h.controller, h.provider):
+        ray.kill(actor, no_restart=True)
+
+
+class LocalCluster:
+    """A Ray head on 127.0.0.1 plus the splitserve actors; ``stop`` tears all of it down."""
+
+    def __init__(self, cfg: ClusterConfig, temp_dir: str, node_spec: NodeSpec, gateway_port: int = 0,
+                 models: tuple[str, ...] = ("lenet",)) -> None:
+        self.cfg = cfg
+        self.temp_dir = temp_dir
+        self.node_spec = node_spec
+        self.gateway_port = gateway_port
+        self.models = list(models)
+        self.head: Any = None
+        self.handles: Handles | None = None
+
+    def start(self, timeout_s: float = 120.0) -> Handles:
+        """Start the head, the actors, and ``cfg.min_nodes`` serving nodes (waits for them)."""
+        raycompat.use_loopback()
+        self.head = raycompat.start_head(self.temp_dir, raycompat.FAST_HEALTH_CHECKS)
+        ray.init(address=self.head.address, logging_level=logging.WARNING, log_to_driver=False)
+        self.handles = attach(self.cfg, self.node_spec, "127.0.0.1", self.gateway_port, self.models)
+        wait_serving(self.handles.controller, self.cfg.min_nodes, timeout_s)
+        return self.handles
+
+    def stop(self) -> None:
+        """Every actor, raylet and head process this cluster started; nothing else."""
+        try:
+            if self.handles is not None:
+                stop_actors(self.handles)
+        finally:
+            ray.shutdown()
+            if self.head is not None:
+                self.head.shutdown()

@@ -1,0 +1,175 @@
+"""The node server: one Ray actor per serving node, supervising an unchanged ``splitserve serve``.
+
+The actor keeps Ray's threads and GIL out of the data path: it starts ``python -m splitserve
+serve`` bound to the node's address with an ephemeral fast-path port, reads the child's
+``server.json`` for the ports, and answers small control calls from the controller
+(``endpoint``, ``ensure_models``, ``stats``, ``stop``). Requests never pass through it. The
+child gets SIGKILL when the actor's process dies, however it dies (``PR_SET_PDEATHSIG``:
+Ray kills an actor's children on a clean exit only), and its workers follow their server.
+The cluster's management token is written into the child's data directory before it
+starts, so one token works on every node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import ray
+
+from splitserve.cluster import raycompat
+from splitserve.errors import InternalError, SplitServeError, Status, error_for_status
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model registered with the cluster: what a node's register call needs (no spec for a
+    built-in model: every node has those)."""
+
+    name: str
+    config_toml: str
+    artifact: bytes | None = None
+    labels: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeEndpoint:
+    """Where a node server's fast path listens."""
+
+    node_id: str
+    host: str
+    fast_port: int
+    http_port: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """How to start one node's server."""
+
+    host: str = "127.0.0.1"
+    token: str = ""  # the cluster's management token
+    cache_dir: str | None = None  # weights cache shared by the nodes of one machine
+    tmp_root: str | None = None  # where the node's data dir goes (short: Unix socket paths)
+    start_timeout_s: float = 120.0
+    env: dict[str, str] = field(default_factory=dict)  # SPLITSERVE_* settings for the child
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class NodeServer:
+    """Supervisor of one ``splitserve serve`` child on this node."""
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.node_id = raycompat.current_node_id()
+        self.data_dir = Path(tempfile.mkdtemp(prefix="ssn-", dir=spec.tmp_root))
+        token_file = self.data_dir / "token"
+        token_file.write_text(spec.token + "\n")
+        token_file.chmod(0o600)
+        env = {**os.environ, **spec.env}
+        if spec.cache_dir:
+            env["SPLITSERVE_CACHE_DIR"] = spec.cache_dir
+        cmd = [sys.executable, "-m", "splitserve", "serve", "--host", spec.host, "--fast-port", "0",
+               "--udp-port", "-1", "--http-port", "0", "--grpc-port", "-1", "--data-dir", str(self.data_dir)]
+        self.child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "server.log", "ab"))
+        self._endpoint = self._wait_started()
+        self._registered: set[str] = set()
+        log.info("node %s: splitserve serve pid %d on %s:%d", self.node_id[:12], self.child.pid, spec.host,
+                 self._endpoint.fast_port)
+
+    def _wait_started(self) -> NodeEndpoint:
+        info_file = self.data_dir / "server.json"
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.child.poll() is not None:
+                raise InternalError(f"splitserve serve exited with {self.child.returncode} on node {self.node_id}: "
+                                    f"{self._log_tail()}")
+            if info_file.exists():
+                info = json.loads(info_file.read_text())
+                if info.get("pid") == self.child.pid:
+                    return NodeEndpoint(self.node_id, info["host"], int(info["fast_port"]), int(info["http_port"]),
+                                        self.child.pid)
+            time.sleep(_POLL_S)
+        self.stop()
+        raise InternalError(f"splitserve serve did not start within {self.spec.start_timeout_s} s on node "
+                            f"{self.node_id}")
+
+    def _log_tail(self) -> str:
+        text = (self.data_dir / "server.log").read_text(errors="replace")
+        return text[-2000:]
+
+    def endpoint(self) -> NodeEndpoint:
+        return self._endpoint
+
+    def ensure_models(self, specs: list[ModelSpec]) -> list[str]:
+        """Register the models this node lacks (idempotent); returns the names it serves."""
+        url = f"http://{self._endpoint.host}:{self._endpoint.http_port}"
+        auth = {"Authorization": f"Bearer {self.spec.token}"}
+        with httpx.Client(base_url=url, headers=auth, timeout=self.spec.start_timeout_s) as http:
+            for spec in specs:
+                if spec.name in self._registered:
+                    continue
+                files = {"config": ("config.toml", spec.config_toml.encode())}
+                if spec.artifact is not None:
+                    files["artifact"] = ("artifact", spec.artifact)
+                if spec.labels is not None:
+                    files["labels"] = ("labels.txt", spec.labels.encode())
+                r = http.post(f"/v2/repository/models/{spec.name}/register", files=files)
+                if r.status_code != 200 and "already exists" not in r.text:
+                    raise _http_error(r)
+                self._registered.add(spec.name)
+        return sorted(self._registered)
+
+    def stats(self) -> dict:
+        """Whether the child serves, and its pid (the controller's liveness check)."""
+        return {"node_id": self.node_id, "pid": self.child.pid, "alive": self.child.poll() is None}
+
+    def stop(self) -> None:
+        """Stop the child (SIGTERM, then SIGKILL after its grace) and remove its data dir."""
+        if self.child.poll() is None:
+            self.child.terminate()
+            try:
+                self.child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _http_error(r: httpx.Response) -> SplitServeError:
+    try:
+        doc = r.json()
+        return error_for_status(int(Status[doc["status"]]), str(doc["error"]))
+    except (ValueError, TypeError, KeyError):
+        return InternalError(f"node answered {r.status_code}: {r.text[:500]}")
+
+
+def node_server_name(node_id: str) -> str:
+    return f"splitserve-node-{node_id[:12]}"
+
+
+# No CPU of its own (the child uses the node's); the node's one splitserve_node resource makes
+# it the only node server there. Control calls are idempotent, so a restart may retry them.
+NodeServerActor = ray.remote(num_cpus=0, resources={raycompat.NODE_RESOURCE: 1}, max_restarts=-1,
+                             max_task_retries=-1)(NodeServer)
