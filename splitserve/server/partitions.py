@@ -106,7 +106,7 @@ class PartitionManager:
         self._lock = asyncio.Lock()  # one geometry change at a time
         self._timers: list[asyncio.TimerHandle] = []
         self._tasks: set[asyncio.Task] = set()
-        self._scaling: set[str] = set()  # models whose resize is under way
+        self._scaling: dict[str, int] = {}  # model -> the instance count its resize under way brings
         self._cold_seen: dict[str, int] = {}
         # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
         # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
@@ -281,7 +281,9 @@ class PartitionManager:
         """One instance per pending batch, warm ones on every partition, surplus retired after the keep-alive."""
         self._refresh()
         models = [m for m in self.models() if m.placed_now()]
-        current = {m.name: m.instance_count for m in models}
+        # A resize under way already brings its instances: counting the old number would make
+        # every tick until it lands ask (and count cold starts) for the same instances again.
+        current = {m.name: self._scaling.get(m.name, m.instance_count) for m in models}
         target = self.autoscaler.tick(self.clock(), {m.name: m.waiting_requests() for m in models},
                                       {m.name: m.dispatch_max_batch for m in models}, current)
         for name, n in self.autoscaler.cold_starts.items():
@@ -293,9 +295,9 @@ class PartitionManager:
             want = max(target.get(m.name, current[m.name]), floor)
             if want != current[m.name] and m.name not in self._scaling and not self._lock.locked():
                 log.info("autoscaler: model %s %d -> %d instances", m.name, current[m.name], want)
-                self._scaling.add(m.name)
+                self._scaling[m.name] = want
                 task = self._spawn(f"resize of {m.name}", m.resize(want))
-                task.add_done_callback(lambda _t, name=m.name: self._scaling.discard(name))
+                task.add_done_callback(lambda _t, name=m.name: self._scaling.pop(name, None))
 
     def _be_mem_of(self, be_requests: float) -> int:
         """Algorithm 2's mem(BE_model, n): whole batches of the main BE model at its footprint."""

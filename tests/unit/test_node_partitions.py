@@ -356,6 +356,37 @@ def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
     assert pm.metrics.cold_starts.labels("m")._value.get() == 3
 
 
+def test_ticks_while_a_resize_is_under_way_neither_ask_again_nor_count_its_cold_starts_again():
+    models: dict[str, Model] = {}
+    pm, _ = manager(models)
+    p1, p2 = (p.id for p in pm.current())
+    models["m"] = Model("m", [p1, p2])
+    for seq in range(5):
+        models["m"].enqueue(RT, seq)
+    landed = asyncio.Event()
+
+    class Slow(Model):  # a resize that has not landed while the next ticks come
+        async def resize(self, instances: int) -> None:
+            self.resized.append(instances)
+            await landed.wait()
+
+    slow = Slow("m", [p1, p2])
+    slow.sched = models["m"].sched
+    models["m"] = slow
+
+    async def ticks() -> None:
+        for _ in range(4):
+            pm._autoscale()
+            await asyncio.sleep(0)
+        landed.set()
+        await asyncio.gather(*pm._tasks)
+
+    asyncio.run(ticks())
+    assert slow.resized == [5]
+    assert pm.snapshot()["cold_starts"] == {"m": 3}  # three instances were asked for, once
+    assert pm.metrics.cold_starts.labels("m")._value.get() == 3
+
+
 def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mismatch():
     models: dict[str, Model] = {}
     cfg = ServerConfig(partitioning="protean", preemption="concurrent")
