@@ -243,9 +243,11 @@ class ServerConfig:
             raise InvalidInput("partition_memory_bytes must be at least 1 byte (leave it unset for the default)")
         if self.partition_warm_instances < 1 or self.protean_wait_limit < 0:
             raise InvalidInput("partition_warm_instances must be at least 1 and protean_wait_limit at least 0")
-        for name in ("partition_autoscale_s", "protean_monitor_interval_s", "protean_keep_alive_s"):
+        for name in ("partition_autoscale_s", "protean_monitor_interval_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
+        if not self.protean_keep_alive_s >= 0:  # 0 is immediate scale-down (PROTEAN §4.2's comparison)
+            raise InvalidInput("protean_keep_alive_s must be 0 (immediate scale-down) or more")
         for name in ("batch_time_weight", "segment_time_weight", "packrat_default_share", "protean_ewma_weight",
                      "protean_reconfig_fraction"):
             if not 0 < getattr(self, name) <= 1:
