@@ -407,5 +407,6 @@ class PartitionManager:
             "partitions": [{"id": p.id, "cpus": sorted(p.cpus), "cores": p.cores, "mem_bytes": p.mem_bytes,
                             "tag": tags.get(p.id, 0.0), "instances": on[p.id]} for p in parts],
             "controller": controller, "cold_starts": dict(self.autoscaler.cold_starts),
+            "keep_alive_s": self.autoscaler.keep_alive_s,
             "changes": list(self.changes), "now": self.clock(),
         }
