@@ -20,6 +20,7 @@ crowds the largest partition, and compares ``protean`` with ``smart-static`` (th
 from __future__ import annotations
 
 import os
+from collections import Counter
 import time
 import urllib.error
 import urllib.request
@@ -35,11 +36,12 @@ from splitserve.bench.arrivals import Arrival, from_rate_trace
 from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, get_json, own_server, server_now
 from splitserve.bench.protean import analysis, report
 from splitserve.bench.protean.load import TraceJob, capacity, drive
-from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env
+from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env, settings_problems
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target
 from splitserve.bench.validate import Expected
+from splitserve.placement.node_partitions import parse_geometry
 
 NAME = "protean"
 SUMMARY = ("PROTEAN on one node: strict SLO compliance, p99 breakdown, SLO-crossing percentile, BE tail and cold "
@@ -119,7 +121,8 @@ NOT_GIVEN = {
     "be_switch": "uniform among the BE models, never the same one twice in a row",
     "strict_share_draw": "exactly round(share x n) arrivals, chosen at random",
     "capacity": "closed loop of 2 x batch clients per model on the first scheme's server, harmonic mix",
-    "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process)",
+    "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process); solo on c "
+            "cores is the best of L[t, batch] for t <= c",
     "p99_breakdown": "each part's share of the mean latency of requests at or above p99, applied to p99",
     "request_to_batch": "the latest batch of the model done before the reply arrived (server clock)",
 }
@@ -213,6 +216,7 @@ def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any
     for _, part in batches:
         used[str(part)] = used.get(str(part), 0) + 1
     be_ok = [s.latency for s in be if s.ok]
+    failed = Counter(f"{s.cls}: {s.error}" for s in kept if not s.ok)
     return {
         "strict": {"requests": len(rt), "errors": errors, "compliance": share,
                    "violations": None if share is None else round((1 - share) * len(rt)),
@@ -221,6 +225,7 @@ def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any
         "strict_p99_breakdown_ms": {k: v * 1e3 for k, v in bd.items()} if bd else None,
         "strict_batches_by_partition": used,
         "be": {"requests": len(be), "errors": len(be) - len(be_ok), **analysis.dist_ms(be_ok)},
+        "error_messages": dict(failed.most_common(5)),
         "generator_bottleneck": result.bottleneck_reason if result.generator_bottleneck else None,
         "strict_latency_ms": sorted(v * 1e3 for v in lat)[:: max(1, len(lat) // max(1, p.keep_samples))],
     }
@@ -243,7 +248,10 @@ def run(ctx: Context) -> ScenarioOutput:
     prof, _ = ensure_profile(ctx, strict, whole, [p.batch])
 
     def solo(cores: int) -> float:
-        return prof.latency.latency(max(1, min(cores, whole)), p.batch)
+        """Solo seconds of a batch on ``cores`` cores: the best of the profiled thread counts
+        up to that (a model alone on a partition runs with whatever count is fastest there;
+        on a busy host more threads than free cores are slower, not faster)."""
+        return min(prof.latency.latency(t, p.batch) for t in range(1, max(1, min(cores, whole)) + 1))
 
     slo_s = p.slo_multiplier * solo(whole)
     repo = write_repository(ctx.results.path / "repository", {
@@ -271,7 +279,9 @@ def run(ctx: Context) -> ScenarioOutput:
     truncated = False
     schemes = check_schemes(p.schemes)
     for scheme in schemes:
-        overrides = dict(SCHEMES[scheme]) | ({"geometry": p.geometry} if p.geometry else {})
+        overrides = dict(SCHEMES[scheme])
+        if p.geometry and overrides["partitioning"] != "colocate":  # colocate is every core in one partition
+            overrides["geometry"] = p.geometry
         args = ["--repository", str(repo)] + [a for m in p.models for a in ("--load", m)]
         with own_server(ctx, scheme, args, prepare, env=server_env(overrides)) as server:
             target = Target(server.urls)
@@ -298,6 +308,12 @@ def run(ctx: Context) -> ScenarioOutput:
                 partitions = get_json(f"{http}/v2/partitions")
             except (urllib.error.URLError, OSError, ValueError):
                 partitions = None
+            rules = get_json(f"{http}/v2/scheduler/events?since=1e18&limit=1") | {"events": events}
+            wrong = settings_problems(scheme, overrides, partitions, rules,
+                                      parse_geometry(overrides["geometry"]) if "geometry" in overrides else ())
+            if wrong:
+                raise RuntimeError("a server did not run its scheme's settings, so its numbers would not be the "
+                                   "scheme's:\n" + "\n".join(wrong))
             metrics = _text(f"{http}/metrics")
             m = scheme_numbers(result, offset, events, _partition_cores(partitions), solo, whole, slo_s, p, strict)
             slo = analysis.prom_counter(metrics or "", "splitserve_slo_requests", {"model": strict, "class": "rt"})
