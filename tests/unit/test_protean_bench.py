@@ -155,11 +155,11 @@ def test_every_scheme_is_server_config_overrides_only() -> None:
         check_schemes(["molecule"])
 
 
-def test_crowded_setting_is_mostly_be_near_capacity_and_the_eta_ablation() -> None:
+def test_crowded_setting_is_mostly_strict_and_the_eta_ablation() -> None:
     from splitserve.bench.protean.scenario import Params
 
     p = Params(scenario="crowded").setting()
-    assert (p.strict_share, p.load, p.schemes) == (0.25, 0.9, ("protean", "smart-static"))
+    assert (p.strict_share, p.load, p.schemes) == (0.75, 0.6, ("protean", "smart-static"))
     # what the user set is kept
     p = Params(scenario="crowded", strict_share=0.4, schemes=("protean", "naive")).setting()
     assert (p.strict_share, p.schemes) == (0.4, ("protean", "naive"))
