@@ -57,6 +57,10 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
              m["generator_bottleneck"] or "-") for name, m in runs.items()]
     out.append(md_table(("scheme", "BE requests", "BE errors", "BE p50 ms", "BE p99 ms", "cold starts",
                          "generator"), rows))
+    failed = [(name, msg, n) for name, m in runs.items() for msg, n in (m.get("error_messages") or {}).items()]
+    if failed:
+        out += ["", "Failed requests, most frequent messages:", "",
+                md_table(("scheme", "class: error", "requests"), failed)]
     out += ["", "Parameters the paper does not give, as used here:", ""]
     out += [f"- {k}: {v}" for k, v in r["not_given"].items()]
     lines = [f"{name}: strict compliance {_pct(m['strict']['compliance'])}, p99 {fmt(m['strict']['p99_ms'])} ms, "
