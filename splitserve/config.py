@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from splitserve.cluster.pools import TABLE3, Market, PricePreset, Prices, ProcurementPolicy
 from splitserve.errors import InvalidInput
 from splitserve.placement.packrat import PlacementKind
 from splitserve.placement.partition import Partitioning, StrictPlacement
@@ -266,3 +267,104 @@ class ServerConfig:
     @property
     def unix_socket(self) -> Path:
         return self.unix_path or self.data_dir / "fast.sock"
+
+
+# -- cluster (issue 13, c-pure): node pools and prices, procurement, revocations, dispatch, health, autoscaling --
+# Fields whose default is None read their SPLITSERVE_CLUSTER_* variable with these parsers.
+_CLUSTER_OPTIONAL_PARSERS = {"on_demand_price_per_hour": _parse_float, "spot_price_per_hour": _parse_float}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Cluster-wide settings (docs/cluster.md), each also a ``SPLITSERVE_CLUSTER_*`` variable.
+    Times are seconds of the cluster's clock (trace time in the simulator)."""
+
+    # node pools and prices
+    pricing: PricePreset = PricePreset.AWS  # price preset: aws | azure | gcp (PROTEAN Table 3, $/h per 8xA100 node)
+    on_demand_price_per_hour: float | None = None  # override of the preset's on-demand price
+    spot_price_per_hour: float | None = None  # override of the preset's spot price
+    min_nodes: int = 1  # serving nodes kept however idle the cluster is
+    max_nodes: int = 8  # serving nodes at most (PROTEAN §5: 8 workers)
+    # procurement (PROTEAN §4.5)
+    procurement: ProcurementPolicy = ProcurementPolicy.PROTEAN  # protean | spot-only | on-demand-only
+    spot_launch_s: float = 60.0  # a spot node's request to serving with its models warm (emulated boot)
+    on_demand_launch_s: float = 60.0  # the same for an on-demand node
+    spot_retry_timeout_s: float = 120.0  # protean buys on-demand after a spot request pending this long; spot-only asks again
+    # revocations (PROTEAN §5; interval and replacement failures are not given: splitserve's assumptions)
+    p_rev: float = 0.0  # chance that a live spot node gets a notice per interval (paper: 0, 0.354, 0.708)
+    revocation_interval_s: float = 60.0  # how often each live spot node may get a notice
+    notice_min_s: float = 30.0  # shortest notice before an eviction (providers: 30-120 s)
+    notice_max_s: float = 120.0  # longest notice before an eviction
+    revocation_seed: int = 0  # seed of the revocation emulator: one seed, one eviction schedule
+    drain_lead_s: float = 15.0  # a doomed node whose replacement is not serving stops taking work this long before eviction
+    drain_margin_s: float = 5.0  # work still on a doomed node this long before its eviction is sent elsewhere
+    # dispatch and the gateway's ledger
+    node_window: int = 64  # requests in flight per node at most (queued there or running); all full: QUEUE_FULL
+    two_choices_above: int = 8  # with more candidates than this, dispatch compares two seeded random ones
+    max_attempts: int = 3  # sends of one request (first and re-sends) before it is answered WORKER_FAILED
+    ledger_capacity: int = 65536  # requests the gateway holds unanswered at most; more are refused QUEUE_FULL
+    # health checks from the gateway
+    ping_interval_s: float = 1.0  # a node not heard from for this long has missed a ping
+    ping_misses: int = 3  # missed pings that make a node DEAD (one makes it SUSPECT: no new work)
+    # autoscaling (PROTEAN §4.2 at cluster level)
+    keep_alive_s: float = 600.0  # surplus nodes retire only after this long of continuous surplus (paper: ~10 min)
+    requests_per_node: int = 32  # queued and running requests one node should carry; more asks for nodes
+    slo_target: float = 0.99  # strict SLO compliance below this asks for one more node
+    autoscale_interval_s: float = 1.0  # how often the autoscaler and procurement look at the cluster
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if isinstance(f.default, Choice):
+                object.__setattr__(self, f.name, type(f.default).parse(getattr(self, f.name), f.name))
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ClusterConfig":
+        """Defaults, then SPLITSERVE_CLUSTER_* variables, then explicit overrides."""
+        base = cls()
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            current = getattr(base, f.name)
+            if isinstance(current, (bool, int, float, str)):
+                values[f.name] = _env(f"cluster_{f.name}", current, type(current))
+        for name, parse in _CLUSTER_OPTIONAL_PARSERS.items():
+            raw = os.environ.get(f"SPLITSERVE_CLUSTER_{name.upper()}")
+            if raw:
+                values[name] = parse(raw, f"SPLITSERVE_CLUSTER_{name.upper()}")
+        values.update(overrides)
+        return replace(base, **values).checked()
+
+    def checked(self) -> "ClusterConfig":
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise InvalidInput(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes} and {self.max_nodes}")
+        if not 0 <= self.p_rev <= 1:
+            raise InvalidInput(f"p_rev must be a probability in [0, 1], got {self.p_rev}")
+        if not 0 < self.notice_min_s <= self.notice_max_s:
+            raise InvalidInput(f"need 0 < notice_min_s <= notice_max_s, got {self.notice_min_s}, {self.notice_max_s}")
+        if not 0 <= self.drain_margin_s <= self.drain_lead_s < self.notice_min_s:
+            raise InvalidInput("need 0 <= drain_margin_s <= drain_lead_s < notice_min_s, got "
+                               f"{self.drain_margin_s}, {self.drain_lead_s}, {self.notice_min_s}")
+        if not 0 < self.slo_target <= 1:
+            raise InvalidInput(f"slo_target must be in (0, 1], got {self.slo_target}")
+        for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
+                     "ping_interval_s", "autoscale_interval_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidInput(f"{name} must be positive")
+        for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
+                     "requests_per_node"):
+            if getattr(self, name) < 1:
+                raise InvalidInput(f"{name} must be at least 1")
+        if self.keep_alive_s < 0:
+            raise InvalidInput("keep_alive_s must be at least 0 (0: scale down at once)")
+        self.prices  # noqa: B018 - refuses a non-positive override here, at start-up
+        return self
+
+    @property
+    def prices(self) -> Prices:
+        """The preset's prices with the overrides applied."""
+        preset = TABLE3[self.pricing]
+        od, spot = self.on_demand_price_per_hour, self.spot_price_per_hour
+        return Prices(on_demand=preset.on_demand if od is None else od, spot=preset.spot if spot is None else spot)
+
+    def launch_s(self, market: Market) -> float:
+        """Seconds from a request for a node in ``market`` to the node serving."""
+        return self.spot_launch_s if market is Market.SPOT else self.on_demand_launch_s

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS func_ids (name TEXT PRIMARY KEY, func_id INTEGER UNIQ
 CREATE TABLE IF NOT EXISTS profiles (
     model    TEXT NOT NULL,
     machine  TEXT NOT NULL,
-    kind     TEXT NOT NULL,          -- latency | segments | memory
+    kind     TEXT NOT NULL,          -- latency | segments | memory | footprint | colocation | fbr
     data     TEXT NOT NULL,
     created  REAL NOT NULL,
     PRIMARY KEY (model, machine, kind)
@@ -201,14 +201,16 @@ class Registry:
 
     # -- profiles (Packrat, REEF padding and PROTEAN read the same stored profile) ----------
 
-    def save_profile(self, model: str, machine: str, kind: str, data: dict[str, Any]) -> None:
+    def save_profile(self, model: str, machine: str, kind: str, data: Any) -> None:
+        """Store ``data`` (a JSON value: an object, or a list for ``colocation``) as the
+        ``kind`` profile of ``model`` on ``machine``, replacing the one stored before."""
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO profiles(model, machine, kind, data, created) VALUES (?, ?, ?, ?, ?)",
                 (model, machine, kind, json.dumps(data), time.time()),
             )
 
-    def load_profile(self, model: str, machine: str, kind: str) -> dict[str, Any] | None:
+    def load_profile(self, model: str, machine: str, kind: str) -> Any:
         with self._lock:
             row = self._db.execute(
                 "SELECT data FROM profiles WHERE model=? AND machine=? AND kind=?", (model, machine, kind)

@@ -16,7 +16,7 @@ Pure: the caller passes the clock and the counts; nothing here starts or stops a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from splitserve.errors import InvalidInput
 
@@ -30,13 +30,9 @@ class InstanceAutoscaler:
     """
 
     def __init__(self, keep_alive_s: float) -> None:
-        if keep_alive_s < 0:
-            raise InvalidInput(f"keep_alive_s={keep_alive_s}: use 0 (immediate scale-down) or more")
-        self.keep_alive_s = keep_alive_s
+        self.keep_alive = KeepAlive(keep_alive_s)
         self.cold_starts: dict[str, int] = {}
         self.retired: dict[str, int] = {}
-        self._since: dict[str, float] = {}  # model -> start of its current run of surplus ticks
-        self._least_surplus: dict[str, int] = {}  # model -> smallest surplus seen in that run
 
     def tick(
         self,
@@ -63,31 +59,60 @@ class InstanceAutoscaler:
             wanted = math.ceil(max(0, pending.get(m, 0)) / b)
             if have > 0:
                 wanted = max(1, wanted)
-            targets[m] = self._decide(now, m, have, wanted)
-        for m in set(self._since) - set(targets):  # unloaded: forget its window
-            self._since.pop(m, None)
-            self._least_surplus.pop(m, None)
+            target = self.keep_alive.decide(now, m, have, wanted)
+            if target > have:
+                self.cold_starts[m] = self.cold_starts.get(m, 0) + target - have
+            elif target < have:
+                self.retired[m] = self.retired.get(m, 0) + have - target
+            targets[m] = target
+        self.keep_alive.keep_only(targets)  # unloaded models: forget their windows
         return targets
 
-    def _decide(self, now: float, model: str, have: int, wanted: int) -> int:
-        surplus = have - wanted
-        if surplus <= 0:
-            self._since.pop(model, None)
-            self._least_surplus.pop(model, None)
-            if surplus < 0:
-                self.cold_starts[model] = self.cold_starts.get(model, 0) - surplus
-            return wanted
-        start = self._since.setdefault(model, now)
-        least = min(self._least_surplus.get(model, surplus), surplus)
-        self._least_surplus[model] = least
-        if now - start < self.keep_alive_s:
-            return have
-        self._since.pop(model)
-        self._least_surplus.pop(model)
-        self.retired[model] = self.retired.get(model, 0) + least
-        return have - least
+    @property
+    def keep_alive_s(self) -> float:
+        return self.keep_alive.keep_alive_s
 
     def to_dict(self) -> dict[str, object]:
         """Counters for reports: cold starts and retirements per model, and the keep-alive."""
         return {"keep_alive_s": self.keep_alive_s, "cold_starts": dict(self.cold_starts),
                 "retired": dict(self.retired)}
+
+
+class KeepAlive:
+    """Scale up at once, scale down only after ``keep_alive_s`` of continuous surplus (§4.2),
+    per key: a model's instances here, a pool's nodes in ``cluster.autoscale``.
+
+    Every decision of the window must show a surplus (one without restarts it), and what is
+    retired at its end is the smallest surplus seen over it, so nothing that some decision of
+    the window needed goes."""
+
+    def __init__(self, keep_alive_s: float) -> None:
+        if keep_alive_s < 0:
+            raise InvalidInput(f"keep_alive_s={keep_alive_s}: use 0 (immediate scale-down) or more")
+        self.keep_alive_s = keep_alive_s
+        self._since: dict[str, float] = {}  # key -> start of its current run of surplus decisions
+        self._least_surplus: dict[str, int] = {}  # key -> smallest surplus seen in that run
+
+    def decide(self, now: float, key: str, have: int, wanted: int) -> int:
+        """The count ``key`` should have: ``wanted`` when that is more (or no surplus),
+        ``have`` while the window runs, ``have`` less the window's least surplus at its end."""
+        surplus = have - wanted
+        if surplus <= 0:
+            self.forget(key)
+            return wanted
+        start = self._since.setdefault(key, now)
+        least = min(self._least_surplus.get(key, surplus), surplus)
+        self._least_surplus[key] = least
+        if now - start < self.keep_alive_s:
+            return have
+        self.forget(key)
+        return have - least
+
+    def forget(self, key: str) -> None:
+        self._since.pop(key, None)
+        self._least_surplus.pop(key, None)
+
+    def keep_only(self, keys: Collection[str]) -> None:
+        """Forget every key not in ``keys``."""
+        for key in set(self._since) - set(keys):
+            self.forget(key)

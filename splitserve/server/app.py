@@ -51,6 +51,7 @@ from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.partitions import PartitionManager
+from splitserve.server.protean_profiles import ProteanProfiles
 from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
@@ -146,6 +147,10 @@ class Server:
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
         self.registry = await asyncio.to_thread(Registry, cfg.data_dir)
         self.footprints = RegistryFootprints(self.registry, cfg.cache_path)
+        # PROTEAN's solo times, FBRs and batch memory (its placement reads them per batch)
+        self.protean_profiles = ProteanProfiles(self.registry)
+        if self.partitions is not None:
+            self.partitions.profiles = self.protean_profiles
         self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,

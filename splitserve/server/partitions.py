@@ -44,7 +44,7 @@ from splitserve.placement.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import PartitionedModel, PartitionProfiles, PlacementChanger
+from splitserve.server.ports import PartitionedModel, ProteanProfileSource, PlacementChanger
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class PartitionManager:
 
     def __init__(self, config: ServerConfig, resources: ResourceManager, changer: PlacementChanger,
                  models: Callable[[], Iterable[PartitionedModel]], view: Callable[[], list[InstanceView]],
-                 metrics: Metrics, total_mem: int, profiles: PartitionProfiles | None = None,
+                 metrics: Metrics, total_mem: int, profiles: ProteanProfileSource | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.partitioning = config.partitioning

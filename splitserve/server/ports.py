@@ -394,6 +394,28 @@ class FootprintStore(Protocol):
         """Persist a measured footprint and load time (off the loop; returns at once)."""
 
 
+class ProteanProfileSource(Protocol):
+    """What PROTEAN's deciders read of the node's stored profiles (``protean_profiles.ProteanProfiles``,
+    over the registry): the slowdown model's solo times and FBRs and Algorithm 1's batch
+    memory. Built once by the root; read on the loop (each model's profiles are read once,
+    then kept until ``forget``). None means "not profiled here": never a made-up number."""
+
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` takes alone on a partition of ``cores`` cores
+        (the stored L[cores, batch]); None without a profile with that many threads."""
+
+    def fbr(self, model: str) -> float | None:
+        """The model's fitted FBR; None when never fitted or unidentified."""
+
+    def footprint(self, model: str, batch: int) -> int | None:
+        """Bytes a batch of ``batch`` takes: the per-batch footprint, else the private bytes
+        the model's load measured (``kind="memory"``), else None."""
+
+    def forget(self, model: str | None = None) -> None:
+        """Read ``model``'s (every model's: None) profiles again on next use, e.g. after
+        ``splitserve profile`` stored new ones."""
+
+
 class PlacedModel(Protocol):
     """One model as the node's placement applier drives it through a change (start the new
     set as standby, switch, drain the old). ``runtime.ModelRuntime`` implements it."""
@@ -522,20 +544,6 @@ class PartitionedModel(Protocol):
     def placements_on(self, partitions: Sequence[NodePartition]) -> list[InstancePlacement]:
         """As many instances as serve now, on ``partitions`` (``NodePartition``s of a new
         geometry); takes the model's places on them from the ``ResourceManager``."""
-
-
-class PartitionProfiles(Protocol):
-    """What PROTEAN's slowdown model and Algorithm 1 read from the stored profiles
-    (``protean_profiles.ProteanProfiles``, built by the root)."""
-
-    def solo(self, model: str, cores: int, batch: int) -> float | None:
-        """Seconds of a batch alone on a partition of ``cores`` cores (None: not profiled)."""
-
-    def fbr(self, model: str) -> float | None:
-        """The model's fitted FBR (None: not identified)."""
-
-    def footprint(self, model: str, batch: int) -> int | None:
-        """Peak bytes one batch adds (None: not measured)."""
 
 
 class PartitionControl(Protocol):

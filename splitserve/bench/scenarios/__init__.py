@@ -43,6 +43,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("packrat", "Profile a model, then Packrat's <instances, threads, batch> choice vs one fat "
                      "instance per batch size, expected vs measured, and adaptive reconfiguration under a load "
                      "step (Packrat Fig. 4/5/6).", "splitserve.bench.scenarios.packrat"),
+        ScenarioInfo("slowdown", "PROTEAN's slowdown model: FBRs fitted on some co-locations of zoo models on 1..C "
+                     "cores predict held-out ones (median and p90 relative error, fit residuals); cross-partition "
+                     "interference of disjoint cores (PROTEAN Eq. 1/2, Fig. 3).",
+                     "splitserve.bench.scenarios.slowdown"),
         ScenarioInfo("chaos", "Mixed RT/BE load at 2x capacity over every transport while workers are killed, "
                      "clients stall or stop reading, frames are malformed and models are resized, reconfigured "
                      "and reloaded: a ledger proves one answer per request (issue 9).",
@@ -61,6 +65,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "identical Wikipedia- or Twitter-like arrivals, 50/50 strict/BE: strict SLO compliance, p99 "
                      "breakdown, SLO-crossing percentile, BE tail, cold starts (PROTEAN Fig. 5/6/8/11/13/15; "
                      "issue 12).", "splitserve.bench.protean.scenario"),
+        ScenarioInfo("cluster-spot", "PROTEAN Fig. 9 simulated at the paper's scale: normalised cost and strict SLO "
+                     "compliance of protean, spot-only and on-demand-only at P_rev 0, 0.354 and 0.708 on emulated "
+                     "revocations; evictions, fallbacks, requeued and lost requests (issue 13).",
+                     "splitserve.bench.scenarios.cluster_spot"),
     )
 }
 

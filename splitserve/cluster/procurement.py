@@ -1,0 +1,134 @@
+"""Which market each new node is bought in (PROTEAN §4.5).
+
+"On receipt of the eviction notification, we retry for another spot VM and only issue an
+on-demand VM request if the spot request fails." Each node the cluster wants is an
+*order*; the policy turns orders into requests to a market:
+
+- ``protean``: a spot request first; on-demand when it fails, or when it is still not
+  serving ``spot_retry_timeout_s`` after it was made (the pending spot request is then
+  withdrawn). Each switch is a *fallback*.
+- ``spot-only``: spot requests only; after a failure it waits ``spot_retry_timeout_s`` and
+  asks again, however long that takes (its SLO compliance pays for it).
+- ``on-demand-only``: on-demand requests only.
+
+Pure: the caller performs the ``Launch`` and ``Cancel`` actions and reports back what the
+provider (or the revocation emulator) did with ``failed`` and ``ready``; ``tick`` handles
+the timeouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+
+from splitserve.cluster.pools import Market, ProcurementPolicy
+from splitserve.errors import InternalError, InvalidInput
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Ask the provider for a node in ``market`` for ``order``."""
+
+    order: int
+    market: Market
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Withdraw ``order``'s pending request in ``market`` (a node it already started is
+    stopped and billed to now)."""
+
+    order: int
+    market: Market
+
+
+Action = Launch | Cancel
+
+
+@dataclass
+class Order:
+    """One node wanted and not yet serving."""
+
+    order: int
+    opened_at: float
+    market: Market | None = None  # the market of the pending request (None: none pending)
+    requested_at: float = 0.0  # when that request was made
+    retry_at: float | None = None  # spot-only: when to ask again after a failure
+
+
+class Procurement:
+    """Open orders and the policy that fills them."""
+
+    def __init__(self, policy: ProcurementPolicy, spot_retry_timeout_s: float) -> None:
+        if not spot_retry_timeout_s > 0:
+            raise InvalidInput(f"spot_retry_timeout_s must be positive, got {spot_retry_timeout_s}")
+        self.policy = ProcurementPolicy.parse(policy)
+        self.spot_retry_timeout_s = spot_retry_timeout_s
+        self._orders: dict[int, Order] = {}
+        self._ids = count(1)
+        self.fallbacks = 0  # orders protean switched from spot to on-demand
+        self.spot_retries = 0  # spot-only's requests after a failure
+
+    @property
+    def open_orders(self) -> int:
+        return len(self._orders)
+
+    def order(self, order: int) -> Order:
+        try:
+            return self._orders[order]
+        except KeyError:
+            raise InternalError(f"no open order {order}") from None
+
+    def open(self, now: float) -> list[Action]:
+        """One more node is wanted."""
+        o = Order(next(self._ids), now)
+        self._orders[o.order] = o
+        first = Market.ON_DEMAND if self.policy is ProcurementPolicy.ON_DEMAND_ONLY else Market.SPOT
+        return [self._launch(o, first, now)]
+
+    def failed(self, order: int, now: float) -> list[Action]:
+        """``order``'s pending request was refused (no capacity in that market)."""
+        o = self.order(order)
+        market, o.market = o.market, None
+        if market is Market.SPOT and self.policy is ProcurementPolicy.PROTEAN:
+            self.fallbacks += 1
+            return [self._launch(o, Market.ON_DEMAND, now)]
+        if self.policy is ProcurementPolicy.SPOT_ONLY:
+            o.retry_at = now + self.spot_retry_timeout_s
+            return []
+        return [self._launch(o, Market.ON_DEMAND, now)]  # on-demand refused: ask again
+
+    def ready(self, order: int) -> Market:
+        """``order``'s node serves: the order is filled. Returns the node's market."""
+        o = self.order(order)
+        if o.market is None:
+            raise InternalError(f"order {order} has no pending request to be ready")
+        del self._orders[order]
+        return o.market
+
+    def close(self, order: int) -> list[Action]:
+        """``order`` is no longer wanted (scale-in before its node came): withdraw its request."""
+        o = self._orders.pop(order, None)
+        return [Cancel(o.order, o.market)] if o is not None and o.market is not None else []
+
+    def newest(self) -> int | None:
+        """The most recently opened order (the first to close on scale-in), or None."""
+        return max(self._orders, default=None)
+
+    def tick(self, now: float) -> list[Action]:
+        """Timeouts: protean falls back from a spot request pending too long; spot-only asks
+        again once its wait after a failure is over."""
+        out: list[Action] = []
+        for o in list(self._orders.values()):
+            if (self.policy is ProcurementPolicy.PROTEAN and o.market is Market.SPOT
+                    and now - o.requested_at >= self.spot_retry_timeout_s):
+                self.fallbacks += 1
+                out += [Cancel(o.order, Market.SPOT), self._launch(o, Market.ON_DEMAND, now)]
+            elif o.market is None and o.retry_at is not None and now >= o.retry_at:
+                self.spot_retries += 1
+                out.append(self._launch(o, Market.SPOT, now))
+        return out
+
+    def _launch(self, o: Order, market: Market, now: float) -> Launch:
+        o.market, o.requested_at, o.retry_at = market, now, None
+        return Launch(o.order, market)

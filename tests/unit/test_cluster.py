@@ -1,0 +1,351 @@
+"""The pure half of cluster mode (issue 13 "Must show", no Ray): dispatch choices, the health
+tracker's bound, the ledger's one answer per request, procurement with the seeded
+revocation emulator, the cost ledger against PROTEAN Table 3, the cluster autoscaler's
+keep-alive, ClusterConfig's environment names, and a small simulation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad
+from splitserve.cluster.cost import CostLedger
+from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView, place
+from splitserve.cluster.health import Health, HealthTracker
+from splitserve.cluster.ledger import Deliver, Drop, Ledger, Resend
+from splitserve.cluster.pools import TABLE3, Market, PricePreset, ProcurementPolicy
+from splitserve.cluster.procurement import Cancel, Launch, Procurement
+from splitserve.cluster.revocation import RevocationEmulator
+from splitserve.cluster.sim import Workload, simulate
+from splitserve.config import ClusterConfig
+from splitserve.errors import InvalidInput, ModelNotReady, QueueFull, ShuttingDown
+from splitserve.protocol.header import RequestClass
+
+RT, BE = RequestClass.RT, RequestClass.BE
+OD, SPOT = Market.ON_DEMAND, Market.SPOT
+WARM = frozenset({"m"})
+
+
+def _node(name: str, market: Market, state: NodeState = NodeState.ACTIVE, models=WARM) -> NodeView:
+    return NodeView(name, market, state, models)
+
+
+# -- dispatch ----------------------------------------------------------------------------
+
+def test_rt_prefers_on_demand_and_be_prefers_spot_then_the_lowest_load():
+    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0))
+    nodes = [_node("od1", OD), _node("od2", OD), _node("s1", SPOT), _node("s2", SPOT)]
+    load = {"od1": 3, "od2": 1, "s1": 0, "s2": 2}
+    assert d.choose("m", RT, nodes, load) == "od2"  # on-demand, then the less loaded one
+    assert d.choose("m", BE, nodes, load) == "s1"
+    # the preferred market full: the other one takes it
+    assert d.choose("m", RT, nodes, {"od1": 4, "od2": 4, "s1": 3, "s2": 1}) == "s2"
+
+
+def test_draining_dead_starting_cold_and_excluded_nodes_get_no_work():
+    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0))
+    nodes = [_node("drain", OD, NodeState.DRAINING), _node("dead", OD, NodeState.DEAD),
+             _node("boot", OD, NodeState.STARTING), _node("cold", OD, models=frozenset()),
+             _node("refused", OD), _node("ok", SPOT)]
+    assert d.choose("m", RT, nodes, {}, exclude={"refused"}) == "ok"
+    with pytest.raises(ModelNotReady, match="'x'"):
+        d.choose("x", RT, nodes, {})
+
+
+def test_queue_full_when_every_window_is_full():
+    d = Dispatcher(window=2, two_choices_above=8, rng=random.Random(0))
+    nodes = [_node("a", OD), _node("b", SPOT)]
+    with pytest.raises(QueueFull, match="all 2 nodes"):
+        d.choose("m", BE, nodes, {"a": 2, "b": 2})
+
+
+def test_power_of_two_choices_above_the_threshold_is_seeded():
+    nodes = [_node(f"s{i}", SPOT) for i in range(12)]
+    load = {f"s{i}": i for i in range(12)}
+    picks = [Dispatcher(8, 8, random.Random(7)).choose("m", BE, nodes, load) for _ in range(3)]
+    assert len(set(picks)) == 1  # the same seed, the same choice
+    many = {Dispatcher(99, 8, random.Random(s)).choose("m", BE, nodes, load) for s in range(40)}
+    assert len(many) > 1 and "s11" not in many  # the busiest node never wins a comparison
+
+
+def test_placement_follows_demand():
+    held = place({"hot": 9.0, "cold": 1.0, "idle": 0.0}, ["n1", "n2", "n3", "n4"], models_per_node=1)
+    assert sum("hot" in m for m in held.values()) == 3
+    assert sum("cold" in m for m in held.values()) == 1
+    assert not any("idle" in m for m in held.values())
+    assert place({"a": 1.0}, ["n1", "n2"], 2) == place({"a": 1.0}, ["n1", "n2"], 2)
+
+
+# -- health ------------------------------------------------------------------------------
+
+def test_a_silent_node_is_out_of_dispatch_and_then_dead_within_its_bound():
+    h = HealthTracker(ping_interval_s=1.0, misses=3)
+    h.add("a", 0.0)
+    h.add("b", 0.0)
+    now = 0.0
+    died_at = None
+    while died_at is None:  # "a" stops answering; "b" answers every ping; checks every interval
+        now += 0.5
+        h.heard("b", now)
+        if now >= 1.0:
+            assert h.state("a", now) is not Health.ALIVE and "a" not in h.serving(now)
+        if "a" in h.check(now):
+            died_at = now
+    assert died_at <= h.dead_after_s + h.ping_interval_s
+    assert h.serving(now) == {"b"} and h.state("a", now) is Health.DEAD
+
+
+# -- the ledger --------------------------------------------------------------------------
+
+def test_the_ledger_resends_a_lost_nodes_work_and_drops_the_late_duplicate():
+    led = Ledger(capacity=8, max_attempts=3)
+    e = led.accept("m", RT, b"payload", now=0.0)
+    led.sent(e.req_id, "a")
+    [out] = led.node_lost("a", 1.0)
+    assert isinstance(out, Resend) and out.entry.handle == b"payload"
+    led.sent(e.req_id, "b")
+    assert led.in_flight() == {"b": 1}
+    first = led.answered(e.req_id, "b", 2.0)
+    assert isinstance(first, Deliver) and first.error is None
+    assert isinstance(led.answered(e.req_id, "a", 3.0), Drop)  # the lost node answers late
+    assert len(led) == 0 and led.delivered == 1 and led.in_flight() == {}
+
+
+def test_a_refusal_is_resent_elsewhere_and_attempts_are_bounded():
+    led = Ledger(capacity=8, max_attempts=2)
+    e = led.accept("m", BE, None, 0.0)
+    led.sent(e.req_id, "a")
+    out = led.answered(e.req_id, "a", 0.1, ShuttingDown("draining"))
+    assert isinstance(out, Resend) and out.exclude == {"a"}
+    led.sent(e.req_id, "b")
+    last = led.answered(e.req_id, "b", 0.2, QueueFull("full"))
+    assert isinstance(last, Deliver) and isinstance(last.error, QueueFull)
+    with pytest.raises(QueueFull):
+        full = Ledger(capacity=1, max_attempts=1)
+        full.accept("m", BE, None, 0.0)
+        full.accept("m", BE, None, 0.0)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Any interleaving of accepts, sends, answers (results, refusals, duplicates, answers
+    from the wrong node), node deaths and re-sends: every accepted request is answered
+    exactly once, and nothing else is ever answered."""
+
+    NODES = ("a", "b", "c")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.led = Ledger(capacity=50, max_attempts=3)
+        self.waiting: list[int] = []  # taken back or new: to be dispatched
+        self.accepted: set[int] = set()
+        self.answers: dict[int, int] = {}
+        self.now = 0.0
+
+    def _apply(self, out) -> None:
+        if isinstance(out, Deliver):
+            self.answers[out.entry.req_id] = self.answers.get(out.entry.req_id, 0) + 1
+            # a late answer from a lost node can win while the request waits to be sent again
+            if out.entry.req_id in self.waiting:
+                self.waiting.remove(out.entry.req_id)
+        elif isinstance(out, Resend):
+            self.waiting.append(out.entry.req_id)
+
+    @rule()
+    def accept(self) -> None:
+        if len(self.led) < self.led.capacity:
+            e = self.led.accept("m", RT, None, self.now)
+            self.accepted.add(e.req_id)
+            self.waiting.append(e.req_id)
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 100), node=st.sampled_from(NODES), refuse=st.booleans())
+    def send(self, i: int, node: str, refuse: bool) -> None:
+        req = self.waiting.pop(i % len(self.waiting))
+        if refuse:  # dispatch found no node
+            self._apply(self.led.fail(req, QueueFull("no room")))
+        else:
+            self.led.sent(req, node)
+
+    @rule(req=st.integers(1, 60), node=st.sampled_from(NODES), kind=st.sampled_from(["ok", "refused", "error"]))
+    def answer(self, req: int, node: str, kind: str) -> None:
+        self.now += 0.01
+        error = {"ok": None, "refused": ShuttingDown("x"), "error": InvalidInput("bad")}[kind]
+        self._apply(self.led.answered(req, node, self.now, error))
+
+    @rule(node=st.sampled_from(NODES))
+    def node_dies(self, node: str) -> None:
+        for out in self.led.node_lost(node, self.now):
+            self._apply(out)
+
+    @invariant()
+    def at_most_once(self) -> None:
+        assert all(c == 1 for c in self.answers.values())
+        assert set(self.answers) <= self.accepted
+        held = {e.req_id for e in self.led}
+        assert held | set(self.answers) == self.accepted and not held & set(self.answers)
+        assert sum(self.led.in_flight().values()) == sum(1 for e in self.led if e.node is not None)
+
+    def teardown(self) -> None:
+        # every node answers what it holds: then every accepted request has had one answer
+        while self.waiting or len(self.led):
+            while self.waiting:
+                self.led.sent(self.waiting.pop(), "a")
+            for e in self.led:
+                self._apply(self.led.answered(e.req_id, e.node, self.now))
+        assert set(self.answers) == self.accepted and all(c == 1 for c in self.answers.values())
+
+
+TestLedgerInterleavings = LedgerMachine.TestCase
+TestLedgerInterleavings.settings = settings(max_examples=60, stateful_step_count=40, derandomize=True,
+                                            database=None, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- revocation and procurement ----------------------------------------------------------
+
+def _emulator(p_rev: float, seed: int = 1) -> RevocationEmulator:
+    return RevocationEmulator(p_rev, 60.0, 30.0, 120.0, random.Random(seed))
+
+
+def test_p_rev_zero_never_sends_a_notice_nor_fails_a_spot_request():
+    em = _emulator(0.0)
+    assert em.tick(86_400.0, [f"s{i}" for i in range(64)]) == []
+    assert not any(em.spot_request_fails() for _ in range(1000))
+
+
+def test_notices_are_seeded_per_interval_with_lead_times_in_range():
+    a, b = _emulator(0.5, seed=3), _emulator(0.5, seed=3)
+    nodes = [f"s{i}" for i in range(20)]
+    na, nb = a.tick(600.0, nodes), b.tick(600.0, nodes)
+    assert na == nb and 0 < len(na) <= 20  # the same seed, the same schedule
+    assert len({n.node for n in na}) == len(na)  # one notice per node
+    assert all(n.at % 60.0 == 0 and 30.0 <= n.deadline - n.at <= 120.0 for n in na)
+
+
+def test_protean_buys_spot_first_then_on_demand_after_a_failure_or_a_timeout():
+    em = _emulator(1.0)  # spot capacity never there
+    proc = Procurement(ProcurementPolicy.PROTEAN, spot_retry_timeout_s=120.0)
+    [first] = proc.open(0.0)
+    assert first == Launch(1, SPOT)
+    assert em.spot_request_fails()
+    assert proc.failed(1, 0.0) == [Launch(1, OD)] and proc.fallbacks == 1
+    assert proc.ready(1) is OD and proc.open_orders == 0
+    # a spot request that is granted but does not serve in time
+    [first] = proc.open(10.0)
+    assert proc.tick(100.0) == []
+    assert proc.tick(130.0) == [Cancel(2, SPOT), Launch(2, OD)] and proc.fallbacks == 2
+
+
+def test_spot_only_waits_and_asks_spot_again_and_on_demand_only_never_asks_spot():
+    proc = Procurement(ProcurementPolicy.SPOT_ONLY, spot_retry_timeout_s=60.0)
+    assert proc.open(0.0) == [Launch(1, SPOT)]
+    assert proc.failed(1, 0.0) == []
+    assert proc.tick(59.0) == [] and proc.tick(60.0) == [Launch(1, SPOT)] and proc.spot_retries == 1
+    assert proc.tick(500.0) == []  # a pending spot request is waited for, however long
+    od = Procurement(ProcurementPolicy.ON_DEMAND_ONLY, spot_retry_timeout_s=60.0)
+    assert od.open(0.0) == [Launch(1, OD)] and od.tick(1e6) == []
+
+
+# -- cost --------------------------------------------------------------------------------
+
+def test_the_cost_ledger_against_table3():
+    aws = TABLE3[PricePreset.AWS]
+    assert (aws.on_demand, aws.spot) == (32.7726, 9.8318)
+    assert (TABLE3[PricePreset.AZURE].spot, TABLE3[PricePreset.GCP].on_demand) == (18.0235, 30.0846)
+
+    def bill(market: Market) -> CostLedger:
+        led = CostLedger()
+        for i in range(8):  # 8 nodes, 1 hour each, booting included
+            led.requested(f"n{i}", "8xa100", market, aws.of(market), now=0.0)
+            led.ready(f"n{i}", 60.0)
+            led.ended(f"n{i}", 3600.0)
+        return led
+
+    od, spot = bill(OD), bill(SPOT)
+    assert od.total(3600.0) == pytest.approx(8 * 32.7726, abs=1e-9)
+    assert spot.total(3600.0) == pytest.approx(8 * 9.8318, abs=1e-9)
+    assert spot.total(3600.0) / od.total(3600.0) == pytest.approx(9.8318 / 32.7726, rel=1e-12)
+    assert round(spot.total(3600.0) / od.total(3600.0), 3) == 0.300
+    # an evicted spot node is billed to its eviction; a withdrawn request to its withdrawal
+    led = CostLedger()
+    led.requested("s", "8xa100", SPOT, aws.spot, 0.0)
+    led.ready("s", 60.0)
+    led.drained("s", 1000.0)
+    led.ended("s", 1090.0, evicted=True)
+    led.requested("w", "8xa100", SPOT, aws.spot, 0.0)
+    led.ended("w", 36.0)
+    assert led.total(99_999.0) == pytest.approx(aws.spot * (1090.0 + 36.0) / 3600.0)
+    s = led.summary(99_999.0)
+    assert (s["evictions"], s["boots"], s["withdrawn"]) == (1, 1, 1)
+    assert s["draining_hours"] == pytest.approx(90.0 / 3600.0)
+
+
+# -- autoscaling -------------------------------------------------------------------------
+
+def test_the_cluster_autoscaler_scales_up_at_once_and_down_after_the_keep_alive():
+    a = ClusterAutoscaler(min_nodes=1, max_nodes=3, requests_per_node=10, slo_target=0.99, keep_alive_s=600.0)
+    assert a.tick(0.0, ClusterLoad(outstanding=25, serving=1, starting=0)) == 3
+    assert a.tick(1.0, ClusterLoad(outstanding=0, serving=3, starting=0)) == 3  # surplus: kept
+    assert a.tick(300.0, ClusterLoad(outstanding=5, serving=3, starting=0)) == 3
+    assert a.tick(600.0, ClusterLoad(outstanding=0, serving=3, starting=0)) == 3
+    assert a.tick(601.0, ClusterLoad(outstanding=0, serving=3, starting=0)) == 1  # 600 s of surplus
+    # a tick without surplus restarts the window
+    b = ClusterAutoscaler(1, 3, 10, 0.99, keep_alive_s=600.0)
+    b.tick(0.0, ClusterLoad(0, 3, 0))
+    b.tick(500.0, ClusterLoad(30, 3, 0))
+    assert b.tick(700.0, ClusterLoad(0, 3, 0)) == 3
+
+
+def test_missed_slos_ask_for_one_more_node_once_at_a_time():
+    a = ClusterAutoscaler(1, 8, requests_per_node=100, slo_target=0.99, keep_alive_s=600.0)
+    assert a.tick(0.0, ClusterLoad(10, 2, 0, strict_met=90, strict_total=100)) == 3
+    assert a.tick(1.0, ClusterLoad(10, 2, 1, strict_met=90, strict_total=100)) == 3  # one is starting
+    assert a.tick(2.0, ClusterLoad(10, 3, 0, strict_met=100, strict_total=100)) == 3
+
+
+# -- config and the simulator ------------------------------------------------------------
+
+def test_cluster_config_reads_its_environment_names_and_refuses_bad_values(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_P_REV", "0.354")
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_PROCUREMENT", "spot-only")
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SPOT_PRICE_PER_HOUR", "5.5")
+    cfg = ClusterConfig.from_env(keep_alive_s=30.0)
+    assert (cfg.p_rev, cfg.procurement, cfg.prices.spot, cfg.prices.on_demand, cfg.keep_alive_s) == \
+        (0.354, ProcurementPolicy.SPOT_ONLY, 5.5, 32.7726, 30.0)
+    for bad in ({"p_rev": 1.5}, {"notice_min_s": 200.0}, {"min_nodes": 9}, {"procurement": "cheap"},
+                {"spot_price_per_hour": -1.0}):
+        with pytest.raises(InvalidInput):
+            ClusterConfig.from_env(**bad)
+
+
+def _work(duration: float, rate: float = 60.0, seed: int = 0) -> Workload:
+    """Poisson arrivals at about 60 % of 4 nodes' capacity (4 x 4 / 0.14 s), half strict."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    while (t := t + rng.expovariate(rate)) < duration:
+        times.append(t)
+    return Workload(times, [rng.random() < 0.5 for _ in times], 4, [0.08, 0.1, 0.12, 0.14], 0.42)
+
+
+def test_the_simulation_loses_nothing_and_protean_costs_the_spot_price_ratio_at_p_rev_zero():
+    work = _work(300.0)
+    base = dict(min_nodes=4, max_nodes=4)
+    od = simulate(ClusterConfig(procurement="on-demand-only", **base), work, seed=0)
+    pro = simulate(ClusterConfig(procurement="protean", **base), work, seed=0)
+    assert pro["cost"]["dollars"] / od["cost"]["dollars"] == pytest.approx(9.8318 / 32.7726, rel=1e-9)
+    assert od["lost"] == pro["lost"] == 0 and od["answered"] == od["requests"]
+
+
+def test_under_revocations_protean_keeps_its_slo_and_spot_only_does_not_and_nothing_is_lost():
+    work = _work(duration=900.0)
+    base = dict(min_nodes=4, max_nodes=4, p_rev=0.708)
+    pro = simulate(ClusterConfig(procurement="protean", **base), work, seed=1)
+    spot = simulate(ClusterConfig(procurement="spot-only", **base), work, seed=1)
+    assert pro["notices"] > 0 and pro["fallbacks"] > 0 and spot["spot_failures"] > 0
+    assert pro["lost"] == spot["lost"] == 0
+    assert pro["answered"] == spot["answered"] == pro["requests"]
+    assert pro["strict"]["compliance"] > 0.97 > spot["strict"]["compliance"]
