@@ -30,6 +30,10 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
            f"Capacity of the mix {fmt(caps.get('mix_rps'))} req/s (measured on the `{caps.get('measured_on')}` "
            f"server); offered {fmt(r['offered_rps'])} req/s = {p.load:g} of it, {r['requests']} requests, "
            f"trace `{r['trace'].get('kind')}` (peak:mean {fmt(r['trace'].get('peak_to_mean'), 3)}).", "",
+           "FBRs the servers' eta used (fitted from co-location runs on "
+           f"{r.get('fbr_cores')} core(s); unidentified ones count as `protean_unknown_fbr`): "
+           + (", ".join(f"{m} " + (fmt(f['fbr'], 3) if f['fbr'] is not None else "unidentified")
+                        for m, f in (r.get("fbr") or {}).items()) or "none") + ".", "",
            "## Strict requests", ""]
     rows = []
     for name, m in runs.items():

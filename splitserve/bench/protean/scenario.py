@@ -75,6 +75,7 @@ class Params(BaseParams):
     budget_s: float = 1.0  # profiler: most seconds per (threads, batch) point
     profile_dir: str = ""  # profile store; empty: <out>/.packrat-profiles (shared with bench packrat)
     reprofile: bool = False  # measure the profile again even if the store has it
+    fbr_cores: int = 1  # cores of the partition the co-location runs that fit the FBRs share (0: none run)
     keep_samples: int = 5000  # strict latencies kept per scheme in result.json (for the CDF)
 
     def check(self) -> None:
@@ -200,6 +201,56 @@ def _cold_starts(partitions: Any, metrics: str | None) -> dict[str, Any]:
             "total": total if total is not None else (sum(counters.values()) if counters else None)}
 
 
+def ensure_fbrs(ctx: Context, p: Params, store: Path) -> dict[str, Any]:
+    """Every model's fitted FBR (kind ``fbr``) in the profile ``store``: co-location runs of
+    the strict model with each best-effort one, itself and all of them on ``fbr_cores`` cores
+    (``splitserve profile STRICT --colocate BE...``), measured where the store lacks a fit.
+    Returns model -> the stored fit (``FbrFit.to_dict()``), absent for a model with none."""
+    import subprocess
+    import sys
+
+    from splitserve.placement.profiler import machine_id
+    from splitserve.registry import Registry
+
+    def stored() -> dict[str, Any]:
+        reg = Registry(store)
+        try:
+            return {m: d for m in p.models if (d := reg.load_profile(m, machine_id(), "fbr")) is not None}
+        finally:
+            reg.close()
+
+    have = {} if p.reprofile else stored()
+    if p.fbr_cores < 1 or len(have) == len(p.models):
+        if have:
+            ctx.notes.append(f"FBRs of {', '.join(have)} reused from {store}")
+        return have
+    cmd = [sys.executable, "-m", "splitserve", "profile", p.models[0], *(a for m in p.models[1:] for a in
+           ("--colocate", m)), "--cores", str(p.fbr_cores), "--batch", str(p.batch), "--data-dir", str(store),
+           "--budget-s", str(p.budget_s)]
+    with ctx.task(f"co-locating {', '.join(p.models)} on {p.fbr_cores} cores (FBRs)", 1):
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    (ctx.results.path / "profile-colocate.log").write_text(" ".join(cmd) + "\n\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    return stored()
+
+
+def fbr_summary(fits: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
+    """Per model: its FBR as the node reads it (None: unidentified or never fitted), and the
+    fit's keys, residuals and equation count."""
+    from splitserve.placement.profiler import fbr_of
+    from splitserve.placement.slowdown import FbrFit
+
+    out: dict[str, Any] = {}
+    for m in models:
+        fit = FbrFit.from_dict(fits[m]) if m in fits else None
+        out[m] = {"fbr": fbr_of(fit, m) if fit else None,
+                  "unidentified": [k for k in fit.unidentified if k.split("@")[0] == m] if fit else None,
+                  "equations": fit.equations if fit else 0,
+                  "residuals": {k: v for k, v in fit.residuals.items()} if fit else {}}
+    return out
+
+
 def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any]], cores: Mapping[int, int],
                    solo: Any, whole: int, slo_s: float, p: Params, strict: str) -> dict[str, Any]:
     """Every number of one scheme's run (samples scheduled before warm-up are left out)."""
@@ -250,6 +301,7 @@ def run(ctx: Context) -> ScenarioOutput:
             raise ValueError(f"batch {p.batch}: {m} takes at most {zoo_entry(m).max_batch} samples per batch")
     whole = len(os.sched_getaffinity(0))
     prof, _ = ensure_profile(ctx, strict, whole, [p.batch])
+    fits = ensure_fbrs(ctx, p, Path(p.profile_dir) if p.profile_dir else ctx.results.path.parent / ".packrat-profiles")
 
     def solo(cores: int) -> float:
         """Solo seconds of a batch on ``cores`` cores: the best of the profiled thread counts
@@ -263,13 +315,15 @@ def run(ctx: Context) -> ScenarioOutput:
             "default_class": "rt" if m == strict else "be", "artifact": {"kind": "zoo", "arch": m}}
         for m in p.models})
 
-    def prepare(data: Path) -> None:  # the strict model's profile, for the servers' eta and SLO
-        from splitserve.placement.profiler import save_profile
+    def prepare(data: Path) -> None:  # the strict model's profile and every fitted FBR, for the servers' eta
+        from splitserve.placement.profiler import machine_id, save_profile
         from splitserve.registry import Registry
 
         reg = Registry(data)
         try:
             save_profile(reg, prof)
+            for m, fit in fits.items():
+                reg.save_profile(m, machine_id(), "fbr", fit)
         finally:
             reg.close()
 
@@ -331,6 +385,7 @@ def run(ctx: Context) -> ScenarioOutput:
     result = {
         "setting": p.scenario, "strict_model": strict, "be_models": list(bes), "whole_cores": whole,
         "slo_ms": slo_s * 1e3, "solo_ms": {c: solo(c) * 1e3 for c in range(1, whole + 1)},
+        "fbr": fbr_summary(fits, p.models), "fbr_cores": p.fbr_cores,
         "capacity": caps, "trace": trace_info, "offered_rps": trace_info.get("mean_rate_rps"),
         "requests": len(arrivals), "schemes": servers, "not_given": NOT_GIVEN,
         "runs": runs, "ratios": analysis.ratios(runs, REFERENCE),
