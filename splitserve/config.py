@@ -167,6 +167,8 @@ class ServerConfig:
     protean_t_high: float | None = None  # override of T_high in BE requests (None: derived from the slowdown model)
     protean_keep_alive_s: float = 600.0  # surplus instances retire after this long of continuous surplus (paper: ~10 min)
     protean_unknown_fbr: float = 1.0  # FBR of a model with no fitted FBR (not given: splitserve's choice)
+    # -- PROTEAN on a real node (p-run): bounds found by running bench protean --
+    partition_max_instances: int = 2  # autoscaler's ceiling per model and partition: more only time-slice its cores, at a cold start each
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -244,6 +246,9 @@ class ServerConfig:
             raise InvalidInput("partition_memory_bytes must be at least 1 byte (leave it unset for the default)")
         if self.partition_warm_instances < 1 or self.protean_wait_limit < 0:
             raise InvalidInput("partition_warm_instances must be at least 1 and protean_wait_limit at least 0")
+        if self.partition_max_instances < self.partition_warm_instances:
+            raise InvalidInput(f"partition_max_instances ({self.partition_max_instances}) must be at least "
+                               f"partition_warm_instances ({self.partition_warm_instances})")
         for name in ("partition_autoscale_s", "protean_monitor_interval_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")

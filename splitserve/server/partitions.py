@@ -288,8 +288,12 @@ class PartitionManager:
         target = self.autoscaler.tick(self.clock(), {m.name: m.waiting_requests() for m in models},
                                       {m.name: m.dispatch_max_batch for m in models}, current)
         floor = self.warm * len(self._parts)
+        # One instance per pending batch is unbounded in a burst; on a CPU node instances
+        # beyond a few per partition only time-slice its cores, and starting dozens at once
+        # starves the ones serving (seen: 49 workers asked for at once on 2 cores, none up in 120 s).
+        ceiling = self.config.partition_max_instances * len(self._parts)
         for m in models:
-            want = max(target.get(m.name, current[m.name]), floor)
+            want = max(min(target.get(m.name, current[m.name]), ceiling), floor)
             if self.config.preemption is PriorityMode.SEQ:
                 # seq runs one batch on the node at a time: an instance beyond the warm ones
                 # could never run a batch beside another, it would only cost a cold start

@@ -344,7 +344,7 @@ def test_an_operators_geometry_change_moves_every_placed_model_and_gives_the_old
 
 def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
     models: dict[str, Model] = {}
-    pm, _ = manager(models)
+    pm, _ = manager(models, partition_max_instances=3)
     p1, p2 = (p.id for p in pm.current())
     models["m"] = Model("m", [p1, p2])
     for seq in range(5):
@@ -362,7 +362,7 @@ def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
 
 def test_cold_starts_are_the_instances_that_came_up_whatever_the_ticks_asked_for_meanwhile():
     models: dict[str, Model] = {}
-    pm, _ = manager(models)
+    pm, _ = manager(models, partition_max_instances=3)
     p1, p2 = (p.id for p in pm.current())
     landed = asyncio.Event()
 
@@ -399,6 +399,24 @@ def test_cold_starts_are_the_instances_that_came_up_whatever_the_ticks_asked_for
     assert slow.resized == [5, 5] and slow.instance_count == 5
     assert pm.snapshot()["cold_starts"] == {"m": 3}  # the three that came up, once
     assert pm.metrics.cold_starts.labels("m")._value.get() == 3
+
+
+def test_a_burst_scales_up_to_the_ceiling_of_instances_per_partition_not_one_per_batch():
+    models: dict[str, Model] = {}
+    pm, _ = manager(models, partition_max_instances=3)
+    p1, p2 = (p.id for p in pm.current())
+    models["m"] = Model("m", [p1, p2])
+    for seq in range(50):  # fifty batches of one pending
+        models["m"].enqueue(RT, seq)
+
+    async def tick() -> None:
+        pm._autoscale()
+        await asyncio.gather(*pm._tasks)
+
+    asyncio.run(tick())
+    assert models["m"].resized == [6]  # 3 per partition on 2 partitions
+    with pytest.raises(InvalidInput, match="partition_max_instances"):
+        ServerConfig(partition_warm_instances=2, partition_max_instances=1).checked()
 
 
 def test_seq_never_scales_up_an_instance_that_could_not_run_beside_another():
