@@ -167,6 +167,8 @@ class ServerConfig:
     protean_t_high: float | None = None  # override of T_high in BE requests (None: derived from the slowdown model)
     protean_keep_alive_s: float = 600.0  # surplus instances retire after this long of continuous surplus (paper: ~10 min)
     protean_unknown_fbr: float = 1.0  # FBR of a model with no fitted FBR (not given: splitserve's choice)
+    # -- PROTEAN on a real node (p-run): bounds found by running bench protean --
+    partition_max_instances: int = 2  # autoscaler's ceiling per model and partition: more only time-slice its cores, at a cold start each
     # -- fast path at the limit (issue 15) --
     fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
 
@@ -248,9 +250,14 @@ class ServerConfig:
             raise InvalidInput("partition_memory_bytes must be at least 1 byte (leave it unset for the default)")
         if self.partition_warm_instances < 1 or self.protean_wait_limit < 0:
             raise InvalidInput("partition_warm_instances must be at least 1 and protean_wait_limit at least 0")
-        for name in ("partition_autoscale_s", "protean_monitor_interval_s", "protean_keep_alive_s"):
+        if self.partition_max_instances < self.partition_warm_instances:
+            raise InvalidInput(f"partition_max_instances ({self.partition_max_instances}) must be at least "
+                               f"partition_warm_instances ({self.partition_warm_instances})")
+        for name in ("partition_autoscale_s", "protean_monitor_interval_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
+        if not self.protean_keep_alive_s >= 0:  # 0 is immediate scale-down (PROTEAN §4.2's comparison)
+            raise InvalidInput("protean_keep_alive_s must be 0 (immediate scale-down) or more")
         for name in ("batch_time_weight", "segment_time_weight", "packrat_default_share", "protean_ewma_weight",
                      "protean_reconfig_fraction"):
             if not 0 < getattr(self, name) <= 1:

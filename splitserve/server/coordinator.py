@@ -25,6 +25,10 @@ from splitserve.server.ports import BatchPlacement, Event, ScheduledModel
 RT, BE = RequestClass.RT, RequestClass.BE
 
 
+def _never(instance: int, batch_id: int) -> bool:
+    return False
+
+
 class Coordinator:
     """Node-wide scheduling across models under one ``PriorityMode`` (the node's
     ``NodeScheduler``). ``models`` gives the node's models as they are now; ``clock``
@@ -62,6 +66,14 @@ class Coordinator:
     def _allowed(d: Decision, model: ScheduledModel) -> Callable[[int, RequestClass], bool]:
         return lambda i, cls: cls in d.may_start.get((model.name, i), ())
 
+    @classmethod
+    def _one_batch(cls, d: Decision, model: ScheduledModel) -> Callable[[int, RequestClass], bool]:
+        """seq's say: ``d`` lets the node's one batch start, but names every instance of the
+        model it goes to (the node was idle when it was taken), so once this pass has
+        started a batch on one of them (an instance of the model runs) no other may."""
+        allowed = cls._allowed(d, model)
+        return lambda i, c: allowed(i, c) and all(v.running_cls is None for v in model.instance_views(_never))
+
     def _pick(self, model: ScheduledModel) -> Callable[[RequestClass, int, Sequence[int]], int | None] | None:
         """The per-batch choice of instance for ``model`` (None: the node has no partitions)."""
         placement = self.placement
@@ -86,9 +98,10 @@ class Coordinator:
             return self._stamp(self._start(model, now, (RT, BE), None), now)
         if self.mode is PriorityMode.SEQ and self.class_order is ClassOrder.ARRIVAL:
             d = decide(self.mode, self.view(), self.class_order)
-            return self._stamp(self._start(model, now, (RT, BE), self._allowed(d, model)), now)
-        batches = self._stamp(self._start(model, now, (RT,), self._allowed(decide(self.mode, self.view()), model)),
-                              now)
+            return self._stamp(self._start(model, now, (RT, BE), self._one_batch(d, model)), now)
+        first = decide(self.mode, self.view())
+        allowed = self._one_batch(first, model) if self.mode is PriorityMode.SEQ else self._allowed(first, model)
+        batches = self._stamp(self._start(model, now, (RT,), allowed), now)
         d = decide(self.mode, self.view())
         self._preempt(d)
         be = self._stamp(self._start(model, now, (BE,), self._allowed(d, model)), now)

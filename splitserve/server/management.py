@@ -555,4 +555,5 @@ class ModelManager:
     def scheduler_events(self, since: float = 0.0, limit: int = 10000) -> dict:
         """The coordinator's event log after ``since`` (perf_counter seconds on the server)."""
         events = [asdict(e) for e in self.events.events if e.t > since][-max(1, min(limit, 100_000)):]
-        return {"mode": self.events.mode.value, "now": time.perf_counter(), "events": events}
+        return {"mode": self.events.mode.value, "class_order": self.events.class_order.value,
+                "now": time.perf_counter(), "events": events}

@@ -22,6 +22,7 @@ applies what they say.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -41,7 +42,7 @@ from splitserve.placement.protean import (
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
-from splitserve.scheduler.priority import InstanceView
+from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
 from splitserve.server.ports import PartitionedModel, ProteanProfileSource, PlacementChanger
 
@@ -106,8 +107,8 @@ class PartitionManager:
         self._lock = asyncio.Lock()  # one geometry change at a time
         self._timers: list[asyncio.TimerHandle] = []
         self._tasks: set[asyncio.Task] = set()
-        self._scaling: set[str] = set()  # models whose resize is under way
-        self._cold_seen: dict[str, int] = {}
+        self._scaling: dict[str, int] = {}  # model -> the instance count its resize under way brings
+        self.cold_starts: dict[str, int] = {}  # model -> instances scale-up started (that came up)
         # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
         # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
         self._main: dict[bool, Job] = {}
@@ -281,21 +282,36 @@ class PartitionManager:
         """One instance per pending batch, warm ones on every partition, surplus retired after the keep-alive."""
         self._refresh()
         models = [m for m in self.models() if m.placed_now()]
-        current = {m.name: m.instance_count for m in models}
+        # A resize under way already brings its instances: counting the old number would make
+        # every tick until it lands ask (and count cold starts) for the same instances again.
+        current = {m.name: self._scaling.get(m.name, m.instance_count) for m in models}
         target = self.autoscaler.tick(self.clock(), {m.name: m.waiting_requests() for m in models},
                                       {m.name: m.dispatch_max_batch for m in models}, current)
-        for name, n in self.autoscaler.cold_starts.items():
-            if n > self._cold_seen.get(name, 0):
-                self.metrics.cold_starts.labels(name).inc(n - self._cold_seen.get(name, 0))
-                self._cold_seen[name] = n
         floor = self.warm * len(self._parts)
+        # One instance per pending batch is unbounded in a burst; on a CPU node instances
+        # beyond a few per partition only time-slice its cores, and starting dozens at once
+        # starves the ones serving (seen: 49 workers asked for at once on 2 cores, none up in 120 s).
+        ceiling = self.config.partition_max_instances * len(self._parts)
         for m in models:
-            want = max(target.get(m.name, current[m.name]), floor)
+            want = max(min(target.get(m.name, current[m.name]), ceiling), floor)
+            if self.config.preemption is PriorityMode.SEQ:
+                # seq runs one batch on the node at a time: an instance beyond the warm ones
+                # could never run a batch beside another, it would only cost a cold start
+                want = min(want, max(floor, current[m.name]))
             if want != current[m.name] and m.name not in self._scaling and not self._lock.locked():
                 log.info("autoscaler: model %s %d -> %d instances", m.name, current[m.name], want)
-                self._scaling.add(m.name)
+                self._scaling[m.name] = want
                 task = self._spawn(f"resize of {m.name}", m.resize(want))
-                task.add_done_callback(lambda _t, name=m.name: self._scaling.discard(name))
+                task.add_done_callback(functools.partial(self._resized, m, m.instance_count))
+
+    def _resized(self, model: PartitionedModel, before: int, _task: asyncio.Task) -> None:
+        """A resize ended: the instances it added are the cold starts (a resize that failed,
+        or did not land in full, added fewer than the autoscaler asked for)."""
+        self._scaling.pop(model.name, None)
+        added = model.instance_count - before
+        if added > 0:
+            self.cold_starts[model.name] = self.cold_starts.get(model.name, 0) + added
+            self.metrics.cold_starts.labels(model.name).inc(added)
 
     def _be_mem_of(self, be_requests: float) -> int:
         """Algorithm 2's mem(BE_model, n): whole batches of the main BE model at its footprint."""
@@ -404,6 +420,8 @@ class PartitionManager:
             "unit_cores": self.unit, "be_mem_bytes": be_mem, "warm_per_partition": self.warm,
             "partitions": [{"id": p.id, "cpus": sorted(p.cpus), "cores": p.cores, "mem_bytes": p.mem_bytes,
                             "tag": tags.get(p.id, 0.0), "instances": on[p.id]} for p in parts],
-            "controller": controller, "cold_starts": dict(self.autoscaler.cold_starts),
+            "controller": controller, "cold_starts": dict(self.cold_starts),
+            "cold_starts_asked": dict(self.autoscaler.cold_starts),
+            "keep_alive_s": self.autoscaler.keep_alive_s,
             "changes": list(self.changes), "now": self.clock(),
         }

@@ -47,6 +47,7 @@ from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import ShmRef
 from splitserve.registry import ModelRecord
+from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
@@ -650,7 +651,9 @@ class MemoryReport(Protocol):
 
 
 class EventLog(Protocol):
-    """The coordinator's bounded log of batch events, read by management."""
+    """The coordinator's bounded log of batch events, read by management, with the
+    settings that decided them (so a reader can tell which rules it is looking at)."""
 
     mode: PriorityMode
+    class_order: ClassOrder
     events: Collection[Event]

@@ -81,7 +81,7 @@ class FakeModel:
             b = st.running
             out.append(InstanceView(
                 self.name, i, self.cpus[i], st.ready, b.cls if b else None, b.batch_id if b else 0,
-                bool(b) and preempt_raised(i, b.batch_id), b.started + BATCH_S if b else None,
+                bool(b) and preempt_raised(i, b.batch_id), (b.created if b.started is None else b.started) + BATCH_S if b else None,
                 st.suspended is not None, rt_waiting, self.sched.oldest_waiting()))
         return out
 
@@ -327,3 +327,15 @@ def test_seq_under_arrival_order_gives_the_node_to_the_oldest_waiting_request_wh
     assert node.schedule("b") == [(0, "RT")]
     node.finish("b", 0)
     assert node.schedule("a") == [(0, "RT")]
+
+
+@pytest.mark.parametrize("order", [ClassOrder.PRIORITY, ClassOrder.ARRIVAL])
+def test_seq_runs_one_batch_on_the_node_even_when_a_model_has_several_idle_instances(order):
+    # an autoscaled model (one instance per pending batch) must still get one batch at a time
+    node = Node(PriorityMode.SEQ, {"a": [{0, 1}, {0, 1}, {0, 1}]}, order)
+    node.enqueue("a", RT, 12)  # three full batches waiting, three idle instances
+    assert len(node.schedule("a")) == 1
+    assert node.schedule("a") == []
+    (running,) = [i for i, st in node.models["a"].sched.instances.items() if st.running is not None]
+    node.finish("a", running)
+    assert len(node.schedule("a")) == 1

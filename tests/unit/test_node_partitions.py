@@ -261,6 +261,10 @@ class Model:
 
     async def resize(self, instances: int) -> None:
         self.resized.append(instances)
+        while self.instance_count < instances:  # new instances come up on the first partition
+            i = self.sched.add_instance()
+            self.sched.set_residency(i, Residency.RESIDENT)
+            self.partition[i] = next(iter(self.partition.values()))
 
     def enqueue(self, cls: RequestClass, seq: int) -> None:
         self.sched.enqueue(QueuedRequest(seq, 1, cls, 0.0))
@@ -278,7 +282,7 @@ class Changer:
 
 
 def manager(models: dict[str, Model], **kw: Any) -> tuple[PartitionManager, Coordinator]:
-    cfg = ServerConfig(partitioning="protean", geometry="1,1", preemption="concurrent", **kw)
+    cfg = ServerConfig(**{"partitioning": "protean", "geometry": "1,1", "preemption": "concurrent", **kw})
     holder: dict[str, Coordinator] = {}
     pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
                           lambda: holder["c"].view(), Metrics(), 3 * GB)
@@ -340,7 +344,7 @@ def test_an_operators_geometry_change_moves_every_placed_model_and_gives_the_old
 
 def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
     models: dict[str, Model] = {}
-    pm, _ = manager(models)
+    pm, _ = manager(models, partition_max_instances=3)
     p1, p2 = (p.id for p in pm.current())
     models["m"] = Model("m", [p1, p2])
     for seq in range(5):
@@ -354,6 +358,81 @@ def test_the_autoscaler_keeps_warm_instances_and_adds_one_per_pending_batch():
     assert models["m"].resized == [5]  # five requests of batch 1: five instances
     assert pm.snapshot()["cold_starts"] == {"m": 3}
     assert pm.metrics.cold_starts.labels("m")._value.get() == 3
+
+
+def test_cold_starts_are_the_instances_that_came_up_whatever_the_ticks_asked_for_meanwhile():
+    models: dict[str, Model] = {}
+    pm, _ = manager(models, partition_max_instances=3)
+    p1, p2 = (p.id for p in pm.current())
+    landed = asyncio.Event()
+
+    class Slow(Model):  # a resize still under way over several ticks, failing the first time
+        failed = False
+
+        async def resize(self, instances: int) -> None:
+            await landed.wait()
+            if not self.failed:
+                self.failed = True
+                self.resized.append(instances)
+                raise RuntimeError("new instances did not start")
+            await super().resize(instances)
+
+    models["m"] = slow = Slow("m", [p1, p2])
+    for seq in range(5):
+        slow.enqueue(RT, seq)
+
+    async def ticks(n: int) -> None:
+        for _ in range(n):
+            pm._autoscale()
+            await asyncio.sleep(0)
+        landed.set()
+        await asyncio.gather(*pm._tasks, return_exceptions=True)
+        landed.clear()
+
+    async def rounds() -> None:
+        await ticks(4)
+        assert slow.resized == [5] and slow.instance_count == 2  # asked once while under way; it failed
+        assert pm.snapshot()["cold_starts"] == {}
+        await ticks(4)
+
+    asyncio.run(rounds())
+    assert slow.resized == [5, 5] and slow.instance_count == 5
+    assert pm.snapshot()["cold_starts"] == {"m": 3}  # the three that came up, once
+    assert pm.metrics.cold_starts.labels("m")._value.get() == 3
+
+
+def test_a_burst_scales_up_to_the_ceiling_of_instances_per_partition_not_one_per_batch():
+    models: dict[str, Model] = {}
+    pm, _ = manager(models, partition_max_instances=3)
+    p1, p2 = (p.id for p in pm.current())
+    models["m"] = Model("m", [p1, p2])
+    for seq in range(50):  # fifty batches of one pending
+        models["m"].enqueue(RT, seq)
+
+    async def tick() -> None:
+        pm._autoscale()
+        await asyncio.gather(*pm._tasks)
+
+    asyncio.run(tick())
+    assert models["m"].resized == [6]  # 3 per partition on 2 partitions
+    with pytest.raises(InvalidInput, match="partition_max_instances"):
+        ServerConfig(partition_warm_instances=2, partition_max_instances=1).checked()
+
+
+def test_seq_never_scales_up_an_instance_that_could_not_run_beside_another():
+    models: dict[str, Model] = {}
+    pm, _ = manager(models, preemption="seq")
+    p1, p2 = (p.id for p in pm.current())
+    models["m"] = Model("m", [p1, p2])
+    for seq in range(5):
+        models["m"].enqueue(RT, seq)
+
+    async def tick() -> None:
+        pm._autoscale()
+        await asyncio.gather(*pm._tasks)
+
+    asyncio.run(tick())
+    assert models["m"].resized == [] and pm.snapshot()["cold_starts"] == {}
 
 
 def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mismatch():

@@ -155,14 +155,49 @@ def test_every_scheme_is_server_config_overrides_only() -> None:
         check_schemes(["molecule"])
 
 
-def test_crowded_setting_is_mostly_be_near_capacity_and_the_eta_ablation() -> None:
+def test_crowded_setting_is_mostly_strict_and_the_eta_ablation() -> None:
     from splitserve.bench.protean.scenario import Params
 
     p = Params(scenario="crowded").setting()
-    assert (p.strict_share, p.load, p.schemes) == (0.25, 0.9, ("protean", "smart-static"))
+    assert (p.strict_share, p.load, p.schemes) == (0.75, 0.6, ("protean", "smart-static"))
     # what the user set is kept
     p = Params(scenario="crowded", strict_share=0.4, schemes=("protean", "naive")).setting()
     assert (p.strict_share, p.schemes) == (0.4, ("protean", "naive"))
     assert Params().setting() == Params()
     with pytest.raises(ValueError, match="unknown schemes"):
         Params(schemes=("protean", "oracle")).check()
+
+
+def _server_docs(partitioning: str, strict_placement: str, cores: list[int], mode: str, class_order: str,
+                 starts: list[tuple[float, float, str, int]], keep_alive_s: float = 600.0) -> tuple[dict, dict]:
+    """/v2/partitions and /v2/scheduler/events bodies: ``starts`` are (start, done, cls, partition)."""
+    cpus, parts = 0, []
+    for i, n in enumerate(cores, start=1):
+        parts.append({"id": i, "cpus": list(range(cpus, cpus + n)), "mem_bytes": n})
+        cpus += n
+    events = []
+    for b, (t0, t1, cls, part) in enumerate(starts):
+        events += [{"t": t0, "kind": "start", "model": "m", "instance": b, "batch": b, "cls": cls, "partition": part},
+                   {"t": t1, "kind": "done", "model": "m", "instance": b, "batch": b, "cls": cls, "partition": part}]
+    return ({"partitioning": partitioning, "strict_placement": strict_placement, "partitions": parts,
+             "keep_alive_s": keep_alive_s, "changes": []},
+            {"mode": mode, "class_order": class_order, "events": events})
+
+
+def test_a_server_that_ignored_its_schemes_settings_is_caught() -> None:
+    from splitserve.bench.protean.schemes import settings_problems
+
+    ok = _server_docs("colocate", "balanced", [2], "seq", "arrival", [(0, 1, "rt", 1), (1, 2, "be", 1)])
+    assert settings_problems("timeshare", SCHEMES["timeshare"], *ok, geometry=[2]) == []
+    # a default server (no partitions, priority order, batches at once) is every kind of wrong
+    ignored = _server_docs("none", "balanced", [], "reef", "priority", [(0, 2, "rt", -1), (1, 3, "be", -1)])
+    problems = "\n".join(settings_problems("timeshare", SCHEMES["timeshare"], *ignored))
+    for what in ("partitioning", "preemption", "class_order", "one partition", "partitions [-1]", "2 batches"):
+        assert what in problems
+    # smart-static keeps every strict batch on the largest partition; keep-alive 0 must show
+    stray = _server_docs("static", "largest", [1, 1], "concurrent", "priority", [(0, 1, "rt", 2)])
+    assert "off the largest partition 1" in "".join(settings_problems("smart-static", SCHEMES["smart-static"],
+                                                                      *stray))
+    kept = _server_docs("protean", "eta", [1, 1], "concurrent", "priority", [(0, 1, "rt", 1)])
+    assert settings_problems("protean-no-keepalive", SCHEMES["protean-no-keepalive"], *kept) == [
+        "protean-no-keepalive: protean_keep_alive_s is 600.0, not 0"]

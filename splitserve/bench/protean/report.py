@@ -30,6 +30,10 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
            f"Capacity of the mix {fmt(caps.get('mix_rps'))} req/s (measured on the `{caps.get('measured_on')}` "
            f"server); offered {fmt(r['offered_rps'])} req/s = {p.load:g} of it, {r['requests']} requests, "
            f"trace `{r['trace'].get('kind')}` (peak:mean {fmt(r['trace'].get('peak_to_mean'), 3)}).", "",
+           "FBRs the servers' eta used (fitted from co-location runs on "
+           f"{r.get('fbr_cores')} core(s); unidentified ones count as `protean_unknown_fbr`): "
+           + (", ".join(f"{m} " + (fmt(f['fbr'], 3) if f['fbr'] is not None else "unidentified")
+                        for m, f in (r.get("fbr") or {}).items()) or "none") + ".", "",
            "## Strict requests", ""]
     rows = []
     for name, m in runs.items():
@@ -57,6 +61,10 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
              m["generator_bottleneck"] or "-") for name, m in runs.items()]
     out.append(md_table(("scheme", "BE requests", "BE errors", "BE p50 ms", "BE p99 ms", "cold starts",
                          "generator"), rows))
+    failed = [(name, msg, n) for name, m in runs.items() for msg, n in (m.get("error_messages") or {}).items()]
+    if failed:
+        out += ["", "Failed requests, most frequent messages:", "",
+                md_table(("scheme", "class: error", "requests"), failed)]
     out += ["", "Parameters the paper does not give, as used here:", ""]
     out += [f"- {k}: {v}" for k, v in r["not_given"].items()]
     lines = [f"{name}: strict compliance {_pct(m['strict']['compliance'])}, p99 {fmt(m['strict']['p99_ms'])} ms, "

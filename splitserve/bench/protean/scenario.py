@@ -13,13 +13,15 @@ scheme's server, before its run, by a closed loop of ``2 × batch`` clients per 
 capacity is the harmonic combination of those, and the trace is scaled to ``load`` of it.
 Compliance is computed from end-to-end latency measured from each request's arrival time in
 the trace (client queueing counts) and cross-checked with the server's
-``splitserve_slo_requests_total``. ``scenario=crowded`` sends mostly best-effort load, so it
-crowds the largest partition, and compares ``protean`` with ``smart-static`` (the η ablation).
+``splitserve_slo_requests_total``. ``scenario=crowded`` sends more strict work than one
+partition serves, so smart-static's largest partition is crowded, and compares ``protean``
+with ``smart-static`` (the η ablation).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 import time
 import urllib.error
 import urllib.request
@@ -35,11 +37,12 @@ from splitserve.bench.arrivals import Arrival, from_rate_trace
 from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, get_json, own_server, server_now
 from splitserve.bench.protean import analysis, report
 from splitserve.bench.protean.load import TraceJob, capacity, drive
-from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env
+from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env, settings_problems
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target
 from splitserve.bench.validate import Expected
+from splitserve.placement.node_partitions import parse_geometry
 
 NAME = "protean"
 SUMMARY = ("PROTEAN on one node: strict SLO compliance, p99 breakdown, SLO-crossing percentile, BE tail and cold "
@@ -55,13 +58,13 @@ SETTINGS: tuple[str, ...] = ("mix", "crowded")
 class Params(BaseParams):
     models: tuple[str, ...] = ("resnet152", "densenet201", "vgg19", "distilbert")  # the strict one, then BE ones
     transports: tuple[str, ...] = ("tcp",)
-    scenario: str = "mix"  # mix: the 50/50 evaluation; crowded: BE crowds the large partition (eta ablation)
+    scenario: str = "mix"  # mix: the 50/50 evaluation; crowded: the large partition is crowded (eta ablation)
     schemes: tuple[str, ...] = ("protean", "naive", "colocate", "timeshare", "smart-static", "protean-no-keepalive")
     trace: str = "wiki"  # wiki | twitter | a CSV file
     duration_s: float = 40.0  # of the trace, per scheme
     warmup_s: float = 4.0  # left out of every number
     load: float = 0.7  # offered load as a fraction of the node's measured capacity for the mix
-    strict_share: float = 0.5  # PROTEAN §5: 50/50 strict/BE (crowded: 0.25)
+    strict_share: float = 0.5  # PROTEAN §5: 50/50 strict/BE (crowded: 0.75)
     switch_s: float = 20.0  # PROTEAN §5: the BE model changes every ~20 s
     batch: int = 4  # max_batch_size of every model (PROTEAN picks batches with 50-200 ms on 7g)
     slo_multiplier: float = 3.0  # PROTEAN §5: SLO = 3x solo at the batch on the whole device (Fig. 15: 2)
@@ -72,6 +75,7 @@ class Params(BaseParams):
     budget_s: float = 1.0  # profiler: most seconds per (threads, batch) point
     profile_dir: str = ""  # profile store; empty: <out>/.packrat-profiles (shared with bench packrat)
     reprofile: bool = False  # measure the profile again even if the store has it
+    fbr_cores: int = 1  # cores of the partition the co-location runs that fit the FBRs share (0: none run)
     keep_samples: int = 5000  # strict latencies kept per scheme in result.json (for the CDF)
 
     def check(self) -> None:
@@ -95,8 +99,11 @@ class Params(BaseParams):
                    warmup_s=2.0, switch_s=5.0, capacity_s=1.5, budget_s=0.5, connections=4)
 
     def setting(self) -> Params:
-        """The parameters the chosen ``scenario`` runs with: crowded defaults to mostly BE load
-        (strict_share 0.25), near capacity, and protean vs smart-static (what was not set)."""
+        """The parameters the chosen ``scenario`` runs with: crowded defaults to mostly strict
+        load (strict_share 0.75) at 0.6 of capacity, more strict work than one partition
+        serves, so smart-static's largest partition is crowded (by strict batches: on a node
+        of equal partitions best effort never shares it), and protean vs smart-static (what
+        was not set)."""
         if self.scenario != "crowded":
             return self
         import dataclasses
@@ -104,9 +111,9 @@ class Params(BaseParams):
         default = Params()
         change: dict[str, Any] = {}
         if self.strict_share == default.strict_share:
-            change["strict_share"] = 0.25
+            change["strict_share"] = 0.75
         if self.load == default.load:
-            change["load"] = 0.9
+            change["load"] = 0.6
         if self.schemes in (default.schemes, Params.quick().schemes):
             change["schemes"] = ("protean", "smart-static")
         return dataclasses.replace(self, **change)
@@ -119,7 +126,8 @@ NOT_GIVEN = {
     "be_switch": "uniform among the BE models, never the same one twice in a row",
     "strict_share_draw": "exactly round(share x n) arrivals, chosen at random",
     "capacity": "closed loop of 2 x batch clients per model on the first scheme's server, harmonic mix",
-    "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process)",
+    "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process); solo on c "
+            "cores is the best of L[t, batch] for t <= c",
     "p99_breakdown": "each part's share of the mean latency of requests at or above p99, applied to p99",
     "request_to_batch": "the latest batch of the model done before the reply arrived (server clock)",
 }
@@ -193,6 +201,56 @@ def _cold_starts(partitions: Any, metrics: str | None) -> dict[str, Any]:
             "total": total if total is not None else (sum(counters.values()) if counters else None)}
 
 
+def ensure_fbrs(ctx: Context, p: Params, store: Path) -> dict[str, Any]:
+    """Every model's fitted FBR (kind ``fbr``) in the profile ``store``: co-location runs of
+    the strict model with each best-effort one, itself and all of them on ``fbr_cores`` cores
+    (``splitserve profile STRICT --colocate BE...``), measured where the store lacks a fit.
+    Returns model -> the stored fit (``FbrFit.to_dict()``), absent for a model with none."""
+    import subprocess
+    import sys
+
+    from splitserve.placement.profiler import machine_id
+    from splitserve.registry import Registry
+
+    def stored() -> dict[str, Any]:
+        reg = Registry(store)
+        try:
+            return {m: d for m in p.models if (d := reg.load_profile(m, machine_id(), "fbr")) is not None}
+        finally:
+            reg.close()
+
+    have = {} if p.reprofile else stored()
+    if p.fbr_cores < 1 or len(have) == len(p.models):
+        if have:
+            ctx.notes.append(f"FBRs of {', '.join(have)} reused from {store}")
+        return have
+    cmd = [sys.executable, "-m", "splitserve", "profile", p.models[0], *(a for m in p.models[1:] for a in
+           ("--colocate", m)), "--cores", str(p.fbr_cores), "--batch", str(p.batch), "--data-dir", str(store),
+           "--budget-s", str(p.budget_s)]
+    with ctx.task(f"co-locating {', '.join(p.models)} on {p.fbr_cores} cores (FBRs)", 1):
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    (ctx.results.path / "profile-colocate.log").write_text(" ".join(cmd) + "\n\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    return stored()
+
+
+def fbr_summary(fits: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
+    """Per model: its FBR as the node reads it (None: unidentified or never fitted), and the
+    fit's keys, residuals and equation count."""
+    from splitserve.placement.profiler import fbr_of
+    from splitserve.placement.slowdown import FbrFit
+
+    out: dict[str, Any] = {}
+    for m in models:
+        fit = FbrFit.from_dict(fits[m]) if m in fits else None
+        out[m] = {"fbr": fbr_of(fit, m) if fit else None,
+                  "unidentified": [k for k in fit.unidentified if k.split("@")[0] == m] if fit else None,
+                  "equations": fit.equations if fit else 0,
+                  "residuals": {k: v for k, v in fit.residuals.items()} if fit else {}}
+    return out
+
+
 def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any]], cores: Mapping[int, int],
                    solo: Any, whole: int, slo_s: float, p: Params, strict: str) -> dict[str, Any]:
     """Every number of one scheme's run (samples scheduled before warm-up are left out)."""
@@ -213,6 +271,7 @@ def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any
     for _, part in batches:
         used[str(part)] = used.get(str(part), 0) + 1
     be_ok = [s.latency for s in be if s.ok]
+    failed = Counter(f"{s.cls}: {s.error}" for s in kept if not s.ok)
     return {
         "strict": {"requests": len(rt), "errors": errors, "compliance": share,
                    "violations": None if share is None else round((1 - share) * len(rt)),
@@ -221,6 +280,7 @@ def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any
         "strict_p99_breakdown_ms": {k: v * 1e3 for k, v in bd.items()} if bd else None,
         "strict_batches_by_partition": used,
         "be": {"requests": len(be), "errors": len(be) - len(be_ok), **analysis.dist_ms(be_ok)},
+        "error_messages": dict(failed.most_common(5)),
         "generator_bottleneck": result.bottleneck_reason if result.generator_bottleneck else None,
         "strict_latency_ms": sorted(v * 1e3 for v in lat)[:: max(1, len(lat) // max(1, p.keep_samples))],
     }
@@ -241,9 +301,13 @@ def run(ctx: Context) -> ScenarioOutput:
             raise ValueError(f"batch {p.batch}: {m} takes at most {zoo_entry(m).max_batch} samples per batch")
     whole = len(os.sched_getaffinity(0))
     prof, _ = ensure_profile(ctx, strict, whole, [p.batch])
+    fits = ensure_fbrs(ctx, p, Path(p.profile_dir) if p.profile_dir else ctx.results.path.parent / ".packrat-profiles")
 
     def solo(cores: int) -> float:
-        return prof.latency.latency(max(1, min(cores, whole)), p.batch)
+        """Solo seconds of a batch on ``cores`` cores: the best of the profiled thread counts
+        up to that (a model alone on a partition runs with whatever count is fastest there;
+        on a busy host more threads than free cores are slower, not faster)."""
+        return min(prof.latency.latency(t, p.batch) for t in range(1, max(1, min(cores, whole)) + 1))
 
     slo_s = p.slo_multiplier * solo(whole)
     repo = write_repository(ctx.results.path / "repository", {
@@ -251,13 +315,15 @@ def run(ctx: Context) -> ScenarioOutput:
             "default_class": "rt" if m == strict else "be", "artifact": {"kind": "zoo", "arch": m}}
         for m in p.models})
 
-    def prepare(data: Path) -> None:  # the strict model's profile, for the servers' eta and SLO
-        from splitserve.placement.profiler import save_profile
+    def prepare(data: Path) -> None:  # the strict model's profile and every fitted FBR, for the servers' eta
+        from splitserve.placement.profiler import machine_id, save_profile
         from splitserve.registry import Registry
 
         reg = Registry(data)
         try:
             save_profile(reg, prof)
+            for m, fit in fits.items():
+                reg.save_profile(m, machine_id(), "fbr", fit)
         finally:
             reg.close()
 
@@ -271,7 +337,9 @@ def run(ctx: Context) -> ScenarioOutput:
     truncated = False
     schemes = check_schemes(p.schemes)
     for scheme in schemes:
-        overrides = dict(SCHEMES[scheme]) | ({"geometry": p.geometry} if p.geometry else {})
+        overrides = dict(SCHEMES[scheme])
+        if p.geometry and overrides["partitioning"] != "colocate":  # colocate is every core in one partition
+            overrides["geometry"] = p.geometry
         args = ["--repository", str(repo)] + [a for m in p.models for a in ("--load", m)]
         with own_server(ctx, scheme, args, prepare, env=server_env(overrides)) as server:
             target = Target(server.urls)
@@ -298,6 +366,12 @@ def run(ctx: Context) -> ScenarioOutput:
                 partitions = get_json(f"{http}/v2/partitions")
             except (urllib.error.URLError, OSError, ValueError):
                 partitions = None
+            rules = get_json(f"{http}/v2/scheduler/events?since=1e18&limit=1") | {"events": events}
+            wrong = settings_problems(scheme, overrides, partitions, rules,
+                                      parse_geometry(overrides["geometry"]) if "geometry" in overrides else ())
+            if wrong:
+                raise RuntimeError("a server did not run its scheme's settings, so its numbers would not be the "
+                                   "scheme's:\n" + "\n".join(wrong))
             metrics = _text(f"{http}/metrics")
             m = scheme_numbers(result, offset, events, _partition_cores(partitions), solo, whole, slo_s, p, strict)
             slo = analysis.prom_counter(metrics or "", "splitserve_slo_requests", {"model": strict, "class": "rt"})
@@ -311,6 +385,7 @@ def run(ctx: Context) -> ScenarioOutput:
     result = {
         "setting": p.scenario, "strict_model": strict, "be_models": list(bes), "whole_cores": whole,
         "slo_ms": slo_s * 1e3, "solo_ms": {c: solo(c) * 1e3 for c in range(1, whole + 1)},
+        "fbr": fbr_summary(fits, p.models), "fbr_cores": p.fbr_cores,
         "capacity": caps, "trace": trace_info, "offered_rps": trace_info.get("mean_rate_rps"),
         "requests": len(arrivals), "schemes": servers, "not_given": NOT_GIVEN,
         "runs": runs, "ratios": analysis.ratios(runs, REFERENCE),

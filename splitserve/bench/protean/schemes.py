@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from splitserve.config import ServerConfig
+
 # scheme -> ServerConfig field -> value (PROTEAN §5 baselines; see docs/protean-bench.md)
 SCHEMES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "protean": MappingProxyType({"partitioning": "protean"}),
@@ -45,3 +47,63 @@ def server_env(overrides: Mapping[str, Any]) -> dict[str, str]:
     """The ``SPLITSERVE_*`` variables that set ``overrides`` on a server (every ServerConfig
     field reads its own), so a scheme needs no flag of its own."""
     return {f"SPLITSERVE_{name.upper()}": str(value) for name, value in overrides.items()}
+
+
+def expected_config(overrides: Mapping[str, Any]) -> ServerConfig:
+    """The configuration a server started with ``server_env(overrides)`` must be running
+    (the same resolution the server applies: defaults, environment, then the overrides)."""
+    return ServerConfig.from_env(**{k: v for k, v in overrides.items()})
+
+
+def _concurrency(events: Sequence[Mapping[str, Any]]) -> int:
+    """The most batches the event log shows running at once (start/resume to done/failed/preempted)."""
+    running: set[tuple[str, int, int]] = set()
+    most = 0
+    for e in sorted(events, key=lambda e: (e["t"], e["kind"] in ("start", "resume"))):
+        key = (str(e.get("model")), int(e.get("instance", 0)), int(e.get("batch", 0)))
+        if e["kind"] in ("start", "resume"):
+            running.add(key)
+            most = max(most, len(running))
+        elif e["kind"] in ("done", "failed", "preempted"):
+            running.discard(key)
+    return most
+
+
+def settings_problems(scheme: str, overrides: Mapping[str, Any], partitions: Any, events: Any,
+                      geometry: Sequence[int] = ()) -> list[str]:
+    """What a scheme's server shows that its settings did not take: ``partitions`` is its
+    ``GET /v2/partitions`` body, ``events`` its ``/v2/scheduler/events`` body over the run,
+    ``geometry`` the partition core counts asked for (empty: not checked). Empty when every
+    setting took; a run with problems must not report numbers as the scheme's."""
+    want = expected_config(overrides)
+    out: list[str] = []
+    if not isinstance(partitions, Mapping) or not isinstance(events, Mapping):
+        return [f"{scheme}: the server answered no /v2/partitions or no scheduler events"]
+    placement = want.strict_placement.resolve(want.partitioning).value
+    seen = {"partitioning": (partitions.get("partitioning"), want.partitioning.value),
+            "strict_placement": (partitions.get("strict_placement"), placement),
+            "preemption": (events.get("mode"), want.preemption.value),
+            "class_order": (events.get("class_order"), want.class_order.value),
+            "protean_keep_alive_s": (partitions.get("keep_alive_s"), want.protean_keep_alive_s)}
+    out += [f"{scheme}: {name} is {got!r}, not {wanted!r}" for name, (got, wanted) in seen.items() if got != wanted]
+    parts = partitions.get("partitions") or []
+    cores = sorted((len(p["cpus"]) for p in parts), reverse=True)
+    if geometry and cores != sorted(geometry, reverse=True):
+        out.append(f"{scheme}: partitions of {cores} cores, not {sorted(geometry, reverse=True)}")
+    if want.partitioning.value == "colocate" and len(parts) != 1:
+        out.append(f"{scheme}: colocate shares every core in one partition, the server has {len(parts)}")
+    ids = {int(p["id"]) for p in parts}
+    starts = [e for e in events.get("events", []) if e["kind"] == "start"]
+    if not starts:
+        out.append(f"{scheme}: no batch started during the run")
+    off = sorted({int(e.get("partition", -1)) for e in starts} - ids)
+    if off and not partitions.get("changes"):  # partition ids change only with the geometry
+        out.append(f"{scheme}: batches started on partitions {off}, not the server's {sorted(ids)}")
+    if placement == "largest" and not partitions.get("changes") and parts:
+        largest = max(parts, key=lambda p: (len(p["cpus"]), p.get("mem_bytes", 0), -int(p["id"])))["id"]
+        elsewhere = sum(1 for e in starts if e.get("cls") == "rt" and e.get("partition") != largest)
+        if elsewhere:
+            out.append(f"{scheme}: {elsewhere} strict batches ran off the largest partition {largest}")
+    if want.preemption.value == "seq" and _concurrency(events.get("events", [])) > 1:
+        out.append(f"{scheme}: preemption seq, yet {_concurrency(events.get('events', []))} batches ran at once")
+    return out
