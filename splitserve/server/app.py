@@ -120,7 +120,8 @@ class Server:
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self._stopped = False
-        self._start_worker = start_worker or functools.partial(WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s)
+        self._start_worker = start_worker or functools.partial(
+            WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)

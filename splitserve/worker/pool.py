@@ -63,7 +63,7 @@ class WorkerHandle:
     """One worker process: it starts bound to nothing; ``send_load`` binds a model."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
-                 loop: asyncio.AbstractEventLoop, reap_timeout_s: float) -> None:
+                 loop: asyncio.AbstractEventLoop, reap_timeout_s: float, omp_wait_policy: str | None = None) -> None:
         self.owner = owner
         self.reap_timeout_s = reap_timeout_s  # an exiting worker is killed after this long
         self.instance = instance
@@ -76,6 +76,8 @@ class WorkerHandle:
         self.spec = spec
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # one thread until a LOAD places it
+        if omp_wait_policy is not None:  # OpenMP reads it when torch loads it: before any LOAD
+            env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
         # Its own process group: a terminal's Ctrl-C reaches the server, which drains the
         # workers, instead of failing every batch at once (the worker also ignores SIGINT).
         self.proc = subprocess.Popen(

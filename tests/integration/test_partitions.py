@@ -64,6 +64,8 @@ def test_instances_sit_pinned_on_their_partitions_and_a_killed_worker_restarts_o
         for pid, part, threads in zip(d["pids"], d["partitions"], d["threads"]):
             assert cpus_allowed(pid) == parts[part]
             assert threads == len(parts[part])
+            # workers that share a partition's cores wait passively (no spinning OpenMP threads)
+            assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         gates.close(7)
         call = asyncio.ensure_future(server.infer("gate", key(7)))
         await until(lambda: gates.held(7))

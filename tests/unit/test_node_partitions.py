@@ -459,3 +459,11 @@ def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mis
     assert pm.geometry is not None and pm.geometry.units == (4, 3)
     assert pm.controller.current[0].units == (4, 3)
     assert sorted(c for p in pm.current() for c in p.cpus) == list(range(1, 8))  # CPU 0 stays the front end's
+
+
+def test_workers_of_a_partitioned_node_wait_passively_unless_told_otherwise():
+    assert ServerConfig().omp_wait_policy is None  # a worker with cores of its own: OpenMP's default
+    for partitioning in ("static", "colocate", "protean"):
+        assert ServerConfig(partitioning=partitioning).omp_wait_policy == "PASSIVE"
+    assert ServerConfig(partitioning="colocate", worker_omp_wait_policy="active").omp_wait_policy == "ACTIVE"
+    assert ServerConfig(worker_omp_wait_policy="passive").omp_wait_policy == "PASSIVE"
