@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.linalg import null_space
-from scipy.optimize import nnls
 
 from splitserve.errors import InvalidInput
 
@@ -145,6 +143,11 @@ def fit_fbr(runs: Sequence[Colocation], floor_margin: float = FLOOR_MARGIN) -> F
                 measured.append(m)
     if not rows:
         return FbrFit(fbr={}, unidentified=tuple(keys), residuals={}, equations=0)
+    # scipy here, not at the top: every node imports this module for η, and loading scipy's
+    # solvers costs about half a second at each server start; only fitting needs them
+    from scipy.linalg import null_space
+    from scipy.optimize import nnls
+
     a = np.vstack(rows)
     b = np.asarray(rhs)
     x, _ = nnls(a, b)
