@@ -56,6 +56,9 @@ def test_a_preempted_batch_on_an_instance_being_retired_is_resumed_and_the_switc
         be = asyncio.ensure_future(server.infer("gate", key(1), cls="be"))
         await until(lambda: gates.held(1))
         rt_call = asyncio.ensure_future(server.infer("gate", key(2), cls="rt"))
+        # Open the BE gate only once the node has asked its worker to stop at the next
+        # boundary; opened earlier, the batch may run past it before the RT call arrives.
+        await until(lambda: any(h.flag.target() for h in rt.workers.values()))
         gates.open(1)  # the BE batch reaches a segment boundary and is preempted there
         await until(lambda: any(s.suspended for s in rt.sched.instances.values()) and gates.held(2))
         (old,) = rt.sched.serving()
