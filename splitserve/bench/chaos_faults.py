@@ -99,22 +99,29 @@ class FaultInjector:
         self.records: list[FaultRecord] = []
         self._held: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._turn = itertools.count()
         self._infos: dict[str, Any] = {}
         self._instances = 1
 
     # -- driving -----------------------------------------------------------------------------
 
     async def run(self, duration_s: float, interval_s: float) -> None:
-        """A fault every ``interval_s`` for ``duration_s``, kinds in turn; then clean up."""
-        end = self.clock() + duration_s
+        """A fault every ``interval_s`` for ``duration_s``, kinds in turn; then clean up.
+
+        Fault ``k`` is due at ``start + k × interval_s`` (a late wake-up on a busy machine
+        does not push the rest back), and the first round always fires in full, so every
+        kind runs at least once even when the loop falls behind."""
+        start = self.clock()
+        end = start + duration_s
         try:
-            while self.clock() + interval_s / 2 < end:
-                kind = self.kinds[next(self._turn) % len(self.kinds)]
+            for k in itertools.count():
+                due = start + k * interval_s
+                if k >= len(self.kinds) and due + interval_s / 2 >= end:
+                    break
+                await asyncio.sleep(max(0.0, due - self.clock()))
+                kind = self.kinds[k % len(self.kinds)]
                 task = asyncio.get_running_loop().create_task(self._one(kind))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-                await asyncio.sleep(min(interval_s, max(0.0, end - self.clock())))
             # faults under way finish (each is bounded by call_timeout_s) before the phase ends
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=self.call_timeout_s)

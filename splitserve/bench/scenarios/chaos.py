@@ -80,6 +80,9 @@ class Params(BaseParams):
             raise ValueError("duration_s, baseline_s, capacity_s and answer_timeout_s must be > 0")
         if not self.models or not self.transports:
             raise ValueError("chaos needs at least one model and one transport")
+        if not self.faults or self.fault_interval_s <= 0 or len(self.faults) * self.fault_interval_s > self.duration_s:
+            raise ValueError(f"chaos needs a fault, fault_interval_s > 0 and duration_s ({self.duration_s:g}) must hold one round "
+                             f"of the {len(self.faults)} faults ({len(self.faults)} × {self.fault_interval_s:g} s)")
         if not 0 <= self.rt_share <= 1:
             raise ValueError(f"rt_share must be in [0, 1], got {self.rt_share}")
 
