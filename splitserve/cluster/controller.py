@@ -25,7 +25,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ray
@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
 _LONG_POLL_S = 1.0
+# Settings whose state outlives one decision (procurement's open orders, the revocation
+# emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
+_FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "procurement",
+                    "spot_retry_timeout_s", "p_rev", "revocation_interval_s", "notice_min_s", "notice_max_s",
+                    "revocation_seed"})
 
 
 @dataclass
@@ -78,6 +83,10 @@ class _Registry:
         return self.ids[name]
 
 
+def _autoscaler(cfg: ClusterConfig) -> ClusterAutoscaler:
+    return ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target, cfg.keep_alive_s)
+
+
 class Controller:
     """The cluster's control plane (an async Ray actor; one loop, no locks)."""
 
@@ -93,8 +102,7 @@ class Controller:
             self.registry.add(name, None)
         self.nodes: dict[str, _Node] = {}
         self.cost = CostLedger()
-        self.autoscaler = ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target,
-                                            cfg.keep_alive_s)
+        self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
         self.revocation = RevocationEmulator(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s,
                                              cfg.notice_max_s, random.Random(cfg.revocation_seed), clock())
@@ -119,8 +127,14 @@ class Controller:
         it when they start."""
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
-        ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD]
-        await asyncio.gather(*(n.server.ensure_models.remote([spec]) for n in ready))
+        ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD
+                 and not n.retiring]
+        results = await asyncio.gather(*(n.server.ensure_models.remote([spec]) for n in ready),
+                                       return_exceptions=True)
+        for n, r in zip(ready, results):
+            # a node retired meanwhile (scale-in, an eviction) no longer needs the model
+            if isinstance(r, BaseException) and n.node_id in self.nodes and not n.retiring:
+                raise r
         fid = self.registry.add(spec.name, spec)
         for n in ready:
             n.models = n.models | {spec.name}
@@ -141,6 +155,21 @@ class Controller:
                 return None
         return self._routes.to_json()
 
+    async def configure(self, cfg: ClusterConfig) -> None:
+        """Take ``cfg``'s autoscaling settings at run time (node limits, requests per node, SLO
+        target, keep-alive, the loop's intervals, drain timings; the gateway keeps its own); the next
+        round acts on them. A change to procurement, revocations or prices is refused: their
+        state (open orders, the eviction schedule, the bill) belongs to the settings the
+        cluster started with."""
+        fixed = [f.name for f in fields(cfg) if f.name in _FIXED and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
+        if fixed:
+            raise InvalidInput(f"these settings cannot change while the cluster runs: {', '.join(fixed)}")
+        self.cfg = cfg.checked()
+        self.autoscaler = _autoscaler(cfg)
+        self._next_autoscale = 0.0
+        log.info("autoscaling: %d to %d nodes, %d requests per node, keep-alive %.1f s", cfg.min_nodes,
+                 cfg.max_nodes, cfg.requests_per_node, cfg.keep_alive_s)
+
     async def status(self) -> dict:
         """Nodes (market, state, models, in flight), the target, the cost so far."""
         now = self.clock()
@@ -154,6 +183,7 @@ class Controller:
             "models": dict(self.registry.ids),
             "gateway": self._gateway,
             "cost": self.cost.summary(now),
+            "bill": self.cost.to_list(),
             "fallbacks": self.procurement.fallbacks,
         }
 
@@ -238,6 +268,8 @@ class Controller:
             node_id = await self.provider.launch.remote(str(market))
         except ray.exceptions.RayError as e:
             log.warning("order %d: no %s node: %s", order, market, e)
+            # a provider that keeps failing is asked again at the loop's pace, not in a hot loop
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
             if order not in self._cancelled:
                 self._act(self.procurement.failed(order, self.clock()), self.clock())
             return

@@ -440,7 +440,8 @@ class GatewayCore:
         return {"routes": self.routes.version, "held": len(self.ledger), "held_bytes": self._held_bytes, "waiting": len(self._parked),
                 "in_flight": dict(self.ledger.in_flight()), "delivered": self.ledger.delivered,
                 "resent": self.ledger.resent, "dropped": self.ledger.dropped,
-                "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links)}
+                "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links),
+                "models": {n: sorted(link.func_ids) for n, link in self._links.items()}}
 
 
 def _error(h: Header, e: SplitServeError) -> list[bytes]:

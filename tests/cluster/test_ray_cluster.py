@@ -7,6 +7,7 @@ answered exactly once, with the model's output.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from splitserve.cluster import raycompat  # noqa: E402
 from splitserve.cluster.local import LocalCluster, wait_serving  # noqa: E402
 from splitserve.cluster.node_server import ModelSpec, NodeSpec  # noqa: E402
 from splitserve.config import ClusterConfig  # noqa: E402
+from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
 from tests.conftest import CACHE  # noqa: E402
 
@@ -194,3 +196,91 @@ def test_a_spot_eviction_notice_drains_and_replaces_the_node_before_its_deadline
     _until("the victim retired", lambda: victim not in {n["node"] for n in _status(cluster)["nodes"]}, notice_s * 2)
     load.finish()
     assert replaced_at < deadline, f"the replacement served {replaced_at - deadline:.1f} s after the deadline"
+
+
+GATE_KEY = 7_013_013  # closed: its samples wait on their node, so the gateway's queue stays deep
+
+
+@dataclass
+class Calls:
+    """One client connection that sends the ``gate`` model ``keys`` pipelined and reads every
+    answer (on a thread: gated answers come only once the gate opens); a client-side ledger."""
+
+    port: int
+    func_id: int
+    keys: list[int]
+    first_id: int
+    answers: Counter = field(default_factory=Counter)
+    wrong: list = field(default_factory=list)
+    thread: threading.Thread | None = None
+
+    def start(self) -> "Calls":
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.settimeout(90)
+            expect = {self.first_id + i: k for i, k in enumerate(self.keys)}
+            for rid, key in expect.items():
+                body = np.int64(key).tobytes()
+                s.sendall(Header(Kind.REQUEST, req_id=rid, func_id=self.func_id, payload_len=len(body)).pack() + body)
+            while any(self.answers[r] == 0 for r in expect):
+                h, payload = _read(s)
+                self.answers[h.req_id] += 1
+                if h.kind != Kind.RESPONSE or np.frombuffer(payload, np.int64).tolist() != [expect.get(h.req_id)]:
+                    self.wrong.append((h.req_id, h.kind, h.status, payload[:200]))
+
+    def finish(self) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "a client never got all its answers"
+        assert self.answers == Counter(range(self.first_id, self.first_id + len(self.keys))), \
+            "some request was answered twice or never"
+        assert self.wrong == []
+
+
+def test_the_cluster_scales_from_one_to_three_nodes_on_queue_depth_and_back_after_the_keep_alive(
+        cluster: LocalCluster) -> None:
+    port = cluster.handles.gateway_port
+    controller = cluster.handles.controller
+    keep_alive = 1.0
+    per_node = 4  # requests held per node: 12 held ask for 3 nodes
+    ray.get(controller.configure.remote(dataclasses.replace(
+        cluster.cfg, min_nodes=1, max_nodes=NODES, requests_per_node=per_node, keep_alive_s=keep_alive)))
+    _until("one node left after the keep-alive", lambda: len(_status(cluster)["nodes"]) == 1, 60)
+    (first,) = {n["node"] for n in _status(cluster)["nodes"]}
+    # registered on the one node left; the nodes the scale-up brings get it as they start
+    spec = ModelSpec("gate_scale", 'name = "gate_scale"\n[artifact]\nkind = "zoo"\narch = "gate"\n')
+    ray.get(controller.register.remote(spec))
+    fid = _lookup(port, "gate_scale")
+    gates = Gates(CACHE)
+    gates.close(GATE_KEY)
+    try:
+        held = [Calls(port, fid, [GATE_KEY] * per_node, (c + 1) << 32).start() for c in range(NODES)]
+        _until("12 requests held at the gateway", lambda: _gateway(cluster)["held"] >= NODES * per_node, 60)
+        status = wait_serving(controller, NODES, 120)
+        assert status["target"] == NODES
+        new = {n["node"] for n in status["nodes"]} - {first}
+        assert len(new) == NODES - 1
+        _until("the gateway knows the model on the new nodes", lambda: all(
+            "gate_scale" in _gateway(cluster)["models"].get(n, ()) for n in new), 60)
+        # the new nodes serve: ungated calls go to them while the first one is full of held work
+        free = 1
+        while not new <= set(_gateway(cluster)["answers_by_node"]):
+            calls = Calls(port, fid, [free] * 4, (free + 100) << 32).start()
+            calls.finish()
+            free += 1
+            assert free < 50, "the new nodes never answered"
+        gates.open(GATE_KEY)
+        for c in held:
+            c.finish()
+    finally:
+        gates.open(GATE_KEY)
+    _until("back to one node after the keep-alive", lambda: len(_status(cluster)["nodes"]) == 1, 60)
+    bill = {r["node"]: r for r in _status(cluster)["bill"]}
+    gone = (new | {first}) - {n["node"] for n in _status(cluster)["nodes"]}
+    assert len(gone) == NODES - 1
+    assert all(bill[n]["ended_at"] is not None and not bill[n]["evicted"] for n in gone)
+    assert all(bill[n]["ended_at"] >= bill[n]["drained_at"] >= bill[n]["ready_at"] for n in gone)

@@ -72,6 +72,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "compliance of protean, spot-only and on-demand-only at P_rev 0, 0.354 and 0.708 on emulated "
                      "revocations; evictions, fallbacks, requeued and lost requests (issue 13).",
                      "splitserve.bench.scenarios.cluster_spot"),
+        ScenarioInfo("cluster-tax", "The cluster gateway's added latency: lenet over the fast path through the gateway "
+                     "vs straight to one node server of the same local Ray cluster, p50 and p99 and their ratios, "
+                     "single client and N connections (issue 13).", "splitserve.bench.scenarios.cluster_tax"),
     )
 }
 

@@ -1,0 +1,188 @@
+"""cluster-tax: what the cluster gateway adds to a fast-path call.
+
+One small local cluster (a Ray head and ``nodes`` serving raylets on 127.0.0.1, started and
+stopped by the bench) serves ``lenet``; the same calls go through the gateway and straight
+to one of its node servers, in the same run. Single client: gateway and direct calls
+alternate in blocks of 50, so both see the same machine state; the gateway's tax is the
+difference of the p50s (and p99s), with the ratios gateway / direct. Loaded: ``connections``
+closed-loop connections through the gateway, then as many straight to the node, from a
+separate generator process: p50, p99 and req/s of each and their ratios. With more than
+one node the gateway spreads the loaded run over all of them while the direct run uses one,
+so compare the loaded ratios at ``nodes = 1``. Ray is never on the path of a call.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
+
+NAME = "cluster-tax"
+SUMMARY = "The cluster gateway's added latency: lenet over the fast path through the gateway vs straight to a node."
+MODELS: tuple[str, ...] = ("lenet",)
+TRANSPORTS: tuple[str, ...] = ("tcp",)
+BLOCK = 50  # calls per turn when alternating (as fastpath-latency)
+PATHS = ("gateway", "direct")
+
+
+@dataclass
+class Params(BaseParams):
+    models: tuple[str, ...] = ("lenet",)
+    transports: tuple[str, ...] = ("tcp",)
+    nodes: int = 1  # serving raylets (1 or 2 on a small machine)
+    requests: int = 3000  # single-client calls on each path
+    warmup: int = 200
+    connections: int = 8
+    duration_s: float = 5.0
+    warmup_s: float = 0.5
+    start_timeout_s: float = 240.0
+
+    @classmethod
+    def quick(cls) -> Params:
+        return cls(requests=400, warmup=50, duration_s=1.5, warmup_s=0.3)
+
+    def check(self) -> None:
+        if not 1 <= self.nodes <= 4:
+            raise ValueError("nodes must be 1 to 4 (each is a raylet and a server on this machine)")
+        if self.requests < 1 or self.connections < 1 or self.duration_s <= 0:
+            raise ValueError("requests and connections must be >= 1, duration_s > 0")
+
+
+def compare(gateway_us: np.ndarray, direct_us: np.ndarray) -> dict[str, Any]:
+    """Latency stats of both paths, the gateway's added µs at p50 and p99, and the ratios."""
+    gw, direct = lat_stats(gateway_us), lat_stats(direct_us)
+    out: dict[str, Any] = {"gateway_us": gw, "direct_us": direct}
+    for q in ("p50", "p99"):
+        g, d = gw[q], direct[q]
+        out[f"added_{q}_us"] = None if g is None or d is None else g - d
+        out[f"ratio_{q}"] = g / d if g is not None and d else None
+    return out
+
+
+def compare_loaded(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:
+    """Two closed-loop summaries side by side: p50, p99 (ms), req/s, errors and the ratios."""
+
+    def pick(s: dict[str, Any]) -> dict[str, Any]:
+        return {"p50_ms": s["latency_ms"]["p50"], "p99_ms": s["latency_ms"]["p99"], "rps": s["throughput_rps"],
+                "errors": s["errors"], "bottleneck": bottleneck(s)}
+
+    g, d = pick(gateway), pick(direct)
+    ratio = {k: g[k] / d[k] if g[k] is not None and d[k] else None for k in ("p50_ms", "p99_ms", "rps")}
+    return {"gateway": g, "direct": d, "ratio": ratio}
+
+
+def _alternate(gw: Any, direct: Any, model: str, arg: Any, n: int, warmup: int) -> dict[str, np.ndarray]:
+    for _ in range(warmup):
+        gw.infer_result(model, arg)
+        direct.infer_result(model, arg)
+    out = {path: np.empty(n) for path in PATHS}
+    clock = time.perf_counter
+    with gc_paused():
+        for start in range(0, n, BLOCK):
+            for path, client in (("gateway", gw), ("direct", direct)):
+                for i in range(start, min(n, start + BLOCK)):
+                    t0 = clock()
+                    client.infer_result(model, arg)
+                    out[path][i] = clock() - t0
+    return {k: v * 1e6 for k, v in out.items()}
+
+
+def run(ctx: Context) -> ScenarioOutput:
+    import ray
+
+    from splitserve.bench.inputs import as_call_arg, make_inputs
+    from splitserve.bench.transports import close_sync, open_sync
+    from splitserve.cluster.local import LocalCluster
+    from splitserve.cluster.node_server import NodeSpec
+    from splitserve.config import ClusterConfig, env_cache_dir
+    from splitserve.models import zoo_entry
+
+    p: Params = ctx.params  # type: ignore[assignment]
+    p.check()
+    model = p.models[0]
+    cfg = ClusterConfig.from_env(min_nodes=p.nodes, max_nodes=p.nodes)
+    cache = env_cache_dir()
+    root = tempfile.mkdtemp(prefix="ssray-")
+    local = LocalCluster(cfg, root, NodeSpec(token="cluster-tax", cache_dir=str(cache) if cache else None,
+                                             tmp_root=root), gateway_port=0, models=(model,))
+    try:
+        with ctx.task(f"starting a Ray head and {p.nodes} serving node(s)", 1):
+            h = local.start(timeout_s=p.start_timeout_s)
+        status = ray.get(h.controller.status.remote())
+        node = status["nodes"][0]
+        urls = {"gateway": f"tcp://127.0.0.1:{h.gateway_port}", "direct": f"tcp://{node['endpoint']}"}
+        arg = as_call_arg(make_inputs(zoo_entry(model).inputs, 1, p.seed)[0])
+        with ctx.task("single client, alternating; then closed loops", 3) as advance:
+            clients = {path: open_sync("tcp", url) for path, url in urls.items()}
+            try:
+                seq = _alternate(clients["gateway"], clients["direct"], model, arg, p.requests, p.warmup)
+            finally:
+                for c in clients.values():
+                    close_sync(c)
+            advance(1)
+            loaded = {}
+            for path, url in urls.items():
+                loaded[path] = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections,
+                                               p.duration_s).summary(warmup_s=p.warmup_s)
+                advance(1)
+        gw_stats = ray.get(h.gateway.stats.remote())
+    finally:
+        local.stop()
+    result = {"model": model, "nodes": p.nodes, "urls": urls, "direct_node": node["node"],
+              "sequential": compare(seq["gateway"], seq["direct"]),
+              "loaded": {"connections": p.connections, **compare_loaded(loaded["gateway"], loaded["direct"])},
+              "gateway": {k: gw_stats.get(k) for k in ("delivered", "resent", "dropped", "answers_by_node")}}
+    return _output(p, result, seq)
+
+
+def _output(p: Params, r: dict[str, Any], seq: dict[str, np.ndarray]) -> ScenarioOutput:
+    s, ld = r["sequential"], r["loaded"]
+    seq_rows = [(path, fmt(s[f"{path}_us"]["p50"]), fmt(s[f"{path}_us"]["p99"]), fmt(s[f"{path}_us"]["mean"]))
+                for path in PATHS]
+    load_rows = [(path, fmt(ld[path]["p50_ms"], 3), fmt(ld[path]["p99_ms"], 3), fmt(ld[path]["rps"], 0),
+                  ld[path]["errors"]) for path in PATHS]
+    report = [__doc__.split("\n\n", 1)[1].strip(), "",
+              f"{r['model']}, {r['nodes']} node(s); direct = node {r['direct_node'][:12]}.", "",
+              f"## Single client ({p.requests} calls per path)", "",
+              md_table(("path", "p50 µs", "p99 µs", "mean µs"), seq_rows), "",
+              f"Gateway adds {fmt(s['added_p50_us'])} µs at p50 ({fmt(s['ratio_p50'], 2)}x) and "
+              f"{fmt(s['added_p99_us'])} µs at p99 ({fmt(s['ratio_p99'], 2)}x).", "",
+              f"## {ld['connections']} connections, closed loop, {p.duration_s:g} s each", "",
+              md_table(("path", "p50 ms", "p99 ms", "req/s", "errors"), load_rows), "",
+              f"Ratios gateway / direct: p50 {fmt(ld['ratio']['p50_ms'], 2)}x, p99 {fmt(ld['ratio']['p99_ms'], 2)}x, "
+              f"req/s {fmt(ld['ratio']['rps'], 2)}x.", ""]
+    notes = [f"{path}: {ld[path]['bottleneck']}" for path in PATHS if ld[path]["bottleneck"]]
+    if notes:
+        report += ["The load generator was the bottleneck:", ""] + [f"- {n}" for n in notes] + [""]
+    lines = [f"single client: gateway p50 {fmt(s['gateway_us']['p50'])} µs vs direct {fmt(s['direct_us']['p50'])} µs "
+             f"(+{fmt(s['added_p50_us'])} µs, {fmt(s['ratio_p50'], 2)}x); p99 {fmt(s['ratio_p99'], 2)}x",
+             f"{ld['connections']} connections: p50 {fmt(ld['ratio']['p50_ms'], 2)}x, p99 {fmt(ld['ratio']['p99_ms'], 2)}x, "
+             f"req/s {fmt(ld['ratio']['rps'], 2)}x of direct"]
+    errors = ld["gateway"]["errors"] + ld["direct"]["errors"]
+    broken = [f"{errors} calls answered with an error"] if errors else []
+    return ScenarioOutput(r, "\n".join(report), {"cluster_tax": _plot(seq)}, lines, broken)
+
+
+def _plot(seq: dict[str, np.ndarray]) -> Any:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5, 3.8))
+    ax = fig.subplots()
+    for path, colour in (("gateway", "#2b7bba"), ("direct", "#7f7f7f")):
+        xs = np.sort(seq[path])
+        ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=path, color=colour)
+    ax.set_xscale("log")
+    ax.set_xlabel("round trip (µs)")
+    ax.set_ylabel("fraction of calls")
+    ax.set_title("lenet over the fast path: through the gateway vs straight to a node", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
