@@ -97,8 +97,21 @@ def gcs_address() -> str:
 # -- local raylets (development and tests) ---------------------------------------------------
 
 
+# Ray puts Unix sockets at <temp_dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store.<n>:
+# this many bytes after the temp dir, against AF_UNIX's 107. Past it the head starts but every
+# raylet fails to, which showed only as "no node serving" after the whole start timeout.
+_RAY_SOCKET_SUFFIX = 68
+_AF_UNIX_MAX = 107
+
+
 def start_head(temp_dir: str, system_config: Mapping[str, Any]) -> Cluster:
-    """A head node on 127.0.0.1 with no CPUs (only control actors land there) and no dashboard."""
+    """A head node on 127.0.0.1 with no CPUs (only control actors land there) and no dashboard.
+
+    Refuses a ``temp_dir`` too long for the Unix sockets Ray makes under it."""
+    room = _AF_UNIX_MAX - _RAY_SOCKET_SUFFIX
+    if len(os.fsencode(temp_dir)) > room:
+        raise ValueError(f"Ray's temp dir {temp_dir!r} is {len(os.fsencode(temp_dir))} bytes; Ray's Unix socket paths "
+                         f"under it need it at most {room} (AF_UNIX allows {_AF_UNIX_MAX}): use a shorter one")
     return Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=80 << 20,
         temp_dir=temp_dir, resources={"splitserve_head": 1}, _system_config=dict(system_config)))

@@ -8,12 +8,15 @@ answered exactly once, with the model's output.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,9 +36,15 @@ WINDOW = 4  # pipelined calls per client
 IMAGE = bytes(784)
 
 
+def test_a_ray_temp_dir_too_long_for_its_unix_sockets_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="Unix socket"):
+        raycompat.start_head("/tmp/" + "d" * 60, {})
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    root = tmp_path_factory.mktemp("ray")
+def cluster() -> Iterator[LocalCluster]:
+    # not pytest's tmp_path: under xdist its paths leave Ray's Unix sockets no room (raycompat.start_head)
+    root = Path(tempfile.mkdtemp(prefix="ssray-"))
     # a 25 s notice (providers give 30-120 s): a node starts in ~17 s on 2 busy cores
     cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, notice_min_s=25, notice_max_s=25,
                                  drain_lead_s=6, drain_margin_s=3,
@@ -47,6 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield local
     finally:
         local.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _status(c: LocalCluster) -> dict:
