@@ -192,6 +192,11 @@ class SlowdownModel:
         self.whole_cores = whole_cores
         self.unknown_fbr = unknown_fbr
 
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` of ``model`` takes alone on ``cores`` cores; None
+        where it was not profiled."""
+        return self._solo(model, cores, batch)
+
     def rdf(self, model: str, batch: int, cores: int) -> float:
         """Solo on ``cores`` / Solo on the whole device (PROTEAN §3 L197); 1.0 when either
         is not profiled, so a missing profile ranks partitions by interference alone."""
@@ -213,7 +218,7 @@ class SlowdownModel:
     def predict(self, model: str, batch: int, cores: int, corunners: Sequence[str]) -> float | None:
         """Eq. 1's predicted seconds for the batch there: Solo on ``cores`` × max{ΣFBR, 1};
         None when its solo time on ``cores`` is not profiled."""
-        solo = self._solo(model, cores, batch)
+        solo = self.solo(model, cores, batch)
         if solo is None:
             return None
         return solo * interference([self.fbr_of(model), *(self.fbr_of(c) for c in corunners)])
