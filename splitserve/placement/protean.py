@@ -251,14 +251,18 @@ class JobDistributor:
         return Placement(None, wait_for=s.id, until=latest, run_now_s=run_now, wait_s=done - now)
 
     def _run_s(self, job: Job, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> float | None:
-        """Eq. 1's seconds for ``job`` on ``slot`` as it is (co-runners and the tags' BE
-        batches counted): solo there × max{ΣFBR, 1}; None without a solo profile there."""
+        """Seconds for ``job`` on ``slot`` as it is: Eq. 1 (solo there × max{ΣFBR, 1}) beside
+        the running batches and the tags' BE batches, its solo time when alone; None without
+        a solo profile there."""
         solo = self.model.solo(job.model, slot.cores, job.batch)
-        return None if solo is None else solo * self._load(job, slot, tag, be_models, slots)
+        if solo is None:
+            return None
+        co = self._corunners(slot, tag, be_models, slots)
+        return solo * interference([self.model.fbr_of(job.model), *co]) if co else solo
 
     def _free_at(self, slot: Slot, now: float) -> float | None:
         """When every batch running on ``slot`` is predicted to have ended (Eq. 1 for each
-        among the others, from its start); None when one of them has no prediction."""
+        among the others, solo when alone, from its start); None when one has no prediction."""
         ends = []
         for i, r in enumerate(slot.running):
             others = [o.model for o in (*slot.running[:i], *slot.running[i + 1:])]
@@ -282,11 +286,13 @@ class JobDistributor:
         are added, each with the mean FBR of ``be_models``. ``slots`` (all of them) lets a BE
         batch running elsewhere give the batch size when ``batch_mem`` does not know it.
         """
-        return self.model.rdf(job.model, job.batch, slot.cores) * self._load(job, slot, tag, be_models, slots)
+        m = self.model
+        return m.rdf(job.model, job.batch, slot.cores) * interference(
+            [m.fbr_of(job.model), *self._corunners(slot, tag, be_models, slots)])
 
-    def _load(self, job: Job, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> float:
-        """Eq. 1's factor for ``job`` on ``slot``: max{its FBR + the running batches' + the
-        tags' BE batches', 1} (see ``strict_eta``)."""
+    def _corunners(self, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> list[float]:
+        """The FBRs a batch placed on ``slot`` would run beside: the running batches', and the
+        tags' BE batches not running yet at the BE models' mean FBR (see ``strict_eta``)."""
         m = self.model
         fbrs = [m.fbr_of(r.model) for r in slot.running]
         if tag > 0 and be_models:
@@ -294,8 +300,9 @@ class JobDistributor:
             expected = tag * (slot.available_mem // per_batch if per_batch else 1)
             running_be = sum(1 for r in slot.running if not r.strict)
             extra = max(0.0, expected - running_be)
-            fbrs.append(extra * sum(m.fbr_of(b) for b in be_models) / len(be_models))
-        return interference([m.fbr_of(job.model), *fbrs])
+            if extra > 0:
+                fbrs.append(extra * sum(m.fbr_of(b) for b in be_models) / len(be_models))
+        return fbrs
 
     def _be_batch_mem(self, be_models: Sequence[str], slots: Sequence[Slot]) -> float:
         """Mean bytes of one batch of the BE models, from ``batch_mem`` or a running batch;

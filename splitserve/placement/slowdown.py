@@ -217,8 +217,10 @@ class SlowdownModel:
 
     def predict(self, model: str, batch: int, cores: int, corunners: Sequence[str]) -> float | None:
         """Eq. 1's predicted seconds for the batch there: Solo on ``cores`` × max{ΣFBR, 1};
-        None when its solo time on ``cores`` is not profiled."""
+        Solo itself when it runs alone (Eq. 1 is about co-location: with a fitted FBR above 1,
+        as a CPU core's time-slicing gives, max{FBR, 1} would make a job slower than its own
+        solo time); None when its solo time on ``cores`` is not profiled."""
         solo = self.solo(model, cores, batch)
-        if solo is None:
-            return None
+        if solo is None or not corunners:
+            return solo
         return solo * interference([self.fbr_of(model), *(self.fbr_of(c) for c in corunners)])
