@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.partition import NodePartition, Partitioning, StrictPlacement
-from splitserve.placement.protean import INITIAL_GEOMETRY, Geometry, Job, JobDistributor, Slot, carve, cpu_unit
-from splitserve.placement.protean import tag_partitions
+from splitserve.placement.protean import (
+    INITIAL_GEOMETRY, Geometry, Job, JobDistributor, Placement, Slot, carve, cpu_unit, tag_partitions,
+)
 
 # A default static split gives each partition one core up to this many partitions; more cores
 # are shared out among that many (a few mid-sized partitions serve better than dozens of 1-core ones).
@@ -128,24 +129,26 @@ class BatchChooser:
         """Algorithm 1's tags (how much of each partition best-effort work is expected to take)."""
         return tag_partitions(slots, be_mem)
 
-    def choose(self, job: Job, slots: Sequence[Slot], eligible: Collection[int], be_mem: int,
-               be_models: Sequence[str] = ()) -> int | None:
-        """The partition ``job`` runs on among ``eligible`` (those with an idle instance of its
-        model), or None: it waits for a partition to free up."""
-        if not eligible:
-            return None
+    def place(self, job: Job, slots: Sequence[Slot], eligible: Collection[int], be_mem: int,
+              be_models: Sequence[str] = (), now: float = 0.0, placed: Collection[int] | None = None) -> Placement:
+        """Where ``job`` runs among ``eligible`` (the partitions with an idle instance of its
+        model), or ``slot`` None: it waits for a partition to free up (under ``eta`` it may
+        name the one it waits for, see ``JobDistributor.place``; ``placed``: the partitions
+        its model has instances on, ``now`` the decider's clock)."""
         if self.policy is StrictPlacement.ETA:
             assert self.distributor is not None
-            return self.distributor.choose(job, slots, self.tags(slots, be_mem), eligible, be_models)
+            return self.distributor.place(job, slots, self.tags(slots, be_mem), eligible, now, be_models, placed)
+        if not eligible:
+            return Placement(None)
         candidates = [s for s in slots if s.id in eligible]
         if self.policy is StrictPlacement.LARGEST:
             largest = max(slots, key=lambda s: (s.cores, s.mem_bytes, -s.id))
             if job.strict:
-                return largest.id if largest.id in eligible else None
+                return Placement(largest.id if largest.id in eligible else None)
             # best effort keeps off the largest partition while there is another one
             others = [s for s in candidates if s.id != largest.id] if len(slots) > 1 else candidates
             fits = sorted((s for s in others if free_mem(s) >= job.mem_bytes), key=lambda s: (s.cores, s.mem_bytes))
-            return fits[0].id if fits else None
+            return Placement(fits[0].id if fits else None)
         # balanced: the most free memory, whatever the class; ties go to the larger partition
         best = max(candidates, key=lambda s: (free_mem(s), s.cores, -s.id), default=None)
-        return best.id if best is not None else None
+        return Placement(best.id if best is not None else None)

@@ -4,7 +4,9 @@ partitions take.
 - Algorithm 1 (job distribution, §4.3): ``tag_partitions`` marks how much of each partition,
   smallest first, the best-effort (BE) memory demand will take; ``JobDistributor.choose``
   sends a strict batch to the partition of least η (Eq. 2) among those not wholly taken by BE
-  work, and first-fits a BE batch onto the smallest partition it fits.
+  work, and first-fits a BE batch onto the smallest partition it fits. ``JobDistributor.place``
+  adds splitserve's wait-for-free (not in the paper): a strict batch waits for a busy
+  partition when running there once it is free is predicted to end sooner than running now.
 - Algorithm 2 (GPU reconfigurator, §4.4): ``GeometryController.tick`` forecasts BE demand
   with an EWMA (``BEPredictor``), picks the smallest set of small partitions that holds it,
   falls back to (4g, 3g), and reconfigures a partition group only on its (wait_limit+1)-th
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.slowdown import SlowdownModel, eta
+from splitserve.placement.slowdown import SlowdownModel, interference
 from splitserve.placement.topology import Core, allocate
 
 # --------------------------------------------------------------------------- Algorithm 1
@@ -34,12 +36,42 @@ from splitserve.placement.topology import Core, allocate
 
 @dataclass(frozen=True)
 class Job:
-    """One batch as Algorithm 1 sees it: its model, size, class and memory footprint."""
+    """One batch as Algorithm 1 sees it: its model, size, class and memory footprint.
+
+    ``started``: when a running batch started (the decider's clock; None: not running, or
+    not known), from which wait-for-free predicts its end. ``due``: the soft SLO deadline of
+    a strict batch being placed (its head request's), which bounds how long it may wait.
+    """
 
     model: str
     batch: int
     strict: bool
     mem_bytes: int
+    started: float | None = None
+    due: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``JobDistributor.place``'s answer: the slot the batch runs on now (``slot``), or None
+    when it waits. A strict batch that waits for a busy slot names it (``wait_for``) and the
+    time it must be decided again by even if nothing ends (``until``); ``run_now_s`` and
+    ``wait_s`` are the predicted completions (seconds from now) that decided it, None where
+    there was no prediction."""
+
+    slot: int | None
+    wait_for: int | None = None
+    until: float | None = None
+    run_now_s: float | None = None
+    wait_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """A strict batch of one model waiting for ``slot`` to free, until ``until`` at the latest."""
+
+    slot: int
+    until: float
 
 
 @dataclass(frozen=True)
@@ -99,11 +131,19 @@ class JobDistributor:
     ``batch_mem(model)``: bytes one batch of a BE model holds (its footprint at its batch
     size), to count the BE batches the tags predict on a partition; None or unknown falls back
     to a running BE batch of that model, else a wholly tagged partition counts as one batch.
+    ``wait_for_free`` turns on ``place``'s waiting (splitserve's addition, see ``place``).
+
+    ``place`` remembers, per model, the slot a waiting strict batch of it waits for, so that
+    BE batches keep off that slot until the strict batch runs or its wait ends; ``model`` may
+    be replaced (new FBRs) without losing that.
     """
 
-    def __init__(self, model: SlowdownModel, batch_mem: Callable[[str], int | None] | None = None) -> None:
+    def __init__(self, model: SlowdownModel, batch_mem: Callable[[str], int | None] | None = None,
+                 wait_for_free: bool = False) -> None:
         self.model = model
         self._batch_mem = batch_mem
+        self.wait_for_free = wait_for_free
+        self._holds: dict[str, _Hold] = {}  # model -> the slot its waiting strict batch waits for
 
     def choose(
         self,
@@ -139,6 +179,100 @@ class JobDistributor:
 
         return min(pool, key=rank).id
 
+    def held(self, now: float) -> dict[str, int]:
+        """The slots waiting strict batches wait for now, by model (expired waits dropped)."""
+        self._holds = {m: h for m, h in self._holds.items() if h.until > now}
+        return {m: h.slot for m, h in self._holds.items()}
+
+    def place(
+        self,
+        job: Job,
+        slots: Sequence[Slot],
+        tags: Mapping[int, float],
+        eligible: Collection[int],
+        now: float,
+        be_models: Sequence[str] = (),
+        placed: Collection[int] | None = None,
+    ) -> Placement:
+        """``choose`` at time ``now``, with wait-for-free (splitserve's addition, not the
+        paper's: on MIG, co-located batches run in parallel on their own slices, so a short
+        wait rarely beats a co-run; on a CPU core a co-run is time-slicing).
+
+        Best effort: ``choose`` over the eligible slots no waiting strict batch waits for, so
+        a strict batch that waits keeps its place ahead of BE work.
+
+        Strict: the predicted completion of running now on ``choose``'s slot (Eq. 1: solo on
+        its cores × max{ΣFBR, 1}, the tags' BE batches counted as in ``strict_eta``) against
+        waiting for a busy slot among ``placed`` (the slots the model has instances on; None:
+        all) to free and then running there alone: its running batches' predicted ends (from
+        their ``started`` and the same model) plus the solo run there. It waits for the
+        soonest such slot when that completes first and, if the job has a ``due``, by it;
+        ``until``, when it must be decided again, is the latest start at which waiting still
+        beats running now and meets ``due``. A running batch already past its predicted end
+        is expected to run as long again as it has overrun (not given: splitserve's choice),
+        so a wait on a late batch ends by itself. Without a prediction (no solo profile of
+        the job, or of a batch running on the slot), or with ``wait_for_free`` off, it is
+        ``choose``'s answer.
+        """
+        held = self.held(now)
+        if not job.strict:
+            busy = set(held.values())
+            return Placement(self.choose(job, slots, tags, [i for i in eligible if i not in busy], be_models))
+        base = self.choose(job, slots, tags, eligible, be_models)
+        if base is None:  # no idle instance: it waits as it did, on what it waited for
+            return Placement(None)
+        self._holds.pop(job.model, None)
+        by_id = {s.id: s for s in slots}
+        if not self.wait_for_free:
+            return Placement(base)
+        run_now = self._run_s(job, by_id[base], tags.get(base, 0.0), be_models, slots)
+        if run_now is None:
+            return Placement(base)
+        pool = [s for s in slots if tags.get(s.id, 0.0) < 1.0] or list(slots)
+        best: tuple[float, float, Slot] | None = None  # (completion, solo run, slot)
+        for s in pool:
+            if not s.running or (placed is not None and s.id not in placed):
+                continue
+            free_at = self._free_at(s, now)
+            run = self._run_s(job, replace(s, running=()), tags.get(s.id, 0.0), be_models, slots)
+            if free_at is None or run is None:
+                continue
+            if best is None or free_at + run < best[0]:
+                best = (free_at + run, run, s)
+        if best is None:
+            return Placement(base, run_now_s=run_now)
+        done, run, s = best
+        latest = now + run_now - run  # past this, having run now would have finished first
+        if job.due is not None:
+            latest = min(latest, job.due - run)
+        if done - run >= latest:
+            return Placement(base, run_now_s=run_now, wait_s=done - now)
+        self._holds[job.model] = _Hold(s.id, latest)
+        return Placement(None, wait_for=s.id, until=latest, run_now_s=run_now, wait_s=done - now)
+
+    def _run_s(self, job: Job, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> float | None:
+        """Seconds for ``job`` on ``slot`` as it is: Eq. 1 (solo there × max{ΣFBR, 1}) beside
+        the running batches and the tags' BE batches, its solo time when alone; None without
+        a solo profile there."""
+        solo = self.model.solo(job.model, slot.cores, job.batch)
+        if solo is None:
+            return None
+        co = self._corunners(slot, tag, be_models, slots)
+        return solo * interference([self.model.fbr_of(job.model), *co]) if co else solo
+
+    def _free_at(self, slot: Slot, now: float) -> float | None:
+        """When every batch running on ``slot`` is predicted to have ended (Eq. 1 for each
+        among the others, solo when alone, from its start); None when one has no prediction."""
+        ends = []
+        for i, r in enumerate(slot.running):
+            others = [o.model for o in (*slot.running[:i], *slot.running[i + 1:])]
+            took = self.model.predict(r.model, r.batch, slot.cores, others)
+            if took is None or r.started is None:
+                return None
+            end = r.started + took
+            ends.append(end if end >= now else now + (now - end))
+        return max(ends)
+
     def strict_eta(
         self, job: Job, slot: Slot, tag: float, be_models: Sequence[str] = (), slots: Sequence[Slot] = ()
     ) -> float:
@@ -153,14 +287,22 @@ class JobDistributor:
         batch running elsewhere give the batch size when ``batch_mem`` does not know it.
         """
         m = self.model
+        return m.rdf(job.model, job.batch, slot.cores) * interference(
+            [m.fbr_of(job.model), *self._corunners(slot, tag, be_models, slots)])
+
+    def _corunners(self, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> list[float]:
+        """The FBRs a batch placed on ``slot`` would run beside: the running batches', and the
+        tags' BE batches not running yet at the BE models' mean FBR (see ``strict_eta``)."""
+        m = self.model
         fbrs = [m.fbr_of(r.model) for r in slot.running]
         if tag > 0 and be_models:
             per_batch = self._be_batch_mem(be_models, slots or (slot,))
             expected = tag * (slot.available_mem // per_batch if per_batch else 1)
             running_be = sum(1 for r in slot.running if not r.strict)
             extra = max(0.0, expected - running_be)
-            fbrs.append(extra * sum(m.fbr_of(b) for b in be_models) / len(be_models))
-        return eta(m.rdf(job.model, job.batch, slot.cores), m.fbr_of(job.model), fbrs)
+            if extra > 0:
+                fbrs.append(extra * sum(m.fbr_of(b) for b in be_models) / len(be_models))
+        return fbrs
 
     def _be_batch_mem(self, be_models: Sequence[str], slots: Sequence[Slot]) -> float:
         """Mean bytes of one batch of the BE models, from ``batch_mem`` or a running batch;
@@ -294,6 +436,9 @@ class ProteanSettings:
     keep_alive_s: float = 600.0
     # not given: splitserve's choice. FBR of a model with no fitted FBR: the whole bandwidth.
     unknown_fbr: float = 1.0
+    # splitserve's addition to Algorithm 1 (not the paper's): a strict batch may wait for a
+    # busy partition predicted to free sooner than a co-run would end (JobDistributor.place).
+    wait_for_free: bool = True
 
     def __post_init__(self) -> None:
         if self.monitor_interval_s <= 0:

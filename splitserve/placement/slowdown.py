@@ -192,6 +192,11 @@ class SlowdownModel:
         self.whole_cores = whole_cores
         self.unknown_fbr = unknown_fbr
 
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` of ``model`` takes alone on ``cores`` cores; None
+        where it was not profiled."""
+        return self._solo(model, cores, batch)
+
     def rdf(self, model: str, batch: int, cores: int) -> float:
         """Solo on ``cores`` / Solo on the whole device (PROTEAN §3 L197); 1.0 when either
         is not profiled, so a missing profile ranks partitions by interference alone."""
@@ -212,8 +217,10 @@ class SlowdownModel:
 
     def predict(self, model: str, batch: int, cores: int, corunners: Sequence[str]) -> float | None:
         """Eq. 1's predicted seconds for the batch there: Solo on ``cores`` × max{ΣFBR, 1};
-        None when its solo time on ``cores`` is not profiled."""
-        solo = self._solo(model, cores, batch)
-        if solo is None:
-            return None
+        Solo itself when it runs alone (Eq. 1 is about co-location: with a fitted FBR above 1,
+        as a CPU core's time-slicing gives, max{FBR, 1} would make a job slower than its own
+        solo time); None when its solo time on ``cores`` is not profiled."""
+        solo = self.solo(model, cores, batch)
+        if solo is None or not corunners:
+            return solo
         return solo * interference([self.fbr_of(model), *(self.fbr_of(c) for c in corunners)])

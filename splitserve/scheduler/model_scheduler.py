@@ -115,6 +115,10 @@ class ClassQueue:
         sorts last; ties: oldest)."""
         return min(range(len(self._items)), key=lambda i: (_urgency(self._items[i]), i))
 
+    def head(self, index: int = 0) -> QueuedRequest:
+        """The request at ``index`` in slot order."""
+        return self._items[index]
+
     def head_arrival(self) -> float | None:
         """Arrival of the request first in slot order (slots are handed out as headers arrive),
         None when empty."""
@@ -347,6 +351,14 @@ class ModelScheduler:
         self._next_batch_id += 1
         st.running = batch
         return batch
+
+    def next_rt_due(self) -> float | None:
+        """The soft SLO due of the real-time request the next RT batch starts with (None:
+        none waits, or it has no SLO)."""
+        q = self.queues[RequestClass.RT]
+        if not len(q):
+            return None
+        return q.head(q.earliest_deadline() if self.rt_policy is RtPolicy.EDF else 0).slo
 
     def oldest_waiting(self) -> float | None:
         """Arrival of the oldest request waiting in any class (None: none waits)."""

@@ -51,6 +51,8 @@ class InstanceView:
     oldest_waiting: float | None = None  # arrival of its model's oldest waiting request, any class
     partition: int = -1  # the node partition it sits on (-1: the node has none)
     running_count: int = 0  # samples in the running batch (its memory footprint, for PROTEAN's placement)
+    started: float | None = None  # when the running batch started (PROTEAN's wait-for-free predicts its end)
+    rt_due: float | None = None  # soft SLO due of the RT request heading its model's next batch (bounds a wait)
 
 
 @dataclass

@@ -139,8 +139,10 @@ class Coordinator:
             self._raised.discard(key)
             model.clear_preempt(instance)
         self._log("done" if ok else "failed", model, instance, batch, 0)
-        # An RT batch ending can end RT mode; in seq mode any end frees the node.
-        if batch.cls == RT or self.mode is PriorityMode.SEQ:
+        # An RT batch ending can end RT mode; in seq mode any end frees the node; on a
+        # partitioned node any end may free the partition a waiting RT batch waits for.
+        if batch.cls == RT or self.mode is PriorityMode.SEQ or (
+                self.placement is not None and any(m.rt_waiting() for m in self.models())):
             self._kick_all()
 
     # -- effects ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from splitserve.placement.node_partitions import (
 )
 from splitserve.placement.partition import Carved, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list
 from splitserve.placement.protean import (
-    Geometry, GeometryController, Job, JobDistributor, ProteanSettings, carve, derive_thresholds,
+    Geometry, GeometryController, Job, JobDistributor, ProteanSettings, Slot, carve, derive_thresholds,
 )
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.slowdown import SlowdownModel
@@ -58,7 +58,7 @@ def protean_settings(config: ServerConfig) -> ProteanSettings:
         wait_limit=config.protean_wait_limit, reconfig_fraction=config.protean_reconfig_fraction,
         require_same_target=config.protean_require_same_target, t_low=config.protean_t_low,
         t_high=config.protean_t_high, keep_alive_s=config.protean_keep_alive_s,
-        unknown_fbr=config.protean_unknown_fbr)
+        unknown_fbr=config.protean_unknown_fbr, wait_for_free=config.protean_wait_for_free)
 
 
 class PartitionManager:
@@ -106,6 +106,8 @@ class PartitionManager:
         self.changes: deque[dict[str, Any]] = deque(maxlen=config.placement_history)
         self._lock = asyncio.Lock()  # one geometry change at a time
         self._timers: list[asyncio.TimerHandle] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakes: dict[str, asyncio.TimerHandle] = {}  # model -> its waiting strict batch's re-decision
         self._tasks: set[asyncio.Task] = set()
         self._scaling: dict[str, int] = {}  # model -> the instance count its resize under way brings
         self.cold_starts: dict[str, int] = {}  # model -> instances scale-up started (that came up)
@@ -171,13 +173,17 @@ class PartitionManager:
         return SlowdownModel(self._solo, fbr, len(self.cpus), self.config.protean_unknown_fbr)
 
     def _distributor(self) -> JobDistributor | None:
-        return JobDistributor(self.slowdown, self._batch_mem) if self.policy is StrictPlacement.ETA else None
+        if self.policy is not StrictPlacement.ETA:
+            return None
+        return JobDistributor(self.slowdown, self._batch_mem, wait_for_free=self.settings.wait_for_free)
 
     def _refresh(self) -> None:
         """Look at the FBRs again (a model's FBR can be fitted, or a model registered, while
-        the node runs: every autoscaler tick does)."""
+        the node runs: every autoscaler tick does). The distributor is kept: it holds the
+        partitions waiting strict batches wait for."""
         self.slowdown = self._slowdown_model()
-        self.chooser.distributor = self._distributor()
+        if self.chooser.distributor is not None:
+            self.chooser.distributor.model = self.slowdown
 
     def _batch_mem(self, model: str) -> int | None:
         """Bytes one batch of ``model`` at its dispatch size holds (None: not a model here)."""
@@ -228,13 +234,42 @@ class PartitionManager:
         if not eligible:
             return None
         models = {m.name: m for m in self.models()}
-        running = [(v.partition, Job(v.model, v.running_count, v.running_cls == RequestClass.RT,
-                                     self.mem(v.model, v.running_count, models)))
-                   for v in node if v.running_cls is not None and v.partition in ids]
         be_mem, be_models = self._be_demand(node, models)
-        job = Job(model, batch_size, cls == RequestClass.RT, self.mem(model, batch_size, models))
-        chosen = self.chooser.choose(job, slots_of(parts, running), eligible, be_mem, be_models)
-        return next((i for i in idle if where.get(i) == chosen), None)
+        due = next((v.rt_due for v in node if v.model == model), None) if cls == RequestClass.RT else None
+        job = Job(model, batch_size, cls == RequestClass.RT, self.mem(model, batch_size, models), due=due)
+        now = self.clock()
+        plan = self.chooser.place(job, self._slots(node, models), eligible, be_mem, be_models, now,
+                                  placed=set(where.values()) & ids)
+        if plan.until is not None:
+            log.debug("model %s: strict batch of %d waits for partition %s until %+.3f s (run now: %.3f s, "
+                      "wait: %.3f s)", model, batch_size, plan.wait_for, plan.until - now, plan.run_now_s,
+                      plan.wait_s)
+            self._wake(model, plan.until - now)
+        return next((i for i in idle if where.get(i) == plan.slot), None)
+
+    def _slots(self, node: Sequence[InstanceView], models: Mapping[str, PartitionedModel]) -> list[Slot]:
+        """Algorithm 1's view of the partitions: each with the batches running on it, from when."""
+        ids = {p.id for p in self._parts}
+        running = [(v.partition, Job(v.model, v.running_count, v.running_cls == RequestClass.RT,
+                                     self.mem(v.model, v.running_count, models), started=v.started))
+                   for v in node if v.running_cls is not None and v.partition in ids]
+        return slots_of(self._parts, running)
+
+    def _wake(self, model: str, delay: float) -> None:
+        """Decide ``model``'s waiting strict batch again after ``delay`` s even if nothing ends
+        meanwhile (an end kicks it sooner: the coordinator)."""
+        if self._loop is None:  # not started: nothing runs, so nothing waits
+            return
+        old = self._wakes.pop(model, None)
+        if old is not None:
+            old.cancel()
+        self._wakes[model] = self._loop.call_later(max(0.0, delay), self._kick, model)
+
+    def _kick(self, model: str) -> None:
+        self._wakes.pop(model, None)
+        for m in self.models():
+            if m.name == model:
+                m.kick()
 
     def partition_of(self, model: str, instance: int) -> int:
         """The node partition ``model``'s ``instance`` sits on (-1: not placed)."""
@@ -245,6 +280,7 @@ class PartitionManager:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start ticking on ``loop``: the autoscaler, and the geometry controller when it runs."""
+        self._loop = loop
         self._every(loop, self.config.partition_autoscale_s, self._autoscale)
         if self.controller is not None:
             self._every(loop, self.settings.monitor_interval_s, self._monitor)
@@ -260,9 +296,10 @@ class PartitionManager:
 
     async def stop(self) -> None:
         """Stop ticking; a change under way is cancelled (the applier leaves what serves serving)."""
-        for t in self._timers:
+        for t in [*self._timers, *self._wakes.values()]:
             t.cancel()
         self._timers.clear()
+        self._wakes.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -401,12 +438,9 @@ class PartitionManager:
         node = self.view()
         models = {m.name: m for m in self.models()}
         parts = self._parts
-        ids = {p.id for p in parts}
-        running = [(v.partition, Job(v.model, v.running_count, v.running_cls == RequestClass.RT,
-                                     self.mem(v.model, v.running_count, models)))
-                   for v in node if v.running_cls is not None and v.partition in ids]
         be_mem, _ = self._be_demand(node, models)
-        tags = self.chooser.tags(slots_of(parts, running), be_mem)
+        tags = self.chooser.tags(self._slots(node, models), be_mem)
+        distributor = self.chooser.distributor
         on: dict[int, dict[str, list[int]]] = {p.id: {} for p in parts}
         for model, insts in self.resources.placement().items():
             for i, q in insts.items():
@@ -423,5 +457,7 @@ class PartitionManager:
             "controller": controller, "cold_starts": dict(self.cold_starts),
             "cold_starts_asked": dict(self.autoscaler.cold_starts),
             "keep_alive_s": self.autoscaler.keep_alive_s,
+            "wait_for_free": distributor is not None and distributor.wait_for_free,
+            "waiting_for": distributor.held(self.clock()) if distributor is not None else {},
             "changes": list(self.changes), "now": self.clock(),
         }

@@ -548,6 +548,10 @@ class PartitionedModel(Protocol):
         """As many instances as serve now, on ``partitions`` (``NodePartition``s of a new
         geometry); takes the model's places on them from the ``ResourceManager``."""
 
+    def kick(self) -> None:
+        """Run a scheduling pass soon (a strict batch waiting for a partition is due to be
+        decided again)."""
+
 
 class PartitionControl(Protocol):
     """The node's partitions as management reads and changes them (``GET``/``POST /v2/partitions``)."""

@@ -972,6 +972,7 @@ class ModelRuntime:
     def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
         rt_waiting = self.sched.waiting(RequestClass.RT)
         oldest = self.sched.oldest_waiting()
+        rt_due = self.sched.next_rt_due()
         out = []
         for i, st in self.sched.instances.items():
             b = st.running
@@ -984,6 +985,7 @@ class ModelRuntime:
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
+                started=began, rt_due=rt_due,
             ))
         return out
 

@@ -181,3 +181,56 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
         assert {p.request.partition for p in server.resources.partitions("gate")} == set(now)
 
     run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
+def test_protean_holds_a_strict_batch_for_its_busy_partition_rather_than_run_it_beside_best_effort(tmp_path):
+    from splitserve.placement.profiler import machine_id
+    from splitserve.protocol.header import RequestClass
+    from splitserve.registry import Registry
+
+    repo, cache, gates = gate_repo(tmp_path, ("be", 'default_class = "be"\nmax_batch_size = 1'),
+                                   ("rt", 'default_class = "rt"\nmax_batch_size = 1'))
+    data = tmp_path / "data"
+    # Stored profiles: rt takes 100 s alone on a core (FBR 0.5), be has FBR 5 and no solo time.
+    # A second rt batch beside a BE batch is predicted at 550 s; waiting for the rt batch that
+    # just started elsewhere, at about 200 s: it waits, for minutes, so only that end ends it.
+    reg = Registry(data)
+    try:
+        fit = {"fbr": {"rt@1": 0.5, "be@1": 5.0}, "unidentified": [], "residuals": {}, "equations": 2}
+        reg.save_profile("rt", machine_id(), "latency", {"model": "rt", "table": {"1,1": 100.0, "2,1": 100.0}})
+        for m in ("rt", "be"):
+            reg.save_profile(m, machine_id(), "fbr", fit)
+    finally:
+        reg.close()
+    cfg = quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
+                       preemption="concurrent", load=("be", "rt"))
+
+    async def scenario(server):
+        def on(model: str) -> set[int]:
+            rt = server.runtime(model)
+            return {server.resources.placed(model, i).partition for i, st in rt.sched.instances.items() if st.running}
+
+        gates.close(1)
+        gates.close(2)
+        be1 = asyncio.ensure_future(server.infer("be", key(1)))
+        await until(lambda: gates.held(1))
+        rt1 = asyncio.ensure_future(server.infer("rt", key(2)))
+        await until(lambda: gates.held(2))
+        (be_part,), (rt_part,) = on("be"), on("rt")
+        assert be_part != rt_part
+        rt2 = asyncio.ensure_future(server.infer("rt", key(3)))
+        await until(lambda: server.management.partition_status()["waiting_for"] == {"rt": rt_part})
+        # best effort arriving meanwhile does not take the partition the strict batch waits for
+        be2 = asyncio.ensure_future(server.infer("be", key(4)))
+        await until(lambda: server.runtime("be").sched.waiting(RequestClass.BE) == 1 or len(on("be")) == 2)
+        assert on("be") == {be_part} and not rt2.done()
+        gates.open(2)  # the rt batch ends: the waiting one runs on its partition, alone
+        assert [o.outputs[0].tolist() for o in await asyncio.gather(rt1, rt2)] == [[[2]], [[3]]]
+        gates.open(1)
+        await asyncio.gather(be1, be2)
+        starts = [e for e in server.coordinator.events if e.kind == "start"]
+        assert [e.partition for e in starts if e.model == "rt"] == [rt_part, rt_part]
+        second_rt = [e for e in starts if e.model == "rt"][1]
+        assert all(e.t >= second_rt.t for e in starts if e.model == "be" and e.partition == rt_part)
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))

@@ -172,15 +172,15 @@ def test_largest_puts_rt_on_the_largest_partition_only_and_be_on_the_others():
     slots = [Slot(1, 4, 8 * GB), Slot(2, 2, 4 * GB), Slot(3, 1, 2 * GB)]
     largest = BatchChooser(StrictPlacement.LARGEST, None)
     rt, be = Job("s", 1, True, GB), Job("b", 1, False, GB)
-    assert largest.choose(rt, slots, {1, 2, 3}, 0) == 1
-    assert largest.choose(rt, slots, {2, 3}, 0) is None  # it waits for the largest one
-    assert largest.choose(be, slots, {1, 2, 3}, 0) == 3
+    assert largest.place(rt, slots, {1, 2, 3}, 0).slot == 1
+    assert largest.place(rt, slots, {2, 3}, 0).slot is None  # it waits for the largest one
+    assert largest.place(be, slots, {1, 2, 3}, 0).slot == 3
     full = [slots[0], Slot(2, 2, 4 * GB, (be,) * 4), Slot(3, 1, 2 * GB, (be,) * 2)]
-    assert largest.choose(be, full, {1, 2, 3}, 0) is None  # never onto the largest
+    assert largest.place(be, full, {1, 2, 3}, 0).slot is None  # never onto the largest
     balanced = BatchChooser(StrictPlacement.BALANCED, None)
     crowded = [Slot(1, 4, 8 * GB, (be,) * 7), slots[1], slots[2]]
-    assert balanced.choose(rt, crowded, {1, 2, 3}, 0) == 2  # the most free memory, whatever the class
-    assert balanced.choose(be, crowded, {1, 3}, 0) == 3
+    assert balanced.place(rt, crowded, {1, 2, 3}, 0).slot == 2  # the most free memory, whatever the class
+    assert balanced.place(be, crowded, {1, 3}, 0).slot == 3
     with pytest.raises(InvalidInput):
         BatchChooser(StrictPlacement.ETA, None)
 
@@ -192,7 +192,7 @@ def test_eta_keeps_rt_off_a_partition_be_work_has_taken():
     slots = [Slot(1, 1, int(1.5 * GB), (be,)), Slot(2, 1, int(1.5 * GB), (be,))]
     # two BE batches: the first (smallest) partition is tagged 1, the second 1/3
     assert eta.tags(slots, 2 * GB) == {1: 1.0, 2: pytest.approx(1 / 3)}
-    assert eta.choose(Job("s", 1, True, GB), slots, {1, 2}, 2 * GB, ["b"]) == 2
+    assert eta.place(Job("s", 1, True, GB), slots, {1, 2}, 2 * GB, ["b"]).slot == 2
 
 
 def test_the_scheduler_asks_pick_which_idle_instance_takes_each_batch():
@@ -228,11 +228,13 @@ class Model:
             self.partition[i] = p
         self.footprint = MemoryFootprint(0, footprint, True)
         self.resized: list[int] = []
+        self.kicks = 0
 
     def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
         return [InstanceView(self.name, i, frozenset(), st.ready, st.running.cls if st.running else None,
                              st.running.batch_id if st.running else 0, partition=self.partition[i],
-                             running_count=st.running.count if st.running else 0)
+                             running_count=st.running.count if st.running else 0,
+                             started=st.running.started if st.running else None, rt_due=self.sched.next_rt_due())
                 for i, st in self.sched.instances.items()]
 
     def rt_waiting(self) -> int:
@@ -241,7 +243,8 @@ class Model:
     def start_batches(self, now: float, classes: Sequence[RequestClass], may_start: Any, pick: Any = None) -> list:
         return self.sched.schedule(now, tuple(classes), may_start, pick)
 
-    def kick(self) -> None: ...
+    def kick(self) -> None:
+        self.kicks += 1
 
     def pad(self, deadlines: Mapping[int, float]) -> None: ...
 
@@ -312,6 +315,59 @@ def test_the_coordinator_places_rt_batches_where_be_demand_leaves_room():
     coord.started(models["rt"], rt)
     assert models["rt"].partition[rt.instance] == p2
     assert [(e.model, e.partition) for e in coord.events] == [("be", p1), ("be", p2), ("rt", p2)]
+
+
+class Profiles:
+    """Stored profiles: strict "s" takes 0.1 s alone on one core (FBR 0.5); BE "b" has only an FBR."""
+
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        return 0.1 if model == "s" else None
+
+    def fbr(self, model: str) -> float | None:
+        return {"s": 0.5, "b": 1.5}.get(model)
+
+    def footprint(self, model: str, batch: int) -> int | None:
+        return GB // 4
+
+    def forget(self, model: str | None = None) -> None: ...
+
+
+def test_a_strict_batch_waits_for_its_partition_to_free_ahead_of_be_and_runs_there_when_it_ends():
+    models: dict[str, Model] = {}
+    clock = [0.0]
+    holder: dict[str, Coordinator] = {}
+    cfg = ServerConfig(partitioning="protean", geometry="1,1", preemption="concurrent")
+    pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
+                          lambda: holder["c"].view(), Metrics(), 4 * GB, profiles=Profiles(), clock=lambda: clock[0])
+    coord = holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm,
+                                      partition_of=lambda m, i: models[m].partition[i], clock=lambda: clock[0])
+    p1, p2 = (p.id for p in pm.current())
+    s = models["s"] = Model("s", [p1, p2])
+    b = models["b"] = Model("b", [p1, p2])
+    # BE takes the first partition; the strict batch goes to the free one (η 1 against 2)
+    b.enqueue(BE, 0)
+    (be,) = coord.schedule(b, 0.0)
+    s.enqueue(RT, 0)
+    (first,) = coord.schedule(s, 0.0)
+    for model, batch in ((b, be), (s, first)):
+        coord.started(model, batch)
+    assert (b.partition[be.instance], s.partition[first.instance]) == (p1, p2)
+    # at 0.08 the next strict batch could run now beside BE (0.2 s, done at 0.28) or wait for
+    # p2 (free at 0.1, done at 0.2): it waits, and BE work arriving meanwhile does not take p2
+    clock[0] = 0.08
+    s.enqueue(RT, 1)
+    assert coord.schedule(s, 0.08) == []
+    assert pm.snapshot()["waiting_for"] == {"s": p2} and pm.snapshot()["wait_for_free"]
+    b.enqueue(BE, 1)
+    assert coord.schedule(b, 0.08) == []
+    # the strict batch on p2 ends: every model is asked again, and the waiting one runs on p2
+    clock[0] = 0.1
+    kicks = s.kicks
+    s.sched.complete(first.instance, first.batch_id)
+    coord.finished(s, first.instance, first, ok=True)
+    assert s.kicks > kicks
+    (second,) = coord.schedule(s, 0.1)
+    assert s.partition[second.instance] == p2 and pm.snapshot()["waiting_for"] == {}
 
 
 def test_an_operators_geometry_change_moves_every_placed_model_and_gives_the_old_partitions_back():

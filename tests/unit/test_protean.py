@@ -22,6 +22,7 @@ from splitserve.placement.protean import (
     GeometryController,
     Job,
     JobDistributor,
+    Placement,
     ProteanSettings,
     Slot,
     carve,
@@ -130,6 +131,104 @@ def test_strict_ties_go_to_the_larger_partition() -> None:
     model = SlowdownModel(lambda m, c, b: None, {"s": 0.2}, whole_cores=7)  # RDF 1 everywhere
     slots = [Slot(0, 1, 5 * GB), Slot(1, 4, 20 * GB), Slot(2, 2, 10 * GB)]
     assert JobDistributor(model).choose(Job("s", 8, True, GB), slots, {}, {0, 1, 2}) == 1
+
+
+# --------------------------------------------------------------------------- wait-for-free
+# Two 1-core partitions. The strict model "s" takes 0.1 s alone on one core (FBR 0.5, so alone
+# it runs at its solo time); BE "b" (FBR 1.5) and "light" (FBR 1.0) have no solo profile, so
+# nothing predicts when their batches end. Slot 0 runs a strict batch (the only instance of
+# "s" there is busy); slot 1 runs BE, so "s" can run now only on slot 1, beside it.
+
+
+def _waiting(fbr_b: float = 1.5, profiled: bool = True, on: bool = True) -> JobDistributor:
+    solo = (lambda m, c, b: 0.1 if m == "s" else None) if profiled else (lambda m, c, b: None)
+    return JobDistributor(SlowdownModel(solo, {"s": 0.5, "b": fbr_b}, whole_cores=2), wait_for_free=on)
+
+
+def _node(started: float, be: str = "b") -> list[Slot]:
+    return [Slot(0, 1, 10 * GB, (Job("s", 4, True, GB, started=started),)),
+            Slot(1, 1, 10 * GB, (Job(be, 4, False, GB, started=9.0),))]
+
+
+STRICT = Job("s", 4, True, GB)
+
+
+def test_a_strict_batch_waits_for_a_partition_predicted_free_sooner_than_a_co_run_ends() -> None:
+    dist = _waiting()
+    # running now beside "b": 0.1 × (0.5 + 1.5) = 0.2 s; slot 0 frees at 9.92 + 0.1 = 10.02,
+    # then 0.1 s alone: done at 10.12, before 10.2. Waiting pays until 10.2 - 0.1 = 10.1.
+    plan = dist.place(STRICT, _node(started=9.92), {}, {1}, now=10.0)
+    assert plan == Placement(None, wait_for=0, until=pytest.approx(10.1), run_now_s=pytest.approx(0.2),
+                             wait_s=pytest.approx(0.12))
+    # BE work keeps off the partition it waits for: first fit would have taken slot 0
+    assert dist.place(Job("b", 4, False, GB), _node(started=9.92), {}, {0, 1}, now=10.01).slot == 1
+    assert dist.held(10.01) == {"s": 0}
+    # slot 0 is free: the strict batch runs there, alone, and BE may use it again
+    freed = [Slot(0, 1, 10 * GB), _node(9.92)[1]]
+    assert dist.place(STRICT, freed, {}, {0, 1}, now=10.03) == Placement(0, run_now_s=pytest.approx(0.1))
+    assert dist.held(10.03) == {}
+    assert dist.place(Job("b", 4, False, GB), freed, {}, {0, 1}, now=10.03).slot == 0
+
+
+def test_a_strict_batch_runs_now_when_waiting_is_predicted_to_end_later() -> None:
+    # beside "light" now: 0.1 × (0.5 + 1.0) = 0.15 s; slot 0's batch just started: 0.1 + 0.1 = 0.2 s
+    plan = _waiting(fbr_b=1.0).place(STRICT, _node(started=10.0, be="b"), {}, {1}, now=10.0)
+    assert plan.slot == 1 and plan.until is None and plan.wait_s == pytest.approx(0.2)
+
+
+def test_a_strict_batch_never_waits_past_its_slo() -> None:
+    dist = _waiting()
+    # the wait would end at 10.12, after its SLO: it runs now, beside "b"
+    assert dist.place(replace(STRICT, due=10.11), _node(9.92), {}, {1}, now=10.0).slot == 1
+    assert dist.held(10.0) == {}
+    # an SLO at 10.15 leaves room to wait, but only until 10.15 - 0.1 = 10.05
+    plan = dist.place(replace(STRICT, due=10.15), _node(9.92), {}, {1}, now=10.0)
+    assert plan.wait_for == 0 and plan.until == pytest.approx(10.05)
+    # decided again then, slot 0's batch still running (0.03 s late, so 0.03 s more expected):
+    # 10.08 + 0.1 is past the SLO, so it runs now
+    assert dist.place(replace(STRICT, due=10.15), _node(9.92), {}, {1}, now=10.05).slot == 1
+
+
+def test_a_wait_on_a_late_batch_ends_by_itself() -> None:
+    dist = _waiting()
+    now, waits = 10.0, 0
+    while (plan := dist.place(STRICT, _node(9.92), {}, {1}, now=now)).slot is None:
+        assert plan.until is not None and plan.until > now
+        now, waits = plan.until, waits + 1  # the batch on slot 0 never ends; nothing else does
+    assert plan.slot == 1 and waits == 2
+    assert now - 10.0 <= 2 * (0.2 - 0.1) + 1e-9  # at most twice what the co-run would have cost
+
+
+def test_a_strict_batch_running_alone_is_predicted_to_end_at_its_solo_time_whatever_its_fbr() -> None:
+    # resnet152's fitted FBR on one core is 1.41: beside a BE batch of FBR 0.72 it is predicted
+    # at 0.1 × 2.13 = 0.213 s, and the strict batch alone on slot 0 ends at its solo time, so
+    # waiting (0.1 + 0.1 s) wins; max{1.41, 1} for a batch alone would have predicted 0.28 s
+    dist = JobDistributor(SlowdownModel(lambda m, c, b: 0.1 if m == "s" else None, {"s": 1.41, "b": 0.72},
+                                        whole_cores=2), wait_for_free=True)
+    plan = dist.place(STRICT, _node(started=10.0), {}, {1}, now=10.0)
+    assert plan.wait_for == 0 and plan.wait_s == pytest.approx(0.2) and plan.run_now_s == pytest.approx(0.213)
+
+
+@given(st.floats(9.5, 10.0), st.floats(10.0, 11.0), st.floats(10.0, 10.5))
+def test_a_waiting_strict_batch_is_predicted_to_finish_sooner_and_by_its_slo(started: float, due: float,
+                                                                           now: float) -> None:
+    plan = _waiting().place(replace(STRICT, due=due), _node(min(started, now)), {}, {1}, now=now)
+    if plan.slot is None:
+        assert plan.until is not None and now < plan.until <= due - 0.1 + 1e-9
+        assert plan.wait_s is not None and plan.run_now_s is not None and plan.wait_s < plan.run_now_s
+        assert now + plan.wait_s <= due + 1e-9
+    else:
+        assert plan.slot == 1
+
+
+def test_without_a_prediction_or_with_the_setting_off_the_choice_is_todays() -> None:
+    for dist in (_waiting(profiled=False), _waiting(on=False)):
+        plan = dist.place(STRICT, _node(9.92), {}, {1}, now=10.0)
+        assert plan.slot == dist.choose(STRICT, _node(9.92), {}, {1}) == 1
+        assert plan.wait_for is None and dist.held(10.0) == {}
+    # a partition whose running batch has no solo profile is never waited for
+    unknown = [Slot(0, 1, 10 * GB, (Job("b", 4, False, GB, started=9.99),)), _node(9.92)[1]]
+    assert _waiting().place(STRICT, unknown, {}, {1}, now=10.0) == Placement(1, run_now_s=pytest.approx(0.2))
 
 
 # --------------------------------------------------------------------------- geometries

@@ -53,6 +53,14 @@ def test_slowdown_model_rdf_eta_and_prediction() -> None:
     assert m.eta("s", 8, 4, ["zz"]) == pytest.approx(1.5 * 1.2)
 
 
+def test_a_job_alone_is_predicted_at_its_solo_time_whatever_its_fbr() -> None:
+    # a CPU core time-slices, so fitted FBRs above 1 happen (resnet152 1.41 on one core): Eq. 1's
+    # max{FBR, 1} would have a job alone run 1.4x slower than its own solo measurement
+    m = _model(s=1.4, b=0.7)
+    assert m.predict("s", 8, 4, []) == pytest.approx(0.15)
+    assert m.predict("s", 8, 4, ["b"]) == pytest.approx(0.15 * 2.1)
+
+
 def _synthetic_runs(truth: dict[str, float], noise: float, seed: int) -> list[Colocation]:
     """Every pair (self-pairs included) and triple, each member's slowdown from Eq. 1 times
     a uniform ±noise factor drawn per member."""

@@ -1,7 +1,7 @@
 """protean: PROTEAN's evaluation on one node (PROTEAN §5-6, Fig. 5/6/8/11/13/15, §4.2).
 
 Every scheme (``protean``, ``naive``, ``colocate``, ``timeshare``, ``smart-static``,
-``protean-no-keepalive``) is a set of ``ServerConfig`` overrides (``schemes.SCHEMES``) on a
+``protean-no-keepalive``, ``protean-no-wait``) is a set of ``ServerConfig`` overrides (``schemes.SCHEMES``) on a
 server of its own, and every server gets the identical arrival list: a Wikipedia-like
 (peak:mean 316:303) or Twitter-like (4561:2969) trace, or a CSV file, with half the requests
 strict (``rt``) for one model and half best-effort for a model that switches every
@@ -15,7 +15,8 @@ Compliance is computed from end-to-end latency measured from each request's arri
 the trace (client queueing counts) and cross-checked with the server's
 ``splitserve_slo_requests_total``. ``scenario=crowded`` sends more strict work than one
 partition serves, so smart-static's largest partition is crowded, and compares ``protean``
-with ``smart-static`` (the η ablation).
+with ``smart-static`` (the η ablation) and with ``protean-no-wait`` (Algorithm 1 without
+splitserve's wait-for-free).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ class Params(BaseParams):
         """The parameters the chosen ``scenario`` runs with: crowded defaults to mostly strict
         load (strict_share 0.75) at 0.6 of capacity, more strict work than one partition
         serves, so smart-static's largest partition is crowded (by strict batches: on a node
-        of equal partitions best effort never shares it), and protean vs smart-static (what
-        was not set)."""
+        of equal partitions best effort never shares it), and protean vs smart-static and
+        protean-no-wait (what was not set)."""
         if self.scenario != "crowded":
             return self
         import dataclasses
@@ -115,7 +116,7 @@ class Params(BaseParams):
         if self.load == default.load:
             change["load"] = 0.6
         if self.schemes in (default.schemes, Params.quick().schemes):
-            change["schemes"] = ("protean", "smart-static")
+            change["schemes"] = ("protean", "smart-static", "protean-no-wait")
         return dataclasses.replace(self, **change)
 
 

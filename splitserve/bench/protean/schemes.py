@@ -27,6 +27,8 @@ SCHEMES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
                                       "preemption": "concurrent"}),
     # PROTEAN with immediate scale-down: the cold-start comparison of §4.2
     "protean-no-keepalive": MappingProxyType({"partitioning": "protean", "protean_keep_alive_s": 0}),
+    # PROTEAN without splitserve's wait-for-free (Algorithm 1 as the paper has it): its ablation
+    "protean-no-wait": MappingProxyType({"partitioning": "protean", "protean_wait_for_free": False}),
 })
 
 # The scheme every other one is set against in the ratios (violations, p99, queue share).
@@ -85,6 +87,8 @@ def settings_problems(scheme: str, overrides: Mapping[str, Any], partitions: Any
             "preemption": (events.get("mode"), want.preemption.value),
             "class_order": (events.get("class_order"), want.class_order.value),
             "protean_keep_alive_s": (partitions.get("keep_alive_s"), want.protean_keep_alive_s)}
+    if placement == "eta":
+        seen["protean_wait_for_free"] = (partitions.get("wait_for_free"), want.protean_wait_for_free)
     out += [f"{scheme}: {name} is {got!r}, not {wanted!r}" for name, (got, wanted) in seen.items() if got != wanted]
     parts = partitions.get("partitions") or []
     cores = sorted((len(p["cpus"]) for p in parts), reverse=True)
