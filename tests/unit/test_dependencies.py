@@ -24,6 +24,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # the Ray half of cluster mode: imported only by `splitserve cluster` and Ray's own processes
 RAY_HALF = [PACKAGE / "cluster" / f for f in ("raycompat.py", "provider.py", "node_server.py", "controller.py",
                                               "ingress.py", "local.py", "cli.py")]
+# benchmarks of a live Ray cluster: they need the cluster extra besides the bench one
+CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py"]
 
 
 def _norm(name: str) -> str:
@@ -80,7 +82,8 @@ def test_the_ray_half_imports_only_core_and_cluster_dependencies() -> None:
 
 def test_the_benchmarks_import_only_core_and_bench_dependencies() -> None:
     allowed = _declared(PROJECT["dependencies"]) | _declared(PROJECT["optional-dependencies"]["bench"])
-    assert _undeclared([f for f in BENCH.rglob("*.py") if f not in PEER_SCRIPTS], allowed) == {}
+    assert _undeclared([f for f in BENCH.rglob("*.py") if f not in PEER_SCRIPTS + CLUSTER_BENCH], allowed) == {}
+    assert _undeclared(CLUSTER_BENCH, allowed | _declared(PROJECT["optional-dependencies"]["cluster"])) == {}
 
 
 def test_the_peers_server_scripts_import_their_peer_and_never_splitserve() -> None:

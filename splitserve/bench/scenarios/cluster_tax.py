@@ -95,7 +95,11 @@ def _alternate(gw: Any, direct: Any, model: str, arg: Any, n: int, warmup: int) 
 
 
 def run(ctx: Context) -> ScenarioOutput:
-    import ray
+    try:
+        import ray
+    except ImportError as e:
+        raise RuntimeError("bench cluster-tax runs a local Ray cluster: install the cluster extra "
+                           "(pip install -e '.[cluster]', which scripts/setup.sh does)") from e
 
     from splitserve.bench.inputs import as_call_arg, make_inputs
     from splitserve.bench.transports import close_sync, open_sync
