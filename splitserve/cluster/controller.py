@@ -291,7 +291,7 @@ class Controller:
         try:
             n.endpoint = await starting
             specs = [s for s in self.registry.specs.values() if s is not None]
-            await n.server.ensure_models.remote(specs)
+            await n.server.ensure_models.remote(specs, tuple(sorted(self.registry.ids)))
         except (ray.exceptions.RayError, SplitServeError) as e:
             log.warning("node %s did not start its server: %s", n.node_id[:12], e)
             order, n.order = n.order, None

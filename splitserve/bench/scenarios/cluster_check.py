@@ -293,11 +293,15 @@ def run(ctx: Context) -> ScenarioOutput:
     slo_s = p.slo_ms / 1e3
     real = _real_run(ctx, p, times, strict)
     real_side, start, launch_s = _real_side(real, slo_s)
+    t0 = min(r["requested_at"] for r in real["status"]["bill"])
     ok = [s.latency for s in real["result"].samples if s.ok]
     answer_s = float(np.median(ok)) if ok else 1e-3
     batch = 8
     work = Workload(times.tolist(), strict, batch, [answer_s] * batch, slo_s)
     cfg = p.cluster(spot_launch_s=launch_s, on_demand_launch_s=launch_s)
+    # the real trace starts once the first node serves (LocalCluster.start waits for it); the
+    # simulator's first node serves after the mean launch time, which may be the later of the two
+    start = max(start, launch_s)
     sim_side, sim_raw = _sim_side(cfg, work, p.seed, start)
     ref_side, _ = _sim_side(dataclasses.replace(cfg, procurement=ProcurementPolicy.ON_DEMAND_ONLY), work, p.seed,
                             start)
@@ -319,6 +323,10 @@ def run(ctx: Context) -> ScenarioOutput:
         "bill": {"sim": [dataclasses.asdict(r) | {"market": str(r.market)} for r in sim_side.bill.records()],
                  "real": [dataclasses.asdict(r) | {"market": str(r.market)} for r in real_side.bill.records()]},
         "gateway": {k: real["gateway"].get(k) for k in ("delivered", "resent", "dropped", "answers_by_node")},
+        # (seconds on the run's clock, latency ms or the error): where the real run missed
+        "real_strict_misses": [(round(real["result"].origin - t0 + s.scheduled, 2),
+                                round(s.latency * 1e3, 1) if s.ok else s.error)
+                               for s in real["result"].samples if s.cls == "rt" and not (s.ok and s.latency <= slo_s)],
     }
     if real["result"].generator_bottleneck:
         ctx.notes.append(f"load generator: {real['result'].bottleneck_reason}")
