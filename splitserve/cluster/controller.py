@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -104,8 +103,7 @@ class Controller:
         self.cost = CostLedger()
         self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
-        self.revocation = RevocationEmulator(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s,
-                                             cfg.notice_max_s, random.Random(cfg.revocation_seed), clock())
+        self.revocation = RevocationEmulator.of(cfg, clock())
         self._routes = Routes(0)
         self._changed = asyncio.Event()
         self._gateway: dict[str, Any] = {}
@@ -185,6 +183,8 @@ class Controller:
             "cost": self.cost.summary(now),
             "bill": self.cost.to_list(),
             "fallbacks": self.procurement.fallbacks,
+            "revocations": {"notices": self.revocation.notices, "spot_requests": self.revocation.spot_requests,
+                            "spot_failures": self.revocation.spot_failures},
         }
 
     async def stop_all(self) -> None:
@@ -291,7 +291,7 @@ class Controller:
         try:
             n.endpoint = await starting
             specs = [s for s in self.registry.specs.values() if s is not None]
-            await n.server.ensure_models.remote(specs)
+            await n.server.ensure_models.remote(specs, tuple(sorted(self.registry.ids)))
         except (ray.exceptions.RayError, SplitServeError) as e:
             log.warning("node %s did not start its server: %s", n.node_id[:12], e)
             order, n.order = n.order, None

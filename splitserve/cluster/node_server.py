@@ -122,8 +122,10 @@ class NodeServer:
     def endpoint(self) -> NodeEndpoint:
         return self._endpoint
 
-    def ensure_models(self, specs: list[ModelSpec]) -> list[str]:
-        """Register the models this node lacks (idempotent); returns the names it serves."""
+    def ensure_models(self, specs: list[ModelSpec], warm: tuple[str, ...] = ()) -> list[str]:
+        """Register the models this node lacks (idempotent), then load ``warm`` (each waits until
+        ready): a node joins the routes with its models warm, or the traffic a replacement takes
+        over from a doomed node pays every model's cold start. Returns the names it serves."""
         url = f"http://{self._endpoint.host}:{self._endpoint.http_port}"
         auth = {"Authorization": f"Bearer {self.spec.token}"}
         with httpx.Client(base_url=url, headers=auth, timeout=self.spec.start_timeout_s) as http:
@@ -139,6 +141,10 @@ class NodeServer:
                 if r.status_code != 200 and "already exists" not in r.text:
                     raise _http_error(r)
                 self._registered.add(spec.name)
+            for name in warm:
+                r = http.post(f"/v2/repository/models/{name}/load")
+                if r.status_code != 200:
+                    raise _http_error(r)
         return sorted(self._registered)
 
     def stats(self) -> dict:

@@ -20,8 +20,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from splitserve.config import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ class RevocationEmulator:
         self.notices = 0
         self.spot_requests = 0
         self.spot_failures = 0
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig, start: float = 0.0) -> RevocationEmulator:
+        """The emulator ``cfg`` describes, drawing from ``random.Random(cfg.revocation_seed)``.
+        The simulator and the controller both build theirs here: one seed must give both the
+        same schedule, or a simulated run cannot be checked against a real one."""
+        return cls(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s, cfg.notice_max_s,
+                   random.Random(cfg.revocation_seed), start)
 
     @property
     def next_at(self) -> float:

@@ -108,9 +108,8 @@ class ClusterSim:
         self.autoscaler = ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target,
                                             cfg.keep_alive_s)
         self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
-        # its own stream: the eviction schedule does not depend on how dispatch drew
-        self.revocation = RevocationEmulator(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s,
-                                             cfg.notice_max_s, random.Random(f"{cfg.revocation_seed}:{seed}"))
+        # its own stream, the controller's: the eviction schedule does not depend on how dispatch drew
+        self.revocation = RevocationEmulator.of(cfg)
         self.cost = CostLedger()
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
@@ -123,6 +122,7 @@ class ClusterSim:
         self._tally = _Tally()
         self.requeued = 0
         self.notices: list[Notice] = []
+        self.timeline: list[tuple[float, int, int]] = []  # (t, serving, billed) at each tick that changed them
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -328,6 +328,9 @@ class ClusterSim:
         self._reconcile()
         self._act(self.procurement.tick(self.now))
         self._push(self.cfg.autoscale_interval_s, "tick", None)
+        counts = (sum(n.state is NodeState.ACTIVE for n in self._nodes.values()), len(self._nodes))
+        if not self.timeline or self.timeline[-1][1:] != counts:
+            self.timeline.append((self.now, *counts))
 
     def _staying(self) -> list[_Node]:
         """ACTIVE nodes without an eviction notice: the ones the cluster can count on."""
@@ -371,6 +374,8 @@ class ClusterSim:
             "be": {"requests": len(t.be_latency) + t.be_errors, "errors": t.be_errors, "p99_ms": p99(t.be_latency)},
             "evictions": sum(1 for r in self.cost.records() if r.evicted),
             "notices": len(self.notices),
+            "notice_times": [(n.at, n.deadline) for n in self.notices],
+            "nodes_over_time": self.timeline,
             "fallbacks": self.procurement.fallbacks,
             "spot_requests": self.revocation.spot_requests,
             "spot_failures": self.revocation.spot_failures,

@@ -349,3 +349,27 @@ def test_under_revocations_protean_keeps_its_slo_and_spot_only_does_not_and_noth
     assert pro["lost"] == spot["lost"] == 0
     assert pro["answered"] == spot["answered"] == pro["requests"]
     assert pro["strict"]["compliance"] > 0.97 > spot["strict"]["compliance"]
+
+
+def test_the_simulator_draws_the_controllers_eviction_schedule_from_the_same_seed():
+    """A simulated run is checked against a real one (bench cluster-check) only if one
+    revocation seed gives both the same notices and the same failed spot requests: the
+    controller draws from ``random.Random(revocation_seed)``."""
+    cfg = ClusterConfig(min_nodes=1, max_nodes=1, p_rev=0.3, revocation_interval_s=30.0, notice_min_s=40.0,
+                        notice_max_s=60.0, spot_launch_s=20.0, revocation_seed=7)
+    work = Workload([20.0 + i for i in range(120)], [i % 2 == 0 for i in range(120)], 1, [0.01], 0.1)
+    sim = simulate(cfg, work, seed=3, start=0.0)
+    controller = RevocationEmulator(cfg.p_rev, cfg.revocation_interval_s, cfg.notice_min_s, cfg.notice_max_s,
+                                    random.Random(cfg.revocation_seed))
+    # the controller's draws for the same history: its first spot request, then one spot node live
+    # from 20 s through each interval boundary until a notice (whose replacement asks for spot again)
+    fails = controller.spot_request_fails()
+    assert not fails
+    notices = []
+    for boundary in (30.0, 60.0, 90.0, 120.0):
+        notices = controller.tick(boundary, ["spot-1"])
+        if notices:
+            break
+    assert notices, "seed 7 at P_rev 0.3 must give a notice inside the run"
+    assert [(n.at, n.deadline) for n in notices] == [tuple(x) for x in sim["notice_times"][:1]]
+    assert sim["spot_failures"] == int(controller.spot_request_fails()) + int(fails)

@@ -25,7 +25,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 RAY_HALF = [PACKAGE / "cluster" / f for f in ("raycompat.py", "provider.py", "node_server.py", "controller.py",
                                               "ingress.py", "local.py", "cli.py")]
 # benchmarks of a live Ray cluster: they need the cluster extra besides the bench one
-CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py"]
+CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py", BENCH / "scenarios" / "cluster_check.py"]
 
 
 def _norm(name: str) -> str:

@@ -75,6 +75,10 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("cluster-tax", "The cluster gateway's added latency: lenet over the fast path through the gateway "
                      "vs straight to one node server of the same local Ray cluster, p50 and p99 and their ratios, "
                      "single client and N connections (issue 13).", "splitserve.bench.scenarios.cluster_tax"),
+        ScenarioInfo("cluster-check", "The cluster simulator checked against a real local Ray cluster: one seeded "
+                     "trace of strict and best-effort lenet calls with emulated revocations through both, nodes per "
+                     "market, notices, evictions, lost and answered requests, normalised cost, strict SLO compliance "
+                     "and nodes over time side by side (issue 13).", "splitserve.bench.scenarios.cluster_check"),
     )
 }
 
