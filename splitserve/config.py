@@ -184,6 +184,8 @@ class ServerConfig:
     partition_max_instances: int = 2  # autoscaler's ceiling per model and partition: more only time-slice its cores, at a cold start each
     # -- PROTEAN wait-for-free (p-wait): a strict batch may wait for a partition instead of co-running --
     protean_wait_for_free: bool = True  # strict waits for a busy partition when predicted to end sooner than a co-run (not in the paper)
+    # -- PROTEAN best-effort fit (p-befit): BE keeps off partitions where strict work runs --
+    protean_be_max_wait_s: float = 0.5  # BE waits rather than join a running strict batch, until its oldest request waited this long (0: never; not in the paper)
     # -- fast path at the limit (issue 15) --
     fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
 

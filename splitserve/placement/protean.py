@@ -6,7 +6,9 @@ partitions take.
   sends a strict batch to the partition of least η (Eq. 2) among those not wholly taken by BE
   work, and first-fits a BE batch onto the smallest partition it fits. ``JobDistributor.place``
   adds splitserve's wait-for-free (not in the paper): a strict batch waits for a busy
-  partition when running there once it is free is predicted to end sooner than running now.
+  partition when running there once it is free is predicted to end sooner than running now;
+  and a BE batch keeps off partitions where strict work runs, for a bounded time (also
+  splitserve's: on a CPU core a co-run is time-slicing).
 - Algorithm 2 (GPU reconfigurator, §4.4): ``GeometryController.tick`` forecasts BE demand
   with an EWMA (``BEPredictor``), picks the smallest set of small partitions that holds it,
   falls back to (4g, 3g), and reconfigures a partition group only on its (wait_limit+1)-th
@@ -41,6 +43,8 @@ class Job:
     ``started``: when a running batch started (the decider's clock; None: not running, or
     not known), from which wait-for-free predicts its end. ``due``: the soft SLO deadline of
     a strict batch being placed (its head request's), which bounds how long it may wait.
+    ``arrived``: when the oldest request of a BE batch being placed arrived, which bounds how
+    long it keeps off partitions where strict work runs.
     """
 
     model: str
@@ -49,15 +53,17 @@ class Job:
     mem_bytes: int
     started: float | None = None
     due: float | None = None
+    arrived: float | None = None
 
 
 @dataclass(frozen=True)
 class Placement:
     """``JobDistributor.place``'s answer: the slot the batch runs on now (``slot``), or None
-    when it waits. A strict batch that waits for a busy slot names it (``wait_for``) and the
-    time it must be decided again by even if nothing ends (``until``); ``run_now_s`` and
-    ``wait_s`` are the predicted completions (seconds from now) that decided it, None where
-    there was no prediction."""
+    when it waits. A batch that waits by choice gives the time it must be decided again by
+    even if nothing ends (``until``); a strict one names the busy slot it waits for
+    (``wait_for``), a BE one waits for any slot without strict work. ``run_now_s`` and
+    ``wait_s`` are the predicted completions (seconds from now) that decided a strict wait,
+    None where there was no prediction."""
 
     slot: int | None
     wait_for: int | None = None
@@ -131,7 +137,9 @@ class JobDistributor:
     ``batch_mem(model)``: bytes one batch of a BE model holds (its footprint at its batch
     size), to count the BE batches the tags predict on a partition; None or unknown falls back
     to a running BE batch of that model, else a wholly tagged partition counts as one batch.
-    ``wait_for_free`` turns on ``place``'s waiting (splitserve's addition, see ``place``).
+    ``wait_for_free`` turns on ``place``'s waiting of strict batches and ``be_max_wait_s``
+    (seconds after its oldest request arrived; 0: never) bounds how long a BE batch keeps off
+    partitions where strict work runs (both splitserve's additions, see ``place``).
 
     ``place`` remembers, per model, the slot a waiting strict batch of it waits for, so that
     BE batches keep off that slot until the strict batch runs or its wait ends; ``model`` may
@@ -139,10 +147,11 @@ class JobDistributor:
     """
 
     def __init__(self, model: SlowdownModel, batch_mem: Callable[[str], int | None] | None = None,
-                 wait_for_free: bool = False) -> None:
+                 wait_for_free: bool = False, be_max_wait_s: float = 0.0) -> None:
         self.model = model
         self._batch_mem = batch_mem
         self.wait_for_free = wait_for_free
+        self.be_max_wait_s = be_max_wait_s
         self._holds: dict[str, _Hold] = {}  # model -> the slot its waiting strict batch waits for
 
     def choose(
@@ -199,7 +208,8 @@ class JobDistributor:
         wait rarely beats a co-run; on a CPU core a co-run is time-slicing).
 
         Best effort: ``choose`` over the eligible slots no waiting strict batch waits for, so
-        a strict batch that waits keeps its place ahead of BE work.
+        a strict batch that waits keeps its place ahead of BE work; see ``_place_be`` for
+        how it keeps off slots where strict work runs.
 
         Strict: the predicted completion of running now on ``choose``'s slot (Eq. 1: solo on
         its cores × max{ΣFBR, 1}, the tags' BE batches counted as in ``strict_eta``) against
@@ -217,7 +227,7 @@ class JobDistributor:
         held = self.held(now)
         if not job.strict:
             busy = set(held.values())
-            return Placement(self.choose(job, slots, tags, [i for i in eligible if i not in busy], be_models))
+            return self._place_be(job, slots, tags, [i for i in eligible if i not in busy], now, be_models)
         base = self.choose(job, slots, tags, eligible, be_models)
         if base is None:  # no idle instance: it waits as it did, on what it waited for
             return Placement(None)
@@ -249,6 +259,32 @@ class JobDistributor:
             return Placement(base, run_now_s=run_now, wait_s=done - now)
         self._holds[job.model] = _Hold(s.id, latest)
         return Placement(None, wait_for=s.id, until=latest, run_now_s=run_now, wait_s=done - now)
+
+    def _place_be(self, job: Job, slots: Sequence[Slot], tags: Mapping[int, float], eligible: Collection[int],
+                  now: float, be_models: Sequence[str]) -> Placement:
+        """Where a BE batch runs (splitserve's addition to ⑧, not the paper's): first fit
+        over the eligible slots where no strict batch runs; when that finds none, it waits
+        rather than start beside a running strict batch, until its oldest request has waited
+        ``be_max_wait_s`` (``until``), then takes first fit over them all (Algorithm 1's
+        answer). The paper isolates BE from strict work "whenever possible" (§4.3 L234)
+        through first fit by memory, since on MIG a slice's co-runners run in parallel; on a
+        CPU node the first-fit slot is often out of reach only because its instance of the
+        model is busy, and the next slot's core time-slices with the strict batch there. BE
+        has no latency target, so it may queue. A slot's strict work ending (or the BE
+        batch's own instance freeing) makes the node decide again; without an arrival time,
+        or with ``be_max_wait_s`` 0, it is Algorithm 1's answer."""
+        fit = self.choose(job, slots, tags, eligible, be_models)
+        if fit is None or job.arrived is None or self.be_max_wait_s <= 0:
+            return Placement(fit)
+        by_id = {s.id: s for s in slots}
+        apart = [i for i in eligible if not any(r.strict for r in by_id[i].running)]
+        if fit in apart:
+            return Placement(fit)
+        elsewhere = self.choose(job, slots, tags, apart, be_models)
+        if elsewhere is not None:
+            return Placement(elsewhere)
+        until = job.arrived + self.be_max_wait_s
+        return Placement(fit) if now >= until else Placement(None, until=until)
 
     def _run_s(self, job: Job, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> float | None:
         """Seconds for ``job`` on ``slot`` as it is: Eq. 1 (solo there × max{ΣFBR, 1}) beside
@@ -439,6 +475,9 @@ class ProteanSettings:
     # splitserve's addition to Algorithm 1 (not the paper's): a strict batch may wait for a
     # busy partition predicted to free sooner than a co-run would end (JobDistributor.place).
     wait_for_free: bool = True
+    # splitserve's addition to Algorithm 1 (not the paper's): a BE batch keeps off partitions
+    # where strict work runs until its oldest request has waited this long (0: never waits).
+    be_max_wait_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.monitor_interval_s <= 0:
@@ -455,6 +494,8 @@ class ProteanSettings:
             raise InvalidInput(f"keep_alive_s={self.keep_alive_s}: use 0 (no keep-alive) or more")
         if self.unknown_fbr < 0:
             raise InvalidInput(f"unknown_fbr={self.unknown_fbr}: an FBR is >= 0")
+        if self.be_max_wait_s < 0:
+            raise InvalidInput(f"be_max_wait_s={self.be_max_wait_s}: use 0 (BE never waits for strict work) or more")
 
     def to_dict(self) -> dict[str, Any]:
         """Every value, for benchmark records and logs."""

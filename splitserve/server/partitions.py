@@ -58,7 +58,8 @@ def protean_settings(config: ServerConfig) -> ProteanSettings:
         wait_limit=config.protean_wait_limit, reconfig_fraction=config.protean_reconfig_fraction,
         require_same_target=config.protean_require_same_target, t_low=config.protean_t_low,
         t_high=config.protean_t_high, keep_alive_s=config.protean_keep_alive_s,
-        unknown_fbr=config.protean_unknown_fbr, wait_for_free=config.protean_wait_for_free)
+        unknown_fbr=config.protean_unknown_fbr, wait_for_free=config.protean_wait_for_free,
+        be_max_wait_s=config.protean_be_max_wait_s)
 
 
 class PartitionManager:
@@ -175,7 +176,8 @@ class PartitionManager:
     def _distributor(self) -> JobDistributor | None:
         if self.policy is not StrictPlacement.ETA:
             return None
-        return JobDistributor(self.slowdown, self._batch_mem, wait_for_free=self.settings.wait_for_free)
+        return JobDistributor(self.slowdown, self._batch_mem, wait_for_free=self.settings.wait_for_free,
+                              be_max_wait_s=self.settings.be_max_wait_s)
 
     def _refresh(self) -> None:
         """Look at the FBRs again (a model's FBR can be fitted, or a model registered, while
@@ -235,15 +237,22 @@ class PartitionManager:
             return None
         models = {m.name: m for m in self.models()}
         be_mem, be_models = self._be_demand(node, models)
-        due = next((v.rt_due for v in node if v.model == model), None) if cls == RequestClass.RT else None
-        job = Job(model, batch_size, cls == RequestClass.RT, self.mem(model, batch_size, models), due=due)
+        mine = next((v for v in node if v.model == model), None)
+        strict = cls == RequestClass.RT
+        due = mine.rt_due if mine is not None and strict else None
+        arrived = mine.oldest_waiting if mine is not None and not strict else None
+        job = Job(model, batch_size, strict, self.mem(model, batch_size, models), due=due, arrived=arrived)
         now = self.clock()
         plan = self.chooser.place(job, self._slots(node, models), eligible, be_mem, be_models, now,
                                   placed=set(where.values()) & ids)
         if plan.until is not None:
-            log.debug("model %s: strict batch of %d waits for partition %s until %+.3f s (run now: %.3f s, "
-                      "wait: %.3f s)", model, batch_size, plan.wait_for, plan.until - now, plan.run_now_s,
-                      plan.wait_s)
+            if strict:
+                log.debug("model %s: strict batch of %d waits for partition %s until %+.3f s (run now: %.3f s, "
+                          "wait: %.3f s)", model, batch_size, plan.wait_for, plan.until - now, plan.run_now_s,
+                          plan.wait_s)
+            else:
+                log.debug("model %s: BE batch of %d keeps off partitions with strict work until %+.3f s",
+                          model, batch_size, plan.until - now)
             self._wake(model, plan.until - now)
         return next((i for i in idle if where.get(i) == plan.slot), None)
 
@@ -256,14 +265,19 @@ class PartitionManager:
         return slots_of(self._parts, running)
 
     def _wake(self, model: str, delay: float) -> None:
-        """Decide ``model``'s waiting strict batch again after ``delay`` s even if nothing ends
-        meanwhile (an end kicks it sooner: the coordinator)."""
+        """Decide ``model``'s waiting batch again after ``delay`` s even if nothing ends
+        meanwhile (an end kicks it sooner: the coordinator). An earlier wake already armed is
+        kept: a model with a strict and a BE batch waiting is asked again at the sooner of the
+        two, and that pass arms the other again."""
         if self._loop is None:  # not started: nothing runs, so nothing waits
             return
-        old = self._wakes.pop(model, None)
+        at = self._loop.time() + max(0.0, delay)
+        old = self._wakes.get(model)
         if old is not None:
+            if not old.cancelled() and old.when() <= at:
+                return
             old.cancel()
-        self._wakes[model] = self._loop.call_later(max(0.0, delay), self._kick, model)
+        self._wakes[model] = self._loop.call_at(at, self._kick, model)
 
     def _kick(self, model: str) -> None:
         self._wakes.pop(model, None)
@@ -458,6 +472,7 @@ class PartitionManager:
             "cold_starts_asked": dict(self.autoscaler.cold_starts),
             "keep_alive_s": self.autoscaler.keep_alive_s,
             "wait_for_free": distributor is not None and distributor.wait_for_free,
+            "be_max_wait_s": distributor.be_max_wait_s if distributor is not None else None,
             "waiting_for": distributor.held(self.clock()) if distributor is not None else {},
             "changes": list(self.changes), "now": self.clock(),
         }

@@ -234,7 +234,8 @@ class Model:
         return [InstanceView(self.name, i, frozenset(), st.ready, st.running.cls if st.running else None,
                              st.running.batch_id if st.running else 0, partition=self.partition[i],
                              running_count=st.running.count if st.running else 0,
-                             started=st.running.started if st.running else None, rt_due=self.sched.next_rt_due())
+                             started=st.running.started if st.running else None, rt_due=self.sched.next_rt_due(),
+                             oldest_waiting=self.sched.oldest_waiting())
                 for i, st in self.sched.instances.items()]
 
     def rt_waiting(self) -> int:
@@ -269,8 +270,8 @@ class Model:
             self.sched.set_residency(i, Residency.RESIDENT)
             self.partition[i] = next(iter(self.partition.values()))
 
-    def enqueue(self, cls: RequestClass, seq: int) -> None:
-        self.sched.enqueue(QueuedRequest(seq, 1, cls, 0.0))
+    def enqueue(self, cls: RequestClass, seq: int, arrival: float = 0.0) -> None:
+        self.sched.enqueue(QueuedRequest(seq, 1, cls, arrival))
 
 
 class Changer:
@@ -368,6 +369,54 @@ def test_a_strict_batch_waits_for_its_partition_to_free_ahead_of_be_and_runs_the
     assert s.kicks > kicks
     (second,) = coord.schedule(s, 0.1)
     assert s.partition[second.instance] == p2 and pm.snapshot()["waiting_for"] == {}
+
+
+def test_a_be_batch_keeps_off_a_partition_where_strict_work_runs_until_it_ends_or_the_bound_passes():
+    models: dict[str, Model] = {}
+    clock = [0.0]
+    holder: dict[str, Coordinator] = {}
+    cfg = ServerConfig(partitioning="protean", geometry="1,1", preemption="concurrent")
+    pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
+                          lambda: holder["c"].view(), Metrics(), 4 * GB, profiles=Profiles(), clock=lambda: clock[0])
+    coord = holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm,
+                                      partition_of=lambda m, i: models[m].partition[i], clock=lambda: clock[0])
+    p1, p2 = (p.id for p in pm.current())
+    s = models["s"] = Model("s", [p1, p2])
+    b = models["b"] = Model("b", [p1, p2])
+    assert pm.snapshot()["be_max_wait_s"] == cfg.protean_be_max_wait_s == 0.5
+    b.enqueue(BE, 0)
+    (be,) = coord.schedule(b, 0.0)
+    s.enqueue(RT, 0)
+    (rt,) = coord.schedule(s, 0.0)
+    for model, batch in ((b, be), (s, rt)):
+        coord.started(model, batch)
+    assert (b.partition[be.instance], s.partition[rt.instance]) == (p1, p2)
+    # BE's instance on p1 is busy; its other one is on p2, where the strict batch runs: it waits
+    clock[0] = 0.05
+    b.enqueue(BE, 1, arrival=0.05)
+    assert coord.schedule(b, 0.05) == []
+    # the strict batch ends: every model is asked again, and the BE batch takes p2
+    clock[0] = 0.1
+    kicks = b.kicks
+    s.sched.complete(rt.instance, rt.batch_id)
+    coord.finished(s, rt.instance, rt, ok=True)
+    assert b.kicks > kicks
+    (second,) = coord.schedule(b, 0.1)
+    assert b.partition[second.instance] == p2
+    # with strict work on p2 again and p1 still busy, a third BE batch waits only until its
+    # oldest request has waited 0.5 s, then runs beside the strict batch
+    coord.finished(b, second.instance, second, ok=True)
+    b.sched.complete(second.instance, second.batch_id)
+    s.enqueue(RT, 1)
+    (rt,) = coord.schedule(s, 0.1)
+    coord.started(s, rt)
+    assert s.partition[rt.instance] == p2
+    b.enqueue(BE, 2, arrival=0.1)
+    clock[0] = 0.59
+    assert coord.schedule(b, 0.59) == []
+    clock[0] = 0.6
+    (third,) = coord.schedule(b, 0.6)
+    assert b.partition[third.instance] == p2
 
 
 def test_an_operators_geometry_change_moves_every_placed_model_and_gives_the_old_partitions_back():

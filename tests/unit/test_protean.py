@@ -231,6 +231,69 @@ def test_without_a_prediction_or_with_the_setting_off_the_choice_is_todays() -> 
     assert _waiting().place(STRICT, unknown, {}, {1}, now=10.0) == Placement(1, run_now_s=pytest.approx(0.2))
 
 
+# --------------------------------------------------------------------------- BE keeps off strict work
+# Slot 0 runs a BE batch of "b" (its instance there is busy, so slot 0 is not eligible); slot 1
+# runs a strict batch of "s". Algorithm 1's first fit sends the next BE batch to slot 1, beside
+# the strict batch: on a CPU core that time-slices with it. The BE batch's oldest request
+# arrived at 10.0; it may keep off strict work until 10.5.
+
+BE_JOB = Job("b", 4, False, GB, arrived=10.0)
+
+
+def _be_node(strict_on_1: bool = True) -> list[Slot]:
+    return [Slot(0, 1, 10 * GB, (Job("b", 4, False, GB, started=9.9),)),
+            Slot(1, 1, 10 * GB, (Job("s", 4, True, GB, started=9.95),) if strict_on_1 else ())]
+
+
+def _be_waiting(max_wait_s: float = 0.5) -> JobDistributor:
+    return JobDistributor(SlowdownModel(lambda m, c, b: None, {"s": 0.5, "b": 1.5}, whole_cores=2),
+                          be_max_wait_s=max_wait_s)
+
+
+def test_a_be_batch_waits_rather_than_start_beside_a_running_strict_batch_then_spills_at_its_bound() -> None:
+    dist = _be_waiting()
+    assert dist.place(BE_JOB, _be_node(), {}, {1}, now=10.1) == Placement(None, until=pytest.approx(10.5))
+    assert dist.place(BE_JOB, _be_node(), {}, {1}, now=10.49).slot is None
+    # its oldest request has waited the bound: Algorithm 1's first fit, beside the strict batch
+    assert dist.place(BE_JOB, _be_node(), {}, {1}, now=10.5) == Placement(1)
+    # the strict batch ended before that: slot 1 is free of strict work and the batch runs there
+    assert dist.place(BE_JOB, _be_node(strict_on_1=False), {}, {1}, now=10.2) == Placement(1)
+    # its own instance on slot 0 freed: first fit, as ever
+    assert dist.place(BE_JOB, _be_node(), {}, {0, 1}, now=10.2) == Placement(0)
+
+
+def test_a_be_batch_takes_a_partition_without_strict_work_over_first_fit_beside_strict_work() -> None:
+    # slot 1 (1 core, first in ascending order) runs strict work; slot 2 (2 cores) runs none
+    slots = [*_be_node(), Slot(2, 2, 20 * GB)]
+    assert _be_waiting().place(BE_JOB, slots, {}, {1, 2}, now=10.1) == Placement(2)
+    assert _be_waiting(0.0).place(BE_JOB, slots, {}, {1, 2}, now=10.1) == Placement(1)
+
+
+def test_with_no_bound_or_no_arrival_a_be_batch_takes_algorithm_1s_first_fit() -> None:
+    for dist, job in ((_be_waiting(0.0), BE_JOB), (_be_waiting(), replace(BE_JOB, arrived=None))):
+        assert dist.place(job, _be_node(), {}, {1}, now=10.1) == Placement(dist.choose(job, _be_node(), {}, {1})) \
+            == Placement(1)
+
+
+@given(st.floats(0.0, 2.0), st.floats(0.0, 1.0), st.sets(st.integers(0, 2), max_size=3),
+       st.sets(st.integers(0, 2), max_size=3))
+def test_a_be_batch_joins_strict_work_only_past_its_bound_and_waits_only_for_it(
+        waited: float, max_wait: float, eligible: set[int], strict_on: set[int]) -> None:
+    slots = [Slot(i, 1 + i, 10 * GB, (Job("s", 4, True, GB, started=9.9),) if i in strict_on else ())
+             for i in range(3)]
+    now = 10.0 + waited
+    plan = _be_waiting(max_wait).place(BE_JOB, slots, {}, eligible, now=now)
+    apart = eligible - strict_on  # slots are in ascending order: first fit is the lowest id that fits
+    if not eligible:  # no idle instance: it waits, as it always did
+        assert plan == Placement(None)
+    elif apart and max_wait > 0:
+        assert plan == Placement(min(apart))
+    elif max_wait == 0 or now >= 10.0 + max_wait:
+        assert plan == Placement(min(eligible))  # Algorithm 1's first fit
+    else:  # every eligible slot runs strict work and the bound has not passed: it waits until then
+        assert plan.slot is None and now < plan.until == pytest.approx(10.0 + max_wait)
+
+
 # --------------------------------------------------------------------------- geometries
 
 

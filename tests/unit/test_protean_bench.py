@@ -170,7 +170,7 @@ def test_crowded_setting_is_mostly_strict_and_the_eta_ablation() -> None:
 
 def _server_docs(partitioning: str, strict_placement: str, cores: list[int], mode: str, class_order: str,
                  starts: list[tuple[float, float, str, int]], keep_alive_s: float = 600.0,
-                 wait_for_free: bool = True) -> tuple[dict, dict]:
+                 wait_for_free: bool = True, be_max_wait_s: float = 0.5) -> tuple[dict, dict]:
     """/v2/partitions and /v2/scheduler/events bodies: ``starts`` are (start, done, cls, partition)."""
     cpus, parts = 0, []
     for i, n in enumerate(cores, start=1):
@@ -181,7 +181,8 @@ def _server_docs(partitioning: str, strict_placement: str, cores: list[int], mod
         events += [{"t": t0, "kind": "start", "model": "m", "instance": b, "batch": b, "cls": cls, "partition": part},
                    {"t": t1, "kind": "done", "model": "m", "instance": b, "batch": b, "cls": cls, "partition": part}]
     return ({"partitioning": partitioning, "strict_placement": strict_placement, "partitions": parts,
-             "keep_alive_s": keep_alive_s, "wait_for_free": wait_for_free, "changes": []},
+             "keep_alive_s": keep_alive_s, "wait_for_free": wait_for_free, "be_max_wait_s": be_max_wait_s,
+             "changes": []},
             {"mode": mode, "class_order": class_order, "events": events})
 
 
@@ -202,6 +203,9 @@ def test_a_server_that_ignored_its_schemes_settings_is_caught() -> None:
     kept = _server_docs("protean", "eta", [1, 1], "concurrent", "priority", [(0, 1, "rt", 1)])
     assert settings_problems("protean-no-keepalive", SCHEMES["protean-no-keepalive"], *kept) == [
         "protean-no-keepalive: protean_keep_alive_s is 600.0, not 0"]
-    # the wait-for-free ablation must run without it
+    # the ablation of splitserve's waits must run without either
     assert settings_problems("protean-no-wait", SCHEMES["protean-no-wait"], *kept) == [
-        "protean-no-wait: protean_wait_for_free is True, not False"]
+        "protean-no-wait: protean_wait_for_free is True, not False",
+        "protean-no-wait: protean_be_max_wait_s is 0.5, not 0"]
+    assert settings_problems("protean-be-spill", SCHEMES["protean-be-spill"], *kept) == [
+        "protean-be-spill: protean_be_max_wait_s is 0.5, not 0"]

@@ -1,7 +1,7 @@
 """protean: PROTEAN's evaluation on one node (PROTEAN §5-6, Fig. 5/6/8/11/13/15, §4.2).
 
 Every scheme (``protean``, ``naive``, ``colocate``, ``timeshare``, ``smart-static``,
-``protean-no-keepalive``, ``protean-no-wait``) is a set of ``ServerConfig`` overrides (``schemes.SCHEMES``) on a
+``protean-no-keepalive``, ``protean-no-wait``, ``protean-be-spill``) is a set of ``ServerConfig`` overrides (``schemes.SCHEMES``) on a
 server of its own, and every server gets the identical arrival list: a Wikipedia-like
 (peak:mean 316:303) or Twitter-like (4561:2969) trace, or a CSV file, with half the requests
 strict (``rt``) for one model and half best-effort for a model that switches every
@@ -16,7 +16,7 @@ the trace (client queueing counts) and cross-checked with the server's
 ``splitserve_slo_requests_total``. ``scenario=crowded`` sends more strict work than one
 partition serves, so smart-static's largest partition is crowded, and compares ``protean``
 with ``smart-static`` (the η ablation) and with ``protean-no-wait`` (Algorithm 1 without
-splitserve's wait-for-free).
+splitserve's waits: a strict batch's wait-for-free and a BE batch's keeping off strict work).
 """
 
 from __future__ import annotations

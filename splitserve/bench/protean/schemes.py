@@ -27,8 +27,13 @@ SCHEMES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
                                       "preemption": "concurrent"}),
     # PROTEAN with immediate scale-down: the cold-start comparison of §4.2
     "protean-no-keepalive": MappingProxyType({"partitioning": "protean", "protean_keep_alive_s": 0}),
-    # PROTEAN without splitserve's wait-for-free (Algorithm 1 as the paper has it): its ablation
-    "protean-no-wait": MappingProxyType({"partitioning": "protean", "protean_wait_for_free": False}),
+    # PROTEAN without splitserve's waits, strict (wait-for-free) and BE (keeping off strict
+    # work): Algorithm 1 as the paper has it
+    "protean-no-wait": MappingProxyType({"partitioning": "protean", "protean_wait_for_free": False,
+                                         "protean_be_max_wait_s": 0}),
+    # PROTEAN with the paper's BE first fit, which may start BE beside a running strict batch:
+    # the ablation of splitserve's BE wait alone
+    "protean-be-spill": MappingProxyType({"partitioning": "protean", "protean_be_max_wait_s": 0}),
 })
 
 # The scheme every other one is set against in the ratios (violations, p99, queue share).
@@ -89,6 +94,7 @@ def settings_problems(scheme: str, overrides: Mapping[str, Any], partitions: Any
             "protean_keep_alive_s": (partitions.get("keep_alive_s"), want.protean_keep_alive_s)}
     if placement == "eta":
         seen["protean_wait_for_free"] = (partitions.get("wait_for_free"), want.protean_wait_for_free)
+        seen["protean_be_max_wait_s"] = (partitions.get("be_max_wait_s"), want.protean_be_max_wait_s)
     out += [f"{scheme}: {name} is {got!r}, not {wanted!r}" for name, (got, wanted) in seen.items() if got != wanted]
     parts = partitions.get("partitions") or []
     cores = sorted((len(p["cpus"]) for p in parts), reverse=True)
