@@ -46,7 +46,7 @@ def build_params(name: str, quick: bool = False, models: Sequence[str] = (), tra
         params = dataclasses.replace(params, models=narrow(models, mod.MODELS, "models"))
     if transports:
         params = dataclasses.replace(params, transports=narrow(transports, mod.TRANSPORTS, "transports"))
-    params = apply_overrides(params, overrides or {})
+    params = apply_overrides(params, overrides or {}).resolved()
     params.check()
     return params
 

@@ -158,12 +158,17 @@ def test_every_scheme_is_server_config_overrides_only() -> None:
 def test_crowded_setting_is_mostly_strict_and_the_eta_ablation() -> None:
     from splitserve.bench.protean.scenario import Params
 
-    p = Params(scenario="crowded").setting()
+    p = Params(scenario="crowded").resolved()
     assert (p.strict_share, p.load, p.schemes) == (0.75, 0.6, ("protean", "smart-static", "protean-no-wait"))
     # what the user set is kept
-    p = Params(scenario="crowded", strict_share=0.4, schemes=("protean", "naive")).setting()
+    p = Params(scenario="crowded", strict_share=0.4, schemes=("protean", "naive")).resolved()
     assert (p.strict_share, p.schemes) == (0.4, ("protean", "naive"))
-    assert Params().setting() == Params()
+    assert Params().resolved() == Params()
+    # what ran is what the report's header and result.json record
+    from splitserve.bench.runner import build_params
+
+    p = build_params("protean", overrides={"scenario": "crowded"})
+    assert (p.strict_share, p.load) == (0.75, 0.6)
     with pytest.raises(ValueError, match="unknown schemes"):
         Params(schemes=("protean", "oracle")).check()
 

@@ -55,6 +55,12 @@ class Params:
         """The size that finishes in under a minute on a 2-core machine."""
         return cls()
 
+    def resolved(self) -> Params:
+        """The parameters a run uses: a scenario whose named setting changes defaults (e.g. protean's
+        ``scenario=crowded``) fills in here what the user left at its default, so the report's
+        header and result.json record what ran."""
+        return self
+
     def check(self) -> None:
         """Raise ValueError for parameters the scenario cannot run with (before anything starts)."""
 
