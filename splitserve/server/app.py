@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import ServerConfig
-from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.errors import BadSize, InvalidInput, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.topology import read_topology
 from splitserve.protocol.header import RequestClass
+from splitserve.protocol.requests import call_class
 from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
@@ -143,6 +144,8 @@ class Server:
         self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
         cfg = self.config
         private_dir(cfg.data_dir)
+        if cfg.fast_direct:
+            private_dir(cfg.direct_dir)
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
@@ -367,15 +370,7 @@ class Server:
         """The class a call runs in: its own, or the model's default; policy may refuse BE."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        try:
-            c = RequestClass(cls)
-        except ValueError:
-            raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
-        if c == RequestClass.DEFAULT:
-            c = port.default_class
-        if c == RequestClass.BE and self.config.preemption is PriorityMode.RT_ONLY:
-            raise Refused("best-effort requests are refused in rt-only mode")
-        return c
+        return call_class(cls, port.default_class, self.config.preemption is PriorityMode.RT_ONLY)
 
     # -- ServingAPI: the shared request path for decoded front ends --------------------------
 

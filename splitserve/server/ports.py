@@ -53,6 +53,7 @@ from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
 from splitserve.server.metrics import Metrics, SloOutcome
 from splitserve.server.monitor import InferenceMonitor
+from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
 from splitserve.worker.spec import BindSpec, WorkerSpec
@@ -326,6 +327,15 @@ class PreemptPage(Protocol):
     def set_padding_deadline(self, deadline_ns: int) -> None: ...
 
 
+class DirectCounters(Protocol):
+    """A worker's direct-path counters (``worker.counters.WorkerCounters``): what the front
+    end reads for its view of calls that never pass through it, and the admission limit it
+    sets for them."""
+
+    def snapshot(self) -> DirectCounts: ...
+    def set_admit(self, calls: int) -> None: ...
+
+
 class InstanceWorker(Protocol):
     """The process serving one instance (``worker.pool.WorkerHandle``), as its runtime
     drives it. It reports back through the runtime's ``WorkerOwner`` callbacks."""
@@ -337,6 +347,7 @@ class InstanceWorker(Protocol):
     start_error: str | None  # its own report of why it could not start
     killed_for: str | None
     flag: PreemptPage
+    counters: DirectCounters  # its direct path's counters and admission limit (in the same page)
     residency: Residency  # where it is in the bind cycle
     binding: int | None  # the binding it holds or is loading
     rss_anon_at_start: int | None  # its anonymous RSS when it reported READY (the level a recycled worker returns to)

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from splitserve.errors import (
@@ -44,15 +45,16 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler, Residency
 from splitserve.scheduler.policy import make_policy
-from splitserve.scheduler.priority import InstanceView
+from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
 from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.counters import DirectCounts
 from splitserve.worker.pool import Residency as WorkerResidency
-from splitserve.worker.spec import BindSpec, QueueFds
+from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,9 @@ class ModelRuntime:
         # What each change of placement cost (bounded: the newest placement_history).
         self.reconfigurations: deque[dict] = deque(maxlen=self.settings.placement_history)
         self._repack_task: asyncio.Task | None = None
+        # Direct calls (ServerConfig.fast_direct) counted by workers this model no longer
+        # holds; the live ones are read from their pages.
+        self._direct_past = DirectCounts()
 
     def _model_slo(self) -> float | None:
         """``[slo]`` in seconds: a target, or k x the profiled solo latency at the model's
@@ -417,7 +422,41 @@ class ModelRuntime:
             {str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
              for c, (ins, outs) in self.tqs.items()},
             self.config.capacity, self._profiled_segment_times(i), cpus=sorted(placed.cpus), threads=placed.threads,
-            measure=not self.footprint.measured)
+            measure=not self.footprint.measured, direct=self._direct_spec(i))
+
+    def _direct_spec(self, i: int) -> DirectSpec | None:
+        """Instance ``i``'s direct endpoint, with the front end's stream limits (None: off)."""
+        s = self.settings
+        if not s.fast_direct:
+            return None
+        return DirectSpec(
+            str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
+            s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
+            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s)
+
+    def _direct_path(self, i: int) -> Path:
+        return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
+
+    def direct_endpoints(self) -> list[str]:
+        """``unix://`` URLs of the direct endpoints of instances that serve now (bound, not
+        retiring): what a LOOKUP gives a client that sends its calls straight to the workers."""
+        if not self.settings.fast_direct or self.state is not ModelState.READY:
+            return []
+        return [f"unix://{self._direct_path(i)}" for i in self.sched.serving()
+                if self.sched.instances[i].ready and not self.sched.instances[i].draining
+                and (h := self.workers.get(i)) is not None and h.ready]
+
+    def direct_counts(self) -> DirectCounts:
+        """Direct calls of this model so far: workers gone, plus the live ones' pages."""
+        total = self._direct_past
+        for handle in self.workers.values():
+            total = total + handle.counters.snapshot()
+        return total
+
+    def _harvest_direct(self, handle: InstanceWorker) -> None:
+        """A worker leaves this model (unloaded or gone): keep what its page counted."""
+        if self.settings.fast_direct:
+            self._direct_past = self._direct_past + handle.counters.snapshot().finished()
 
     def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
         placed = self.resources.placed(self.name, i)
@@ -429,6 +468,8 @@ class ModelRuntime:
         """LOAD this model into instance ``i``'s worker (up, bound to nothing); the
         instance is LOADING, never dispatched to, until ``on_loaded``."""
         handle = self.workers[i]
+        if self.settings.fast_direct:
+            handle.counters.set_admit(self.settings.direct_admit)
         if not handle.send_load(self._bind_spec(i)):
             return  # gone: its exit is handled as any other
         self.sched.set_residency(i, Residency.LOADING)
@@ -487,6 +528,7 @@ class ModelRuntime:
         a spare if its memory came back, else stopped); the next load takes one anew."""
         handle = self.workers.pop(instance, None)
         if handle is not None:
+            self._harvest_direct(handle)
             self.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.sched.instances:
             return
@@ -518,6 +560,7 @@ class ModelRuntime:
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
+            self._harvest_direct(handle)
             self._worker_gone(instance, handle)
             self._evict_progress()
         self.kick()
@@ -1037,6 +1080,10 @@ class ModelRuntime:
             "enabled": self.enabled,
             "residency": [self.sched.instances[i].residency.value for i in serving],
             "weights_bytes": self.stats.weights_bytes,
+            # The workers' own endpoints (ServerConfig.fast_direct; empty: send calls here),
+            # and the calls they took directly.
+            "direct": self.direct_endpoints(),
+            "direct_counts": self.direct_counts().to_dict(),
         }
 
     @property
@@ -1075,4 +1122,4 @@ class ModelRuntime:
         return ModelGauges(
             self.name, {c: len(q) for c, q in self.sched.queues.items()},
             sum(1 for st in self.sched.instances.values() if st.ready and not st.draining),
-            self.state is ModelState.FAILED)
+            self.state is ModelState.FAILED, self.direct_counts() if self.settings.fast_direct else None)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from splitserve.worker.messages import (START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
                                         UnloadedMsg, unpack_ready)
+from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import BindSpec, WorkerSpec
 
@@ -69,6 +70,7 @@ class WorkerHandle:
         self.instance = instance
         self.loop = loop
         self.flag = PreemptFlag()
+        self.counters = WorkerCounters(self.flag.page)  # its direct path's, in the same page
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         self.sock = ours

@@ -203,7 +203,7 @@ def test_udp_request_missing_a_segment_is_refused_after_the_timeout(impatient):
 
 
 def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
-    from splitserve.server.fastpath import unix_listener
+    from splitserve.protocol.sockets import unix_listener
 
     path = tmp_path / "fast.sock"
     live = unix_listener(path)
