@@ -261,8 +261,8 @@ class _Conn:
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
         else:
             self._discard(h.payload_len, BadFrame(
-                f"a direct endpoint takes REQUEST and PING frames, not {Kind(h.kind).name}; "
-                "look models up at the front end"))
+                f"a client may not send {Kind(h.kind).name} frames to a direct endpoint (it takes REQUEST and "
+                "PING; look models up at the front end)"))
 
     def rows_granted(self) -> None:
         """The call that waited for rows has them: read its payload."""
