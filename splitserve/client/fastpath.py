@@ -375,28 +375,58 @@ class Client:
             c._error, c._done = err, True
 
 
-class AsyncClient:
-    """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight."""
+class _AsyncStream:
+    """One connection of an ``AsyncClient`` (the front end's, or a worker's direct endpoint)
+    and the calls awaiting their answer on it: (future, decode, the frame to re-send)."""
 
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, model: str | None = None,
+                 url: str = "") -> None:
+        self.r, self.w = r, w
+        self.model = model
+        self.url = url
+        self.pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any], list | None]] = {}
+        self.task: asyncio.Task | None = None
+        self.lost = False
+
+
+async def _open_async(ep: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if ep.scheme == "tcp":
+        r, w = await asyncio.open_connection(ep.host, ep.port)
+        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return r, w
+    if ep.scheme == "unix":
+        return await asyncio.open_unix_connection(ep.path)
+    raise InvalidInput("AsyncClient speaks tcp:// and unix://")
+
+
+class AsyncClient:
+    """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight.
+
+    ``direct=True`` follows the workers' direct endpoints as ``Client`` does (one
+    connection per instance, calls in turn; a closed one's unanswered calls are re-sent
+    through the front end and the model is looked up again)."""
+
+    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+                 direct_retry_s: float = 1.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
+        self.direct = direct
+        self.direct_retry_s = direct_retry_s
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
-        self._pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any]]] = {}
         self._models: dict[str, ModelInfo] = {}
-        self._reader_task: asyncio.Task | None = None
+        self._routes: dict[str, tuple[list[_AsyncStream], float, bool]] = {}  # streams, looked up at, stale
+        self._turn = 0
+        self._front: _AsyncStream | None = None
+        self._direct_streams: list[_AsyncStream] = []
 
     async def connect(self) -> "AsyncClient":
-        ep = self.endpoint
-        if ep.scheme == "tcp":
-            self._r, self._w = await asyncio.open_connection(ep.host, ep.port)
-            self._w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elif ep.scheme == "unix":
-            self._r, self._w = await asyncio.open_unix_connection(ep.path)
-        else:
-            raise InvalidInput("AsyncClient speaks tcp:// and unix://")
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        r, w = await _open_async(self.endpoint)
+        self._front = self._start(_AsyncStream(r, w))
         return self
+
+    def _start(self, st: _AsyncStream) -> _AsyncStream:
+        st.task = asyncio.get_running_loop().create_task(self._read_loop(st))
+        return st
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -405,61 +435,122 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            self._w.close()
+        streams = [self._front, *self._direct_streams] if self._front is not None else []
+        self._front, self._direct_streams = None, []
+        for st in streams:
+            st.lost = True
+            if st.task is not None:
+                st.task.cancel()
+            st.w.close()
             try:
-                await self._w.wait_closed()
+                await st.w.wait_closed()
             except (ConnectionError, asyncio.CancelledError):
                 pass
-            self._reader_task = None
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, st: _AsyncStream) -> None:
         try:
             while True:
-                hdr = await self._r.readexactly(HEADER_SIZE)
+                hdr = await st.r.readexactly(HEADER_SIZE)
                 h = unpack_header(hdr)
-                payload = await self._r.readexactly(h.payload_len) if h.payload_len else b""
-                entry = self._pending.get(h.req_id)
+                payload = await st.r.readexactly(h.payload_len) if h.payload_len else b""
+                entry = st.pending.get(h.req_id)
                 if entry is None or (h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST):
                     continue
-                del self._pending[h.req_id]
-                fut, decode = entry
+                del st.pending[h.req_id]
+                fut, decode, _ = entry
                 if not fut.done():
                     try:
                         fut.set_result(decode(h, payload))
                     except BaseException as e:
                         fut.set_exception(e)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            for fut, _ in self._pending.values():
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, SplitServeError) as e:
+            if st.model is not None and not st.lost:
+                self._lost(st)
+                return
+            for fut, _, _ in st.pending.values():
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"connection lost: {e}"))
-            self._pending.clear()
+            st.pending.clear()
 
-    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any]) -> Any:
+    def _lost(self, st: _AsyncStream) -> None:
+        """A direct connection closed: its unanswered calls go through the front end."""
+        st.lost = True
+        st.w.close()
+        streams, at, _ = self._routes.get(st.model or "", ([], 0.0, False))
+        if st in streams:
+            streams.remove(st)
+            self._routes[st.model or ""] = (streams, at, True)
+        front = self._front
+        calls, st.pending = st.pending, {}
+        for req_id, (fut, decode, parts) in calls.items():
+            if fut.done() or parts is None:
+                continue
+            if front is None:
+                fut.set_exception(ConnectionError("the client is closed"))
+                continue
+            front.pending[req_id] = (fut, decode, None)
+            front.w.writelines(parts)
+
+    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any], st: _AsyncStream | None = None) -> Any:
+        st = st or self._front
+        if st is None:
+            raise ConnectionError("the client is not connected")
         req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
         fut = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = (fut, decode)
-        self._w.writelines(parts)
-        await self._w.drain()
+        st.pending[req_id] = (fut, decode, parts if st.model is not None else None)
+        st.w.writelines(parts)
+        try:
+            await st.w.drain()
+        except (ConnectionError, OSError):
+            if st.model is None:
+                raise
+            if not st.lost:
+                self._lost(st)
         return await asyncio.wait_for(fut, self.timeout)
 
     async def lookup(self, model: str) -> ModelInfo:
         info = self._models.get(model)
-        if info is None:
-            body = model.encode()
-            info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
-                                    lambda h, p: Client._check(h, p, ModelInfo.from_json))
-            self._models[model] = info
+        route = self._routes.get(model)
+        if info is not None and not (self.direct and route is not None and (
+                route[2] or not route[0] and time.monotonic() - route[1] > self.direct_retry_s)):
+            return info
+        body = model.encode()
+        info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+                                lambda h, p: Client._check(h, p, ModelInfo.from_json))
+        self._models[model] = info
+        if self.direct:
+            live = {st.url: st for st in (route[0] if route else [])}
+            streams = []
+            for url in info.extra.get("direct", ()):
+                st = live.pop(url, None)
+                if st is None:
+                    try:
+                        r, w = await _open_async(Endpoint.parse(url))
+                    except (OSError, SplitServeError):
+                        continue  # gone since the lookup: the others, or the front end, serve
+                    st = self._start(_AsyncStream(r, w, model, url))
+                    self._direct_streams.append(st)
+                streams.append(st)
+            self._routes[model] = (streams, time.monotonic(), False)
         return info
+
+    def direct_endpoints(self, model: str) -> int:
+        """Direct connections the client holds for ``model`` now (0: its calls go through the front end)."""
+        route = self._routes.get(model)
+        return len(route[0]) if route is not None else 0
 
     async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
                            slo_ms: float | None = None) -> InferResult:
         info = await self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
         h = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
+        st = None
+        streams = self._routes.get(model, ([], 0.0, False))[0]
+        if streams:
+            self._turn = (self._turn + 1) % len(streams)
+            st = streams[self._turn]
         return await self._call([h.pack(), *(memoryview(a).cast("B") for a in arrays)],
-                                lambda hh, p: _result(info, hh, p, count, batched))
+                                lambda hh, p: _result(info, hh, p, count, batched), st)
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         return (await self.infer_result(model, x, **kw)).value()
