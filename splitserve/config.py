@@ -193,6 +193,7 @@ class ServerConfig:
     direct_max_connections: int = 64  # direct connections per worker; one more is told so and closed
     direct_admit: int = 4096  # calls a worker may hold from its direct connections; past it they are not read
     direct_suspend_poll_s: float = 0.001  # how often a worker looks whether its suspended direct BE batch may resume
+    direct_poll_s: float = 0.005  # how often the node reads its workers' pages for REEF (turns their doorbells on and off)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -264,7 +265,8 @@ class ServerConfig:
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
-                     "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s", "direct_suspend_poll_s"):
+                     "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s", "direct_suspend_poll_s",
+                     "direct_poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         if self.geometry and self.partitioning is Partitioning.NONE:

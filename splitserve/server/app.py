@@ -125,6 +125,7 @@ class Server:
             WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._direct_watch: asyncio.TimerHandle | None = None
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
@@ -146,6 +147,8 @@ class Server:
         private_dir(cfg.data_dir)
         if cfg.fast_direct:
             private_dir(cfg.direct_dir)
+            if cfg.preemption is PriorityMode.REEF:  # REEF across the direct path: the workers' pages
+                self._direct_watch = self.loop.call_later(cfg.direct_poll_s, self._watch_direct)
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
@@ -215,6 +218,10 @@ class Server:
         self.monitor.sweep(time.perf_counter(), self.config.max_call_age_s)
         self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
 
+    def _watch_direct(self) -> None:
+        self.coordinator.watch_direct()
+        self._direct_watch = self.loop.call_later(self.config.direct_poll_s, self._watch_direct)
+
     async def _stop_frontends(self, deadline: float) -> None:
         """Every front end stops taking requests; HTTP and gRPC calls in flight get stop_grace_s."""
         async def stop_one(fe: FrontEnd) -> None:
@@ -270,6 +277,8 @@ class Server:
                 log.exception("model %s: releasing its tensor queues failed", rt.name)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._direct_watch is not None:
+            self._direct_watch.cancel()
         if hasattr(self, "registry"):
             await self.footprints.flush()
             await asyncio.to_thread(self.registry.close)

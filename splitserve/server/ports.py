@@ -291,6 +291,13 @@ class ScheduledModel(Protocol):
     def kick(self) -> None:
         """Run a scheduling pass soon (something elsewhere on the node changed)."""
 
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        """(real-time work, best-effort work, a direct real-time batch running) of the model
+        now, through the front end or on its workers' direct paths (``fast_direct``)."""
+
+    def set_direct_bell(self, on: bool) -> None:
+        """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
+
 
 class BatchPlacement(Protocol):
     """The node's per-batch choice of a partition (``partitions.PartitionManager``), called by
@@ -318,6 +325,9 @@ class NodeScheduler(Protocol):
     def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
         """``batch`` stopped at segment ``restore`` and waits, suspended, on ``instance``."""
 
+    def direct_changed(self) -> None:
+        """A worker's direct real-time work began or ended (its doorbell): look at the node again."""
+
 
 class PreemptPage(Protocol):
     """A worker's shared preemption page (``worker.preempt_flag.PreemptFlag``)."""
@@ -334,6 +344,7 @@ class DirectCounters(Protocol):
 
     def snapshot(self) -> DirectCounts: ...
     def set_admit(self, calls: int) -> None: ...
+    def set_bell(self, on: bool) -> None: ...
 
 
 class InstanceWorker(Protocol):

@@ -51,7 +51,7 @@ from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
 from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
-from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.messages import DIRECT_BATCH, DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.counters import DirectCounts
 from splitserve.worker.pool import Residency as WorkerResidency
 from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds
@@ -447,8 +447,11 @@ class ModelRuntime:
                 and (h := self.workers.get(i)) is not None and h.ready]
 
     def direct_counts(self) -> DirectCounts:
-        """Direct calls of this model so far: workers gone, plus the live ones' pages."""
+        """Direct calls of this model so far: workers gone, plus the live ones' pages (all
+        zero while the direct path is off)."""
         total = self._direct_past
+        if not self.settings.fast_direct:
+            return total
         for handle in self.workers.values():
             total = total + handle.counters.snapshot()
         return total
@@ -1021,10 +1024,16 @@ class ModelRuntime:
             b = st.running
             began = None if b is None else b.created if b.started is None else b.started
             placed = self.resources.placed(self.name, i)
+            running_cls, running_batch = (b.cls, b.batch_id) if b else (None, 0)
+            if b is None and self.settings.fast_direct and (h := self.workers.get(i)) is not None:
+                d = h.counters.snapshot()  # what its direct path runs, from its page
+                if d.rt_running or d.in_flight_be:
+                    running_cls = RequestClass.RT if d.rt_running else RequestClass.BE
+                    running_batch = DIRECT_BATCH
             out.append(InstanceView(
                 model=self.name, instance=i, cpus=self.resources.instance_cpus(self.name, i),
-                ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
-                preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
+                ready=st.ready, running_cls=running_cls, running_batch=running_batch,
+                preempt_raised=bool(running_batch) and preempt_raised(i, running_batch),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
@@ -1042,6 +1051,11 @@ class ModelRuntime:
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         handle = self.workers.get(instance)
+        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batch: held at its next boundary
+            if handle is None:
+                return None
+            handle.flag.raise_for(DIRECT_BATCH)
+            return Batch(self.name, instance, RequestClass.BE, 0, 0, [], time.perf_counter(), DIRECT_BATCH)
         st = self.sched.instances.get(instance)
         if handle is None or st is None or st.running is None:
             return None
@@ -1052,6 +1066,30 @@ class ModelRuntime:
         handle = self.workers.get(instance)
         if handle is not None:
             handle.flag.clear()
+
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        """(real-time work, best-effort work, a direct real-time batch running) now: queued
+        or running here, or held by the workers' direct paths (``ScheduledModel``)."""
+        rt = bool(self.sched.waiting(RequestClass.RT))
+        be = bool(self.sched.waiting(RequestClass.BE))
+        running = False
+        for i, st in self.sched.instances.items():
+            if st.running is not None:
+                rt, be = rt or st.running.cls == RequestClass.RT, be or st.running.cls == RequestClass.BE
+            be = be or st.suspended is not None
+            if (h := self.workers.get(i)) is not None:
+                d = h.counters.snapshot()
+                running = running or bool(d.rt_running)
+                rt, be = rt or bool(d.in_flight_rt), be or bool(d.in_flight_be)
+        return rt, be, running
+
+    def set_direct_bell(self, on: bool) -> None:
+        for handle in self.workers.values():
+            handle.counters.set_bell(on)
+
+    def on_direct(self, instance: int) -> None:
+        """Instance ``instance``'s direct real-time batch began or ended (its doorbell)."""
+        self.node.direct_changed()
 
     def pad(self, deadlines: Mapping[int, float]) -> None:
         # The worker reads its deadline on CLOCK_MONOTONIC; the node decides on perf_counter.

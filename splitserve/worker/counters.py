@@ -21,8 +21,8 @@ COUNTERS_OFFSET = 256
 
 
 class Word(IntEnum):
-    """The counters' words (u64). The worker writes all but ADMIT, and zeroes them when it
-    binds a model (they count per binding); the front end writes ADMIT."""
+    """The counters' words (u64). The worker writes those before ADMIT, and zeroes them when
+    it binds a model (they count per binding); the front end writes ADMIT and BELL."""
 
     RECEIVED = 0  # direct calls accepted (a header that passed the checks)
     ANSWERED = 1  # answered with a result
@@ -33,7 +33,10 @@ class Word(IntEnum):
     BATCHES = 6  # direct batches run
     SAMPLES = 7  # samples in those batches (the holes of slow frames included)
     CONNECTIONS = 8  # direct connections open now
-    ADMIT = 9  # front end -> worker: calls the worker may hold from direct connections (0: none)
+    RT_RUNNING = 9  # 1 while a direct real-time batch runs (the CPUs it claims are its instance's)
+    PREEMPTED = 10  # direct best-effort batches stopped at a segment boundary (REEF)
+    ADMIT = 11  # front end -> worker: calls the worker may hold from direct connections (0: none)
+    BELL = 12  # front end -> worker: 1 while real-time and best-effort work share the node: ring on RT start and end
 
 
 _WORDS = len(Word)
@@ -54,23 +57,26 @@ class DirectCounts:
     batches: int = 0
     samples: int = 0
     connections: int = 0
+    rt_running: int = 0
+    preempted: int = 0
 
     def __add__(self, other: "DirectCounts") -> "DirectCounts":
         return DirectCounts(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
 
     def as_tuple(self) -> tuple[int, ...]:
         return (self.received, self.answered, self.failed, self.in_flight_rt, self.in_flight_be, self.busy_ns,
-                self.batches, self.samples, self.connections)
+                self.batches, self.samples, self.connections, self.rt_running, self.preempted)
 
     def finished(self) -> "DirectCounts":
         """What stays counted once the worker is gone: its totals, with nothing open."""
         return DirectCounts(self.received, self.answered, self.failed, 0, 0, self.busy_ns, self.batches,
-                            self.samples, 0)
+                            self.samples, 0, 0, self.preempted)
 
     def to_dict(self) -> dict[str, int]:
         return {"received": self.received, "answered": self.answered, "failed": self.failed,
                 "in_flight_rt": self.in_flight_rt, "in_flight_be": self.in_flight_be, "busy_ns": self.busy_ns,
-                "batches": self.batches, "samples": self.samples, "connections": self.connections}
+                "batches": self.batches, "samples": self.samples, "connections": self.connections,
+                "rt_running": self.rt_running, "preempted": self.preempted}
 
 
 class WorkerCounters:
@@ -102,6 +108,13 @@ class WorkerCounters:
     def set_admit(self, calls: int) -> None:
         """Front end: the calls the worker may hold from its direct connections."""
         self.set(Word.ADMIT, calls)
+
+    def bell(self) -> bool:
+        return bool(_U64.unpack_from(self._page, COUNTERS_OFFSET + 8 * Word.BELL)[0])
+
+    def set_bell(self, on: bool) -> None:
+        """Front end: ring on direct real-time batches (both classes are about on the node)."""
+        self.set(Word.BELL, int(on))
 
     def snapshot(self) -> DirectCounts:
         return DirectCounts(*_ZEROS.unpack_from(self._page, COUNTERS_OFFSET))

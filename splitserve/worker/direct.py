@@ -389,8 +389,9 @@ class DirectServer:
     """A bound worker's endpoint and its direct calls (see the module's docstring)."""
 
     def __init__(self, spec: DirectSpec, cfg: ModelConfig, counters: WorkerCounters,
-                 sel: selectors.BaseSelector) -> None:
+                 sel: selectors.BaseSelector, ring: Callable[[], None]) -> None:
         self.spec = spec
+        self.ring = ring  # tells the front end that a direct real-time batch began or ended
         self.cfg = cfg
         self.counters = counters
         self.sel = sel
@@ -532,7 +533,7 @@ class DirectServer:
                 self._run(RequestClass.RT, run)
                 return
             self.suspended = None
-            self._finish(RequestClass.BE, calls, n, first, acts, run)
+            self._finish(RequestClass.BE, calls, n, first, acts, run, resuming=True)
             return
         for cls in _CLASSES:
             if self.aside_done[cls] or any(x.complete for x in self.placed[cls]):
@@ -574,7 +575,10 @@ class DirectServer:
         self._finish(cls, calls, n, 0, xs, run)
 
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
-                run: SegmentRunner) -> None:
+                run: SegmentRunner, resuming: bool = False) -> None:
+        rt = cls == RequestClass.RT
+        if rt:  # REEF: the instance's CPUs are claimed while it runs (the front end's view, and its bell)
+            self._claim(1)
         t0 = time.monotonic_ns()
         try:
             stopped, acts = run(cls, acts, first, n)
@@ -585,9 +589,14 @@ class DirectServer:
                 self._answer_error(c, WorkerFailed(f"model {self.cfg.name!r} raised: {type(e).__name__}: {e}"))
             self._rows_free(cls)
             return
+        finally:
+            if rt:
+                self._claim(0)
         t1 = time.monotonic_ns()
         self.counters.add(Word.BUSY_NS, t1 - t0)
-        if stopped is not None:
+        if stopped is not None:  # best-effort, at a boundary: it resumes once it may
+            if not resuming or stopped > first:
+                self.counters.add(Word.PREEMPTED)
             self.suspended = (calls, n, stopped, acts)
             return
         self.counters.add(Word.BATCHES)
@@ -611,6 +620,11 @@ class DirectServer:
             self.counters.add(Word.ANSWERED)
             c.conn.send(parts)
         self._rows_free(cls)
+
+    def _claim(self, running: int) -> None:
+        self.counters.set(Word.RT_RUNNING, running)
+        if self.counters.bell():
+            self.ring()
 
     def _rows_free(self, cls: RequestClass) -> None:
         """The class's batch ran: its rows are free; connections that waited get theirs,

@@ -39,7 +39,8 @@ class WorkerOwner(Protocol):
     ``on_failed``: a batch failed (``batch_id``), or with ``batch_id`` 0 the process could
     not start, after which it exits. ``on_loaded`` / ``on_load_failed``
     answer ``send_load`` (a failed load leaves the process up and unbound); ``on_unloaded``
-    answers ``send_unload``. ``on_exit``: the process is gone."""
+    answers ``send_unload``. ``on_direct``: its direct path's real-time work began or
+    ended (its page says which). ``on_exit``: the process is gone."""
 
     def on_ready(self, instance: int, info: dict) -> None: ...
     def on_done(self, instance: int, msg: DoneMsg) -> None: ...
@@ -47,6 +48,7 @@ class WorkerOwner(Protocol):
     def on_loaded(self, instance: int, msg: LoadedMsg) -> None: ...
     def on_load_failed(self, instance: int, binding: int, text: str) -> None: ...
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None: ...
+    def on_direct(self, instance: int) -> None: ...
     def on_exit(self, instance: int, handle: "WorkerHandle") -> None: ...
 
 
@@ -183,6 +185,8 @@ class WorkerHandle:
                 self._on_loaded(LoadedMsg.unpack(data))
             elif kind == Msg.UNLOADED:
                 self._on_unloaded(UnloadedMsg.unpack(data))
+            elif kind == Msg.DIRECT:
+                self.owner.on_direct(self.instance)
             else:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
 

@@ -31,8 +31,8 @@ from splitserve.protocol.header import RequestClass
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
-from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING, DoneMsg,
-                                        FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
+from splitserve.worker.messages import (DIRECT_BATCH, HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
+                                        DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
 
@@ -118,7 +118,7 @@ class Worker:
         self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
         if msg.bind.direct is not None:
             try:
-                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel)
+                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring)
             except BaseException:
                 self.bound = None
                 b.close()
@@ -150,6 +150,10 @@ class Worker:
         if b.device.type != "cpu":
             xs = tuple(x.to(b.device, non_blocking=True) for x in xs)
         return xs
+
+    def _ring(self) -> None:
+        """The doorbell: the front end re-reads this worker's page (``Msg.DIRECT``)."""
+        self.ctrl.send(bytes([Msg.DIRECT]))
 
     def _close_direct(self) -> None:
         d, self.direct = self.direct, None
@@ -196,7 +200,8 @@ class Worker:
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
         """A direct batch's segments (``direct.SegmentRunner``): a best-effort one stops at a
-        boundary its padding deadline does not leave room for, and resumes later."""
+        boundary while the front end holds it (its flag names ``DIRECT_BATCH``: real-time work
+        claims its CPUs) or its padding deadline leaves no room, and resumes later."""
         b = self._binding(0)
         model = b.model
         assert model is not None
@@ -204,7 +209,8 @@ class Worker:
             acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
         be = cls == RequestClass.BE
         with torch.inference_mode():
-            return self._segments(b, model, acts, first, count, lambda i: be and self._past_padding(b, i, count))
+            return self._segments(b, model, acts, first, count, lambda i: be and (
+                self.flag.target() == DIRECT_BATCH or self._past_padding(b, i, count)))
 
     def run(self, msg: RunMsg) -> DoneMsg:
         """Run a batch of the bound model from its first (or restore) segment; stop at a
