@@ -182,9 +182,10 @@ class Client:
     front end. A direct connection that closes (its worker was unloaded, evicted, restarted
     or died, or refused the connection) costs no call: the calls it had not answered are
     re-sent through the front end (inference has no side effects, so a call whose answer
-    was lost is run again), and the model is looked up again, at once and then at most
-    every ``direct_retry_s`` while it offers no endpoint. Without direct endpoints (an old
-    server, or the direct path off) every call goes through the front end as before.
+    was lost is run again), and the model is looked up again before its next call, then at
+    most every ``direct_retry_s`` while it offers no endpoint; an endpoint whose connection
+    closed is not connected to again for ``direct_retry_s``. Without direct endpoints (an
+    old server, or the direct path off) every call goes through the front end as before.
     """
 
     def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
@@ -199,6 +200,7 @@ class Client:
         self._cond = threading.Condition()
         self._routes: dict[str, _Route] = {}
         self._direct_streams: list[_Stream] = []  # every direct connection opened, to close with the client
+        self._lost_at: dict[str, float] = {}  # endpoint -> when its connection closed (not retried sooner)
         self.closed = False
 
     # -- public API -------------------------------------------------------------------
@@ -273,8 +275,11 @@ class Client:
                           lambda h, p: self._check(h, p, ModelInfo.from_json), self._front).result()
         live = {st.url: st for st in route.streams} if route is not None else {}
         streams = []
+        now = time.monotonic()
         for url in info.extra.get("direct", ()) if self.direct else ():
             st = live.pop(url, None)
+            if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
+                continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
                     st = _Stream(_connect(Endpoint.parse(url), self.timeout), model, url)
@@ -353,6 +358,7 @@ class Client:
             if route is not None and stream in route.streams:
                 route.streams.remove(stream)
                 route.stale = True
+            self._lost_at[stream.url] = time.monotonic()
             for c in calls:
                 c._stream = self._front
                 self._front.pending[c.req_id] = c

@@ -221,3 +221,23 @@ def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
     finally:
         live.close()
     unix_listener(path).close()  # a stale socket file (its server gone) is replaced
+
+
+def test_a_direct_connection_past_the_workers_limit_is_told_and_its_calls_take_the_front_end(server_factory):
+    s = server_factory("--load", "vecadd1k", env={**direct_env(), "SPLITSERVE_DIRECT_MAX_CONNECTIONS": "1"})
+    a, b, payload = inputs(6)
+    first, fid = stream(s, "direct", "vecadd1k")
+    with first:
+        second, _ = stream(s, "direct", "vecadd1k")
+        with second:
+            h, body = read_frame(second)
+            assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.REFUSED, 0), body
+            assert b"at most 1 direct connections" in body
+            assert read_frame(second)[0] is None  # then closed
+        with client(s, "direct") as c:  # refused the same way: every call goes through the front end
+            for _ in range(8):
+                np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+        first.sendall(request(fid, payload, req_id=3))  # the connection within the limit still serves
+        h, body = read_frame(first)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, 3)
+        np.testing.assert_allclose(np.frombuffer(body, np.float32), a + b, rtol=1e-6)
