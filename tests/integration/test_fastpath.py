@@ -90,7 +90,7 @@ def test_batched_request_and_udp_segmentation(server):
         c.infer("lenet", x)  # 40 > max batch 32
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "mixed"])  # mixed: half the connections each way, the same workers
 def test_2000_pipelined_requests_from_32_connections(server, path):
     rng = np.random.default_rng(0)
     n_conn, per_conn, window = 32, 63, 4
@@ -111,7 +111,7 @@ def test_2000_pipelined_requests_from_32_connections(server, path):
 
     def connection(k: int) -> None:
         try:
-            with client(server, path) as c:
+            with client(server, PATHS[k % 2] if path == "mixed" else path) as c:
                 inflight = []
                 for i in range(per_conn):
                     name = MODELS[(k + i) % 3]
