@@ -87,19 +87,30 @@ class WorkerCounters:
             raise ValueError(f"a {len(page)} B page has no room for the direct counters")
         # struct, not a numpy view: an exported buffer would keep the page from being unmapped
         self._page = page
+        # The worker's words as the worker last wrote them (it is their only writer), so
+        # counting is one store, not a load and a store.
+        self._mine = list(_ZEROS.unpack_from(page, COUNTERS_OFFSET))
 
     def reset(self) -> None:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
-        _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *([0] * Word.ADMIT))
+        self._mine = [0] * Word.ADMIT
+        _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *self._mine)
 
     def add(self, word: Word, n: int = 1) -> None:
-        off = COUNTERS_OFFSET + 8 * word
-        _U64.pack_into(self._page, off, _U64.unpack_from(self._page, off)[0] + n)
+        """Worker: count ``n`` more on one of its own words."""
+        v = self._mine[word] = self._mine[word] + n
+        _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, v)
+
+    def value(self, word: Word) -> int:
+        """Worker: one of its own words."""
+        return self._mine[word]
 
     def sub(self, word: Word, n: int = 1) -> None:
         self.add(word, -n)
 
     def set(self, word: Word, value: int) -> None:
+        if word < Word.ADMIT:
+            self._mine[word] = value
         _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
 
     def admit(self) -> int:

@@ -97,16 +97,20 @@ class _Call:
         self.target = self.views[0]
 
     def advance(self, n: int) -> bool:
-        """``n`` bytes landed in ``target``; True once the payload is complete."""
+        """``n`` bytes landed in ``target`` and the views after it; True once the payload is complete."""
         self.got += n
         if self.got == self.total:
             return True
-        if n == len(self.target):
+        while n >= len(self.target):
+            n -= len(self.target)
             self.vi += 1
             self.target = self.views[self.vi]
-        else:
-            self.target = self.target[n:]
+        self.target = self.target[n:]
         return False
+
+    def targets(self) -> list[memoryview]:
+        """Where the rest of the payload goes, in order (one scatter read fills them)."""
+        return [self.target, *self.views[self.vi + 1 :]]
 
     def move_aside(self) -> None:
         """Its batch starts without it: keep what came in a buffer of its own, receive the
@@ -198,11 +202,10 @@ class _Conn:
 
     def _read_some(self) -> bool:
         """One recv into the current target; False when the socket has nothing more now."""
+        if self.state == _PAYLOAD:
+            return self._read_payload()
         if self.state == _HEADER:
             buf = self.hdr_mv[self.got :]
-        elif self.state == _PAYLOAD:
-            assert self.call is not None
-            buf = self.call.target
         else:
             buf = memoryview(self.scratch)[: min(len(self.scratch), self.discard_left)]
         try:
@@ -223,18 +226,47 @@ class _Conn:
             if self.got == HEADER_SIZE:
                 self.got = 0
                 self._on_header()
-        elif self.state == _PAYLOAD:
-            call = self.call
-            assert call is not None
-            if call.advance(n):
-                self.call = None
-                self.server.arrived(call)
-                self._frame_done()
         else:
             self.discard_left -= n
             if self.discard_left == 0:
                 self._after_discard()
         return n == len(buf)
+
+    def _read_payload(self) -> bool:
+        """One scatter read of the rest of the payload (every input's rows) and the next
+        frame's header, if it is there: two system calls a call, and none that finds the
+        socket empty. False when the socket has nothing more now."""
+        call = self.call
+        assert call is not None
+        bufs = call.targets()
+        if not self._over_bounds():  # it will not pause after this frame: read on into the next header
+            bufs.append(self.hdr_mv)
+        want = call.total - call.got
+        try:
+            n = self.sock.recvmsg_into(bufs)[0]
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            log.debug("direct peer: %s", e)
+            self.close()
+            return False
+        if n == 0:
+            self.close()
+            return False
+        if n < want:
+            call.advance(n)
+            return False
+        call.advance(want)
+        self.call = None
+        self.server.arrived(call)
+        self._frame_done()
+        extra = n - want  # the next frame's header, or its first bytes
+        if extra:
+            self.got, self.frame_t0_ns = extra, time.monotonic_ns()
+            if extra == HEADER_SIZE:
+                self.got = 0
+                self._on_header()
+        return extra == HEADER_SIZE
 
     def _on_header(self) -> None:
         try:
@@ -298,11 +330,14 @@ class _Conn:
         """Pause or resume reading (only between frames) by the connection's own bounds and
         the worker's admission limit."""
         if self.state == _HEADER and self.got == 0 and not self.closed:
-            spec = self.spec
-            self.paused = (len(self.ids) >= spec.max_in_flight or len(self.out) > spec.out_high_water
-                           or (self.paused and len(self.out) > spec.out_low_water)
-                           or self.server.held() >= self.server.counters.admit())
+            self.paused = self._over_bounds()
         self._update()
+
+    def _over_bounds(self) -> bool:
+        spec = self.spec
+        return (len(self.ids) >= spec.max_in_flight or len(self.out) > spec.out_high_water
+                or (self.paused and len(self.out) > spec.out_low_water)
+                or self.server.held() >= self.server.counters.admit())
 
     def expire(self, now_ns: int) -> None:
         """Close the connection if its current frame began more than frame_timeout_s ago."""
@@ -402,6 +437,7 @@ class DirectServer:
         # the calls holding rows (row order), calls finished aside and connections waiting for rows.
         self.inputs = {c: [np.empty((self.max_batch, *t.shape), t.dtype) for t in cfg.inputs] for c in _CLASSES}
         self.flat = {c: [memoryview(a).cast("B") for a in arrays] for c, arrays in self.inputs.items()}
+        self.tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.inputs.items()}
         self.next_row = {c: 0 for c in _CLASSES}
         self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
         self.aside_done: dict[RequestClass, deque[_Call]] = {c: deque() for c in _CLASSES}
@@ -454,8 +490,7 @@ class DirectServer:
 
     def held(self) -> int:
         """Direct calls accepted and not yet answered or dropped."""
-        c = self.counters.snapshot()
-        return c.in_flight_rt + c.in_flight_be
+        return self.counters.value(Word.IN_FLIGHT_RT) + self.counters.value(Word.IN_FLIGHT_BE)
 
     def accept_call(self, conn: _Conn, h: Header) -> _Call:
         """Check a REQUEST header as the front end would; the call, with rows if its class
@@ -571,7 +606,7 @@ class DirectServer:
             self._rows_free(cls)
             return
         n = max(c.row + c.count for c in calls)
-        xs = tuple(torch.from_numpy(a[:n]) for a in self.inputs[cls])
+        xs = tuple(t[:n] for t in self.tensors[cls])
         self._finish(cls, calls, n, 0, xs, run)
 
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
@@ -606,19 +641,22 @@ class DirectServer:
             arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(n, *spec.shape), dtype=spec.dtype)
             outs.append((memoryview(arr).cast("B"), spec.nbytes))
         compute_us = (t1 - t0) // 1000
-        fid = self.spec.func_id
+        t2 = time.monotonic_ns()
+        h = Header(Kind.RESPONSE, func_id=self.spec.func_id, cls=cls, compute_us=compute_us)
+        answered = 0
         for c in calls:
             if c.conn.closed:
                 self._drop(c)
                 continue
             parts = [b""] + [mv[c.row * nb : (c.row + c.count) * nb] for mv, nb in outs]
-            parts[0] = Header(Kind.RESPONSE, req_id=c.req_id, func_id=fid, cls=c.cls,
-                              payload_len=sum(len(p) for p in parts[1:]), queue_us=max(0, t0 - c.t_rx_ns) // 1000,
-                              compute_us=compute_us, total_us=(time.monotonic_ns() - c.t_rx_ns) // 1000).pack()
+            h.req_id, h.queue_us, h.total_us = c.req_id, max(0, t0 - c.t_rx_ns) // 1000, (t2 - c.t_rx_ns) // 1000
+            h.payload_len = sum(len(p) for p in parts) - len(parts[0])
+            parts[0] = h.pack()
             c.conn.ids.discard(c.req_id)
-            self.counters.sub(_IN_FLIGHT[c.cls])
-            self.counters.add(Word.ANSWERED)
+            answered += 1
             c.conn.send(parts)
+        self.counters.sub(_IN_FLIGHT[cls], answered)
+        self.counters.add(Word.ANSWERED, answered)
         self._rows_free(cls)
 
     def _claim(self, running: int) -> None:
