@@ -88,10 +88,10 @@ class Worker:
         self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
-        # The bound model's direct endpoint (``worker/direct.py``), when its LOAD asked for one.
+        # The bound model's direct endpoint (``worker/direct.py``), when its LOAD asked for
+        # one, and the selector over it and the control socket (only while it is open).
         self.direct: DirectServer | None = None
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.ctrl.fileno(), selectors.EVENT_READ, None)
+        self.sel: selectors.BaseSelector | None = None
 
     @property
     def model(self) -> SegmentedModel:
@@ -117,9 +117,12 @@ class Worker:
             raise
         self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
         if msg.bind.direct is not None:
+            self.sel = selectors.DefaultSelector()
             try:
+                self.sel.register(self.ctrl.fileno(), selectors.EVENT_READ, None)
                 self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring)
             except BaseException:
+                self._close_direct()
                 self.bound = None
                 b.close()
                 raise
@@ -159,6 +162,9 @@ class Worker:
         d, self.direct = self.direct, None
         if d is not None:
             d.close()
+        sel, self.sel = self.sel, None
+        if sel is not None:
+            sel.close()
 
     def _should_stop(self, b: Binding, msg: RunMsg, i: int, first: int, count: int) -> bool:
         """REEF's check between segments: an explicit preemption of this batch, or (for
@@ -270,6 +276,7 @@ class Worker:
                         return
                     continue
                 ctrl = False
+                assert self.sel is not None  # open while a direct endpoint is
                 for key, mask in self.sel.select(0 if direct.ready() else direct.timeout()):
                     if key.data is None:
                         ctrl = True
