@@ -628,6 +628,9 @@ class ManagedModel(Protocol):
     def dispatch_max_batch(self) -> int:
         """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
 
+    def direct_counts(self) -> DirectCounts:
+        """The calls its workers took on the direct path (``fast_direct``; zero while off)."""
+
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""
 

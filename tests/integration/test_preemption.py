@@ -204,6 +204,8 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
             gates.open(9002)
             assert rt.result(timeout=60).value().ravel().tolist() == [9002]
             assert be.result(timeout=60).value().ravel().tolist() == [9001]
+            (stats,) = get_json(f"{s.http}/v2/models/gate_be/stats")["model_stats"]
+            assert stats["direct"]["answered"] == 1 and stats["direct"]["preempted"] == 1  # the front end's view
     finally:
         gates.open_all()
         s.stop()
