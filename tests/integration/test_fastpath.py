@@ -218,6 +218,32 @@ def test_direct_call_past_its_deadline_before_its_batch_starts_is_refused(gated)
         assert c.direct_endpoints("gate") == 1
 
 
+def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endpoint_closes(server):
+    """``AsyncClient(direct=True)`` spreads its calls over the workers' endpoints, and a
+    closed one costs no call: its unanswered calls go through the front end."""
+    import asyncio
+
+    from splitserve import AsyncClient
+
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(0, 255, (1, 28, 28), dtype=np.uint8) for _ in range(48)]
+    (want,) = local_outputs("lenet", [np.stack(xs)])
+
+    async def scenario() -> list:
+        async with AsyncClient(server.tcp, direct=True) as c:
+            first = await asyncio.gather(*(c.infer("lenet", x) for x in xs[:16]))
+            assert c.direct_endpoints("lenet") == 1
+            (st,) = c._routes["lenet"][0]
+            calls = [asyncio.ensure_future(c.infer("lenet", x)) for x in xs[16:]]
+            await asyncio.sleep(0)  # sent, not answered
+            st.w.transport.abort()  # the endpoint closes under them, as when its worker goes away
+            return first + list(await asyncio.gather(*calls))
+
+    got = asyncio.run(scenario())
+    for j, y in enumerate(got):
+        np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
+
+
 def test_udp_retransmit_of_an_answered_request_gets_the_remembered_answer(gated):
     server, gates = gated
     with udp(server) as u:
