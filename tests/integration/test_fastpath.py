@@ -16,7 +16,7 @@ from splitserve.errors import DeadlineMissed, SplitServeError, Status, WorkerFai
 from splitserve.models import build_zoo_model, digits_dataset
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
-from tests.framing import PATHS, client, direct_env, lookup, raw, read_frame, stream, udp, udp_describe, udp_read
+from tests.framing import PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read
 
 MODELS = ("lenet", "vecadd1k", "digits")
 

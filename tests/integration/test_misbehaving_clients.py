@@ -14,8 +14,7 @@ import pytest
 from splitserve import Client, UdpClient
 from splitserve.errors import Status
 from splitserve.protocol.header import Header, Kind
-from tests.framing import (PATHS, client, describe, direct_env, lookup, raw, read_frame, stream, udp, udp_describe,
-                           udp_read)
+from tests.framing import PATHS, client, describe, direct_env, raw, read_frame, stream, udp, udp_describe, udp_read
 
 VEC = 2 * 4096  # bytes of one vecadd1k request (two FP32[1024])
 RING = 64  # vecadd1k's ring with --queue-slots 8: twice its max batch of 32
