@@ -188,6 +188,12 @@ class ServerConfig:
     protean_be_max_wait_s: float = 0.5  # BE waits rather than join a running strict batch, until its oldest request waited this long (0: never; not in the paper)
     # -- fast path at the limit (issue 15) --
     fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
+    # -- direct data path (issue 15, direct): the worker that runs the model takes its fast-path calls itself --
+    fast_direct: bool = False  # bound workers also listen for fast-path frames on a Unix socket of their own (LOOKUP names it)
+    direct_max_connections: int = 64  # direct connections per worker; one more is told so and closed
+    direct_admit: int = 4096  # calls a worker may hold from its direct connections; past it they are not read
+    direct_suspend_poll_s: float = 0.001  # how often a worker looks whether its suspended direct BE batch may resume
+    direct_poll_s: float = 0.005  # how often the node reads its workers' pages for REEF (turns their doorbells on and off)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -241,7 +247,8 @@ class ServerConfig:
             raise InvalidInput("fast_stage_trace must be 0 (off) or a number of calls")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
                      "udp_rcvbuf", "udp_response_cache_bytes", "coordinator_events", "max_labels", "max_top_k",
-                     "placement_history", "grpc_stream_max_in_flight", "shm_max_regions", "shm_max_bytes"):
+                     "placement_history", "grpc_stream_max_in_flight", "shm_max_regions", "shm_max_bytes",
+                     "direct_max_connections", "direct_admit"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
@@ -258,7 +265,8 @@ class ServerConfig:
         if self.worker_start_attempts < 1:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
-                     "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s"):
+                     "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s", "direct_suspend_poll_s",
+                     "direct_poll_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         if self.geometry and self.partitioning is Partitioning.NONE:
@@ -301,6 +309,11 @@ class ServerConfig:
     @property
     def unix_socket(self) -> Path:
         return self.unix_path or self.data_dir / "fast.sock"
+
+    @property
+    def direct_dir(self) -> Path:
+        """Where workers put their direct endpoints (inside the private data directory)."""
+        return self.data_dir / "direct"
 
 
 # -- cluster (issue 13, c-pure): node pools and prices, procurement, revocations, dispatch, health, autoscaling --

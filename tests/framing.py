@@ -66,3 +66,37 @@ def udp_describe(u: socket.socket, name: str) -> dict:
     h, body = udp_read(u)
     assert h.kind == Kind.LOOKUP_REPLY, body
     return json.loads(body)
+
+
+# The stream data paths a call can take: through the front end, or straight to the worker
+# that runs the model (ServerConfig.fast_direct, endpoints named by LOOKUP).
+PATHS = ("front", "direct")
+
+
+def direct_env() -> dict[str, str]:
+    """The environment of a server whose workers also serve the direct path."""
+    import os
+
+    return {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"}
+
+
+def stream(server: Any, path: str, model: str) -> tuple[socket.socket, int]:
+    """A raw connection that carries ``model``'s requests over ``path`` (the front end's TCP
+    port, or the first direct endpoint its LOOKUP names), and the model's func_id."""
+    s = raw(server)
+    info = describe(s, model)
+    if path == "front":
+        return s, info["func_id"]
+    s.close()
+    assert info["direct"], f"{model} offers no direct endpoint: {info}"
+    d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    d.settimeout(TIMEOUT_S)
+    d.connect(info["direct"][0].removeprefix("unix://"))
+    return d, info["func_id"]
+
+
+def client(server: Any, path: str, **kw: Any) -> Any:
+    """A sync ``Client`` whose calls take ``path``."""
+    from splitserve import Client
+
+    return Client(server.tcp, direct=path == "direct", **kw)

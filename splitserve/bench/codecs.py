@@ -122,7 +122,7 @@ def _grpc(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: Sequen
 def measure(transport: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
             x: Sequence[np.ndarray], y: Sequence[np.ndarray], reps: int = 200) -> CodecTiming | None:
     """Encode + decode time of one request of ``transport`` with inputs ``x`` and answer ``y``."""
-    if transport in ("tcp", "unix", "udp"):
+    if transport in ("tcp", "unix", "direct", "udp"):
         return _fast_path(inputs, outputs, x, y, reps)
     if transport in ("http-json", "http-binary"):
         return _http(inputs, outputs, x, y, reps, binary=transport == "http-binary")

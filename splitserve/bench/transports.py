@@ -10,6 +10,7 @@ unavailable instead of failing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
@@ -21,22 +22,24 @@ from typing import Any
 from splitserve.launcher import urls_from_info
 
 # transports served by a splitserve server, in report order
-SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "udp", "http-json", "http-binary", "grpc")
+SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "direct", "udp", "http-json", "http-binary", "grpc")
 # reference points measured without a server
 BASELINES: tuple[str, ...] = ("local", "echo")
 
 SCHEME: dict[str, str] = {
     "tcp": "tcp", "unix": "unix", "udp": "udp", "http-json": "http", "http-binary": "http", "grpc": "grpc",
+    "direct": "tcp",  # looked up at the front end's TCP port, then straight to the workers
 }
 LABEL: dict[str, str] = {
-    "tcp": "fast path TCP", "unix": "fast path Unix", "udp": "fast path UDP", "http-json": "HTTP JSON",
+    "tcp": "fast path TCP", "unix": "fast path Unix", "direct": "fast path direct (to the worker)",
+    "udp": "fast path UDP", "http-json": "HTTP JSON",
     "http-binary": "HTTP binary", "grpc": "gRPC", "local": "in-process (ideal)", "echo": "TCP echo (floor)",
 }
 SHORT: dict[str, str] = {
-    "tcp": "TCP", "unix": "Unix", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
+    "tcp": "TCP", "unix": "Unix", "direct": "direct", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
-FAST_PATH: tuple[str, ...] = ("tcp", "unix", "udp")
+FAST_PATH: tuple[str, ...] = ("tcp", "unix", "direct", "udp")
 # third-party clients (bench peers), by the names in splitserve.bench.peers.clients.CLIENTS
 PEER_CLIENTS: tuple[str, ...] = ("tritonclient-http", "tritonclient-grpc", "httpx-raw")
 
@@ -92,6 +95,10 @@ def _classes(transport: str) -> tuple[type | None, type | None, dict[str, Any]]:
         from splitserve.client import AsyncClient, Client
 
         return Client, AsyncClient, {}
+    if transport == "direct":
+        from splitserve.client import AsyncClient, Client
+
+        return functools.partial(Client, direct=True), functools.partial(AsyncClient, direct=True), {}
     if transport == "udp":
         from splitserve.client import UdpClient
 

@@ -45,15 +45,18 @@ def _result(info: ModelInfo, h: Header, payload: bytes, count: int, batched: boo
 class PendingCall:
     """A call in flight on a sync client; ``result()`` waits for (and helps read) its answer."""
 
-    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error")
+    __slots__ = ("_client", "req_id", "_decode", "_done", "_value", "_error", "_stream", "_parts")
 
-    def __init__(self, client: "Client", req_id: int, decode: Callable[[Header, bytes], Any]) -> None:
+    def __init__(self, client: "Client", req_id: int, decode: Callable[[Header, bytes], Any],
+                 stream: "_Stream", parts: list | None) -> None:
         self._client = client
         self.req_id = req_id
         self._decode = decode
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
+        self._stream = stream  # the connection its answer will come on
+        self._parts = parts  # kept while it is on a direct connection: re-sent through the front end if that closes
 
     def done(self) -> bool:
         return self._done
@@ -64,6 +67,7 @@ class PendingCall:
         except BaseException as e:
             self._error = e
         self._done = True
+        self._parts = None
 
     def result(self, timeout: float | None = None) -> Any:
         self._client._wait(self, timeout)
@@ -72,60 +76,154 @@ class PendingCall:
         return self._value
 
 
+def _connect(ep: Endpoint, timeout: float) -> socket.socket:
+    if ep.scheme == "tcp":
+        sock = socket.create_connection((ep.host, ep.port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    if ep.scheme == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(ep.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise InvalidInput(f"Client speaks tcp:// and unix://; use UdpClient or splitserve.connect(), not {ep.scheme}://")
+
+
+class _Stream:
+    """One connection of a sync client (the front end's, or a worker's direct endpoint):
+    its socket, its calls in flight and its receive buffer. The client's condition guards
+    ``pending`` and ``reading``."""
+
+    def __init__(self, sock: socket.socket, model: str | None = None, url: str = "") -> None:
+        self.sock = sock
+        self.model = model  # a direct connection's model (None: the front end's)
+        self.url = url  # a direct connection's endpoint
+        self.send_lock = threading.Lock()
+        self.reading = False
+        self.lost = False
+        self.pending: dict[int, PendingCall] = {}
+        # Answers are read through this buffer: one recv usually brings a whole small frame
+        # (header and payload), where reading them apart took two system calls per answer.
+        self.rx = bytearray(_RX_BYTES)
+        self.rx_mv = memoryview(self.rx)
+        self.rx_start = self.rx_end = 0  # the unparsed bytes are rx[rx_start:rx_end]
+
+    def send(self, parts: list) -> None:
+        total = sum(memoryview(p).nbytes for p in parts)
+        with self.send_lock:
+            sent = self.sock.sendmsg(parts)
+            if sent < total:  # rare on blocking sockets; finish with a joined copy
+                rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[sent:]
+                self.sock.sendall(rest)
+
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` unparsed bytes are buffered (``need`` <= the buffer)."""
+        if self.rx_start + need > len(self.rx):  # no room after them: move them to the front
+            n = self.rx_end - self.rx_start
+            self.rx[:n] = self.rx[self.rx_start : self.rx_end]
+            self.rx_start, self.rx_end = 0, n
+        while self.rx_end - self.rx_start < need:
+            n = self.sock.recv_into(self.rx_mv[self.rx_end :])
+            if n == 0:
+                raise ConnectionError("server closed the connection")
+            self.rx_end += n
+
+    def _take(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the stream, in a buffer of their own (decoded arrays keep it)."""
+        out = bytearray(n)
+        have = min(n, self.rx_end - self.rx_start)
+        out[:have] = self.rx_mv[self.rx_start : self.rx_start + have]
+        self.rx_start += have
+        mv = memoryview(out)[have:]
+        while len(mv):  # a payload bigger than what was buffered: straight into its own buffer
+            got = self.sock.recv_into(mv)
+            if got == 0:
+                raise ConnectionError("server closed the connection")
+            mv = mv[got:]
+        if self.rx_start == self.rx_end:
+            self.rx_start = self.rx_end = 0
+        return out
+
+    def read_one(self) -> tuple[Header, bytearray]:
+        self._fill(HEADER_SIZE)
+        h = unpack_header(self.rx_mv[self.rx_start : self.rx_start + HEADER_SIZE])
+        self.rx_start += HEADER_SIZE
+        if h.payload_len <= len(self.rx):
+            self._fill(h.payload_len)
+        return h, self._take(h.payload_len)
+
+
+class _Route:
+    """Where a model's calls go: its info, and with ``direct`` its workers' endpoints."""
+
+    __slots__ = ("info", "streams", "turn", "looked_up", "stale")
+
+    def __init__(self, info: ModelInfo, streams: list[_Stream], looked_up: float) -> None:
+        self.info = info
+        self.streams = streams
+        self.turn = 0
+        self.looked_up = looked_up
+        self.stale = False  # a direct connection closed: look the model up again
+
+
 class Client:
     """Synchronous fast-path client for ``tcp://host:port`` or ``unix:///path``.
 
     Thread-safe. The thread that waits for an answer reads the socket itself (whoever
     waits first reads for everyone), so a single caller pays no thread hand-off.
+
+    ``direct=True`` sends calls straight to the worker processes that run the model when
+    the server offers it (``ServerConfig.fast_direct``; its LOOKUP names their endpoints):
+    one connection per instance, calls spread over them in turn; lookups stay with the
+    front end. A direct connection that closes (its worker was unloaded, evicted, restarted
+    or died, or refused the connection) costs no call: the calls it had not answered are
+    re-sent through the front end (inference has no side effects, so a call whose answer
+    was lost is run again), and the model is looked up again before its next call, then at
+    most every ``direct_retry_s`` while it offers no endpoint; an endpoint whose connection
+    closed is not connected to again for ``direct_retry_s``. Without direct endpoints (an
+    old server, or the direct path off) every call goes through the front end as before.
     """
 
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+                 direct_retry_s: float = 1.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
-        ep = self.endpoint
-        if ep.scheme == "tcp":
-            self.sock = socket.create_connection((ep.host, ep.port), timeout=timeout)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elif ep.scheme == "unix":
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout)
-            self.sock.connect(ep.path)
-        else:
-            raise InvalidInput(f"{type(self).__name__} speaks tcp:// and unix://; use UdpClient or splitserve.connect()")
+        self.direct = direct
+        self.direct_retry_s = direct_retry_s
+        self._front = _Stream(_connect(self.endpoint, timeout))
+        self.sock = self._front.sock
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
-        self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._reading = False
-        self._pending: dict[int, PendingCall] = {}
-        self._models: dict[str, ModelInfo] = {}
-        # Answers are read through this buffer: one recv usually brings a whole small frame
-        # (header and payload), where reading them apart took two system calls per answer.
-        self._rx = bytearray(_RX_BYTES)
-        self._rx_mv = memoryview(self._rx)
-        self._rx_start = self._rx_end = 0  # the unparsed bytes are _rx[_rx_start:_rx_end]
+        self._routes: dict[str, _Route] = {}
+        self._direct_streams: list[_Stream] = []  # every direct connection opened, to close with the client
+        self._lost_at: dict[str, float] = {}  # endpoint -> when its connection closed (not retried sooner)
         self.closed = False
 
     # -- public API -------------------------------------------------------------------
 
     def lookup(self, model: str) -> ModelInfo:
         """Resolve a model name to its func_id, shapes and datatypes (cached)."""
-        info = self._models.get(model)
-        if info is None:
-            body = model.encode()
-            req_id = next(self._ids)
-            call = self._call(req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
-                              lambda h, p: self._check(h, p, ModelInfo.from_json))
-            info = self._models[model] = call.result()
-        return info
+        return self._route(model).info
 
     def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
                slo_ms: float | None = None) -> PendingCall:
         """Send a call and return at once; ``.result()`` gives an ``InferResult``."""
-        info = self.lookup(model)
+        route = self._route(model)
+        info = route.info
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
         h = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
-        return self._call(req_id, [h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched))
+        stream = self._front
+        if route.streams:
+            with self._cond:
+                if route.streams:
+                    route.turn = (route.turn + 1) % len(route.streams)
+                    stream = route.streams[route.turn]
+        return self._call(req_id, [h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched), stream)
 
     def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
         return self.submit(model, x, **kw).result()
@@ -137,13 +235,20 @@ class Client:
     def ping(self) -> float:
         t = time.perf_counter()
         req_id = next(self._ids)
-        self._call(req_id, [Header(Kind.PING, req_id=req_id).pack()], lambda h, p: None).result()
+        self._call(req_id, [Header(Kind.PING, req_id=req_id).pack()], lambda h, p: None, self._front).result()
         return time.perf_counter() - t
+
+    def direct_endpoints(self, model: str) -> int:
+        """Direct connections the client holds for ``model`` now (0: its calls go through the front end)."""
+        route = self._routes.get(model)
+        return len(route.streams) if route is not None else 0
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.sock.close()
+            self._front.sock.close()
+            for st in self._direct_streams:
+                st.sock.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -159,61 +264,57 @@ class Client:
             raise error_for_status(h.status, payload.decode(errors="replace"))
         return parse(payload)
 
-    def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any]) -> PendingCall:
-        call = PendingCall(self, req_id, decode)
+    def _route(self, model: str) -> _Route:
+        route = self._routes.get(model)
+        if route is not None and not (self.direct and (route.stale or not route.streams and
+                                                       time.monotonic() - route.looked_up > self.direct_retry_s)):
+            return route
+        body = model.encode()
+        req_id = next(self._ids)
+        info = self._call(req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
+                          lambda h, p: self._check(h, p, ModelInfo.from_json), self._front).result()
+        live = {st.url: st for st in route.streams} if route is not None else {}
+        streams = []
+        now = time.monotonic()
+        for url in info.extra.get("direct", ()) if self.direct else ():
+            st = live.pop(url, None)
+            if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
+                continue  # it closed a moment ago (restarting, or at its connection limit): not yet
+            if st is None:
+                try:
+                    st = _Stream(_connect(Endpoint.parse(url), self.timeout), model, url)
+                except (OSError, SplitServeError):
+                    continue  # gone since the lookup (a stale endpoint): the others, or the front end, serve
+                self._direct_streams.append(st)
+            streams.append(st)
         with self._cond:
-            self._pending[req_id] = call
-        total = sum(memoryview(p).nbytes for p in parts)
-        with self._send_lock:
-            sent = self.sock.sendmsg(parts)
-            if sent < total:  # rare on blocking sockets; finish with a joined copy
-                rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[sent:]
-                self.sock.sendall(rest)
+            route = self._routes[model] = _Route(info, streams, time.monotonic())
+        for st in live.values():  # no longer offered: calls on it are answered there or re-sent when it closes
+            if not st.pending:
+                self._lost(st, ConnectionError("endpoint withdrawn"))
+        return route
+
+    def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any], stream: _Stream) -> PendingCall:
+        call = PendingCall(self, req_id, decode, stream, parts if stream.model is not None else None)
+        with self._cond:
+            stream.pending[req_id] = call
+        try:
+            stream.send(parts)
+        except OSError as e:
+            if stream.model is None:
+                raise
+            self._lost(stream, e)  # re-sends it, and any other call on it, through the front end
         return call
 
-    def _fill(self, need: int) -> None:
-        """Receive until ``need`` unparsed bytes are buffered (``need`` <= the buffer)."""
-        if self._rx_start + need > len(self._rx):  # no room after them: move them to the front
-            n = self._rx_end - self._rx_start
-            self._rx[:n] = self._rx[self._rx_start : self._rx_end]
-            self._rx_start, self._rx_end = 0, n
-        while self._rx_end - self._rx_start < need:
-            n = self.sock.recv_into(self._rx_mv[self._rx_end :])
-            if n == 0:
-                raise ConnectionError("server closed the connection")
-            self._rx_end += n
-
-    def _take(self, n: int) -> bytearray:
-        """The next ``n`` bytes of the stream, in a buffer of their own (decoded arrays keep it)."""
-        out = bytearray(n)
-        have = min(n, self._rx_end - self._rx_start)
-        out[:have] = self._rx_mv[self._rx_start : self._rx_start + have]
-        self._rx_start += have
-        mv = memoryview(out)[have:]
-        while len(mv):  # a payload bigger than what was buffered: straight into its own buffer
-            got = self.sock.recv_into(mv)
-            if got == 0:
-                raise ConnectionError("server closed the connection")
-            mv = mv[got:]
-        if self._rx_start == self._rx_end:
-            self._rx_start = self._rx_end = 0
-        return out
-
-    def _read_one(self) -> None:
-        self._fill(HEADER_SIZE)
-        h = unpack_header(self._rx_mv[self._rx_start : self._rx_start + HEADER_SIZE])
-        self._rx_start += HEADER_SIZE
-        if h.payload_len <= len(self._rx):
-            self._fill(h.payload_len)
-        payload = self._take(h.payload_len)
+    def _dispatch(self, stream: _Stream, h: Header, payload: bytearray) -> None:
         with self._cond:
-            call = self._pending.pop(h.req_id, None)
+            call = stream.pending.pop(h.req_id, None)
         if call is None:
             return  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
         if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST and not call.done():
             # the server refused a duplicate of a call still in flight: that call's own answer comes later
             with self._cond:
-                self._pending[h.req_id] = call
+                stream.pending[h.req_id] = call
             return
         call._set(h, bytes(payload) if h.kind == Kind.ERROR else payload)
 
@@ -221,53 +322,117 @@ class Client:
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         while True:
             with self._cond:
-                while not call.done() and self._reading:
+                while not call.done() and call._stream.reading:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._cond.wait(left):
                         raise TimeoutError(f"no answer to call {call.req_id}")
                 if call.done():
                     return
-                self._reading = True
+                stream = call._stream
+                stream.reading = True
             try:
-                self._read_one()
+                h, payload = stream.read_one()
             except BaseException as e:
-                self._fail_all(e)
-                raise
-            finally:
                 with self._cond:
-                    self._reading = False
+                    stream.reading = False
                     self._cond.notify_all()
+                if stream.model is None or not isinstance(e, (OSError, SplitServeError)):
+                    self._fail_all(stream, e)
+                    raise
+                self._lost(stream, e)
+                continue
+            with self._cond:
+                stream.reading = False
+                self._cond.notify_all()
+            self._dispatch(stream, h, payload)
 
-    def _fail_all(self, e: BaseException) -> None:
+    def _lost(self, stream: _Stream, e: BaseException) -> None:
+        """A direct connection closed: its unanswered calls go through the front end, and
+        the model is looked up again before its next call."""
         with self._cond:
-            pending, self._pending = self._pending, {}
+            if stream.lost:
+                return
+            stream.lost = True
+            calls, stream.pending = list(stream.pending.values()), {}
+            route = self._routes.get(stream.model or "")
+            if route is not None and stream in route.streams:
+                route.streams.remove(stream)
+                route.stale = True
+            self._lost_at[stream.url] = time.monotonic()
+            for c in calls:
+                c._stream = self._front
+                self._front.pending[c.req_id] = c
+            self._cond.notify_all()
+        try:  # wakes a thread blocked reading it (close alone would not)
+            stream.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        stream.sock.close()
+        for c in calls:
+            parts, c._parts = c._parts, None
+            if parts is not None and not c.done():
+                self._front.send(parts)
+
+    def _fail_all(self, stream: _Stream, e: BaseException) -> None:
+        with self._cond:
+            pending, stream.pending = stream.pending, {}
         err = e if isinstance(e, SplitServeError) else ConnectionError(f"connection lost: {e}")
         for c in pending.values():
             c._error, c._done = err, True
 
 
-class AsyncClient:
-    """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight."""
+class _AsyncStream:
+    """One connection of an ``AsyncClient`` (the front end's, or a worker's direct endpoint)
+    and the calls awaiting their answer on it: (future, decode, the frame to re-send)."""
 
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, model: str | None = None,
+                 url: str = "") -> None:
+        self.r, self.w = r, w
+        self.model = model
+        self.url = url
+        self.pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any], list | None]] = {}
+        self.task: asyncio.Task | None = None
+        self.lost = False
+
+
+async def _open_async(ep: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if ep.scheme == "tcp":
+        r, w = await asyncio.open_connection(ep.host, ep.port)
+        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return r, w
+    if ep.scheme == "unix":
+        return await asyncio.open_unix_connection(ep.path)
+    raise InvalidInput("AsyncClient speaks tcp:// and unix://")
+
+
+class AsyncClient:
+    """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight.
+
+    ``direct=True`` follows the workers' direct endpoints as ``Client`` does (one
+    connection per instance, calls in turn; a closed one's unanswered calls are re-sent
+    through the front end and the model is looked up again)."""
+
+    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+                 direct_retry_s: float = 1.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
+        self.direct = direct
+        self.direct_retry_s = direct_retry_s
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
-        self._pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any]]] = {}
         self._models: dict[str, ModelInfo] = {}
-        self._reader_task: asyncio.Task | None = None
+        self._routes: dict[str, tuple[list[_AsyncStream], float, bool]] = {}  # streams, looked up at, stale
+        self._turn = 0
+        self._front: _AsyncStream | None = None
+        self._direct_streams: list[_AsyncStream] = []
 
     async def connect(self) -> "AsyncClient":
-        ep = self.endpoint
-        if ep.scheme == "tcp":
-            self._r, self._w = await asyncio.open_connection(ep.host, ep.port)
-            self._w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elif ep.scheme == "unix":
-            self._r, self._w = await asyncio.open_unix_connection(ep.path)
-        else:
-            raise InvalidInput("AsyncClient speaks tcp:// and unix://")
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        r, w = await _open_async(self.endpoint)
+        self._front = self._start(_AsyncStream(r, w))
         return self
+
+    def _start(self, st: _AsyncStream) -> _AsyncStream:
+        st.task = asyncio.get_running_loop().create_task(self._read_loop(st))
+        return st
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -276,61 +441,122 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            self._w.close()
+        streams = [self._front, *self._direct_streams] if self._front is not None else []
+        self._front, self._direct_streams = None, []
+        for st in streams:
+            st.lost = True
+            if st.task is not None:
+                st.task.cancel()
+            st.w.close()
             try:
-                await self._w.wait_closed()
+                await st.w.wait_closed()
             except (ConnectionError, asyncio.CancelledError):
                 pass
-            self._reader_task = None
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, st: _AsyncStream) -> None:
         try:
             while True:
-                hdr = await self._r.readexactly(HEADER_SIZE)
+                hdr = await st.r.readexactly(HEADER_SIZE)
                 h = unpack_header(hdr)
-                payload = await self._r.readexactly(h.payload_len) if h.payload_len else b""
-                entry = self._pending.get(h.req_id)
+                payload = await st.r.readexactly(h.payload_len) if h.payload_len else b""
+                entry = st.pending.get(h.req_id)
                 if entry is None or (h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST):
                     continue
-                del self._pending[h.req_id]
-                fut, decode = entry
+                del st.pending[h.req_id]
+                fut, decode, _ = entry
                 if not fut.done():
                     try:
                         fut.set_result(decode(h, payload))
                     except BaseException as e:
                         fut.set_exception(e)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            for fut, _ in self._pending.values():
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, SplitServeError) as e:
+            if st.model is not None and not st.lost:
+                self._lost(st)
+                return
+            for fut, _, _ in st.pending.values():
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"connection lost: {e}"))
-            self._pending.clear()
+            st.pending.clear()
 
-    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any]) -> Any:
+    def _lost(self, st: _AsyncStream) -> None:
+        """A direct connection closed: its unanswered calls go through the front end."""
+        st.lost = True
+        st.w.close()
+        streams, at, _ = self._routes.get(st.model or "", ([], 0.0, False))
+        if st in streams:
+            streams.remove(st)
+            self._routes[st.model or ""] = (streams, at, True)
+        front = self._front
+        calls, st.pending = st.pending, {}
+        for req_id, (fut, decode, parts) in calls.items():
+            if fut.done() or parts is None:
+                continue
+            if front is None:
+                fut.set_exception(ConnectionError("the client is closed"))
+                continue
+            front.pending[req_id] = (fut, decode, None)
+            front.w.writelines(parts)
+
+    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any], st: _AsyncStream | None = None) -> Any:
+        st = st or self._front
+        if st is None:
+            raise ConnectionError("the client is not connected")
         req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
         fut = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = (fut, decode)
-        self._w.writelines(parts)
-        await self._w.drain()
+        st.pending[req_id] = (fut, decode, parts if st.model is not None else None)
+        st.w.writelines(parts)
+        try:
+            await st.w.drain()
+        except (ConnectionError, OSError):
+            if st.model is None:
+                raise
+            if not st.lost:
+                self._lost(st)
         return await asyncio.wait_for(fut, self.timeout)
 
     async def lookup(self, model: str) -> ModelInfo:
         info = self._models.get(model)
-        if info is None:
-            body = model.encode()
-            info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
-                                    lambda h, p: Client._check(h, p, ModelInfo.from_json))
-            self._models[model] = info
+        route = self._routes.get(model)
+        if info is not None and not (self.direct and route is not None and (
+                route[2] or not route[0] and time.monotonic() - route[1] > self.direct_retry_s)):
+            return info
+        body = model.encode()
+        info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+                                lambda h, p: Client._check(h, p, ModelInfo.from_json))
+        self._models[model] = info
+        if self.direct:
+            live = {st.url: st for st in (route[0] if route else [])}
+            streams = []
+            for url in info.extra.get("direct", ()):
+                st = live.pop(url, None)
+                if st is None:
+                    try:
+                        r, w = await _open_async(Endpoint.parse(url))
+                    except (OSError, SplitServeError):
+                        continue  # gone since the lookup: the others, or the front end, serve
+                    st = self._start(_AsyncStream(r, w, model, url))
+                    self._direct_streams.append(st)
+                streams.append(st)
+            self._routes[model] = (streams, time.monotonic(), False)
         return info
+
+    def direct_endpoints(self, model: str) -> int:
+        """Direct connections the client holds for ``model`` now (0: its calls go through the front end)."""
+        route = self._routes.get(model)
+        return len(route[0]) if route is not None else 0
 
     async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
                            slo_ms: float | None = None) -> InferResult:
         info = await self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
         h = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
+        st = None
+        streams = self._routes.get(model, ([], 0.0, False))[0]
+        if streams:
+            self._turn = (self._turn + 1) % len(streams)
+            st = streams[self._turn]
         return await self._call([h.pack(), *(memoryview(a).cast("B") for a in arrays)],
-                                lambda hh, p: _result(info, hh, p, count, batched))
+                                lambda hh, p: _result(info, hh, p, count, batched), st)
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         return (await self.infer_result(model, x, **kw)).value()

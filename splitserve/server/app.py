@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import ServerConfig
-from splitserve.errors import BadSize, InvalidInput, Refused, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.errors import BadSize, InvalidInput, ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
 from splitserve.placement.topology import read_topology
 from splitserve.protocol.header import RequestClass
+from splitserve.protocol.requests import call_class
 from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
@@ -124,6 +125,7 @@ class Server:
             WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._direct_watch: asyncio.TimerHandle | None = None
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
@@ -143,6 +145,10 @@ class Server:
         self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
         cfg = self.config
         private_dir(cfg.data_dir)
+        if cfg.fast_direct:
+            private_dir(cfg.direct_dir)
+            if cfg.preemption is PriorityMode.REEF:  # REEF across the direct path: the workers' pages
+                self._direct_watch = self.loop.call_later(cfg.direct_poll_s, self._watch_direct)
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
@@ -212,6 +218,10 @@ class Server:
         self.monitor.sweep(time.perf_counter(), self.config.max_call_age_s)
         self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
 
+    def _watch_direct(self) -> None:
+        self.coordinator.watch_direct()
+        self._direct_watch = self.loop.call_later(self.config.direct_poll_s, self._watch_direct)
+
     async def _stop_frontends(self, deadline: float) -> None:
         """Every front end stops taking requests; HTTP and gRPC calls in flight get stop_grace_s."""
         async def stop_one(fe: FrontEnd) -> None:
@@ -267,6 +277,8 @@ class Server:
                 log.exception("model %s: releasing its tensor queues failed", rt.name)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._direct_watch is not None:
+            self._direct_watch.cancel()
         if hasattr(self, "registry"):
             await self.footprints.flush()
             await asyncio.to_thread(self.registry.close)
@@ -367,15 +379,7 @@ class Server:
         """The class a call runs in: its own, or the model's default; policy may refuse BE."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        try:
-            c = RequestClass(cls)
-        except ValueError:
-            raise InvalidInput(f"unknown request class {cls}; use 0 (real-time) or 1 (best-effort)") from None
-        if c == RequestClass.DEFAULT:
-            c = port.default_class
-        if c == RequestClass.BE and self.config.preemption is PriorityMode.RT_ONLY:
-            raise Refused("best-effort requests are refused in rt-only mode")
-        return c
+        return call_class(cls, port.default_class, self.config.preemption is PriorityMode.RT_ONLY)
 
     # -- ServingAPI: the shared request path for decoded front ends --------------------------
 

@@ -21,6 +21,7 @@ from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
 from splitserve.server.ports import BatchPlacement, Event, ScheduledModel
+from splitserve.worker.messages import DIRECT_BATCH
 
 RT, BE = RequestClass.RT, RequestClass.BE
 
@@ -53,6 +54,10 @@ class Coordinator:
         self._rt_running: set[tuple[str, int]] = set()  # (model, batch id)
         self._suspended: set[tuple[str, int]] = set()
         self._padding = False  # some worker has a padding deadline set
+        # The direct path (fast_direct): a worker runs a real-time batch the front end never
+        # dispatched (its page says so); workers ring on such batches while ``_bell`` is on.
+        self._direct_rt = False
+        self._bell = False
 
     # -- the node as the pure policy sees it ----------------------------------------------
 
@@ -85,7 +90,7 @@ class Coordinator:
 
     def _normal_mode(self) -> bool:
         """No RT work running or waiting anywhere, and no BE work preempted or being preempted."""
-        if self._rt_running or self._suspended or self._raised:
+        if self._rt_running or self._suspended or self._raised or self._direct_rt:
             return False
         return not any(m.rt_waiting() for m in self.models())
 
@@ -141,9 +146,50 @@ class Coordinator:
         self._log("done" if ok else "failed", model, instance, batch, 0)
         # An RT batch ending can end RT mode; in seq mode any end frees the node; on a
         # partitioned node any end may free the partition a waiting RT batch waits for.
+        if batch.cls == RT:
+            self._release_direct()
         if batch.cls == RT or self.mode is PriorityMode.SEQ or (
                 self.placement is not None and any(m.rt_waiting() for m in self.models())):
             self._kick_all()
+
+    # -- the direct path ---------------------------------------------------------------------
+
+    def direct_changed(self) -> None:
+        """A worker's direct real-time batch began or ended: best-effort work on its CPUs
+        is preempted (front-end batches by their id, a worker's own direct batch by
+        ``DIRECT_BATCH``) on the scheduling pass this starts, and let go once no
+        real-time work runs."""
+        self._direct_rt = any(v.running_cls == RT and v.running_batch == DIRECT_BATCH for v in self.view())
+        self._release_direct()
+        self._kick_all()
+
+    def watch_direct(self) -> None:
+        """The node's look at its workers' pages (every ``direct_poll_s``): ring on direct
+        real-time batches while both classes are about, and notice a direct real-time batch
+        that began or ended without ringing (before the bell was on)."""
+        rt = be = running = False
+        for m in self.models():
+            r, b, x = m.direct_activity()
+            rt, be, running = rt or r, be or b, running or x
+        if (rt and be) != self._bell:
+            self._bell = rt and be
+            for m in self.models():
+                m.set_direct_bell(self._bell)
+        if running != self._direct_rt:
+            self.direct_changed()
+
+    def _release_direct(self) -> None:
+        """No real-time work runs any more: direct best-effort batches held for it resume."""
+        if self._direct_rt or self._rt_running:
+            return
+        held = [k for k in self._raised if k[2] == DIRECT_BATCH]
+        if not held:
+            return
+        by_name = {m.name: m for m in self.models()}
+        for name, i, batch_id in held:
+            self._raised.discard((name, i, batch_id))
+            if (model := by_name.get(name)) is not None:
+                model.clear_preempt(i)
 
     # -- effects ---------------------------------------------------------------------------
 

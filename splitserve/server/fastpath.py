@@ -18,17 +18,17 @@ disconnected.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from splitserve.errors import BadFrame, BadSegment, BadSize, DuplicateRequest, SplitServeError
+from splitserve.errors import BadFrame, BadSize, DuplicateRequest, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.protocol.requests import stream_samples
+from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.server.intake import Arrival
 from splitserve.server.monitor import Call, after_us
 from splitserve.server.ports import FastPathHost, FrontEnd
@@ -165,18 +165,10 @@ class FastPathConnection:
             self._discard(h.payload_len, BadFrame(f"a client may not send {Kind(h.kind).name} frames"))
 
     def _start_request(self, h: Header) -> None:
-        if h.seg_count != 1 or h.seq_num != 0:
-            raise BadSegment(f"seq_num {h.seq_num} / seg_count {h.seg_count}: stream transports carry one segment")
         if h.req_id in self.in_flight:
             raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
         rt = self.server.model_by_func(h.func_id)
-        per = rt.config.request_bytes
-        if h.payload_len == 0 or h.payload_len % per:
-            raise BadSize(
-                f"payload of {h.payload_len} B for {rt.name!r}: expected a multiple of {per} B "
-                f"(inputs {', '.join(f'{t.name} {t.datatype}{list(t.shape)}' for t in rt.config.inputs)})"
-            )
-        count = h.payload_len // per
+        count = stream_samples(h, rt.config)
         cls = self.server.request_class(rt, h.cls)
         seq = self.intake.alloc(rt, cls, count)
         now = time.perf_counter()
@@ -403,31 +395,3 @@ class StreamListener(FrontEnd):
         for conn in list(self.connections):
             conn.close()
 
-
-def tcp_listener(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(1024)
-    return s
-
-
-def unix_listener(path: Path) -> socket.socket:
-    """A listening Unix socket at ``path``, connectable by this user only. A stale socket
-    file left by a dead server is replaced; a live server's socket is never taken over."""
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            os.unlink(path)  # nobody listens there any more
-        else:
-            raise OSError(errno.EADDRINUSE, f"another server is listening on {path}")
-        finally:
-            probe.close()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    os.chmod(path, 0o600)
-    s.listen(1024)
-    return s

@@ -37,7 +37,7 @@ from splitserve.errors import BadSize, InvalidInput, NotFound, PayloadTooLarge, 
 from splitserve.modelconfig import ModelConfig, check_model_name
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
-from splitserve.server.fastpath import tcp_listener
+from splitserve.protocol.sockets import tcp_listener
 from splitserve.server.frontends import CodecPool, EmbeddedUvicorn
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import FrontEnd, ServingAPI, SharedMemoryRegions

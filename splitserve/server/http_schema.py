@@ -100,6 +100,20 @@ class Residency(BaseModel):
     weights_bytes: int = Field(description="what the resident instances' weights take now")
 
 
+class DirectCounts(BaseModel):
+    received: int = Field(description="direct calls accepted by the workers")
+    answered: int = Field(description="answered with their result")
+    failed: int = Field(description="answered with an error (refused frames included)")
+    in_flight_rt: int = Field(description="real-time calls accepted, not yet answered")
+    in_flight_be: int = Field(description="best-effort calls accepted, not yet answered")
+    busy_ns: int = Field(description="time the workers spent running direct batches")
+    batches: int = Field(description="direct batches run")
+    samples: int = Field(description="rows of those batches (holes left by slow frames included)")
+    connections: int = Field(description="direct connections open")
+    rt_running: int = Field(description="workers running a direct real-time batch now")
+    preempted: int = Field(description="direct best-effort batches held at a segment boundary for real-time work")
+
+
 class SloCounts(BaseModel):
     met: int = Field(description="real-time calls with an SLO answered with their result by it")
     missed: int = Field(description="answered with their result after it (served late, never dropped for it)")
@@ -117,6 +131,7 @@ class ModelStats(BaseModel):
     preemptions: int
     residency: Residency = Field(description="splitserve addition")
     slo: SloCounts = Field(description="splitserve addition: soft SLOs of real-time calls")
+    direct: DirectCounts = Field(description="splitserve addition: calls the workers took on the direct path")
 
 
 class Statistics(BaseModel):

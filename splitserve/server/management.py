@@ -41,6 +41,7 @@ from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
     EventLog, ManagedModel, MemoryReport, ModelDirectory, ModelStats, PartitionControl,
 )
+from splitserve.worker.counters import DirectCounts
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,9 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
                       "weights_bytes": st.weights_bytes},
         # splitserve addition: soft SLOs of its real-time calls (met, missed = served late, dropped = an error)
         "slo": dict(st.slo),
+        # splitserve addition: calls its workers took straight from clients (fast_direct), which
+        # the counts above do not include; read from the workers' pages
+        "direct": (rt.direct_counts() if rt is not None else DirectCounts()).to_dict(),
     }
 
 

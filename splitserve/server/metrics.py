@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
+from splitserve.worker.counters import DirectCounts
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -49,6 +50,7 @@ class ModelGauges:
     queue_depth: Mapping[RequestClass, int]
     ready_instances: int
     failed: bool
+    direct: DirectCounts | None = None  # its workers' direct calls (None: the direct path is off)
 
 
 class Metrics:
@@ -77,6 +79,15 @@ class Metrics:
         self.dropped_answers = Counter(
             "splitserve_dropped_answers", "Answers not sent: after the watchdog's (late) or a second one (duplicate)",
             ("model", "reason"), registry=r)
+        # The direct path (ServerConfig.fast_direct): calls the workers took without the front end,
+        # read from their pages at each scrape, so gauges of monotonic totals.
+        self.direct_calls = Gauge("splitserve_direct_calls", "Direct calls by what became of them: received, "
+                                  "answered, failed, in_flight_rt, in_flight_be", ("model", "state"), registry=r)
+        self.direct_busy = Gauge("splitserve_direct_busy_seconds", "Time workers spent running direct batches",
+                                 ("model",), registry=r)
+        self.direct_batches = Gauge("splitserve_direct_batches", "Direct batches run", ("model",), registry=r)
+        self.direct_connections = Gauge("splitserve_direct_connections", "Direct connections open", ("model",),
+                                        registry=r)
         self.model_failed = Gauge("splitserve_model_failed", "1 while the model is FAILED (its load failed)",
                                   ("model",), registry=r)
         # memory manager (Rafiqi)
@@ -143,6 +154,13 @@ class Metrics:
             self.instances.labels(m.name).set(m.ready_instances)
             self.model_failed.labels(m.name).set(1 if m.failed else 0)
             self.executions.labels(m.name)  # make the series exist before the first batch
+            if m.direct is not None:
+                d = m.direct
+                for state in ("received", "answered", "failed", "in_flight_rt", "in_flight_be"):
+                    self.direct_calls.labels(m.name, state).set(getattr(d, state))
+                self.direct_busy.labels(m.name).set(d.busy_ns / 1e9)
+                self.direct_batches.labels(m.name).set(d.batches)
+                self.direct_connections.labels(m.name).set(d.connections)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

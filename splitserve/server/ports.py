@@ -53,6 +53,7 @@ from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
 from splitserve.server.metrics import Metrics, SloOutcome
 from splitserve.server.monitor import InferenceMonitor
+from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
 from splitserve.worker.spec import BindSpec, WorkerSpec
@@ -290,6 +291,13 @@ class ScheduledModel(Protocol):
     def kick(self) -> None:
         """Run a scheduling pass soon (something elsewhere on the node changed)."""
 
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        """(real-time work, best-effort work, a direct real-time batch running) of the model
+        now, through the front end or on its workers' direct paths (``fast_direct``)."""
+
+    def set_direct_bell(self, on: bool) -> None:
+        """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
+
 
 class BatchPlacement(Protocol):
     """The node's per-batch choice of a partition (``partitions.PartitionManager``), called by
@@ -317,6 +325,9 @@ class NodeScheduler(Protocol):
     def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
         """``batch`` stopped at segment ``restore`` and waits, suspended, on ``instance``."""
 
+    def direct_changed(self) -> None:
+        """A worker's direct real-time work began or ended (its doorbell): look at the node again."""
+
 
 class PreemptPage(Protocol):
     """A worker's shared preemption page (``worker.preempt_flag.PreemptFlag``)."""
@@ -324,6 +335,16 @@ class PreemptPage(Protocol):
     def raise_for(self, batch_id: int) -> None: ...
     def clear(self) -> None: ...
     def set_padding_deadline(self, deadline_ns: int) -> None: ...
+
+
+class DirectCounters(Protocol):
+    """A worker's direct-path counters (``worker.counters.WorkerCounters``): what the front
+    end reads for its view of calls that never pass through it, and the admission limit it
+    sets for them."""
+
+    def snapshot(self) -> DirectCounts: ...
+    def set_admit(self, calls: int) -> None: ...
+    def set_bell(self, on: bool) -> None: ...
 
 
 class InstanceWorker(Protocol):
@@ -337,6 +358,7 @@ class InstanceWorker(Protocol):
     start_error: str | None  # its own report of why it could not start
     killed_for: str | None
     flag: PreemptPage
+    counters: DirectCounters  # its direct path's counters and admission limit (in the same page)
     residency: Residency  # where it is in the bind cycle
     binding: int | None  # the binding it holds or is loading
     rss_anon_at_start: int | None  # its anonymous RSS when it reported READY (the level a recycled worker returns to)
@@ -605,6 +627,9 @@ class ManagedModel(Protocol):
     @property
     def dispatch_max_batch(self) -> int:
         """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
+
+    def direct_counts(self) -> DirectCounts:
+        """The calls its workers took on the direct path (``fast_direct``; zero while off)."""
 
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from splitserve.errors import (
@@ -44,15 +45,16 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import CLASSES, ModelScheduler, Residency
 from splitserve.scheduler.policy import make_policy
-from splitserve.scheduler.priority import InstanceView
+from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.metrics import ModelGauges
 from splitserve.server.monitor import Call
 from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
-from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.messages import DIRECT_BATCH, DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
+from splitserve.worker.counters import DirectCounts
 from splitserve.worker.pool import Residency as WorkerResidency
-from splitserve.worker.spec import BindSpec, QueueFds
+from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,9 @@ class ModelRuntime:
         # What each change of placement cost (bounded: the newest placement_history).
         self.reconfigurations: deque[dict] = deque(maxlen=self.settings.placement_history)
         self._repack_task: asyncio.Task | None = None
+        # Direct calls (ServerConfig.fast_direct) counted by workers this model no longer
+        # holds; the live ones are read from their pages.
+        self._direct_past = DirectCounts()
 
     def _model_slo(self) -> float | None:
         """``[slo]`` in seconds: a target, or k x the profiled solo latency at the model's
@@ -417,7 +422,44 @@ class ModelRuntime:
             {str(int(c)): QueueFds(self.nslots, [q.fd for q in ins], [q.fd for q in outs])
              for c, (ins, outs) in self.tqs.items()},
             self.config.capacity, self._profiled_segment_times(i), cpus=sorted(placed.cpus), threads=placed.threads,
-            measure=not self.footprint.measured)
+            measure=not self.footprint.measured, direct=self._direct_spec(i))
+
+    def _direct_spec(self, i: int) -> DirectSpec | None:
+        """Instance ``i``'s direct endpoint, with the front end's stream limits (None: off)."""
+        s = self.settings
+        if not s.fast_direct:
+            return None
+        return DirectSpec(
+            str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
+            s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
+            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s)
+
+    def _direct_path(self, i: int) -> Path:
+        return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
+
+    def direct_endpoints(self) -> list[str]:
+        """``unix://`` URLs of the direct endpoints of instances that serve now (bound, not
+        retiring): what a LOOKUP gives a client that sends its calls straight to the workers."""
+        if not self.settings.fast_direct or self.state is not ModelState.READY:
+            return []
+        return [f"unix://{self._direct_path(i)}" for i in self.sched.serving()
+                if self.sched.instances[i].ready and not self.sched.instances[i].draining
+                and (h := self.workers.get(i)) is not None and h.ready]
+
+    def direct_counts(self) -> DirectCounts:
+        """Direct calls of this model so far: workers gone, plus the live ones' pages (all
+        zero while the direct path is off)."""
+        total = self._direct_past
+        if not self.settings.fast_direct:
+            return total
+        for handle in self.workers.values():
+            total = total + handle.counters.snapshot()
+        return total
+
+    def _harvest_direct(self, handle: InstanceWorker) -> None:
+        """A worker leaves this model (unloaded or gone): keep what its page counted."""
+        if self.settings.fast_direct:
+            self._direct_past = self._direct_past + handle.counters.snapshot().finished()
 
     def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
         placed = self.resources.placed(self.name, i)
@@ -429,6 +471,8 @@ class ModelRuntime:
         """LOAD this model into instance ``i``'s worker (up, bound to nothing); the
         instance is LOADING, never dispatched to, until ``on_loaded``."""
         handle = self.workers[i]
+        if self.settings.fast_direct:
+            handle.counters.set_admit(self.settings.direct_admit)
         if not handle.send_load(self._bind_spec(i)):
             return  # gone: its exit is handled as any other
         self.sched.set_residency(i, Residency.LOADING)
@@ -487,6 +531,7 @@ class ModelRuntime:
         a spare if its memory came back, else stopped); the next load takes one anew."""
         handle = self.workers.pop(instance, None)
         if handle is not None:
+            self._harvest_direct(handle)
             self.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.sched.instances:
             return
@@ -518,6 +563,7 @@ class ModelRuntime:
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
+            self._harvest_direct(handle)
             self._worker_gone(instance, handle)
             self._evict_progress()
         self.kick()
@@ -978,10 +1024,16 @@ class ModelRuntime:
             b = st.running
             began = None if b is None else b.created if b.started is None else b.started
             placed = self.resources.placed(self.name, i)
+            running_cls, running_batch = (b.cls, b.batch_id) if b else (None, 0)
+            if b is None and self.settings.fast_direct and (h := self.workers.get(i)) is not None:
+                d = h.counters.snapshot()  # what its direct path runs, from its page
+                if d.rt_running or d.in_flight_be:
+                    running_cls = RequestClass.RT if d.rt_running else RequestClass.BE
+                    running_batch = DIRECT_BATCH
             out.append(InstanceView(
                 model=self.name, instance=i, cpus=self.resources.instance_cpus(self.name, i),
-                ready=st.ready, running_cls=b.cls if b else None, running_batch=b.batch_id if b else 0,
-                preempt_raised=bool(b) and preempt_raised(i, b.batch_id),
+                ready=st.ready, running_cls=running_cls, running_batch=running_batch,
+                preempt_raised=bool(running_batch) and preempt_raised(i, running_batch),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
@@ -999,6 +1051,11 @@ class ModelRuntime:
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         handle = self.workers.get(instance)
+        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batch: held at its next boundary
+            if handle is None:
+                return None
+            handle.flag.raise_for(DIRECT_BATCH)
+            return Batch(self.name, instance, RequestClass.BE, 0, 0, [], time.perf_counter(), DIRECT_BATCH)
         st = self.sched.instances.get(instance)
         if handle is None or st is None or st.running is None:
             return None
@@ -1009,6 +1066,30 @@ class ModelRuntime:
         handle = self.workers.get(instance)
         if handle is not None:
             handle.flag.clear()
+
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        """(real-time work, best-effort work, a direct real-time batch running) now: queued
+        or running here, or held by the workers' direct paths (``ScheduledModel``)."""
+        rt = bool(self.sched.waiting(RequestClass.RT))
+        be = bool(self.sched.waiting(RequestClass.BE))
+        running = False
+        for i, st in self.sched.instances.items():
+            if st.running is not None:
+                rt, be = rt or st.running.cls == RequestClass.RT, be or st.running.cls == RequestClass.BE
+            be = be or st.suspended is not None
+            if (h := self.workers.get(i)) is not None:
+                d = h.counters.snapshot()
+                running = running or bool(d.rt_running)
+                rt, be = rt or bool(d.in_flight_rt), be or bool(d.in_flight_be)
+        return rt, be, running
+
+    def set_direct_bell(self, on: bool) -> None:
+        for handle in self.workers.values():
+            handle.counters.set_bell(on)
+
+    def on_direct(self, instance: int) -> None:
+        """Instance ``instance``'s direct real-time batch began or ended (its doorbell)."""
+        self.node.direct_changed()
 
     def pad(self, deadlines: Mapping[int, float]) -> None:
         # The worker reads its deadline on CLOCK_MONOTONIC; the node decides on perf_counter.
@@ -1037,6 +1118,10 @@ class ModelRuntime:
             "enabled": self.enabled,
             "residency": [self.sched.instances[i].residency.value for i in serving],
             "weights_bytes": self.stats.weights_bytes,
+            # The workers' own endpoints (ServerConfig.fast_direct; empty: send calls here),
+            # and the calls they took directly.
+            "direct": self.direct_endpoints(),
+            "direct_counts": self.direct_counts().to_dict(),
         }
 
     @property
@@ -1075,4 +1160,4 @@ class ModelRuntime:
         return ModelGauges(
             self.name, {c: len(q) for c, q in self.sched.queues.items()},
             sum(1 for st in self.sched.instances.values() if st.ready and not st.draining),
-            self.state is ModelState.FAILED)
+            self.state is ModelState.FAILED, self.direct_counts() if self.settings.fast_direct else None)

@@ -29,7 +29,12 @@ class Msg(IntEnum):
     PREEMPTED = 13  # worker -> front end: batch stopped at a segment boundary
     LOADED = 14  # worker -> front end: a LOAD bound its model (LoadedMsg)
     UNLOADED = 15  # worker -> front end: an UNLOAD released the model (UnloadedMsg)
+    DIRECT = 16  # worker -> front end (one byte, asked for by the page's BELL): a direct real-time batch began or ended
 
+
+# The batch id a preemption flag names to stop a worker's direct best-effort batch (the
+# front end's batches number from 1 and never reach it).
+DIRECT_BATCH = 0xFFFFFFFF
 
 # kind, cls, resume_segment, batch_id, seq, count
 RUN = struct.Struct("<BBHIQI")

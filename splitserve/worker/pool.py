@@ -25,6 +25,7 @@ from typing import Protocol
 
 from splitserve.worker.messages import (START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
                                         UnloadedMsg, unpack_ready)
+from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import BindSpec, WorkerSpec
 
@@ -38,7 +39,8 @@ class WorkerOwner(Protocol):
     ``on_failed``: a batch failed (``batch_id``), or with ``batch_id`` 0 the process could
     not start, after which it exits. ``on_loaded`` / ``on_load_failed``
     answer ``send_load`` (a failed load leaves the process up and unbound); ``on_unloaded``
-    answers ``send_unload``. ``on_exit``: the process is gone."""
+    answers ``send_unload``. ``on_direct``: its direct path's real-time work began or
+    ended (its page says which). ``on_exit``: the process is gone."""
 
     def on_ready(self, instance: int, info: dict) -> None: ...
     def on_done(self, instance: int, msg: DoneMsg) -> None: ...
@@ -46,6 +48,7 @@ class WorkerOwner(Protocol):
     def on_loaded(self, instance: int, msg: LoadedMsg) -> None: ...
     def on_load_failed(self, instance: int, binding: int, text: str) -> None: ...
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None: ...
+    def on_direct(self, instance: int) -> None: ...
     def on_exit(self, instance: int, handle: "WorkerHandle") -> None: ...
 
 
@@ -69,6 +72,7 @@ class WorkerHandle:
         self.instance = instance
         self.loop = loop
         self.flag = PreemptFlag()
+        self.counters = WorkerCounters(self.flag.page)  # its direct path's, in the same page
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         self.sock = ours
@@ -181,6 +185,8 @@ class WorkerHandle:
                 self._on_loaded(LoadedMsg.unpack(data))
             elif kind == Msg.UNLOADED:
                 self._on_unloaded(UnloadedMsg.unpack(data))
+            elif kind == Msg.DIRECT:
+                self.owner.on_direct(self.instance)
             else:
                 log.error("worker %d sent unknown message kind %d", self.pid, kind)
 

@@ -6,7 +6,8 @@ Words (u64, little-endian):
   2: padding deadline in CLOCK_MONOTONIC ns (0 = none): a best-effort batch may start a
      segment only if its expected time ends before this (REEF's padding rule 1, adapted)
 
-The worker reads it between segments (REEF's lazy eviction: no signal, no interrupt).
+The worker reads it between segments (REEF's lazy eviction: no signal, no interrupt). The
+rest of the page holds the worker's direct-path counters (``worker/counters.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class PreemptFlag:
             os.ftruncate(fd, mmap.PAGESIZE)
         self.fd = fd
         self._mm = mmap.mmap(fd, mmap.PAGESIZE)
+
+    @property
+    def page(self) -> mmap.mmap:
+        """The whole shared page (its words past the flag's hold the direct counters)."""
+        return self._mm
 
     def raise_for(self, batch_id: int) -> None:
         """Ask the worker to stop ``batch_id`` at its next segment boundary."""

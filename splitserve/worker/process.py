@@ -16,9 +16,11 @@ from __future__ import annotations
 import array
 import logging
 import os
+import selectors
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,8 +29,10 @@ from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
 from splitserve.models import SegmentedModel
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.binding import Binding, Restore, rss_anon
-from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING, DoneMsg,
-                                        FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
+from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.direct import DirectServer
+from splitserve.worker.messages import (DIRECT_BATCH, HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
+                                        DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
 
@@ -77,12 +81,17 @@ class Worker:
         self.spec = spec
         self.ctrl = socket.socket(fileno=spec.ctrl_fd)
         self.flag = PreemptFlag(spec.flag_fd)
+        self.counters = WorkerCounters(self.flag.page)
         self.cache_dir = Path(spec.cache_dir)
         # Every message is received into this one buffer: a RUN costs no allocation.
         self._buf = bytearray(MAX_MESSAGE_BYTES)
         self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
+        # The bound model's direct endpoint (``worker/direct.py``), when its LOAD asked for
+        # one, and the selector over it and the control socket (only while it is open).
+        self.direct: DirectServer | None = None
+        self.sel: selectors.BaseSelector | None = None
 
     @property
     def model(self) -> SegmentedModel:
@@ -106,12 +115,23 @@ class Worker:
         except BaseException:
             _close_all(msg.bind.fds())
             raise
-        self.bound = Binding(msg.binding, msg.bind, self.cache_dir)
-        return self._loaded(self.bound)
+        self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
+        if msg.bind.direct is not None:
+            self.sel = selectors.DefaultSelector()
+            try:
+                self.sel.register(self.ctrl.fileno(), selectors.EVENT_READ, None)
+                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring)
+            except BaseException:
+                self._close_direct()
+                self.bound = None
+                b.close()
+                raise
+        return self._loaded(b)
 
     def unload(self) -> UnloadedMsg:
         """Release the bound model, its queue mappings and its memory (nothing bound: no-op),
         and report the anonymous memory left."""
+        self._close_direct()
         b, self.bound = self.bound, None
         if b is None:
             return UnloadedMsg(None, rss_anon())
@@ -134,27 +154,73 @@ class Worker:
             xs = tuple(x.to(b.device, non_blocking=True) for x in xs)
         return xs
 
+    def _ring(self) -> None:
+        """The doorbell: the front end re-reads this worker's page (``Msg.DIRECT``)."""
+        self.ctrl.send(bytes([Msg.DIRECT]))
+
+    def _close_direct(self) -> None:
+        d, self.direct = self.direct, None
+        if d is not None:
+            d.close()
+        sel, self.sel = self.sel, None
+        if sel is not None:
+            sel.close()
+
     def _should_stop(self, b: Binding, msg: RunMsg, i: int, first: int, count: int) -> bool:
         """REEF's check between segments: an explicit preemption of this batch, or (for
         best-effort work padded beside real-time work) a segment that would overrun the
         padding deadline."""
         if i > first and self.flag.target() == msg.batch_id:
             return True  # an explicit preemption lets at least one segment run: progress
-        if msg.cls == RequestClass.BE:
-            deadline = self.flag.padding_deadline()
-            if deadline and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline:
-                return True
-        return False
+        return msg.cls == RequestClass.BE and self._past_padding(b, i, count)
 
-    def run(self, msg: RunMsg) -> DoneMsg:
-        """Run a batch of the bound model from its first (or restore) segment; stop at a
-        boundary if preempted. ModelNotReady, and nothing run, if no model is bound.
+    def _past_padding(self, b: Binding, i: int, count: int) -> bool:
+        """Segment ``i`` of a best-effort batch of ``count`` would end after the padding deadline."""
+        deadline = self.flag.padding_deadline()
+        return bool(deadline) and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline
+
+    def _segments(self, b: Binding, model: SegmentedModel, acts: tuple, first: int, count: int,
+                  stop: "Callable[[int], bool]") -> tuple[int | None, tuple]:
+        """Run segments from ``first`` (inside inference mode) until the end or until ``stop(i)``
+        says to stop before segment i: (i, or None at the end; the activations there).
 
         At most ``segment_capacity`` segments are launched ahead of the one known to be
         finished (REEF-N's bounded device queue). On the CPU every launch completes before
         the next check, so the restore point is exactly the boundary where it stopped; on a
-        CUDA stream the launched segments finish before the restore point is taken.
-        """
+        CUDA stream the launched segments finish before the restore point is taken."""
+        launched: list = []  # CUDA events of segments launched but maybe unfinished
+        for i in range(first, model.num_segments):
+            if stop(i):
+                self._sync(launched)
+                return i, acts
+            s0 = time.monotonic_ns()
+            acts = self._launch(b, model, i, acts, launched)
+            if b.stream is None:  # synchronous: this is the segment's real time
+                key = (i, count)
+                dt = time.monotonic_ns() - s0
+                old = b.segment_times.get(key)
+                weight = self.spec.segment_time_weight
+                b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
+        self._sync(launched)
+        return None, acts
+
+    def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
+        """A direct batch's segments (``direct.SegmentRunner``): a best-effort one stops at a
+        boundary while the front end holds it (its flag names ``DIRECT_BATCH``: real-time work
+        claims its CPUs) or its padding deadline leaves no room, and resumes later."""
+        b = self._binding(0)
+        model = b.model
+        assert model is not None
+        if b.device.type != "cpu" and first == 0:
+            acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
+        be = cls == RequestClass.BE
+        with torch.inference_mode():
+            return self._segments(b, model, acts, first, count, lambda i: be and (
+                self.flag.target() == DIRECT_BATCH or self._past_padding(b, i, count)))
+
+    def run(self, msg: RunMsg) -> DoneMsg:
+        """Run a batch of the bound model from its first (or restore) segment; stop at a
+        boundary if preempted. ModelNotReady, and nothing run, if no model is bound."""
         b = self._binding(msg.batch_id)
         model = b.model
         assert model is not None  # a Binding has its model until it is closed
@@ -165,25 +231,15 @@ class Worker:
         else:  # segments are idempotent: without a saved point, start over from the inputs
             first, acts = 0, self._inputs(b, msg)
         n = model.num_segments
-        launched: list = []  # CUDA events of segments launched but maybe unfinished
         with torch.inference_mode():
-            for i in range(first, n):
-                if self._should_stop(b, msg, i, first, msg.count):
-                    self._sync(launched)
-                    stop_ns = time.monotonic_ns()
-                    b.restore[msg.batch_id] = Restore(i, acts)
-                    raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
-                    return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, i - first, first,
-                                   max(0, stop_ns - raised), t0)
-                s0 = time.monotonic_ns()
-                acts = self._launch(b, model, i, acts, launched)
-                if b.stream is None:  # synchronous: this is the segment's real time
-                    key = (i, msg.count)
-                    dt = time.monotonic_ns() - s0
-                    old = b.segment_times.get(key)
-                    weight = self.spec.segment_time_weight
-                    b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
-            self._sync(launched)
+            stopped, acts = self._segments(b, model, acts, first, msg.count,
+                                           lambda i: self._should_stop(b, msg, i, first, msg.count))
+            if stopped is not None:
+                stop_ns = time.monotonic_ns()
+                b.restore[msg.batch_id] = Restore(stopped, acts)
+                raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
+                return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, stopped - first, first,
+                               max(0, stop_ns - raised), t0)
             _, outs = b.queues[msg.cls]
             for tq, spec, y in zip(outs, b.cfg.outputs, acts):
                 dst = torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
@@ -208,9 +264,32 @@ class Worker:
         launched.clear()
 
     def serve(self) -> None:
+        """Serve the control socket and, while a model with a direct endpoint is bound, its
+        direct connections: one control message, then one direct batch, in turn, so neither
+        path starves the other."""
         self.ctrl.send(pack_ready({"pid": os.getpid(), "rss_anon": rss_anon()}))
-        while self.step():
-            pass
+        try:
+            while True:
+                direct = self.direct
+                if direct is None:  # the front end's path alone: block on the control socket
+                    if not self.step():
+                        return
+                    continue
+                ctrl = False
+                assert self.sel is not None  # open while a direct endpoint is
+                for key, mask in self.sel.select(0 if direct.ready() else direct.timeout()):
+                    if key.data is None:
+                        ctrl = True
+                    elif self.direct is direct:
+                        key.data(mask)
+                if ctrl and not self.step():
+                    return
+                if self.direct is direct:
+                    direct.sweep(time.monotonic_ns())
+                    if direct.ready():
+                        direct.run_one(self.run_direct)
+        finally:
+            self._close_direct()
 
     def step(self) -> bool:
         """Receive one message and answer it; False when the worker should exit (STOP, or

@@ -197,3 +197,6 @@ class SparePool(Generic[W]):
 
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
         log.error("spare worker (instance %d) unloaded binding %s, which nobody sent", instance, msg.binding)
+
+    def on_direct(self, instance: int) -> None:
+        log.error("spare worker (instance %d) rang for direct work, but it serves no model", instance)

@@ -19,6 +19,24 @@ class QueueFds:
 
 
 @dataclass(frozen=True)
+class DirectSpec:
+    """A bound worker's own fast-path endpoint (``worker/direct.py``): where it listens and
+    the limits it applies, which are the front end's stream limits (``ServerConfig``)."""
+
+    path: str  # its Unix socket, in the node's private run directory
+    func_id: int  # the model it serves: frames naming another are refused UNKNOWN_MODEL
+    max_connections: int  # ServerConfig.direct_max_connections
+    max_in_flight: int  # ServerConfig.fast_max_in_flight, per connection
+    out_high_water: int  # ServerConfig.fast_out_high_water
+    out_low_water: int  # ServerConfig.fast_out_low_water
+    max_pending_out: int  # ServerConfig.fast_max_pending_out
+    frame_timeout_s: float  # ServerConfig.frame_timeout_s
+    reads_per_wakeup: int  # ServerConfig.fast_reads_per_wakeup
+    rt_only: bool  # the node refuses best-effort calls (preemption rt-only)
+    suspend_poll_s: float  # ServerConfig.direct_suspend_poll_s
+
+
+@dataclass(frozen=True)
 class BindSpec:
     """What binds a worker to one model: its config, artifact directory, tensor queues and
     where the instance sits (CPUs, threads).
@@ -40,6 +58,7 @@ class BindSpec:
     # Run one batch of zeros at max_batch_size after the load and report the memory it
     # took (LOADED's private_bytes): asked only while the model's size is not yet known.
     measure: bool = False
+    direct: DirectSpec | None = None  # also serve fast-path frames on an endpoint of its own
 
     def fds(self) -> list[int]:
         """Every queue fd, class by class (in key order), inputs before outputs."""
@@ -70,6 +89,8 @@ class BindSpec:
         d = dict(d)
         d["queues"] = {str(k): QueueFds(**v) for k, v in d["queues"].items()}
         d["segment_times_ns"] = [(int(i), int(b), int(ns)) for i, b, ns in d.get("segment_times_ns", [])]
+        if d.get("direct") is not None:
+            d["direct"] = DirectSpec(**d["direct"])
         return cls(**d)
 
 

@@ -16,7 +16,7 @@ from splitserve.errors import DeadlineMissed, SplitServeError, Status, WorkerFai
 from splitserve.models import build_zoo_model, digits_dataset
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
-from tests.framing import lookup, raw, read_frame, udp, udp_describe, udp_read
+from tests.framing import PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read
 
 MODELS = ("lenet", "vecadd1k", "digits")
 
@@ -25,9 +25,10 @@ MODELS = ("lenet", "vecadd1k", "digits")
 def server(tmp_path_factory):
     from tests.conftest import start_server
 
-    # HTTP and the stage trace are on for test_stage_stamps_of_a_call_are_in_order_across_processes.
+    # HTTP and the stage trace are on for test_stage_stamps_of_a_call_are_in_order_across_processes;
+    # the workers serve the direct path too, so the stream tests run over both paths.
     s = start_server(tmp_path_factory.mktemp("spine"), *sum((["--load", m] for m in MODELS), []), http=True,
-                     env={**os.environ, "SPLITSERVE_FAST_STAGE_TRACE": "64"})
+                     env={**direct_env(), "SPLITSERVE_FAST_STAGE_TRACE": "64"})
     yield s
     assert s.stop() == 0
 
@@ -41,7 +42,8 @@ def gated(tmp_path_factory):
     root = tmp_path_factory.mktemp("gated")
     write_model(root / "repo", "gate", "gate")
     gates = Gates(root / "cache")
-    s = start_server(root / "data", "--repository", str(root / "repo"), "--load", "gate", cache_dir=root / "cache")
+    s = start_server(root / "data", "--repository", str(root / "repo"), "--load", "gate", cache_dir=root / "cache",
+                     env=direct_env())
     yield s, gates
     gates.open_all()
     assert s.stop() == 0
@@ -61,12 +63,13 @@ def local_outputs(name, xs):
     return [y.numpy() for y in ys]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "unix", "udp"])
+@pytest.mark.parametrize("transport", ["tcp", "unix", "udp", "direct"])
 def test_digits_accuracy_over_every_transport(server, transport):
     _, _, x_test, y_test = digits_dataset()
-    url = getattr(server, transport)
-    cls = UdpClient if transport == "udp" else Client
-    with cls(url) as c:
+    with UdpClient(server.udp) if transport == "udp" else client(server, "direct") if transport == "direct" \
+            else Client(getattr(server, transport)) as c:
+        if transport == "direct":
+            assert c.direct_endpoints("digits") == 0 and c.lookup("digits") and c.direct_endpoints("digits") == 1
         if transport == "udp":
             preds = [int(np.argmax(c.infer("digits", x))) for x in x_test]
         else:
@@ -87,7 +90,8 @@ def test_batched_request_and_udp_segmentation(server):
         c.infer("lenet", x)  # 40 > max batch 32
 
 
-def test_2000_pipelined_requests_from_32_connections(server):
+@pytest.mark.parametrize("path", [*PATHS, "mixed"])  # mixed: half the connections each way, the same workers
+def test_2000_pipelined_requests_from_32_connections(server, path):
     rng = np.random.default_rng(0)
     n_conn, per_conn, window = 32, 63, 4
     inputs = {
@@ -105,9 +109,9 @@ def test_2000_pipelined_requests_from_32_connections(server):
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def client(k: int) -> None:
+    def connection(k: int) -> None:
         try:
-            with Client(server.tcp) as c:
+            with client(server, PATHS[k % 2] if path == "mixed" else path) as c:
                 inflight = []
                 for i in range(per_conn):
                     name = MODELS[(k + i) % 3]
@@ -123,7 +127,7 @@ def test_2000_pipelined_requests_from_32_connections(server):
         except BaseException as e:  # surfaced below with the thread's context
             errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(n_conn)]
+    threads = [threading.Thread(target=connection, args=(k,)) for k in range(n_conn)]
     for t in threads:
         t.start()
     for t in threads:
@@ -148,9 +152,12 @@ def good_request(s, fid, req_id=99):
     ("unknown_model_lookup", Status.UNKNOWN_MODEL, "unknown model"),
     ("bad_class", Status.INVALID_INPUT, "request class"),
 ])
-def test_bad_input_gets_an_error_and_the_connection_survives(server, case, status, words):
-    with raw(server) as s:
-        fid = lookup(s, "lenet")
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_input_gets_an_error_and_the_connection_survives(server, path, case, status, words):
+    if path == "direct" and case == "unknown_model_lookup":
+        pytest.skip("lookups stay with the front end")
+    s, fid = stream(server, path, "lenet")
+    with s:
         if case == "unknown_func":
             s.sendall(Header(Kind.REQUEST, req_id=5, func_id=60000, payload_len=784).pack() + bytes(784))
         elif case == "bad_size":
@@ -169,11 +176,12 @@ def test_bad_input_gets_an_error_and_the_connection_survives(server, case, statu
         good_request(s, fid)
 
 
-def test_duplicate_req_id_in_flight_is_refused(gated):
+@pytest.mark.parametrize("path", PATHS)
+def test_duplicate_req_id_in_flight_is_refused(gated, path):
     server, gates = gated
     gates.close(7001)
-    with raw(server) as s:
-        fid = lookup(s, "gate")
+    s, fid = stream(server, path, "gate")
+    with s:
         s.sendall(gate_frame(fid, 7, 7001) + gate_frame(fid, 7, 7002))  # call 7 is held in the gate
         h, body = read_frame(s)
         assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.DUPLICATE_REQUEST, 7), body
@@ -195,6 +203,45 @@ def test_deadline_missed_over_tcp_while_the_only_instance_is_held(gated):
             late.result()
         gates.open(7010)
         assert held.result().value().ravel().tolist() == [7010] * 8
+
+
+def test_direct_call_past_its_deadline_before_its_batch_starts_is_refused(gated):
+    """The worker checks a direct call's deadline (counted from when it read the header) as
+    its batch starts: a call already past it is answered DEADLINE_MISSED, the others run."""
+    server, _ = gated
+    with client(server, "direct") as c:
+        ok = c.submit("gate", np.array([7012], np.int64))
+        late = c.submit("gate", np.array([7013], np.int64), deadline_ms=0.001)
+        with pytest.raises(DeadlineMissed, match="deadline passed"):
+            late.result()
+        assert ok.result().value().ravel().tolist() == [7012]
+        assert c.direct_endpoints("gate") == 1
+
+
+def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endpoint_closes(server):
+    """``AsyncClient(direct=True)`` spreads its calls over the workers' endpoints, and a
+    closed one costs no call: its unanswered calls go through the front end."""
+    import asyncio
+
+    from splitserve import AsyncClient
+
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(0, 255, (1, 28, 28), dtype=np.uint8) for _ in range(48)]
+    (want,) = local_outputs("lenet", [np.stack(xs)])
+
+    async def scenario() -> list:
+        async with AsyncClient(server.tcp, direct=True) as c:
+            first = await asyncio.gather(*(c.infer("lenet", x) for x in xs[:16]))
+            assert c.direct_endpoints("lenet") == 1
+            (st,) = c._routes["lenet"][0]
+            calls = [asyncio.ensure_future(c.infer("lenet", x)) for x in xs[16:]]
+            await asyncio.sleep(0)  # sent, not answered
+            st.w.transport.abort()  # the endpoint closes under them, as when its worker goes away
+            return first + list(await asyncio.gather(*calls))
+
+    got = asyncio.run(scenario())
+    for j, y in enumerate(got):
+        np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
 
 
 def test_udp_retransmit_of_an_answered_request_gets_the_remembered_answer(gated):
@@ -231,9 +278,10 @@ def test_udp_retransmit_of_a_running_request_does_not_start_it_again(gated):
 
 
 @pytest.mark.parametrize("case", ["bad_magic", "bad_version", "truncated"])
-def test_lost_framing_closes_only_that_connection(server, case):
-    with raw(server) as s, raw(server) as other:
-        fid = lookup(other, "lenet")
+@pytest.mark.parametrize("path", PATHS)
+def test_lost_framing_closes_only_that_connection(server, path, case):
+    (s, fid), (other, _) = stream(server, path, "lenet"), stream(server, path, "lenet")
+    with s, other:
         hdr = bytearray(Header(Kind.REQUEST, req_id=3, func_id=fid, payload_len=784).pack())
         if case == "bad_magic":
             hdr[:4] = b"HTTP"
@@ -308,6 +356,51 @@ def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
             assert y.shape == (10,)
             with Client(s.tcp) as c2:
                 assert c2.lookup("resnet50").extra["pids"][0] != pid
+    finally:
+        s.stop()
+
+
+def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_follows_the_restart(tmp_path):
+    """A ledger over a worker's SIGKILL: every direct call gets exactly one answer, its own
+    result (re-sent through the front end when the endpoint closed unanswered) or
+    WORKER_FAILED naming the dead worker; then the client follows the restarted worker's
+    endpoint."""
+    from tests.conftest import start_server
+
+    s = start_server(tmp_path / "kill-direct", "--load", "lenet", env=direct_env())
+    try:
+        xs = np.random.default_rng(5).integers(0, 255, (64, 1, 28, 28), dtype=np.uint8)
+        (want,) = local_outputs("lenet", [xs])
+        with client(s, "direct") as c:
+            pid = c.lookup("lenet").extra["pids"][0]
+            assert c.direct_endpoints("lenet") == 1
+            calls = [(j, c.submit("lenet", xs[j])) for j in range(64)]
+            os.kill(pid, signal.SIGKILL)
+            calls += [(j, c.submit("lenet", xs[j])) for j in range(64)]
+            answers: dict[int, str] = {}
+            for j, p in calls:
+                try:
+                    np.testing.assert_allclose(p.result(timeout=120).value(), want[j], rtol=1e-4, atol=1e-5)
+                    outcome = "ok"
+                except WorkerFailed as e:
+                    assert str(pid) in str(e) or "not running" in str(e), e
+                    outcome = "failed"
+                assert p.req_id not in answers
+                answers[p.req_id] = outcome
+            assert len(answers) == 128 and "ok" in answers.values()
+            deadline = time.monotonic() + 120
+            while True:  # the worker is restarted, and the client's calls go to it directly again
+                c.infer("lenet", xs[0])
+                info = c.lookup("lenet")
+                if c.direct_endpoints("lenet") == 1 and info.extra["pids"][0] not in (None, pid):
+                    break
+                assert time.monotonic() < deadline, info.extra
+                time.sleep(0.2)
+            with Client(s.tcp) as plain:  # the front end counts the call it never saw (a fresh lookup each)
+                before = plain.lookup("lenet").extra["direct_counts"]["answered"]
+                np.testing.assert_allclose(c.infer("lenet", xs[1]), want[1], rtol=1e-4, atol=1e-5)
+            with Client(s.tcp) as plain:
+                assert plain.lookup("lenet").extra["direct_counts"]["answered"] == before + 1
     finally:
         s.stop()
 

@@ -14,7 +14,7 @@ import pytest
 from splitserve import Client, UdpClient
 from splitserve.errors import Status
 from splitserve.protocol.header import Header, Kind
-from tests.framing import describe, lookup, raw, read_frame, udp, udp_describe, udp_read
+from tests.framing import PATHS, client, describe, direct_env, raw, read_frame, stream, udp, udp_describe, udp_read
 
 VEC = 2 * 4096  # bytes of one vecadd1k request (two FP32[1024])
 RING = 64  # vecadd1k's ring with --queue-slots 8: twice its max batch of 32
@@ -24,7 +24,7 @@ RSS_GROWTH_BOUND = 32 << 20  # stated bound on the server's RSS growth under a n
 def _server(root, timeout_s: float):
     from tests.conftest import start_server
 
-    env = {**os.environ, "SPLITSERVE_FRAME_TIMEOUT_S": str(timeout_s)}
+    env = {**direct_env(), "SPLITSERVE_FRAME_TIMEOUT_S": str(timeout_s)}  # the stream tests take both paths
     return start_server(root, "--load", "vecadd1k", "--queue-slots", "8", env=env)
 
 
@@ -61,10 +61,11 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_slowloris_one_stalled_frame_per_class_does_not_starve_the_model(server):
+@pytest.mark.parametrize("path", PATHS)
+def test_slowloris_one_stalled_frame_per_class_does_not_starve_the_model(server, path):
     a, b, payload = inputs()
-    with raw(server) as rt_stall, raw(server) as be_stall, Client(server.tcp) as c:
-        fid = lookup(rt_stall, "vecadd1k")
+    (rt_stall, fid), (be_stall, _) = stream(server, path, "vecadd1k"), stream(server, path, "vecadd1k")
+    with rt_stall, be_stall, client(server, path) as c:
         for s, cls in ((rt_stall, 0), (be_stall, 1)):  # header and half the payload, then silence
             s.sendall(request(fid, payload, cls=cls)[: 64 + VEC // 2])
         for cls in ("rt", "be"):
@@ -82,14 +83,16 @@ def test_slowloris_one_stalled_frame_per_class_does_not_starve_the_model(server)
         np.testing.assert_allclose(np.frombuffer(body, np.float32), a + b, rtol=1e-6)
 
 
-def test_non_reading_client_pipelining_100k_requests_throttles_only_itself(server):
+@pytest.mark.parametrize("path", PATHS)
+def test_non_reading_client_pipelining_100k_requests_throttles_only_itself(server, path):
     a, b, payload = inputs(1)
-    pid = server.proc.pid
-    with Client(server.tcp) as other, raw(server) as hog:
+    hog, fid = stream(server, path, "vecadd1k")  # the last frame it ever reads (front: its lookup)
+    with client(server, path) as other, hog:
+        # the process that receives the hog's frames: the front end, or the model's worker
+        pid = server.proc.pid if path == "front" else other.lookup("vecadd1k").extra["pids"][0]
         for _ in range(20):
             other.infer("vecadd1k", (a, b))
         base = peak = rss(pid)
-        fid = lookup(hog, "vecadd1k")  # the last frame it ever reads
         progress = {"frames": 0, "done": False}
 
         def pipeline() -> None:
@@ -121,12 +124,13 @@ def test_non_reading_client_pipelining_100k_requests_throttles_only_itself(serve
         np.testing.assert_allclose(other.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
 
 
-def test_client_dropping_mid_frame_frees_its_slots(server):
+@pytest.mark.parametrize("path", PATHS)
+def test_client_dropping_mid_frame_frees_its_slots(server, path):
     a, b, payload = inputs(2)
-    with raw(server) as s:
-        fid = lookup(s, "vecadd1k")
+    s, fid = stream(server, path, "vecadd1k")
+    with s:
         s.sendall(request(fid, payload)[: 64 + 100])  # then the peer goes away mid-frame
-    with Client(server.tcp) as c:
+    with client(server, path) as c:
         for _ in range(RING + 1):  # a slot never freed would pin the ring's tail within a lap
             np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
 
@@ -164,10 +168,11 @@ def test_lookup_reports_a_model_without_starting_its_workers(server):
 
 
 @pytest.mark.parametrize("case", ["header", "payload", "trickle"])
-def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, case):
+@pytest.mark.parametrize("path", PATHS)
+def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, path, case):
     _, _, payload = inputs(4)
-    with raw(impatient) as s:
-        fid = lookup(s, "vecadd1k")
+    s, fid = stream(impatient, path, "vecadd1k")
+    with s:
         frame = request(fid, payload, req_id=5)
         if case == "header":
             s.sendall(frame[:20])
@@ -187,7 +192,8 @@ def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, c
         h, body = read_frame(s)
         assert (h.kind, h.status) == (Kind.ERROR, Status.BAD_FRAME) and b"incomplete" in body, (h, body)
         assert read_frame(s)[0] is None  # then closed
-    with raw(impatient) as other:  # other connections are unaffected
+    other, _ = stream(impatient, path, "vecadd1k")
+    with other:  # other connections are unaffected
         other.sendall(Header(Kind.PING, req_id=9).pack())
         assert read_frame(other)[0].kind == Kind.PONG
 
@@ -203,7 +209,7 @@ def test_udp_request_missing_a_segment_is_refused_after_the_timeout(impatient):
 
 
 def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
-    from splitserve.server.fastpath import unix_listener
+    from splitserve.protocol.sockets import unix_listener
 
     path = tmp_path / "fast.sock"
     live = unix_listener(path)
@@ -214,3 +220,23 @@ def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
     finally:
         live.close()
     unix_listener(path).close()  # a stale socket file (its server gone) is replaced
+
+
+def test_a_direct_connection_past_the_workers_limit_is_told_and_its_calls_take_the_front_end(server_factory):
+    s = server_factory("--load", "vecadd1k", env={**direct_env(), "SPLITSERVE_DIRECT_MAX_CONNECTIONS": "1"})
+    a, b, payload = inputs(6)
+    first, fid = stream(s, "direct", "vecadd1k")
+    with first:
+        second, _ = stream(s, "direct", "vecadd1k")
+        with second:
+            h, body = read_frame(second)
+            assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.REFUSED, 0), body
+            assert b"at most 1 direct connections" in body
+            assert read_frame(second)[0] is None  # then closed
+        with client(s, "direct") as c:  # refused the same way: every call goes through the front end
+            for _ in range(8):
+                np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+        first.sendall(request(fid, payload, req_id=3))  # the connection within the limit still serves
+        h, body = read_frame(first)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, 3)
+        np.testing.assert_allclose(np.frombuffer(body, np.float32), a + b, rtol=1e-6)

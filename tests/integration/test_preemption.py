@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -151,3 +152,60 @@ def test_rt_only_refuses_best_effort(tmp_path):
         return await server.infer("vgg19", [image("vgg19", 1)], cls="rt")
 
     assert run_server(tmp_path, "rt-only", scenario).outputs[0].shape == (1, 1000)
+
+
+def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tmp_path):
+    """REEF over the direct path: a real-time batch that a worker took straight from a
+    client claims its CPUs; the coordinator hears of it (its page, and its doorbell once
+    both classes are about) and holds the best-effort batch that another worker took
+    directly on the same CPU at its next segment boundary, then lets it finish once the
+    real-time work is done. The gate keeps both batches mid-run, so the order is forced."""
+    from splitserve import Client
+    from splitserve.bench.ownserver import get_json
+    from splitserve.models.gate import Gates
+    from tests.conftest import start_server
+    from tests.framing import describe, direct_env, raw
+    from tests.inproc import write_model
+
+    for name, cls in (("gate_be", "be"), ("gate_rt", "rt")):
+        write_model(tmp_path / "repo", name, "gate", f'cpus = [0]\nshare_cpus = true\ndefault_class = "{cls}"')
+    gates = Gates(tmp_path / "cache")
+    s = start_server(tmp_path / "data", "--repository", str(tmp_path / "repo"), "--load", "gate_be", "--load",
+                     "gate_rt", cache_dir=tmp_path / "cache", http=True, env=direct_env())
+    try:
+        gates.close(9001)
+        gates.close(9002)
+        with Client(s.tcp, direct=True) as c:
+
+            def until(what, done):
+                deadline = time.monotonic() + 60
+                while not done():
+                    assert time.monotonic() < deadline, f"never: {what}"
+                    time.sleep(0.01)
+
+            be = c.submit("gate_be", np.array([9001], np.int64))
+            until("the best-effort sample is at its gate", lambda: gates.held(9001))
+            rt = c.submit("gate_rt", np.array([9002], np.int64))
+            until("the real-time sample is at its gate", lambda: gates.held(9002))
+            assert c.direct_endpoints("gate_be") == c.direct_endpoints("gate_rt") == 1
+
+            def events():
+                return get_json(f"{s.http}/v2/scheduler/events")["events"]
+
+            def counts(model):
+                with raw(s) as r:  # a fresh lookup: its direct counters now
+                    return describe(r, model)["direct_counts"]
+
+            until("the coordinator preempts the direct best-effort batch",
+                  lambda: any(e["kind"] == "preempt" and e["model"] == "gate_be" for e in events()))
+            gates.open(9001)  # segment 0 ends; the boundary holds it while the real-time batch runs
+            until("the best-effort batch stops at its boundary", lambda: counts("gate_be")["preempted"] == 1)
+            assert counts("gate_be")["answered"] == 0  # held while the real-time sample is
+            gates.open(9002)
+            assert rt.result(timeout=60).value().ravel().tolist() == [9002]
+            assert be.result(timeout=60).value().ravel().tolist() == [9001]
+            (stats,) = get_json(f"{s.http}/v2/models/gate_be/stats")["model_stats"]
+            assert stats["direct"]["answered"] == 1 and stats["direct"]["preempted"] == 1  # the front end's view
+    finally:
+        gates.open_all()
+        s.stop()

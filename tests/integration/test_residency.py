@@ -115,3 +115,39 @@ def test_an_eviction_waits_for_the_running_batch_and_calls_sent_meanwhile_queue_
         gates.open_all()
     assert first.tolist() == [[1]] and second.tolist() == [[2]]
     assert same_id and evictions == 1 and state is ModelState.READY
+
+
+def test_direct_calls_across_an_eviction_are_each_answered_once_and_the_client_follows_the_reload(
+        server_factory, tmp_path):
+    """Two instances, two direct connections; an eviction closes both endpoints with calls
+    unanswered: the client sends those through the front end (which loads the model again
+    for them), every call gets its own answer once, and the next lookup finds the new
+    endpoints."""
+    import time
+
+    from tests.framing import direct_env
+
+    write_model(tmp_path / "repo", "twin", "lenet", "instances = 2")
+    s = server_factory("--repository", str(tmp_path / "repo"), "--load", "twin", http=True, env=direct_env())
+    token = (s.data_dir / "token").read_text().strip()
+    xs = np.random.default_rng(1).integers(0, 256, (48, 1, 28, 28), dtype=np.uint8)
+    want = lenet(xs)
+    with HttpClient(s.http, token=token) as h, Client(s.tcp, direct=True) as c:
+        calls = [c.submit("twin", xs[j]) for j in range(16)]
+        assert c.direct_endpoints("twin") == 2
+        for j, p in enumerate(calls):
+            np.testing.assert_allclose(p.result().value(), want[j], rtol=1e-4, atol=1e-5)
+        assert describe(s.tcp)["direct_counts"]["answered"] == 16  # both workers' pages, summed
+        calls = [(j, c.submit("twin", xs[j])) for j in range(16, 48)]
+        assert h.evict("twin")["evicted"]
+        seen = set()
+        for j, p in calls:
+            np.testing.assert_allclose(p.result(timeout=120).value(), want[j], rtol=1e-4, atol=1e-5)
+            assert p.req_id not in seen
+            seen.add(p.req_id)
+        assert len(seen) == 32
+        deadline = time.monotonic() + 120
+        while c.direct_endpoints("twin") < 2:  # the reload's endpoints, once its instances serve
+            assert time.monotonic() < deadline, describe(s.tcp)
+            np.testing.assert_allclose(c.infer("twin", xs[0]), want[0], rtol=1e-4, atol=1e-5)
+            time.sleep(0.05)

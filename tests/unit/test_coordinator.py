@@ -9,6 +9,7 @@ now)`` takes it, and the coordinator is built with the same clock for its event 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import pytest
@@ -19,6 +20,7 @@ from splitserve.scheduler.policy import WorkConserving
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.coordinator import Coordinator
+from splitserve.worker.messages import DIRECT_BATCH
 
 RT, BE = RequestClass.RT, RequestClass.BE
 BATCH_S = 0.5  # every fake model's profiled batch time
@@ -339,3 +341,64 @@ def test_seq_runs_one_batch_on_the_node_even_when_a_model_has_several_idle_insta
     (running,) = [i for i, st in node.models["a"].sched.instances.items() if st.running is not None]
     node.finish("a", running)
     assert len(node.schedule("a")) == 1
+
+
+class DirectModel(FakeModel):
+    """A model whose workers also take calls directly: what each instance's direct path
+    runs (its page), reported in its views as the runtime does."""
+
+    def __init__(self, name: str, log: list[tuple]) -> None:
+        super().__init__(name, log)
+        self.direct: dict[int, RequestClass | None] = {}
+        self.bell = False
+
+    def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
+        out = []
+        for v in super().instance_views(preempt_raised):
+            cls = self.direct.get(v.instance)
+            if v.running_cls is None and cls is not None:
+                v = dataclasses.replace(v, running_cls=cls, running_batch=DIRECT_BATCH,
+                                        preempt_raised=preempt_raised(v.instance, DIRECT_BATCH))
+            out.append(v)
+        return out
+
+    def preempt(self, instance: int, batch_id: int) -> Batch | None:
+        if batch_id != DIRECT_BATCH:
+            return super().preempt(instance, batch_id)
+        self.flags[instance].raise_for(batch_id)
+        return Batch(self.name, instance, BE, 0, 0, [], 0.0, DIRECT_BATCH)
+
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        classes = set(self.direct.values())
+        return RT in classes, BE in classes, RT in classes
+
+    def set_direct_bell(self, on: bool) -> None:
+        self.bell = on
+
+
+def test_a_direct_rt_batch_holds_direct_be_on_its_cpus_only_while_it_runs():
+    node = Node(PriorityMode.REEF, {})
+    for name, cpus in (("be_same_cpu", {0}), ("rt", {0}), ("be_other_cpu", {1})):
+        m = DirectModel(name, node.log)
+        i = m.sched.add_instance()
+        m.sched.set_residency(i, Residency.RESIDENT)
+        m.cpus[i], m.flags[i] = frozenset(cpus), FakeFlag(node.log, (name, i))
+        node.models[name] = m
+    node.models["be_same_cpu"].direct[0] = node.models["be_other_cpu"].direct[0] = BE
+    node.coord.watch_direct()  # best-effort work only: no doorbells, nothing held
+    assert not any(m.bell for m in node.models.values()) and node.coord._normal_mode()
+
+    node.models["rt"].direct[0] = RT  # a worker took a real-time batch straight from a client
+    node.coord.watch_direct()
+    assert all(m.bell for m in node.models.values())  # both classes about: workers ring from now on
+    assert not node.coord._normal_mode()
+    node.schedule("be_same_cpu")  # the pass the doorbell's kick starts
+    assert node.flag("be_same_cpu", 0).raised_for == DIRECT_BATCH
+    assert node.flag("be_other_cpu", 0).raised_for == 0  # its CPUs are not claimed
+    assert ("preempt", "be_same_cpu", 0, "be") in node.events()
+
+    node.models["rt"].direct[0] = None  # the real-time batch ended: its doorbell
+    node.coord.direct_changed()
+    assert node.flag("be_same_cpu", 0).raised_for == 0 and node.coord._normal_mode()
+    node.coord.watch_direct()
+    assert not any(m.bell for m in node.models.values())

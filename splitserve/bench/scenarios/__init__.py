@@ -35,8 +35,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "p99 over time (Fig. 11).", "splitserve.bench.scenarios.trace"),
         ScenarioInfo("micro", "VecAdd1K and MatMul8K: single-client latency and peak throughput "
                      "(Fig. 12).", "splitserve.bench.scenarios.micro"),
-        ScenarioInfo("fastpath-latency", "Fast path TCP round trip and 32-connection throughput next "
-                     "to a plain TCP echo of the same sizes.", "splitserve.bench.scenarios.fastpath_latency"),
+        ScenarioInfo("fastpath-latency", "Fast path round trip and 32-connection throughput, through the front "
+                     "end and direct to the worker, next to a plain TCP echo of the same sizes.",
+                     "splitserve.bench.scenarios.fastpath_latency"),
         ScenarioInfo("fastpath-breakdown", "Per-stage breakdown of one fast-path call: client, front end, "
                      "hand-off, worker, the way back (timestamps and py-spy).",
                      "splitserve.bench.scenarios.fastpath_breakdown"),

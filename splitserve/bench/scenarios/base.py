@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 import types
@@ -179,11 +180,12 @@ class Context:
 
     # -- server ----------------------------------------------------------------------
 
-    def target(self, load: Sequence[str] = (), repository: Path | None = None) -> Target:
+    def target(self, load: Sequence[str] = (), repository: Path | None = None, direct: bool = False) -> Target:
         """The server to measure: the one ``--url`` names, or a fresh one with ``load`` ready.
 
         A fresh server runs every front end it has (HTTP and gRPC included) on free loopback
-        ports, from a temporary data directory; it is stopped by ``close()``.
+        ports, from a temporary data directory; it is stopped by ``close()``. ``direct``: its
+        workers serve the direct path too (``fast_direct``), for the ``direct`` transport.
         """
         if self.urls:
             target = Target.parse(self.urls)
@@ -199,11 +201,12 @@ class Context:
         if repository is not None:
             args += ["--repository", str(repository)]
         with self.task(f"starting a server with {', '.join(load) or 'no models'}", 1):
-            server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s)
+            env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"} if direct else None
+            server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s, env=env)
         self._servers.append(server)
         self.data_dir = data_dir
         target = Target(server.urls)
-        self.server_info = {"started_by_bench": True, "urls": target.urls, "args": args}
+        self.server_info = {"started_by_bench": True, "urls": target.urls, "args": args, "fast_direct": direct}
         return target
 
     def failed(self, transport: str, model: str, error: BaseException) -> None:
@@ -274,8 +277,12 @@ class Context:
                     for name in expected:
                         checks.append(check(send, name, transport, inputs[name], references[name]))
                         advance(1)
+                    offered = all(client.direct_endpoints(name) for name in expected) if transport == "direct" else True
                 finally:
                     close_sync(client)
+                if not offered:  # the calls went through the front end: not what this transport names
+                    self.unavailable[transport] = "the server offers no direct endpoints (start it with fast_direct)"
+                    continue
                 usable.append(transport)
         self.checks.extend(checks)
         check_all(checks)

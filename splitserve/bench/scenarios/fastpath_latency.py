@@ -1,10 +1,13 @@
 """fastpath-latency: the fast path over TCP next to a plain TCP echo of the same sizes.
 
-Single client: fast-path calls and echo round trips alternate in blocks of 50, so both see
-the same machine state; the fast path's own overhead is median(E2E - server compute) over the echo's
-median round trip (target: at most 2x). Throughput: 32 closed-loop connections against the
-server, then 32 against the echo, from a separate generator process (target: the fast path
-reaches at least 0.5x the echo's requests/s). Targets are reported, not asserted.
+Two paths (``--transports``): through the front end (``tcp``) and straight to the worker
+that runs the model (``direct``: looked up over TCP, then the worker's own Unix endpoint;
+the server is started with ``fast_direct``). Single client: calls over each path and echo
+round trips alternate in blocks of 50, so all see the same machine state; a path's own
+overhead is median(E2E - server compute) over the echo's median round trip (target: at most
+2x). Throughput: 32 closed-loop connections against the echo, then 32 over each path, from a
+separate generator process (target: at least 0.5x the echo's requests/s). Targets are
+reported, not asserted.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from splitserve.bench.inputs import as_call_arg
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
-from splitserve.bench.transports import close_sync, open_sync
+from splitserve.bench.transports import LABEL, SHORT, close_sync, open_sync
 from splitserve.bench.validate import Expected
 
 NAME = "fastpath-latency"
-SUMMARY = "Fast path TCP round trip and 32-connection throughput next to a plain TCP echo of the same sizes."
+SUMMARY = ("Fast path round trip and 32-connection throughput, through the front end and direct to the worker, "
+           "next to a plain TCP echo of the same sizes.")
 MODELS: tuple[str, ...] = ("lenet", "vecadd1k", "matmul8k", "lstm", "digits")
-TRANSPORTS: tuple[str, ...] = ("tcp",)
+# through the front end, and straight to the worker (the server is started with fast_direct)
+TRANSPORTS: tuple[str, ...] = ("tcp", "direct")
+_COLOURS = ("#2b7bba", "#d95f02", "#1b9e77")
 LATENCY_TARGET = 2.0  # p50(E2E - compute) / echo p50, at most
 THROUGHPUT_TARGET = 0.5  # fast-path req/s / echo req/s, at least
 # Calls per turn when alternating: long enough that one side's after-work (the server's
@@ -37,7 +43,7 @@ BLOCK = 50
 @dataclass
 class Params(BaseParams):
     models: tuple[str, ...] = ("lenet", "vecadd1k")
-    transports: tuple[str, ...] = ("tcp",)
+    transports: tuple[str, ...] = TRANSPORTS
     requests: int = 5000  # alternating fast-path and echo calls, each
     warmup: int = 200
     connections: int = 32
@@ -50,29 +56,31 @@ class Params(BaseParams):
         return cls(requests=500, warmup=50, duration_s=1.5, warmup_s=0.3)
 
 
-def _alternate(client: Any, echo: EchoClient, model: str, arg: Any, n: int, warmup: int,
-               block: int = BLOCK) -> dict[str, np.ndarray]:
-    """``n`` fast-path calls and ``n`` echo round trips, in alternating blocks of ``block``."""
+def _alternate(clients: dict[str, Any], echo: EchoClient, model: str, arg: Any, n: int, warmup: int,
+               block: int = BLOCK) -> dict[str, dict[str, np.ndarray]]:
+    """``n`` calls over each client and ``n`` echo round trips, in alternating blocks of ``block``."""
     for _ in range(warmup):
-        client.infer_result(model, arg)
+        for client in clients.values():
+            client.infer_result(model, arg)
         echo.call()
-    fp = np.empty(n)
-    compute = np.empty(n)
+    fp = {t: np.empty(n) for t in clients}
+    compute = {t: np.empty(n) for t in clients}
     ec = np.empty(n)
     clock = time.perf_counter
     with gc_paused():
         for start in range(0, n, block):
             stop = min(n, start + block)
-            for i in range(start, stop):
-                t0 = clock()
-                r = client.infer_result(model, arg)
-                fp[i] = clock() - t0
-                compute[i] = r.compute_us
+            for t, client in clients.items():
+                for i in range(start, stop):
+                    t0 = clock()
+                    r = client.infer_result(model, arg)
+                    fp[t][i] = clock() - t0
+                    compute[t][i] = r.compute_us
             for i in range(start, stop):
                 t0 = clock()
                 echo.call()
                 ec[i] = clock() - t0
-    return {"fastpath_us": fp * 1e6, "compute_us": compute, "echo_us": ec * 1e6}
+    return {t: {"fastpath_us": fp[t] * 1e6, "compute_us": compute[t], "echo_us": ec * 1e6} for t in clients}
 
 
 def run(ctx: Context) -> ScenarioOutput:
@@ -80,52 +88,59 @@ def run(ctx: Context) -> ScenarioOutput:
     from splitserve.models import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
-    target = ctx.target(load=p.models)
-    usable = ctx.validate(target, {m: Expected(m) for m in p.models}, ("tcp",))
-    if "tcp" not in usable:
-        raise RuntimeError(f"the fast path over TCP is unavailable: {ctx.unavailable.get('tcp')}")
+    target = ctx.target(load=p.models, direct="direct" in p.transports)
+    usable = [t for t in ctx.validate(target, {m: Expected(m) for m in p.models}, p.transports) if t in TRANSPORTS]
+    if not usable:
+        raise RuntimeError(f"no fast path to measure: {ctx.unavailable}")
     echo = ctx.echo()
-    url = target.url("tcp")
     results: dict[str, Any] = {}
-    with ctx.task("round trips and throughput", 3 * len(p.models)) as advance:
+    with ctx.task("round trips and throughput", (2 * len(usable) + 1) * len(p.models)) as advance:
         for model in p.models:
             entry = zoo_entry(model)
             arg = as_call_arg(make_inputs(entry.inputs, 1, p.seed)[0])
             req, resp = HEADER_SIZE + entry.request_bytes, HEADER_SIZE + entry.response_bytes
-            client = open_sync("tcp", url)
+            clients = {t: open_sync(t, target.url(t)) for t in usable}
             try:
                 with EchoClient(echo.host, echo.port, req, resp) as ec:
-                    t = _alternate(client, ec, model, arg, p.requests, p.warmup)
+                    times = _alternate(clients, ec, model, arg, p.requests, p.warmup)
             finally:
-                close_sync(client)
-            advance(1)
-            fp_s = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections, p.duration_s,
-                                   p.generators).summary(warmup_s=p.warmup_s)
-            advance(1)
+                for client in clients.values():
+                    close_sync(client)
+            advance(len(usable))
             echo_s = closed_loop_run(workload("echo", echo.url, model, model, p.seed), p.connections, p.duration_s,
                                      p.generators).summary(warmup_s=p.warmup_s)
             advance(1)
-            overhead = lat_stats(t["fastpath_us"] - t["compute_us"])
-            echo_lat = lat_stats(t["echo_us"])
-            lat_ratio = overhead["p50"] / echo_lat["p50"] if echo_lat["p50"] else None
-            tp_ratio = (fp_s["throughput_rps"] / echo_s["throughput_rps"]
-                        if fp_s["throughput_rps"] and echo_s["throughput_rps"] else None)
-            results[model] = {
-                "request_bytes": req, "response_bytes": resp,
-                "fastpath_us": lat_stats(t["fastpath_us"]), "compute_us": lat_stats(t["compute_us"]),
-                "fastpath_minus_compute_us": overhead, "echo_us": echo_lat,
-                "latency_ratio": lat_ratio, "latency_target": LATENCY_TARGET,
-                "latency_target_met": lat_ratio is not None and lat_ratio <= LATENCY_TARGET,
-                "fastpath_rps": fp_s["throughput_rps"], "echo_rps": echo_s["throughput_rps"],
-                "fastpath_p99_ms_loaded": fp_s["latency_ms"]["p99"], "echo_p99_ms_loaded": echo_s["latency_ms"]["p99"],
-                "fastpath_errors": fp_s["errors"],
-                "throughput_ratio": tp_ratio, "throughput_target": THROUGHPUT_TARGET,
-                "throughput_target_met": tp_ratio is not None and tp_ratio >= THROUGHPUT_TARGET,
-                "generator_bottleneck": {k: v for k, v in (("fastpath", bottleneck(fp_s)), ("echo", bottleneck(echo_s)))
-                                         if v},
-                "samples_us": {"fastpath": t["fastpath_us"].tolist(), "echo": t["echo_us"].tolist()},
-            }
+            cells = {}
+            for tr in usable:
+                fp_s = closed_loop_run(workload(tr, target.url(tr), model, model, p.seed), p.connections,
+                                       p.duration_s, p.generators).summary(warmup_s=p.warmup_s)
+                advance(1)
+                cells[tr] = _cell(times[tr], fp_s, echo_s, req, resp)
+            # the first transport's figures stay at the top level, as before the direct path
+            results[model] = {**cells[usable[0]], "transports": cells}
     return _output(p, results)
+
+
+def _cell(t: dict[str, np.ndarray], fp_s: dict[str, Any], echo_s: dict[str, Any], req: int, resp: int) -> dict[str, Any]:
+    overhead = lat_stats(t["fastpath_us"] - t["compute_us"])
+    echo_lat = lat_stats(t["echo_us"])
+    lat_ratio = overhead["p50"] / echo_lat["p50"] if echo_lat["p50"] else None
+    tp_ratio = (fp_s["throughput_rps"] / echo_s["throughput_rps"]
+                if fp_s["throughput_rps"] and echo_s["throughput_rps"] else None)
+    return {
+        "request_bytes": req, "response_bytes": resp,
+        "fastpath_us": lat_stats(t["fastpath_us"]), "compute_us": lat_stats(t["compute_us"]),
+        "fastpath_minus_compute_us": overhead, "echo_us": echo_lat,
+        "latency_ratio": lat_ratio, "latency_target": LATENCY_TARGET,
+        "latency_target_met": lat_ratio is not None and lat_ratio <= LATENCY_TARGET,
+        "fastpath_rps": fp_s["throughput_rps"], "echo_rps": echo_s["throughput_rps"],
+        "fastpath_p99_ms_loaded": fp_s["latency_ms"]["p99"], "echo_p99_ms_loaded": echo_s["latency_ms"]["p99"],
+        "fastpath_errors": fp_s["errors"],
+        "throughput_ratio": tp_ratio, "throughput_target": THROUGHPUT_TARGET,
+        "throughput_target_met": tp_ratio is not None and tp_ratio >= THROUGHPUT_TARGET,
+        "generator_bottleneck": {k: v for k, v in (("fastpath", bottleneck(fp_s)), ("echo", bottleneck(echo_s))) if v},
+        "samples_us": {"fastpath": t["fastpath_us"].tolist(), "echo": t["echo_us"].tolist()},
+    }
 
 
 def _plot(results: dict[str, Any]) -> Any:
@@ -134,8 +149,10 @@ def _plot(results: dict[str, Any]) -> Any:
     fig = Figure(figsize=(5 * len(results) + 3.5, 3.8))
     axes = fig.subplots(1, len(results) + 1, squeeze=False)[0]
     for ax, (model, r) in zip(axes, results.items()):
-        for key, label, colour in (("fastpath", "fast path TCP", "#2b7bba"), ("echo", "TCP echo", "#7f7f7f")):
-            xs = np.sort(np.asarray(r["samples_us"][key]))
+        curves = [(c["samples_us"]["fastpath"], LABEL[t], _COLOURS[i % len(_COLOURS)])
+                  for i, (t, c) in enumerate(r["transports"].items())]
+        for samples, label, colour in [*curves, (r["samples_us"]["echo"], "TCP echo", "#7f7f7f")]:
+            xs = np.sort(np.asarray(samples))
             ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label, color=colour)
         ax.set_xscale("log")
         ax.set_xlabel("round trip (µs)")
@@ -146,8 +163,13 @@ def _plot(results: dict[str, Any]) -> Any:
     ax = axes[-1]
     models = list(results)
     x = np.arange(len(models))
-    ax.bar(x - 0.2, [results[m]["fastpath_rps"] or 0 for m in models], 0.4, label="fast path TCP", color="#2b7bba")
-    ax.bar(x + 0.2, [results[m]["echo_rps"] or 0 for m in models], 0.4, label="TCP echo", color="#7f7f7f")
+    transports = list(next(iter(results.values()))["transports"])
+    width = 0.8 / (len(transports) + 1)
+    for i, t in enumerate(transports):
+        ax.bar(x + (i - len(transports) / 2) * width, [results[m]["transports"][t]["fastpath_rps"] or 0 for m in models],
+               width, label=LABEL[t], color=_COLOURS[i % len(_COLOURS)])
+    ax.bar(x + len(transports) / 2 * width, [results[m]["echo_rps"] or 0 for m in models], width, label="TCP echo",
+           color="#7f7f7f")
     ax.set_xticks(x, models)
     ax.set_ylabel("req/s")
     ax.set_title("throughput, 32 connections", fontsize=9)
@@ -159,24 +181,30 @@ def _plot(results: dict[str, Any]) -> Any:
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
     report = [__doc__.split("\n\n", 1)[1].strip(), ""]
     rows, lines, gen_notes = [], [], []
-    for model, r in results.items():
-        rows.append((model, fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]), fmt(r["compute_us"]["p50"]),
-                     fmt(r["fastpath_minus_compute_us"]["p50"]), fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
-                     fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"),
-                     fmt(r["fastpath_rps"], 0), fmt(r["echo_rps"], 0),
-                     fmt(r["throughput_ratio"], 2, "x") + (" ok" if r["throughput_target_met"] else " MISSED")))
-        lines.append(f"{model}: p50(E2E - compute) / echo p50 = {fmt(r['latency_ratio'], 2)}x "
-                     f"(target <= {LATENCY_TARGET:g}x: {'met' if r['latency_target_met'] else 'missed'}); "
-                     f"throughput {fmt(r['fastpath_rps'], 0)} vs echo {fmt(r['echo_rps'], 0)} req/s = "
-                     f"{fmt(r['throughput_ratio'], 2)}x (target >= {THROUGHPUT_TARGET:g}x: "
-                     f"{'met' if r['throughput_target_met'] else 'missed'})")
-        gen_notes += [f"{model}, {k}: {v}" for k, v in r["generator_bottleneck"].items()]
-    report += [md_table(("model", "fast path p50 µs", "p99 µs", "server compute p50", "p50(E2E - compute)",
+    for model, cell in results.items():
+        for tr, r in cell["transports"].items():
+            rows.append((f"{model} ({SHORT[tr]})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
+                         fmt(r["compute_us"]["p50"]), fmt(r["fastpath_minus_compute_us"]["p50"]),
+                         fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
+                         fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"),
+                         fmt(r["fastpath_rps"], 0), fmt(r["echo_rps"], 0),
+                         fmt(r["throughput_ratio"], 2, "x") + (" ok" if r["throughput_target_met"] else " MISSED")))
+            lines.append(f"{model} over {SHORT[tr]}: p50(E2E - compute) / echo p50 = {fmt(r['latency_ratio'], 2)}x "
+                         f"(target <= {LATENCY_TARGET:g}x: {'met' if r['latency_target_met'] else 'missed'}); "
+                         f"throughput {fmt(r['fastpath_rps'], 0)} vs echo {fmt(r['echo_rps'], 0)} req/s = "
+                         f"{fmt(r['throughput_ratio'], 2)}x (target >= {THROUGHPUT_TARGET:g}x: "
+                         f"{'met' if r['throughput_target_met'] else 'missed'})")
+            gen_notes += [f"{model} over {SHORT[tr]}, {k}: {v}" for k, v in r["generator_bottleneck"].items()]
+    report += [md_table(("model (path)", "fast path p50 µs", "p99 µs", "server compute p50", "p50(E2E - compute)",
                          "echo p50 µs", "echo p99 µs", "latency ratio (<= 2x)", "fast path req/s",
                          "echo req/s", "throughput ratio (>= 0.5x)"), rows), ""]
     if gen_notes:
         report += ["## The generator was the bottleneck", ""] + [f"- {n}" for n in gen_notes] + [""]
         lines.append(f"the load generator was the bottleneck in {len(gen_notes)} run(s); see report.md")
-    slim = {m: {k: v for k, v in r.items() if k != "samples_us"} for m, r in results.items()}
-    return ScenarioOutput({"models": slim}, "\n".join(report), {"fastpath_latency": _plot(results)} if results else {},
+
+    def slim(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if k not in ("samples_us", "transports")}
+
+    out = {m: {**slim(r), "transports": {t: slim(c) for t, c in r["transports"].items()}} for m, r in results.items()}
+    return ScenarioOutput({"models": out}, "\n".join(report), {"fastpath_latency": _plot(results)} if results else {},
                           lines)

@@ -96,7 +96,8 @@ def _echo_cell(us: np.ndarray, req: int, resp: int) -> dict[str, Any]:
 
 
 def ratios(cells: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Fast-path (TCP) tax over the echo floor and over gRPC's and HTTP's taxes."""
+    """Fast-path (TCP) tax over the echo floor and over gRPC's and HTTP's taxes; the same for
+    the direct path (to the worker) where it was measured."""
     def tax(t: str) -> float | None:
         c = cells.get(t)
         return c.get("tax_us") if c else None
@@ -106,8 +107,10 @@ def ratios(cells: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     def over(other: float | None) -> float | None:
         return fp / other if fp is not None and other else None
 
-    return {"fastpath_tax_us": fp, "vs_echo": over(tax("echo")), "vs_grpc": over(tax("grpc")),
-            "vs_http_binary": over(tax("http-binary")), "vs_http_json": over(tax("http-json"))}
+    direct, grpc = tax("direct"), tax("grpc")
+    return {"fastpath_tax_us": fp, "vs_echo": over(tax("echo")), "vs_grpc": over(grpc),
+            "vs_http_binary": over(tax("http-binary")), "vs_http_json": over(tax("http-json")),
+            "direct_tax_us": direct, "direct_vs_grpc": direct / grpc if direct is not None and grpc else None}
 
 
 def _plot(models: list[str], cells: dict[str, dict[str, dict[str, Any]]], normalise: bool) -> Any:
@@ -149,7 +152,7 @@ def run(ctx: Context) -> ScenarioOutput:
     p: Params = ctx.params  # type: ignore[assignment]
     models = list(p.models)
     server_side = [t for t in p.transports if t in SERVER_TRANSPORTS]
-    target = ctx.target(load=models) if server_side else None
+    target = ctx.target(load=models, direct="direct" in server_side) if server_side else None
     usable = ctx.validate(target, {m: Expected(m) for m in models}, p.transports) if target else \
         [t for t in p.transports if t in BASELINES]
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
@@ -202,12 +205,16 @@ def _output(models: list[str], usable: list[str], cells: dict[str, dict[str, dic
                                ("vs_http_json", "HTTP JSON tax")):
                 if r[key] is not None:
                     parts.append(f"{r[key]:.2f}x {label}")
+            if r["direct_vs_grpc"] is not None:
+                parts.append(f"direct-path tax {r['direct_tax_us']:.0f} µs = {r['direct_vs_grpc']:.2f}x gRPC tax")
             lines.append(", ".join(parts))
     report += ["## Ratios", "", ("Fast-path tax = median(E2E - compute) over TCP; the echo's tax is its whole "
                                  "round trip. Below 1 is better than the other transport."), "",
-               md_table(("model", "fast-path tax µs", "/ echo", "/ gRPC", "/ HTTP binary", "/ HTTP JSON"),
+               md_table(("model", "fast-path tax µs", "/ echo", "/ gRPC", "/ HTTP binary", "/ HTTP JSON",
+                         "direct-path tax µs", "direct / gRPC"),
                         [(m, fmt(r["fastpath_tax_us"]), fmt(r["vs_echo"], 2, "x"), fmt(r["vs_grpc"], 2, "x"),
-                          fmt(r["vs_http_binary"], 2, "x"), fmt(r["vs_http_json"], 2, "x"))
+                          fmt(r["vs_http_binary"], 2, "x"), fmt(r["vs_http_json"], 2, "x"), fmt(r["direct_tax_us"]),
+                          fmt(r["direct_vs_grpc"], 2, "x"))
                          for m, r in rat.items()]), ""]
     methods = sorted({(t, c["client_method"]) for row in cells.values() for t, c in row.items() if c["client_method"]})
     if methods:

@@ -1,0 +1,38 @@
+"""Listening sockets of the fast path, shared by the front end's listeners and a worker's
+direct endpoint."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+
+def tcp_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(1024)
+    return s
+
+
+def unix_listener(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, connectable by this user only. A stale socket
+    file left by a dead server is replaced; a live server's socket is never taken over."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            os.unlink(path)  # nobody listens there any more
+        else:
+            raise OSError(errno.EADDRINUSE, f"another server is listening on {path}")
+        finally:
+            probe.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    os.chmod(path, 0o600)
+    s.listen(1024)
+    return s

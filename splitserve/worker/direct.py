@@ -1,0 +1,704 @@
+"""A worker's direct endpoint: SplitRPC's split on a host without a programmable NIC.
+
+With ``ServerConfig.fast_direct`` every bound worker also listens on a Unix socket of its
+own (in the node's private run directory, mode 0600), named in the model's LOOKUP reply.
+A client that follows it sends its frames straight to the process that runs the model:
+client -> worker -> client, two hand-offs instead of four, and no front-end Python on the
+way. The front end keeps the control path: LOOKUP, LOAD/UNLOAD (which open and close the
+endpoint), the preemption page, and the counters and admission limit in that page
+(``worker/counters.py``).
+
+The worker serves its direct connections in the loop that serves its control socket, one
+batch at a time (``Worker.serve``). Frames are checked by the rules the front end applies
+(``protocol/requests.py``); a request's payload is received with ``recv_into`` straight
+into the next free rows of a per-class batch buffer, so calls from many connections form
+one contiguous batch with no gather copy, up to the model's ``max_batch_size``; each call
+is answered on its connection with one ``sendmsg`` from the model's output rows.
+
+A request whose payload is still arriving when its batch starts is moved aside (one copy
+of what came so far), finishes arriving there and takes rows in the next batch (a second
+copy); its rows in the batch that runs are a hole, computed and ignored (samples are
+independent). A misbehaving peer costs only its own connection: a frame incomplete
+``frame_timeout_s`` after its first byte closes it; reading pauses at a frame boundary
+while it has ``max_in_flight`` calls unanswered or ``out_high_water`` bytes unsent, or
+while the worker holds the front end's admission limit of calls; past ``max_pending_out``
+unsent bytes it is closed. A connection past ``max_connections`` is told why and closed.
+
+When the endpoint closes (UNLOAD, eviction, the worker's exit or death), calls not yet
+answered are not answered here: the client re-sends them through the front end, which
+has its own answer for every state of the model (inference has no side effects).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
+                               UnknownModel, WorkerFailed)
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.requests import call_class, stream_samples
+from splitserve.protocol.sockets import unix_listener
+from splitserve.worker.counters import WorkerCounters, Word
+from splitserve.worker.spec import DirectSpec
+
+log = logging.getLogger(__name__)
+
+_HEADER, _PAYLOAD, _DISCARD, _WAIT = range(4)
+_CLASSES = (RequestClass.RT, RequestClass.BE)
+_IN_FLIGHT = {RequestClass.RT: Word.IN_FLIGHT_RT, RequestClass.BE: Word.IN_FLIGHT_BE}
+
+# Runs a batch's segments from ``first``: (class, activations, first segment, samples) ->
+# (the segment it stopped before, or None when it ran to the end; the activations there).
+SegmentRunner = Callable[[RequestClass, tuple, int, int], "tuple[int | None, tuple]"]
+
+
+class _Call:
+    """One direct call from its accepted header to its answer."""
+
+    __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "views", "vi", "target", "aside",
+                 "deadline_ns", "t_rx_ns")
+
+    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int) -> None:
+        self.conn = conn
+        self.req_id = h.req_id
+        self.cls = cls
+        self.count = count
+        self.total = h.payload_len
+        self.got = 0
+        self.row = -1  # its first row in the class's batch buffer (-1: none, e.g. moved aside)
+        self.views: list[memoryview] = []
+        self.vi = 0
+        self.target: memoryview = memoryview(b"")
+        self.aside: bytearray | None = None
+        self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
+        self.t_rx_ns = t_rx_ns
+
+    @property
+    def complete(self) -> bool:
+        return self.got == self.total
+
+    def place(self, row: int, flat: list[memoryview], sizes: list[int]) -> None:
+        """Receive into rows ``row..row+count`` of each input (inputs one after the other,
+        as the payload lays them out)."""
+        self.row = row
+        self.views = [mv[row * nb : (row + self.count) * nb] for mv, nb in zip(flat, sizes)]
+        self.vi = 0
+        self.target = self.views[0]
+
+    def advance(self, n: int) -> bool:
+        """``n`` bytes landed in ``target`` and the views after it; True once the payload is complete."""
+        self.got += n
+        if self.got == self.total:
+            return True
+        while n >= len(self.target):
+            n -= len(self.target)
+            self.vi += 1
+            self.target = self.views[self.vi]
+        self.target = self.target[n:]
+        return False
+
+    def targets(self) -> list[memoryview]:
+        """Where the rest of the payload goes, in order (one scatter read fills them)."""
+        return [self.target, *self.views[self.vi + 1 :]]
+
+    def move_aside(self) -> None:
+        """Its batch starts without it: keep what came in a buffer of its own, receive the
+        rest there, give the rows back."""
+        buf = bytearray(self.total)
+        off = 0
+        for v in self.views:
+            k = min(len(v), self.got - off)
+            if k <= 0:
+                break
+            buf[off : off + k] = v[:k]
+            off += k
+        self.aside, self.row, self.vi = buf, -1, 0
+        self.views = [memoryview(buf)]
+        self.target = self.views[0][self.got :]
+
+    def place_from_aside(self, row: int, flat: list[memoryview], sizes: list[int]) -> None:
+        """A call that finished arriving aside takes rows ``row..``: one copy back."""
+        assert self.aside is not None
+        off = 0
+        for mv, nb in zip(flat, sizes):
+            k = nb * self.count
+            mv[row * nb : row * nb + k] = self.aside[off : off + k]
+            off += k
+        self.row, self.aside = row, None
+
+
+class _Conn:
+    """One direct connection: frames in, answers out, its own flow control."""
+
+    def __init__(self, server: "DirectServer", sock: socket.socket) -> None:
+        self.server = server
+        self.spec = server.spec
+        self.sock = sock
+        sock.setblocking(False)
+        self.fd = sock.fileno()
+        self.hdr = bytearray(HEADER_SIZE)
+        self.hdr_mv = memoryview(self.hdr)
+        self.got = 0
+        self.state = _HEADER
+        self.frame_t0_ns = 0  # first byte of the frame being read (0: between frames)
+        self.header: Header | None = None
+        self.call: _Call | None = None  # the call whose payload is being read, or waits for rows
+        self.discard_left = 0
+        self.discard_error: SplitServeError | None = None
+        self.scratch = bytearray(65536)
+        self.ids: set[int] = set()  # req_ids accepted and not answered
+        self.out = bytearray()
+        self.paused = False  # reading stopped by flow control (at a frame boundary)
+        self.closing = False  # framing lost: flush the error, then close
+        self.closed = False
+        self.events = 0
+        self._update()
+
+    # -- events ----------------------------------------------------------------------
+
+    def _wants_read(self) -> bool:
+        return not (self.paused or self.closing or self.closed or self.state == _WAIT)
+
+    def _update(self) -> None:
+        """Keep the selector's interest in step with what this connection can do now."""
+        if self.closed:
+            return
+        want = (selectors.EVENT_READ if self._wants_read() else 0) | (selectors.EVENT_WRITE if self.out else 0)
+        sel = self.server.sel
+        if want == self.events:
+            return
+        if not self.events:
+            sel.register(self.fd, want, self.on_event)
+        elif not want:
+            sel.unregister(self.fd)
+        else:
+            sel.modify(self.fd, want, self.on_event)
+        self.events = want
+
+    def on_event(self, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._on_writable()
+            if mask & selectors.EVENT_READ:
+                for _ in range(self.spec.reads_per_wakeup):
+                    if not self._wants_read() or not self._read_some():
+                        break
+        except Exception:  # a bug costs this connection, never the worker
+            log.exception("direct peer: unexpected error; closing the connection")
+            self.close()
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _read_some(self) -> bool:
+        """One recv into the current target; False when the socket has nothing more now."""
+        if self.state == _PAYLOAD:
+            return self._read_payload()
+        if self.state == _HEADER:
+            buf = self.hdr_mv[self.got :]
+        else:
+            buf = memoryview(self.scratch)[: min(len(self.scratch), self.discard_left)]
+        try:
+            n = self.sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            log.debug("direct peer: %s", e)
+            self.close()
+            return False
+        if n == 0:
+            self.close()
+            return False
+        if self.state == _HEADER:
+            if self.got == 0:
+                self.frame_t0_ns = time.monotonic_ns()
+            self.got += n
+            if self.got == HEADER_SIZE:
+                self.got = 0
+                self._on_header()
+        else:
+            self.discard_left -= n
+            if self.discard_left == 0:
+                self._after_discard()
+        return n == len(buf)
+
+    def _read_payload(self) -> bool:
+        """One scatter read of the rest of the payload (every input's rows) and the next
+        frame's header, if it is there: two system calls a call, and none that finds the
+        socket empty. False when the socket has nothing more now."""
+        call = self.call
+        assert call is not None
+        bufs = call.targets()
+        if not self._over_bounds():  # it will not pause after this frame: read on into the next header
+            bufs.append(self.hdr_mv)
+        want = call.total - call.got
+        try:
+            n = self.sock.recvmsg_into(bufs)[0]
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            log.debug("direct peer: %s", e)
+            self.close()
+            return False
+        if n == 0:
+            self.close()
+            return False
+        if n < want:
+            call.advance(n)
+            return False
+        call.advance(want)
+        self.call = None
+        self.server.arrived(call)
+        self._frame_done()
+        extra = n - want  # the next frame's header, or its first bytes
+        if extra:
+            self.got, self.frame_t0_ns = extra, time.monotonic_ns()
+            if extra == HEADER_SIZE:
+                self.got = 0
+                self._on_header()
+        return extra == HEADER_SIZE
+
+    def _on_header(self) -> None:
+        try:
+            h = unpack_header(self.hdr)
+        except BadFrame as e:  # framing is lost: say why, then close
+            self.send_error(int.from_bytes(self.hdr[8:16], "little"), 0, e)
+            self.close(flush=True)
+            return
+        self.header = h
+        if h.kind == Kind.REQUEST:
+            try:
+                call = self.server.accept_call(self, h)
+            except SplitServeError as e:
+                self._discard(h.payload_len, e)
+                return
+            self.call = call
+            if call.row < 0:  # waiting for rows is the worker's doing: no frame timeout meanwhile
+                self.state, self.frame_t0_ns = _WAIT, 0
+            else:
+                self.state = _PAYLOAD
+            self._update()
+        elif h.kind == Kind.PING:
+            self._discard(h.payload_len, None)
+            self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
+        else:
+            self._discard(h.payload_len, BadFrame(
+                f"a client may not send {Kind(h.kind).name} frames to a direct endpoint (it takes REQUEST and "
+                "PING; look models up at the front end)"))
+
+    def rows_granted(self) -> None:
+        """The call that waited for rows has them: read its payload."""
+        self.state = _PAYLOAD
+        self.frame_t0_ns = time.monotonic_ns()
+        self._update()
+        self.on_event(selectors.EVENT_READ)
+
+    def _discard(self, nbytes: int, error: SplitServeError | None) -> None:
+        self.discard_error = error
+        if nbytes:
+            self.discard_left = nbytes
+            self.state = _DISCARD
+        else:
+            self._after_discard()
+
+    def _after_discard(self) -> None:
+        err, self.discard_error = self.discard_error, None
+        if err is not None:
+            h = self.header
+            assert h is not None
+            self.server.counters.add(Word.FAILED)
+            self.send_error(h.req_id, h.func_id, err)
+        self._frame_done()
+
+    def _frame_done(self) -> None:
+        """A whole frame was read: expect a header, and pause here if flow control says so."""
+        self.state = _HEADER
+        self.frame_t0_ns = 0
+        self.maybe_pause()
+
+    def maybe_pause(self) -> None:
+        """Pause or resume reading (only between frames) by the connection's own bounds and
+        the worker's admission limit."""
+        if self.state == _HEADER and self.got == 0 and not self.closed:
+            self.paused = self._over_bounds()
+        self._update()
+
+    def _over_bounds(self) -> bool:
+        spec = self.spec
+        return (len(self.ids) >= spec.max_in_flight or len(self.out) > spec.out_high_water
+                or (self.paused and len(self.out) > spec.out_low_water)
+                or self.server.held() >= self.server.counters.admit())
+
+    def expire(self, now_ns: int) -> None:
+        """Close the connection if its current frame began more than frame_timeout_s ago."""
+        limit = self.spec.frame_timeout_s
+        if not self.frame_t0_ns or now_ns - self.frame_t0_ns <= limit * 1e9 or self.closed:
+            return
+        log.info("closing a direct peer: a frame still incomplete %.1fs after its first byte", limit)
+        h = self.header if self.state != _HEADER else None
+        self.send_error(h.req_id if h else 0, h.func_id if h else 0,
+                        BadFrame(f"frame incomplete {limit:g} s after its first byte; closing the connection"))
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------
+
+    def send_error(self, req_id: int, func_id: int, error: SplitServeError) -> None:
+        msg = error.message.encode()
+        h = Header(Kind.ERROR, req_id=req_id, func_id=func_id, status=int(error.status), payload_len=len(msg))
+        self.send([h.pack(), msg])
+
+    def send(self, parts: list) -> None:
+        """Gather-write ``parts``; what the kernel does not take now is copied aside, so the
+        output rows may be reused as soon as this returns."""
+        if self.closed:
+            return
+        if self.out:
+            for p in parts:
+                self.out += p
+        else:
+            try:
+                sent = self.sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as e:
+                log.debug("direct peer: %s", e)
+                self.close()
+                return
+            for p in parts:
+                n = len(p)
+                if sent >= n:
+                    sent -= n
+                    continue
+                self.out += memoryview(p)[sent:]
+                sent = 0
+        if self.out:
+            if len(self.out) > self.spec.max_pending_out:
+                log.warning("closing a direct peer: %d B unread", len(self.out))
+                self.close()
+                return
+            self._update()
+
+    def _on_writable(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            log.debug("direct peer: %s", e)
+            self.close()
+            return
+        del self.out[:n]
+        if not self.out and self.closing:
+            self.close()
+            return
+        self.maybe_pause()
+
+    def close(self, flush: bool = False) -> None:
+        """Close the connection; its calls are dropped (the client re-sends them elsewhere)."""
+        if self.closed:
+            return
+        if flush and self.out:
+            self.closing = True
+            self._update()
+            return
+        if self.events:
+            self.server.sel.unregister(self.fd)
+            self.events = 0
+        self.closed = True
+        self.out = bytearray()
+        self.sock.close()
+        self.server.gone(self)
+
+
+class DirectServer:
+    """A bound worker's endpoint and its direct calls (see the module's docstring)."""
+
+    def __init__(self, spec: DirectSpec, cfg: ModelConfig, counters: WorkerCounters,
+                 sel: selectors.BaseSelector, ring: Callable[[], None]) -> None:
+        self.spec = spec
+        self.ring = ring  # tells the front end that a direct real-time batch began or ended
+        self.cfg = cfg
+        self.counters = counters
+        self.sel = sel
+        self.max_batch = cfg.max_batch_size
+        self.default_cls = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
+        self.sizes = [t.nbytes for t in cfg.inputs]
+        # Per class: the batch buffer (one array per input), its bytes, the next free row,
+        # the calls holding rows (row order), calls finished aside and connections waiting for rows.
+        self.inputs = {c: [np.empty((self.max_batch, *t.shape), t.dtype) for t in cfg.inputs] for c in _CLASSES}
+        self.flat = {c: [memoryview(a).cast("B") for a in arrays] for c, arrays in self.inputs.items()}
+        self.tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.inputs.items()}
+        self.next_row = {c: 0 for c in _CLASSES}
+        self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
+        self.aside_done: dict[RequestClass, deque[_Call]] = {c: deque() for c in _CLASSES}
+        self.waiting: dict[RequestClass, deque[_Conn]] = {c: deque() for c in _CLASSES}
+        # A best-effort batch stopped at a segment boundary (padding deadline): its calls,
+        # samples, the segment to resume at and the activations there.
+        self.suspended: tuple[list[_Call], int, int, tuple] | None = None
+        self.conns: set[_Conn] = set()
+        self.path = Path(spec.path)
+        counters.reset()
+        self.listener = unix_listener(self.path)
+        self.listener.setblocking(False)
+        sel.register(self.listener.fileno(), selectors.EVENT_READ, self._on_accept)
+
+    # -- connections -----------------------------------------------------------------
+
+    def _on_accept(self, _mask: int) -> None:
+        for _ in range(64):
+            try:
+                sock, _peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("direct endpoint: accept failed: %s", e)
+                return
+            if len(self.conns) >= self.spec.max_connections:
+                # Said, then closed: the client sends these calls through the front end.
+                err = Refused(f"this worker takes at most {self.spec.max_connections} direct connections; "
+                              "use the front end")
+                msg = err.message.encode()
+                try:
+                    sock.send(Header(Kind.ERROR, status=int(err.status), payload_len=len(msg)).pack() + msg,
+                              socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            self.conns.add(_Conn(self, sock))
+            self.counters.add(Word.CONNECTIONS)
+
+    def gone(self, conn: _Conn) -> None:
+        """A connection closed: its calls will not be answered here (dropped at their batch)."""
+        if conn in self.conns:
+            self.conns.discard(conn)
+            self.counters.sub(Word.CONNECTIONS)
+        call = conn.call
+        if call is not None and (conn.state == _WAIT or call.row < 0):  # no batch holds it: drop it now
+            self._drop(call)
+            conn.call = None
+
+    def held(self) -> int:
+        """Direct calls accepted and not yet answered or dropped."""
+        return self.counters.value(Word.IN_FLIGHT_RT) + self.counters.value(Word.IN_FLIGHT_BE)
+
+    def accept_call(self, conn: _Conn, h: Header) -> _Call:
+        """Check a REQUEST header as the front end would; the call, with rows if its class
+        has room now (else it waits for them and its connection is not read meanwhile)."""
+        if h.func_id != self.spec.func_id:
+            raise UnknownModel(f"this endpoint serves {self.cfg.name!r} (func_id {self.spec.func_id}), "
+                               f"not func_id {h.func_id}; look the model up at the front end")
+        if h.req_id in conn.ids:
+            raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
+        count = stream_samples(h, self.cfg)
+        cls = call_class(h.cls, self.default_cls, self.spec.rt_only)
+        call = _Call(conn, h, cls, count, conn.frame_t0_ns)
+        conn.ids.add(h.req_id)
+        self.counters.add(Word.RECEIVED)
+        self.counters.add(_IN_FLIGHT[cls])
+        if not self._give_rows(call):
+            self.waiting[cls].append(conn)
+        return call
+
+    def _give_rows(self, call: _Call) -> bool:
+        cls = call.cls
+        row = self.next_row[cls]
+        if row + call.count > self.max_batch or (cls == RequestClass.BE and self.suspended is not None):
+            return False
+        call.place(row, self.flat[cls], self.sizes)
+        self.next_row[cls] = row + call.count
+        self.placed[cls].append(call)
+        return True
+
+    def arrived(self, call: _Call) -> None:
+        """A payload is complete: in its rows, it runs with the next batch of its class;
+        aside, it takes rows then."""
+        if call.row < 0:
+            self.aside_done[call.cls].append(call)
+
+    def _drop(self, call: _Call) -> None:
+        call.conn.ids.discard(call.req_id)
+        self.counters.sub(_IN_FLIGHT[call.cls])
+
+    def _answer_error(self, call: _Call, error: SplitServeError) -> None:
+        self._drop(call)
+        self.counters.add(Word.FAILED)
+        call.conn.send_error(call.req_id, self.spec.func_id, error)
+
+    # -- the worker's loop -----------------------------------------------------------
+
+    def timeout(self) -> float | None:
+        """How long the worker's loop may block: until a frame's timeout, or a short poll
+        while a batch is suspended (its padding deadline moves without a message)."""
+        if self.suspended is not None:
+            return self.spec.suspend_poll_s
+        t0 = min((c.frame_t0_ns for c in self.conns if c.frame_t0_ns), default=0)
+        if not t0:
+            return None
+        return max(0.0, (t0 - time.monotonic_ns()) / 1e9 + self.spec.frame_timeout_s) + 1e-3
+
+    def sweep(self, now_ns: int) -> None:
+        """Close connections whose frame has been incomplete too long."""
+        for conn in [c for c in self.conns if c.frame_t0_ns]:
+            conn.expire(now_ns)
+
+    def ready(self) -> bool:
+        """A batch could run (or resume) now."""
+        if self.suspended is not None:
+            return True
+        return any(self.aside_done[c] or any(x.complete for x in self.placed[c]) for c in _CLASSES)
+
+    def run_one(self, run: SegmentRunner) -> None:
+        """Run one batch: a suspended best-effort batch's next segments, else the oldest
+        class with calls ready, real-time first."""
+        if self.suspended is not None:
+            calls, n, first, acts = self.suspended
+            if self.placed[RequestClass.RT] and any(x.complete for x in self.placed[RequestClass.RT]) \
+                    or self.aside_done[RequestClass.RT]:
+                self._run(RequestClass.RT, run)
+                return
+            self.suspended = None
+            self._finish(RequestClass.BE, calls, n, first, acts, run, resuming=True)
+            return
+        for cls in _CLASSES:
+            if self.aside_done[cls] or any(x.complete for x in self.placed[cls]):
+                self._run(cls, run)
+                return
+
+    def _run(self, cls: RequestClass, run: SegmentRunner) -> None:
+        now = time.monotonic_ns()
+        calls: list[_Call] = []
+        for c in self.placed[cls]:
+            if c.conn.closed:
+                self._drop(c)
+            elif not c.complete:
+                c.move_aside()
+            elif c.deadline_ns and now > c.deadline_ns:
+                self._answer_error(c, DeadlineMissed(
+                    f"deadline passed after {(now - c.t_rx_ns) / 1e6:.1f} ms before its batch started"))
+            else:
+                calls.append(c)
+        row = self.next_row[cls]
+        aside = self.aside_done[cls]
+        while aside and row + aside[0].count <= self.max_batch:
+            c = aside.popleft()
+            if c.conn.closed:
+                self._drop(c)
+                continue
+            if c.deadline_ns and now > c.deadline_ns:
+                self._answer_error(c, DeadlineMissed(
+                    f"deadline passed after {(now - c.t_rx_ns) / 1e6:.1f} ms before its batch started"))
+                continue
+            c.place_from_aside(row, self.flat[cls], self.sizes)
+            calls.append(c)
+            row += c.count
+        if not calls:
+            self._rows_free(cls)
+            return
+        n = max(c.row + c.count for c in calls)
+        xs = tuple(t[:n] for t in self.tensors[cls])
+        self._finish(cls, calls, n, 0, xs, run)
+
+    def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
+                run: SegmentRunner, resuming: bool = False) -> None:
+        rt = cls == RequestClass.RT
+        if rt:  # REEF: the instance's CPUs are claimed while it runs (the front end's view, and its bell)
+            self._claim(1)
+        t0 = time.monotonic_ns()
+        try:
+            stopped, acts = run(cls, acts, first, n)
+        except Exception as e:  # a model error fails this batch, not the worker
+            log.exception("direct batch of %d failed", n)
+            self.counters.add(Word.BUSY_NS, time.monotonic_ns() - t0)
+            for c in calls:
+                self._answer_error(c, WorkerFailed(f"model {self.cfg.name!r} raised: {type(e).__name__}: {e}"))
+            self._rows_free(cls)
+            return
+        finally:
+            if rt:
+                self._claim(0)
+        t1 = time.monotonic_ns()
+        self.counters.add(Word.BUSY_NS, t1 - t0)
+        if stopped is not None:  # best-effort, at a boundary: it resumes once it may
+            if not resuming or stopped > first:
+                self.counters.add(Word.PREEMPTED)
+            self.suspended = (calls, n, stopped, acts)
+            return
+        self.counters.add(Word.BATCHES)
+        self.counters.add(Word.SAMPLES, n)
+        outs = []
+        for y, spec in zip(acts, self.cfg.outputs):
+            arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(n, *spec.shape), dtype=spec.dtype)
+            outs.append((memoryview(arr).cast("B"), spec.nbytes))
+        compute_us = (t1 - t0) // 1000
+        t2 = time.monotonic_ns()
+        h = Header(Kind.RESPONSE, func_id=self.spec.func_id, cls=cls, compute_us=compute_us)
+        answered = 0
+        for c in calls:
+            if c.conn.closed:
+                self._drop(c)
+                continue
+            parts = [b""] + [mv[c.row * nb : (c.row + c.count) * nb] for mv, nb in outs]
+            h.req_id, h.queue_us, h.total_us = c.req_id, max(0, t0 - c.t_rx_ns) // 1000, (t2 - c.t_rx_ns) // 1000
+            h.payload_len = sum(len(p) for p in parts) - len(parts[0])
+            parts[0] = h.pack()
+            c.conn.ids.discard(c.req_id)
+            answered += 1
+            c.conn.send(parts)
+        self.counters.sub(_IN_FLIGHT[cls], answered)
+        self.counters.add(Word.ANSWERED, answered)
+        self._rows_free(cls)
+
+    def _claim(self, running: int) -> None:
+        self.counters.set(Word.RT_RUNNING, running)
+        if self.counters.bell():
+            self.ring()
+
+    def _rows_free(self, cls: RequestClass) -> None:
+        """The class's batch ran: its rows are free; connections that waited get theirs,
+        paused ones look at their bounds again."""
+        self.next_row[cls] = 0
+        self.placed[cls] = []
+        waiting = self.waiting[cls]
+        while waiting:
+            conn = waiting[0]
+            call = conn.call
+            if conn.closed or call is None or conn.state != _WAIT:
+                waiting.popleft()
+                continue
+            if not self._give_rows(call):
+                break
+            waiting.popleft()
+            conn.rows_granted()
+        for conn in list(self.conns):
+            if conn.paused:
+                conn.maybe_pause()
+
+    def close(self) -> None:
+        """Close the endpoint and every connection (UNLOAD, STOP): calls not answered are
+        the client's to re-send through the front end."""
+        try:
+            self.sel.unregister(self.listener.fileno())
+        except (KeyError, ValueError):
+            pass
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        for conn in list(self.conns):
+            conn.close()
+        self.suspended = None
+        # Nothing is held or open any more; the totals stay for the front end to read.
+        for word in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.CONNECTIONS):
+            self.counters.set(word, 0)

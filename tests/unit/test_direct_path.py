@@ -1,0 +1,109 @@
+"""The direct path's pure parts: the request checks the front end and the workers share,
+a direct call's way into (and aside from) the batch rows, and the counters page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitserve.errors import BadSegment, BadSize, InvalidInput, Refused
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import Header, Kind, RequestClass
+from splitserve.protocol.requests import call_class, stream_samples
+from splitserve.worker.counters import DirectCounts, WorkerCounters, Word
+from splitserve.worker.direct import _Call
+from splitserve.worker.preempt_flag import PreemptFlag
+
+VECADD = ModelConfig.from_dict({"name": "vecadd1k", "artifact": {"kind": "zoo", "arch": "vecadd1k"}})
+
+
+def req(payload_len: int, **kw: int) -> Header:
+    return Header(Kind.REQUEST, req_id=1, func_id=1, payload_len=payload_len, **kw)
+
+
+def test_stream_samples_counts_whole_samples_and_names_what_is_wrong():
+    per = VECADD.request_bytes  # two FP32[1024]
+    assert stream_samples(req(3 * per), VECADD) == 3
+    with pytest.raises(BadSize, match=f"multiple of {per} B"):
+        stream_samples(req(per + 4), VECADD)
+    with pytest.raises(BadSize, match="multiple"):
+        stream_samples(req(0), VECADD)
+    with pytest.raises(BadSegment, match="seg_count"):
+        stream_samples(req(per, seg_count=2), VECADD)
+    with pytest.raises(BadSize, match="exceed max_batch_size 2"):
+        stream_samples(req(3 * per), VECADD, max_batch=2)
+
+
+def test_call_class_takes_the_models_default_and_refuses_be_in_rt_only():
+    assert call_class(RequestClass.DEFAULT, RequestClass.BE, rt_only=False) is RequestClass.BE
+    assert call_class(RequestClass.RT, RequestClass.BE, rt_only=True) is RequestClass.RT
+    with pytest.raises(Refused, match="rt-only"):
+        call_class(RequestClass.BE, RequestClass.RT, rt_only=True)
+    with pytest.raises(InvalidInput, match="request class"):
+        call_class(7, RequestClass.RT, rt_only=False)
+
+
+def _buffers(rows: int) -> tuple[list[np.ndarray], list[memoryview], list[int]]:
+    arrays = [np.zeros((rows, 1024), np.float32) for _ in range(2)]
+    return arrays, [memoryview(a).cast("B") for a in arrays], [4096, 4096]
+
+
+def _feed(call: _Call, data: bytes, chunk: int) -> bool:
+    """Receive ``data`` into the call's targets at most ``chunk`` bytes at a time, as
+    recv_into would (a recv never crosses the end of a target); True once complete."""
+    done, off = False, 0
+    while off < len(data):
+        n = min(chunk, len(call.target), len(data) - off)
+        call.target[:n] = data[off : off + n]
+        done = call.advance(n)
+        off += n
+    return done
+
+
+def test_a_call_lands_in_consecutive_rows_of_every_input():
+    arrays, flat, sizes = _buffers(4)
+    a, b = np.arange(2048, dtype=np.float32).reshape(2, 1024), -np.arange(2048, dtype=np.float32).reshape(2, 1024)
+    call = _Call(None, req(4 * 4096), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    call.place(1, flat, sizes)
+    assert _feed(call, a.tobytes() + b.tobytes(), 4096)
+    np.testing.assert_array_equal(arrays[0][1:3], a)
+    np.testing.assert_array_equal(arrays[1][1:3], b)
+    assert not arrays[0][0].any() and not arrays[0][3].any()  # other rows untouched
+
+
+def test_a_call_moved_aside_mid_payload_keeps_its_bytes_and_takes_new_rows_whole():
+    arrays, flat, sizes = _buffers(4)
+    payload = np.random.default_rng(0).standard_normal(2048).astype(np.float32).tobytes()
+    call = _Call(None, req(len(payload)), RequestClass.BE, 1, 0)  # type: ignore[arg-type]
+    call.place(0, flat, sizes)
+    assert not _feed(call, payload[:5000], 1000)  # past the first input, into the second
+    call.move_aside()
+    assert call.row == -1
+    arrays[0][:] = 7.0  # the batch that ran reuses the rows
+    arrays[1][:] = 7.0
+    assert _feed(call, payload[5000:], 1000)
+    call.place_from_aside(3, flat, sizes)
+    assert call.row == 3 and call.aside is None
+    np.testing.assert_array_equal(arrays[0][3].tobytes() + arrays[1][3].tobytes(), payload)
+    assert (arrays[0][:3] == 7.0).all()
+
+
+def test_counters_count_per_binding_and_keep_the_front_ends_admission_limit():
+    flag = PreemptFlag()
+    try:
+        front, worker = WorkerCounters(flag.page), WorkerCounters(flag.page)  # two views of one page
+        front.set_admit(64)
+        worker.add(Word.RECEIVED, 3)
+        worker.add(Word.IN_FLIGHT_BE, 2)
+        worker.sub(Word.IN_FLIGHT_BE)
+        worker.add(Word.ANSWERED)
+        snap = front.snapshot()
+        assert (snap.received, snap.answered, snap.in_flight_be) == (3, 1, 1) and worker.admit() == 64
+        assert snap.finished() == DirectCounts(received=3, answered=1)
+        assert (snap + snap).received == 6
+        worker.reset()  # a new binding
+        assert front.snapshot() == DirectCounts() and worker.admit() == 64
+        flag.raise_for(5)  # the flag's own words are not the counters'
+        assert front.snapshot() == DirectCounts() and flag.target() == 5
+    finally:
+        flag.close()
