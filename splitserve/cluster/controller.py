@@ -48,7 +48,7 @@ NAMESPACE = "splitserve"
 _LONG_POLL_S = 1.0
 # Settings whose state outlives one decision (procurement's open orders, the revocation
 # emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
-_FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "procurement",
+_FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "bill_records", "procurement",
                     "spot_retry_timeout_s", "p_rev", "revocation_interval_s", "notice_min_s", "notice_max_s",
                     "revocation_seed"})
 
@@ -105,7 +105,7 @@ class Controller:
         for name in builtin_models:
             self.registry.add(name, None)
         self.nodes: dict[str, _Node] = {}
-        self.cost = CostLedger()
+        self.cost = CostLedger(cfg.bill_records)
         self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
         self.revocation = RevocationEmulator.of(cfg, clock())
@@ -198,7 +198,8 @@ class Controller:
             "models": dict(self.registry.ids),
             "gateway": self._gateway,
             "cost": self.cost.summary(now),
-            "bill": self.cost.to_list(),
+            "bill": self.cost.to_list(),  # the nodes running and the newest bill_records ended
+            "bill_earlier": self.cost.folded(),  # per market: the ended nodes no longer listed
             "fallbacks": self.procurement.fallbacks,
             "revocations": {"notices": self.revocation.notices, "spot_requests": self.revocation.spot_requests,
                             "spot_failures": self.revocation.spot_failures},

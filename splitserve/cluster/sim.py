@@ -372,7 +372,7 @@ class ClusterSim:
                        "compliance": t.strict_met / strict_total if strict_total else None,
                        "p99_ms": p99(t.strict_latency)},
             "be": {"requests": len(t.be_latency) + t.be_errors, "errors": t.be_errors, "p99_ms": p99(t.be_latency)},
-            "evictions": sum(1 for r in self.cost.records() if r.evicted),
+            "evictions": self.cost.summary(self.now)["evictions"],
             "notices": len(self.notices),
             "notice_times": [(n.at, n.deadline) for n in self.notices],
             "nodes_over_time": self.timeline,

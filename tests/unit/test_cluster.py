@@ -284,6 +284,41 @@ def test_the_cost_ledger_against_table3():
     assert s["draining_hours"] == pytest.approx(90.0 / 3600.0)
 
 
+def test_a_long_running_bill_keeps_a_bounded_list_and_the_same_totals():
+    """A cluster that has churned through many nodes lists the open ones and the newest
+    ``keep_closed`` ended ones; every older one is folded into its market's totals, so the
+    summary (what ``cluster status`` bills) is the unbounded ledger's to the cent."""
+    aws = TABLE3[PricePreset.AWS]
+    bounded, full = CostLedger(keep_closed=3), CostLedger()
+    t = 0.0
+    for i in range(200):  # 200 nodes, each for up to an hour; a few left running
+        market = SPOT if i % 3 else OD
+        for led in (bounded, full):
+            led.requested(f"n{i}", "8xa100", market, aws.of(market), t)
+            if i % 7:
+                led.ready(f"n{i}", t + 60.0)
+            if i % 5 == 0:
+                led.drained(f"n{i}", t + 1800.0)
+            if i < 195:
+                led.ended(f"n{i}", t + 3600.0 - i, evicted=market is SPOT and i % 2 == 0)
+        t += 30.0
+    now = t + 7200.0
+    assert len(bounded.records()) == 5 + 3
+    assert {r.node for r in bounded.records()} == {f"n{i}" for i in range(192, 200)}
+    got, want = bounded.summary(now), full.summary(now)
+    assert got.keys() == want.keys()
+    for key in ("boots", "withdrawn", "evictions"):
+        assert got[key] == want[key]
+    for key in ("dollars", "booting_hours", "draining_hours"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12)
+    assert got["node_hours"] == pytest.approx(want["node_hours"], rel=1e-12)
+    assert sum(f["nodes"] for f in bounded.folded().values()) == 192
+    assert bounded.total(now) == pytest.approx(full.total(now), rel=1e-12)
+    # the newest ended records can still be told they ended again (nothing changes)
+    bounded.ended("n194", now)
+    assert bounded.summary(now)["dollars"] == pytest.approx(want["dollars"], rel=1e-12)
+
+
 # -- autoscaling -------------------------------------------------------------------------
 
 def test_the_cluster_autoscaler_scales_up_at_once_and_down_after_the_keep_alive():
