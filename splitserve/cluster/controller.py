@@ -37,7 +37,7 @@ from splitserve.cluster.gateway import NodeRoute, Routes
 from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator
+from splitserve.cluster.revocation import RevocationEmulator, doomed_step
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 
@@ -331,17 +331,20 @@ class Controller:
         self._next_autoscale = now  # order the replacement this round
 
     def _drain_doomed(self, now: float) -> None:
-        """Doomed nodes stop taking work once a replacement serves (or at the lead), and leave
-        the routes at the margin so that the gateway re-sends what they still hold."""
+        """Doomed nodes stop taking work once a replacement serves (or at the lead), and end
+        once drained and idle, or at the margin, when the gateway re-sends what they still hold
+        (``revocation.doomed_step``: the simulator's rule too)."""
         replacement_serves = len(self._staying()) >= self._target
         for n in list(self.nodes.values()):
             if n.deadline is None or n.retiring:
                 continue
-            if n.state is NodeState.ACTIVE and (replacement_serves or now >= n.deadline - self.cfg.drain_lead_s):
+            step = doomed_step(self.cfg, now, n.deadline, n.state is NodeState.ACTIVE, n.state is NodeState.DRAINING,
+                               replacement_serves, not self._idle(n))
+            if step.stop_taking_work:
                 self._set_state(n, NodeState.DRAINING, now)
-            if now >= n.deadline - self.cfg.drain_margin_s or (n.state is NodeState.DRAINING and self._idle(n)):
+            if step.end:
                 n.retiring = True
-                self._spawn(self._retire(n, evicted=now >= n.deadline - self.cfg.drain_margin_s))
+                self._spawn(self._retire(n, evicted=step.evicted))
 
     def _idle(self, n: _Node) -> bool:
         return int(self._gateway.get("in_flight", {}).get(n.node_id, 0)) == 0
