@@ -9,7 +9,8 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 * the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference,
   ``SharedMemoryRegions`` for the tensors clients keep in shared memory and a
   ``management.ModelManager`` for everything else; every front end, fast path included,
-  is a ``FrontEnd`` the root starts and stops;
+  is a ``FrontEnd`` the root starts and stops. HTTP's inference routes need only
+  ``InferenceAPI`` and ``ModelCatalog``, which a cluster gateway implements too;
 * a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
   ``NodeScheduler`` it asks for batches, metrics, the node's ``ResourceManager`` (CPUs), the
   ``PlacementChanger`` that carries out its changes of placement, profiles and a worker
