@@ -366,6 +366,8 @@ class ClusterConfig:
     reconcile_interval_s: float = 0.5  # how often the controller reads Ray's node table and draining nodes
     node_start_timeout_s: float = 120.0  # a node server whose `splitserve serve` is not up by then is replaced
     node_stats_timeout_s: float = 2.0  # a node server's stats() call that takes longer counts as missed
+    # c-http: the controller's bill
+    bill_records: int = 256  # ended node records the bill lists; older ones are folded into per-market totals
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -411,6 +413,8 @@ class ClusterConfig:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.keep_alive_s < 0:
             raise InvalidInput("keep_alive_s must be at least 0 (0: scale down at once)")
+        if self.bill_records < 0:
+            raise InvalidInput("bill_records must be at least 0 (0: only the nodes still running are listed)")
         self.prices  # noqa: B018 - refuses a non-positive override here, at start-up
         return self
 

@@ -7,13 +7,14 @@ config, a fast-path lookup answer, an HTTP body and a gRPC message all say the s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Self
 
 import numpy as np
 
-from splitserve.errors import InvalidInput
+from splitserve.errors import BadSize, InvalidInput
 
 # v2 datatype -> numpy dtype. BYTES is variable length and never lives in a tensor queue.
 V2_TO_NUMPY: dict[str, np.dtype] = {
@@ -114,3 +115,24 @@ class TensorSpec:
             return cls(str(d["name"]), str(d["datatype"]).upper(), tuple(int(x) for x in d["shape"]))
         except KeyError as e:
             raise InvalidInput(f"tensor spec is missing the field {e.args[0]!r}") from None
+
+
+def batch_of(model: str, specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray]) -> int:
+    """The samples in one call of ``model``: ``arrays`` in declared order, each of its spec's
+    dtype and shaped ``(n, *shape)`` with one ``n`` > 0; raises naming the first that is not."""
+    if len(arrays) != len(specs):
+        raise InvalidInput(f"model {model!r} takes {len(specs)} inputs "
+                           f"({', '.join(t.name for t in specs)}), got {len(arrays)}")
+    count = None
+    for arr, spec in zip(arrays, specs):
+        if arr.dtype != spec.dtype:
+            raise InvalidInput(f"input {spec.name!r} of {model!r} must be {spec.datatype}, got {arr.dtype}")
+        if arr.shape[1:] != spec.shape or arr.ndim != len(spec.shape) + 1:
+            raise BadSize(f"input {spec.name!r} of {model!r} must have shape [n, {', '.join(map(str, spec.shape))}],"
+                          f" got {list(arr.shape)}")
+        if count is not None and arr.shape[0] != count:
+            raise BadSize(f"inputs of {model!r} disagree on the batch size")
+        count = arr.shape[0]
+    if not count:
+        raise BadSize("empty batch")
+    return count

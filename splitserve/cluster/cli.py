@@ -3,8 +3,9 @@
 ``up`` without ``--address`` runs a whole cluster on this machine (a Ray head on 127.0.0.1
 and ``--nodes`` serving raylets) in the foreground until Ctrl-C or ``cluster down``; with
 ``--address`` it puts the splitserve actors on an existing Ray cluster and returns. The
-gateway serves the fast path on ``--gateway-port``: clients use the same URLs and clients
-as for one node. The management token is ``DATA_DIR/token``, given to every node.
+gateway serves the fast path on ``--gateway-port`` and HTTP (Open Inference Protocol v2) on
+``--gateway-http-port``: clients use the same URLs and clients as for one node. The
+management token is ``DATA_DIR/token``, given to every node.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def up(
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster (GCS host:port) instead of a local one."),
     gateway_host: str = typer.Option("127.0.0.1", help="Address the gateway binds; loopback unless you mean otherwise."),
     gateway_port: int = typer.Option(8100, help="The gateway's fast-path TCP port (0: any free port)."),
+    gateway_http_port: int = typer.Option(8000, help="The gateway's HTTP port, Open Inference Protocol v2 "
+                                                     "(0: any free port; -1: no HTTP)."),
     node_host: str = typer.Option("127.0.0.1", help="Address each node server binds."),
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
@@ -55,24 +58,24 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     d = _data_dir(data_dir)
     cfg = ClusterConfig.from_env(min_nodes=nodes, max_nodes=max(nodes, ClusterConfig.from_env().max_nodes))
+    http_port = None if gateway_http_port < 0 else gateway_http_port
     cache = env_cache_dir()
     spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
                     tmp_root=tempfile.gettempdir())
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
-        h = attach(cfg, spec, gateway_host, gateway_port, model)
-        console.print(f"splitserve on Ray at {address}: gateway tcp://{gateway_host}:{h.gateway_port}")
+        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port)
+        console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
-    local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model))
+    local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     state = d / STATE_FILE
     try:
         h = local.start()
-        state.write_text(json.dumps({"address": h.address, "gateway": f"{gateway_host}:{h.gateway_port}",
-                                     "pid": os.getpid()}))
-        console.print(f"cluster up: Ray at {h.address}, {nodes} nodes; gateway tcp://{gateway_host}:{h.gateway_port}; "
+        state.write_text(json.dumps({"address": h.address, "gateway": h.urls(), "pid": os.getpid()}))
+        console.print(f"cluster up: Ray at {h.address}, {nodes} nodes; gateway {h.urls()}; "
                       "Ctrl-C or `splitserve cluster down` stops it")
         stop.wait()
     finally:
@@ -100,7 +103,8 @@ def status(
 ) -> None:
     """Nodes (market, state, models, requests in flight), the gateway, and the cost so far."""
     _connect(address, data_dir)
-    st = ray.get(find().controller.status.remote())
+    h = find()
+    st = ray.get(h.controller.status.remote())
     if as_json:
         console.print_json(json.dumps(st))
         return
@@ -110,6 +114,7 @@ def status(
                   n["endpoint"] or "-")
     console.print(t)
     gw = st["gateway"]
+    console.print(f"gateway {h.urls()}")
     console.print(f"target {st['target']} nodes; gateway holds {gw.get('held', 0)} requests, delivered "
                   f"{gw.get('delivered', 0)}, re-sent {gw.get('resent', 0)}; cost so far "
                   f"${st['cost']['dollars']:.4f} ({st['cost']['evictions']} evictions, {st['fallbacks']} fallbacks)")

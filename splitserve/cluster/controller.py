@@ -37,7 +37,7 @@ from splitserve.cluster.gateway import NodeRoute, Routes
 from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator
+from splitserve.cluster.revocation import RevocationEmulator, doomed_step
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 
@@ -48,7 +48,7 @@ NAMESPACE = "splitserve"
 _LONG_POLL_S = 1.0
 # Settings whose state outlives one decision (procurement's open orders, the revocation
 # emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
-_FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "procurement",
+_FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "bill_records", "procurement",
                     "spot_retry_timeout_s", "p_rev", "revocation_interval_s", "notice_min_s", "notice_max_s",
                     "revocation_seed"})
 
@@ -59,12 +59,13 @@ class _Node:
     market: Market
     order: int | None  # the procurement order it fills while starting
     server: Any  # the NodeServer actor handle
-    starting: Any = None  # the endpoint() call in flight while it starts
+    starting: asyncio.Future | None = None  # the endpoint() call in flight while it starts
     endpoint: NodeEndpoint | None = None
     state: NodeState = NodeState.STARTING
     deadline: float | None = None  # an eviction notice's deadline (epoch s)
-    models: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()  # the registry's models this node was given (and loaded)
     retiring: bool = False  # scale-in or notice: the cluster ends it
+    giving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one _give_models at a time
 
 
 @dataclass
@@ -81,6 +82,10 @@ class _Registry:
             self.specs[name] = spec
         return self.ids[name]
 
+    def remove(self, name: str) -> None:
+        self.ids.pop(name, None)
+        self.specs.pop(name, None)
+
 
 def _autoscaler(cfg: ClusterConfig) -> ClusterAutoscaler:
     return ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target, cfg.keep_alive_s)
@@ -90,17 +95,17 @@ class Controller:
     """The cluster's control plane (an async Ray actor; one loop, no locks)."""
 
     def __init__(self, cfg: ClusterConfig, node_spec: NodeSpec, provider: Any, builtin_models: list[str],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, address: str | None = None) -> None:
         self.cfg = cfg
         self.node_spec = node_spec
         self.provider = provider
         self.clock = clock
-        self.address = raycompat.gcs_address()
+        self.address = address or raycompat.gcs_address()  # the GCS of the Ray cluster it runs on
         self.registry = _Registry()
         for name in builtin_models:
             self.registry.add(name, None)
         self.nodes: dict[str, _Node] = {}
-        self.cost = CostLedger()
+        self.cost = CostLedger(cfg.bill_records)
         self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
         self.revocation = RevocationEmulator.of(cfg, clock())
@@ -121,24 +126,36 @@ class Controller:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     async def register(self, spec: ModelSpec) -> int:
-        """Register ``spec`` on every serving node; returns its cluster func id. New nodes get
-        it when they start."""
+        """Register ``spec`` on every node with a server; returns its cluster func id. The
+        registry holds it from the start, so a node that joins meanwhile, or later, gets it
+        when it joins; a node that refuses it rolls the registration back."""
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
+        fid = self.registry.add(spec.name, spec)
         ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD
                  and not n.retiring]
-        results = await asyncio.gather(*(n.server.ensure_models.remote([spec]) for n in ready),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._give_models(n) for n in ready), return_exceptions=True)
         for n, r in zip(ready, results):
             # a node retired meanwhile (scale-in, an eviction) no longer needs the model
             if isinstance(r, BaseException) and n.node_id in self.nodes and not n.retiring:
+                self.registry.remove(spec.name)
+                for other in self.nodes.values():
+                    other.models = other.models - {spec.name}
+                self._publish()
                 raise r
-        fid = self.registry.add(spec.name, spec)
-        for n in ready:
-            n.models = n.models | {spec.name}
         self._publish()
         log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid, len(ready))
         return fid
+
+    async def _give_models(self, n: _Node) -> None:
+        """Register and load on ``n`` every model the registry holds that it lacks, again until
+        it lacks none: a model registered while a call is out goes in the next one. Whoever
+        calls it (a node joining, a registration), the node ends with the whole registry."""
+        async with n.giving:
+            while missing := sorted(self.registry.ids.keys() - n.models):
+                specs = [spec for name in missing if (spec := self.registry.specs[name]) is not None]
+                await n.server.ensure_models.remote(specs, tuple(missing))
+                n.models = n.models | (set(missing) & self.registry.ids.keys())
 
     async def routes(self, version: int, gateway_stats: dict | None = None) -> str | None:
         """Long poll: the routing table as JSON once it is newer than ``version`` (None after
@@ -181,7 +198,8 @@ class Controller:
             "models": dict(self.registry.ids),
             "gateway": self._gateway,
             "cost": self.cost.summary(now),
-            "bill": self.cost.to_list(),
+            "bill": self.cost.to_list(),  # the nodes running and the newest bill_records ended
+            "bill_earlier": self.cost.folded(),  # per market: the ended nodes no longer listed
             "fallbacks": self.procurement.fallbacks,
             "revocations": {"notices": self.revocation.notices, "spot_requests": self.revocation.spot_requests,
                             "spot_failures": self.revocation.spot_failures},
@@ -214,7 +232,7 @@ class Controller:
             elif n.node_id in draining and n.deadline is None:
                 self._noticed(n, draining[n.node_id] or now + self.cfg.notice_min_s, now)
         for n in list(self.nodes.values()):
-            if n.state is NodeState.STARTING and n.starting is not None:
+            if n.state is NodeState.STARTING:
                 await self._check_started(n, now)
         self._drain_doomed(now)
         live_spot = [n.node_id for n in self.nodes.values() if n.market is Market.SPOT and n.deadline is None
@@ -276,7 +294,7 @@ class Controller:
         self.cost.requested(node_id, str(market), market, self.cfg.prices.of(market), requested)
         server = NodeServerActor.options(name=node_server_name(node_id), namespace=NAMESPACE, lifetime="detached",
                                          **raycompat.on_node(node_id)).remote(self.node_spec)
-        n = _Node(node_id, market, order, server, starting=server.endpoint.remote())
+        n = _Node(node_id, market, order, server, starting=asyncio.ensure_future(server.endpoint.remote()))
         self.nodes[node_id] = n
         if order in self._cancelled:
             self._cancelled.discard(order)
@@ -284,14 +302,12 @@ class Controller:
             await self._retire(n, evicted=False)
 
     async def _check_started(self, n: _Node, now: float) -> None:
-        ready, _ = ray.wait([n.starting], timeout=0)
-        if not ready:
+        if n.starting is None or not n.starting.done():
             return
         starting, n.starting = n.starting, None
         try:
-            n.endpoint = await starting
-            specs = [s for s in self.registry.specs.values() if s is not None]
-            await n.server.ensure_models.remote(specs, tuple(sorted(self.registry.ids)))
+            n.endpoint = starting.result()
+            await self._give_models(n)
         except (ray.exceptions.RayError, SplitServeError) as e:
             log.warning("node %s did not start its server: %s", n.node_id[:12], e)
             order, n.order = n.order, None
@@ -299,7 +315,6 @@ class Controller:
                 self._act(self.procurement.failed(order, now), now)
             await self._retire(n, evicted=False)
             return
-        n.models = frozenset(self.registry.ids)
         if n.order is not None:
             self.procurement.ready(n.order)
             n.order = None
@@ -316,17 +331,20 @@ class Controller:
         self._next_autoscale = now  # order the replacement this round
 
     def _drain_doomed(self, now: float) -> None:
-        """Doomed nodes stop taking work once a replacement serves (or at the lead), and leave
-        the routes at the margin so that the gateway re-sends what they still hold."""
+        """Doomed nodes stop taking work once a replacement serves (or at the lead), and end
+        once drained and idle, or at the margin, when the gateway re-sends what they still hold
+        (``revocation.doomed_step``: the simulator's rule too)."""
         replacement_serves = len(self._staying()) >= self._target
         for n in list(self.nodes.values()):
             if n.deadline is None or n.retiring:
                 continue
-            if n.state is NodeState.ACTIVE and (replacement_serves or now >= n.deadline - self.cfg.drain_lead_s):
+            step = doomed_step(self.cfg, now, n.deadline, n.state is NodeState.ACTIVE, n.state is NodeState.DRAINING,
+                               replacement_serves, not self._idle(n))
+            if step.stop_taking_work:
                 self._set_state(n, NodeState.DRAINING, now)
-            if now >= n.deadline - self.cfg.drain_margin_s or (n.state is NodeState.DRAINING and self._idle(n)):
+            if step.end:
                 n.retiring = True
-                self._spawn(self._retire(n, evicted=now >= n.deadline - self.cfg.drain_margin_s))
+                self._spawn(self._retire(n, evicted=step.evicted))
 
     def _idle(self, n: _Node) -> bool:
         return int(self._gateway.get("in_flight", {}).get(n.node_id, 0)) == 0

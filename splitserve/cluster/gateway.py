@@ -17,10 +17,11 @@ answer for a request already answered is dropped by the ledger. What the gateway
 bounded: the ledger's capacity, the payload bytes held, each node's window, each client
 connection's unanswered calls (its reading pauses past ``gateway_client_in_flight``).
 
-Routes (which nodes exist, their state, market and models; the cluster's model ids) come
-from the controller through the Gateway actor, as JSON lines on this process's stdin
-(``python -m splitserve.cluster.gateway``); the process prints its bound port as one JSON
-line on stdout once it listens.
+Every front end goes through ``GatewayCore.submit`` with a ``Reply`` of its own: fast-path
+frames here, HTTP calls through ``cluster/dataplane.py`` (the process's composition root),
+so exactly-once, re-sends and health checks are the same for both. Routes (which nodes
+exist, their state, market and models; the cluster's model ids) come from the controller
+through the Gateway actor (``dataplane.run``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import json
 import logging
 import random
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from splitserve.client.common import ModelInfo
 from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.health import HealthTracker
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
@@ -88,14 +89,22 @@ class Routes:
         return cls(int(doc["version"]), nodes, tuple((str(m), int(f)) for m, f in doc["models"]))
 
 
+class Reply(Protocol):
+    """Who gets one request's single answer: a fast-path client connection, or an HTTP call."""
+
+    def result(self, h: Header, payload: bytes) -> None:
+        """The node's RESPONSE (its header, with the node's ids) and the outputs' bytes."""
+
+    def error(self, e: SplitServeError) -> None:
+        """The request failed: ``e`` names why."""
+
+
 @dataclass
 class _Held:
-    """What the ledger keeps per request: who asked, and the frame to send again."""
+    """What the ledger keeps per request: who is answered, and the frame to send again."""
 
-    client: "_ClientConn"
-    req_id: int  # the client's
-    func_id: int  # the cluster's
-    header: Header
+    reply: Reply
+    header: Header  # as the client sent it: class, deadline, SLO
     payload: bytes
     deadline: float | None
 
@@ -119,6 +128,24 @@ class _ClientConn:
         self.unanswered -= 1
         if self.unanswered < self.limit:
             self.room.set()
+
+
+@dataclass
+class _FrameReply:
+    """A fast-path client's answer: a frame with its own req_id and the cluster's func_id."""
+
+    conn: _ClientConn
+    req_id: int
+    func_id: int
+
+    def result(self, h: Header, payload: bytes) -> None:
+        h.req_id, h.func_id = self.req_id, self.func_id
+        self.conn.write([h.pack(), payload])
+        self.conn.answered()
+
+    def error(self, e: SplitServeError) -> None:
+        self.conn.write(_error(Header(Kind.ERROR, req_id=self.req_id, func_id=self.func_id), e))
+        self.conn.answered()
 
 
 @dataclass
@@ -248,39 +275,60 @@ class GatewayCore:
             conn.write(_error(h, BadFrame(f"a client may not send frame kind {h.kind}")))
 
     def _lookup(self, h: Header, payload: bytes) -> list[bytes]:
-        name = payload.decode(errors="replace")
-        fid = next((f for m, f in self.routes.models if m == name), None)
-        if fid is None:
-            return _error(h, UnknownModel(f"no model named {name!r} in the cluster"))
-        reply = next((link.lookups[name] for link in self._links.values() if name in link.lookups), None)
-        if reply is None:
-            return _error(h, ModelNotReady(f"model {name!r}: no node serves it yet"))
-        body = json.dumps(json.loads(reply) | {"func_id": fid}).encode()
-        return [Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=fid, payload_len=len(body)).pack(), body]
+        try:
+            info = self.model_info(payload.decode(errors="replace"))
+        except SplitServeError as e:
+            return _error(h, e)
+        body = json.dumps(info.extra).encode()
+        return [Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=info.func_id, payload_len=len(body)).pack(), body]
 
     def _request(self, conn: _ClientConn, h: Header, payload: bytes) -> None:
         model = self._names.get(h.func_id)
         if model is None:
             conn.write(_error(h, UnknownModel(f"no model with func_id {h.func_id} in the cluster")))
             return
-        if self._held_bytes + len(payload) > self.cfg.gateway_held_bytes:
-            conn.write(_error(h, QueueFull(f"the gateway holds {self._held_bytes} bytes of unanswered requests")))
-            return
-        now = self.clock()
-        deadline = now + h.deadline_us / 1e6 if h.deadline_us else None
-        held = _Held(conn, h.req_id, h.func_id, h, payload, deadline)
-        try:
-            cls = RequestClass(h.cls)
-            entry = self.ledger.accept(model, cls, held, now, deadline)
-        except (ValueError, SplitServeError) as e:
-            err = e if isinstance(e, SplitServeError) else BadFrame(f"unknown request class {h.cls}")
-            conn.write(_error(h, err))
-            return
-        self._held_bytes += len(payload)
+        # counted before it is held: a refusal by dispatch answers (and uncounts) it at once
         conn.unanswered += 1
         if conn.unanswered >= conn.limit:
             conn.room.clear()
+        try:
+            self.submit(model, h, payload, _FrameReply(conn, h.req_id, h.func_id))
+        except SplitServeError as e:
+            conn.write(_error(h, e))
+            conn.answered()
+
+    def submit(self, model: str, h: Header, payload: bytes, reply: Reply) -> None:
+        """Hold one request for ``model`` (``h``: its class, deadline and SLO) until ``reply``
+        has its one answer, and send it to a node: the path of every front end. Raises when
+        the gateway refuses it (then ``reply`` is never called)."""
+        if self._held_bytes + len(payload) > self.cfg.gateway_held_bytes:
+            raise QueueFull(f"the gateway holds {self._held_bytes} bytes of unanswered requests")
+        try:
+            cls = RequestClass(h.cls)
+        except ValueError:
+            raise BadFrame(f"unknown request class {h.cls}") from None
+        now = self.clock()
+        deadline = now + h.deadline_us / 1e6 if h.deadline_us else None
+        entry = self.ledger.accept(model, cls, _Held(reply, h, payload, deadline), now, deadline)
+        self._held_bytes += len(payload)
         self._dispatch(entry, frozenset())
+
+    def model_info(self, name: str) -> ModelInfo:
+        """``name`` as its nodes describe it (their lookup reply), with the cluster's func id.
+        Raises UnknownModel when the cluster has no such model, ModelNotReady while no node
+        has answered its lookup."""
+        fid = next((f for m, f in self.routes.models if m == name), None)
+        if fid is None:
+            raise UnknownModel(f"no model named {name!r} in the cluster; models: "
+                               f"{', '.join(m for m, _ in self.routes.models) or 'none'}")
+        reply = next((link.lookups[name] for link in self._links.values() if name in link.lookups), None)
+        if reply is None:
+            raise ModelNotReady(f"model {name!r}: no node serves it yet")
+        return ModelInfo.from_json(json.loads(reply) | {"func_id": fid})
+
+    def serves(self, name: str | None = None) -> bool:
+        """Some node takes work now (for ``name``: one with that model)."""
+        return any(v.state is NodeState.ACTIVE and (name is None or name in v.models) for v in self.views())
 
     def _dispatch(self, entry: Entry, exclude: frozenset[str]) -> None:
         try:
@@ -321,14 +369,12 @@ class GatewayCore:
             return
         held: _Held = out.entry.handle  # type: ignore[assignment]
         self._held_bytes -= len(held.payload)
-        held.client.answered()
-        if out.error is None and reply is not None:
-            h, payload = reply
-            h.req_id, h.func_id = held.req_id, held.func_id
-            held.client.write([h.pack(), payload])
-            self.answers_by_node[out.node or ""] = self.answers_by_node.get(out.node or "", 0) + 1
-        else:
-            held.client.write(_error(Header(Kind.ERROR, req_id=held.req_id, func_id=held.func_id), out.error))
+        if out.error is not None:
+            held.reply.error(out.error)
+            return
+        assert reply is not None, "a result comes only with a node's answer"
+        held.reply.result(*reply)
+        self.answers_by_node[out.node or ""] = self.answers_by_node.get(out.node or "", 0) + 1
 
     # -- node links -------------------------------------------------------------------------
 
@@ -456,38 +502,3 @@ async def _discard(reader: asyncio.StreamReader, n: int) -> None:
         if not chunk:
             raise asyncio.IncompleteReadError(b"", n)
         n -= len(chunk)
-
-
-async def run(host: str, port: int, cfg: ClusterConfig) -> None:
-    """The gateway process: serve clients, apply the routes read from stdin, and stop at its EOF
-    (its Gateway actor is gone)."""
-    core = GatewayCore(cfg)
-    bound = await core.serve(host, port)
-    print(json.dumps({"host": host, "port": bound}), flush=True)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=cfg.gateway_routes_bytes)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    try:
-        while line := await reader.readline():
-            if line.startswith(b"{"):
-                core.update(Routes.from_json(line.decode()))
-            elif line.strip() == b"stats":
-                print(json.dumps(core.stats()), flush=True)
-    finally:
-        await core.close()
-
-
-def main() -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description="splitserve cluster gateway (data plane; started by the Gateway actor)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(run(args.host, args.port, ClusterConfig.from_env()))
-
-
-if __name__ == "__main__":
-    main()

@@ -37,6 +37,28 @@ class Notice:
     deadline: float
 
 
+@dataclass(frozen=True)
+class DoomedStep:
+    """What a node under an eviction notice does now (``doomed_step``)."""
+
+    stop_taking_work: bool  # leave dispatch: its replacement serves, or the lead is reached
+    end: bool  # the cluster ends it now, billed to now
+    evicted: bool  # ended at the margin (what it still held is taken back): counted an eviction
+
+
+def doomed_step(cfg: "ClusterConfig", now: float, deadline: float, serving: bool, draining: bool,
+                replacement_serves: bool, holds_work: bool) -> DoomedStep:
+    """The one rule for a doomed node, in the controller and the simulator alike. It takes
+    work (``serving``) until a replacement serves ("once the new VM is acquired, we redirect
+    the incoming traffic to it", PROTEAN §4.5) or ``drain_lead_s`` before ``deadline``; once
+    it has stopped (``draining``) and holds no work it is ended at once, an idle spot node
+    being worth nothing until its eviction; ``drain_margin_s`` before the deadline it is
+    ended whatever it holds (the ledger re-sends that)."""
+    stop = serving and (replacement_serves or now >= deadline - cfg.drain_lead_s)
+    at_margin = now >= deadline - cfg.drain_margin_s
+    return DoomedStep(stop, at_margin or ((draining or stop) and not holds_work), at_margin)
+
+
 class RevocationEmulator:
     """Eviction notices for live spot nodes, and the fate of new spot requests."""
 

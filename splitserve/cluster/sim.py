@@ -1,10 +1,11 @@
 """A discrete-event cluster built from the pure parts, for PROTEAN Fig. 9 at the paper's scale.
 
 The simulator owns only what a real cluster would do physically: time, node boots, batches
-running on nodes, evictions at their deadline. Every decision is made by the modules the
+running on nodes. Every decision is made by the modules the
 Ray half uses: ``Dispatcher`` (which node), ``Ledger`` (one answer per request, re-sends),
 ``ClusterAutoscaler`` (how many nodes), ``Procurement`` (which market), the
-``RevocationEmulator`` (notices, failed spot requests) and the ``CostLedger`` (dollars).
+``RevocationEmulator`` (notices, failed spot requests; ``doomed_step``, what a noticed node
+does) and the ``CostLedger`` (dollars).
 
 The model of a node (splitserve's, where the paper leaves it open; docs/cluster.md):
 
@@ -14,9 +15,10 @@ The model of a node (splitserve's, where the paper leaves it open; docs/cluster.
   ``b`` taking ``batch_time_s[b - 1]``;
 - a node with an eviction notice is replaced at once (it no longer counts as serving) but
   takes new work until its replacement serves ("once the new VM is acquired, we redirect
-  the incoming traffic to it", §4.5) or until ``drain_lead_s`` before its eviction; what is
-  still on it ``drain_margin_s`` before the eviction is sent elsewhere (a batch then
-  running may still answer first: the ledger keeps the first answer);
+  the incoming traffic to it", §4.5) or until ``drain_lead_s`` before its eviction; then it
+  ends as soon as it holds nothing (billed to then, as the controller retires it), and
+  ``drain_margin_s`` before the eviction at the latest, what it still holds sent elsewhere
+  (an eviction);
 - a node drained for scale-in ends once it holds nothing; the dearest nodes go first;
 - a request no node can take (no node serving, or every window full) is answered at once
   with the error (``MODEL_NOT_READY``, ``QUEUE_FULL``); a strict one counts as a miss.
@@ -41,7 +43,7 @@ from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import Notice, RevocationEmulator
+from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
@@ -195,7 +197,9 @@ class ClusterSim:
         for entry in done:
             self._outcome(self.ledger.answered(entry.req_id, name, self.now))
         self._start_batch(n)
-        if n.state is NodeState.DRAINING and not n.noticed and not n.held():
+        if n.noticed:
+            self._doomed()
+        elif n.state is NodeState.DRAINING and not n.held():
             self._end(n, evicted=False)
 
     def _outcome(self, out: Outcome) -> None:
@@ -263,52 +267,50 @@ class ClusterSim:
         n = self._nodes[name]
         self._set_state(n, NodeState.ACTIVE)
         self.cost.ready(name, self.now)
-        # "Once the new VM is acquired, we redirect the incoming traffic to it" (§4.5): the
-        # doomed node that has waited longest stops taking work now
-        doomed = [d for d in self._nodes.values() if d.noticed and d.state is NodeState.ACTIVE]
-        if doomed:
-            self._stop_taking_work(min(doomed, key=lambda d: (d.deadline, d.node)).node)
+        self._doomed()  # "once the new VM is acquired, we redirect the incoming traffic to it" (§4.5)
 
     def _notice(self, notice: Notice) -> None:
-        """A doomed node serves on until a replacement serves or ``drain_lead_s`` before its
-        eviction, whichever comes first; its work is taken back ``drain_margin_s`` before."""
+        """A doomed node follows ``doomed_step`` (the controller's rule): it serves on until a
+        replacement serves or ``drain_lead_s`` before its eviction, ends once drained and
+        idle, and at ``drain_margin_s`` before its eviction whatever it holds."""
         n = self._nodes[notice.node]
         n.noticed = True
         n.deadline = notice.deadline
         self.notices.append(notice)
-        self._push(max(0.0, notice.deadline - self.cfg.drain_lead_s - self.now), "stop_taking_work", n.node)
-        self._push(max(0.0, notice.deadline - self.cfg.drain_margin_s - self.now), "requeue", n.node)
-        self._push(notice.deadline - self.now, "evict", n.node)
+        for lead in (self.cfg.drain_lead_s, self.cfg.drain_margin_s):
+            self._push(max(0.0, notice.deadline - lead - self.now), "doomed", None)
         self._reconcile()  # its replacement is ordered now
+        self._doomed()
 
-    def _stop_taking_work(self, name: str) -> None:
-        n = self._nodes.get(name)
-        if n is not None and n.state is NodeState.ACTIVE:
-            self._set_state(n, NodeState.DRAINING)
-            self.cost.drained(n.node, self.now)
+    def _doomed(self) -> None:
+        """Apply ``doomed_step`` to every node under a notice."""
+        replacement_serves = len(self._staying()) >= self._target
+        for n in [n for n in self._nodes.values() if n.noticed]:
+            step = doomed_step(self.cfg, self.now, n.deadline, n.state is NodeState.ACTIVE,
+                               n.state is NodeState.DRAINING, replacement_serves, n.held() > 0)
+            if step.stop_taking_work:
+                self._set_state(n, NodeState.DRAINING)
+                self.cost.drained(n.node, self.now)
+            if step.end:
+                self._end(n, evicted=step.evicted)
 
-    _on_stop_taking_work = _stop_taking_work
+    def _on_doomed(self, _: None) -> None:
+        self._doomed()
 
-    def _on_requeue(self, name: str) -> None:
-        n = self._nodes.get(name)
-        if n is None:
-            return
+    def _requeue(self, n: _Node) -> None:
+        """Take back what ``n`` holds and send it elsewhere (a batch it runs is abandoned)."""
         n.rt.clear()
         n.be.clear()
         n.running = []
         n.batch_seq += 1
-        taken = self.ledger.node_lost(name, self.now)
+        taken = self.ledger.node_lost(n.node, self.now)
         self.requeued += sum(isinstance(o, Resend) for o in taken)
         for out in taken:
             self._outcome(out)
 
-    def _on_evict(self, name: str) -> None:
-        if name in self._nodes:
-            self._end(self._nodes[name], evicted=True)
-
     def _end(self, n: _Node, evicted: bool) -> None:
         if n.held():
-            self._on_requeue(n.node)
+            self._requeue(n)
         self._set_state(n, NodeState.DEAD)
         self.cost.ended(n.node, self.now, evicted=evicted)
         self.revocation.gone(n.node)
@@ -326,6 +328,7 @@ class ClusterSim:
         t.window_met = t.window_total = 0
         self._target = self.autoscaler.tick(self.now, load)
         self._reconcile()
+        self._doomed()
         self._act(self.procurement.tick(self.now))
         self._push(self.cfg.autoscale_interval_s, "tick", None)
         counts = (sum(n.state is NodeState.ACTIVE for n in self._nodes.values()), len(self._nodes))
@@ -372,7 +375,7 @@ class ClusterSim:
                        "compliance": t.strict_met / strict_total if strict_total else None,
                        "p99_ms": p99(t.strict_latency)},
             "be": {"requests": len(t.be_latency) + t.be_errors, "errors": t.be_errors, "p99_ms": p99(t.be_latency)},
-            "evictions": sum(1 for r in self.cost.records() if r.evicted),
+            "evictions": self.cost.summary(self.now)["evictions"],
             "notices": len(self.notices),
             "notice_times": [(n.at, n.deadline) for n in self.notices],
             "nodes_over_time": self.timeline,

@@ -387,6 +387,18 @@ def model_inputs(model: str, specs: Sequence[TensorSpec], given: Mapping[str, np
     return out
 
 
+def model_metadata(name: str, version: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                   parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """v2 model metadata: shapes carry -1 for the batch dimension; ``parameters`` are
+    splitserve's additions (clients of the spec ignore them)."""
+
+    def tensors(specs: Sequence[TensorSpec]) -> list[dict]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.shape]} for t in specs]
+
+    return {"name": name, "versions": [version], "platform": "pytorch", "inputs": tensors(inputs),
+            "outputs": tensors(outputs), "parameters": dict(parameters)}
+
+
 def build_infer_request(inputs: Sequence[tuple[str, np.ndarray]], *, binary: bool = True, id: str = "",
                         outputs: Sequence[str] | None = None, parameters: Mapping[str, Any] | None = None
                         ) -> tuple[list["bytes | memoryview"], int | None]:

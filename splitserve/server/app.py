@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import ServerConfig
-from splitserve.errors import BadSize, InvalidInput, ShuttingDown, SplitServeError, UnknownModel
-from splitserve.types import TensorSpec
+from splitserve.errors import InvalidInput, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
@@ -45,7 +45,7 @@ from splitserve.server.fastpath import StreamListener
 from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
 from splitserve.server.grpc_server import GrpcFrontEnd
-from splitserve.server.http import HttpFrontEnd
+from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
 from splitserve.server.memory import MemoryManager
@@ -195,7 +195,7 @@ class Server:
         if cfg.http_port is not None or cfg.grpc_port is not None:
             self._codec = CodecPool.from_config(cfg)
             if cfg.http_port is not None:
-                out.append(HttpFrontEnd(self, self.management, self._codec, cfg, self.shm))
+                out.append(HttpFrontEnd(create_app(self, self.management, self._codec, cfg, self.shm), cfg))
             if cfg.grpc_port is not None:
                 out.append(GrpcFrontEnd(self, self.management, self._codec, cfg, self.shm))
         return out
@@ -416,21 +416,7 @@ class Server:
         """Run one call: inputs in declared order, each shaped ``(n, *shape)``."""
         port = self.model(name)
         cfg = port.config
-        if len(inputs) != len(cfg.inputs):
-            raise InvalidInput(f"model {name!r} takes {len(cfg.inputs)} inputs "
-                               f"({', '.join(t.name for t in cfg.inputs)}), got {len(inputs)}")
-        count = None
-        for arr, spec in zip(inputs, cfg.inputs):
-            if arr.dtype != spec.dtype:
-                raise InvalidInput(f"input {spec.name!r} of {name!r} must be {spec.datatype}, got {arr.dtype}")
-            if arr.shape[1:] != spec.shape or arr.ndim != len(spec.shape) + 1:
-                raise BadSize(f"input {spec.name!r} of {name!r} must have shape [n, {', '.join(map(str, spec.shape))}],"
-                              f" got {list(arr.shape)}")
-            if count is not None and arr.shape[0] != count:
-                raise BadSize(f"inputs of {name!r} disagree on the batch size")
-            count = arr.shape[0]
-        if not count:
-            raise BadSize("empty batch")
+        count = batch_of(name, cfg.inputs, inputs)
         c = self.request_class(port, int(RequestClass.parse(cls)))
         seq = self.intake.alloc(port, c, count)
         fut = self.loop.create_future()

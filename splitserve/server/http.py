@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,19 +28,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
 from splitserve.config import ServerConfig
 from splitserve.errors import BadSize, InvalidInput, NotFound, PayloadTooLarge, SplitServeError
-from splitserve.modelconfig import ModelConfig, check_model_name
+from splitserve.modelconfig import check_model_name
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.protocol.sockets import tcp_listener
 from splitserve.server.frontends import CodecPool, EmbeddedUvicorn
 from splitserve.server.management import ModelManager
-from splitserve.server.ports import FrontEnd, ServingAPI, SharedMemoryRegions
+from splitserve.server.ports import (
+    FrontEnd, InferenceAPI, ModelCatalog, ModelSignature, ServingAPI, SharedMemoryRegions,
+)
 from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
 log = logging.getLogger(__name__)
@@ -115,11 +118,11 @@ async def _json(request: Request, limit: int, default: Any = None) -> Any:
     return _parse_json(await _body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
 
 
-def _infer_limit(config: ServerConfig, cfg: ModelConfig) -> int:
+def _infer_limit(config: ServerConfig, cfg: ModelSignature) -> int:
     return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.json_chars_per_value)
 
 
-def _decode_infer(cfg: ModelConfig, body: bytes, header_length: str | None, shm: SharedMemoryRegions
+def _decode_infer(cfg: ModelSignature, body: bytes, header_length: str | None, shm: SharedMemoryRegions
                   ) -> tuple[v2.InferRequest, list[np.ndarray], dict[str, memoryview]]:
     """The request, the model's inputs in declared order (those in shared memory: arrays over
     their regions) and the regions its outputs go to (runs in a codec thread)."""
@@ -159,17 +162,11 @@ def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) 
     return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
 
 
-def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-               shm: SharedMemoryRegions) -> FastAPI:
-    """The FastAPI app of one node (handlers keep no per-request state on the app):
-    inference through ``api``, tensors in shared memory through ``shm``, everything else
-    through ``manager``; ``codec`` decodes and encodes large bodies off the loop."""
-    app = FastAPI(title="splitserve", version=__version__,
-                  description="Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.")
-    upload_limit = config.max_upload_bytes
-    small_limit = config.management_body_bytes
-    doc.install_openapi(app, [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
-                             doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
+def _new_app(description: str, request_models: list[type[BaseModel]]) -> FastAPI:
+    """An app whose errors are the protocol's error object (handlers keep no per-request
+    state on the app)."""
+    app = FastAPI(title="splitserve", version=__version__, description=description)
+    doc.install_openapi(app, request_models)
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -192,18 +189,23 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         log.exception("HTTP %s %s failed (reference %s)", request.method, request.url.path, ref)
         return _error(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
 
-    def version_of(name: str, version: str | None) -> str:
-        return str(manager.record(name, version).version)
+    return app
 
-    def authorize(request: Request) -> None:
-        manager.check_token(request.headers.get("authorization"))
+
+def inference_routes(app: FastAPI, api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
+                     config: ServerConfig, shm: SharedMemoryRegions, extensions: Sequence[str]) -> None:
+    """Add the inference half of the protocol to ``app``: server metadata (naming
+    ``extensions``), health, model readiness and metadata, and infer (JSON and binary
+    tensors), through ``api`` and ``catalog``; a node's app and a cluster gateway's share it.
+    A route of ``app`` that must not be read as a model name (``/v2/models/stats``) has to
+    be added before."""
 
     # -- health and metadata ------------------------------------------------------------
 
     @app.get("/v2", tags=["health"], **_doc(doc.ServerMetadata))
     async def server_metadata() -> dict:
         """Server metadata: name, version, extensions."""
-        return {"name": "splitserve", "version": __version__, "extensions": EXTENSIONS}
+        return {"name": "splitserve", "version": __version__, "extensions": list(extensions)}
 
     @app.get("/v2/health/live", tags=["health"], **_doc(doc.Live))
     async def live() -> dict:
@@ -216,27 +218,97 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def model_ready(name: str, version: str | None = None) -> JSONResponse:
-        version_of(name, version)
+        catalog.version(name, version)
         ok = api.model_ready(name)
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
     async def metadata(name: str, version: str | None = None) -> dict:
-        version_of(name, version)
-        return manager.model_metadata(name)
+        catalog.version(name, version)
+        return catalog.model_metadata(name)
 
     ready_doc = _doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
     app.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)", **ready_doc)(model_ready)
     app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready",
             **ready_doc)(model_ready)
 
+    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata", **_doc(doc.ModelMetadata, 404))(metadata)
+    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
+            **_doc(doc.ModelMetadata, 404))(metadata)
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        """Run an inference: JSON tensors, or the binary tensor data extension.
+
+        Request ``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (hard: still queued
+        then, the call is answered 504) and ``slo_ms`` (soft, real-time calls: a late one is
+        served and counted ``missed``); the response's
+        ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
+        """
+        ver = catalog.version(name, version)
+        cfg = catalog.model_config(name)
+        limit = _infer_limit(config, cfg)
+        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
+                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
+        async with codec.admit(_content_length(request, limit, what)):
+            body = await _body(request, limit, what)
+            req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
+                                                     request.headers.get(v2.HEADER_LENGTH), shm)
+        out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
+        names = [t.name for t in cfg.outputs]
+        parts, hlen = await codec.run(
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),
+            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
+        if hlen is None:
+            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
+        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
+
+    infer_doc = _doc(
+        {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
+                        "Inference-Header-Content-Length bytes and the tensor bytes",
+         "content": {v2.JSON_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/InferResponseBody"}},
+                     v2.BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+        400, 404, 413, 429, 503, 504,
+        openapi_extra=doc.body(doc.InferRequestBody, {
+            "id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
+            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
+            binary="JSON header of Inference-Header-Content-Length bytes, then tensor bytes"))
+    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference", **infer_doc)(infer)
+    app.post("/v2/models/{name}/versions/{version}/infer", tags=["inference"], summary="Inference (version)",
+             **infer_doc)(infer)
+
+
+def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
+                  shm: SharedMemoryRegions, extensions: Sequence[str] = ("binary_tensor_data",)) -> FastAPI:
+    """An app of ``inference_routes`` alone (a cluster gateway's: no management, no metrics)."""
+    app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
+                   [doc.InferRequestBody])
+    inference_routes(app, api, catalog, codec, config, shm, extensions)
+    return app
+
+
+def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+               shm: SharedMemoryRegions) -> FastAPI:
+    """The FastAPI app of one node: ``inference_routes`` through ``api`` and ``manager``,
+    tensors in shared memory through ``shm``, everything else through ``manager``; ``codec``
+    decodes and encodes large bodies off the loop."""
+    app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
+                   [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
+                    doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
+    upload_limit = config.max_upload_bytes
+    small_limit = config.management_body_bytes
+    version_of = manager.version
+
+    def authorize(request: Request) -> None:
+        manager.check_token(request.headers.get("authorization"))
+
     @app.get("/v2/models/stats", tags=["statistics"], **_doc(doc.Statistics))
     async def all_stats() -> dict:
         """Statistics of every model (Triton statistics extension)."""
         return manager.model_statistics()
 
-    app.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata", **_doc(doc.ModelMetadata, 404))(metadata)
-    app.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
-            **_doc(doc.ModelMetadata, 404))(metadata)
+    inference_routes(app, api, manager, codec, config, shm, EXTENSIONS)
 
     async def stats(name: str, version: str | None = None) -> dict:
         version_of(name, version)
@@ -266,49 +338,6 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             **native_doc)(native_config)
     app.get("/v2/models/{name}/versions/{version}/config/splitserve", tags=["metadata"],
             summary="Model configuration (splitserve's)", **native_doc)(native_config)
-
-    # -- inference ----------------------------------------------------------------------
-
-    async def infer(name: str, request: Request, version: str | None = None) -> Response:
-        """Run an inference: JSON tensors, or the binary tensor data extension.
-
-        Request ``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (hard: still queued
-        then, the call is answered 504) and ``slo_ms`` (soft, real-time calls: a late one is
-        served and counted ``missed``); the response's
-        ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
-        """
-        ver = version_of(name, version)
-        cfg = manager.record(name).config
-        limit = _infer_limit(config, cfg)
-        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
-                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
-        async with codec.admit(_content_length(request, limit, what)):
-            body = await _body(request, limit, what)
-            req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
-                                                     request.headers.get(v2.HEADER_LENGTH), shm)
-        out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
-        names = [t.name for t in manager.model_config(name).outputs]
-        parts, hlen = await codec.run(
-            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),
-            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
-            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
-        if hlen is None:
-            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
-        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
-
-    infer_doc = _doc(
-        {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
-                        "Inference-Header-Content-Length bytes and the tensor bytes",
-         "content": {v2.JSON_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/InferResponseBody"}},
-                     v2.BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
-        400, 404, 413, 429, 503, 504,
-        openapi_extra=doc.body(doc.InferRequestBody, {
-            "id": "1", "parameters": {"class": "rt", "deadline_ms": 50},
-            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
-            binary="JSON header of Inference-Header-Content-Length bytes, then tensor bytes"))
-    app.post("/v2/models/{name}/infer", tags=["inference"], summary="Inference", **infer_doc)(infer)
-    app.post("/v2/models/{name}/versions/{version}/infer", tags=["inference"], summary="Inference (version)",
-             **infer_doc)(infer)
 
     @app.post("/classify", tags=["inference"], **_doc(doc.ClassifyResponse, 400, 404, 413, 429, 503, 504,
                                                       openapi_extra=doc.body(doc.ClassifyRequest, {
@@ -579,12 +608,12 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
 
 
 class HttpFrontEnd(FrontEnd):
-    """The HTTP front end: uvicorn serving ``create_app`` on the node's loop (lifespan off,
-    no signal handlers: the node owns the signals)."""
+    """The HTTP front end: uvicorn serving ``app`` (``create_app``'s on a node,
+    ``inference_app``'s at a cluster gateway) on the running loop, on ``config.host`` and
+    ``config.http_port`` (lifespan off, no signal handlers: the process's root owns the signals)."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-                 shm: SharedMemoryRegions) -> None:
-        self.app = create_app(api, manager, codec, config, shm)
+    def __init__(self, app: FastAPI, config: ServerConfig) -> None:
+        self.app = app
         self.config = config
         self._server: EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None

@@ -36,6 +36,7 @@ from splitserve.errors import (
 from splitserve.modelconfig import ArtifactKind, ModelConfig, check_model_name
 from splitserve.placement.resources import ResourceManager
 from splitserve.protocol.triton_config import triton_model_config
+from splitserve.protocol import v2
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
@@ -226,6 +227,10 @@ class ModelManager:
         if version and version != str(rec.version):
             raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {rec.version}")
         return rec
+
+    def version(self, name: str, version: str | None = None) -> str:
+        """The version ``name`` serves (``record``'s checks)."""
+        return str(self.record(name, version).version)
 
     def model_config(self, name: str) -> ModelConfig:
         """The model's configuration as served now (batching may have changed at run time)."""
@@ -480,21 +485,9 @@ class ModelManager:
         """v2 model metadata: shapes carry -1 for the batch dimension."""
         rec = self.record(name)
         cfg = self.model_config(name)
-
-        def tensors(specs: tuple) -> list[dict]:
-            return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.shape]} for t in specs]
-
-        return {
-            "name": rec.name,
-            "versions": [str(rec.version)],
-            "platform": "pytorch",
-            "inputs": tensors(cfg.inputs),
-            "outputs": tensors(cfg.outputs),
-            # splitserve additions (clients of the spec ignore them)
-            "parameters": {"func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
-                           "default_class": cfg.default_class, "labels": bool(cfg.labels),
-                           "state": self.state(name)},
-        }
+        return v2.model_metadata(rec.name, str(rec.version), cfg.inputs, cfg.outputs, {
+            "func_id": rec.func_id, "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
+            "labels": bool(cfg.labels), "state": self.state(name)})
 
     def triton_config(self, name: str) -> dict:
         """The model's configuration as served now, in Triton's model-configuration schema;

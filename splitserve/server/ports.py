@@ -9,7 +9,8 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 * the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference,
   ``SharedMemoryRegions`` for the tensors clients keep in shared memory and a
   ``management.ModelManager`` for everything else; every front end, fast path included,
-  is a ``FrontEnd`` the root starts and stops;
+  is a ``FrontEnd`` the root starts and stops. HTTP's inference routes need only
+  ``InferenceAPI`` and ``ModelCatalog``, which a cluster gateway implements too;
 * a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
   ``NodeScheduler`` it asks for batches, metrics, the node's ``ResourceManager`` (CPUs), the
   ``PlacementChanger`` that carries out its changes of placement, profiles and a worker
@@ -53,6 +54,7 @@ from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
 from splitserve.server.metrics import Metrics, SloOutcome
 from splitserve.server.monitor import InferenceMonitor
+from splitserve.types import TensorSpec
 from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
@@ -198,8 +200,9 @@ class FrontEnd(ABC):
 # -- the decoded front ends -------------------------------------------------------------------
 
 
-class ServingAPI(Protocol):
-    """What HTTP and gRPC need from the node to serve (management is ``ModelManager``)."""
+class InferenceAPI(Protocol):
+    """What the inference routes of a decoded front end (``http.inference_routes``) call per
+    request: the node (``Server``), or a cluster gateway that forwards each call to a node."""
 
     def infer(self, name: str, inputs: Sequence[np.ndarray], cls: str | int | None = None,
               deadline_s: float | None = None, slo_s: float | None = None) -> Awaitable[InferOutcome]:
@@ -207,20 +210,57 @@ class ServingAPI(Protocol):
         is hard (queued past it, the call fails), ``slo_s`` soft (a real-time call is served
         late and counted missed), both from now."""
 
-    def model_state(self, name: str) -> str:
-        """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
-
     def model_ready(self, name: str) -> bool:
         """The model would serve a call without an explicit load (resident or not)."""
 
     def ready(self) -> bool:
         """Not stopping, and every start-up (``--load``) model is ready."""
 
+
+class ServingAPI(InferenceAPI, Protocol):
+    """What HTTP and gRPC need from the node to serve (management is ``ModelManager``)."""
+
+    def model_state(self, name: str) -> str:
+        """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
+
     def metrics_text(self) -> bytes:
         """Prometheus text exposition, gauges refreshed now."""
 
     def stage_trace(self) -> dict[str, Any]:
         """``GET /v2/debug/stages``: ``enabled``, the clock ``now`` and the kept calls' stamps."""
+
+
+class ModelSignature(Protocol):
+    """A model's tensors, as a decoded front end checks a call against them and names its
+    outputs: the node's ``ModelConfig``, or a node's lookup reply (``client.common.ModelInfo``)
+    at a cluster gateway."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]: ...
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]: ...
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+
+class ModelCatalog(Protocol):
+    """The models the inference routes serve (``http.inference_routes``, per request):
+    ``management.ModelManager`` on a node, the routes' models at a cluster gateway."""
+
+    def version(self, name: str, version: str | None = None) -> str:
+        """The version ``name`` serves; raises UnknownModel for an unknown model, or when
+        ``version`` is given (not empty) and is not that one."""
+
+    def model_config(self, name: str) -> ModelSignature:
+        """The model's tensors and largest batch as served now."""
+
+    def model_metadata(self, name: str) -> dict[str, Any]:
+        """v2 model metadata (``v2.model_metadata``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.errors import BadSize, InvalidInput, NotFound, Refused
-from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.v2 import ShmRef, tensor_from_bytes, tensor_to_bytes, wire_dtype
-from splitserve.server.ports import RegionStatus, SharedMemoryRegions
+from splitserve.server.ports import ModelSignature, RegionStatus, SharedMemoryRegions
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ def input_tensor(regions: SharedMemoryRegions, name: str, datatype: str, shape: 
     return tensor_from_bytes(name, datatype, shape, regions.view(ref, f"input {name!r}"))
 
 
-def output_views(regions: SharedMemoryRegions, cfg: ModelConfig, count: int,
+def output_views(regions: SharedMemoryRegions, cfg: ModelSignature, count: int,
                  refs: Mapping[str, ShmRef]) -> dict[str, memoryview]:
     """The regions the outputs of a call of ``count`` samples go to, checked before it runs."""
     specs = {o.name: o for o in cfg.outputs}

@@ -18,11 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from splitserve.client.fastpath import connect  # noqa: E402
 from splitserve.cluster import raycompat  # noqa: E402
 from splitserve.cluster.local import LocalCluster, wait_serving  # noqa: E402
 from splitserve.cluster.node_server import ModelSpec, NodeSpec  # noqa: E402
@@ -51,7 +53,7 @@ def cluster() -> Iterator[LocalCluster]:
                                  drain_lead_s=6, drain_margin_s=3,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
     local = LocalCluster(cfg, str(root), NodeSpec(token="cluster-test-token", cache_dir=str(CACHE),
-                                                  tmp_root=str(root)))
+                                                  tmp_root=str(root)), gateway_http_port=0)
     try:
         local.start(timeout_s=240)
         yield local
@@ -171,6 +173,25 @@ def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster) 
     _until("every node answered", lambda: set(_gateway(cluster)["answers_by_node"]) >= node_ids, 120)
     load.finish()
     assert sum(load.answers.values()) > 0
+
+
+def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster: LocalCluster) -> None:
+    h = cluster.handles
+    x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
+    with connect(f"tcp://127.0.0.1:{h.gateway_port}") as fast:
+        want = fast.infer("lenet", x)
+    delivered = _gateway(cluster)["delivered"]
+    with connect(f"http://127.0.0.1:{h.gateway_http_port}") as c:  # metadata, then binary tensors
+        got = c.infer("lenet", x)
+    body = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": x[0].ravel().tolist()}],
+            "parameters": {"class": "rt"}}
+    with httpx.Client(base_url=f"http://127.0.0.1:{h.gateway_http_port}", timeout=60) as http:
+        assert http.get("/v2/health/ready").json() == {"ready": True}
+        r = http.post("/v2/models/lenet/infer", json=body)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.asarray(r.json()["outputs"][0]["data"], np.float32), want[0], atol=1e-5)
+    assert _gateway(cluster)["delivered"] == delivered + 2  # both HTTP calls went through the ledger
 
 
 def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluster: LocalCluster) -> None:

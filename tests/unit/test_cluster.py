@@ -19,8 +19,8 @@ from splitserve.cluster.health import Health, HealthTracker
 from splitserve.cluster.ledger import Deliver, Drop, Ledger, Resend
 from splitserve.cluster.pools import TABLE3, Market, PricePreset, ProcurementPolicy
 from splitserve.cluster.procurement import Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator
-from splitserve.cluster.sim import Workload, simulate
+from splitserve.cluster.revocation import DoomedStep, RevocationEmulator, doomed_step
+from splitserve.cluster.sim import ClusterSim, Workload, simulate
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, ModelNotReady, QueueFull, ShuttingDown
 from splitserve.protocol.header import RequestClass
@@ -284,6 +284,41 @@ def test_the_cost_ledger_against_table3():
     assert s["draining_hours"] == pytest.approx(90.0 / 3600.0)
 
 
+def test_a_long_running_bill_keeps_a_bounded_list_and_the_same_totals():
+    """A cluster that has churned through many nodes lists the open ones and the newest
+    ``keep_closed`` ended ones; every older one is folded into its market's totals, so the
+    summary (what ``cluster status`` bills) is the unbounded ledger's to the cent."""
+    aws = TABLE3[PricePreset.AWS]
+    bounded, full = CostLedger(keep_closed=3), CostLedger()
+    t = 0.0
+    for i in range(200):  # 200 nodes, each for up to an hour; a few left running
+        market = SPOT if i % 3 else OD
+        for led in (bounded, full):
+            led.requested(f"n{i}", "8xa100", market, aws.of(market), t)
+            if i % 7:
+                led.ready(f"n{i}", t + 60.0)
+            if i % 5 == 0:
+                led.drained(f"n{i}", t + 1800.0)
+            if i < 195:
+                led.ended(f"n{i}", t + 3600.0 - i, evicted=market is SPOT and i % 2 == 0)
+        t += 30.0
+    now = t + 7200.0
+    assert len(bounded.records()) == 5 + 3
+    assert {r.node for r in bounded.records()} == {f"n{i}" for i in range(192, 200)}
+    got, want = bounded.summary(now), full.summary(now)
+    assert got.keys() == want.keys()
+    for key in ("boots", "withdrawn", "evictions"):
+        assert got[key] == want[key]
+    for key in ("dollars", "booting_hours", "draining_hours"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12)
+    assert got["node_hours"] == pytest.approx(want["node_hours"], rel=1e-12)
+    assert sum(f["nodes"] for f in bounded.folded().values()) == 192
+    assert bounded.total(now) == pytest.approx(full.total(now), rel=1e-12)
+    # the newest ended records can still be told they ended again (nothing changes)
+    bounded.ended("n194", now)
+    assert bounded.summary(now)["dollars"] == pytest.approx(want["dollars"], rel=1e-12)
+
+
 # -- autoscaling -------------------------------------------------------------------------
 
 def test_the_cluster_autoscaler_scales_up_at_once_and_down_after_the_keep_alive():
@@ -373,3 +408,32 @@ def test_the_simulator_draws_the_controllers_eviction_schedule_from_the_same_see
     assert notices, "seed 7 at P_rev 0.3 must give a notice inside the run"
     assert [(n.at, n.deadline) for n in notices] == [tuple(x) for x in sim["notice_times"][:1]]
     assert sim["spot_failures"] == int(controller.spot_request_fails()) + int(fails)
+
+
+def test_a_doomed_node_ends_once_replaced_and_idle_in_the_simulator_as_in_the_controller():
+    """One rule (``doomed_step``) for the controller and the simulator: a doomed node whose
+    replacement serves stops taking work and, holding nothing, ends at once, billed to then
+    and not an eviction; only a node still busy at the margin is evicted. (The simulator used
+    to keep it, idle, billed until the provider took it at the deadline.)"""
+    cfg = ClusterConfig(min_nodes=1, max_nodes=1, p_rev=0.3, revocation_interval_s=30.0, notice_min_s=40.0,
+                        notice_max_s=60.0, spot_launch_s=20.0, on_demand_launch_s=20.0, revocation_seed=7)
+    work = Workload([20.0 + i for i in range(120)], [i % 2 == 0 for i in range(120)], 1, [0.01], 0.1)
+    sim = ClusterSim(cfg, work, seed=3)
+    res = sim.run(0.0, 600.0)
+    notice = sim.notices[0]
+    bill = {r.node: r for r in sim.cost.records()}
+    doomed = bill[notice.node]
+    replacement = min((r for r in bill.values() if r.requested_at >= notice.at), key=lambda r: r.requested_at)
+    assert replacement.ready_at is not None and replacement.ready_at < notice.deadline - cfg.drain_lead_s
+    assert doomed.ended_at == pytest.approx(replacement.ready_at, abs=0.011)  # at most one batch later
+    assert not doomed.evicted and res["lost"] == 0 and res["answered"] == res["requests"]
+    assert res["evictions"] == sum(r.evicted for r in bill.values())
+    # the rule itself: serve on until replaced or the lead; end once drained and idle; the margin ends it
+    d = 100.0
+    assert doomed_step(cfg, 50.0, d, True, False, False, False) == DoomedStep(False, False, False)
+    assert doomed_step(cfg, 50.0, d, True, False, True, True) == DoomedStep(True, False, False)
+    assert doomed_step(cfg, 50.0, d, True, False, True, False) == DoomedStep(True, True, False)
+    assert doomed_step(cfg, d - cfg.drain_lead_s, d, True, False, False, True) == DoomedStep(True, False, False)
+    assert doomed_step(cfg, d - cfg.drain_margin_s, d, False, True, False, True) == DoomedStep(False, True, True)
+    assert doomed_step(cfg, 50.0, d, False, False, True, False) == DoomedStep(False, False, False)  # still starting
+

@@ -1,0 +1,152 @@
+"""The gateway's data-plane process: its composition root (``python -m splitserve.cluster.dataplane``).
+
+It builds one ``GatewayCore`` (the fast path over TCP, the ledger, dispatch and health
+checks) and, unless its HTTP port is off, an HTTP front end over it: the node's own
+Open Inference Protocol v2 routes (``server.http.inference_app``: health, model readiness
+and metadata, infer with JSON tensors and the binary tensor data extension), served through
+``GatewayServing``, which turns each call into a fast-path request held by the same ledger as
+a client's frame. So an HTTP call is dispatched, re-sent on a node's loss and answered once
+exactly as a fast-path call is. Ray is never imported here.
+
+Routes from the controller arrive through the Gateway actor as JSON lines on stdin (the line
+``stats`` asks for the core's counters); the process prints what it bound as one JSON line on
+stdout once it listens, and stops at stdin's EOF (its actor is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from splitserve.client.common import ModelInfo, decode_outputs
+from splitserve.cluster.gateway import GatewayCore, Routes
+from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.errors import SplitServeError, UnknownModel
+from splitserve.protocol import v2
+from splitserve.protocol.header import Header, Kind, RequestClass
+from splitserve.server.frontends import CodecPool
+from splitserve.server.http import HttpFrontEnd, inference_app
+from splitserve.server.ports import InferOutcome
+from splitserve.server.shm import SystemSharedMemory
+from splitserve.types import batch_of
+
+log = logging.getLogger(__name__)
+
+
+class _FutureReply:
+    """An HTTP call's answer: it resolves the future its handler awaits."""
+
+    def __init__(self, fut: "asyncio.Future[tuple[Header, bytes]]") -> None:
+        self.fut = fut
+
+    def result(self, h: Header, payload: bytes) -> None:
+        if not self.fut.done():  # the handler was cancelled (its client left)
+            self.fut.set_result((h, payload))
+
+    def error(self, e: SplitServeError) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(e)
+
+
+class GatewayServing:
+    """The gateway as the inference routes see it (``ports.InferenceAPI`` and
+    ``ports.ModelCatalog``): models and their tensors from the nodes' lookup replies, each
+    call a fast-path request through ``GatewayCore.submit``."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def infer(self, name: str, inputs: Sequence[np.ndarray], cls: str | int | None = None,
+                    deadline_s: float | None = None, slo_s: float | None = None) -> InferOutcome:
+        info = self.core.model_info(name)
+        count = batch_of(name, info.inputs, inputs)
+        payload = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs)
+        h = Header(Kind.REQUEST, func_id=info.func_id, cls=int(RequestClass.parse(cls)),
+                   deadline_us=int(deadline_s * 1e6) if deadline_s else 0,
+                   slo_us=int(slo_s * 1e6) if slo_s else 0, payload_len=len(payload))
+        fut: asyncio.Future[tuple[Header, bytes]] = asyncio.get_running_loop().create_future()
+        self.core.submit(name, h, payload, _FutureReply(fut))
+        answer, body = await fut
+        outputs = decode_outputs(info, body, count, batched=True)
+        return InferOutcome([outputs[t.name] for t in info.outputs], answer.queue_us, answer.compute_us,
+                            answer.total_us)
+
+    def model_ready(self, name: str) -> bool:
+        return self.core.serves(name)
+
+    def ready(self) -> bool:
+        return self.core.serves()
+
+    def version(self, name: str, version: str | None = None) -> str:
+        serves = str(self.core.model_info(name).extra.get("version", 1))
+        if version and version != serves:
+            raise UnknownModel(f"model {name!r} has no version {version!r}; it serves version {serves}")
+        return serves
+
+    def model_config(self, name: str) -> ModelInfo:
+        return self.core.model_info(name)
+
+    def model_metadata(self, name: str) -> dict[str, Any]:
+        info = self.core.model_info(name)
+        return v2.model_metadata(name, self.version(name), info.inputs, info.outputs, {
+            "func_id": info.func_id, "max_batch_size": info.max_batch_size,
+            "default_class": info.extra.get("default_class", "be"), "ready": self.core.serves(name)})
+
+
+def http_front_end(core: GatewayCore, config: ServerConfig) -> HttpFrontEnd:
+    """The HTTP front end over ``core``, on ``config.host`` and ``config.http_port``, with the
+    node's HTTP settings (codec pool, body limits, grace). It has no shared-memory routes, so
+    a call that names a region is refused as naming one not registered."""
+    serving = GatewayServing(core)
+    app = inference_app(serving, serving, CodecPool.from_config(config), config,
+                        SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes))
+    return HttpFrontEnd(app, config)
+
+
+async def run(host: str, port: int, http_port: int | None, cfg: ClusterConfig) -> None:
+    """Serve the fast path on ``port`` and HTTP on ``http_port`` (None: no HTTP; 0: any free
+    port), apply the routes read from stdin, and stop at its EOF."""
+    core = GatewayCore(cfg)
+    bound: dict[str, Any] = {"host": host, "port": await core.serve(host, port), "http_port": None}
+    http: HttpFrontEnd | None = None
+    scfg = ServerConfig.from_env(host=host, http_port=http_port)
+    if http_port is not None:
+        http = http_front_end(core, scfg)
+        bound["http_port"] = (await http.start())["http_port"]
+    print(json.dumps(bound), flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=cfg.gateway_routes_bytes)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := await reader.readline():
+            if line.startswith(b"{"):
+                core.update(Routes.from_json(line.decode()))
+            elif line.strip() == b"stats":
+                print(json.dumps(core.stats()), flush=True)
+    finally:
+        if http is not None:
+            await http.stop(scfg.stop_grace_s)
+        await core.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="splitserve cluster gateway (data plane; started by the Gateway actor)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100, help="fast path over TCP (0: any free port)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP, Open Inference Protocol v2 (0: any; -1: off)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    http_port = None if args.http_port < 0 else args.http_port
+    asyncio.run(run(args.host, args.port, http_port, ClusterConfig.from_env()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The cluster controller with fake node servers, a fake clock and no Ray: a node that joins
+while a model is being registered gets every model the registry holds, whatever the order."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from splitserve.cluster.controller import Controller, _Node
+from splitserve.cluster.dispatch import NodeState
+from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeSpec
+from splitserve.cluster.pools import Market
+from splitserve.config import ClusterConfig
+
+SPEC = ModelSpec("late", 'name = "late"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class FakeNodeServer:
+    """A node server's control calls; ``hold`` keeps the next ensure_models call waiting
+    until it is set (a slow model load)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.registered: set[str] = set()
+        self.warm: set[str] = set()
+        self.hold: asyncio.Event | None = None
+        self.ensure_models = _Method(self._ensure_models)
+
+    async def _ensure_models(self, specs: list[ModelSpec], warm: tuple[str, ...] = ()) -> list[str]:
+        if self.hold is not None:
+            hold, self.hold = self.hold, None
+            await hold.wait()
+        self.registered |= {s.name for s in specs}
+        self.warm |= set(warm)
+        return sorted(self.registered)
+
+
+def _endpoint(node: str) -> NodeEndpoint:
+    return NodeEndpoint(node, "127.0.0.1", 1, 2, 3)
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("slow", ["serving node", "joining node"])
+def test_a_node_joining_while_a_model_registers_gets_every_model(slow: str) -> None:
+    """``serving node``: the registration waits on the node already serving while the new
+    node's server comes up and joins; ``joining node``: the new node's first models load
+    slowly while the registration runs. Either way the new node ends with the model, and the
+    routes never claim a model a node was not given."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        ctl = Controller(ClusterConfig(), NodeSpec(), provider=None, builtin_models=["lenet"],
+                         clock=lambda: now[0], address="127.0.0.1:1")
+        old, new = FakeNodeServer("old"), FakeNodeServer("new")
+        ctl.nodes["old"] = _Node("old", Market.ON_DEMAND, None, old, endpoint=_endpoint("old"),
+                                 state=NodeState.ACTIVE, models=frozenset({"lenet"}))
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        joining = ctl.nodes["new"] = _Node("new", Market.SPOT, None, new, starting=started)
+        ctl.cost.requested("new", "spot", Market.SPOT, 1.0, now[0])
+        gate = asyncio.Event()
+        if slow == "serving node":
+            old.hold = gate
+            registering = asyncio.ensure_future(ctl.register(SPEC))
+            await _settle()
+            started.set_result(_endpoint("new"))
+            await ctl._check_started(joining, now[0])
+            gate.set()
+            await registering
+        else:
+            new.hold = gate
+            started.set_result(_endpoint("new"))
+            join = asyncio.ensure_future(ctl._check_started(joining, now[0]))
+            await _settle()
+            registering = asyncio.ensure_future(ctl.register(SPEC))
+            await _settle()
+            gate.set()
+            await join
+            await registering
+        await _settle()
+        assert joining.state is NodeState.ACTIVE
+        assert "late" in new.registered and "late" in old.registered
+        for n, server in ((joining, new), (ctl.nodes["old"], old)):
+            assert n.models == {"lenet", "late"}
+            assert n.models <= server.registered | server.warm | {"lenet"}
+
+    asyncio.run(scenario())
