@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import ServerConfig
-from splitserve.errors import InvalidInput, ShuttingDown, SplitServeError, UnknownModel
+from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
