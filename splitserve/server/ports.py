@@ -51,8 +51,9 @@ from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
-from splitserve.server.metrics import Metrics, SloOutcome
+from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import InferenceMonitor
+from splitserve.slo import SloOutcome
 from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
@@ -629,7 +630,8 @@ class ManagedModel(Protocol):
         """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
 
     def direct_counts(self) -> DirectCounts:
-        """The calls its workers took on the direct path (``fast_direct``; zero while off)."""
+        """The calls its workers took on the direct path (``fast_direct``; zero while off);
+        their SLO outcomes are in ``stats.slo`` (and the SLO metric) once this returns."""
 
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""

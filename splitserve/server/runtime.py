@@ -432,7 +432,8 @@ class ModelRuntime:
         return DirectSpec(
             str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
             s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
-            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s)
+            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s,
+            int(self.slo_s * 1e6) if self.slo_s else 0)
 
     def _direct_path(self, i: int) -> Path:
         return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
@@ -448,12 +449,14 @@ class ModelRuntime:
 
     def direct_counts(self) -> DirectCounts:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all
-        zero while the direct path is off)."""
+        zero while the direct path is off). Their SLO outcomes join the model's SLO metric
+        and statistics here, so every read of the statistics or the metrics sees them."""
         total = self._direct_past
         if not self.settings.fast_direct:
             return total
         for handle in self.workers.values():
             total = total + handle.counters.snapshot()
+        self.env.metrics.count_direct_slo(self.name, total.slo())
         return total
 
     def _harvest_direct(self, handle: InstanceWorker) -> None:

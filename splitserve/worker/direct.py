@@ -50,7 +50,8 @@ from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import unix_listener
 from splitserve.protocol.stream import FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
-from splitserve.worker.counters import WorkerCounters, Word
+from splitserve.slo import slo_outcome
+from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.spec import DirectSpec
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ class _Call:
     """One direct call from its accepted header to its answer."""
 
     __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "views", "vi", "target", "aside",
-                 "deadline_ns", "t_rx_ns")
+                 "deadline_ns", "slo_ns", "t_rx_ns")
 
-    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int) -> None:
+    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int,
+                 slo_us: int = 0) -> None:
         self.conn = conn
         self.req_id = h.req_id
         self.cls = cls
@@ -83,6 +85,8 @@ class _Call:
         self.target: memoryview = memoryview(b"")
         self.aside: bytearray | None = None
         self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
+        # Soft, real-time calls only: its own SLO, else its model's (``slo_us``); 0: none
+        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == RequestClass.RT else 0
         self.t_rx_ns = t_rx_ns
 
     @property
@@ -381,7 +385,7 @@ class DirectServer:
             raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
         count = stream_samples(h, self.cfg)
         cls = call_class(h.cls, self.default_cls, self.spec.rt_only)
-        call = _Call(conn, h, cls, count, conn.frame_t0_ns)
+        call = _Call(conn, h, cls, count, conn.frame_t0_ns, h.slo_us or self.spec.slo_us)
         conn.ids.add(h.req_id)
         self.counters.add(Word.RECEIVED)
         self.counters.add(_IN_FLIGHT[cls])
@@ -412,7 +416,14 @@ class DirectServer:
     def _answer_error(self, call: _Call, error: SplitServeError) -> None:
         self._drop(call)
         self.counters.add(Word.FAILED)
+        self._count_slo(call, 0, error)
         call.conn.send_error(call.req_id, self.spec.func_id, error)
+
+    def _count_slo(self, call: _Call, answered_ns: int, error: SplitServeError | None) -> None:
+        """An answered call's SLO outcome, by the front end's rule, in the page (the front
+        end adds it to its SLO metric and statistics)."""
+        if call.slo_ns:
+            self.counters.add(SLO_WORDS[slo_outcome(call.slo_ns, answered_ns, error)])
 
     # -- the worker's loop -----------------------------------------------------------
 
@@ -533,6 +544,7 @@ class DirectServer:
             parts[0] = h.pack()
             c.conn.ids.discard(c.req_id)
             answered += 1
+            self._count_slo(c, t2, None)
             c.conn.send(parts)
         self.counters.sub(_IN_FLIGHT[cls], answered)
         self.counters.add(Word.ANSWERED, answered)
