@@ -282,8 +282,9 @@ class ScheduledModel(Protocol):
         """Ask ``batch_id`` on ``instance`` to stop at its next segment boundary; the batch,
         or None if that instance runs no worker."""
 
-    def clear_preempt(self, instance: int) -> None:
-        """Lower the instance's preemption flag (its batch finished first)."""
+    def clear_preempt(self, instance: int, batch_id: int) -> None:
+        """Lower the instance's preemption flag for ``batch_id`` (it finished first), or for
+        ``DIRECT_BATCH`` let its worker's direct best-effort batches go; either leaves the other."""
 
     def pad(self, deadlines: Mapping[int, float]) -> None:
         """Padding deadlines (perf_counter seconds) per instance; an instance left out, or
@@ -335,6 +336,7 @@ class PreemptPage(Protocol):
 
     def raise_for(self, batch_id: int) -> None: ...
     def clear(self) -> None: ...
+    def hold_direct(self, held: bool) -> None: ...
     def set_padding_deadline(self, deadline_ns: int) -> None: ...
 
 

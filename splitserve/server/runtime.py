@@ -1054,10 +1054,10 @@ class ModelRuntime:
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         handle = self.workers.get(instance)
-        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batch: held at its next boundary
+        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batches: held at their next boundary
             if handle is None:
                 return None
-            handle.flag.raise_for(DIRECT_BATCH)
+            handle.flag.hold_direct(True)
             return Batch(self.name, instance, RequestClass.BE, 0, 0, [], time.perf_counter(), DIRECT_BATCH)
         st = self.sched.instances.get(instance)
         if handle is None or st is None or st.running is None:
@@ -1065,9 +1065,13 @@ class ModelRuntime:
         handle.flag.raise_for(batch_id)
         return st.running
 
-    def clear_preempt(self, instance: int) -> None:
+    def clear_preempt(self, instance: int, batch_id: int) -> None:
         handle = self.workers.get(instance)
-        if handle is not None:
+        if handle is None:
+            return
+        if batch_id == DIRECT_BATCH:
+            handle.flag.hold_direct(False)
+        else:
             handle.flag.clear()
 
     def direct_activity(self) -> tuple[bool, bool, bool]:
