@@ -142,7 +142,7 @@ class Coordinator:
         key = (model.name, instance, batch.batch_id)
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
-            model.clear_preempt(instance)
+            model.clear_preempt(instance, batch.batch_id)
         self._log("done" if ok else "failed", model, instance, batch, 0)
         # An RT batch ending can end RT mode; in seq mode any end frees the node; on a
         # partitioned node any end may free the partition a waiting RT batch waits for.
@@ -189,7 +189,7 @@ class Coordinator:
         for name, i, batch_id in held:
             self._raised.discard((name, i, batch_id))
             if (model := by_name.get(name)) is not None:
-                model.clear_preempt(i)
+                model.clear_preempt(i, batch_id)
 
     # -- effects ---------------------------------------------------------------------------
 

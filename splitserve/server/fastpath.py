@@ -26,61 +26,53 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.errors import BadFrame, BadSize, DuplicateRequest, SplitServeError
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.protocol.header import Header, Kind
 from splitserve.protocol.requests import stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
+from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
 from splitserve.server.intake import Arrival
 from splitserve.server.monitor import Call, after_us
 from splitserve.server.ports import FastPathHost, FrontEnd
 
 log = logging.getLogger(__name__)
 
-_HEADER, _PAYLOAD, _DISCARD, _LOOKUP = range(4)
+_LOOKUP = FIRST_OWN_STATE  # reading a LOOKUP frame's model name
 
 
-class FastPathConnection:
+class FastPathConnection(FrameStream):
     """One client connection: many calls in flight, answered as they complete.
 
     ``server`` is the node as a ``FastPathHost`` (``server/ports.py``): the connection uses
     its ``loop``, ``config``, ``intake`` (slot allocation and the frame-timeout sweep),
     ``monitor``, and ``model``, ``model_by_func`` and ``request_class``. ``live`` is its
     listener's set of open connections (it adds and removes itself). It is the ``Sink`` of
-    the calls it receives and a ``Receiver`` for the intake.
+    the calls it receives and a ``Receiver`` for the intake. Its frame state machine is
+    ``protocol/stream.py``'s, shared with a worker's direct connections.
     """
 
     def __init__(self, server: FastPathHost, sock: socket.socket, peer: object,
                  live: set[FastPathConnection]) -> None:
+        super().__init__(sock, f"fast-path peer {peer}")
         self.server = server
         self.live = live
         self.loop = server.loop
         self.cfg = server.config
         self.intake = server.intake
-        self.sock = sock
         self.peer = peer
-        sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.fd = sock.fileno()
-        self.hdr = bytearray(HEADER_SIZE)
-        self.hdr_mv = memoryview(self.hdr)
-        self.state = _HEADER
-        self.got = 0
-        self.frame_t0: float | None = None  # first byte of the frame being read (None: between frames)
-        self.header: Header | None = None
         self.arrival: Arrival | None = None  # the request whose payload is being read
-        self.discard_left = 0
-        self.discard_error: SplitServeError | None = None
-        self.scratch = bytearray(65536)
         self.lookup_buf = bytearray()
         self.in_flight: dict[int, Call] = {}
-        self.out = bytearray()
         self.writing = False
         self.paused = False  # reading stopped by flow control
-        self.closing = False  # framing lost: flush the error frame, then close
-        self.closed = False
         self.loop.add_reader(self.fd, self._on_readable)
         live.add(self)
         self.intake.watch(self, self.loop)
+
+    @property
+    def max_pending_out(self) -> int:
+        return self.cfg.fast_max_pending_out
 
     # -- reading -------------------------------------------------------------------
 
@@ -97,72 +89,42 @@ class FastPathConnection:
 
     def _read_some(self) -> bool:
         """One recv into the current target; False when the socket has nothing more now."""
-        if self.state == _HEADER:
-            buf = self.hdr_mv[self.got :]
-        elif self.state == _PAYLOAD:
+        if self.state == HEADER:
+            return self.read_header()
+        if self.state == PAYLOAD:
             buf = self.arrival.target()
-        elif self.state == _DISCARD:
-            buf = memoryview(self.scratch)[: min(len(self.scratch), self.discard_left)]
-        else:
-            buf = memoryview(self.scratch)[: self.header.payload_len - len(self.lookup_buf)]
-        try:
-            n = self.sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            log.debug("fast-path peer %s: %s", self.peer, e)
-            self.close()
-            return False
-        if n == 0:
-            self.close()
-            return False
-        if self.state == _HEADER:
-            if self.got == 0:
-                self.frame_t0 = time.monotonic()
-            self.got += n
-            if self.got == HEADER_SIZE:
-                self.got = 0
-                self._on_header()
-        elif self.state == _PAYLOAD:
-            if self.arrival.advance(n):
+            n = self.receive(buf)
+            if n and self.arrival.advance(n):
                 self._on_request_complete()
-        elif self.state == _DISCARD:
-            self.discard_left -= n
-            if self.discard_left == 0:
-                self._after_discard()
-        else:
+            return n == len(buf)
+        if self.state == DISCARD:
+            return self.read_discard()
+        buf = memoryview(self.scratch)[: self.header.payload_len - len(self.lookup_buf)]
+        n = self.receive(buf)
+        if n:
             self.lookup_buf += buf[:n]
             if len(self.lookup_buf) == self.header.payload_len:
                 self._on_lookup(bytes(self.lookup_buf).decode(errors="replace"))
         return n == len(buf)
 
-    def _on_header(self) -> None:
-        try:
-            h = unpack_header(self.hdr)
-        except BadFrame as e:
-            # Framing is lost: say why, then close; other connections are unaffected.
-            req_id = int.from_bytes(self.hdr[8:16], "little")
-            self._send_error(req_id, 0, e)
-            self.close(flush=True)
-            return
-        self.header = h
+    def on_header(self, h: Header) -> None:
         if h.kind == Kind.REQUEST:
             try:
                 self._start_request(h)
             except SplitServeError as e:
-                self._discard(h.payload_len, e)
+                self.discard(h.payload_len, e)
         elif h.kind == Kind.PING:
-            self._discard(h.payload_len, None)
-            self._send([Header(Kind.PONG, req_id=h.req_id).pack()])
+            self.discard(h.payload_len, None)
+            self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
         elif h.kind == Kind.LOOKUP:
             limit = self.cfg.fast_max_lookup
             if not 0 < h.payload_len <= limit:
-                self._discard(h.payload_len, BadSize(f"lookup payload must be 1..{limit} bytes (a model name)"))
+                self.discard(h.payload_len, BadSize(f"lookup payload must be 1..{limit} bytes (a model name)"))
             else:
                 self.lookup_buf = bytearray()
                 self.state = _LOOKUP
         else:
-            self._discard(h.payload_len, BadFrame(f"a client may not send {Kind(h.kind).name} frames"))
+            self.discard(h.payload_len, BadFrame(f"a client may not send {Kind(h.kind).name} frames"))
 
     def _start_request(self, h: Header) -> None:
         if h.req_id in self.in_flight:
@@ -174,14 +136,15 @@ class FastPathConnection:
         now = time.perf_counter()
         call = Call(self.server.monitor, rt, h.req_id, cls, seq, count, self, after_us(now, h.deadline_us),
                     slo=after_us(now, h.slo_us))
-        call.t_first = self.frame_t0  # time.monotonic is perf_counter's clock (CLOCK_MONOTONIC) on Linux
+        t0 = self.frame_t0_ns / 1e9
+        call.t_first = t0  # time.monotonic is perf_counter's clock (CLOCK_MONOTONIC) on Linux
         self.in_flight[h.req_id] = call
-        self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, self.frame_t0)
-        self.state = _PAYLOAD
+        self.arrival = self.intake.arriving(call, rt.input_views(cls, seq, count), self, t0)
+        self.state = PAYLOAD
 
     def _on_request_complete(self) -> None:
         arrival, self.arrival = self.arrival, None
-        self._frame_done()
+        self.frame_done()
         call = arrival.call
         try:
             self.intake.arrived(arrival)
@@ -190,38 +153,22 @@ class FastPathConnection:
             return
         call.runtime.submit(call)
 
-    def _discard(self, nbytes: int, error: SplitServeError | None) -> None:
-        self.discard_error = error
-        if nbytes:
-            self.discard_left = nbytes
-            self.state = _DISCARD
-        else:
-            self._after_discard()
-
-    def _after_discard(self) -> None:
-        self._frame_done()
-        err, self.discard_error = self.discard_error, None
-        if err is not None:
-            self._send_error(self.header.req_id, self.header.func_id, err)
-
     def _on_lookup(self, name: str) -> None:
-        self._frame_done()
+        self.frame_done()
         h = self.header
         try:
             rt = self.server.model(name)
         except SplitServeError as e:
-            self._send_error(h.req_id, 0, e)
+            self.send_error(h.req_id, 0, e)
             return
         # A lookup only reports the model (its state included); it never starts workers,
         # or any peer could load every registered model. The first request starts them.
         body = json.dumps(rt.describe()).encode()
         reply = Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body))
-        self._send([reply.pack(), body])
+        self.send([reply.pack(), body])
 
-    def _frame_done(self) -> None:
-        """A whole frame was read: expect a header, and pause here if flow control says so."""
-        self.state = _HEADER
-        self.frame_t0 = None
+    def between_frames(self) -> None:
+        """Pause here if flow control says so."""
         if len(self.in_flight) >= self.cfg.fast_max_in_flight or len(self.out) > self.cfg.fast_out_high_water:
             self.paused = True
             self.loop.remove_reader(self.fd)
@@ -234,18 +181,13 @@ class FastPathConnection:
 
     def expire(self, now: float, limit: float) -> None:
         """Close the connection if its current frame began more than ``limit`` s ago."""
-        if self.frame_t0 is None or now - self.frame_t0 <= limit or self.closed:
-            return
-        log.info("closing fast-path peer %s: a frame still incomplete %.1fs after its first byte", self.peer, limit)
-        h = self.header if self.state != _HEADER else None
-        self._send_error(h.req_id if h else 0, h.func_id if h else 0,
-                         BadFrame(f"frame incomplete {limit:g} s after its first byte; closing the connection"))
-        self.close()
+        if self.expired(int(now * 1e9), limit):
+            self.close()
 
     def drop_arrival(self, arrival: Arrival, error: SplitServeError) -> None:
         """The intake gives up on this connection's request: say why, then close."""
         if arrival is self.arrival:
-            self._send_error(arrival.call.req_id, arrival.call.runtime.func_id, error)
+            self.send_error(arrival.call.req_id, arrival.call.runtime.func_id, error)
             self.close()
 
     # -- answering (Sink) -----------------------------------------------------------
@@ -261,71 +203,29 @@ class FastPathConnection:
             payload_len=sum(len(v) for v in outs), queue_us=call.queue_us,
             compute_us=call.compute_ns // 1000, total_us=call.total_us,
         )
-        self._send([h.pack(), *outs])
+        self.send([h.pack(), *outs])
         self._maybe_resume()
 
     def fail(self, call: Call, error: SplitServeError) -> None:
         self.in_flight.pop(call.req_id, None)
         if not self.closed:
-            self._send_error(call.req_id, call.runtime.func_id, error)
+            self.send_error(call.req_id, call.runtime.func_id, error)
             self._maybe_resume()
-
-    def _send_error(self, req_id: int, func_id: int, error: SplitServeError) -> None:
-        msg = error.message.encode()
-        h = Header(Kind.ERROR, req_id=req_id, func_id=func_id, status=int(error.status), payload_len=len(msg))
-        self._send([h.pack(), msg])
 
     # -- writing -------------------------------------------------------------------
 
-    def _send(self, parts: list) -> None:
-        """Gather-write ``parts``; whatever the kernel does not take now is copied aside,
-        so the caller may recycle the slots as soon as this returns (TX_COMPLETE)."""
-        if self.closed:
-            return
-        if self.out:
-            for p in parts:
-                self.out += p
-        else:
-            try:
-                sent = self.sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as e:
-                log.debug("fast-path peer %s: %s", self.peer, e)
-                self.close()
-                return
-            for p in parts:
-                n = len(p)
-                if sent >= n:
-                    sent -= n
-                    continue
-                self.out += memoryview(p)[sent:]
-                sent = 0
-        if self.out:
-            if len(self.out) > self.cfg.fast_max_pending_out:
-                log.warning("closing fast-path peer %s: %d B unread", self.peer, len(self.out))
-                self.close()
-                return
-            if not self.writing:
-                self.writing = True
-                self.loop.add_writer(self.fd, self._on_writable)
+    def want_write(self) -> None:
+        if not self.writing:
+            self.writing = True
+            self.loop.add_writer(self.fd, self._on_writable)
 
     def _on_writable(self) -> None:
-        try:
-            n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
+        done = self.write_some()
+        if self.closed:
             return
-        except OSError as e:
-            log.debug("fast-path peer %s: %s", self.peer, e)
-            self.close()
-            return
-        del self.out[:n]
-        if not self.out:
+        if done:
             self.writing = False
             self.loop.remove_writer(self.fd)
-            if self.closing:
-                self.close()
-                return
         self._maybe_resume()
 
     def close(self, flush: bool = False) -> None:

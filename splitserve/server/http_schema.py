@@ -112,6 +112,9 @@ class DirectCounts(BaseModel):
     connections: int = Field(description="direct connections open")
     rt_running: int = Field(description="workers running a direct real-time batch now")
     preempted: int = Field(description="direct best-effort batches held at a segment boundary for real-time work")
+    slo_met: int = Field(description="direct real-time calls with a soft SLO answered with their result by it")
+    slo_missed: int = Field(description="answered with their result after it")
+    slo_dropped: int = Field(description="answered with an error")
 
 
 class SloCounts(BaseModel):

@@ -136,6 +136,7 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 
 def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     st = rt.stats if rt is not None else ModelStats()
+    direct = rt.direct_counts() if rt is not None else DirectCounts()  # first: it brings st.slo up to date
     # Inputs and outputs live in shared-memory tensor queues the worker reads in place, so
     # there is no separate input/output copy to time: those durations are 0 by design.
     return {
@@ -165,7 +166,7 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
         "slo": dict(st.slo),
         # splitserve addition: calls its workers took straight from clients (fast_direct), which
         # the counts above do not include; read from the workers' pages
-        "direct": (rt.direct_counts() if rt is not None else DirectCounts()).to_dict(),
+        "direct": direct.to_dict(),
     }
 
 

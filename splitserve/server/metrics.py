@@ -4,25 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
+from splitserve.slo import SloOutcome
 from splitserve.worker.counters import DirectCounts
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class SloOutcome(StrEnum):
-    """What became of a real-time call's soft SLO, counted once when the call is answered
-    (``server.monitor`` decides it)."""
-
-    MET = "met"  # answered with its result by its SLO
-    MISSED = "missed"  # answered with its result, late (served anyway: the SLO is never enforced)
-    DROPPED = "dropped"  # answered with an error (a hard deadline, a failure, the watchdog)
 
 
 def class_label(cls: RequestClass) -> str:
@@ -114,6 +105,8 @@ class Metrics:
                                     ("model", "class", "outcome"), registry=r)
         # The same counts per model for the statistics JSON; they outlive a model's runtime, as the series do.
         self._slo_tallies: dict[str, dict[str, int]] = {}
+        # Per model, the direct path's SLO totals already added above (its workers count them in their pages).
+        self._direct_slo: dict[str, dict[SloOutcome, int]] = {}
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
@@ -137,6 +130,19 @@ class Metrics:
         """A call with an SLO was answered."""
         self.slo_requests.labels(model, class_label(cls), outcome).inc()
         self.slo_tally(model)[outcome] += 1
+
+    def count_direct_slo(self, model: str, totals: Mapping[SloOutcome, int]) -> None:
+        """Add to ``model``'s SLO series and tally what its direct path counted since the
+        last call: ``totals`` are its workers' running totals (real-time calls); one
+        smaller than last time means they all count afresh (a new runtime)."""
+        seen = self._direct_slo.setdefault(model, {})
+        afresh = any(n < seen.get(outcome, 0) for outcome, n in totals.items())
+        for outcome, n in totals.items():
+            new = n if afresh else n - seen.get(outcome, 0)
+            if new > 0:
+                self.slo_requests.labels(model, class_label(RequestClass.RT), outcome).inc(new)
+                self.slo_tally(model)[outcome] += new
+            seen[outcome] = n
 
     def slo_tally(self, model: str) -> dict[str, int]:
         """``model``'s SLO outcomes so far, ``{"met": n, "missed": n, "dropped": n}`` (live:

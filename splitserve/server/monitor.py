@@ -18,17 +18,11 @@ from typing import Protocol
 
 from splitserve.errors import InternalError, SplitServeError
 from splitserve.protocol.header import RequestClass
-from splitserve.server.metrics import Metrics, SloOutcome
+from splitserve.server.metrics import Metrics
 from splitserve.server.stages import StageTrace
+from splitserve.slo import slo_outcome
 
 log = logging.getLogger(__name__)
-
-
-def slo_outcome(slo: float, answered: float, error: SplitServeError | None) -> SloOutcome:
-    """The outcome of a call with SLO ``slo`` answered at ``answered`` (same clock)."""
-    if error is not None:
-        return SloOutcome.DROPPED
-    return SloOutcome.MET if answered <= slo else SloOutcome.MISSED
 
 
 def after_us(now: float, us: int) -> float | None:

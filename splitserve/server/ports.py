@@ -52,8 +52,9 @@ from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import Batch
 from splitserve.server.intake import Intake, RingPort
-from splitserve.server.metrics import Metrics, SloOutcome
+from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import InferenceMonitor
+from splitserve.slo import SloOutcome
 from splitserve.types import TensorSpec
 from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import RunMsg
@@ -321,8 +322,9 @@ class ScheduledModel(Protocol):
         """Ask ``batch_id`` on ``instance`` to stop at its next segment boundary; the batch,
         or None if that instance runs no worker."""
 
-    def clear_preempt(self, instance: int) -> None:
-        """Lower the instance's preemption flag (its batch finished first)."""
+    def clear_preempt(self, instance: int, batch_id: int) -> None:
+        """Lower the instance's preemption flag for ``batch_id`` (it finished first), or for
+        ``DIRECT_BATCH`` let its worker's direct best-effort batches go; either leaves the other."""
 
     def pad(self, deadlines: Mapping[int, float]) -> None:
         """Padding deadlines (perf_counter seconds) per instance; an instance left out, or
@@ -374,6 +376,7 @@ class PreemptPage(Protocol):
 
     def raise_for(self, batch_id: int) -> None: ...
     def clear(self) -> None: ...
+    def hold_direct(self, held: bool) -> None: ...
     def set_padding_deadline(self, deadline_ns: int) -> None: ...
 
 
@@ -669,7 +672,8 @@ class ManagedModel(Protocol):
         """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
 
     def direct_counts(self) -> DirectCounts:
-        """The calls its workers took on the direct path (``fast_direct``; zero while off)."""
+        """The calls its workers took on the direct path (``fast_direct``; zero while off);
+        their SLO outcomes are in ``stats.slo`` (and the SLO metric) once this returns."""
 
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""

@@ -432,7 +432,8 @@ class ModelRuntime:
         return DirectSpec(
             str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
             s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
-            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s)
+            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s,
+            int(self.slo_s * 1e6) if self.slo_s else 0)
 
     def _direct_path(self, i: int) -> Path:
         return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
@@ -448,12 +449,14 @@ class ModelRuntime:
 
     def direct_counts(self) -> DirectCounts:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all
-        zero while the direct path is off)."""
+        zero while the direct path is off). Their SLO outcomes join the model's SLO metric
+        and statistics here, so every read of the statistics or the metrics sees them."""
         total = self._direct_past
         if not self.settings.fast_direct:
             return total
         for handle in self.workers.values():
             total = total + handle.counters.snapshot()
+        self.env.metrics.count_direct_slo(self.name, total.slo())
         return total
 
     def _harvest_direct(self, handle: InstanceWorker) -> None:
@@ -1051,10 +1054,10 @@ class ModelRuntime:
 
     def preempt(self, instance: int, batch_id: int) -> Batch | None:
         handle = self.workers.get(instance)
-        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batch: held at its next boundary
+        if batch_id == DIRECT_BATCH:  # the worker's own best-effort batches: held at their next boundary
             if handle is None:
                 return None
-            handle.flag.raise_for(DIRECT_BATCH)
+            handle.flag.hold_direct(True)
             return Batch(self.name, instance, RequestClass.BE, 0, 0, [], time.perf_counter(), DIRECT_BATCH)
         st = self.sched.instances.get(instance)
         if handle is None or st is None or st.running is None:
@@ -1062,9 +1065,13 @@ class ModelRuntime:
         handle.flag.raise_for(batch_id)
         return st.running
 
-    def clear_preempt(self, instance: int) -> None:
+    def clear_preempt(self, instance: int, batch_id: int) -> None:
         handle = self.workers.get(instance)
-        if handle is not None:
+        if handle is None:
+            return
+        if batch_id == DIRECT_BATCH:
+            handle.flag.hold_direct(False)
+        else:
             handle.flag.clear()
 
     def direct_activity(self) -> tuple[bool, bool, bool]:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from enum import IntEnum
+
+from splitserve.slo import SloOutcome
 
 # Byte offset of the counters in the page: the preemption flag uses the words before it.
 COUNTERS_OFFSET = 256
@@ -35,8 +37,11 @@ class Word(IntEnum):
     CONNECTIONS = 8  # direct connections open now
     RT_RUNNING = 9  # 1 while a direct real-time batch runs (the CPUs it claims are its instance's)
     PREEMPTED = 10  # direct best-effort batches stopped at a segment boundary (REEF)
-    ADMIT = 11  # front end -> worker: calls the worker may hold from direct connections (0: none)
-    BELL = 12  # front end -> worker: 1 while real-time and best-effort work share the node: ring on RT start and end
+    SLO_MET = 11  # real-time calls with a soft SLO answered with their result by it (``splitserve.slo``)
+    SLO_MISSED = 12  # answered with their result after it
+    SLO_DROPPED = 13  # answered with an error
+    ADMIT = 14  # front end -> worker: calls the worker may hold from direct connections (0: none)
+    BELL = 15  # front end -> worker: 1 while real-time and best-effort work share the node: ring on RT start and end
 
 
 _WORDS = len(Word)
@@ -44,9 +49,13 @@ _U64 = struct.Struct("<q")  # signed: an in-flight word goes down as well as up
 _ZEROS = struct.Struct(f"<{int(Word.ADMIT)}q")
 
 
+# The word that counts each SLO outcome of a direct call.
+SLO_WORDS = {SloOutcome.MET: Word.SLO_MET, SloOutcome.MISSED: Word.SLO_MISSED, SloOutcome.DROPPED: Word.SLO_DROPPED}
+
+
 @dataclass(frozen=True, slots=True)
 class DirectCounts:
-    """A snapshot of one worker's counters, or a sum of several."""
+    """A snapshot of one worker's counters (its words before ADMIT, in order), or a sum of several."""
 
     received: int = 0
     answered: int = 0
@@ -59,24 +68,24 @@ class DirectCounts:
     connections: int = 0
     rt_running: int = 0
     preempted: int = 0
+    slo_met: int = 0
+    slo_missed: int = 0
+    slo_dropped: int = 0
 
     def __add__(self, other: "DirectCounts") -> "DirectCounts":
-        return DirectCounts(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
-
-    def as_tuple(self) -> tuple[int, ...]:
-        return (self.received, self.answered, self.failed, self.in_flight_rt, self.in_flight_be, self.busy_ns,
-                self.batches, self.samples, self.connections, self.rt_running, self.preempted)
+        return DirectCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def finished(self) -> "DirectCounts":
         """What stays counted once the worker is gone: its totals, with nothing open."""
-        return DirectCounts(self.received, self.answered, self.failed, 0, 0, self.busy_ns, self.batches,
-                            self.samples, 0, 0, self.preempted)
+        return replace(self, in_flight_rt=0, in_flight_be=0, connections=0, rt_running=0)
+
+    def slo(self) -> dict[SloOutcome, int]:
+        """The SLO outcomes of its real-time calls."""
+        return {SloOutcome.MET: self.slo_met, SloOutcome.MISSED: self.slo_missed,
+                SloOutcome.DROPPED: self.slo_dropped}
 
     def to_dict(self) -> dict[str, int]:
-        return {"received": self.received, "answered": self.answered, "failed": self.failed,
-                "in_flight_rt": self.in_flight_rt, "in_flight_be": self.in_flight_be, "busy_ns": self.busy_ns,
-                "batches": self.batches, "samples": self.samples, "connections": self.connections,
-                "rt_running": self.rt_running, "preempted": self.preempted}
+        return asdict(self)
 
 
 class WorkerCounters:

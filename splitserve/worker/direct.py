@@ -46,15 +46,17 @@ import torch
 from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
                                UnknownModel, WorkerFailed)
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import unix_listener
-from splitserve.worker.counters import WorkerCounters, Word
+from splitserve.protocol.stream import FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
+from splitserve.slo import slo_outcome
+from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.spec import DirectSpec
 
 log = logging.getLogger(__name__)
 
-_HEADER, _PAYLOAD, _DISCARD, _WAIT = range(4)
+_WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
 _CLASSES = (RequestClass.RT, RequestClass.BE)
 _IN_FLIGHT = {RequestClass.RT: Word.IN_FLIGHT_RT, RequestClass.BE: Word.IN_FLIGHT_BE}
 
@@ -67,9 +69,10 @@ class _Call:
     """One direct call from its accepted header to its answer."""
 
     __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "views", "vi", "target", "aside",
-                 "deadline_ns", "t_rx_ns")
+                 "deadline_ns", "slo_ns", "t_rx_ns")
 
-    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int) -> None:
+    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int,
+                 slo_us: int = 0) -> None:
         self.conn = conn
         self.req_id = h.req_id
         self.cls = cls
@@ -82,6 +85,8 @@ class _Call:
         self.target: memoryview = memoryview(b"")
         self.aside: bytearray | None = None
         self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
+        # Soft, real-time calls only: its own SLO, else its model's (``slo_us``); 0: none
+        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == RequestClass.RT else 0
         self.t_rx_ns = t_rx_ns
 
     @property
@@ -138,32 +143,23 @@ class _Call:
         self.row, self.aside = row, None
 
 
-class _Conn:
-    """One direct connection: frames in, answers out, its own flow control."""
+class _Conn(FrameStream):
+    """One direct connection: frames in, answers out, its own flow control. Its frame
+    state machine is ``protocol/stream.py``'s, shared with the front end's connections."""
 
     def __init__(self, server: "DirectServer", sock: socket.socket) -> None:
+        super().__init__(sock, "direct peer")
         self.server = server
         self.spec = server.spec
-        self.sock = sock
-        sock.setblocking(False)
-        self.fd = sock.fileno()
-        self.hdr = bytearray(HEADER_SIZE)
-        self.hdr_mv = memoryview(self.hdr)
-        self.got = 0
-        self.state = _HEADER
-        self.frame_t0_ns = 0  # first byte of the frame being read (0: between frames)
-        self.header: Header | None = None
         self.call: _Call | None = None  # the call whose payload is being read, or waits for rows
-        self.discard_left = 0
-        self.discard_error: SplitServeError | None = None
-        self.scratch = bytearray(65536)
         self.ids: set[int] = set()  # req_ids accepted and not answered
-        self.out = bytearray()
         self.paused = False  # reading stopped by flow control (at a frame boundary)
-        self.closing = False  # framing lost: flush the error, then close
-        self.closed = False
         self.events = 0
         self._update()
+
+    @property
+    def max_pending_out(self) -> int:
+        return self.spec.max_pending_out
 
     # -- events ----------------------------------------------------------------------
 
@@ -189,7 +185,9 @@ class _Conn:
     def on_event(self, mask: int) -> None:
         try:
             if mask & selectors.EVENT_WRITE:
-                self._on_writable()
+                self.write_some()
+                if not self.closed:
+                    self.maybe_pause()
             if mask & selectors.EVENT_READ:
                 for _ in range(self.spec.reads_per_wakeup):
                     if not self._wants_read() or not self._read_some():
@@ -198,39 +196,18 @@ class _Conn:
             log.exception("direct peer: unexpected error; closing the connection")
             self.close()
 
+    def want_write(self) -> None:
+        self._update()
+
     # -- reading ---------------------------------------------------------------------
 
     def _read_some(self) -> bool:
-        """One recv into the current target; False when the socket has nothing more now."""
-        if self.state == _PAYLOAD:
+        """One read into the current target; False when the socket has nothing more now."""
+        if self.state == PAYLOAD:
             return self._read_payload()
-        if self.state == _HEADER:
-            buf = self.hdr_mv[self.got :]
-        else:
-            buf = memoryview(self.scratch)[: min(len(self.scratch), self.discard_left)]
-        try:
-            n = self.sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            log.debug("direct peer: %s", e)
-            self.close()
-            return False
-        if n == 0:
-            self.close()
-            return False
-        if self.state == _HEADER:
-            if self.got == 0:
-                self.frame_t0_ns = time.monotonic_ns()
-            self.got += n
-            if self.got == HEADER_SIZE:
-                self.got = 0
-                self._on_header()
-        else:
-            self.discard_left -= n
-            if self.discard_left == 0:
-                self._after_discard()
-        return n == len(buf)
+        if self.state == HEADER:
+            return self.read_header()
+        return self.read_discard()
 
     def _read_payload(self) -> bool:
         """One scatter read of the rest of the payload (every input's rows) and the next
@@ -242,94 +219,59 @@ class _Conn:
         if not self._over_bounds():  # it will not pause after this frame: read on into the next header
             bufs.append(self.hdr_mv)
         want = call.total - call.got
-        try:
-            n = self.sock.recvmsg_into(bufs)[0]
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError as e:
-            log.debug("direct peer: %s", e)
-            self.close()
-            return False
-        if n == 0:
-            self.close()
-            return False
+        n = self.receive(bufs)
         if n < want:
-            call.advance(n)
+            if n:
+                call.advance(n)
             return False
         call.advance(want)
         self.call = None
         self.server.arrived(call)
-        self._frame_done()
+        self.frame_done()
         extra = n - want  # the next frame's header, or its first bytes
         if extra:
-            self.got, self.frame_t0_ns = extra, time.monotonic_ns()
-            if extra == HEADER_SIZE:
-                self.got = 0
-                self._on_header()
+            self.header_bytes(extra)
         return extra == HEADER_SIZE
 
-    def _on_header(self) -> None:
-        try:
-            h = unpack_header(self.hdr)
-        except BadFrame as e:  # framing is lost: say why, then close
-            self.send_error(int.from_bytes(self.hdr[8:16], "little"), 0, e)
-            self.close(flush=True)
-            return
-        self.header = h
+    def on_header(self, h: Header) -> None:
         if h.kind == Kind.REQUEST:
             try:
                 call = self.server.accept_call(self, h)
             except SplitServeError as e:
-                self._discard(h.payload_len, e)
+                self.discard(h.payload_len, e)
                 return
             self.call = call
             if call.row < 0:  # waiting for rows is the worker's doing: no frame timeout meanwhile
                 self.state, self.frame_t0_ns = _WAIT, 0
             else:
-                self.state = _PAYLOAD
+                self.state = PAYLOAD
             self._update()
         elif h.kind == Kind.PING:
-            self._discard(h.payload_len, None)
+            self.discard(h.payload_len, None)
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
         else:
-            self._discard(h.payload_len, BadFrame(
+            self.discard(h.payload_len, BadFrame(
                 f"a client may not send {Kind(h.kind).name} frames to a direct endpoint (it takes REQUEST and "
                 "PING; look models up at the front end)"))
 
     def rows_granted(self) -> None:
         """The call that waited for rows has them: read its payload."""
-        self.state = _PAYLOAD
+        self.state = PAYLOAD
         self.frame_t0_ns = time.monotonic_ns()
         self._update()
         self.on_event(selectors.EVENT_READ)
 
-    def _discard(self, nbytes: int, error: SplitServeError | None) -> None:
-        self.discard_error = error
-        if nbytes:
-            self.discard_left = nbytes
-            self.state = _DISCARD
-        else:
-            self._after_discard()
+    def refused(self, h: Header, error: SplitServeError) -> None:
+        self.server.counters.add(Word.FAILED)
+        super().refused(h, error)
 
-    def _after_discard(self) -> None:
-        err, self.discard_error = self.discard_error, None
-        if err is not None:
-            h = self.header
-            assert h is not None
-            self.server.counters.add(Word.FAILED)
-            self.send_error(h.req_id, h.func_id, err)
-        self._frame_done()
-
-    def _frame_done(self) -> None:
-        """A whole frame was read: expect a header, and pause here if flow control says so."""
-        self.state = _HEADER
-        self.frame_t0_ns = 0
+    def between_frames(self) -> None:
         self.maybe_pause()
 
     def maybe_pause(self) -> None:
         """Pause or resume reading (only between frames) by the connection's own bounds and
         the worker's admission limit."""
-        if self.state == _HEADER and self.got == 0 and not self.closed:
+        if self.state == HEADER and self.got == 0 and not self.closed:
             self.paused = self._over_bounds()
         self._update()
 
@@ -341,67 +283,8 @@ class _Conn:
 
     def expire(self, now_ns: int) -> None:
         """Close the connection if its current frame began more than frame_timeout_s ago."""
-        limit = self.spec.frame_timeout_s
-        if not self.frame_t0_ns or now_ns - self.frame_t0_ns <= limit * 1e9 or self.closed:
-            return
-        log.info("closing a direct peer: a frame still incomplete %.1fs after its first byte", limit)
-        h = self.header if self.state != _HEADER else None
-        self.send_error(h.req_id if h else 0, h.func_id if h else 0,
-                        BadFrame(f"frame incomplete {limit:g} s after its first byte; closing the connection"))
-        self.close()
-
-    # -- writing ---------------------------------------------------------------------
-
-    def send_error(self, req_id: int, func_id: int, error: SplitServeError) -> None:
-        msg = error.message.encode()
-        h = Header(Kind.ERROR, req_id=req_id, func_id=func_id, status=int(error.status), payload_len=len(msg))
-        self.send([h.pack(), msg])
-
-    def send(self, parts: list) -> None:
-        """Gather-write ``parts``; what the kernel does not take now is copied aside, so the
-        output rows may be reused as soon as this returns."""
-        if self.closed:
-            return
-        if self.out:
-            for p in parts:
-                self.out += p
-        else:
-            try:
-                sent = self.sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as e:
-                log.debug("direct peer: %s", e)
-                self.close()
-                return
-            for p in parts:
-                n = len(p)
-                if sent >= n:
-                    sent -= n
-                    continue
-                self.out += memoryview(p)[sent:]
-                sent = 0
-        if self.out:
-            if len(self.out) > self.spec.max_pending_out:
-                log.warning("closing a direct peer: %d B unread", len(self.out))
-                self.close()
-                return
-            self._update()
-
-    def _on_writable(self) -> None:
-        try:
-            n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            log.debug("direct peer: %s", e)
+        if self.expired(now_ns, self.spec.frame_timeout_s):
             self.close()
-            return
-        del self.out[:n]
-        if not self.out and self.closing:
-            self.close()
-            return
-        self.maybe_pause()
 
     def close(self, flush: bool = False) -> None:
         """Close the connection; its calls are dropped (the client re-sends them elsewhere)."""
@@ -502,7 +385,7 @@ class DirectServer:
             raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
         count = stream_samples(h, self.cfg)
         cls = call_class(h.cls, self.default_cls, self.spec.rt_only)
-        call = _Call(conn, h, cls, count, conn.frame_t0_ns)
+        call = _Call(conn, h, cls, count, conn.frame_t0_ns, h.slo_us or self.spec.slo_us)
         conn.ids.add(h.req_id)
         self.counters.add(Word.RECEIVED)
         self.counters.add(_IN_FLIGHT[cls])
@@ -533,7 +416,14 @@ class DirectServer:
     def _answer_error(self, call: _Call, error: SplitServeError) -> None:
         self._drop(call)
         self.counters.add(Word.FAILED)
+        self._count_slo(call, 0, error)
         call.conn.send_error(call.req_id, self.spec.func_id, error)
+
+    def _count_slo(self, call: _Call, answered_ns: int, error: SplitServeError | None) -> None:
+        """An answered call's SLO outcome, by the front end's rule, in the page (the front
+        end adds it to its SLO metric and statistics)."""
+        if call.slo_ns:
+            self.counters.add(SLO_WORDS[slo_outcome(call.slo_ns, answered_ns, error)])
 
     # -- the worker's loop -----------------------------------------------------------
 
@@ -654,6 +544,7 @@ class DirectServer:
             parts[0] = h.pack()
             c.conn.ids.discard(c.req_id)
             answered += 1
+            self._count_slo(c, t2, None)
             c.conn.send(parts)
         self.counters.sub(_IN_FLIGHT[cls], answered)
         self.counters.add(Word.ANSWERED, answered)

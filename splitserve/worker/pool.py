@@ -135,6 +135,7 @@ class WorkerHandle:
         # The flag outlives bindings, and batch ids are per model: a target or deadline left
         # for the last model must not stop the next one's batches.
         self.flag.clear()
+        self.flag.hold_direct(False)
         self.flag.set_padding_deadline(0)
         self._last_binding += 1
         data, fds = LoadMsg(self._last_binding, bind).pack()

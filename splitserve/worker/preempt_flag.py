@@ -5,6 +5,9 @@ Words (u64, little-endian):
   1: CLOCK_MONOTONIC ns when word 0 was raised (for the preemption latency)
   2: padding deadline in CLOCK_MONOTONIC ns (0 = none): a best-effort batch may start a
      segment only if its expected time ends before this (REEF's padding rule 1, adapted)
+  3: 1 while the worker's own direct best-effort batches are held for real-time work (the
+     coordinator's ``DIRECT_BATCH``). A word apart from 0: a front-end batch on the same
+     worker may be preempted, and its flag lowered, while a direct batch stays held.
 
 The worker reads it between segments (REEF's lazy eviction: no signal, no interrupt). The
 rest of the page holds the worker's direct-path counters (``worker/counters.py``).
@@ -48,6 +51,13 @@ class PreemptFlag:
 
     def raised_at_ns(self) -> int:
         return _U64.unpack_from(self._mm, 8)[0]
+
+    def hold_direct(self, held: bool) -> None:
+        """Hold the worker's direct best-effort batches at their next segment boundary, or let them go."""
+        _U64.pack_into(self._mm, 24, int(held))
+
+    def direct_held(self) -> bool:
+        return bool(_U64.unpack_from(self._mm, 24)[0])
 
     def set_padding_deadline(self, deadline_ns: int) -> None:
         """Best-effort segments must end by ``deadline_ns`` (0 lifts the limit)."""

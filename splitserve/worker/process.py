@@ -31,7 +31,7 @@ from splitserve.protocol.header import RequestClass
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
-from splitserve.worker.messages import (DIRECT_BATCH, HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
+from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
@@ -206,7 +206,7 @@ class Worker:
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
         """A direct batch's segments (``direct.SegmentRunner``): a best-effort one stops at a
-        boundary while the front end holds it (its flag names ``DIRECT_BATCH``: real-time work
+        boundary while the front end holds it (``PreemptFlag.direct_held``: real-time work
         claims its CPUs) or its padding deadline leaves no room, and resumes later."""
         b = self._binding(0)
         model = b.model
@@ -216,7 +216,7 @@ class Worker:
         be = cls == RequestClass.BE
         with torch.inference_mode():
             return self._segments(b, model, acts, first, count, lambda i: be and (
-                self.flag.target() == DIRECT_BATCH or self._past_padding(b, i, count)))
+                self.flag.direct_held() or self._past_padding(b, i, count)))
 
     def run(self, msg: RunMsg) -> DoneMsg:
         """Run a batch of the bound model from its first (or restore) segment; stop at a

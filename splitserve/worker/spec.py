@@ -34,6 +34,7 @@ class DirectSpec:
     reads_per_wakeup: int  # ServerConfig.fast_reads_per_wakeup
     rt_only: bool  # the node refuses best-effort calls (preemption rt-only)
     suspend_poll_s: float  # ServerConfig.direct_suspend_poll_s
+    slo_us: int = 0  # the model's SLO for real-time calls that name none (0: none)
 
 
 @dataclass(frozen=True)

@@ -419,3 +419,29 @@ def test_stage_stamps_of_a_call_are_in_order_across_processes(server):
     assert trace["enabled"] and rec["model"] == "vecadd1k" and rec["compute_ns"] > 0
     assert stamps == sorted(stamps) and stamps[0] > 0, " ".join(f"{s}={t:.6f}" for s, t in zip(STAMPS, stamps))
     assert rec["t_start_w"] + rec["compute_ns"] / 1e9 <= rec["t_done"]
+
+
+def test_direct_real_time_calls_slo_outcomes_join_the_slo_metric_and_statistics(server):
+    """A direct real-time call never passes the front end: its worker counts its SLO outcome
+    (the front end's rule) in its page, and the front end adds it to the same metric and
+    statistics. One with an SLO it cannot meet (1 µs) is served and counted missed; one with
+    a minute is counted met."""
+    import httpx
+
+    from tests.integration.test_request_classes import slo_counts
+
+    x = (np.ones(1024, np.float32), np.ones(1024, np.float32))
+    with httpx.Client(base_url=server.http, timeout=30) as web, client(server, "direct") as c:
+        before = slo_counts(web.get("/metrics").text, "vecadd1k")
+        direct_before = web.get("/v2/models/vecadd1k/stats").json()["model_stats"][0]["direct"]
+        assert c.lookup("vecadd1k") and c.direct_endpoints("vecadd1k") == 1
+        for slo_ms in (0.001, 60000):  # the first is served late
+            np.testing.assert_array_equal(c.infer("vecadd1k", x, cls="rt", slo_ms=slo_ms).ravel(), np.full(1024, 2.0))
+        after = slo_counts(web.get("/metrics").text, "vecadd1k")
+        (stats,) = web.get("/v2/models/vecadd1k/stats").json()["model_stats"]
+    assert stats["direct"]["answered"] == direct_before["answered"] + 2  # both went direct
+    assert {o: after.get(o, 0.0) - before.get(o, 0.0) for o in ("met", "missed", "dropped")} == \
+        {"met": 1.0, "missed": 1.0, "dropped": 0.0}
+    assert (stats["direct"]["slo_met"], stats["direct"]["slo_missed"]) == (
+        direct_before["slo_met"] + 1, direct_before["slo_missed"] + 1)
+    assert stats["slo"] == {k: int(after.get(k, 0.0)) for k in ("met", "missed", "dropped")}  # one tally

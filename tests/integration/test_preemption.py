@@ -209,3 +209,79 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
     finally:
         gates.open_all()
         s.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs real-time work on a CPU of its own")
+def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the_same_worker(tmp_path):
+    """Two authorities share a worker's preemption page: the front end's preemption of a
+    front-end batch and the hold on the worker's own direct best-effort batch. Here the
+    direct batch is held (real-time work runs), the same worker then takes a front-end
+    best-effort batch, and the front end preempts that one: the direct batch must stay held
+    while real-time work still runs (it resumed at once when both shared one word)."""
+    from splitserve import Client
+    from splitserve.bench.ownserver import get_json
+    from splitserve.models.gate import Gates
+    from splitserve.protocol.header import Header, Kind
+    from splitserve.worker.messages import DIRECT_BATCH
+    from tests.conftest import start_server
+    from tests.framing import describe, direct_env, raw, read_frame, stream
+    from tests.inproc import write_model
+
+    for name, cls, cpu in (("gate_be", "be", 0), ("gate_rt", "rt", 0), ("gate_x", "rt", 1)):
+        write_model(tmp_path / "repo", name, "gate", f'cpus = [{cpu}]\nshare_cpus = true\ndefault_class = "{cls}"')
+    gates = Gates(tmp_path / "cache")
+    s = start_server(tmp_path / "data", "--repository", str(tmp_path / "repo"), "--load", "gate_be", "--load",
+                     "gate_rt", "--load", "gate_x", cache_dir=tmp_path / "cache", http=True, env=direct_env())
+    try:
+        for k in (9001, 9002, 9003, 9004, 9005):
+            gates.close(k)
+        with Client(s.tcp, direct=True) as c, Client(s.tcp) as front:
+
+            def until(what, done):
+                deadline = time.monotonic() + 60
+                while not done():
+                    assert time.monotonic() < deadline, f"never: {what}"
+                    time.sleep(0.01)
+
+            def events(kind):
+                return [e for e in get_json(f"{s.http}/v2/scheduler/events")["events"]
+                        if e["kind"] == kind and e["model"] == "gate_be"]
+
+            def counts():
+                with raw(s) as r:  # a fresh lookup: the direct counters now
+                    return describe(r, "gate_be")["direct_counts"]
+
+            be = c.submit("gate_be", np.array([9001], np.int64))
+            until("the direct best-effort sample is at its gate", lambda: gates.held(9001))
+            rt = c.submit("gate_rt", np.array([9002], np.int64))
+            until("the coordinator holds the direct best-effort batch", lambda: events("preempt"))
+            other = c.submit("gate_x", np.array([9004], np.int64))  # real-time work on CPU 1, running on
+            until("the real-time sample on CPU 1 is at its gate", lambda: gates.held(9004))
+            gates.open(9001)
+            until("the direct batch stops at its boundary", lambda: counts()["preempted"] == 1)
+            gates.open(9002)
+            assert rt.result(timeout=60).value().ravel().tolist() == [9002]
+            # CPU 0 is free of real-time work: the same worker takes a front-end best-effort batch...
+            fe = front.submit("gate_be", np.array([9003], np.int64), cls="be")
+            until("the front-end batch is at its gate", lambda: gates.held(9003))
+            rt2 = c.submit("gate_rt", np.array([9005], np.int64))  # ...which real-time work on CPU 0 preempts
+            until("the front end preempts its batch",
+                  lambda: any(e["batch"] != DIRECT_BATCH for e in events("preempt")))
+            gates.open(9003)
+            until("the front-end batch stops at its boundary", lambda: events("preempted"))
+            # One round trip through the worker's loop: it has done whatever it does after
+            # stopping the front-end batch (resuming the direct batch, if it may).
+            d, fid = stream(s, "direct", "gate_be")
+            with d:
+                d.sendall(Header(Kind.PING, req_id=1, func_id=fid).pack())
+                assert read_frame(d)[0].kind == Kind.PONG
+            assert counts()["answered"] == 0  # still held: real-time work runs on CPUs 0 and 1
+            gates.open(9004)
+            gates.open(9005)
+            assert other.result(timeout=60).value().ravel().tolist() == [9004]
+            assert rt2.result(timeout=60).value().ravel().tolist() == [9005]
+            assert be.result(timeout=60).value().ravel().tolist() == [9001]
+            assert fe.result(timeout=60).value().ravel().tolist() == [9003]
+    finally:
+        gates.open_all()
+        s.stop()

@@ -107,3 +107,22 @@ def test_counters_count_per_binding_and_keep_the_front_ends_admission_limit():
         assert front.snapshot() == DirectCounts() and flag.target() == 5
     finally:
         flag.close()
+
+
+def test_direct_slo_outcomes_join_the_slo_metric_and_tally_once_each():
+    """The workers' pages hold running totals, read at every scrape and statistics call:
+    each outcome is added once, and totals that start over (a new runtime) count afresh."""
+    from splitserve.server.metrics import Metrics
+    from splitserve.slo import SloOutcome
+
+    m = Metrics()
+    m.count_slo("m", RequestClass.RT, SloOutcome.MET)  # one through the front end
+    m.count_direct_slo("m", DirectCounts(slo_met=2, slo_missed=1).slo())
+    m.count_direct_slo("m", DirectCounts(slo_met=2, slo_missed=1).slo())  # read again: nothing new
+    m.count_direct_slo("m", DirectCounts(slo_met=3, slo_missed=1, slo_dropped=1).slo())
+    assert m.slo_tally("m") == {"met": 4, "missed": 1, "dropped": 1}
+    m.count_direct_slo("m", DirectCounts(slo_missed=2).slo())  # counting afresh
+    assert m.slo_tally("m") == {"met": 4, "missed": 3, "dropped": 1}
+    text = m.render().decode()
+    assert 'splitserve_slo_requests_total{class="rt",model="m",outcome="missed"} 3.0' in text
+    assert 'splitserve_slo_requests_total{class="rt",model="m",outcome="met"} 4.0' in text
