@@ -307,9 +307,10 @@ class DirectServer:
     """A bound worker's endpoint and its direct calls (see the module's docstring)."""
 
     def __init__(self, spec: DirectSpec, cfg: ModelConfig, counters: WorkerCounters,
-                 sel: selectors.BaseSelector, ring: Callable[[], None]) -> None:
+                 sel: selectors.BaseSelector, ring: Callable[[], None], stops: Callable[[int, int], bool]) -> None:
         self.spec = spec
         self.ring = ring  # tells the front end that a direct real-time batch began or ended
+        self.stops = stops  # (segment, count): a suspended best-effort batch would stop again there now
         self.cfg = cfg
         self.counters = counters
         self.sel = sel
@@ -442,26 +443,31 @@ class DirectServer:
         for conn in [c for c in self.conns if c.frame_t0_ns]:
             conn.expire(now_ns)
 
+    def _has_ready(self, cls: RequestClass) -> bool:
+        return bool(self.aside_done[cls]) or any(x.complete for x in self.placed[cls])
+
     def ready(self) -> bool:
-        """A batch could run (or resume) now."""
+        """A batch could run (or resume) now. A suspended batch that would stop again at once
+        is not ready: the loop then waits ``suspend_poll_s`` instead of spinning on the CPUs
+        the real-time work claimed."""
         if self.suspended is not None:
-            return True
-        return any(self.aside_done[c] or any(x.complete for x in self.placed[c]) for c in _CLASSES)
+            _, n, stopped, _ = self.suspended
+            return self._has_ready(RequestClass.RT) or not self.stops(stopped, n)
+        return any(self._has_ready(c) for c in _CLASSES)
 
     def run_one(self, run: SegmentRunner) -> None:
         """Run one batch: a suspended best-effort batch's next segments, else the oldest
         class with calls ready, real-time first."""
         if self.suspended is not None:
             calls, n, first, acts = self.suspended
-            if self.placed[RequestClass.RT] and any(x.complete for x in self.placed[RequestClass.RT]) \
-                    or self.aside_done[RequestClass.RT]:
+            if self._has_ready(RequestClass.RT):
                 self._run(RequestClass.RT, run)
                 return
             self.suspended = None
             self._finish(RequestClass.BE, calls, n, first, acts, run, resuming=True)
             return
         for cls in _CLASSES:
-            if self.aside_done[cls] or any(x.complete for x in self.placed[cls]):
+            if self._has_ready(cls):
                 self._run(cls, run)
                 return
 

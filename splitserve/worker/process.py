@@ -120,7 +120,8 @@ class Worker:
             self.sel = selectors.DefaultSelector()
             try:
                 self.sel.register(self.ctrl.fileno(), selectors.EVENT_READ, None)
-                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring)
+                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring,
+                                           self._direct_stops)
             except BaseException:
                 self._close_direct()
                 self.bound = None
@@ -215,8 +216,12 @@ class Worker:
             acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
         be = cls == RequestClass.BE
         with torch.inference_mode():
-            return self._segments(b, model, acts, first, count, lambda i: be and (
-                self.flag.direct_held() or self._past_padding(b, i, count)))
+            return self._segments(b, model, acts, first, count, lambda i: be and self._direct_stops(i, count))
+
+    def _direct_stops(self, i: int, count: int) -> bool:
+        """A direct best-effort batch of ``count`` may not start segment ``i`` now: the front end
+        holds it, or the segment would end after the padding deadline."""
+        return self.flag.direct_held() or self._past_padding(self._binding(0), i, count)
 
     def run(self, msg: RunMsg) -> DoneMsg:
         """Run a batch of the bound model from its first (or restore) segment; stop at a
