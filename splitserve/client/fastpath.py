@@ -157,6 +157,20 @@ class _Stream:
         return h, self._take(h.payload_len)
 
 
+# A direct client looks a model up again at least this many retry intervals apart even when
+# it holds a connection to every instance, to find instances added since (scaling).
+_REFRESH_RETRIES = 10
+
+
+def _lookup_due(stale: bool, held: int, info: ModelInfo, age_s: float, retry_s: float) -> bool:
+    """Whether a direct client looks ``info``'s model up again before its next call: a direct
+    connection of it closed (``stale``); it holds fewer connections than the model has
+    instances (none offered yet, one restarting or still loading) and ``retry_s`` has passed;
+    or ``_REFRESH_RETRIES`` retry intervals have passed."""
+    instances = int(info.extra.get("instances", 0) or 0)
+    return stale or (held < instances and age_s > retry_s) or age_s > _REFRESH_RETRIES * retry_s
+
+
 class _Route:
     """Where a model's calls go: its info, and with ``direct`` its workers' endpoints."""
 
@@ -183,7 +197,8 @@ class Client:
     or died, or refused the connection) costs no call: the calls it had not answered are
     re-sent through the front end (inference has no side effects, so a call whose answer
     was lost is run again), and the model is looked up again before its next call, then at
-    most every ``direct_retry_s`` while it offers no endpoint; an endpoint whose connection
+    most every ``direct_retry_s`` while the client holds fewer connections than the model
+    has instances (and every ten such intervals regardless); an endpoint whose connection
     closed is not connected to again for ``direct_retry_s``. Without direct endpoints (an
     old server, or the direct path off) every call goes through the front end as before.
     """
@@ -266,8 +281,9 @@ class Client:
 
     def _route(self, model: str) -> _Route:
         route = self._routes.get(model)
-        if route is not None and not (self.direct and (route.stale or not route.streams and
-                                                       time.monotonic() - route.looked_up > self.direct_retry_s)):
+        if route is not None and not (self.direct and _lookup_due(route.stale, len(route.streams), route.info,
+                                                                  time.monotonic() - route.looked_up,
+                                                                  self.direct_retry_s)):
             return route
         body = model.encode()
         req_id = next(self._ids)
@@ -517,8 +533,8 @@ class AsyncClient:
     async def lookup(self, model: str) -> ModelInfo:
         info = self._models.get(model)
         route = self._routes.get(model)
-        if info is not None and not (self.direct and route is not None and (
-                route[2] or not route[0] and time.monotonic() - route[1] > self.direct_retry_s)):
+        if info is not None and not (self.direct and route is not None and _lookup_due(
+                route[2], len(route[0]), info, time.monotonic() - route[1], self.direct_retry_s)):
             return info
         body = model.encode()
         info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],

@@ -126,3 +126,17 @@ def test_direct_slo_outcomes_join_the_slo_metric_and_tally_once_each():
     text = m.render().decode()
     assert 'splitserve_slo_requests_total{class="rt",model="m",outcome="missed"} 3.0' in text
     assert 'splitserve_slo_requests_total{class="rt",model="m",outcome="met"} 4.0' in text
+
+
+def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_instances():
+    """Under load a reloaded model's second instance may serve after the client's lookup: a route
+    holding one of two instances' connections must be looked up again (it stayed at one forever)."""
+    from splitserve.client.common import ModelInfo
+    from splitserve.client.fastpath import _lookup_due
+
+    info = ModelInfo("twin", 1, (), (), 1, {"instances": 2, "direct": ["a", "b"]})
+    assert _lookup_due(False, 1, info, 1.5, 1.0)  # one of two, past the retry interval
+    assert not _lookup_due(False, 1, info, 0.5, 1.0)  # not before it
+    assert not _lookup_due(False, 2, info, 5.0, 1.0)  # all held
+    assert _lookup_due(False, 2, info, 10.5, 1.0)  # then now and then, for instances added since
+    assert _lookup_due(True, 2, info, 0.0, 1.0)  # a connection closed
