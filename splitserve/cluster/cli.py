@@ -3,8 +3,9 @@
 ``up`` without ``--address`` runs a whole cluster on this machine (a Ray head on 127.0.0.1
 and ``--nodes`` serving raylets) in the foreground until Ctrl-C or ``cluster down``; with
 ``--address`` it puts the splitserve actors on an existing Ray cluster and returns. The
-gateway serves the fast path on ``--gateway-port`` and HTTP (Open Inference Protocol v2) on
-``--gateway-http-port``: clients use the same URLs and clients as for one node. The
+gateway serves the fast path on ``--gateway-port``, HTTP (Open Inference Protocol v2) on
+``--gateway-http-port`` and gRPC (the same protocol's GRPCInferenceService) on
+``--gateway-grpc-port``: clients use the same URLs and clients as for one node. The
 management token is ``DATA_DIR/token``, given to every node.
 """
 
@@ -50,6 +51,8 @@ def up(
     gateway_port: int = typer.Option(8100, help="The gateway's fast-path TCP port (0: any free port)."),
     gateway_http_port: int = typer.Option(8000, help="The gateway's HTTP port, Open Inference Protocol v2 "
                                                      "(0: any free port; -1: no HTTP)."),
+    gateway_grpc_port: int = typer.Option(8001, help="The gateway's gRPC port, Open Inference Protocol v2 "
+                                                     "(0: any free port; -1: no gRPC)."),
     node_host: str = typer.Option("127.0.0.1", help="Address each node server binds."),
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
@@ -59,15 +62,17 @@ def up(
     d = _data_dir(data_dir)
     cfg = ClusterConfig.from_env(min_nodes=nodes, max_nodes=max(nodes, ClusterConfig.from_env().max_nodes))
     http_port = None if gateway_http_port < 0 else gateway_http_port
+    grpc_port = None if gateway_grpc_port < 0 else gateway_grpc_port
     cache = env_cache_dir()
     spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
                     tmp_root=tempfile.gettempdir())
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
-        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port)
+        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
-    local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port)
+    local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port,
+                         grpc_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,12 +1,14 @@
 """The gateway's data-plane process: its composition root (``python -m splitserve.cluster.dataplane``).
 
 It builds one ``GatewayCore`` (the fast path over TCP, the ledger, dispatch and health
-checks) and, unless its HTTP port is off, an HTTP front end over it: the node's own
-Open Inference Protocol v2 routes (``server.http.inference_app``: health, model readiness
-and metadata, infer with JSON tensors and the binary tensor data extension), served through
-``GatewayServing``, which turns each call into a fast-path request held by the same ledger as
-a client's frame. So an HTTP call is dispatched, re-sent on a node's loss and answered once
-exactly as a fast-path call is. Ray is never imported here.
+checks) and, unless their ports are off, HTTP and gRPC front ends over it: the node's own
+Open Inference Protocol v2 inference half (``server.http.inference_app``: health, model
+readiness and metadata, infer with JSON tensors and the binary tensor data extension;
+``server.grpc_server.InferenceServicer``: the same calls, ``ModelInfer`` and
+``ModelStreamInfer``), served through ``GatewayServing``, which turns each call into a
+fast-path request held by the same ledger as a client's frame. So an HTTP or gRPC call is
+dispatched, re-sent on a node's loss and answered once exactly as a fast-path call is. Ray
+is never imported here.
 
 Routes from the controller arrive through the Gateway actor as JSON lines on stdin (the line
 ``stats`` asks for the core's counters); the process prints what it bound as one JSON line on
@@ -32,8 +34,9 @@ from splitserve.errors import SplitServeError, UnknownModel
 from splitserve.protocol import v2
 from splitserve.protocol.header import Header, Kind, RequestClass
 from splitserve.server.frontends import CodecPool
+from splitserve.server.grpc_server import GrpcFrontEnd, InferenceServicer
 from splitserve.server.http import HttpFrontEnd, inference_app
-from splitserve.server.ports import InferOutcome
+from splitserve.server.ports import FrontEnd, InferOutcome
 from splitserve.server.shm import SystemSharedMemory
 from splitserve.types import batch_of
 
@@ -100,39 +103,48 @@ class GatewayServing:
             "default_class": info.extra.get("default_class", "be"), "ready": self.core.serves(name)})
 
 
-def http_front_end(core: GatewayCore, config: ServerConfig) -> HttpFrontEnd:
-    """The HTTP front end over ``core``, on ``config.host`` and ``config.http_port``, with the
-    node's HTTP settings (codec pool, body limits, grace). It has no shared-memory routes, so
-    a call that names a region is refused as naming one not registered."""
+def front_ends(core: GatewayCore, config: ServerConfig) -> list[FrontEnd]:
+    """The decoded front ends over ``core`` that ``config`` turns on: HTTP on
+    ``config.http_port`` and gRPC on ``config.grpc_port`` (None: off; 0: any free port), on
+    ``config.host``, with the node's settings (codec pool, body limits, gRPC stream bound,
+    grace). They share one codec pool, so its bound on bodies in hand holds for both, as on
+    a node. The gateway serves no management and has no shared-memory regions registered,
+    so a call that names one is refused as naming one not registered."""
     serving = GatewayServing(core)
-    app = inference_app(serving, serving, CodecPool.from_config(config), config,
-                        SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes))
-    return HttpFrontEnd(app, config)
+    codec = CodecPool.from_config(config)
+    shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
+    out: list[FrontEnd] = []
+    if config.http_port is not None:
+        out.append(HttpFrontEnd(inference_app(serving, serving, codec, config, shm), config))
+    if config.grpc_port is not None:
+        out.append(GrpcFrontEnd(InferenceServicer(serving, serving, codec, config, shm), config))
+    return out
 
 
-async def run(host: str, port: int, http_port: int | None, cfg: ClusterConfig) -> None:
-    """Serve the fast path on ``port`` and HTTP on ``http_port`` (None: no HTTP; 0: any free
-    port), apply the routes read from stdin, and stop at its EOF."""
+async def run(host: str, port: int, http_port: int | None, grpc_port: int | None, cfg: ClusterConfig) -> None:
+    """Serve the fast path on ``port``, HTTP on ``http_port`` and gRPC on ``grpc_port``
+    (None: off; 0: any free port), apply the routes read from stdin, and stop at its EOF."""
     core = GatewayCore(cfg)
-    bound: dict[str, Any] = {"host": host, "port": await core.serve(host, port), "http_port": None}
-    http: HttpFrontEnd | None = None
-    scfg = ServerConfig.from_env(host=host, http_port=http_port)
-    if http_port is not None:
-        http = http_front_end(core, scfg)
-        bound["http_port"] = (await http.start())["http_port"]
-    print(json.dumps(bound), flush=True)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=cfg.gateway_routes_bytes)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    bound: dict[str, Any] = {"host": host, "port": await core.serve(host, port), "http_port": None,
+                             "grpc_port": None}
+    scfg = ServerConfig.from_env(host=host, http_port=http_port, grpc_port=grpc_port)
+    started: list[FrontEnd] = []
     try:
+        for fe in front_ends(core, scfg):
+            bound.update(await fe.start())
+            started.append(fe)
+        print(json.dumps(bound), flush=True)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=cfg.gateway_routes_bytes)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
             if line.startswith(b"{"):
                 core.update(Routes.from_json(line.decode()))
             elif line.strip() == b"stats":
                 print(json.dumps(core.stats()), flush=True)
     finally:
-        if http is not None:
-            await http.stop(scfg.stop_grace_s)
+        for fe in reversed(started):
+            await fe.stop(scfg.stop_grace_s)
         await core.close()
 
 
@@ -141,11 +153,13 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="fast path over TCP (0: any free port)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP, Open Inference Protocol v2 (0: any; -1: off)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC, Open Inference Protocol v2 (0: any; -1: off)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     http_port = None if args.http_port < 0 else args.http_port
-    asyncio.run(run(args.host, args.port, http_port, ClusterConfig.from_env()))
+    grpc_port = None if args.grpc_port < 0 else args.grpc_port
+    asyncio.run(run(args.host, args.port, http_port, grpc_port, ClusterConfig.from_env()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The Gateway actor: supervises the gateway's data-plane process and feeds it routes.
 
-The data plane (``cluster/dataplane.py``: the fast path and HTTP) never imports Ray; this actor starts it with the
+The data plane (``cluster/dataplane.py``: the fast path, HTTP and gRPC) never imports Ray; this actor starts it with the
 cluster's settings in its environment, long-polls the controller's ``routes`` with the
 gateway's own stats (the autoscaler's input), and writes each newer table to the process's
 stdin. A data plane that died is started again on the same port with the latest table
@@ -38,11 +38,13 @@ def cluster_env(cfg: ClusterConfig) -> dict[str, str]:
 class Gateway:
     """One data-plane process on this (ingress) node."""
 
-    def __init__(self, cfg: ClusterConfig, host: str, port: int, controller: Any, http_port: int | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, host: str, port: int, controller: Any, http_port: int | None = None,
+                 grpc_port: int | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.port = port
         self.http_port = http_port  # None: no HTTP front end
+        self.grpc_port = grpc_port  # None: no gRPC front end
         self.controller = controller
         self._lock = threading.Lock()  # one conversation with the process at a time
         self._routes: str | None = None
@@ -54,7 +56,8 @@ class Gateway:
     def _start_process(self) -> None:
         env = {**os.environ, **cluster_env(self.cfg)}
         cmd = [sys.executable, "-m", "splitserve.cluster.dataplane", "--host", self.host, "--port", str(self.port),
-               "--http-port", str(-1 if self.http_port is None else self.http_port)]
+               "--http-port", str(-1 if self.http_port is None else self.http_port),
+               "--grpc-port", str(-1 if self.grpc_port is None else self.grpc_port)]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      preexec_fn=die_with_parent, text=True, bufsize=1)
         line = self.proc.stdout.readline()
@@ -62,15 +65,15 @@ class Gateway:
             raise InternalError(f"the gateway process exited with {self.proc.wait()} before it listened")
         bound = json.loads(line)
         # a restarted process binds the same ports again
-        self.port, self.http_port = int(bound["port"]), bound["http_port"]
+        self.port, self.http_port, self.grpc_port = int(bound["port"]), bound["http_port"], bound["grpc_port"]
         if self._routes is not None:
             self.proc.stdin.write(self._routes + "\n")
-        log.info("gateway data plane pid %d on %s: fast path %d, HTTP %s", self.proc.pid, self.host, self.port,
-                 self.http_port)
+        log.info("gateway data plane pid %d on %s: fast path %d, HTTP %s, gRPC %s", self.proc.pid, self.host,
+                 self.port, self.http_port, self.grpc_port)
 
-    def address(self) -> tuple[str, int, int | None]:
-        """Host, fast-path TCP port and HTTP port (None: no HTTP)."""
-        return self.host, self.port, self.http_port
+    def address(self) -> tuple[str, int, int | None, int | None]:
+        """Host, fast-path TCP port, HTTP port and gRPC port (None: not served)."""
+        return self.host, self.port, self.http_port, self.grpc_port
 
     def stats(self) -> dict:
         """The data plane's ledger and link counters."""

@@ -39,15 +39,19 @@ class Handles:
     gateway_host: str
     gateway_port: int
     gateway_http_port: int | None  # None: the gateway serves no HTTP
+    gateway_grpc_port: int | None  # None: the gateway serves no gRPC
 
     def urls(self) -> str:
-        """The gateway's client URLs: the fast path over TCP, and HTTP when it serves it."""
-        http = "" if self.gateway_http_port is None else f", http://{self.gateway_host}:{self.gateway_http_port}"
-        return f"tcp://{self.gateway_host}:{self.gateway_port}{http}"
+        """The gateway's client URLs: the fast path over TCP, and HTTP and gRPC where it serves them."""
+        urls = [f"tcp://{self.gateway_host}:{self.gateway_port}"]
+        for scheme, port in (("http", self.gateway_http_port), ("grpc", self.gateway_grpc_port)):
+            if port is not None:
+                urls.append(f"{scheme}://{self.gateway_host}:{port}")
+        return ", ".join(urls)
 
 
 def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_port: int,
-           models: list[str], gateway_http_port: int | None = None) -> Handles:
+           models: list[str], gateway_http_port: int | None = None, gateway_grpc_port: int | None = None) -> Handles:
     """Create (or find) the provider, controller and gateway on the cluster this driver is
     connected to, and start the controller's loop."""
     address = raycompat.gcs_address()
@@ -56,9 +60,8 @@ def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_p
     controller = ControllerActor.options(name=CONTROLLER_NAME, **opts).remote(cfg, node_spec, provider, models)
     ray.get(controller.start.remote())
     gateway = GatewayActor.options(name=GATEWAY_NAME, **opts).remote(cfg, gateway_host, gateway_port, controller,
-                                                                     gateway_http_port)
-    host, port, http_port = ray.get(gateway.address.remote())
-    return Handles(address, controller, gateway, provider, host, port, http_port)
+                                                                     gateway_http_port, gateway_grpc_port)
+    return Handles(address, controller, gateway, provider, *ray.get(gateway.address.remote()))
 
 
 def find() -> Handles:
@@ -69,8 +72,7 @@ def find() -> Handles:
         provider = ray.get_actor(PROVIDER_NAME, namespace=NAMESPACE)
     except ValueError as e:
         raise InternalError(f"no splitserve cluster on this Ray cluster: {e}") from None
-    host, port, http_port = ray.get(gateway.address.remote())
-    return Handles(raycompat.gcs_address(), controller, gateway, provider, host, port, http_port)
+    return Handles(raycompat.gcs_address(), controller, gateway, provider, *ray.get(gateway.address.remote()))
 
 
 def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
@@ -98,12 +100,15 @@ class LocalCluster:
     """A Ray head on 127.0.0.1 plus the splitserve actors; ``stop`` tears all of it down."""
 
     def __init__(self, cfg: ClusterConfig, temp_dir: str, node_spec: NodeSpec, gateway_port: int = 0,
-                 models: tuple[str, ...] = ("lenet",), gateway_http_port: int | None = None) -> None:
+                 models: tuple[str, ...] = ("lenet",), gateway_http_port: int | None = None,
+                 gateway_grpc_port: int | None = 0) -> None:
         self.cfg = cfg
         self.temp_dir = temp_dir
         self.node_spec = node_spec
         self.gateway_port = gateway_port
         self.gateway_http_port = gateway_http_port
+        # on by default (a free port), so the tests' cluster serves gRPC without asking
+        self.gateway_grpc_port = gateway_grpc_port
         self.models = list(models)
         self.head: Any = None
         self.handles: Handles | None = None
@@ -114,7 +119,7 @@ class LocalCluster:
         self.head = raycompat.start_head(self.temp_dir, raycompat.FAST_HEALTH_CHECKS)
         ray.init(address=self.head.address, logging_level=logging.WARNING, log_to_driver=False)
         self.handles = attach(self.cfg, self.node_spec, "127.0.0.1", self.gateway_port, self.models,
-                              self.gateway_http_port)
+                              self.gateway_http_port, self.gateway_grpc_port)
         wait_serving(self.handles.controller, self.cfg.min_nodes, timeout_s)
         return self.handles
 

@@ -88,10 +88,13 @@ class Stub:
 def method_handlers(servicer: object, raw: Collection[str] = ()) -> dict[str, grpc.RpcMethodHandler]:
     """The server's handler of every method, each calling ``servicer``'s attribute of the
     method's name; the methods named in ``raw`` take and return serialized messages (bytes),
-    so that the servicer can parse and encode them off the event loop."""
+    so that the servicer can parse and encode them off the event loop. A method the
+    servicer lacks gets no handler, so gRPC answers its calls UNIMPLEMENTED."""
     out = {}
     for m in SERVICE.methods:
-        fn: Callable[..., Any] = getattr(servicer, m.name)
+        fn: Callable[..., Any] | None = getattr(servicer, m.name, None)
+        if fn is None:
+            continue
         make = getattr(grpc, _CARDINALITY[(m.client_streaming, m.server_streaming)] + "_rpc_method_handler")
         if m.name in raw:
             out[m.name] = make(fn)

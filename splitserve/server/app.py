@@ -44,7 +44,7 @@ from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
 from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
-from splitserve.server.grpc_server import GrpcFrontEnd
+from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
@@ -197,7 +197,7 @@ class Server:
             if cfg.http_port is not None:
                 out.append(HttpFrontEnd(create_app(self, self.management, self._codec, cfg, self.shm), cfg))
             if cfg.grpc_port is not None:
-                out.append(GrpcFrontEnd(self, self.management, self._codec, cfg, self.shm))
+                out.append(GrpcFrontEnd(NodeServicer(self, self.management, self._codec, cfg, self.shm), cfg))
         return out
 
     def _spares(self) -> int:

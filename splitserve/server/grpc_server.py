@@ -1,13 +1,19 @@
 """The gRPC front end: Open Inference Protocol v2 (``inference.GRPCInferenceService``) with
 the model-repository, statistics, model-configuration and system shared-memory extensions.
 
-``GrpcFrontEnd`` is the front end the node starts when ``config.grpc_port`` is not None
-and stops before it stops its models. The servicer runs on the node's own event loop
-(grpc.aio). ``ModelInfer`` takes and returns raw message bytes, so that parsing the
-message, converting its tensors to numpy arrays and encoding the answer run in the front
-ends' codec threads, not on the loop the fast path shares; in between, the call runs
-through the ``ServingAPI`` (the path every decoded front end shares). Management goes
-through the node's ``ModelManager``, as HTTP's does.
+``GrpcFrontEnd`` serves one servicer. ``InferenceServicer`` is the inference half (health,
+server and model metadata, ``ModelInfer``, ``ModelStreamInfer``) over the ``InferenceAPI``
+and ``ModelCatalog`` seams, so a node and a cluster gateway (``cluster/dataplane.py``)
+share it, as they share HTTP's ``inference_routes``; ``NodeServicer`` adds the node's
+management calls through its ``ModelManager`` and shared-memory regions, as HTTP's
+``create_app`` does. A method a servicer lacks answers UNIMPLEMENTED.
+
+The node starts its front end when ``config.grpc_port`` is not None and stops it before it
+stops its models. The servicer runs on the server's own event loop (grpc.aio).
+``ModelInfer`` takes and returns raw message bytes, so that parsing the message,
+converting its tensors to numpy arrays and encoding the answer run in the front ends'
+codec threads, not on the loop the fast path shares; in between, the call runs through
+the ``InferenceAPI`` (the path every decoded front end shares).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -39,7 +45,9 @@ from splitserve.protocol.v2 import (
 )
 from splitserve.server.frontends import CodecPool
 from splitserve.server.management import ModelManager
-from splitserve.server.ports import FrontEnd, ServingAPI, SharedMemoryRegions
+from splitserve.server.ports import (
+    FrontEnd, InferenceAPI, ModelCatalog, ModelSignature, ServingAPI, SharedMemoryRegions,
+)
 from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
 log = logging.getLogger(__name__)
@@ -100,7 +108,7 @@ def _call_options(params: dict[str, Any]) -> CallOptions:
     return CallOptions(cls, ms_parameter(params, "deadline_ms"), ms_parameter(params, "slo_ms"))
 
 
-def decode_inputs(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> list[np.ndarray]:
+def decode_inputs(cfg: ModelSignature, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> list[np.ndarray]:
     """The request's input tensors as arrays in the model's declared order, fully checked;
     those that name a shared-memory region are arrays over it. ``raw_input_contents`` holds
     the bytes of the other inputs, in order."""
@@ -152,7 +160,7 @@ class _Decoded:
     options: CallOptions
 
 
-def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> _Decoded:
+def _decode_call(cfg: ModelSignature, request: pb.ModelInferRequest, shm: SharedMemoryRegions) -> _Decoded:
     """A ModelInfer call, decoded and checked (runs in a codec thread)."""
     arrays = decode_inputs(cfg, request, shm)
     declared = [o.name for o in cfg.outputs]
@@ -167,14 +175,14 @@ def _decode_call(cfg: ModelConfig, request: pb.ModelInferRequest, shm: SharedMem
                     _call_options(params_dict(request.parameters)))
 
 
-def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: list[np.ndarray],
+def _encode_response(cfg: ModelSignature, version: str, request: Any, call: _Decoded, outputs: list[np.ndarray],
                      timings: dict[str, int], streamed: bool) -> bytes:
     """The serialized ModelInferResponse, or ModelStreamInferResponse when ``streamed``, the
     outputs that go to shared memory written there (runs in a codec thread when large)."""
     write_outputs(call.shm_views, {spec.name: arr for spec, arr in zip(cfg.outputs, outputs)})
     outer = pb.ModelStreamInferResponse() if streamed else None
     resp = outer.infer_response if outer is not None else pb.ModelInferResponse()
-    resp.model_name, resp.model_version, resp.id = cfg.name, str(cfg.version), request.id
+    resp.model_name, resp.model_version, resp.id = cfg.name, version, request.id
     in_shm = any(t.parameters.get(SHM_REGION) is not None for t in request.inputs)
     typed = not request.raw_input_contents and not in_shm and all(o.datatype in CONTENTS_FIELD for o in cfg.outputs)
     raw: list[bytes] = []  # by position among the outputs, as clients index raw_output_contents
@@ -198,19 +206,19 @@ def _encode_response(cfg: ModelConfig, request: Any, call: _Decoded, outputs: li
 
 
 class InferenceServicer:
-    """Stateless apart from the node it serves; per-call state lives in each call."""
+    """The inference half of the service through ``api`` and ``catalog``: a node's, or a
+    cluster gateway's (which names no ``extensions`` and has no shared-memory regions
+    registered, so a call that names one is refused). Stateless apart from what it serves;
+    per-call state lives in each call."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-                 shm: SharedMemoryRegions) -> None:
+    def __init__(self, api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions, extensions: Sequence[str] = ()) -> None:
         self.api = api
-        self.manager = manager
+        self.catalog = catalog
         self.codec = codec
         self.config = config
         self.shm = shm
-
-    def _config(self, name: str, version: str = "") -> ModelConfig:
-        """A registered model's config; a version, if given, must be the one registered."""
-        return self.manager.record(name, version).config
+        self.extensions = tuple(extensions)
 
     # -- health and metadata -----------------------------------------------------------
 
@@ -224,22 +232,19 @@ class InferenceServicer:
 
     @_rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        self._config(request.name, request.version)
+        self.catalog.version(request.name, request.version)
         return pb.ModelReadyResponse(ready=self.api.model_ready(request.name))
 
     @_rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="splitserve", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name="splitserve", version=__version__, extensions=self.extensions)
 
     @_rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        cfg = self._config(request.name, request.version)
-        meta = dict(self.manager.model_metadata(request.name))
+        self.catalog.version(request.name, request.version)
+        meta = dict(self.catalog.model_metadata(request.name))
         extra = meta.pop("parameters", None) or {}
         resp = json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
-        rec = self.manager.record(request.name)
-        extra = {**extra, "func_id": rec.func_id, "max_batch_size": cfg.max_batch_size,
-                 "default_class": cfg.default_class, "state": self.api.model_state(request.name)}
         for k, v in extra.items():
             if isinstance(v, (bool, int, float, str)):
                 set_param(resp.parameters, k, v)
@@ -249,7 +254,7 @@ class InferenceServicer:
 
     async def _infer(self, message: bytes, echo: Any = None) -> bytes:
         """One call from its serialized ModelInferRequest to its serialized answer, through the
-        ``ServingAPI`` as every front end's calls go. ``echo`` (a ModelInferResponse), when
+        ``InferenceAPI`` as every decoded front end's calls go. ``echo`` (a ModelInferResponse), when
         given, makes it a call on a stream: it gets the request's id and model as soon as they
         are known, so that an error can be matched to its call, and the answer is a
         ModelStreamInferResponse."""
@@ -258,7 +263,8 @@ class InferenceServicer:
             request = await codec.run(size, _parse_infer, message)
             if echo is not None:
                 echo.id, echo.model_name, echo.model_version = request.id, request.model_name, request.model_version
-            cfg = self._config(request.model_name, request.model_version)
+            version = self.catalog.version(request.model_name, request.model_version)
+            cfg = self.catalog.model_config(request.model_name)
             limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, self.config.json_chars_per_value)
             if size > limit:
                 raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
@@ -269,7 +275,7 @@ class InferenceServicer:
         timings = {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}
         # typed contents take up to ~8 bytes a value once serialized
         nbytes = sum(a.nbytes for a in out.outputs) * (1 if request.raw_input_contents else 8)
-        return await codec.run(nbytes, _encode_response, cfg, request, call, out.outputs, timings,
+        return await codec.run(nbytes, _encode_response, cfg, version, request, call, out.outputs, timings,
                                echo is not None)
 
     @_rpc
@@ -323,11 +329,22 @@ class InferenceServicer:
         finally:
             reader.cancel()
 
+
+class NodeServicer(InferenceServicer):
+    """A node's whole service: the inference half through the node (``ServingAPI``) and its
+    ``ModelManager`` as the catalog, and the management extensions through the manager and
+    the node's shared-memory regions."""
+
+    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions) -> None:
+        super().__init__(api, manager, codec, config, shm, EXTENSIONS)
+        self.manager = manager
+
     # -- model configuration ----------------------------------------------------------------
 
     @_rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        self._config(request.name, request.version)
+        self.catalog.version(request.name, request.version)
         config = json_format.ParseDict(self.manager.triton_config(request.name), pb.ModelConfig())
         return pb.ModelConfigResponse(config=config)
 
@@ -336,7 +353,7 @@ class InferenceServicer:
     @_rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
         if request.name:
-            self._config(request.name, request.version)
+            self.catalog.version(request.name, request.version)
         stats = self.manager.model_statistics(request.name or None)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
@@ -391,7 +408,6 @@ class InferenceServicer:
         await self.manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-
     # -- system shared-memory extension (CUDA's: refused, there is no GPU) ------------------
 
     @_rpc
@@ -427,11 +443,11 @@ def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
 
 
 class GrpcFrontEnd(FrontEnd):
-    """gRPC on ``config.host:config.grpc_port`` (0: a free port)."""
+    """gRPC of ``servicer`` (a node's ``NodeServicer``, a cluster gateway's
+    ``InferenceServicer``) on ``config.host:config.grpc_port`` (0: a free port)."""
 
-    def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-                 shm: SharedMemoryRegions) -> None:
-        self.servicer = InferenceServicer(api, manager, codec, config, shm)
+    def __init__(self, servicer: InferenceServicer, config: ServerConfig) -> None:
+        self.servicer = servicer
         self.config = config
         self._server: grpc.aio.Server | None = None
 

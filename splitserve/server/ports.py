@@ -9,8 +9,9 @@ one only the interface below that it needs; no part imports ``app`` or names ``S
 * the decoded **front ends** (``http``, ``grpc_server``) use ``ServingAPI`` for inference,
   ``SharedMemoryRegions`` for the tensors clients keep in shared memory and a
   ``management.ModelManager`` for everything else; every front end, fast path included,
-  is a ``FrontEnd`` the root starts and stops. HTTP's inference routes need only
-  ``InferenceAPI`` and ``ModelCatalog``, which a cluster gateway implements too;
+  is a ``FrontEnd`` the root starts and stops. HTTP's inference routes and gRPC's
+  ``InferenceServicer`` need only ``InferenceAPI`` and ``ModelCatalog``, which a cluster
+  gateway implements too;
 * a **runtime** (``runtime.ModelRuntime``) gets its node through ``RuntimeEnv``: the
   ``NodeScheduler`` it asks for batches, metrics, the node's ``ResourceManager`` (CPUs), the
   ``PlacementChanger`` that carries out its changes of placement, profiles and a worker
@@ -202,8 +203,9 @@ class FrontEnd(ABC):
 
 
 class InferenceAPI(Protocol):
-    """What the inference routes of a decoded front end (``http.inference_routes``) call per
-    request: the node (``Server``), or a cluster gateway that forwards each call to a node."""
+    """What the inference half of a decoded front end (``http.inference_routes``,
+    ``grpc_server.InferenceServicer``) calls per request: the node (``Server``), or a cluster
+    gateway that forwards each call to a node."""
 
     def infer(self, name: str, inputs: Sequence[np.ndarray], cls: str | int | None = None,
               deadline_s: float | None = None, slo_s: float | None = None) -> Awaitable[InferOutcome]:
@@ -250,8 +252,9 @@ class ModelSignature(Protocol):
 
 
 class ModelCatalog(Protocol):
-    """The models the inference routes serve (``http.inference_routes``, per request):
-    ``management.ModelManager`` on a node, the routes' models at a cluster gateway."""
+    """The models the inference half of a decoded front end serves (``http.inference_routes``,
+    ``grpc_server.InferenceServicer``, per request): ``management.ModelManager`` on a node,
+    the routes' models at a cluster gateway."""
 
     def version(self, name: str, version: str | None = None) -> str:
         """The version ``name`` serves; raises UnknownModel for an unknown model, or when

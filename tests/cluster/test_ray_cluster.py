@@ -321,3 +321,17 @@ def test_the_cluster_scales_from_one_to_three_nodes_on_queue_depth_and_back_afte
     assert len(gone) == NODES - 1
     assert all(bill[n]["ended_at"] is not None and not bill[n]["evicted"] for n in gone)
     assert all(bill[n]["ended_at"] >= bill[n]["drained_at"] >= bill[n]["ready_at"] for n in gone)
+
+
+def test_v2_over_grpc_through_the_gateway_answers_as_the_fast_path_does(cluster: LocalCluster) -> None:
+    h = cluster.handles
+    x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
+    with connect(f"tcp://127.0.0.1:{h.gateway_port}") as fast:
+        want = fast.infer("lenet", x)
+    delivered = _gateway(cluster)["delivered"]
+    with connect(f"grpc://127.0.0.1:{h.gateway_grpc_port}") as c:  # ModelMetadata, then ModelInfer
+        got = c.infer("lenet", x)
+        one = c.infer("lenet", x[0], cls="rt")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(one, want[0], atol=1e-5)
+    assert _gateway(cluster)["delivered"] == delivered + 2  # both gRPC calls went through the ledger

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from splitserve.client.fastpath import connect
-from splitserve.cluster.dataplane import http_front_end
+from splitserve.cluster.dataplane import front_ends
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
 from splitserve.cluster.pools import Market
@@ -27,7 +27,8 @@ def test_v2_over_http_at_the_gateway_answers_like_the_node_through_the_ledger(tm
     async def scenario(server):
         core = GatewayCore(ClusterConfig())
         await core.serve("127.0.0.1", 0)
-        http = http_front_end(core, ServerConfig(host="127.0.0.1", http_port=0, data_dir=tmp_path / "gw"))
+        (http,) = front_ends(core, ServerConfig(host="127.0.0.1", http_port=0, grpc_port=None,
+                                                data_dir=tmp_path / "gw"))
         port = (await http.start())["http_port"]
         try:
             route = NodeRoute("node-1", "127.0.0.1", server.ports["fast_port"], Market.ON_DEMAND, NodeState.ACTIVE,

@@ -1,12 +1,10 @@
-"""gRPC ``ModelStreamInfer`` driven directly with fakes of the ``ServingAPI`` and the model
-manager: no sockets, no processes; the calls' answers are futures the test resolves."""
+"""gRPC ``ModelStreamInfer`` driven directly with fakes of the ``InferenceAPI`` and the
+``ModelCatalog``: no sockets, no processes; the calls' answers are futures the test resolves."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
-
 import numpy as np
 
 from splitserve.config import ServerConfig
@@ -24,11 +22,14 @@ MODEL = ModelConfig("m", (TensorSpec("x", "FP32", (2,)),), (TensorSpec("y", "FP3
                     ArtifactConfig(arch="any"))
 
 
-class FakeManager:
-    def record(self, name: str, version: str | None = None) -> SimpleNamespace:
+class FakeCatalog:
+    def version(self, name: str, version: str | None = None) -> str:
         if name != MODEL.name:
             raise UnknownModel(f"unknown model {name!r}")
-        return SimpleNamespace(config=MODEL)
+        return "1"
+
+    def model_config(self, name: str) -> ModelConfig:
+        return MODEL
 
 
 class FakeAPI:
@@ -63,7 +64,7 @@ async def settle() -> None:
 
 def servicer(api: FakeAPI, limit: int) -> InferenceServicer:
     codec = CodecPool(threads=1, max_pending=4, inline_bytes=1 << 20)  # every body decoded inline
-    return InferenceServicer(api, FakeManager(), codec, ServerConfig(grpc_stream_max_in_flight=limit),  # type: ignore[arg-type]
+    return InferenceServicer(api, FakeCatalog(), codec, ServerConfig(grpc_stream_max_in_flight=limit),  # type: ignore[arg-type]
                              SystemSharedMemory(max_regions=1, max_bytes=1))
 
 

@@ -144,7 +144,7 @@ def test_grpc_answer_keeps_raw_output_positions_around_a_shared_memory_output(ob
     request.outputs.add(name="z")
     call = _decode_call(cfg, request, regions)
     ys, zs = np.full((1, 4), 2, np.float32), np.full((1, 4), 3, np.float32)
-    resp = pb.ModelInferResponse.FromString(_encode_response(cfg, request, call, [ys, zs], {}, False))
+    resp = pb.ModelInferResponse.FromString(_encode_response(cfg, "1", request, call, [ys, zs], {}, False))
     assert list(resp.raw_output_contents) == [b"", zs.tobytes()]  # z stays second, where clients look
     assert resp.outputs[0].parameters["shared_memory_region"].string_param == "o"
     assert (objects / "obj").read_bytes()[:16] == ys.tobytes()
