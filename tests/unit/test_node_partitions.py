@@ -285,13 +285,18 @@ class Changer:
         return {m: {"ok": True} for m in self.wanted[-1]}
 
 
-def manager(models: dict[str, Model], **kw: Any) -> tuple[PartitionManager, Coordinator]:
+def manager(models: dict[str, Model], memory: int = 3 * GB, profiles: Any = None,
+            clock: Callable[[], float] | None = None, **kw: Any) -> tuple[PartitionManager, Coordinator]:
+    """A protean node of two 1-core partitions over ``models`` (its manager and coordinator;
+    ``clock`` for both when given)."""
     cfg = ServerConfig(**{"partitioning": "protean", "geometry": "1,1", "preemption": "concurrent", **kw})
     holder: dict[str, Coordinator] = {}
+    timed: dict[str, Any] = {} if clock is None else {"clock": clock}
     pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
-                          lambda: holder["c"].view(), Metrics(), 3 * GB)
+                          lambda: holder["c"].view(), Metrics(), memory,
+                          **({} if profiles is None else {"profiles": profiles}), **timed)
     coord = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm,
-                        partition_of=lambda m, i: models[m].partition[i])
+                        partition_of=lambda m, i: models[m].partition[i], **timed)
     holder["c"] = coord
     return pm, coord
 
@@ -336,12 +341,7 @@ class Profiles:
 def test_a_strict_batch_waits_for_its_partition_to_free_ahead_of_be_and_runs_there_when_it_ends():
     models: dict[str, Model] = {}
     clock = [0.0]
-    holder: dict[str, Coordinator] = {}
-    cfg = ServerConfig(partitioning="protean", geometry="1,1", preemption="concurrent")
-    pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
-                          lambda: holder["c"].view(), Metrics(), 4 * GB, profiles=Profiles(), clock=lambda: clock[0])
-    coord = holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm,
-                                      partition_of=lambda m, i: models[m].partition[i], clock=lambda: clock[0])
+    pm, coord = manager(models, 4 * GB, Profiles(), lambda: clock[0])
     p1, p2 = (p.id for p in pm.current())
     s = models["s"] = Model("s", [p1, p2])
     b = models["b"] = Model("b", [p1, p2])
@@ -374,16 +374,11 @@ def test_a_strict_batch_waits_for_its_partition_to_free_ahead_of_be_and_runs_the
 def test_a_be_batch_keeps_off_a_partition_where_strict_work_runs_until_it_ends_or_the_bound_passes():
     models: dict[str, Model] = {}
     clock = [0.0]
-    holder: dict[str, Coordinator] = {}
-    cfg = ServerConfig(partitioning="protean", geometry="1,1", preemption="concurrent")
-    pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
-                          lambda: holder["c"].view(), Metrics(), 4 * GB, profiles=Profiles(), clock=lambda: clock[0])
-    coord = holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm,
-                                      partition_of=lambda m, i: models[m].partition[i], clock=lambda: clock[0])
+    pm, coord = manager(models, 4 * GB, Profiles(), lambda: clock[0])
     p1, p2 = (p.id for p in pm.current())
     s = models["s"] = Model("s", [p1, p2])
     b = models["b"] = Model("b", [p1, p2])
-    assert pm.snapshot()["be_max_wait_s"] == cfg.protean_be_max_wait_s == 0.5
+    assert pm.snapshot()["be_max_wait_s"] == ServerConfig().protean_be_max_wait_s == 0.5
     b.enqueue(BE, 0)
     (be,) = coord.schedule(b, 0.0)
     s.enqueue(RT, 0)
