@@ -5,23 +5,13 @@ messages. Every infer goes through the gateway's ledger."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-
 import grpc
 import numpy as np
 import tritonclient.grpc as tgrpc
 
 from splitserve.client.fastpath import connect
-from splitserve.cluster.dataplane import front_ends
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
-from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.protocol import grpc_api as pb
-from tests.inproc import quiet_config, run_server, until
-
-CLUSTER_FID = 7  # the cluster's id for lenet: not the node's, so the gateway must rewrite it
+from tests.gateway_front import CLUSTER_FID, through_gateway
 
 
 def _raw(model: str, x: np.ndarray, call_id: str = "") -> pb.ModelInferRequest:
@@ -42,51 +32,30 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 def test_v2_over_grpc_at_the_gateway_answers_like_the_node_through_the_ledger(tmp_path):
     x = (np.arange(2 * 784) % 251).astype(np.uint8).reshape(2, 1, 28, 28)
 
-    async def scenario(server):
-        core = GatewayCore(ClusterConfig())
-        await core.serve("127.0.0.1", 0)
-        (front,) = front_ends(core, ServerConfig(host="127.0.0.1", http_port=None, grpc_port=0,
-                                                 data_dir=tmp_path / "gw"))
-        port = (await front.start())["grpc_port"]
+    def calls(port: int) -> dict:
+        out = {}
+        with connect(f"grpc://127.0.0.1:{port}") as c:  # ModelMetadata, then ModelInfer
+            out["client"] = c.infer("lenet", x)
+        triton = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
         try:
-            route = NodeRoute("node-1", "127.0.0.1", server.ports["fast_port"], Market.ON_DEMAND, NodeState.ACTIVE,
-                              frozenset({"lenet"}))
-            core.update(Routes(1, (route,), (("lenet", CLUSTER_FID),)))
-            await asyncio.wait_for(until(lambda: core.serves("lenet")), 60)
-            want = (await server.infer("lenet", [x])).outputs[0]
-
-            def calls() -> dict:
-                out = {}
-                with connect(f"grpc://127.0.0.1:{port}") as c:  # ModelMetadata, then ModelInfer
-                    out["client"] = c.infer("lenet", x)
-                triton = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
-                try:
-                    t = tgrpc.InferInput("image", list(x.shape), "UINT8")
-                    t.set_data_from_numpy(x)
-                    out["triton"] = triton.infer("lenet", [t]).as_numpy("logits")
-                    out["live"], out["ready"] = triton.is_server_live(), triton.is_server_ready()
-                    out["model_ready"] = triton.is_model_ready("lenet")
-                finally:
-                    triton.close()
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    stub = pb.Stub(channel)
-                    out["meta"] = stub.ModelMetadata(pb.ModelMetadataRequest(name="lenet"))
-                    streamed = list(stub.ModelStreamInfer(iter([_raw("lenet", x[:1], "s1"), _raw("nope", x, "s2")])))
-                    out["stream"] = {r.infer_response.id: r for r in streamed}
-                    out["unknown"] = _code(lambda: stub.ModelInfer(_raw("nope", x)))
-                    out["bad"] = _code(lambda: stub.ModelInfer(_raw("lenet", x.reshape(2, 784))))
-                    out["management"] = _code(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
-                return out
-
-            out = await asyncio.to_thread(calls)
-            stats = core.stats()
+            t = tgrpc.InferInput("image", list(x.shape), "UINT8")
+            t.set_data_from_numpy(x)
+            out["triton"] = triton.infer("lenet", [t]).as_numpy("logits")
+            out["live"], out["ready"] = triton.is_server_live(), triton.is_server_ready()
+            out["model_ready"] = triton.is_model_ready("lenet")
         finally:
-            await front.stop(1.0)
-            await core.close()
-        return want, out, stats
+            triton.close()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb.Stub(channel)
+            out["meta"] = stub.ModelMetadata(pb.ModelMetadataRequest(name="lenet"))
+            streamed = list(stub.ModelStreamInfer(iter([_raw("lenet", x[:1], "s1"), _raw("nope", x, "s2")])))
+            out["stream"] = {r.infer_response.id: r for r in streamed}
+            out["unknown"] = _code(lambda: stub.ModelInfer(_raw("nope", x)))
+            out["bad"] = _code(lambda: stub.ModelInfer(_raw("lenet", x.reshape(2, 784))))
+            out["management"] = _code(lambda: stub.RepositoryIndex(pb.RepositoryIndexRequest()))
+        return out
 
-    node = dataclasses.replace(quiet_config(tmp_path / "node", load=("lenet",)), fast_port=0)
-    want, out, stats = run_server(node, scenario)
+    want, out, stats = through_gateway(tmp_path, "grpc", x, calls)
     np.testing.assert_allclose(out["client"], want, atol=1e-5)
     np.testing.assert_allclose(out["triton"], want, atol=1e-5)
     assert out["live"] and out["ready"] and out["model_ready"]
