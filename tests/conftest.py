@@ -40,6 +40,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def shared_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers a benchmark starts for itself keep their weights in ``CACHE`` (through
+    ``SPLITSERVE_CACHE_DIR``): drawn once for the suite, not once per server."""
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(CACHE))
+
+
+@pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator:
     started: list[ServerProcess] = []
 

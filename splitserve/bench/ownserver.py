@@ -47,7 +47,7 @@ def own_server(ctx: Context, label: str, args: Sequence[str],
             prepare(data)
         with ctx.task(f"{label}: starting a server", 1):
             server = start_server(data, *args, http=True, timeout=ctx.start_timeout_s, log_level="WARNING",
-                                  env={**os.environ, **env} if env else None)
+                                  env={**os.environ, **env} if env else None, cache_dir=ctx.weights_cache())
         ctx.server_info.setdefault("started_by_bench", True)
         ctx.server_info.setdefault("servers", {})[label] = {"args": list(args), "env": dict(env or {}),
                                                             "urls": server.urls}

@@ -232,8 +232,10 @@ class Controller:
             elif n.node_id in draining and n.deadline is None:
                 self._noticed(n, draining[n.node_id] or now + self.cfg.notice_min_s, now)
         for n in list(self.nodes.values()):
-            if n.state is NodeState.STARTING:
-                await self._check_started(n, now)
+            if n.state is NodeState.STARTING and n.starting is not None and n.starting.done():
+                # a task: its models' loads take seconds, and the loop must go on meanwhile (deaths,
+                # notices and the status calls that report them)
+                self._spawn(self._check_started(n))
         self._drain_doomed(now)
         live_spot = [n.node_id for n in self.nodes.values() if n.market is Market.SPOT and n.deadline is None
                      and n.state is NodeState.ACTIVE]
@@ -301,7 +303,9 @@ class Controller:
             n.order = None
             await self._retire(n, evicted=False)
 
-    async def _check_started(self, n: _Node, now: float) -> None:
+    async def _check_started(self, n: _Node) -> None:
+        """A node whose server came up gets the registry's models, then serves: it is ready
+        (billed so, and ACTIVE) once they are warm, not when its server answered."""
         if n.starting is None or not n.starting.done():
             return
         starting, n.starting = n.starting, None
@@ -312,9 +316,12 @@ class Controller:
             log.warning("node %s did not start its server: %s", n.node_id[:12], e)
             order, n.order = n.order, None
             if order is not None:
-                self._act(self.procurement.failed(order, now), now)
+                self._act(self.procurement.failed(order, self.clock()), self.clock())
             await self._retire(n, evicted=False)
             return
+        if n.retiring or self.nodes.get(n.node_id) is not n:
+            return  # retired or gone while its models loaded
+        now = self.clock()
         if n.order is not None:
             self.procurement.ready(n.order)
             n.order = None

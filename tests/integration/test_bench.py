@@ -27,6 +27,8 @@ from splitserve.bench.scenarios.batching import variants
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.usefixtures("shared_weights")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -96,8 +98,8 @@ def test_load(server, tmp_path):
 
 
 def test_batching(server, tmp_path):
-    code, path, lines = _run(server, tmp_path, "batching", ("resnet18",), ("tcp",), clients="1,4", duration_s=0.8,
-                             warmup_s=0.2, max_batch=8, policies="work_conserving,none,adaptive")
+    code, path, lines = _run(server, tmp_path, "batching", ("resnet18",), ("tcp",), clients="1,4", duration_s=0.5,
+                             warmup_s=0.1, max_batch=8, policies="work_conserving,none,adaptive")
     assert code == EXIT_OK
     doc = _result(path)
     per_policy = doc["models"]["resnet18"]["tcp"]
@@ -159,8 +161,8 @@ def test_chaos_smoke(tmp_path):
 
     summary = run_scenario("chaos", quick=True, out=tmp_path, models=("vecadd1k",),
                            transports=("tcp", "unix", "udp", "http-binary", "grpc"),
-                           overrides={"capacity_s": "1", "baseline_s": "2", "duration_s": "8.5",
-                                      "fault_interval_s": "1", "hold_s": "3", "nonreader_mib": "2",
+                           overrides={"capacity_s": "0.5", "baseline_s": "1", "duration_s": "4.5",
+                                      "fault_interval_s": "0.5", "hold_s": "1.5", "nonreader_mib": "2",
                                       "answer_timeout_s": "20", "call_timeout_s": "10", "capacity_clients": "4"},
                            console=Console(file=io.StringIO()))
     doc = _result(summary.path)
@@ -179,8 +181,8 @@ def test_multimodel_smoke(tmp_path):
     memory manager's loads equal the reference LRU's misses in every sequence."""
     summary = run_scenario("multimodel", quick=True, out=tmp_path, models=("lenet",),
                            overrides={"copies": "3", "cache": "2", "accessed": "3", "fig2_models": "3",
-                                      "requests": "12", "every_requests": "4", "overlap_requests": "6",
-                                      "clients": "4", "concurrent_models": "3", "concurrent_s": "1",
+                                      "requests": "8", "every_requests": "3", "overlap_requests": "4",
+                                      "clients": "4", "concurrent_models": "3", "concurrent_s": "0.5",
                                       "variants": "no-limit,load-every-request,lru"},
                            console=Console(file=io.StringIO()))
     assert summary.exit_code == EXIT_OK, (summary.lines, (summary.path / "report.md").read_text()[-3000:])
@@ -189,9 +191,9 @@ def test_multimodel_smoke(tmp_path):
     grid = {f"{p}/3" for p in ("sequential", "uniform", "zipf")}
     assert set(doc["no-limit"]) == set(doc["lru"]) == grid
     assert all(c["loads"] == 0 for c in doc["no-limit"].values())
-    assert all(c["loads"] == c["requests"] == 4 for c in doc["load-every-request"].values())
+    assert all(c["loads"] == c["requests"] == 3 for c in doc["load-every-request"].values())
     assert all(c["loads_equal_reference"] for c in doc["lru"].values())
-    assert doc["lru"]["sequential/3"]["reference_misses"] == 12 - 2  # primed with two, then every request swaps
+    assert doc["lru"]["sequential/3"]["reference_misses"] == 8 - 2  # primed with two, then every request swaps
     assert doc["overlap"]["loading"]["loads"] > 0 == doc["overlap"]["quiet"]["loads"]
     assert doc["concurrent"]["ok"] == doc["concurrent"]["sent"] > 0
     assert doc["memory"]["max_resident_models"] == 2 and (summary.path / "latency_cdf.png").is_file()

@@ -11,9 +11,12 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from splitserve.bench.runner import EXIT_OK, run_scenario
+
+pytestmark = pytest.mark.usefixtures("shared_weights")
 
 
 def _run(tmp_path: Path, name: str, models: tuple[str, ...], **overrides: object) -> dict:
@@ -29,8 +32,8 @@ def _run(tmp_path: Path, name: str, models: tuple[str, ...], **overrides: object
 
 
 def test_disb_workload_a_reef_against_rt_only(tmp_path):
-    doc = _run(tmp_path, "disb", ("vgg19", "resnet152"), workloads="A", schemes="rt-only,reef", duration_s=2,
-               warmup_s=0.3, probe_requests=2, pair_duration_s=1.2)
+    doc = _run(tmp_path, "disb", ("vgg19", "resnet152"), workloads="A", schemes="rt-only,reef", duration_s=1.2,
+               warmup_s=0.2, probe_requests=2, pair_duration_s=0.8)
     runs = doc["runs"]["A"]
     assert set(runs) == {"rt-only", "reef"}
     for scheme, m in runs.items():
@@ -44,8 +47,8 @@ def test_disb_workload_a_reef_against_rt_only(tmp_path):
 
 
 def test_packrat_lenet_static_and_timeline(tmp_path):
-    doc = _run(tmp_path, "packrat", ("lenet",), threads="2", batches="1,2", reps=3, warmup=1, closed_s=0.5,
-               budget_s=0.3, step_s=1.5, reconfig_timeout_s=1, profile_dir=tmp_path / "profiles")
+    doc = _run(tmp_path, "packrat", ("lenet",), threads="2", batches="1,2", reps=3, warmup=1, closed_s=0.3,
+               budget_s=0.3, step_s=1.0, reconfig_timeout_s=1, profile_dir=tmp_path / "profiles")
     r = doc["models"]["lenet"]
     assert r["T"] == 2 and set(r["batches"]) == {"1", "2"}
     for b, row in r["batches"].items():

@@ -7,9 +7,12 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from rich.console import Console
 
 from splitserve.bench.runner import EXIT_OK, run_scenario
+
+pytestmark = pytest.mark.usefixtures("shared_weights")
 
 
 def test_peers_smoke_with_splitserve_alone(tmp_path):

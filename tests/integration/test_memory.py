@@ -28,7 +28,7 @@ from splitserve.worker.pool import Residency as WorkerResidency
 from tests.inproc import quiet_config, run_server, until, write_model
 
 BOUND_S = 120.0  # no scenario needs this long; reaching it means something hangs
-SWAP_S = 30.0  # how long the 32 clients of the high-concurrency test send (the one long test)
+SWAPS_PER_MODEL = 2  # the high-concurrency test sends until the server loaded each copy this often on average
 
 
 def lenet_copies(repo: Path, n: int, toml: str = "") -> list[str]:
@@ -242,6 +242,8 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     want = {name: reference(seed + 1, xs) for seed, name in enumerate(names)}
     clients = 32
 
+    answered = [0] * clients  # per client, read by the scenario to know every client took part
+
     def client(i: int, url: str, http: bool, stop: threading.Event, tally: list) -> None:
         rng = random.Random(i)
         sent = ok = 0
@@ -257,6 +259,7 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
                     errors.append(f"{name}: {e}")
                     continue
                 ok += 1
+                answered[i] += 1
                 if not np.allclose(y, want[name][k:k + 1], rtol=1e-4, atol=1e-5):
                     wrong.append(name)
         tally.append((sent, ok, wrong, errors))
@@ -272,7 +275,10 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
                    for i in range(clients)]
         for t in threads:
             t.start()
-        await asyncio.sleep(SWAP_S)  # the test's duration, not a synchronisation
+        # until the copies really swapped under this concurrency, and every client was answered
+        entries = server.memory.cache.entries
+        await until(lambda: sum(e.loads for e in entries.values()) >= SWAPS_PER_MODEL * len(names)
+                    and min(answered) >= 2)
         stop.set()
         await asyncio.gather(*(asyncio.to_thread(t.join) for t in threads))
         await until(lambda: server.monitor.in_flight == 0)
@@ -282,7 +288,7 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
             ready = await asyncio.to_thread(lambda: [h.ready(n) for n in names])
         return tally, status, crashed, ready
 
-    tally, status, failed, ready = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), SWAP_S + 180))
+    tally, status, failed, ready = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S + 60))
     assert len(tally) == clients
     assert sum(t[0] for t in tally) == sum(t[1] for t in tally) > clients, [t[3][:3] for t in tally if t[3]]
     assert not [w for t in tally for w in t[2]]

@@ -12,7 +12,8 @@ from splitserve.bench.codecs import CodecTiming
 from splitserve.bench.inputs import make_inputs
 from splitserve.bench.runner import build_params
 from splitserve.bench.scenarios import SCENARIOS, get
-from splitserve.bench.scenarios.base import apply_overrides, write_repository
+from splitserve.bench.results import ResultsDir
+from splitserve.bench.scenarios.base import Context, Params, apply_overrides, write_repository
 from splitserve.bench.scenarios.batching import fig5, fig5_lines, variant_name, variants
 from splitserve.bench.scenarios.load import Params as LoadParams
 from splitserve.bench.scenarios.load import find_knee, rate_ladder
@@ -183,3 +184,11 @@ def test_bad_scenario_parameters_are_refused_before_anything_starts():
         build_params("trace", overrides={"traces": "weekly"})
     with pytest.raises(ValueError, match="unknown batching policy"):
         build_params("batching", overrides={"policies": "fifo"})
+
+
+def test_a_runs_servers_share_one_weights_cache_beside_its_results(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_CACHE_DIR", raising=False)
+    ctx = Context(ResultsDir(tmp_path, "load"), Params())
+    assert ctx.weights_cache() == tmp_path / ".weights-cache"  # every server of the run, and the next run
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert ctx.weights_cache() == tmp_path / "mine"

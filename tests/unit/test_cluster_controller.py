@@ -74,13 +74,13 @@ def test_a_node_joining_while_a_model_registers_gets_every_model(slow: str) -> N
             registering = asyncio.ensure_future(ctl.register(SPEC))
             await _settle()
             started.set_result(_endpoint("new"))
-            await ctl._check_started(joining, now[0])
+            await ctl._check_started(joining)
             gate.set()
             await registering
         else:
             new.hold = gate
             started.set_result(_endpoint("new"))
-            join = asyncio.ensure_future(ctl._check_started(joining, now[0]))
+            join = asyncio.ensure_future(ctl._check_started(joining))
             await _settle()
             registering = asyncio.ensure_future(ctl.register(SPEC))
             await _settle()
@@ -93,5 +93,32 @@ def test_a_node_joining_while_a_model_registers_gets_every_model(slow: str) -> N
         for n, server in ((joining, new), (ctl.nodes["old"], old)):
             assert n.models == {"lenet", "late"}
             assert n.models <= server.registered | server.warm | {"lenet"}
+
+    asyncio.run(scenario())
+
+
+def test_a_node_is_ready_when_its_models_are_warm_not_when_its_server_answered() -> None:
+    """The bill's ready time and the ACTIVE state wait for the node's models: a load that
+    takes 30 s shows in its boot, and the node takes no work before it."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        ctl = Controller(ClusterConfig(), NodeSpec(), provider=None, builtin_models=["lenet"],
+                         clock=lambda: now[0], address="127.0.0.1:1")
+        server = FakeNodeServer("new")
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        node = ctl.nodes["new"] = _Node("new", Market.SPOT, None, server, starting=started)
+        ctl.cost.requested("new", "spot", Market.SPOT, 1.0, now[0])
+        gate = server.hold = asyncio.Event()
+        started.set_result(_endpoint("new"))
+        joining = asyncio.ensure_future(ctl._check_started(node))
+        await _settle()
+        assert node.state is NodeState.STARTING  # its server answered, lenet still loads
+        now[0] = 130.0
+        gate.set()
+        await joining
+        assert node.state is NodeState.ACTIVE and server.warm == {"lenet"}
+        (record,) = ctl.cost.to_list()
+        assert record["ready_at"] == 130.0
 
     asyncio.run(scenario())

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve.bench.results import ResultsDir
 from splitserve.bench.transports import BASELINES, SERVER_TRANSPORTS, Target, Unavailable, close_sync, open_sync
 from splitserve.bench.validate import Check, Expected, check, check_all, reference_outputs
+from splitserve.config import env_cache_dir
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -180,6 +181,13 @@ class Context:
 
     # -- server ----------------------------------------------------------------------
 
+    def weights_cache(self) -> Path:
+        """Where the servers this run starts keep their models' weights: ``SPLITSERVE_CACHE_DIR``
+        when set, else ``<out>/.weights-cache`` (kept between runs, as Packrat's profiles are).
+        Without it each server draws every seeded model's weights again in its own data
+        directory (seconds of CPU for a DISB model), once per server a scenario starts."""
+        return env_cache_dir() or self.results.path.parent / ".weights-cache"
+
     def target(self, load: Sequence[str] = (), repository: Path | None = None, direct: bool = False) -> Target:
         """The server to measure: the one ``--url`` names, or a fresh one with ``load`` ready.
 
@@ -202,7 +210,8 @@ class Context:
             args += ["--repository", str(repository)]
         with self.task(f"starting a server with {', '.join(load) or 'no models'}", 1):
             env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"} if direct else None
-            server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s, env=env)
+            server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s, env=env,
+                                  cache_dir=self.weights_cache())
         self._servers.append(server)
         self.data_dir = data_dir
         target = Target(server.urls)
