@@ -54,7 +54,7 @@ def _fast_path(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: S
 
     def encode() -> None:
         arrays, _, _ = encode_inputs(info, arg)
-        _request_header(info, 1, arrays, None, None, None).pack()
+        _request_header(info, 1, arrays, None, None, None)
 
     def decode() -> None:
         decode_outputs(info, payload, 1, False)

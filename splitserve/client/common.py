@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlparse
 
@@ -53,6 +54,23 @@ class ModelInfo:
         return cls(d["name"], int(d.get("func_id", 0)), tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
                    tuple(TensorSpec.from_dict(t) for t in d["outputs"]), int(d.get("max_batch_size", 1)), d)
 
+    # Worked out once per model rather than per call (a spec's dtype is looked up by name
+    # each time it is asked for): what encoding and decoding check and slice by.
+    @cached_property
+    def input_layout(self) -> tuple[tuple[np.dtype, tuple[int, ...]], ...]:
+        """(dtype, shape) of each input, in declared order."""
+        return tuple((t.dtype, t.shape) for t in self.inputs)
+
+    @cached_property
+    def output_layout(self) -> tuple[tuple[str, np.dtype, int, tuple[int, ...]], ...]:
+        """(name, dtype, elements per sample, shape) of each output, in payload order."""
+        return tuple((t.name, t.dtype, t.numel, t.shape) for t in self.outputs)
+
+    @cached_property
+    def output_nbytes(self) -> int:
+        """Bytes of one sample's outputs: an answer's payload is this times the sample count."""
+        return sum(t.nbytes for t in self.outputs)
+
 
 @dataclass
 class InferResult:
@@ -76,7 +94,12 @@ def encode_inputs(info: ModelInfo, x: Any) -> tuple[list[np.ndarray], int, bool]
 
     Dtypes must match exactly: a silent cast would hide a client bug.
     """
-    if isinstance(x, Mapping):
+    kind = type(x)
+    if kind is np.ndarray:  # the usual forms first, by exact type: a Mapping check is an ABC's
+        arrays = [x]
+    elif kind is list or kind is tuple:
+        arrays = x
+    elif isinstance(x, Mapping):
         missing = [t.name for t in info.inputs if t.name not in x]
         if missing:
             raise InvalidInput(f"model {info.name!r}: missing inputs {missing}")
@@ -90,32 +113,33 @@ def encode_inputs(info: ModelInfo, x: Any) -> tuple[list[np.ndarray], int, bool]
     out = []
     count = None
     batched = False
-    for a, spec in zip(arrays, info.inputs):
-        a = np.asarray(a)
-        if a.dtype != spec.dtype:
-            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must be {spec.datatype} ({spec.dtype}), got {a.dtype}")
-        if a.shape == spec.shape:
-            n, a = 1, a.reshape((1, *spec.shape))
-        elif a.shape[1:] == spec.shape:
+    for a, spec, (dtype, shape) in zip(arrays, info.inputs, info.input_layout):
+        if type(a) is not np.ndarray:
+            a = np.asarray(a)
+        if a.dtype != dtype:
+            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must be {spec.datatype} ({dtype}), got {a.dtype}")
+        if a.shape == shape:
+            n, a = 1, a.reshape((1, *shape))
+        elif a.shape[1:] == shape:
             n, batched = a.shape[0], True
         else:
-            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must have shape {list(spec.shape)} "
-                               f"or [n, {', '.join(map(str, spec.shape))}], got {list(a.shape)}")
+            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must have shape {list(shape)} "
+                               f"or [n, {', '.join(map(str, shape))}], got {list(a.shape)}")
         if count is not None and n != count:
             raise InvalidInput(f"inputs of {info.name!r} disagree on the batch size ({count} vs {n})")
         count = n
-        out.append(np.ascontiguousarray(a))
+        out.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
     return out, count or 1, batched
 
 
 def decode_outputs(info: ModelInfo, payload: "bytes | bytearray | memoryview", count: int, batched: bool) -> dict[str, np.ndarray]:
+    if len(payload) != info.output_nbytes * count:
+        raise InvalidInput(f"response of {len(payload)} B does not match the {info.output_nbytes * count} B "
+                           f"that {info.name!r} declares")
     outs = {}
     off = 0
-    for spec in info.outputs:
-        n = spec.nbytes * count
-        a = np.frombuffer(payload, dtype=spec.dtype, count=spec.numel * count, offset=off).reshape((count, *spec.shape))
-        outs[spec.name] = a if batched else a[0]
-        off += n
-    if off != len(payload):
-        raise InvalidInput(f"response of {len(payload)} B does not match the {off} B that {info.name!r} declares")
+    for name, dtype, numel, shape in info.output_layout:
+        a = np.frombuffer(payload, dtype, numel * count, off)
+        outs[name] = a.reshape((count, *shape)) if batched else a.reshape(shape)
+        off += a.nbytes
     return outs

@@ -19,21 +19,25 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, decode_outputs, encode_inputs
 from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, pack_request, unpack_header
 
 
 _RX_BYTES = 64 * 1024  # the sync client's receive buffer; bigger payloads are read past it
 
 
+def _request_fields(cls: Any, deadline_ms: float | None, slo_ms: float | None) -> tuple[int, int, int]:
+    """A request header's class, ``deadline_us`` and ``slo_us``. ``deadline_ms`` is hard (still
+    queued then, the call fails), ``slo_ms`` soft (a late real-time call is served and counted
+    missed); 0 or None: none."""
+    return (RequestClass.DEFAULT.value if cls is None else int(RequestClass.parse(cls)),
+            int(deadline_ms * 1000) if deadline_ms else 0, int(slo_ms * 1000) if slo_ms else 0)
+
+
 def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None,
-                    slo_ms: float | None) -> Header:
-    """``deadline_ms`` is hard (still queued then, the call fails), ``slo_ms`` soft (a late
-    real-time call is served and counted missed); 0 or None: none."""
-    return Header(
-        Kind.REQUEST, req_id=req_id, func_id=info.func_id, cls=int(RequestClass.parse(cls)),
-        deadline_us=int(deadline_ms * 1000) if deadline_ms else 0, slo_us=int(slo_ms * 1000) if slo_ms else 0,
-        payload_len=sum(a.nbytes for a in arrays),
-    )
+                    slo_ms: float | None) -> bytes:
+    """The packed header of a call on a stream (one struct call, no ``Header`` built)."""
+    return pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms),
+                        sum(a.nbytes for a in arrays))
 
 
 def _result(info: ModelInfo, h: Header, payload: bytes, count: int, batched: bool) -> InferResult:
@@ -61,12 +65,12 @@ class PendingCall:
     def done(self) -> bool:
         return self._done
 
-    def _set(self, h: Header, payload: bytes) -> None:
+    def _resolve(self, h: Header, payload: bytes) -> None:
+        """Decode its answer; the reader then marks it done under the client's condition."""
         try:
             self._value = self._decode(h, payload)
         except BaseException as e:
             self._error = e
-        self._done = True
         self._parts = None
 
     def result(self, timeout: float | None = None) -> Any:
@@ -112,8 +116,10 @@ class _Stream:
         self.rx_mv = memoryview(self.rx)
         self.rx_start = self.rx_end = 0  # the unparsed bytes are rx[rx_start:rx_end]
 
-    def send(self, parts: list) -> None:
-        total = sum(memoryview(p).nbytes for p in parts)
+    def send(self, parts: list, total: int | None = None) -> None:
+        """One gather write of ``parts`` (``total``: their bytes, when the caller knows them)."""
+        if total is None:
+            total = sum(memoryview(p).nbytes for p in parts)
         with self.send_lock:
             sent = self.sock.sendmsg(parts)
             if sent < total:  # rare on blocking sockets; finish with a joined copy
@@ -149,12 +155,20 @@ class _Stream:
         return out
 
     def read_one(self) -> tuple[Header, bytearray]:
-        self._fill(HEADER_SIZE)
-        h = unpack_header(self.rx_mv[self.rx_start : self.rx_start + HEADER_SIZE])
-        self.rx_start += HEADER_SIZE
-        if h.payload_len <= len(self.rx):
-            self._fill(h.payload_len)
-        return h, self._take(h.payload_len)
+        if self.rx_end - self.rx_start < HEADER_SIZE:
+            self._fill(HEADER_SIZE)
+        h = unpack_header(self.rx, self.rx_start)
+        n = h.payload_len
+        begin = self.rx_start + HEADER_SIZE
+        if self.rx_end - begin >= n:  # the usual small answer: it came whole with its header
+            self.rx_start = begin + n
+            if self.rx_start == self.rx_end:
+                self.rx_start = self.rx_end = 0
+            return h, self.rx[begin : begin + n]
+        self.rx_start = begin
+        if n <= len(self.rx):
+            self._fill(n)
+        return h, self._take(n)
 
 
 # A direct client looks a model up again at least this many retry intervals apart even when
@@ -174,12 +188,13 @@ def _lookup_due(stale: bool, held: int, info: ModelInfo, age_s: float, retry_s: 
 class _Route:
     """Where a model's calls go: its info, and with ``direct`` its workers' endpoints."""
 
-    __slots__ = ("info", "streams", "turn", "looked_up", "stale")
+    __slots__ = ("info", "streams", "turns", "looked_up", "stale")
 
     def __init__(self, info: ModelInfo, streams: list[_Stream], looked_up: float) -> None:
         self.info = info
+        # replaced, never changed in place, so a caller picks from it without the client's lock
         self.streams = streams
-        self.turn = 0
+        self.turns = itertools.count()
         self.looked_up = looked_up
         self.stale = False  # a direct connection closed: look the model up again
 
@@ -212,7 +227,10 @@ class Client:
         self._front = _Stream(_connect(self.endpoint, timeout))
         self.sock = self._front.sock
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
-        self._cond = threading.Condition()
+        # the hot sections take the plain lock itself: Condition's own ``with`` is Python code
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in self._cond.wait: only then is a notify worth its cost
         self._routes: dict[str, _Route] = {}
         self._direct_streams: list[_Stream] = []  # every direct connection opened, to close with the client
         self._lost_at: dict[str, float] = {}  # endpoint -> when its connection closed (not retried sooner)
@@ -231,14 +249,12 @@ class Client:
         info = route.info
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
-        h = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
-        stream = self._front
-        if route.streams:
-            with self._cond:
-                if route.streams:
-                    route.turn = (route.turn + 1) % len(route.streams)
-                    stream = route.streams[route.turn]
-        return self._call(req_id, [h.pack(), *arrays], lambda hh, p: _result(info, hh, p, count, batched), stream)
+        nbytes = sum(a.nbytes for a in arrays)
+        hdr = pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms), nbytes)
+        streams = route.streams
+        stream = streams[next(route.turns) % len(streams)] if streams else self._front
+        return self._call(req_id, [hdr, *arrays], lambda hh, p: _result(info, hh, p, count, batched), stream,
+                          HEADER_SIZE + nbytes)
 
     def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
         return self.submit(model, x, **kw).result()
@@ -310,57 +326,78 @@ class Client:
                 self._lost(st, ConnectionError("endpoint withdrawn"))
         return route
 
-    def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any], stream: _Stream) -> PendingCall:
+    def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any], stream: _Stream,
+              total: int | None = None) -> PendingCall:
         call = PendingCall(self, req_id, decode, stream, parts if stream.model is not None else None)
-        with self._cond:
+        with self._lock:
             stream.pending[req_id] = call
         try:
-            stream.send(parts)
+            stream.send(parts, total)
         except OSError as e:
             if stream.model is None:
                 raise
             self._lost(stream, e)  # re-sends it, and any other call on it, through the front end
         return call
 
-    def _dispatch(self, stream: _Stream, h: Header, payload: bytearray) -> None:
-        with self._cond:
-            call = stream.pending.pop(h.req_id, None)
-        if call is None:
-            return  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
-        if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST and not call.done():
-            # the server refused a duplicate of a call still in flight: that call's own answer comes later
-            with self._cond:
-                stream.pending[h.req_id] = call
-            return
-        call._set(h, bytes(payload) if h.kind == Kind.ERROR else payload)
-
     def _wait(self, call: PendingCall, timeout: float | None) -> None:
-        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        """Until ``call`` is answered: the first thread to wait on a connection reads it for
+        every call on it (a single caller reads its own answer, no hand-off); the others
+        wait on the condition until their answer is in or the reading turn is free."""
+        deadline = None
         while True:
-            with self._cond:
-                while not call.done() and call._stream.reading:
+            with self._lock:
+                while not call._done and call._stream.reading:
+                    if deadline is None:
+                        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
                     left = deadline - time.monotonic()
-                    if left <= 0 or not self._cond.wait(left):
+                    self._waiting += 1
+                    try:
+                        answered = left > 0 and self._cond.wait(left)
+                    finally:
+                        self._waiting -= 1
+                    if not answered:
                         raise TimeoutError(f"no answer to call {call.req_id}")
-                if call.done():
+                if call._done:
                     return
                 stream = call._stream
                 stream.reading = True
+            if self._read_until(call, stream):
+                return
+
+    def _read_until(self, call: PendingCall, stream: _Stream) -> bool:
+        """Read ``stream`` (this thread holds its reading turn) and hand each answer to its
+        call until ``call``'s is in: True then, the turn given up; False if ``stream`` closed
+        and ``call`` moved to the front end (wait again)."""
+        while True:
             try:
                 h, payload = stream.read_one()
             except BaseException as e:
-                with self._cond:
-                    stream.reading = False
-                    self._cond.notify_all()
-                if stream.model is None or not isinstance(e, (OSError, SplitServeError)):
+                direct = stream.model is not None and isinstance(e, (OSError, SplitServeError))
+                if not direct:
                     self._fail_all(stream, e)
+                with self._lock:
+                    stream.reading = False
+                    if self._waiting:
+                        self._cond.notify_all()
+                if not direct:
                     raise
                 self._lost(stream, e)
-                continue
-            with self._cond:
-                stream.reading = False
-                self._cond.notify_all()
-            self._dispatch(stream, h, payload)
+                return False
+            got = stream.pending.get(h.req_id)
+            if got is None or got._done:
+                continue  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
+            if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST:
+                continue  # the server refused a duplicate of a call still in flight: its own answer comes later
+            got._resolve(h, bytes(payload) if h.kind == Kind.ERROR else payload)
+            with self._lock:
+                got._done = True
+                stream.pending.pop(h.req_id, None)
+                if got is call:
+                    stream.reading = False
+                if self._waiting:
+                    self._cond.notify_all()
+            if got is call:
+                return True
 
     def _lost(self, stream: _Stream, e: BaseException) -> None:
         """A direct connection closed: its unanswered calls go through the front end, and
@@ -372,7 +409,7 @@ class Client:
             calls, stream.pending = list(stream.pending.values()), {}
             route = self._routes.get(stream.model or "")
             if route is not None and stream in route.streams:
-                route.streams.remove(stream)
+                route.streams = [st for st in route.streams if st is not stream]
                 route.stale = True
             self._lost_at[stream.url] = time.monotonic()
             for c in calls:
@@ -393,8 +430,9 @@ class Client:
         with self._cond:
             pending, stream.pending = stream.pending, {}
         err = e if isinstance(e, SplitServeError) else ConnectionError(f"connection lost: {e}")
-        for c in pending.values():
-            c._error, c._done = err, True
+        with self._cond:
+            for c in pending.values():
+                c._error, c._done = err, True
 
 
 class _AsyncStream:
@@ -565,13 +603,13 @@ class AsyncClient:
                            slo_ms: float | None = None) -> InferResult:
         info = await self.lookup(model)
         arrays, count, batched = encode_inputs(info, x)
-        h = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
+        hdr = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
         st = None
         streams = self._routes.get(model, ([], 0.0, False))[0]
         if streams:
             self._turn = (self._turn + 1) % len(streams)
             st = streams[self._turn]
-        return await self._call([h.pack(), *(memoryview(a).cast("B") for a in arrays)],
+        return await self._call([hdr, *(memoryview(a).cast("B") for a in arrays)],
                                 lambda hh, p: _result(info, hh, p, count, batched), st)
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
@@ -645,7 +683,8 @@ class UdpClient:
         payload = memoryview(b"".join(memoryview(a).cast("B") for a in arrays)) if len(arrays) > 1 else memoryview(arrays[0]).cast("B")
         total = len(payload)
         segs = max(1, -(-total // self.segment))
-        base = _request_header(info, rid, arrays, cls, deadline_ms, slo_ms)
+        rcls, deadline_us, slo_us = _request_fields(cls, deadline_ms, slo_ms)
+        base = Header(Kind.REQUEST, req_id=rid, func_id=info.func_id, cls=rcls, deadline_us=deadline_us, slo_us=slo_us)
         dgrams = []
         for i in range(segs):
             chunk = payload[i * self.segment : (i + 1) * self.segment]

@@ -539,7 +539,7 @@ class DirectServer:
         compute_us = (t1 - t0) // 1000
         t2 = time.monotonic_ns()
         h = Header(Kind.RESPONSE, func_id=self.spec.func_id, cls=cls, compute_us=compute_us)
-        answered = 0
+        answers = []
         for c in calls:
             if c.conn.closed:
                 self._drop(c)
@@ -549,11 +549,14 @@ class DirectServer:
             h.payload_len = sum(len(p) for p in parts) - len(parts[0])
             parts[0] = h.pack()
             c.conn.ids.discard(c.req_id)
-            answered += 1
             self._count_slo(c, t2, None)
-            c.conn.send(parts)
-        self.counters.sub(_IN_FLIGHT[cls], answered)
-        self.counters.add(Word.ANSWERED, answered)
+            answers.append((c.conn, parts))
+        # counted before any answer leaves: a client that has its answer and then asks the
+        # front end (a LOOKUP, the statistics) must find the call counted
+        self.counters.sub(_IN_FLIGHT[cls], len(answers))
+        self.counters.add(Word.ANSWERED, len(answers))
+        for conn, parts in answers:
+            conn.send(parts)
         self._rows_free(cls)
 
     def _claim(self, running: int) -> None:

@@ -1,7 +1,7 @@
 import pytest
 
 from splitserve.errors import BadFrame, InvalidInput
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_request, unpack_header
 
 
 def test_round_trip_and_size():
@@ -11,6 +11,16 @@ def test_round_trip_and_size():
     b = h.pack()
     assert len(b) == HEADER_SIZE and b[:4] == b"SPRC"
     assert unpack_header(b) == h
+
+
+def test_pack_request_is_the_request_header_and_unpack_reads_at_an_offset():
+    h = Header(Kind.REQUEST, req_id=2**64 - 1, func_id=9, cls=RequestClass.BE, deadline_us=5000, slo_us=700,
+               payload_len=4096)
+    b = pack_request(2**64 - 1, 9, RequestClass.BE, 5000, 700, 4096)
+    assert b == h.pack()
+    assert unpack_header(b"junk" + b + b"next", 4) == h
+    with pytest.raises(BadFrame, match="header is 60 bytes"):
+        unpack_header(b"junk" + b, 8)
 
 
 def test_slo_us_is_bytes_56_to_63():

@@ -99,8 +99,7 @@ class _Stamped:
         clock = time.perf_counter
         c_start = clock()
         arrays, count, batched = encode_inputs(self.info, x)
-        h = _request_header(self.info, req_id, arrays, None, None, None)
-        parts = [h.pack(), *arrays]
+        parts = [_request_header(self.info, req_id, arrays, None, None, None), *arrays]
         c_encoded = clock()
         self.sock.sendmsg(parts)
         self._recv_exact(self.hdr)

@@ -1,0 +1,98 @@
+"""The sync fast-path client's own CPU per call: ``time.thread_time`` over sequential calls
+(the calling thread is the one that sends and reads), through the front end and direct.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/client_cpu.py [--url tcp://127.0.0.1:PORT] [--calls 2000]
+
+Without ``--url`` it starts ``splitserve serve`` with ``fast_direct`` on and ``vecadd1k``
+loaded, and stops it at the end. With ``--url`` (a server started with
+``SPLITSERVE_FAST_DIRECT=1``) it measures the client library on ``PYTHONPATH`` against it,
+which is how two versions of the client are compared on one server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import socket
+
+import numpy as np
+
+from splitserve.client.common import Endpoint
+from splitserve.client.fastpath import Client
+from splitserve.launcher import start_server
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind
+
+
+def bare(url: str, model: str, calls: int, rounds: int) -> dict[str, float]:
+    """The floor: the same direct calls from a loop that sends a pre-built frame (only the
+    req_id patched) and reads the answer into a pre-allocated buffer, no checks, no decode."""
+    with Client(url, direct=True) as c:
+        info = c.lookup(model)
+        ep = Endpoint.parse(info.extra["direct"][0])
+    x = b"".join(np.ones(t.shape, t.dtype).tobytes() for t in info.inputs)
+    frame = bytearray(Header(Kind.REQUEST, func_id=info.func_id, payload_len=len(x)).pack() + x)
+    answer = memoryview(bytearray(HEADER_SIZE + sum(t.nbytes for t in info.outputs)))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(ep.path)
+    cpu = []
+    with sock:
+        for r in range(rounds + 1):
+            t0 = time.thread_time()
+            for i in range(calls if r else 200):
+                frame[8:16] = (r * calls + i + 1).to_bytes(8, "little")
+                sock.sendall(frame)
+                got = 0
+                while got < len(answer):
+                    got += sock.recv_into(answer[got:])
+            if r:
+                cpu.append((time.thread_time() - t0) / calls * 1e6)
+    return {"cpu_us": statistics.median(cpu)}
+
+
+def measure(url: str, model: str, direct: bool, calls: int, rounds: int) -> dict[str, float]:
+    """Median over ``rounds`` of the client's CPU and wall time per call, in µs."""
+    cpu, wall = [], []
+    with Client(url, direct=direct) as c:
+        info = c.lookup(model)
+        x = [np.ones(t.shape, t.dtype) for t in info.inputs]
+        for _ in range(200):
+            c.infer(model, x)
+        for _ in range(rounds):
+            t0, w0 = time.thread_time(), time.perf_counter()
+            for _ in range(calls):
+                c.infer(model, x)
+            cpu.append((time.thread_time() - t0) / calls * 1e6)
+            wall.append((time.perf_counter() - w0) / calls * 1e6)
+        endpoints = c.direct_endpoints(model)
+    return {"cpu_us": statistics.median(cpu), "wall_us": statistics.median(wall), "direct_endpoints": endpoints}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running server's tcp:// URL (started with SPLITSERVE_FAST_DIRECT=1)")
+    ap.add_argument("--model", default="vecadd1k")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    server = None
+    if a.url is None:
+        data = Path(tempfile.mkdtemp(prefix="client-cpu-"))
+        server = start_server(data, "--load", a.model, env={**os.environ, "SPLITSERVE_FAST_DIRECT": "1"})
+        a.url = server.tcp
+    try:
+        out = {path: measure(a.url, a.model, path == "direct", a.calls, a.rounds) for path in ("front end", "direct")}
+        out["direct, bare loop"] = bare(a.url, a.model, a.calls, a.rounds)
+    finally:
+        if server is not None:
+            server.stop()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
