@@ -74,9 +74,10 @@ def test_an_evicted_model_keeps_its_func_id_and_the_calls_that_wait_load_it_agai
         again = describe(s.tcp)
         assert again["func_id"] == before["func_id"] and again["state"] == "ready"
         assert again["residency"] == ["resident"] * 2 and again["weights_bytes"] == before["weights_bytes"]
-        # one of its processes came back from the pool (the pool keeps one more than its
-        # spare_workers=1 across an eviction); the other instance took the pool's own spare
-        assert None not in again["pids"] and len(set(again["pids"]) & set(before["pids"])) == 1
+        # at least one of its processes came back from the pool (the pool keeps one more than
+        # its spare_workers=1 across an eviction); the other took the pool's own spare, or the
+        # second evicted process when the pool had not refilled its spare yet
+        assert None not in again["pids"] and len(set(again["pids"]) & set(before["pids"])) >= 1
         (stats,) = h.stats("twin")["model_stats"]
         assert stats["residency"]["loads"] == 4 and stats["residency"]["evictions"] == 1
         assert stats["inference_count"] == 16 and stats["inference_stats"]["fail"]["count"] == 0
