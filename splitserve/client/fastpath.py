@@ -232,7 +232,7 @@ class Client:
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # threads in self._cond.wait: only then is a notify worth its cost
         self._routes: dict[str, _Route] = {}
-        self._direct_streams: list[_Stream] = []  # every direct connection opened, to close with the client
+        self._direct_streams: list[_Stream] = []  # the direct connections open, to close with the client
         self._lost_at: dict[str, float] = {}  # endpoint -> when its connection closed (not retried sooner)
         self.closed = False
 
@@ -407,6 +407,8 @@ class Client:
                 return
             stream.lost = True
             calls, stream.pending = list(stream.pending.values()), {}
+            # a client that outlives many restarts keeps only the connections it has open
+            self._direct_streams = [st for st in self._direct_streams if st is not stream]
             route = self._routes.get(stream.model or "")
             if route is not None and stream in route.streams:
                 route.streams = [st for st in route.streams if st is not stream]
@@ -536,6 +538,8 @@ class AsyncClient:
         """A direct connection closed: its unanswered calls go through the front end."""
         st.lost = True
         st.w.close()
+        if st in self._direct_streams:  # a client that outlives many restarts keeps only the open ones
+            self._direct_streams.remove(st)
         streams, at, _ = self._routes.get(st.model or "", ([], 0.0, False))
         if st in streams:
             streams.remove(st)

@@ -396,6 +396,7 @@ def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_fol
                     break
                 assert time.monotonic() < deadline, info.extra
                 time.sleep(0.2)
+            assert len(c._direct_streams) == 1  # the dead worker's connection is not kept
             with Client(s.tcp) as plain:  # the front end counts the call it never saw (a fresh lookup each)
                 before = plain.lookup("lenet").extra["direct_counts"]["answered"]
                 np.testing.assert_allclose(c.infer("lenet", xs[1]), want[1], rtol=1e-4, atol=1e-5)
