@@ -479,10 +479,7 @@ class DirectServer:
                 self._drop(c)
             elif not c.complete:
                 c.move_aside()
-            elif c.deadline_ns and now > c.deadline_ns:
-                self._answer_error(c, DeadlineMissed(
-                    f"deadline passed after {(now - c.t_rx_ns) / 1e6:.1f} ms before its batch started"))
-            else:
+            elif not self._late(c, now):
                 calls.append(c)
         row = self.next_row[cls]
         aside = self.aside_done[cls]
@@ -491,9 +488,7 @@ class DirectServer:
             if c.conn.closed:
                 self._drop(c)
                 continue
-            if c.deadline_ns and now > c.deadline_ns:
-                self._answer_error(c, DeadlineMissed(
-                    f"deadline passed after {(now - c.t_rx_ns) / 1e6:.1f} ms before its batch started"))
+            if self._late(c, now):
                 continue
             c.place_from_aside(row, self.flat[cls], self.sizes)
             calls.append(c)
@@ -504,6 +499,14 @@ class DirectServer:
         n = max(c.row + c.count for c in calls)
         xs = tuple(t[:n] for t in self.tensors[cls])
         self._finish(cls, calls, n, 0, xs, run)
+
+    def _late(self, c: _Call, now: int) -> bool:
+        """``c``'s deadline passed before its batch started: answered DEADLINE_MISSED here."""
+        if not (c.deadline_ns and now > c.deadline_ns):
+            return False
+        self._answer_error(c, DeadlineMissed(
+            f"deadline passed after {(now - c.t_rx_ns) / 1e6:.1f} ms before its batch started"))
+        return True
 
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
                 run: SegmentRunner, resuming: bool = False) -> None:
