@@ -153,7 +153,7 @@ def infer(
         if sample is not None:
             if model != "digits":
                 raise typer.BadParameter("--sample only applies to the digits model")
-            from splitserve.models import digits_dataset
+            from splitserve.models.digits import digits_dataset
 
             _, _, x_test, y_test = digits_dataset()
             x, label = x_test[sample], int(y_test[sample])
@@ -496,10 +496,11 @@ def prepare(
     waits for it; quick when the caches are full. scripts/setup.sh runs it."""
     import shutil
 
-    from splitserve.models.digits import CACHE_FILE, load_or_train_digits
+    from splitserve.models.catalog import DIGITS_FILE
+    from splitserve.models.digits import load_or_train_digits
 
     dirs = cache_dir or [ServerConfig.from_env(data_dir=data_dir or default_data_dir()).cache_path]
-    missing = [d for d in dirs if not (d / CACHE_FILE).exists()]
+    missing = [d for d in dirs if not (d / DIGITS_FILE).exists()]
     if not missing:
         return
     with console.status(f"training digits (once; cached in {missing[0]})"):
@@ -507,9 +508,9 @@ def prepare(
         load_or_train_digits(missing[0])
     for d in missing[1:]:  # the same seeded weights: copied, not trained again
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"{CACHE_FILE}.tmp"
-        shutil.copyfile(missing[0] / CACHE_FILE, tmp)
-        tmp.replace(d / CACHE_FILE)  # a server reading the cache meanwhile never sees half a file
+        tmp = d / f"{DIGITS_FILE}.tmp"
+        shutil.copyfile(missing[0] / DIGITS_FILE, tmp)
+        tmp.replace(d / DIGITS_FILE)  # a server reading the cache meanwhile never sees half a file
     console.print(f"digits: trained and cached in {', '.join(map(str, missing))}", highlight=False)
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.errors import InvalidInput
+from splitserve.models.catalog import zoo_entry
 from splitserve.scheduler.policy import BatchingConfig
 from splitserve.types import Choice, TensorSpec
 
@@ -250,8 +251,6 @@ class ModelConfig:
         inputs = d.pop("inputs", None)
         outputs = d.pop("outputs", None)
         if (inputs is None or outputs is None) and art.kind.zoo_arch:
-            from splitserve.models.zoo import zoo_entry  # torch import only when needed
-
             entry = zoo_entry(art.arch or "")
             inputs = inputs if inputs is not None else [t.to_dict() for t in entry.inputs]
             outputs = outputs if outputs is not None else [t.to_dict() for t in entry.outputs]

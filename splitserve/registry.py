@@ -61,7 +61,7 @@ class ModelRecord:
 
 def builtin_configs() -> list[ModelConfig]:
     """A config for every built-in zoo architecture: the built-in model repository."""
-    from splitserve.models import ZOO
+    from splitserve.models.catalog import ZOO
 
     return [
         ModelConfig.from_dict({"name": name, "artifact": {"kind": "zoo", "arch": name}})

@@ -162,7 +162,7 @@ class Oracle:
     def __init__(self, models: Sequence[str], pool: int = 32, seed: int = 0) -> None:
         from splitserve.bench.inputs import make_inputs
         from splitserve.bench.validate import reference_outputs
-        from splitserve.models import zoo_entry
+        from splitserve.models.catalog import zoo_entry
 
         self.pool: dict[str, tuple[list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
         self._ramp = np.arange(1024, dtype=np.float32)

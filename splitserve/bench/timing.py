@@ -132,7 +132,7 @@ def lat_stats(us: Sequence[float] | np.ndarray) -> dict[str, float | None]:
 
 def workload(transport: str, url: str, model: str, arch: str, seed: int = 0) -> Workload:
     """A generator workload for ``model`` (served as zoo architecture ``arch``)."""
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     entry = zoo_entry(arch)
     return Workload(transport, url, model, tuple(s.to_dict() for s in entry.inputs),

@@ -60,7 +60,7 @@ class ValidationFailed(Exception):
 @functools.lru_cache(maxsize=16)
 def reference_model(arch: str, seed: int = 0) -> Any:
     """The zoo model the server should be running, built here (cached per process)."""
-    from splitserve.models import build_zoo_model
+    from splitserve.models.zoo import build_zoo_model
 
     return build_zoo_model(arch, seed)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactKind, ModelConfig
-from splitserve.models.zoo import zoo_weights_path
+from splitserve.models.catalog import zoo_weights_path
 
 log = logging.getLogger(__name__)
 

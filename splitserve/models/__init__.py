@@ -1,9 +1,7 @@
-"""Models splitserve can serve: the segmented model contract, the built-in zoo and artifact loading."""
+"""Models splitserve can serve: the zoo's catalogue (``catalog``, no torch), building and
+seeding zoo models (``zoo``), the segmented model contract (``segmented``) and artifact
+loading (``loader``).
 
-from splitserve.models.digits import digits_dataset
-from splitserve.models.loader import load_artifact
-from splitserve.models.segmented import SegmentedModel, save_safetensors
-from splitserve.models.zoo import ZOO, ZooEntry, build_zoo_model, zoo_entry
-
-__all__ = ["ZOO", "SegmentedModel", "ZooEntry", "build_zoo_model", "digits_dataset", "load_artifact", "save_safetensors",
-           "zoo_entry"]
+This package imports none of them itself: the front end reads only ``catalog`` and must
+not pay torch's import through a package re-export (``tests/unit/test_import_graph.py``).
+"""

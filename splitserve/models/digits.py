@@ -17,11 +17,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from splitserve.errors import InvalidInput
+from splitserve.models.catalog import DIGITS_FILE
 from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
 
 logger = logging.getLogger(__name__)
 
-CACHE_FILE = "digits.safetensors"
 _SEED = 0
 _EPOCHS = 10
 _BATCH = 32
@@ -89,7 +89,7 @@ def load_or_train_digits(cache_dir: Path) -> SegmentedModel:
     Processes racing to fill the cache each train the same weights and write them
     atomically, so whichever rename lands last leaves a complete, identical file.
     """
-    path = Path(cache_dir) / CACHE_FILE
+    path = Path(cache_dir) / DIGITS_FILE
     if path.exists():
         model = digits_net()
         try:

@@ -132,6 +132,11 @@ def resnet_disb(depths: Sequence[int], width: int, image: int, classes: int, seg
 VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
 
 
+def vgg19(width: float, image: int, hidden: int, classes: int, segments: int) -> SegmentedModel:
+    """``vgg`` over VGG-19's layer pattern."""
+    return vgg(VGG19, width, image, hidden, classes, segments)
+
+
 def vgg(cfg: Sequence[int | str], width: float, image: int, hidden: int, classes: int,
         segments: int) -> SegmentedModel:
     """VGG with every conv narrowed by ``width`` and a ``hidden``-wide three-layer classifier."""

@@ -85,7 +85,7 @@ def _load(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     import torch
 
     from splitserve.modelconfig import ModelConfig
-    from splitserve.models import load_artifact
+    from splitserve.models.loader import load_artifact
 
     torch.set_num_threads(job["threads"])
     cfg = ModelConfig.from_dict(job["config"])

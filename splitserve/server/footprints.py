@@ -17,7 +17,7 @@ from pathlib import Path
 from splitserve.errors import InvalidInput
 from splitserve.memory.weights import header_bytes, weights_file
 from splitserve.modelconfig import ArtifactKind
-from splitserve.models.zoo import zoo_entry, zoo_skeleton
+from splitserve.models.catalog import zoo_entry
 from splitserve.placement.profiler import machine_id
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import MemoryFootprint
@@ -30,7 +30,10 @@ KIND = "memory"  # the profiles' kind
 @functools.cache
 def _zoo_state_bytes(arch: str) -> int:
     """Bytes of a seeded zoo model's state dict, from its skeleton (no init paid): what its
-    weights file's header will say once its first load has written it."""
+    weights file's header will say once its first load has written it. Imports torch, but only
+    for a zoo model whose file no load has written yet (the front end never needs it otherwise)."""
+    from splitserve.models.zoo import zoo_skeleton
+
     return sum(t.nbytes for t in zoo_skeleton(arch).state_dict().values())
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from splitserve.modelconfig import ModelConfig
-from splitserve.models import SegmentedModel, load_artifact
+from splitserve.models.loader import load_artifact
+from splitserve.models.segmented import SegmentedModel
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
 from splitserve.worker.spec import BindSpec

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
-from splitserve.models import SegmentedModel
+from splitserve.models.segmented import SegmentedModel
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters

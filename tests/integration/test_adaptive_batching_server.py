@@ -9,7 +9,7 @@ import pytest
 from splitserve import Client
 from splitserve.client.http import HttpClient
 from splitserve.errors import InvalidInput
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from tests.inproc import write_model
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from splitserve.config import ServerConfig
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from tests.inproc import quiet_config, run_server, until, write_model
 from tests.integration.test_worker_residency import Queues, Recorder, load, run_and_check, start, unload, zoo
 

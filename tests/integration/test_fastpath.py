@@ -13,7 +13,8 @@ import pytest
 
 from splitserve import Client, UdpClient
 from splitserve.errors import DeadlineMissed, SplitServeError, Status, WorkerFailed
-from splitserve.models import build_zoo_model, digits_dataset
+from splitserve.models.digits import digits_dataset
+from splitserve.models.zoo import build_zoo_model
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
 from tests.framing import PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read

@@ -22,7 +22,7 @@ import pytest
 from splitserve import Client
 from splitserve.client.http import HttpClient
 from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from splitserve.models.loader import save_safetensors
 from splitserve.protocol import v2
 from tests.conftest import ROOT, start_server

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve import Client
 from splitserve.client.http import HttpClient
 from splitserve.errors import DeadlineMissed, ModelNotReady, SplitServeError
-from splitserve.models import load_artifact
+from splitserve.models.loader import load_artifact
 from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.worker.pool import Residency as WorkerResidency
 from tests.inproc import quiet_config, run_server, until, write_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitserve.modelconfig import ModelConfig
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.messages import Msg, RunMsg
 from tests.inproc import inproc_worker, quiet_config

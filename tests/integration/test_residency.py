@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from splitserve import Client
 from splitserve.cli import app
 from splitserve.client.http import HttpClient
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from splitserve.models.gate import Gates
 from splitserve.scheduler.model_scheduler import Residency
 from splitserve.server.ports import ModelState

@@ -20,7 +20,7 @@ import torch
 
 from splitserve.config import ServerConfig
 from splitserve.modelconfig import ModelConfig
-from splitserve.models import build_zoo_model
+from splitserve.models.zoo import build_zoo_model
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import CLASSES
 from splitserve.tensorqueue import TensorQueue, ring_slots

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 
-from splitserve.models import build_zoo_model, save_safetensors
+from splitserve.models.segmented import save_safetensors
+from splitserve.models.zoo import build_zoo_model
 from tests.inproc import quiet_config, run_server
 
 BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs

@@ -12,6 +12,7 @@ Nothing is excluded.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import splitserve
@@ -99,3 +100,63 @@ def test_splitserve_has_no_import_cycle():
 def test_nothing_below_the_composition_root_imports_it():
     importers = sorted(m for m, deps in import_graph().items() if "splitserve.server.app" in deps)
     assert importers == ["splitserve.cli"]
+
+
+def _imports_run_on_load(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is imported: not those inside functions (run when
+    called) nor under ``if TYPE_CHECKING:`` (never run)."""
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def loaded_with(root: str) -> tuple[set[str], set[str]]:
+    """What importing ``root`` loads: its splitserve modules (with the packages Python runs
+    first) and the dotted names of every other module they import at load."""
+    modules = _modules()
+    ours: set[str] = set()
+    theirs: set[str] = set()
+    todo = [root]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts))] + [module]:
+            if name in ours or name not in modules:
+                continue
+            ours.add(name)
+            path, is_pkg = modules[name]
+            for node in _imports_run_on_load(ast.parse(path.read_text(), str(path))):
+                found = _targets(node, name, is_pkg, modules)
+                todo.extend(found)
+                if isinstance(node, ast.Import):
+                    theirs.update(a.name for a in node.names if not a.name.startswith("splitserve"))
+                elif node.level == 0 and node.module and not node.module.startswith("splitserve"):
+                    theirs.add(node.module)
+    return ours, theirs
+
+
+# The processes that never run a model: the node's front end (its composition root and the
+# CLI that starts it), the client library and the cluster gateway's data plane. Importing
+# torch costs ~3 s of CPU per process on this 2-core machine: each server start paid it,
+# through the models package's re-exports, before the catalogue was split from the builders.
+TORCH_FREE = ("splitserve.server.app", "splitserve.cli", "splitserve.client", "splitserve.cluster.dataplane")
+
+
+def test_processes_that_run_no_model_do_not_import_torch():
+    for root in TORCH_FREE:
+        ours, theirs = loaded_with(root)
+        torch = sorted(m for m in theirs if m.split(".")[0] == "torch" or m.endswith(".torch"))
+        assert not torch, f"importing {root} loads {torch}"
+    assert "splitserve.models.catalog" in loaded_with("splitserve.server.app")[0]
+
+
+def test_the_load_time_imports_skip_functions_and_type_checking():
+    tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ndef f():\n    import c\ntry:\n    import d\n"
+                     "except ImportError:\n    pass\n")
+    assert sorted(n.names[0].name for n in _imports_run_on_load(tree)) == ["a", "d"]

@@ -13,8 +13,11 @@ from safetensors.torch import save_file
 
 from splitserve.memory.weights import header_bytes, weights_file
 from splitserve.modelconfig import ModelConfig
-from splitserve.models import ZOO, build_zoo_model, digits, load_artifact, save_safetensors, zoo_entry
-from splitserve.models.zoo import init_zoo_model, load_zoo_model
+from splitserve.models import digits
+from splitserve.models.catalog import DIGITS_FILE, ZOO, zoo_entry
+from splitserve.models.loader import load_artifact
+from splitserve.models.segmented import save_safetensors
+from splitserve.models.zoo import build_zoo_model, init_zoo_model, load_zoo_model
 from tests.unit.test_models import make_inputs
 
 # One of each kind of layer whose tensors matter on load: convolutions with BatchNorm's
@@ -113,7 +116,7 @@ def test_a_safetensors_artifact_in_another_dtype_is_cast_to_the_architectures(tm
 def test_which_file_holds_a_models_weights(tmp_path: Path) -> None:
     cache, model_dir = tmp_path / "cache", tmp_path / "m"
     assert weights_file(zoo_config("resnet18", seed=7), None, cache) == cache / "weights" / "resnet18-seed7.safetensors"
-    assert weights_file(zoo_config("digits"), None, cache) == cache / digits.CACHE_FILE
+    assert weights_file(zoo_config("digits"), None, cache) == cache / DIGITS_FILE
     assert weights_file(zoo_config("gate"), None, cache) is None
     own = ModelConfig.from_dict({"name": "m", "artifact": {"kind": "safetensors", "arch": "lenet",
                                                            "file": "model.safetensors"}})

@@ -14,19 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from splitserve.errors import InvalidInput, UnknownModel
-from splitserve.models import (
-    ZOO,
-    SegmentedModel,
-    ZooEntry,
-    build_zoo_model,
-    digits,
-    digits_dataset,
-    load_artifact,
-    zoo_entry,
-)
-from splitserve.models.loader import save_safetensors
-from splitserve.models.segmented import _even_partition
-from splitserve.models.zoo import init_zoo_model
+from splitserve.models import digits
+from splitserve.models.catalog import DIGITS_FILE, ZOO, ZooEntry, zoo_entry
+from splitserve.models.digits import digits_dataset
+from splitserve.models.loader import load_artifact
+from splitserve.models.segmented import SegmentedModel, _even_partition, save_safetensors
+from splitserve.models.zoo import build_zoo_model, init_zoo_model
 
 # Checked only for output shapes: a full comparison costs seconds on a small CPU.
 IMAGENET = {"resnet18_imagenet", "resnet50_imagenet"}
@@ -199,8 +192,8 @@ def test_digits_dataset_split() -> None:
 
 def test_digits_trains_once_then_loads_from_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = digits.load_or_train_digits(tmp_path)
-    assert (tmp_path / digits.CACHE_FILE).is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [digits.CACHE_FILE]  # no temp files left
+    assert (tmp_path / DIGITS_FILE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [DIGITS_FILE]  # no temp files left
     _, _, x_test, y_test = digits_dataset()
     with torch.inference_mode():
         predicted = model(torch.from_numpy(x_test))[0].argmax(1).numpy()
@@ -218,10 +211,10 @@ def test_digits_trains_once_then_loads_from_cache(tmp_path: Path, monkeypatch: p
 
 
 def test_digits_replaces_a_corrupt_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / digits.CACHE_FILE).write_bytes(b"not safetensors")
+    (tmp_path / DIGITS_FILE).write_bytes(b"not safetensors")
     monkeypatch.setattr(digits, "train_digits", digits.digits_net)  # skip the real training
     digits.load_or_train_digits(tmp_path)
-    load_artifact("safetensors", tmp_path / digits.CACHE_FILE, "digits")
+    load_artifact("safetensors", tmp_path / DIGITS_FILE, "digits")
 
 
 # --- artifacts ------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def scaled(spec: WorkloadSpec, scale: float, duration: float) -> Workload:
 def make_job(p: Params, url: str, w: Workload, arrivals: Sequence[Arrival], loaded: Mapping[str, str],
              gen_cpus: Sequence[int], with_be: bool = True) -> DisbJob:
     """The generator job for ``w``; ``loaded`` maps served model names to zoo architectures."""
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     continuous = [t for t in w.tasks if t.load.type == "continuous"]
     task = lambda t: ClosedTask(t.id, t.client.model_name, t.cls, t.client.batch_size)  # noqa: E731
@@ -240,7 +240,7 @@ def _check(p: Params) -> tuple[list[tuple[str, str]], list[int]]:
 
 def _probe(ctx: Context, url: str, models: Mapping[str, str]) -> dict[str, float]:
     """Median server compute time (s) of one RT sample per model, sequential requests."""
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     client = open_sync(p.transports[0], url)
@@ -256,7 +256,7 @@ def _probe(ctx: Context, url: str, models: Mapping[str, str]) -> dict[str, float
 
 
 def run(ctx: Context) -> ScenarioOutput:
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     if ctx.urls:
@@ -338,7 +338,7 @@ def _pair(p: Params, url: str, http: str, rt: str, be: str, pads: Mapping[str, s
           gen_cpus: Sequence[int]) -> dict[str, Any]:
     """RT ``rt`` periodic at ``rt_load`` of a core: alone, beside BE ``be`` on its CPU, and
     beside BE on another CPU (padding)."""
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     rate = (100.0 * p.rate_scale) if p.rate_scale > 0 else p.rt_load / max(compute_s.get(rt, 0.01), 1e-4)
     times = arr.uniform(rate, p.pair_duration_s)

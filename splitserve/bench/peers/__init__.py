@@ -166,7 +166,7 @@ def export_models(models: Sequence[str], folder: Path, threads: int, seed: int =
     import torch
 
     from splitserve.bench.validate import reference_model
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     folder.mkdir(parents=True, exist_ok=True)
     entries: list[dict[str, Any]] = []

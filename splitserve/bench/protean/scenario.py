@@ -289,7 +289,7 @@ def scheme_numbers(result: Any, offset: float, events: Sequence[Mapping[str, Any
 
 def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.scenarios.packrat import ensure_profile
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     if ctx.urls:

@@ -263,7 +263,7 @@ class Context:
         ``self.unavailable`` with the reason; a wrong answer raises ``ValidationFailed``.
         """
         from splitserve.bench.inputs import make_inputs
-        from splitserve.models import zoo_entry
+        from splitserve.models.catalog import zoo_entry
 
         wanted = [t for t in transports if t in SERVER_TRANSPORTS]
         inputs = {name: make_inputs(zoo_entry(e.arch).inputs, self.params.validate_samples, self.params.seed + 7)

@@ -31,7 +31,7 @@ from splitserve.bench import traces
 from splitserve.bench.arrivals import Arrival, from_rate_trace
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
-from splitserve.cluster.cost import CostLedger, NodeRecord
+from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.pools import Market, ProcurementPolicy
 from splitserve.cluster.sim import ClusterSim, Workload
 from splitserve.config import ClusterConfig
@@ -224,7 +224,7 @@ def _real_run(ctx: Context, p: Params, times: np.ndarray, strict: list[bool]) ->
     from splitserve.cluster.local import LocalCluster
     from splitserve.cluster.node_server import NodeSpec
     from splitserve.config import env_cache_dir
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     model = p.models[0]
     cache = env_cache_dir()

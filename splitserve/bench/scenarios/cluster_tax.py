@@ -106,7 +106,7 @@ def run(ctx: Context) -> ScenarioOutput:
     from splitserve.cluster.local import LocalCluster
     from splitserve.cluster.node_server import NodeSpec
     from splitserve.config import ClusterConfig, env_cache_dir
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     p.check()

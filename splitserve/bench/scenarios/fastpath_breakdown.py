@@ -161,7 +161,7 @@ def _hot_frames(raw: Path, top: int = 12) -> list[tuple[str, float]]:
 
 def _measure(ctx: Context, url: str, http: str, model: str, p: Params, server_pid: int) -> dict[str, Any]:
     from splitserve.bench.inputs import as_call_arg, make_inputs
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     entry = zoo_entry(model)
     x = as_call_arg(make_inputs(entry.inputs, 1, p.seed)[0])

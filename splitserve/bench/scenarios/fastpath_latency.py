@@ -85,7 +85,7 @@ def _alternate(clients: dict[str, Any], echo: EchoClient, model: str, arg: Any, 
 
 def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.inputs import make_inputs
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     target = ctx.target(load=p.models, direct="direct" in p.transports)

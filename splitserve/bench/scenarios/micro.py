@@ -49,7 +49,7 @@ class Params(BaseParams):
 
 def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.inputs import make_inputs
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     server_side = [t for t in p.transports if t in SERVER_TRANSPORTS]

@@ -263,7 +263,7 @@ def _repository(ctx: Context, copies: Copies) -> Any:
 
 
 def _copies(p: Params) -> Copies:
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     arch = p.models[0]
     seeds = [p.seed_base + i for i in range(p.copies)]

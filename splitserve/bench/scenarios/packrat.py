@@ -102,7 +102,7 @@ def _threads(p: Params) -> int:
 
 
 def _batches(p: Params, arch: str) -> list[int]:
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
     from splitserve.placement.profiler import default_batches
 
     top = zoo_entry(arch).max_batch
@@ -227,7 +227,7 @@ def variants(arch: str, T: int, batches: list[int], timeout_ms: float, cpus: lis
 
 
 def _static(ctx: Context, arch: str, T: int, batches: list[int], prof: Any) -> dict[str, Any]:
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
     from splitserve.placement.optimizer import optimize
     from splitserve.placement.topology import allocate, read_topology
 

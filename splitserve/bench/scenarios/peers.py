@@ -174,7 +174,7 @@ def _validate(ctx: Context, endpoints: Sequence[tuple[Endpoint, str]], models: S
 
 
 def _measure(ctx: Context, p: Params, ep: Endpoint, url: str, model: str, sample: Any) -> dict[str, Any] | None:
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     try:
         client = open_sync(ep.client, url)
@@ -245,7 +245,7 @@ def _run_peer(ctx: Context, p: Params, peer_name: str, wanted: Sequence[Endpoint
 def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.inputs import make_inputs
     from splitserve.bench.peers import export_models
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     models = list(p.models)

@@ -147,7 +147,7 @@ def _plot(models: list[str], cells: dict[str, dict[str, dict[str, Any]]], normal
 
 def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.inputs import make_inputs
-    from splitserve.models import zoo_entry
+    from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
     models = list(p.models)
