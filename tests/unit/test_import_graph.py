@@ -142,10 +142,11 @@ def loaded_with(root: str) -> tuple[set[str], set[str]]:
 
 
 # The processes that never run a model: the node's front end (its composition root and the
-# CLI that starts it), the client library and the cluster gateway's data plane. Importing
+# CLI that starts it), the client library, the cluster's data plane and its Ray actors. Importing
 # torch costs ~3 s of CPU per process on this 2-core machine: each server start paid it,
 # through the models package's re-exports, before the catalogue was split from the builders.
-TORCH_FREE = ("splitserve.server.app", "splitserve.cli", "splitserve.client", "splitserve.cluster.dataplane")
+TORCH_FREE = ("splitserve.server.app", "splitserve.cli", "splitserve.client", "splitserve.cluster.dataplane",
+              "splitserve.cluster.controller", "splitserve.cluster.node_server", "splitserve.cluster.ingress")
 
 
 def test_processes_that_run_no_model_do_not_import_torch():
