@@ -54,6 +54,7 @@ class ClosedLoopJob:
     workload: Workload
     clients: int  # over all generator processes
     duration_s: float
+    warmup_s: float = 0.0  # each client sends at least one request after it (``loadgen.closed_loop``)
 
 
 Send = Callable[[Arrival], Awaitable[Outcome]]
@@ -160,7 +161,7 @@ async def run_closed_loop(index: int, count: int, job: ClosedLoopJob) -> RunResu
     try:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         result = await closed_loop(_sender(job.workload, pool), mine, duration_s=job.duration_s,
-                                   model=job.workload.model)
+                                   model=job.workload.model, warmup_s=job.warmup_s)
         return _flag_cpu(result, time.process_time() - cpu0, time.perf_counter() - wall0, index)
     finally:
         await close()

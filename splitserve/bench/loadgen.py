@@ -338,13 +338,17 @@ async def closed_loop(
     model: str = "",
     cls: str = "be",
     clock: Clock = time.perf_counter,
+    warmup_s: float = 0.0,
 ) -> RunResult:
     """``clients`` concurrent clients, each sending its next request as soon as the last one
     is answered, until ``duration_s`` has passed or each sent ``requests_per_client``
     (whichever comes first; at least one must be given).
 
-    No request starts after ``duration_s``; those in flight then are still awaited. Latency is
-    ``done - sent``. Arrivals carry ``t`` = seconds since the start and ``tag`` = ``client-<i>``.
+    No request starts after ``duration_s``, except a client's first at or after ``warmup_s``
+    (the part ``summary`` measures): a client whose calls outlast the window sends that one
+    late, so a run on a slow machine is measured, not empty. Those in flight at the end are
+    still awaited. Latency is ``done - sent``. Arrivals carry ``t`` = seconds since the start
+    and ``tag`` = ``client-<i>``.
     """
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
@@ -364,10 +368,12 @@ async def closed_loop(
         nonlocal in_flight, peak
         tag = f"client-{i}"
         n = 0
+        measured = False
         while requests_per_client is None or n < requests_per_client:
             sent = clock() - start
-            if duration_s is not None and sent >= duration_s:
+            if duration_s is not None and sent >= duration_s and measured:
                 break
+            measured = sent >= warmup_s
             arrival = Arrival(sent, model, cls, tag)
             in_flight += 1
             peak = max(peak, in_flight)

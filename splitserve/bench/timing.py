@@ -139,10 +139,12 @@ def workload(transport: str, url: str, model: str, arch: str, seed: int = 0) -> 
                     tuple(s.to_dict() for s in entry.outputs), seed)
 
 
-def closed_loop_run(w: Workload, clients: int, duration_s: float, generators: int = 1) -> RunResult:
-    """``clients`` closed-loop clients for ``duration_s`` from ``generators`` processes."""
+def closed_loop_run(w: Workload, clients: int, duration_s: float, generators: int = 1,
+                    warmup_s: float = 0.0) -> RunResult:
+    """``clients`` closed-loop clients for ``duration_s`` from ``generators`` processes; each
+    sends at least one request after ``warmup_s``, the part its ``summary`` will measure."""
     procs = max(1, min(generators, clients))
-    return run_in_processes(run_closed_loop, (ClosedLoopJob(w, clients, duration_s),), processes=procs,
+    return run_in_processes(run_closed_loop, (ClosedLoopJob(w, clients, duration_s, warmup_s),), processes=procs,
                             timeout_s=duration_s + 180.0)
 
 

@@ -236,3 +236,20 @@ def test_cancelling_an_open_loop_run_leaves_no_request_behind() -> None:
         return len(asyncio.all_tasks()) - 1  # all but main itself
 
     assert asyncio.run(main()) == 0
+
+
+def test_a_closed_loop_client_measures_one_request_after_the_warmup_even_when_calls_outlast_the_run() -> None:
+    """A call longer than the whole run (a loaded machine) left no request after the warmup,
+    so the point had no throughput at all; each client now sends one after it, late."""
+    now = 0.0
+
+    async def slow(a: Arrival) -> Outcome:
+        nonlocal now
+        now += 2.0  # every call takes 2 s of the fake clock: the run is 1 s, its warmup 0.3 s
+        return Outcome(ok=True)
+
+    result = asyncio.run(closed_loop(slow, clients=1, duration_s=1.0, warmup_s=0.3, clock=lambda: now))
+    assert [s.sent for s in result.samples] == [0.0, 2.0]
+    assert result.summary(warmup_s=0.3)["throughput_rps"] == pytest.approx(0.5)
+    plain = asyncio.run(closed_loop(slow, clients=1, duration_s=1.0, clock=lambda: now))
+    assert len(plain.samples) == 1  # without a warmup, the first call is measured: nothing more is sent

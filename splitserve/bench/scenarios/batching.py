@@ -136,7 +136,7 @@ def run(ctx: Context) -> ScenarioOutput:
                     points = []
                     for n in p.clients:
                         res = closed_loop_run(workload(t, target.url(t), name, arch, p.seed), n, p.duration_s,
-                                              p.generators_for(n))
+                                              p.generators_for(n), p.warmup_s)
                         s = res.summary(warmup_s=p.warmup_s)
                         points.append({"clients": n, "throughput_rps": s["throughput_rps"],
                                        "p50_ms": s["latency_ms"]["p50"], "p99_ms": s["latency_ms"]["p99"],

@@ -134,7 +134,7 @@ def run(ctx: Context) -> ScenarioOutput:
             loaded = {}
             for path, url in urls.items():
                 loaded[path] = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections,
-                                               p.duration_s).summary(warmup_s=p.warmup_s)
+                                               p.duration_s, warmup_s=p.warmup_s).summary(warmup_s=p.warmup_s)
                 advance(1)
         gw_stats = ray.get(h.gateway.stats.remote())
     finally:

@@ -108,12 +108,12 @@ def run(ctx: Context) -> ScenarioOutput:
                     close_sync(client)
             advance(len(usable))
             echo_s = closed_loop_run(workload("echo", echo.url, model, model, p.seed), p.connections, p.duration_s,
-                                     p.generators).summary(warmup_s=p.warmup_s)
+                                     p.generators, p.warmup_s).summary(warmup_s=p.warmup_s)
             advance(1)
             cells = {}
             for tr in usable:
                 fp_s = closed_loop_run(workload(tr, target.url(tr), model, model, p.seed), p.connections,
-                                       p.duration_s, p.generators).summary(warmup_s=p.warmup_s)
+                                       p.duration_s, p.generators, p.warmup_s).summary(warmup_s=p.warmup_s)
                 advance(1)
                 cells[tr] = _cell(times[tr], fp_s, echo_s, req, resp)
             # the first transport's figures stay at the top level, as before the direct path

@@ -84,10 +84,11 @@ def _probe(ctx: Context, target: Any, model: str, transports: list[str]) -> dict
     p: Params = ctx.params  # type: ignore[assignment]
     peaks: dict[str, float] = {}
     with ctx.task(f"{model}: probing peak throughput", len(transports)) as advance:
+        warmup = min(0.2, p.probe_s / 4)
         for t in transports:
             res = closed_loop_run(workload(t, target.url(t), model, model, p.seed), p.probe_clients, p.probe_s,
-                                  p.generators)
-            peaks[t] = res.summary(warmup_s=min(0.2, p.probe_s / 4)).get("throughput_rps") or 0.0
+                                  p.generators, warmup)
+            peaks[t] = res.summary(warmup_s=warmup).get("throughput_rps") or 0.0
             advance(1)
     return peaks
 

@@ -82,7 +82,7 @@ def run(ctx: Context) -> ScenarioOutput:
                 if t != "local":
                     url = ctx.echo().url if t == "echo" else target.url(t)  # type: ignore[union-attr]
                     res = closed_loop_run(workload(t, url, model, model, p.seed), p.clients, p.duration_s,
-                                          p.generators)
+                                          p.generators, p.warmup_s)
                     s = res.summary(warmup_s=p.warmup_s)
                     cell["throughput_rps"] = s["throughput_rps"]
                     cell["throughput_p99_ms"] = s["latency_ms"]["p99"]

@@ -261,8 +261,10 @@ def _static(ctx: Context, arch: str, T: int, batches: list[int], prof: Any) -> d
                     finally:
                         close_sync(client)
                     if p.closed_s > 0:
-                        res = closed_loop_run(workload(p.transports[0], url, name, arch, p.seed), 2 * b, p.closed_s)
-                        s = res.summary(warmup_s=min(0.3, p.closed_s / 4))
+                        warmup = min(0.3, p.closed_s / 4)
+                        res = closed_loop_run(workload(p.transports[0], url, name, arch, p.seed), 2 * b, p.closed_s,
+                                              warmup_s=warmup)
+                        s = res.summary(warmup_s=warmup)
                         m["closed"] = {"clients": 2 * b, "throughput_rps": s["throughput_rps"], "errors": s["errors"],
                                        "p99_ms": s["latency_ms"]["p99"], "generator_bottleneck": bottleneck(s)}
                     m["batch_rps"] = b / (m["e2e_ms"]["p50"] / 1e3)

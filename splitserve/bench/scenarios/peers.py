@@ -190,7 +190,7 @@ def _measure(ctx: Context, p: Params, ep: Endpoint, url: str, model: str, sample
                  tuple(s.to_dict() for s in entry.outputs), p.seed)
     closed: dict[str, Any] = {}
     for n in p.clients:
-        s = closed_loop_run(w, n, p.duration_s).summary(p.warmup_s)
+        s = closed_loop_run(w, n, p.duration_s, warmup_s=p.warmup_s).summary(p.warmup_s)
         closed[str(n)] = {"throughput_rps": s["throughput_rps"], "p50_ms": s["latency_ms"]["p50"],
                           "p99_ms": s["latency_ms"]["p99"], "ok": s["ok"], "errors": s["errors"],
                           "error_kinds": s.get("error_kinds", {}), "bottleneck": bottleneck(s)}

@@ -114,9 +114,10 @@ def run(ctx: Context) -> ScenarioOutput:
         mean_rate, peak = p.mean_rate, None
         if not mean_rate and transports:
             with ctx.task(f"{arch}: probing peak throughput", 1):
+                warmup = min(0.2, p.probe_s / 4)
                 res = closed_loop_run(workload(transports[0], target.url(transports[0]), name, arch, p.seed),
-                                      p.probe_clients, p.probe_s, p.generators)
-            peak = res.summary(warmup_s=min(0.2, p.probe_s / 4)).get("throughput_rps") or 0.0
+                                      p.probe_clients, p.probe_s, p.generators, warmup)
+            peak = res.summary(warmup_s=warmup).get("throughput_rps") or 0.0
             mean_rate = p.load_factor * peak
         per_trace: dict[str, Any] = {}
         with ctx.task(f"{arch}: replaying traces", len(p.traces) * len(transports)) as advance:
