@@ -368,6 +368,9 @@ class ClusterConfig:
     node_stats_timeout_s: float = 2.0  # a node server's stats() call that takes longer counts as missed
     # c-http: the controller's bill
     bill_records: int = 256  # ended node records the bill lists; older ones are folded into per-market totals
+    # c-obs: the gateway's /metrics
+    metrics_scrape_timeout_s: float = 1.0  # a node's /metrics not read in full by then is left out of the gateway's
+    metrics_scrape_bytes: int = 4 << 20  # the most of a node's /metrics the gateway reads; a longer one is left out
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -404,11 +407,12 @@ class ClusterConfig:
             raise InvalidInput(f"slo_target must be in (0, 1], got {self.slo_target}")
         for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
                      "ping_interval_s", "autoscale_interval_s", "reconcile_interval_s", "node_start_timeout_s",
-                     "node_stats_timeout_s"):
+                     "node_stats_timeout_s", "metrics_scrape_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
-                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes"):
+                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes",
+                     "metrics_scrape_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.keep_alive_s < 0:

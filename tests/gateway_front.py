@@ -22,11 +22,13 @@ from tests.inproc import quiet_config, run_server, until
 CLUSTER_FID = 7  # the cluster's id for lenet: not the node's, so the gateway must rewrite it
 
 
-def through_gateway(tmp_path: Path, kind: str, x: np.ndarray,
-                    calls: Callable[[int], dict[str, Any]]) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
+def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[int], dict[str, Any]],
+                    node_http: bool = False, others: tuple[NodeRoute, ...] = ()
+                    ) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
     """Run ``calls(port)`` (in a thread) against the gateway's ``kind`` front end ("http" or
     "grpc"); return the node's own answer for ``x``, what ``calls`` returned and the
-    gateway's statistics after them."""
+    gateway's statistics after them. ``node_http``: the node serves HTTP too, and its route
+    says where; ``others``: more routes, beside the node's."""
 
     async def scenario(server: Any) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
         core = GatewayCore(ClusterConfig())
@@ -36,8 +38,8 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray,
         port = (await front.start())[f"{kind}_port"]
         try:
             route = NodeRoute("node-1", "127.0.0.1", server.ports["fast_port"], Market.ON_DEMAND, NodeState.ACTIVE,
-                              frozenset({"lenet"}))
-            core.update(Routes(1, (route,), (("lenet", CLUSTER_FID),)))
+                              frozenset({"lenet"}), server.ports.get("http_port"))
+            core.update(Routes(1, (route, *others), (("lenet", CLUSTER_FID),)))
             await asyncio.wait_for(until(lambda: core.serves("lenet")), 60)
             want = (await server.infer("lenet", [x])).outputs[0]
             out = await asyncio.to_thread(calls, port)
@@ -46,4 +48,6 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray,
             await front.stop(1.0)
             await core.close()
 
-    return run_server(dataclasses.replace(quiet_config(tmp_path / "node", load=("lenet",)), fast_port=0), scenario)
+    node = dataclasses.replace(quiet_config(tmp_path / "node", load=("lenet",)), fast_port=0,
+                               http_port=0 if node_http else None)
+    return run_server(node, scenario)

@@ -2,8 +2,11 @@
 
 Two signals: the requests the gateway holds unanswered (queued on nodes or running), which
 should come to at most ``requests_per_node`` per node, and strict SLO compliance since the
-last decision, which below ``slo_target`` asks for one node more than are serving (once at a
-time: not while a node is still starting, so one slow start does not buy a node per tick).
+last decision, which below ``slo_target`` asks for one node more than are serving while work
+is outstanding (once at a time: not while a node is still starting, so one slow start does
+not buy a node per tick; and not for misses of work already answered, which a new node
+cannot help). The controller (from the gateway's counts) and the simulator (from its own)
+both turn cumulative strict outcomes into the window's with ``SloWindow``.
 More nodes are asked for at once; fewer only after ``keep_alive_s`` of continuous surplus,
 by the same keep-alive rule as the node's own instance autoscaler (``placement.autoscale``).
 
@@ -53,9 +56,27 @@ class ClusterAutoscaler:
         """The target number of nodes (serving and starting together)."""
         have = load.serving + load.starting
         wanted = math.ceil(max(0, load.outstanding) / self.requests_per_node)
-        short = load.strict_total > 0 and load.strict_met < self.slo_target * load.strict_total
+        short = load.strict_total > 0 and load.strict_met < self.slo_target * load.strict_total and load.outstanding > 0
         if short and load.starting == 0 and wanted <= load.serving:
             wanted = load.serving + 1
             self.slo_scale_ups += 1
         wanted = min(self.max_nodes, max(self.min_nodes, wanted))
         return min(self.max_nodes, max(self.min_nodes, self.keep_alive.decide(now, _KEY, have, wanted)))
+
+
+class SloWindow:
+    """Strict SLO outcomes since the last decision, from cumulative counts (the gateway's
+    since its process started, the simulator's since the run began)."""
+
+    def __init__(self) -> None:
+        self._met = 0
+        self._total = 0
+
+    def take(self, met: int, total: int) -> tuple[int, int]:
+        """(met, total) since the previous call, given the counts so far. Counts lower than
+        the previous ones (a gateway process that restarted counts from zero) start afresh."""
+        if met < self._met or total < self._total:
+            self._met = self._total = 0
+        window = (met - self._met, total - self._total)
+        self._met, self._total = met, total
+        return window

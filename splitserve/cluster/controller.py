@@ -12,8 +12,10 @@ it reads Ray's node table and draining nodes, and:
   (the gateway re-sends what it still holds there) and is retired;
 - node servers that came up get the registered models and join the routes;
 - every ``autoscale_interval_s`` the pure autoscaler sets the node count from the requests
-  the gateway holds, procurement (PROTEAN §4.5) picks each new node's market, and the cost
-  ledger bills every node from its request to its end.
+  the gateway holds and the strict SLO compliance its clients saw since the last decision
+  (the gateway's cumulative outcomes, differenced by ``autoscale.SloWindow``), procurement
+  (PROTEAN §4.5) picks each new node's market, and the cost ledger bills every node from its
+  request to its end.
 
 Ray carries only control calls; routes reach the gateway through ``routes``, a long poll.
 """
@@ -30,7 +32,7 @@ from typing import Any
 import ray
 
 from splitserve.cluster import raycompat
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad
+from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
 from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import NodeRoute, Routes
@@ -40,6 +42,7 @@ from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.revocation import RevocationEmulator, doomed_step
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
+from splitserve.slo import SloOutcome
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,8 @@ class Controller:
         self._cancelled: set[int] = set()
         self._target = cfg.min_nodes
         self._next_autoscale = 0.0
+        self._slo_window = SloWindow()
+        self._last_window = {"met": 0, "total": 0}  # strict outcomes in the autoscaler's last window
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
 
@@ -191,6 +196,7 @@ class Controller:
         in_flight = self._gateway.get("in_flight", {})
         return {
             "target": self._target,
+            "slo_window": self._last_window | {"scale_ups": self.autoscaler.slo_scale_ups},
             "nodes": [{"node": n.node_id, "market": str(n.market), "state": str(n.state),
                        "models": sorted(n.models), "in_flight": in_flight.get(n.node_id, 0),
                        "deadline": n.deadline, "endpoint": None if n.endpoint is None else
@@ -252,7 +258,11 @@ class Controller:
                 and n.state is NodeState.ACTIVE]
 
     def _autoscale(self, now: float) -> None:
-        load = ClusterLoad(int(self._gateway.get("held", 0)), len(self._staying()), self.procurement.open_orders)
+        slo = self._gateway.get("slo", {})  # the gateway's strict outcomes since it started
+        met, total = self._slo_window.take(int(slo.get(SloOutcome.MET, 0)), sum(int(n) for n in slo.values()))
+        self._last_window = {"met": met, "total": total}
+        load = ClusterLoad(int(self._gateway.get("held", 0)), len(self._staying()), self.procurement.open_orders,
+                           met, total)
         self._target = self.autoscaler.tick(now, load)
         have = len(self._staying()) + self.procurement.open_orders
         while have < self._target:
@@ -394,7 +404,8 @@ class Controller:
         self._publish()
 
     def _publish(self) -> None:
-        nodes = tuple(NodeRoute(n.node_id, n.endpoint.host, n.endpoint.fast_port, n.market, n.state, n.models)
+        nodes = tuple(NodeRoute(n.node_id, n.endpoint.host, n.endpoint.fast_port, n.market, n.state, n.models,
+                                n.endpoint.http_port)
                       for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.STARTING)
         self._routes = Routes(self._routes.version + 1, nodes, tuple(sorted(self.registry.ids.items())))
         self._changed.set()

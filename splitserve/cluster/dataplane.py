@@ -3,7 +3,8 @@
 It builds one ``GatewayCore`` (the fast path over TCP, the ledger, dispatch and health
 checks) and, unless their ports are off, HTTP and gRPC front ends over it: the node's own
 Open Inference Protocol v2 inference half (``server.http.inference_app``: health, model
-readiness and metadata, infer with JSON tensors and the binary tensor data extension;
+readiness and metadata, infer with JSON tensors and the binary tensor data extension, and
+``/metrics``, the gateway's series and every node's merged, ``cluster/metrics.py``;
 ``server.grpc_server.InferenceServicer``: the same calls, ``ModelInfer`` and
 ``ModelStreamInfer``), served through ``GatewayServing``, which turns each call into a
 fast-path request held by the same ledger as a client's frame. So an HTTP or gRPC call is
@@ -29,6 +30,7 @@ import numpy as np
 
 from splitserve.client.common import ModelInfo, decode_outputs
 from splitserve.cluster.gateway import GatewayCore, Routes
+from splitserve.cluster.metrics import GatewayMetrics
 from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import SplitServeError, UnknownModel
 from splitserve.protocol import v2
@@ -109,13 +111,15 @@ def front_ends(core: GatewayCore, config: ServerConfig) -> list[FrontEnd]:
     ``config.host``, with the node's settings (codec pool, body limits, gRPC stream bound,
     grace). They share one codec pool, so its bound on bodies in hand holds for both, as on
     a node. The gateway serves no management and has no shared-memory regions registered,
-    so a call that names one is refused as naming one not registered."""
+    so a call that names one is refused as naming one not registered. Its HTTP serves
+    ``/metrics``: the gateway's own series and every node's (``cluster/metrics.py``)."""
     serving = GatewayServing(core)
     codec = CodecPool.from_config(config)
     shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
     out: list[FrontEnd] = []
     if config.http_port is not None:
-        out.append(HttpFrontEnd(inference_app(serving, serving, codec, config, shm), config))
+        metrics = GatewayMetrics(core)
+        out.append(HttpFrontEnd(inference_app(serving, serving, codec, config, shm, metrics=metrics.text), config))
     if config.grpc_port is not None:
         out.append(GrpcFrontEnd(InferenceServicer(serving, serving, codec, config, shm), config))
     return out

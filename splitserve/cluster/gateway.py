@@ -34,13 +34,14 @@ import logging
 import random
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from splitserve.client.common import ModelInfo
 from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
-from splitserve.cluster.health import HealthTracker
+from splitserve.cluster.health import Health, HealthTracker
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig
@@ -48,6 +49,7 @@ from splitserve.errors import (
     BadFrame, ModelNotReady, PayloadTooLarge, QueueFull, SplitServeError, UnknownModel, error_for_status,
 )
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.slo import SloOutcome, slo_outcome
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class NodeRoute:
     market: Market
     state: NodeState
     models: frozenset[str] = frozenset()
+    http_port: int | None = None  # its HTTP front end (the gateway reads its /metrics there)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class Routes:
     def from_json(cls, text: str) -> "Routes":
         doc = json.loads(text)
         nodes = tuple(NodeRoute(n["node"], n["host"], int(n["port"]), Market.parse(n["market"]),
-                                NodeState.parse(n["state"]), frozenset(n["models"])) for n in doc["nodes"])
+                                NodeState.parse(n["state"]), frozenset(n["models"]), n.get("http_port"))
+                      for n in doc["nodes"])
         return cls(int(doc["version"]), nodes, tuple((str(m), int(f)) for m, f in doc["models"]))
 
 
@@ -107,6 +111,7 @@ class _Held:
     header: Header  # as the client sent it: class, deadline, SLO
     payload: bytes
     deadline: float | None
+    slo: float | None  # a strict call's soft SLO (the core's clock), its own or its model's
 
 
 @dataclass
@@ -182,6 +187,14 @@ class GatewayCore:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self.answers_by_node: dict[str, int] = {}  # results delivered, per node (status and tests)
+        # what became of the requests (cumulative: /metrics, and the controller's autoscaler takes
+        # the strict SLO outcomes' differences between its decisions)
+        self.accepted = 0
+        self.answered: Counter[str] = Counter()  # "result", or the error's status name
+        self.refused: Counter[str] = Counter()  # not accepted, by status name
+        self.waits = 0  # requests that waited for a node with their model
+        self.strict_slo: Counter[SloOutcome] = Counter({o: 0 for o in SloOutcome})
+        self._model_slo: dict[str, float] = {}  # a model's own SLO, from its nodes' lookup replies
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -301,6 +314,16 @@ class GatewayCore:
         """Hold one request for ``model`` (``h``: its class, deadline and SLO) until ``reply``
         has its one answer, and send it to a node: the path of every front end. Raises when
         the gateway refuses it (then ``reply`` is never called)."""
+        try:
+            entry = self._accept(model, h, payload, reply)
+        except SplitServeError as e:
+            self.refused[e.status.name] += 1
+            raise
+        self.accepted += 1
+        self._held_bytes += len(payload)
+        self._dispatch(entry, frozenset())
+
+    def _accept(self, model: str, h: Header, payload: bytes, reply: Reply) -> Entry:
         if self._held_bytes + len(payload) > self.cfg.gateway_held_bytes:
             raise QueueFull(f"the gateway holds {self._held_bytes} bytes of unanswered requests")
         try:
@@ -309,9 +332,11 @@ class GatewayCore:
             raise BadFrame(f"unknown request class {h.cls}") from None
         now = self.clock()
         deadline = now + h.deadline_us / 1e6 if h.deadline_us else None
-        entry = self.ledger.accept(model, cls, _Held(reply, h, payload, deadline), now, deadline)
-        self._held_bytes += len(payload)
-        self._dispatch(entry, frozenset())
+        # the node measures a call's SLO from its own arrival; the cluster's autoscaler wants
+        # the client's view, from here, with the gateway's waits and re-sends in it
+        slo_s = h.slo_us / 1e6 if h.slo_us else self._model_slo.get(model)
+        slo = now + slo_s if cls is RequestClass.RT and slo_s else None
+        return self.ledger.accept(model, cls, _Held(reply, h, payload, deadline, slo), now, deadline)
 
     def model_info(self, name: str) -> ModelInfo:
         """``name`` as its nodes describe it (their lookup reply), with the cluster's func id.
@@ -338,6 +363,8 @@ class GatewayCore:
             # suspect): wait a bounded time for one rather than refuse at once
             since = self._parked_since.get(entry.req_id, self.clock())
             if self.clock() - since < self.cfg.gateway_dispatch_wait_s:
+                if entry.req_id not in self._parked_since:
+                    self.waits += 1
                 self._parked_since[entry.req_id] = since
                 self._parked[entry.req_id] = (entry, exclude)
             else:
@@ -369,6 +396,9 @@ class GatewayCore:
             return
         held: _Held = out.entry.handle  # type: ignore[assignment]
         self._held_bytes -= len(held.payload)
+        self.answered["result" if out.error is None else out.error.status.name] += 1
+        if held.slo is not None:
+            self.strict_slo[slo_outcome(held.slo, self.clock(), out.error)] += 1
         if out.error is not None:
             held.reply.error(out.error)
             return
@@ -428,6 +458,9 @@ class GatewayCore:
         if h.kind == Kind.LOOKUP_REPLY:
             link.lookups[model] = payload
             link.func_ids[model] = h.func_id
+            slo_s = json.loads(payload).get("slo_s")
+            if slo_s:
+                self._model_slo[model] = float(slo_s)
             self._unpark()
         else:
             log.warning("node %s has no model %s: %s", link.node[:12], model, payload.decode(errors="replace"))
@@ -482,12 +515,20 @@ class GatewayCore:
         return task
 
     def stats(self) -> dict[str, Any]:
-        """What the gateway holds and has done (for ``cluster status`` and tests)."""
+        """What the gateway holds and has done (for ``cluster status``, /metrics and tests;
+        ``slo``, the strict calls' SLO outcomes so far, is the controller's autoscaler's input)."""
         return {"routes": self.routes.version, "held": len(self.ledger), "held_bytes": self._held_bytes, "waiting": len(self._parked),
                 "in_flight": dict(self.ledger.in_flight()), "delivered": self.ledger.delivered,
                 "resent": self.ledger.resent, "dropped": self.ledger.dropped,
+                "accepted": self.accepted, "answered": dict(self.answered), "refused": dict(self.refused),
+                "waits": self.waits, "slo": {str(o): n for o, n in self.strict_slo.items()},
                 "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links),
                 "models": {n: sorted(link.func_ids) for n, link in self._links.items()}}
+
+    def health_states(self) -> dict[str, Health]:
+        """Each routed node's health as the gateway's pings see it (a node without a link: DEAD)."""
+        now = self.clock()
+        return {node: self.health.state(node, now) if node in self._links else Health.DEAD for node in self._by_node}
 
 
 def _error(h: Header, e: SplitServeError) -> list[bytes]:

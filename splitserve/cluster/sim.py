@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad
+from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
 from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
@@ -47,6 +47,7 @@ from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_ste
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
+from splitserve.slo import SloOutcome, slo_outcome
 
 MODEL = "model"
 
@@ -95,8 +96,10 @@ class _Tally:
     strict_errors: int = 0
     be_errors: int = 0
     strict_met: int = 0
-    window_met: int = 0  # since the last autoscaler decision
-    window_total: int = 0
+
+    @property
+    def strict_total(self) -> int:
+        return len(self.strict_latency) + self.strict_errors
 
 
 class ClusterSim:
@@ -122,6 +125,7 @@ class ClusterSim:
         self._views: list[NodeView] | None = None
         self._target = cfg.min_nodes
         self._tally = _Tally()
+        self._slo_window = SloWindow()
         self.requeued = 0
         self.notices: list[Notice] = []
         self.timeline: list[tuple[float, int, int]] = []  # (t, serving, billed) at each tick that changed them
@@ -215,12 +219,10 @@ class ClusterSim:
         strict = d.entry.cls is RequestClass.RT
         latency = self.now - d.entry.accepted_at
         if strict:
-            t.window_total += 1
+            if slo_outcome(d.entry.accepted_at + self.work.slo_s, self.now, d.error) is SloOutcome.MET:
+                t.strict_met += 1
             if d.error is None:
                 t.strict_latency.append(latency)
-                if latency <= self.work.slo_s:
-                    t.strict_met += 1
-                    t.window_met += 1
             else:
                 t.strict_errors += 1
         elif d.error is None:
@@ -324,8 +326,8 @@ class ClusterSim:
             self._notice(notice)
         t = self._tally
         serving = len(self._staying())
-        load = ClusterLoad(len(self.ledger), serving, self.procurement.open_orders, t.window_met, t.window_total)
-        t.window_met = t.window_total = 0
+        load = ClusterLoad(len(self.ledger), serving, self.procurement.open_orders,
+                           *self._slo_window.take(t.strict_met, t.strict_total))
         self._target = self.autoscaler.tick(self.now, load)
         self._reconcile()
         self._doomed()
@@ -362,7 +364,7 @@ class ClusterSim:
         import numpy as np
 
         t = self._tally
-        strict_total = len(t.strict_latency) + t.strict_errors
+        strict_total = t.strict_total
 
         def p99(xs: list[float]) -> float | None:
             return float(np.percentile(xs, 99)) * 1e3 if xs else None

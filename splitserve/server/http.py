@@ -279,12 +279,27 @@ def inference_routes(app: FastAPI, api: InferenceAPI, catalog: ModelCatalog, cod
              **infer_doc)(infer)
 
 
+def metrics_route(app: FastAPI, text: Callable[[], Awaitable[str]]) -> None:
+    """Add ``GET /metrics`` to ``app``: the Prometheus text that ``text`` returns."""
+
+    exposition = {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}
+
+    @app.get("/metrics", tags=["metrics"], **_doc({"description": "Prometheus text exposition", "content": exposition}))
+    async def metrics() -> Response:
+        """Prometheus metrics, per model and class."""
+        return Response(await text(), media_type=CONTENT_TYPE_LATEST)
+
+
 def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
-                  shm: SharedMemoryRegions, extensions: Sequence[str] = ("binary_tensor_data",)) -> FastAPI:
-    """An app of ``inference_routes`` alone (a cluster gateway's: no management, no metrics)."""
+                  shm: SharedMemoryRegions, extensions: Sequence[str] = ("binary_tensor_data",),
+                  metrics: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """An app of ``inference_routes`` alone, and ``/metrics`` from ``metrics`` when given (a
+    cluster gateway's: no management)."""
     app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
                    [doc.InferRequestBody])
     inference_routes(app, api, catalog, codec, config, shm, extensions)
+    if metrics is not None:
+        metrics_route(app, metrics)
     return app
 
 
@@ -596,14 +611,10 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         evictions, and each model's residency (RESIDENT, LOADING, EVICTED, FAILED, UNLOADED)."""
         return manager.memory_status()
 
-    # -- metrics ----------------------------------------------------------------------------
+    async def metrics_text() -> str:
+        return api.metrics_text()
 
-    @app.get("/metrics", tags=["metrics"], **_doc(
-        {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}))
-    async def metrics() -> Response:
-        """Prometheus metrics, per model and class."""
-        return Response(api.metrics_text(), media_type=CONTENT_TYPE_LATEST)
-
+    metrics_route(app, metrics_text)
     return app
 
 

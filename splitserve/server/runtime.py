@@ -1115,6 +1115,7 @@ class ModelRuntime:
             "name": self.name, "func_id": self.func_id, "version": cfg.version, "state": self.state,
             "inputs": [t.to_dict() for t in cfg.inputs], "outputs": [t.to_dict() for t in cfg.outputs],
             "max_batch_size": cfg.max_batch_size, "default_class": cfg.default_class,
+            "slo_s": self.slo_s,  # real-time calls that name no SLO get this one (a cluster gateway counts by it)
             "instances": self.instance_count,
             "threads": [p.threads if p else 0 for p in placed],
             "cpus": [sorted(p.cpus) if p else [] for p in placed],

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
@@ -192,6 +193,14 @@ def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster:
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(np.asarray(r.json()["outputs"][0]["data"], np.float32), want[0], atol=1e-5)
     assert _gateway(cluster)["delivered"] == delivered + 2  # both HTTP calls went through the ledger
+
+    def metrics_name_every_active_node() -> bool:  # the nodes' own series, scraped by the gateway
+        text = httpx.get(f"http://127.0.0.1:{h.gateway_http_port}/metrics", timeout=30).text
+        named = {s.labels.get("node") for f in text_string_to_metric_families(text)
+                 if not f.name.startswith("splitserve_gateway_") for s in f.samples}
+        return {n["node"][:12] for n in _status(cluster)["nodes"] if n["state"] == "active"} <= named
+
+    _until("the gateway's /metrics names every active node", metrics_name_every_active_node, 30)
 
 
 def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluster: LocalCluster) -> None:

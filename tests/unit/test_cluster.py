@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad
+from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
 from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView, place
 from splitserve.cluster.health import Health, HealthTracker
@@ -340,6 +340,20 @@ def test_missed_slos_ask_for_one_more_node_once_at_a_time():
     assert a.tick(0.0, ClusterLoad(10, 2, 0, strict_met=90, strict_total=100)) == 3
     assert a.tick(1.0, ClusterLoad(10, 2, 1, strict_met=90, strict_total=100)) == 3  # one is starting
     assert a.tick(2.0, ClusterLoad(10, 3, 0, strict_met=100, strict_total=100)) == 3
+
+
+def test_misses_of_work_already_answered_ask_for_no_node():
+    a = ClusterAutoscaler(1, 8, requests_per_node=100, slo_target=0.99, keep_alive_s=600.0)
+    assert a.tick(0.0, ClusterLoad(0, 2, 0, strict_met=50, strict_total=100)) == 2
+    assert a.slo_scale_ups == 0
+
+
+def test_the_slo_window_is_the_difference_of_cumulative_counts_and_starts_afresh_when_they_fall():
+    w = SloWindow()
+    assert w.take(90, 100) == (90, 100)
+    assert w.take(90, 100) == (0, 0)  # nothing answered since
+    assert w.take(95, 110) == (5, 10)
+    assert w.take(3, 4) == (3, 4)  # the gateway restarted: its counts began again at zero
 
 
 # -- config and the simulator ------------------------------------------------------------

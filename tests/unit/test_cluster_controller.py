@@ -122,3 +122,45 @@ def test_a_node_is_ready_when_its_models_are_warm_not_when_its_server_answered()
         assert record["ready_at"] == 130.0
 
     asyncio.run(scenario())
+
+
+class _Provider:
+    """A provider whose launches never finish (the test looks at what was ordered)."""
+
+    def __init__(self) -> None:
+        self.markets: list[str] = []
+        self.launch = _Method(self._launch)
+
+    async def _launch(self, market: str) -> str:
+        self.markets.append(market)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_the_controller_orders_a_node_when_the_gateways_strict_compliance_falls_below_target() -> None:
+    """Two nodes serve and the gateway holds 4 requests (a node carries 32): queue depth asks
+    for no node. Strict outcomes from the gateway's stats (cumulative) are differenced per
+    autoscaler round: a round where 10 of 100 strict calls missed orders a third node."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        provider = _Provider()
+        cfg = ClusterConfig(min_nodes=2, max_nodes=4, procurement="on-demand-only", slo_target=0.99)
+        ctl = Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
+                         address="127.0.0.1:1")
+        for name in ("a", "b"):
+            ctl.nodes[name] = _Node(name, Market.ON_DEMAND, None, FakeNodeServer(name), endpoint=_endpoint(name),
+                                    state=NodeState.ACTIVE, models=frozenset({"lenet"}))
+        await ctl.routes(-1, {"held": 4, "slo": {"met": 500, "missed": 0, "dropped": 0}})
+        ctl._autoscale(now[0])
+        assert ctl._target == 2 and ctl.procurement.open_orders == 0
+        now[0] += 1
+        await ctl.routes(-1, {"held": 4, "slo": {"met": 590, "missed": 8, "dropped": 2}})
+        ctl._autoscale(now[0])
+        await _settle()
+        assert ctl._target == 3 and ctl.procurement.open_orders == 1 and provider.markets == ["on-demand"]
+        assert (await ctl.status())["slo_window"] == {"met": 90, "total": 100, "scale_ups": 1}
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
