@@ -20,13 +20,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
+from splitserve.client.fastpath import connect  # noqa: E402
 from splitserve.cluster import raycompat  # noqa: E402
+from splitserve.cluster.local import attach, stop_actors, wait_serving  # noqa: E402
+from splitserve.cluster.node_server import NodeSpec  # noqa: E402
 from splitserve.cluster.provider import AutoscalerProviderActor  # noqa: E402
+from splitserve.config import ClusterConfig  # noqa: E402
+from tests.conftest import CACHE  # noqa: E402
 
 # the fake provider names its nodes by number; v2 needs the head's named so too
 FAKE_HEAD_ID = "f" * 51 + "00000"
@@ -141,3 +147,17 @@ def test_nodes_of_each_market_come_from_rays_autoscaler_and_leave_on_terminate(h
           + ", ".join(f"{m} {s:.1f} s" for m, s in arrived.items())
           + "; gone after terminate: " + ", ".join(f"{m} {s:.1f} s" for m, s in left.items()))
     ray.kill(provider)
+
+
+def test_the_controller_serves_through_the_gateway_from_a_node_rays_autoscaler_gave(head):
+    cfg = ClusterConfig.from_env(min_nodes=1, max_nodes=1, procurement="on-demand-only", keep_alive_s=3600)
+    spec = NodeSpec(token="autoscaler-test-token", cache_dir=str(CACHE), tmp_root=tempfile.gettempdir())
+    h = attach(cfg, spec, "127.0.0.1", 0, ["lenet"], None, None, joined=True)
+    try:
+        status = wait_serving(h.controller, 1, 180)
+        [node] = status["nodes"]
+        assert node["market"] == "on-demand" and _node(node["node"]).labels[raycompat.MARKET_LABEL] == "on-demand"
+        with connect(f"tcp://127.0.0.1:{h.gateway_port}") as c:
+            assert c.infer("lenet", np.zeros((1, 28, 28), np.uint8)).shape == (10,)
+    finally:
+        stop_actors(h)
