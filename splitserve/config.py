@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from splitserve.cluster.pools import TABLE3, Market, PricePreset, Prices, ProcurementPolicy
+from splitserve.cluster.pools import TABLE3, Market, NodeProviderKind, PricePreset, Prices, ProcurementPolicy
 from splitserve.errors import InvalidInput
 from splitserve.placement.packrat import PlacementKind
 from splitserve.placement.partition import Partitioning, StrictPlacement
@@ -371,6 +371,10 @@ class ClusterConfig:
     # c-obs: the gateway's /metrics
     metrics_scrape_timeout_s: float = 1.0  # a node's /metrics not read in full by then is left out of the gateway's
     metrics_scrape_bytes: int = 4 << 20  # the most of a node's /metrics the gateway reads; a longer one is left out
+    # c-raypro: nodes from Ray's own autoscaler (`cluster up --address`)
+    provider: NodeProviderKind = NodeProviderKind.AUTO  # auto (local; autoscaler with --address) | local | autoscaler
+    launch_timeout_s: float = 90.0  # a node asked of Ray's autoscaler that has not joined by then is a failed launch
+    terminate_timeout_s: float = 30.0  # how long retiring a node waits for Ray's autoscaler to take it away
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -407,7 +411,7 @@ class ClusterConfig:
             raise InvalidInput(f"slo_target must be in (0, 1], got {self.slo_target}")
         for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
                      "ping_interval_s", "autoscale_interval_s", "reconcile_interval_s", "node_start_timeout_s",
-                     "node_stats_timeout_s", "metrics_scrape_timeout_s"):
+                     "node_stats_timeout_s", "metrics_scrape_timeout_s", "launch_timeout_s", "terminate_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",

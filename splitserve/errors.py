@@ -86,8 +86,9 @@ class InvalidInput(SplitServeError):
 
 class ResourcesUnavailable(InvalidInput):
     """The node cannot give what a placement asks for (CPUs held by other owners, or a change
-    that cannot be made without a pause in service); the message names what is in use and by
-    whom. A kind of InvalidInput: the caller must ask for something else."""
+    that cannot be made without a pause in service), or the cluster's provider gave no node
+    in the market asked for in time; the message names what is missing. A kind of
+    InvalidInput: the caller must ask for something else (procurement: the other market)."""
 
 
 class ModelNotReady(SplitServeError):

@@ -2,7 +2,8 @@
 
 ``up`` without ``--address`` runs a whole cluster on this machine (a Ray head on 127.0.0.1
 and ``--nodes`` serving raylets) in the foreground until Ctrl-C or ``cluster down``; with
-``--address`` it puts the splitserve actors on an existing Ray cluster and returns. The
+``--address`` it puts the splitserve actors on an existing Ray cluster and returns, and
+nodes come from that cluster's autoscaler (``--provider``; docs/cluster.md). The
 gateway serves the fast path on ``--gateway-port``, HTTP (Open Inference Protocol v2) on
 ``--gateway-http-port`` and gRPC (the same protocol's GRPCInferenceService) on
 ``--gateway-grpc-port``: clients use the same URLs and clients as for one node. The
@@ -28,6 +29,7 @@ from rich.table import Table
 from splitserve.cluster import raycompat
 from splitserve.cluster.local import LocalCluster, attach, find, stop_actors
 from splitserve.cluster.node_server import NodeSpec
+from splitserve.cluster.pools import NodeProviderKind
 from splitserve.config import ClusterConfig, default_data_dir, env_cache_dir
 from splitserve.server.management import TOKEN_FILE, ensure_token_file
 
@@ -56,19 +58,27 @@ def up(
     node_host: str = typer.Option("127.0.0.1", help="Address each node server binds."),
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
+    provider: Optional[NodeProviderKind] = typer.Option(
+        None, help="Where nodes come from: local (raylets on the head's machine) or autoscaler (Ray's, node types "
+                   "per market); auto, the default (SPLITSERVE_CLUSTER_PROVIDER): autoscaler with --address, else local."),
 ) -> None:
     """Start a cluster (local: head + NODES raylets on 127.0.0.1) and its gateway."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     d = _data_dir(data_dir)
-    cfg = ClusterConfig.from_env(min_nodes=nodes, max_nodes=max(nodes, ClusterConfig.from_env().max_nodes))
+    chosen = {} if provider is None else {"provider": provider}
+    cfg = ClusterConfig.from_env(min_nodes=nodes, max_nodes=max(nodes, ClusterConfig.from_env().max_nodes), **chosen)
+    if address is None and cfg.provider is NodeProviderKind.AUTOSCALER:
+        raise typer.BadParameter("--provider autoscaler needs --address: the local cluster has no autoscaler")
     http_port = None if gateway_http_port < 0 else gateway_http_port
     grpc_port = None if gateway_grpc_port < 0 else gateway_grpc_port
     cache = env_cache_dir()
     spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
                     tmp_root=tempfile.gettempdir())
     if address is not None:
+        if address.startswith("127."):
+            raycompat.use_loopback()
         ray.init(address=address, logging_level=logging.WARNING)
-        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port)
+        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
     local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port,

@@ -3,7 +3,8 @@
 ``LocalCluster`` is what ``splitserve cluster up`` and the tests run: a Ray head on
 127.0.0.1 (no CPUs, so only the control actors land there; fast health checks), the
 provider that starts serving raylets, the controller and the gateway. ``attach`` puts the
-same actors on a Ray cluster someone else runs (``cluster up --address``).
+same actors on a Ray cluster someone else runs (``cluster up --address``), where the
+provider asks Ray's autoscaler for nodes unless ``ClusterConfig.provider`` says ``local``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from splitserve.cluster import raycompat
 from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
 from splitserve.cluster.ingress import GATEWAY_NAME, GatewayActor
 from splitserve.cluster.node_server import NodeSpec
-from splitserve.cluster.provider import PROVIDER_NAME, ProviderActor
+from splitserve.cluster.provider import PROVIDER_NAME, provider_actor
 from splitserve.config import ClusterConfig
 from splitserve.errors import InternalError
 
@@ -51,12 +52,14 @@ class Handles:
 
 
 def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_port: int,
-           models: list[str], gateway_http_port: int | None = None, gateway_grpc_port: int | None = None) -> Handles:
+           models: list[str], gateway_http_port: int | None = None, gateway_grpc_port: int | None = None,
+           joined: bool = False) -> Handles:
     """Create (or find) the provider, controller and gateway on the cluster this driver is
-    connected to, and start the controller's loop."""
+    connected to, and start the controller's loop; ``joined``: a cluster someone else runs
+    (``cfg.provider`` ``auto`` then means Ray's autoscaler)."""
     address = raycompat.gcs_address()
     opts = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True)
-    provider = ProviderActor.options(name=PROVIDER_NAME, **opts).remote(address)
+    provider = provider_actor(cfg, joined, address, name=PROVIDER_NAME, **opts)
     controller = ControllerActor.options(name=CONTROLLER_NAME, **opts).remote(cfg, node_spec, provider, models)
     ray.get(controller.start.remote())
     gateway = GatewayActor.options(name=GATEWAY_NAME, **opts).remote(cfg, gateway_host, gateway_port, controller,
@@ -88,7 +91,7 @@ def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
 
 
 def stop_actors(h: Handles) -> None:
-    """Retire every node, then stop the gateway and the provider's raylets."""
+    """Retire every node, then stop the gateway and the provider's nodes (or requests)."""
     ray.get(h.controller.stop_all.remote())
     ray.get(h.gateway.stop.remote())
     ray.get(h.provider.shutdown.remote())

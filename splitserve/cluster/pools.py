@@ -18,6 +18,21 @@ class Market(Choice, what="market"):
     ON_DEMAND = "on-demand"
 
 
+class NodeProviderKind(Choice, what="provider"):
+    """Where the cluster's serving nodes come from (``cluster/provider.py``)."""
+
+    AUTO = "auto"  # local on a cluster `cluster up` starts itself; autoscaler on one it joins (--address)
+    LOCAL = "local"  # raylets started on the head's machine (development, tests)
+    AUTOSCALER = "autoscaler"  # Ray's own autoscaler: node types per market in the cluster's YAML
+
+    def resolve(self, joined: bool) -> "NodeProviderKind":
+        """The provider to build: ``auto`` becomes ``autoscaler`` on a cluster someone else
+        runs (``joined``), ``local`` on one the CLI starts."""
+        if self is NodeProviderKind.AUTO:
+            return NodeProviderKind.AUTOSCALER if joined else NodeProviderKind.LOCAL
+        return self
+
+
 class PricePreset(Choice, what="pricing", hint="PROTEAN Table 3: $/h of an 8xA100 instance"):
     """Whose prices the cost ledger uses by default."""
 

@@ -5,9 +5,10 @@ retires nodes through it too. ``LocalRayletProvider`` starts raylets on 127.0.0.
 the cluster (development, tests, ``splitserve cluster up``): each has one
 ``splitserve_node`` resource and the market label, and ``evict`` makes one vanish the way a
 reclaimed VM does (docs/cluster.md §3.3). It runs inside a Ray actor on the head
-(``ProviderActor``) so that the raylets it starts outlive any driver; a cloud provider
-(Ray's autoscaler through ``request_resources`` with node types per market) is the other
-implementation this seam is for, not built yet.
+(``ProviderActor``) so that the raylets it starts outlive any driver. ``AutoscalerProvider``
+asks Ray's own autoscaler instead, on a cluster whose YAML has node types per market (a
+``splitserve.io/market`` label and one ``splitserve_node`` resource each): what a real cloud
+cluster, or KubeRay, uses. ``provider_actor`` builds the one a ``ClusterConfig`` names.
 
 The seam lives here rather than in ``server/ports.py``: that module holds the seams of one
 node, and a provider is a cluster-level part that no node module calls.
@@ -16,13 +17,18 @@ node, and a provider is a cluster-level part that no node module calls.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import ray
 
 from splitserve.cluster import raycompat
-from splitserve.cluster.pools import Market
-from splitserve.errors import NotFound
+from splitserve.cluster.pools import Market, NodeProviderKind
+from splitserve.config import ClusterConfig
+from splitserve.errors import InvalidInput, NotFound, Refused, ResourcesUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,140 @@ class LocalRayletProvider:
             raise NotFound(f"node {node_id} was not started by this provider or is gone") from None
 
 
+_POLL_S = 0.25  # how often a launch or a terminate looks at Ray's node table
+
+
+class AutoscalerProvider:
+    """Nodes from Ray's autoscaler (v2: v1 ignores the label selectors that name a market).
+
+    ``launch(market)`` raises this provider's wanted total for the market by one and asks
+    the autoscaler for all of it (``request_resources`` replaces the previous request), then
+    waits for a node with the market label and a ``splitserve_node`` that no launch has
+    claimed yet; one that does not join within ``launch_timeout_s`` is withdrawn and raises
+    ``ResourcesUnavailable``, which the controller reports to procurement as a failed
+    request (protean then asks for on-demand). ``terminate`` lowers the total and drains the
+    node as idle through the GCS, so the raylet exits and the autoscaler removes its
+    instance at once instead of after its idle timeout.
+
+    ``evict`` is refused: a cloud takes a node back by itself, not at splitserve's request.
+    That arrives as Ray's PREEMPTION drain (a spot notice; Ray's own SIGTERM handling of
+    ``ray start --block`` sends one), which the controller already reads from the GCS, or
+    as the node's death, which it sees in Ray's node table. Nothing here holds the node's
+    processes (the autoscaler's instances run elsewhere, or inside Ray's monitor for the
+    fake provider), so there is nothing safe to kill; the emulated notice
+    (``raycompat.drain_node``) is the way to test an eviction on this provider.
+
+    Calls run concurrently (a threaded actor): a launch waiting for its node must not hold
+    up another market's launch or a terminate.
+    """
+
+    def __init__(self, address: str, launch_timeout_s: float, terminate_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        if not raycompat.autoscaler_v2():
+            raise InvalidInput("the autoscaler provider needs Ray's autoscaler v2, which honours the market labels "
+                               "of its requests (KubeRay's default; else start the head with "
+                               "RAY_enable_autoscaler_v2=1), or use the local provider")
+        self.address = address
+        self.launch_timeout_s = launch_timeout_s
+        self.terminate_timeout_s = terminate_timeout_s
+        self.clock = clock
+        self.sleep = sleep
+        self._lock = threading.Lock()
+        self._wanted: Counter[str] = Counter()  # per market: claimed nodes plus launches waiting
+        self._claimed: dict[str, Market] = {}  # node id -> market, the nodes launches returned
+
+    def launch(self, market: str) -> str:
+        m = Market.parse(market)
+        with self._lock:
+            self._forget_dead()
+            self._wanted[m] += 1
+            self._ask()
+        deadline = self.clock() + self.launch_timeout_s
+        while True:
+            with self._lock:
+                node_id = self._unclaimed(m)
+                if node_id is not None:
+                    self._claimed[node_id] = m
+                    log.info("Ray's autoscaler gave a %s node: %s", m, node_id[:12])
+                    return node_id
+                if self.clock() > deadline:
+                    self._wanted[m] -= 1
+                    self._ask()
+                    raise ResourcesUnavailable(f"Ray's autoscaler gave no {m} node within {self.launch_timeout_s:g} s "
+                                               "(no capacity, or no node type with that market label)")
+            self.sleep(_POLL_S)
+
+    def terminate(self, node_id: str) -> None:
+        with self._lock:
+            m = self._claimed.pop(node_id, None)
+            if m is None:
+                raise NotFound(f"node {node_id} was not launched by this provider or is gone")
+            self._wanted[m] -= 1
+            self._ask()
+        deadline = self.clock() + self.terminate_timeout_s
+        accepted, why = False, ""
+        while self._alive(node_id):
+            if not accepted:
+                # refused while the node server's last processes exit: ask again
+                accepted, why = raycompat.drain_idle(self.address, node_id, "splitserve: node retired")
+            if self.clock() > deadline:
+                # no longer requested, so Ray's autoscaler still removes it after its idle timeout
+                log.warning("node %s did not leave within %g s (%s); Ray's idle timeout will remove it", node_id[:12],
+                            self.terminate_timeout_s, why or "drained, still listed")
+                return
+            self.sleep(_POLL_S)
+        log.info("node %s left the cluster", node_id[:12])
+
+    def evict(self, node_id: str) -> None:
+        raise Refused("Ray's autoscaler has no eviction at splitserve's request: a cloud takes nodes back by itself "
+                      "(Ray's PREEMPTION drain or the node's death); emulate a notice with a drain instead")
+
+    def markets(self) -> dict[str, str]:
+        with self._lock:
+            return {n: str(m) for n, m in self._claimed.items()}
+
+    def shutdown(self) -> None:
+        """Withdraw every request (``cluster down``: the controller has retired the nodes)."""
+        with self._lock:
+            self._wanted.clear()
+            self._claimed.clear()
+            self._ask()
+
+    def _ask(self) -> None:
+        raycompat.request_nodes({str(m): n for m, n in self._wanted.items() if n > 0})
+
+    def _unclaimed(self, m: Market) -> str | None:
+        for n in raycompat.nodes():
+            if (n.alive and n.node_id not in self._claimed and n.labels.get(raycompat.MARKET_LABEL) == str(m)
+                    and n.resources.get(raycompat.NODE_RESOURCE, 0) >= 1):
+                return n.node_id
+        return None
+
+    def _alive(self, node_id: str) -> bool:
+        return any(n.node_id == node_id and n.alive for n in raycompat.nodes())
+
+    def _forget_dead(self) -> None:
+        """Nodes that died (evicted, lost) are no longer wanted: the controller orders their
+        replacements itself, so asking for them again would buy one node twice."""
+        alive = {n.node_id for n in raycompat.nodes() if n.alive}
+        for node_id in [n for n in self._claimed if n not in alive]:
+            self._wanted[self._claimed.pop(node_id)] -= 1
+
+
 PROVIDER_NAME = "splitserve-provider"
 
 # On the head (its ``splitserve_head`` resource), never restarted: its raylets die with it.
 ProviderActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=0)(LocalRayletProvider)
+# Threaded: launches wait for nodes for up to launch_timeout_s each, side by side.
+AutoscalerProviderActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=0,
+                                     max_concurrency=32)(AutoscalerProvider)
+
+
+def provider_actor(cfg: ClusterConfig, joined: bool, address: str, **options: Any) -> Any:
+    """Create (or find, with ``get_if_exists``) the provider actor ``cfg.provider`` names on
+    the cluster at ``address``; ``joined``: a cluster someone else runs (``cluster up
+    --address``), where ``auto`` means Ray's autoscaler."""
+    if cfg.provider.resolve(joined) is NodeProviderKind.AUTOSCALER:
+        return AutoscalerProviderActor.options(**options).remote(address, cfg.launch_timeout_s,
+                                                                 cfg.terminate_timeout_s)
+    return ProviderActor.options(**options).remote(address)

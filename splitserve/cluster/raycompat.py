@@ -60,24 +60,53 @@ def _gcs(address: str) -> Any:
     return GcsClient(address=address)
 
 
+def _drain(address: str, node_id: str, reason: str, message: str, deadline_ms: int) -> tuple[bool, str]:
+    from ray.core.generated.autoscaler_pb2 import DrainNodeReason
+
+    return _gcs(address).drain_node(node_id, DrainNodeReason.Value(reason), message, deadline_ms, timeout=10)
+
+
 def drain_node(address: str, node_id: str, deadline_s: float, message: str) -> None:
     """A spot eviction notice: drain ``node_id`` with reason PREEMPTION (not rejectable) and a
     deadline in ``deadline_s`` seconds from now, and check that the GCS took it (a wrong id
     form is accepted silently and drains nothing)."""
-    from ray.core.generated.autoscaler_pb2 import DrainNodeReason
-
     deadline_ms = int((time.time() + deadline_s) * 1000)
-    gcs = _gcs(address)
-    accepted, why = gcs.drain_node(node_id, DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message,
-                                   deadline_ms, timeout=10)
+    accepted, why = _drain(address, node_id, "DRAIN_NODE_REASON_PREEMPTION", message, deadline_ms)
     if not accepted or node_id not in draining_nodes(address):
         raise InternalError(f"Ray did not drain node {node_id}: {why or 'not listed as draining'}")
+
+
+def drain_idle(address: str, node_id: str, message: str) -> tuple[bool, str]:
+    """Ask the GCS to retire ``node_id`` as idle (IDLE_TERMINATION, what autoscaler v2 sends
+    itself): the raylet refuses while anything runs there, else exits at once and the
+    autoscaler then terminates its instance. Returns (accepted, why not)."""
+    return _drain(address, node_id, "DRAIN_NODE_REASON_IDLE_TERMINATION", message, 0)
 
 
 def draining_nodes(address: str) -> dict[str, float]:
     """Draining nodes: hex id -> deadline in seconds since the epoch (0: none given)."""
     raw = _gcs(address).get_draining_nodes(timeout=10)
     return {(k.hex() if isinstance(k, bytes) else str(k)): v / 1000.0 for k, v in raw.items()}
+
+
+def autoscaler_v2() -> bool:
+    """Whether the cluster this process is connected to runs Ray's autoscaler v2 (asked of
+    the GCS): v1 drops ``request_resources``' label selectors, so it cannot be asked for a
+    market (``ray.autoscaler._private.commands.request_resources``)."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    return is_autoscaler_v2(fetch_from_server=True)
+
+
+def request_nodes(wanted: Mapping[str, int]) -> None:
+    """Ask Ray's autoscaler for ``wanted[market]`` nodes with one ``splitserve_node`` each
+    and the market label. The request replaces the previous one (``request_resources``): the
+    caller passes its whole total every time."""
+    from ray.autoscaler.sdk import request_resources
+
+    markets = [m for m, n in sorted(wanted.items()) for _ in range(n)]
+    request_resources(bundles=[{NODE_RESOURCE: 1} for _ in markets],
+                      bundle_label_selectors=[{MARKET_LABEL: m} for m in markets])
 
 
 def on_node(node_id: str) -> dict[str, Any]:
