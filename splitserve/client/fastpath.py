@@ -171,6 +171,19 @@ class _Stream:
         return h, self._take(n)
 
 
+def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
+    """The direct endpoints of ``info``'s workers for a client that reached the front end at
+    ``front``: from a ``unix://`` front end their Unix sockets (LOOKUP's ``direct``), from a
+    ``tcp://`` one their TCP ports (``direct_tcp``) at the host the client reached the front
+    end at, since the workers bind the front end's own address (which may be a wildcard,
+    or have another name here). A server that offers no TCP endpoints (an older one, or
+    ``direct_tcp`` off) gets a TCP client's calls through the front end."""
+    if front.scheme == "unix":
+        return list(info.extra.get("direct", ()))
+    host = f"[{front.host}]" if ":" in front.host else front.host
+    return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra.get("direct_tcp", ())]
+
+
 # A direct client looks a model up again at least this many retry intervals apart even when
 # it holds a connection to every instance, to find instances added since (scaling).
 _REFRESH_RETRIES = 10
@@ -208,7 +221,8 @@ class Client:
     ``direct=True`` sends calls straight to the worker processes that run the model when
     the server offers it (``ServerConfig.fast_direct``; its LOOKUP names their endpoints):
     one connection per instance, calls spread over them in turn; lookups stay with the
-    front end. A direct connection that closes (its worker was unloaded, evicted, restarted
+    front end. A ``unix://`` client connects to the workers' Unix sockets, a ``tcp://`` one
+    to their TCP ports (so a client on another machine goes direct too). A direct connection that closes (its worker was unloaded, evicted, restarted
     or died, or refused the connection) costs no call: the calls it had not answered are
     re-sent through the front end (inference has no side effects, so a call whose answer
     was lost is run again), and the model is looked up again before its next call, then at
@@ -308,7 +322,7 @@ class Client:
         live = {st.url: st for st in route.streams} if route is not None else {}
         streams = []
         now = time.monotonic()
-        for url in info.extra.get("direct", ()) if self.direct else ():
+        for url in _direct_urls(self.endpoint, info) if self.direct else ():
             st = live.pop(url, None)
             if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
@@ -585,7 +599,7 @@ class AsyncClient:
         if self.direct:
             live = {st.url: st for st in (route[0] if route else [])}
             streams = []
-            for url in info.extra.get("direct", ()):
+            for url in _direct_urls(self.endpoint, info):
                 st = live.pop(url, None)
                 if st is None:
                     try:
