@@ -1,7 +1,10 @@
 """A worker's direct endpoint: SplitRPC's split on a host without a programmable NIC.
 
 With ``ServerConfig.fast_direct`` every bound worker also listens on a Unix socket of its
-own (in the node's private run directory, mode 0600), named in the model's LOOKUP reply.
+own (in the node's private run directory, mode 0600) and, when the node's fast path listens
+on TCP, on a TCP port of its own at the fast path's address (``DirectSpec.tcp_host``; the
+port its OS picks goes back in LOADED), both named in the model's LOOKUP reply. Both kinds
+of connection are served alike, under one ``max_connections``.
 A client that follows it sends its frames straight to the process that runs the model:
 client -> worker -> client, two hand-offs instead of four, and no front-end Python on the
 way. The front end keeps the control path: LOOKUP, LOAD/UNLOAD (which open and close the
