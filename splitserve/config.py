@@ -189,11 +189,13 @@ class ServerConfig:
     # -- fast path at the limit (issue 15) --
     fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
     # -- direct data path (issue 15, direct): the worker that runs the model takes its fast-path calls itself --
-    fast_direct: bool = False  # bound workers also listen for fast-path frames on a Unix socket of their own (LOOKUP names it)
+    fast_direct: bool = False  # bound workers also listen for fast-path frames on a Unix socket of their own, and TCP (direct_tcp); LOOKUP names them
     direct_max_connections: int = 64  # direct connections per worker; one more is told so and closed
     direct_admit: int = 4096  # calls a worker may hold from its direct connections; past it they are not read
     direct_suspend_poll_s: float = 0.001  # how often a worker looks whether its suspended direct BE batch may resume
     direct_poll_s: float = 0.005  # how often the node reads its workers' pages for REEF (turns their doorbells on and off)
+    # -- direct data path over TCP (issue 15, f-tcp): remote clients reach the workers too --
+    direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -314,6 +316,15 @@ class ServerConfig:
     def direct_dir(self) -> Path:
         """Where workers put their direct endpoints (inside the private data directory)."""
         return self.data_dir / "direct"
+
+    @property
+    def direct_tcp_host(self) -> str | None:
+        """The address workers' TCP direct endpoints bind (the fast path's own, never a
+        wider one), or None when they have none: the direct path off, no TCP fast path, or
+        ``direct_tcp`` off."""
+        if not (self.fast_direct and self.direct_tcp) or self.fast_port is None:
+            return None
+        return self.host
 
 
 # -- cluster (issue 13, c-pure): node pools and prices, procurement, revocations, dispatch, health, autoscaling --

@@ -69,8 +69,11 @@ def udp_describe(u: socket.socket, name: str) -> dict:
 
 
 # The stream data paths a call can take: through the front end, or straight to the worker
-# that runs the model (ServerConfig.fast_direct, endpoints named by LOOKUP).
+# that runs the model (ServerConfig.fast_direct, endpoints named by LOOKUP) over its Unix
+# socket. ``DIRECT_TCP``, the same over the worker's TCP endpoint (the way a client on
+# another machine goes), is added only where it proves that endpoint cheaply.
 PATHS = ("front", "direct")
+DIRECT_TCP = "direct-tcp"
 
 
 def direct_env() -> dict[str, str]:
@@ -82,21 +85,28 @@ def direct_env() -> dict[str, str]:
 
 def stream(server: Any, path: str, model: str) -> tuple[socket.socket, int]:
     """A raw connection that carries ``model``'s requests over ``path`` (the front end's TCP
-    port, or the first direct endpoint its LOOKUP names), and the model's func_id."""
+    port, or the first direct endpoint of that kind its LOOKUP names), and the model's func_id."""
     s = raw(server)
     info = describe(s, model)
     if path == "front":
         return s, info["func_id"]
     s.close()
-    assert info["direct"], f"{model} offers no direct endpoint: {info}"
-    d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    key = "direct_tcp" if path == DIRECT_TCP else "direct"
+    assert info.get(key), f"{model} offers no {key} endpoint: {info}"
+    url = info[key][0]
+    if path == DIRECT_TCP:
+        d = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    else:
+        d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        d.connect(url.removeprefix("unix://"))
     d.settimeout(TIMEOUT_S)
-    d.connect(info["direct"][0].removeprefix("unix://"))
     return d, info["func_id"]
 
 
 def client(server: Any, path: str, **kw: Any) -> Any:
-    """A sync ``Client`` whose calls take ``path``."""
+    """A sync ``Client`` whose calls take ``path`` (a direct client follows the endpoints of
+    its front end's kind: Unix from ``unix://``, TCP from ``tcp://``)."""
     from splitserve import Client
 
-    return Client(server.tcp, direct=path == "direct", **kw)
+    url = server.unix if path == "direct" else server.tcp
+    return Client(url, direct=path != "front", **kw)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from splitserve.bench.transports import FAST_PATH
 from splitserve.types import TensorSpec
 
 
@@ -122,7 +123,7 @@ def _grpc(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: Sequen
 def measure(transport: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
             x: Sequence[np.ndarray], y: Sequence[np.ndarray], reps: int = 200) -> CodecTiming | None:
     """Encode + decode time of one request of ``transport`` with inputs ``x`` and answer ``y``."""
-    if transport in ("tcp", "unix", "direct", "udp"):
+    if transport in FAST_PATH:
         return _fast_path(inputs, outputs, x, y, reps)
     if transport in ("http-json", "http-binary"):
         return _http(inputs, outputs, x, y, reps, binary=transport == "http-binary")

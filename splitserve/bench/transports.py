@@ -22,24 +22,28 @@ from typing import Any
 from splitserve.launcher import urls_from_info
 
 # transports served by a splitserve server, in report order
-SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "direct", "udp", "http-json", "http-binary", "grpc")
+SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "direct", "direct-tcp", "udp", "http-json", "http-binary", "grpc")
 # reference points measured without a server
 BASELINES: tuple[str, ...] = ("local", "echo")
 
 SCHEME: dict[str, str] = {
     "tcp": "tcp", "unix": "unix", "udp": "udp", "http-json": "http", "http-binary": "http", "grpc": "grpc",
-    "direct": "tcp",  # looked up at the front end's TCP port, then straight to the workers
+    # looked up at the front end's Unix socket, then straight to the workers' Unix sockets;
+    # or at its TCP port, then to the workers' TCP ports (the way a remote client goes)
+    "direct": "unix", "direct-tcp": "tcp",
 }
 LABEL: dict[str, str] = {
-    "tcp": "fast path TCP", "unix": "fast path Unix", "direct": "fast path direct (to the worker)",
+    "tcp": "fast path TCP", "unix": "fast path Unix", "direct": "fast path direct (to the worker, Unix)",
+    "direct-tcp": "fast path direct (to the worker, TCP)",
     "udp": "fast path UDP", "http-json": "HTTP JSON",
     "http-binary": "HTTP binary", "grpc": "gRPC", "local": "in-process (ideal)", "echo": "TCP echo (floor)",
 }
 SHORT: dict[str, str] = {
-    "tcp": "TCP", "unix": "Unix", "direct": "direct", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
+    "tcp": "TCP", "unix": "Unix", "direct": "direct", "direct-tcp": "direct TCP", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
-FAST_PATH: tuple[str, ...] = ("tcp", "unix", "direct", "udp")
+DIRECT: tuple[str, ...] = ("direct", "direct-tcp")  # the transports that go straight to the workers
+FAST_PATH: tuple[str, ...] = ("tcp", "unix", *DIRECT, "udp")
 # third-party clients (bench peers), by the names in splitserve.bench.peers.clients.CLIENTS
 PEER_CLIENTS: tuple[str, ...] = ("tritonclient-http", "tritonclient-grpc", "httpx-raw")
 
@@ -95,7 +99,7 @@ def _classes(transport: str) -> tuple[type | None, type | None, dict[str, Any]]:
         from splitserve.client import AsyncClient, Client
 
         return Client, AsyncClient, {}
-    if transport == "direct":
+    if transport in DIRECT:
         from splitserve.client import AsyncClient, Client
 
         return functools.partial(Client, direct=True), functools.partial(AsyncClient, direct=True), {}

@@ -80,9 +80,12 @@ class PendingCall:
         return self._value
 
 
-def _connect(ep: Endpoint, timeout: float) -> socket.socket:
+def _connect(ep: Endpoint, timeout: float, connect_timeout: float | None = None) -> socket.socket:
+    """A connected stream socket whose reads wait at most ``timeout``; connecting waits at
+    most ``connect_timeout`` (None: ``timeout``)."""
     if ep.scheme == "tcp":
-        sock = socket.create_connection((ep.host, ep.port), timeout=timeout)
+        sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout or timeout)
+        sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
     if ep.scheme == "unix":
@@ -171,6 +174,19 @@ class _Stream:
         return h, self._take(n)
 
 
+def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
+    """The direct endpoints of ``info``'s workers for a client that reached the front end at
+    ``front``: from a ``unix://`` front end their Unix sockets (LOOKUP's ``direct``), from a
+    ``tcp://`` one their TCP ports (``direct_tcp``) at the host the client reached the front
+    end at, since the workers bind the front end's own address (which may be a wildcard,
+    or have another name here). A server that offers no TCP endpoints (an older one, or
+    ``direct_tcp`` off) gets a TCP client's calls through the front end."""
+    if front.scheme == "unix":
+        return list(info.extra.get("direct", ()))
+    host = f"[{front.host}]" if ":" in front.host else front.host
+    return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra.get("direct_tcp", ())]
+
+
 # A direct client looks a model up again at least this many retry intervals apart even when
 # it holds a connection to every instance, to find instances added since (scaling).
 _REFRESH_RETRIES = 10
@@ -208,22 +224,26 @@ class Client:
     ``direct=True`` sends calls straight to the worker processes that run the model when
     the server offers it (``ServerConfig.fast_direct``; its LOOKUP names their endpoints):
     one connection per instance, calls spread over them in turn; lookups stay with the
-    front end. A direct connection that closes (its worker was unloaded, evicted, restarted
+    front end. A ``unix://`` client connects to the workers' Unix sockets, a ``tcp://`` one
+    to their TCP ports (so a client on another machine goes direct too). A direct connection that closes (its worker was unloaded, evicted, restarted
     or died, or refused the connection) costs no call: the calls it had not answered are
     re-sent through the front end (inference has no side effects, so a call whose answer
     was lost is run again), and the model is looked up again before its next call, then at
     most every ``direct_retry_s`` while the client holds fewer connections than the model
     has instances (and every ten such intervals regardless); an endpoint whose connection
-    closed is not connected to again for ``direct_retry_s``. Without direct endpoints (an
+    closed is not connected to again for ``direct_retry_s``. An endpoint that does not take
+    the connection within ``direct_connect_s`` (e.g. a firewall that lets the front end's
+    port through and drops the rest) is skipped the same way. Without direct endpoints (an
     old server, or the direct path off) every call goes through the front end as before.
     """
 
     def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
-                 direct_retry_s: float = 1.0) -> None:
+                 direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
         self.direct = direct
         self.direct_retry_s = direct_retry_s
+        self.direct_connect_s = direct_connect_s
         self._front = _Stream(_connect(self.endpoint, timeout))
         self.sock = self._front.sock
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
@@ -308,15 +328,16 @@ class Client:
         live = {st.url: st for st in route.streams} if route is not None else {}
         streams = []
         now = time.monotonic()
-        for url in info.extra.get("direct", ()) if self.direct else ():
+        for url in _direct_urls(self.endpoint, info) if self.direct else ():
             st = live.pop(url, None)
             if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
-                    st = _Stream(_connect(Endpoint.parse(url), self.timeout), model, url)
+                    st = _Stream(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s), model, url)
                 except (OSError, SplitServeError):
-                    continue  # gone since the lookup (a stale endpoint): the others, or the front end, serve
+                    self._lost_at[url] = time.monotonic()  # not tried again for direct_retry_s
+                    continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
                 self._direct_streams.append(st)
             streams.append(st)
         with self._cond:
@@ -469,11 +490,12 @@ class AsyncClient:
     through the front end and the model is looked up again)."""
 
     def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
-                 direct_retry_s: float = 1.0) -> None:
+                 direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
         self.direct = direct
         self.direct_retry_s = direct_retry_s
+        self.direct_connect_s = direct_connect_s
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
         self._models: dict[str, ModelInfo] = {}
         self._routes: dict[str, tuple[list[_AsyncStream], float, bool]] = {}  # streams, looked up at, stale
@@ -585,12 +607,12 @@ class AsyncClient:
         if self.direct:
             live = {st.url: st for st in (route[0] if route else [])}
             streams = []
-            for url in info.extra.get("direct", ()):
+            for url in _direct_urls(self.endpoint, info):
                 st = live.pop(url, None)
                 if st is None:
                     try:
-                        r, w = await _open_async(Endpoint.parse(url))
-                    except (OSError, SplitServeError):
+                        r, w = await asyncio.wait_for(_open_async(Endpoint.parse(url)), self.direct_connect_s)
+                    except (OSError, SplitServeError, TimeoutError):
                         continue  # gone since the lookup: the others, or the front end, serve
                     st = self._start(_AsyncStream(r, w, model, url))
                     self._direct_streams.append(st)

@@ -39,6 +39,8 @@ class FrameStream(ABC):
         self.sock = sock
         self.label = label
         sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # an answer is one small write: send it now, not after an ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.fd = sock.fileno()
         self.hdr = bytearray(HEADER_SIZE)
         self.hdr_mv = memoryview(self.hdr)

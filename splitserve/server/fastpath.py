@@ -59,8 +59,6 @@ class FastPathConnection(FrameStream):
         self.cfg = server.config
         self.intake = server.intake
         self.peer = peer
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.arrival: Arrival | None = None  # the request whose payload is being read
         self.lookup_buf = bytearray()
         self.in_flight: dict[int, Call] = {}

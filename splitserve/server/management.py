@@ -74,6 +74,9 @@ def exposure_warning(config: "ServerConfig") -> str | None:
     open_ = []
     if config.fast_port is not None:
         open_.append(f"the fast path on TCP {config.fast_port} (inference on every registered model)")
+    if config.direct_tcp_host is not None:
+        open_.append("each loaded model's workers' direct endpoints on TCP ports the OS picks (inference on that "
+                     "model; LOOKUP names them)")
     if config.udp_port is not None:
         open_.append(f"UDP {config.udp_port} (inference; answers go to the datagram's source address, "
                      "so spoofed requests reflect traffic)")

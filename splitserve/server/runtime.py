@@ -135,6 +135,8 @@ class ModelRuntime:
         # Direct calls (ServerConfig.fast_direct) counted by workers this model no longer
         # holds; the live ones are read from their pages.
         self._direct_past = DirectCounts()
+        # instance -> the port of its worker's TCP direct endpoint (from LOADED; the OS picks it)
+        self._direct_tcp_ports: dict[int, int] = {}
 
     def _model_slo(self) -> float | None:
         """``[slo]`` in seconds: a target, or k x the profiled solo latency at the model's
@@ -433,19 +435,34 @@ class ModelRuntime:
             str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
             s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
             s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s,
-            int(self.slo_s * 1e6) if self.slo_s else 0)
+            int(self.slo_s * 1e6) if self.slo_s else 0, s.direct_tcp_host)
 
     def _direct_path(self, i: int) -> Path:
         return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
 
-    def direct_endpoints(self) -> list[str]:
-        """``unix://`` URLs of the direct endpoints of instances that serve now (bound, not
-        retiring): what a LOOKUP gives a client that sends its calls straight to the workers."""
+    def _direct_instances(self) -> list[int]:
+        """Instances whose direct endpoints take calls now (bound, not retiring)."""
         if not self.settings.fast_direct or self.state is not ModelState.READY:
             return []
-        return [f"unix://{self._direct_path(i)}" for i in self.sched.serving()
+        return [i for i in self.sched.serving()
                 if self.sched.instances[i].ready and not self.sched.instances[i].draining
                 and (h := self.workers.get(i)) is not None and h.ready]
+
+    def direct_endpoints(self) -> list[str]:
+        """``unix://`` URLs of the direct endpoints of instances that serve now: what a
+        LOOKUP gives a client that sends its calls straight to the workers."""
+        return [f"unix://{self._direct_path(i)}" for i in self._direct_instances()]
+
+    def direct_tcp_endpoints(self) -> list[str]:
+        """``tcp://`` URLs of the same instances' TCP direct endpoints (empty without
+        ``ServerConfig.direct_tcp_host``). The host is the address they bind, the fast
+        path's: a client reaches them at the host it reached the front end at."""
+        host = self.settings.direct_tcp_host
+        if host is None:
+            return []
+        netloc = f"[{host}]" if ":" in host else host
+        return [f"tcp://{netloc}:{port}" for i in self._direct_instances()
+                if (port := self._direct_tcp_ports.get(i)) is not None]
 
     def direct_counts(self) -> DirectCounts:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all
@@ -459,8 +476,10 @@ class ModelRuntime:
         self.env.metrics.count_direct_slo(self.name, total.slo())
         return total
 
-    def _harvest_direct(self, handle: InstanceWorker) -> None:
-        """A worker leaves this model (unloaded or gone): keep what its page counted."""
+    def _harvest_direct(self, instance: int, handle: InstanceWorker) -> None:
+        """A worker leaves this model (unloaded or gone): keep what its page counted; its
+        TCP endpoint is gone."""
+        self._direct_tcp_ports.pop(instance, None)
         if self.settings.fast_direct:
             self._direct_past = self._direct_past + handle.counters.snapshot().finished()
 
@@ -497,6 +516,8 @@ class ModelRuntime:
             return  # evicted, failed or stopping while it loaded: the worker is being killed or stopped
         self.sched.set_residency(instance, Residency.RESIDENT)
         self._weights[instance] = msg.nbytes
+        if msg.direct_tcp_port is not None:
+            self._direct_tcp_ports[instance] = msg.direct_tcp_port
         self._weights_changed()
         if msg.private_bytes is None:
             self.footprint = replace(self.footprint, weights_bytes=msg.nbytes)
@@ -534,7 +555,7 @@ class ModelRuntime:
         a spare if its memory came back, else stopped); the next load takes one anew."""
         handle = self.workers.pop(instance, None)
         if handle is not None:
-            self._harvest_direct(handle)
+            self._harvest_direct(instance, handle)
             self.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.sched.instances:
             return
@@ -566,7 +587,7 @@ class ModelRuntime:
     def on_exit(self, instance: int, handle: InstanceWorker) -> None:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
-            self._harvest_direct(handle)
+            self._harvest_direct(instance, handle)
             self._worker_gone(instance, handle)
             self._evict_progress()
         self.kick()
@@ -1129,6 +1150,9 @@ class ModelRuntime:
             # The workers' own endpoints (ServerConfig.fast_direct; empty: send calls here),
             # and the calls they took directly.
             "direct": self.direct_endpoints(),
+            # the same workers' TCP endpoints, for clients that reach the node over TCP (a
+            # key of its own: clients that know only ``direct`` keep using the Unix ones)
+            "direct_tcp": self.direct_tcp_endpoints(),
             "direct_counts": self.direct_counts().to_dict(),
         }
 

@@ -1,7 +1,10 @@
 """A worker's direct endpoint: SplitRPC's split on a host without a programmable NIC.
 
 With ``ServerConfig.fast_direct`` every bound worker also listens on a Unix socket of its
-own (in the node's private run directory, mode 0600), named in the model's LOOKUP reply.
+own (in the node's private run directory, mode 0600) and, when the node's fast path listens
+on TCP, on a TCP port of its own at the fast path's address (``DirectSpec.tcp_host``; the
+port its OS picks goes back in LOADED), both named in the model's LOOKUP reply. Both kinds
+of connection are served alike, under one ``max_connections``.
 A client that follows it sends its frames straight to the process that runs the model:
 client -> worker -> client, two hand-offs instead of four, and no front-end Python on the
 way. The front end keeps the control path: LOOKUP, LOAD/UNLOAD (which open and close the
@@ -31,6 +34,7 @@ has its own answer for every state of the model (inference has no side effects).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import selectors
@@ -48,7 +52,7 @@ from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refus
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
-from splitserve.protocol.sockets import unix_listener
+from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.protocol.stream import FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
 from splitserve.slo import slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
@@ -329,19 +333,33 @@ class DirectServer:
         # A best-effort batch stopped at a segment boundary (padding deadline): its calls,
         # samples, the segment to resume at and the activations there.
         self.suspended: tuple[list[_Call], int, int, tuple] | None = None
-        self.conns: set[_Conn] = set()
+        self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
         self.path = Path(spec.path)
         counters.reset()
-        self.listener = unix_listener(self.path)
-        self.listener.setblocking(False)
-        sel.register(self.listener.fileno(), selectors.EVENT_READ, self._on_accept)
+        self.listeners: list[socket.socket] = []
+        try:
+            self.listeners.append(unix_listener(self.path))
+            if spec.tcp_host is not None:
+                self.listeners.append(tcp_listener(spec.tcp_host, 0))
+            for listener in self.listeners:
+                listener.setblocking(False)
+                sel.register(listener.fileno(), selectors.EVENT_READ, functools.partial(self._on_accept, listener))
+        except BaseException:
+            if self.listeners:  # the Unix socket is this endpoint's (a live server's is never taken over)
+                self.close()
+            raise
+
+    @property
+    def tcp_port(self) -> int | None:
+        """The TCP endpoint's port, which the OS picked (None: a Unix endpoint only)."""
+        return self.listeners[1].getsockname()[1] if len(self.listeners) > 1 else None
 
     # -- connections -----------------------------------------------------------------
 
-    def _on_accept(self, _mask: int) -> None:
+    def _on_accept(self, listener: socket.socket, _mask: int) -> None:
         for _ in range(64):
             try:
-                sock, _peer = self.listener.accept()
+                sock, _peer = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -590,11 +608,13 @@ class DirectServer:
     def close(self) -> None:
         """Close the endpoint and every connection (UNLOAD, STOP): calls not answered are
         the client's to re-send through the front end."""
-        try:
-            self.sel.unregister(self.listener.fileno())
-        except (KeyError, ValueError):
-            pass
-        self.listener.close()
+        for listener in self.listeners:
+            try:
+                self.sel.unregister(listener.fileno())
+            except (KeyError, ValueError):
+                pass
+            listener.close()
+        self.listeners = []
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -154,11 +154,15 @@ class LoadedMsg:
     # Anonymous RSS the load and a warm-up batch at max_batch_size added to the process
     # (activations, allocator, runtime); None when the LOAD did not ask for the measure.
     private_bytes: int | None = None
+    # The port of the binding's TCP direct endpoint, which the worker's OS picked (None:
+    # it has none; ``DirectSpec.tcp_host``).
+    direct_tcp_port: int | None = None
 
     def pack(self) -> bytes:
         return _pack_json(Msg.LOADED, self.binding, {"model": self.model, "nbytes": self.nbytes,
                                                       "load_ns": self.load_ns, "segments": self.segments,
-                                                      "device": self.device, "private_bytes": self.private_bytes})
+                                                      "device": self.device, "private_bytes": self.private_bytes,
+                                                      "direct_tcp_port": self.direct_tcp_port})
 
     @classmethod
     def unpack(cls, b: bytes | bytearray) -> "LoadedMsg":

@@ -127,7 +127,7 @@ class Worker:
                 self.bound = None
                 b.close()
                 raise
-        return self._loaded(b)
+        return self._loaded(b, self.direct)
 
     def unload(self) -> UnloadedMsg:
         """Release the bound model, its queue mappings and its memory (nothing bound: no-op),
@@ -141,9 +141,9 @@ class Worker:
         return UnloadedMsg(b.ident, rss_anon())
 
     @staticmethod
-    def _loaded(b: Binding) -> LoadedMsg:
+    def _loaded(b: Binding, direct: DirectServer | None) -> LoadedMsg:
         return LoadedMsg(b.ident, b.cfg.name, b.nbytes, b.load_ns, b.model.num_segments,  # type: ignore[union-attr]
-                         str(b.device), b.private_bytes)
+                         str(b.device), b.private_bytes, direct.tcp_port if direct is not None else None)
 
     def _inputs(self, b: Binding, msg: RunMsg) -> tuple:
         ins, _ = b.queues[msg.cls]

@@ -35,6 +35,9 @@ class DirectSpec:
     rt_only: bool  # the node refuses best-effort calls (preemption rt-only)
     suspend_poll_s: float  # ServerConfig.direct_suspend_poll_s
     slo_us: int = 0  # the model's SLO for real-time calls that name none (0: none)
+    # Also listen on TCP at this address (the node's fast-path host; the OS picks the port,
+    # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
+    tcp_host: str | None = None
 
 
 @dataclass(frozen=True)

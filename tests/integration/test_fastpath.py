@@ -17,7 +17,7 @@ from splitserve.models.digits import digits_dataset
 from splitserve.models.zoo import build_zoo_model
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
-from tests.framing import PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read
+from tests.framing import DIRECT_TCP, PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read
 
 MODELS = ("lenet", "vecadd1k", "digits")
 
@@ -64,13 +64,29 @@ def local_outputs(name, xs):
     return [y.numpy() for y in ys]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "unix", "udp", "direct"])
+def tcp_listen_address(port: int) -> str:
+    """The IPv4 address the listening TCP socket on ``port`` is bound to (/proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # LISTEN
+                return socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+    raise AssertionError(f"nothing listens on TCP port {port}")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix", "udp", "direct", DIRECT_TCP])
 def test_digits_accuracy_over_every_transport(server, transport):
     _, _, x_test, y_test = digits_dataset()
-    with UdpClient(server.udp) if transport == "udp" else client(server, "direct") if transport == "direct" \
+    direct = transport in ("direct", DIRECT_TCP)
+    with UdpClient(server.udp) if transport == "udp" else client(server, transport) if direct \
             else Client(getattr(server, transport)) as c:
-        if transport == "direct":
+        if direct:
             assert c.direct_endpoints("digits") == 0 and c.lookup("digits") and c.direct_endpoints("digits") == 1
+            (st,) = c._direct_streams  # a unix:// client takes the worker's Unix socket, a tcp:// one its TCP port
+            assert st.url.startswith("unix://" if transport == "direct" else "tcp://127.0.0.1:"), st.url
+            if transport == DIRECT_TCP:  # bound to the fast path's own address (loopback here), never wider
+                assert tcp_listen_address(st.sock.getpeername()[1]) == "127.0.0.1"
         if transport == "udp":
             preds = [int(np.argmax(c.infer("digits", x))) for x in x_test]
         else:
@@ -153,9 +169,9 @@ def good_request(s, fid, req_id=99):
     ("unknown_model_lookup", Status.UNKNOWN_MODEL, "unknown model"),
     ("bad_class", Status.INVALID_INPUT, "request class"),
 ])
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, DIRECT_TCP])
 def test_bad_input_gets_an_error_and_the_connection_survives(server, path, case, status, words):
-    if path == "direct" and case == "unknown_model_lookup":
+    if path != "front" and case == "unknown_model_lookup":
         pytest.skip("lookups stay with the front end")
     s, fid = stream(server, path, "lenet")
     with s:
@@ -220,8 +236,9 @@ def test_direct_call_past_its_deadline_before_its_batch_starts_is_refused(gated)
 
 
 def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endpoint_closes(server):
-    """``AsyncClient(direct=True)`` spreads its calls over the workers' endpoints, and a
-    closed one costs no call: its unanswered calls go through the front end."""
+    """``AsyncClient(direct=True)`` spreads its calls over the workers' endpoints (from a
+    tcp:// URL, their TCP ones), and a closed one costs no call: its unanswered calls go
+    through the front end."""
     import asyncio
 
     from splitserve import AsyncClient
@@ -362,47 +379,52 @@ def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
 
 
 def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_follows_the_restart(tmp_path):
-    """A ledger over a worker's SIGKILL: every direct call gets exactly one answer, its own
-    result (re-sent through the front end when the endpoint closed unanswered) or
-    WORKER_FAILED naming the dead worker; then the client follows the restarted worker's
-    endpoint."""
+    """A ledger over a worker's SIGKILL, for a client on its Unix endpoint and one on its TCP
+    endpoint at once: every direct call gets exactly one answer, its own result (re-sent
+    through the front end when the endpoint closed unanswered) or WORKER_FAILED naming the
+    dead worker; then each client follows the restarted worker's endpoint of its kind."""
     from tests.conftest import start_server
 
     s = start_server(tmp_path / "kill-direct", "--load", "lenet", env=direct_env())
     try:
         xs = np.random.default_rng(5).integers(0, 255, (64, 1, 28, 28), dtype=np.uint8)
         (want,) = local_outputs("lenet", [xs])
-        with client(s, "direct") as c:
-            pid = c.lookup("lenet").extra["pids"][0]
-            assert c.direct_endpoints("lenet") == 1
-            calls = [(j, c.submit("lenet", xs[j])) for j in range(64)]
+        with client(s, "direct") as cu, client(s, DIRECT_TCP) as ct:
+            clients = (cu, ct)
+            pid = cu.lookup("lenet").extra["pids"][0]
+            assert all(c.lookup("lenet") and c.direct_endpoints("lenet") == 1 for c in clients)
+            calls = [(c, j, c.submit("lenet", xs[j])) for j in range(32) for c in clients]
             os.kill(pid, signal.SIGKILL)
-            calls += [(j, c.submit("lenet", xs[j])) for j in range(64)]
-            answers: dict[int, str] = {}
-            for j, p in calls:
+            calls += [(c, j, c.submit("lenet", xs[j])) for j in range(32) for c in clients]
+            answers: dict[tuple[int, int], str] = {}
+            for c, j, p in calls:
                 try:
                     np.testing.assert_allclose(p.result(timeout=120).value(), want[j], rtol=1e-4, atol=1e-5)
                     outcome = "ok"
                 except WorkerFailed as e:
                     assert str(pid) in str(e) or "not running" in str(e), e
                     outcome = "failed"
-                assert p.req_id not in answers
-                answers[p.req_id] = outcome
-            assert len(answers) == 128 and "ok" in answers.values()
+                assert (id(c), p.req_id) not in answers
+                answers[id(c), p.req_id] = outcome
+            assert len(answers) == 128
+            for c in clients:
+                assert "ok" in [o for (k, _), o in answers.items() if k == id(c)]
             deadline = time.monotonic() + 120
-            while True:  # the worker is restarted, and the client's calls go to it directly again
-                c.infer("lenet", xs[0])
-                info = c.lookup("lenet")
-                if c.direct_endpoints("lenet") == 1 and info.extra["pids"][0] not in (None, pid):
-                    break
-                assert time.monotonic() < deadline, info.extra
-                time.sleep(0.2)
-            assert len(c._direct_streams) == 1  # the dead worker's connection is not kept
-            with Client(s.tcp) as plain:  # the front end counts the call it never saw (a fresh lookup each)
-                before = plain.lookup("lenet").extra["direct_counts"]["answered"]
-                np.testing.assert_allclose(c.infer("lenet", xs[1]), want[1], rtol=1e-4, atol=1e-5)
-            with Client(s.tcp) as plain:
-                assert plain.lookup("lenet").extra["direct_counts"]["answered"] == before + 1
+            for c in clients:  # the worker is restarted, and each client's calls go to it directly again
+                while True:
+                    c.infer("lenet", xs[0])
+                    info = c.lookup("lenet")
+                    if c.direct_endpoints("lenet") == 1 and info.extra["pids"][0] not in (None, pid):
+                        break
+                    assert time.monotonic() < deadline, info.extra
+                    time.sleep(0.2)
+                assert len(c._direct_streams) == 1  # the dead worker's connection is not kept
+                with Client(s.tcp) as plain:  # the front end counts the call it never saw (a fresh lookup each)
+                    before = plain.lookup("lenet").extra["direct_counts"]["answered"]
+                    np.testing.assert_allclose(c.infer("lenet", xs[1]), want[1], rtol=1e-4, atol=1e-5)
+                with Client(s.tcp) as plain:
+                    assert plain.lookup("lenet").extra["direct_counts"]["answered"] == before + 1
+            assert ct._direct_streams[0].url.startswith("tcp://") and cu._direct_streams[0].url.startswith("unix://")
     finally:
         s.stop()
 

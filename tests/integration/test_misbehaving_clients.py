@@ -14,7 +14,7 @@ import pytest
 from splitserve import Client, UdpClient
 from splitserve.errors import Status
 from splitserve.protocol.header import Header, Kind
-from tests.framing import PATHS, client, describe, direct_env, raw, read_frame, stream, udp, udp_describe, udp_read
+from tests.framing import DIRECT_TCP, PATHS, client, describe, direct_env, raw, read_frame, stream, udp, udp_describe, udp_read
 
 VEC = 2 * 4096  # bytes of one vecadd1k request (two FP32[1024])
 RING = 64  # vecadd1k's ring with --queue-slots 8: twice its max batch of 32
@@ -223,19 +223,23 @@ def test_unix_socket_of_a_live_server_is_never_taken_over(tmp_path):
 
 
 def test_a_direct_connection_past_the_workers_limit_is_told_and_its_calls_take_the_front_end(server_factory):
+    """One limit covers a worker's Unix and TCP endpoints: with one connection open on
+    either, a connection to the other is refused too."""
     s = server_factory("--load", "vecadd1k", env={**direct_env(), "SPLITSERVE_DIRECT_MAX_CONNECTIONS": "1"})
     a, b, payload = inputs(6)
     first, fid = stream(s, "direct", "vecadd1k")
     with first:
-        second, _ = stream(s, "direct", "vecadd1k")
-        with second:
-            h, body = read_frame(second)
-            assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.REFUSED, 0), body
-            assert b"at most 1 direct connections" in body
-            assert read_frame(second)[0] is None  # then closed
-        with client(s, "direct") as c:  # refused the same way: every call goes through the front end
-            for _ in range(8):
-                np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+        for path in ("direct", DIRECT_TCP):
+            second, _ = stream(s, path, "vecadd1k")
+            with second:
+                h, body = read_frame(second)
+                assert (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.REFUSED, 0), (path, body)
+                assert b"at most 1 direct connections" in body
+                assert read_frame(second)[0] is None  # then closed
+            with client(s, path) as c:  # refused the same way: every call goes through the front end
+                for _ in range(8):
+                    np.testing.assert_allclose(c.infer("vecadd1k", (a, b)), a + b, rtol=1e-6)
+                assert c.direct_endpoints("vecadd1k") == 0
         first.sendall(request(fid, payload, req_id=3))  # the connection within the limit still serves
         h, body = read_frame(first)
         assert (h.kind, h.req_id) == (Kind.RESPONSE, 3)

@@ -140,3 +140,41 @@ def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_insta
     assert not _lookup_due(False, 2, info, 5.0, 1.0)  # all held
     assert _lookup_due(False, 2, info, 10.5, 1.0)  # then now and then, for instances added since
     assert _lookup_due(True, 2, info, 0.0, 1.0)  # a connection closed
+
+
+def test_a_direct_client_follows_the_endpoints_of_its_front_ends_kind_at_the_host_it_reached():
+    """A unix:// client takes LOOKUP's ``direct`` (Unix sockets), a tcp:// one its
+    ``direct_tcp`` ports at the host it reached the front end at: the workers bind the
+    front end's address, which may be a wildcard or have another name from the client's
+    side. A server that names no TCP endpoints (older, or direct_tcp off) gets a TCP
+    client's calls through the front end, never on Unix paths that may name another
+    server's sockets on the client's own machine."""
+    from splitserve.client.common import Endpoint, ModelInfo
+    from splitserve.client.fastpath import _direct_urls
+
+    both = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"],
+                                          "direct_tcp": ["tcp://0.0.0.0:41000", "tcp://[::]:41001"]})
+    assert _direct_urls(Endpoint.parse("unix:///d/fast.sock"), both) == ["unix:///d/1-0.sock"]
+    assert _direct_urls(Endpoint.parse("tcp://node7.example:8100"), both) == [
+        "tcp://node7.example:41000", "tcp://node7.example:41001"]
+    assert _direct_urls(Endpoint.parse("tcp://[fe80::1]:8100"), both) == ["tcp://[fe80::1]:41000",
+                                                                          "tcp://[fe80::1]:41001"]
+    old = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"]})
+    assert _direct_urls(Endpoint.parse("tcp://127.0.0.1:8100"), old) == []
+
+
+def test_the_tcp_endpoint_is_only_where_the_fast_path_listens_on_tcp_and_its_port_reaches_the_front_end():
+    """Workers listen on TCP only with the direct path on, a TCP fast path and direct_tcp,
+    at the fast path's own host; the port their OS picked comes back in LOADED."""
+    from splitserve.config import ServerConfig
+    from splitserve.server.management import exposure_warning
+    from splitserve.worker.messages import LoadedMsg
+
+    assert ServerConfig(fast_direct=True, host="10.1.2.3").direct_tcp_host == "10.1.2.3"
+    assert ServerConfig(fast_direct=False).direct_tcp_host is None
+    assert ServerConfig(fast_direct=True, fast_port=None).direct_tcp_host is None
+    assert ServerConfig(fast_direct=True, direct_tcp=False).direct_tcp_host is None
+    assert "direct endpoints on TCP" in exposure_warning(ServerConfig(host="0.0.0.0", fast_direct=True))
+    assert "direct endpoints" not in exposure_warning(ServerConfig(host="0.0.0.0"))
+    msg = LoadedMsg(3, "m", 10, 20, 1, "cpu", None, 41000)
+    assert LoadedMsg.unpack(msg.pack()) == msg

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from splitserve.bench.results import ResultsDir
-from splitserve.bench.transports import BASELINES, SERVER_TRANSPORTS, Target, Unavailable, close_sync, open_sync
+from splitserve.bench.transports import BASELINES, DIRECT, SERVER_TRANSPORTS, Target, Unavailable, close_sync, open_sync
 from splitserve.bench.validate import Check, Expected, check, check_all, reference_outputs
 from splitserve.config import env_cache_dir
 
@@ -286,7 +286,7 @@ class Context:
                     for name in expected:
                         checks.append(check(send, name, transport, inputs[name], references[name]))
                         advance(1)
-                    offered = all(client.direct_endpoints(name) for name in expected) if transport == "direct" else True
+                    offered = all(client.direct_endpoints(name) for name in expected) if transport in DIRECT else True
                 finally:
                     close_sync(client)
                 if not offered:  # the calls went through the front end: not what this transport names

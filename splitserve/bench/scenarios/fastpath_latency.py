@@ -1,8 +1,9 @@
 """fastpath-latency: the fast path over TCP next to a plain TCP echo of the same sizes.
 
-Two paths (``--transports``): through the front end (``tcp``) and straight to the worker
-that runs the model (``direct``: looked up over TCP, then the worker's own Unix endpoint;
-the server is started with ``fast_direct``). Single client: calls over each path and echo
+Three paths (``--transports``): through the front end (``tcp``) and straight to the worker
+that runs the model, over its Unix endpoint (``direct``: looked up at the front end's Unix
+socket) or its TCP one (``direct-tcp``: looked up over TCP, the way a client on another
+machine goes); the server is started with ``fast_direct``. Single client: calls over each path and echo
 round trips alternate in blocks of 50, so all see the same machine state; a path's own
 overhead is median(E2E - server compute) over the echo's median round trip (target: at most
 2x). Throughput: 32 closed-loop connections against the echo, then 32 over each path, from a
@@ -23,15 +24,16 @@ from splitserve.bench.inputs import as_call_arg
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
-from splitserve.bench.transports import LABEL, SHORT, close_sync, open_sync
+from splitserve.bench.transports import DIRECT, LABEL, SHORT, close_sync, open_sync
 from splitserve.bench.validate import Expected
 
 NAME = "fastpath-latency"
 SUMMARY = ("Fast path round trip and 32-connection throughput, through the front end and direct to the worker, "
            "next to a plain TCP echo of the same sizes.")
 MODELS: tuple[str, ...] = ("lenet", "vecadd1k", "matmul8k", "lstm", "digits")
-# through the front end, and straight to the worker (the server is started with fast_direct)
-TRANSPORTS: tuple[str, ...] = ("tcp", "direct")
+# through the front end (TCP), and straight to the worker over Unix and over TCP (the
+# server is started with fast_direct)
+TRANSPORTS: tuple[str, ...] = ("tcp", "direct", "direct-tcp")
 _COLOURS = ("#2b7bba", "#d95f02", "#1b9e77")
 LATENCY_TARGET = 2.0  # p50(E2E - compute) / echo p50, at most
 THROUGHPUT_TARGET = 0.5  # fast-path req/s / echo req/s, at least
@@ -88,7 +90,7 @@ def run(ctx: Context) -> ScenarioOutput:
     from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
-    target = ctx.target(load=p.models, direct="direct" in p.transports)
+    target = ctx.target(load=p.models, direct=any(t in DIRECT for t in p.transports))
     usable = [t for t in ctx.validate(target, {m: Expected(m) for m in p.models}, p.transports) if t in TRANSPORTS]
     if not usable:
         raise RuntimeError(f"no fast path to measure: {ctx.unavailable}")

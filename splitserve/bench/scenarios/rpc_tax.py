@@ -23,6 +23,7 @@ from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import CallTimes, lat_stats, time_echo, time_local
 from splitserve.bench.transports import (
     BASELINES,
+    DIRECT,
     LABEL,
     SERVER_TRANSPORTS,
     SHORT,
@@ -152,7 +153,7 @@ def run(ctx: Context) -> ScenarioOutput:
     p: Params = ctx.params  # type: ignore[assignment]
     models = list(p.models)
     server_side = [t for t in p.transports if t in SERVER_TRANSPORTS]
-    target = ctx.target(load=models, direct="direct" in server_side) if server_side else None
+    target = ctx.target(load=models, direct=any(t in DIRECT for t in server_side)) if server_side else None
     usable = ctx.validate(target, {m: Expected(m) for m in models}, p.transports) if target else \
         [t for t in p.transports if t in BASELINES]
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
