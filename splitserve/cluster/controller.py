@@ -115,7 +115,9 @@ class Controller:
         self._routes = Routes(0)
         self._changed = asyncio.Event()
         self._gateway: dict[str, Any] = {}
-        self._cancelled: set[int] = set()
+        # Withdrawn launches, by order *and* market: protean's fallback withdraws an order's spot
+        # request and asks on-demand under the same order, and only the spot node is unwanted.
+        self._cancelled: set[tuple[int, Market]] = set()
         self._target = cfg.min_nodes
         self._next_autoscale = 0.0
         self._slo_window = SloWindow()
@@ -269,7 +271,6 @@ class Controller:
             self._act(self.procurement.open(now), now)
             have += 1
         while have > self._target and (order := self.procurement.newest()) is not None:
-            self._cancelled.add(order)
             self._act(self.procurement.close(order), now)
             have -= 1
         surplus = have - self._target
@@ -290,7 +291,7 @@ class Controller:
                     continue
                 self._spawn(self._launch(a.order, a.market))
             elif isinstance(a, Cancel):
-                self._cancelled.add(a.order)
+                self._cancelled.add((a.order, a.market))
 
     async def _launch(self, order: int, market: Market) -> None:
         requested = self.clock()
@@ -300,7 +301,9 @@ class Controller:
             log.warning("order %d: no %s node: %s", order, market, e)
             # a provider that keeps failing is asked again at the loop's pace, not in a hot loop
             await asyncio.sleep(self.cfg.reconcile_interval_s)
-            if order not in self._cancelled:
+            if (order, market) in self._cancelled:
+                self._cancelled.discard((order, market))
+            else:
                 self._act(self.procurement.failed(order, self.clock()), self.clock())
             return
         self.cost.requested(node_id, str(market), market, self.cfg.prices.of(market), requested)
@@ -308,8 +311,8 @@ class Controller:
                                          **raycompat.on_node(node_id)).remote(self.node_spec)
         n = _Node(node_id, market, order, server, starting=asyncio.ensure_future(server.endpoint.remote()))
         self.nodes[node_id] = n
-        if order in self._cancelled:
-            self._cancelled.discard(order)
+        if (order, market) in self._cancelled:
+            self._cancelled.discard((order, market))
             n.order = None
             await self._retire(n, evicted=False)
 

@@ -164,3 +164,74 @@ def test_the_controller_orders_a_node_when_the_gateways_strict_compliance_falls_
             task.cancel()
 
     asyncio.run(scenario())
+
+
+class _HeldProvider:
+    """A provider whose launches finish when the test says, per market; records terminations."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, asyncio.Future] = {}
+        self.terminated: list[str] = []
+        self.launch = _Method(self._launch)
+        self.terminate = _Method(self._terminate)
+
+    async def _launch(self, market: str) -> str:
+        self.pending[market] = asyncio.get_running_loop().create_future()
+        return await self.pending[market]
+
+    async def _terminate(self, node_id: str) -> None:
+        self.terminated.append(node_id)
+
+
+class _StartingServer(FakeNodeServer):
+    """A node server just placed: its endpoint never comes in this test; it can be stopped."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.endpoint = _Method(lambda: asyncio.Event().wait())
+        self.stop = _Method(self._stop)
+
+    async def _stop(self) -> None:
+        return None
+
+
+class _ServerActor:
+    """Stands in for ``NodeServerActor``: ``.options(...).remote(spec)`` places a fake server."""
+
+    def options(self, **kw: Any) -> Any:
+        return _Method(lambda spec: _StartingServer(kw["name"]))
+
+
+def test_protean_keeps_the_on_demand_fallback_that_arrives_before_the_withdrawn_spot_node(monkeypatch) -> None:
+    """A spot request pending past ``spot_retry_timeout_s`` is withdrawn and the same order asks
+    on-demand. Withdrawals were kept by order only, so an on-demand node that joined first was
+    retired as withdrawn, and the late spot node kept. Now only the spot node goes."""
+    from splitserve.cluster import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "NodeServerActor", _ServerActor())
+    monkeypatch.setattr(controller_module.ray, "kill", lambda *a, **kw: None)
+
+    async def scenario() -> None:
+        now = [100.0]
+        provider = _HeldProvider()
+        cfg = ClusterConfig(min_nodes=1, max_nodes=1, procurement="protean", p_rev=0.0, spot_retry_timeout_s=10.0)
+        ctl = Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
+                         address="127.0.0.1:1")
+        ctl._autoscale(now[0])
+        await _settle()
+        assert list(provider.pending) == ["spot"]
+        now[0] += 11.0
+        ctl._autoscale(now[0])  # the spot request timed out: protean asks on-demand for the same order
+        await _settle()
+        assert list(provider.pending) == ["spot", "on-demand"]
+        provider.pending["on-demand"].set_result("od")
+        await _settle()
+        assert "od" in ctl.nodes and ctl.nodes["od"].order is not None and provider.terminated == []
+        provider.pending["spot"].set_result("sp")
+        await _settle()
+        assert "sp" not in ctl.nodes and provider.terminated == ["sp"] and "od" in ctl.nodes
+        assert not ctl._cancelled  # each withdrawal is forgotten once its launch came back
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
