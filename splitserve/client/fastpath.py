@@ -336,7 +336,7 @@ class Client:
                 try:
                     st = _Stream(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s), model, url)
                 except (OSError, SplitServeError):
-                    self._lost_at[url] = time.monotonic()  # not tried again for direct_retry_s
+                    self._mark_lost(url)  # not tried again for direct_retry_s
                     continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
                 self._direct_streams.append(st)
             streams.append(st)
@@ -420,6 +420,14 @@ class Client:
             if got is call:
                 return True
 
+    def _mark_lost(self, url: str) -> None:
+        """``url`` is not connected to again for ``direct_retry_s``. Entries past that are
+        dropped: every restarted worker has a new endpoint, and a long-lived client must not
+        keep one per restart."""
+        now = time.monotonic()
+        self._lost_at = {u: t for u, t in self._lost_at.items() if now - t < self.direct_retry_s}
+        self._lost_at[url] = now
+
     def _lost(self, stream: _Stream, e: BaseException) -> None:
         """A direct connection closed: its unanswered calls go through the front end, and
         the model is looked up again before its next call."""
@@ -434,7 +442,7 @@ class Client:
             if route is not None and stream in route.streams:
                 route.streams = [st for st in route.streams if st is not stream]
                 route.stale = True
-            self._lost_at[stream.url] = time.monotonic()
+            self._mark_lost(stream.url)
             for c in calls:
                 c._stream = self._front
                 self._front.pending[c.req_id] = c
