@@ -368,6 +368,8 @@ class ClusterConfig:
     node_stats_timeout_s: float = 2.0  # a node server's stats() call that takes longer counts as missed
     # c-http: the controller's bill
     bill_records: int = 256  # ended node records the bill lists; older ones are folded into per-market totals
+    # c-flat: compliance under fallbacks
+    dispatch_prefer_below: int = 8  # in flight on a node below which its class's market is preferred (strict: on-demand)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -408,7 +410,8 @@ class ClusterConfig:
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
-                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes"):
+                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes",
+                     "dispatch_prefer_below"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
         if self.keep_alive_s < 0:

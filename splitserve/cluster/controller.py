@@ -37,7 +37,7 @@ from splitserve.cluster.gateway import NodeRoute, Routes
 from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator, doomed_step
+from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 
@@ -107,7 +107,7 @@ class Controller:
         self.nodes: dict[str, _Node] = {}
         self.cost = CostLedger(cfg.bill_records)
         self.autoscaler = _autoscaler(cfg)
-        self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
+        self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
         self._routes = Routes(0)
         self._changed = asyncio.Event()
@@ -201,6 +201,7 @@ class Controller:
             "bill": self.cost.to_list(),  # the nodes running and the newest bill_records ended
             "bill_earlier": self.cost.folded(),  # per market: the ended nodes no longer listed
             "fallbacks": self.procurement.fallbacks,
+            "notice_fallbacks": self.procurement.notice_fallbacks,
             "revocations": {"notices": self.revocation.notices, "spot_requests": self.revocation.spot_requests,
                             "spot_failures": self.revocation.spot_failures},
         }
@@ -255,8 +256,10 @@ class Controller:
         load = ClusterLoad(int(self._gateway.get("held", 0)), len(self._staying()), self.procurement.open_orders)
         self._target = self.autoscaler.tick(now, load)
         have = len(self._staying()) + self.procurement.open_orders
+        due = replacement_due(self.cfg, (n.deadline for n in self.nodes.values() if n.deadline is not None
+                                         and n.state is NodeState.ACTIVE and not n.retiring))
         while have < self._target:
-            self._act(self.procurement.open(now), now)
+            self._act(self.procurement.open(now, due), now)
             have += 1
         while have > self._target and (order := self.procurement.newest()) is not None:
             self._cancelled.add(order)

@@ -6,7 +6,9 @@ on-demand VM request if the spot request fails." Each node the cluster wants is 
 
 - ``protean``: a spot request first; on-demand when it fails, or when it is still not
   serving ``spot_retry_timeout_s`` after it was made (the pending spot request is then
-  withdrawn). Each switch is a *fallback*.
+  withdrawn), or at once when the order must serve by a time (``serve_by``: a doomed node's
+  replacement, before the node stops taking work) that a spot node would miss and an
+  on-demand node would come sooner. Each switch is a *fallback*.
 - ``spot-only``: spot requests only; after a failure it waits ``spot_retry_timeout_s`` and
   asks again, however long that takes (its SLO compliance pays for it).
 - ``on-demand-only``: on-demand requests only.
@@ -20,9 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
 from splitserve.cluster.pools import Market, ProcurementPolicy
 from splitserve.errors import InternalError, InvalidInput
+
+if TYPE_CHECKING:
+    from splitserve.config import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -59,15 +65,25 @@ class Order:
 class Procurement:
     """Open orders and the policy that fills them."""
 
-    def __init__(self, policy: ProcurementPolicy, spot_retry_timeout_s: float) -> None:
-        if not spot_retry_timeout_s > 0:
-            raise InvalidInput(f"spot_retry_timeout_s must be positive, got {spot_retry_timeout_s}")
+    def __init__(self, policy: ProcurementPolicy, spot_retry_timeout_s: float, spot_launch_s: float,
+                 on_demand_launch_s: float) -> None:
+        if not min(spot_retry_timeout_s, spot_launch_s, on_demand_launch_s) > 0:
+            raise InvalidInput("spot_retry_timeout_s, spot_launch_s and on_demand_launch_s must be positive, got "
+                               f"{spot_retry_timeout_s}, {spot_launch_s}, {on_demand_launch_s}")
         self.policy = ProcurementPolicy.parse(policy)
         self.spot_retry_timeout_s = spot_retry_timeout_s
+        self.spot_launch_s = spot_launch_s
+        self.on_demand_launch_s = on_demand_launch_s
         self._orders: dict[int, Order] = {}
         self._ids = count(1)
         self.fallbacks = 0  # orders protean switched from spot to on-demand
+        self.notice_fallbacks = 0  # of those, orders bought on-demand at once: a spot node would serve too late
         self.spot_retries = 0  # spot-only's requests after a failure
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> Procurement:
+        """The procurement ``cfg`` describes (the simulator's and the controller's)."""
+        return cls(cfg.procurement, cfg.spot_retry_timeout_s, cfg.spot_launch_s, cfg.on_demand_launch_s)
 
     @property
     def open_orders(self) -> int:
@@ -79,11 +95,19 @@ class Procurement:
         except KeyError:
             raise InternalError(f"no open order {order}") from None
 
-    def open(self, now: float) -> list[Action]:
-        """One more node is wanted."""
+    def open(self, now: float, serve_by: float | None = None) -> list[Action]:
+        """One more node is wanted, serving by ``serve_by`` if it can (None: no hurry).
+        PROTEAN §4.5 asks for the replacement "on receipt of the eviction notification" so
+        that it serves before the eviction; protean buys on-demand at once when only that
+        market can come sooner than a spot node that would miss ``serve_by``."""
         o = Order(next(self._ids), now)
         self._orders[o.order] = o
         first = Market.ON_DEMAND if self.policy is ProcurementPolicy.ON_DEMAND_ONLY else Market.SPOT
+        if (self.policy is ProcurementPolicy.PROTEAN and serve_by is not None
+                and now + self.spot_launch_s > serve_by and self.on_demand_launch_s < self.spot_launch_s):
+            self.fallbacks += 1
+            self.notice_fallbacks += 1
+            first = Market.ON_DEMAND
         return [self._launch(o, first, now)]
 
     def failed(self, order: int, now: float) -> list[Action]:

@@ -43,7 +43,7 @@ from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step
+from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
@@ -106,10 +106,11 @@ class ClusterSim:
         self.cfg = cfg
         self.work = work
         self.ledger = Ledger(cfg.ledger_capacity, cfg.max_attempts)
-        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(seed))
+        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(seed),
+                                     cfg.dispatch_prefer_below)
         self.autoscaler = ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target,
                                             cfg.keep_alive_s)
-        self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
+        self.procurement = Procurement.of(cfg)
         # its own stream, the controller's: the eviction schedule does not depend on how dispatch drew
         self.revocation = RevocationEmulator.of(cfg)
         self.cost = CostLedger()
@@ -343,8 +344,10 @@ class ClusterSim:
         """Open or close orders and drain nodes until serving + starting meets the target."""
         active = self._staying()
         have = len(active) + self.procurement.open_orders
+        due = replacement_due(self.cfg, (n.deadline for n in self._nodes.values()
+                                         if n.noticed and n.state is NodeState.ACTIVE))
         for _ in range(self._target - have):
-            self._act(self.procurement.open(self.now))
+            self._act(self.procurement.open(self.now, due))
         surplus = have - self._target
         while surplus > 0 and (order := self.procurement.newest()) is not None:
             self._act(self.procurement.close(order))
@@ -380,6 +383,7 @@ class ClusterSim:
             "notice_times": [(n.at, n.deadline) for n in self.notices],
             "nodes_over_time": self.timeline,
             "fallbacks": self.procurement.fallbacks,
+            "notice_fallbacks": self.procurement.notice_fallbacks,
             "spot_requests": self.revocation.spot_requests,
             "spot_failures": self.revocation.spot_failures,
             "spot_retries": self.procurement.spot_retries,
