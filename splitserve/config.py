@@ -369,7 +369,7 @@ class ClusterConfig:
     # c-http: the controller's bill
     bill_records: int = 256  # ended node records the bill lists; older ones are folded into per-market totals
     # c-flat: compliance under fallbacks
-    dispatch_prefer_below: int = 8  # in flight on a node below which its class's market is preferred (strict: on-demand)
+    dispatch_prefer_below: int = 16  # in flight on a node below which its class's market is preferred (~2 full batches)
 
     def __post_init__(self) -> None:
         for f in fields(self):

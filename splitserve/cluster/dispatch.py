@@ -48,6 +48,9 @@ class NodeView:
 # best-effort work on the cheap ones, so on-demand room stays free for strict work. Only
 # while a node there is not busy (``prefer_below``): a preference held up to the window
 # queues all strict work on the few on-demand nodes a fallback bought while spot nodes idle.
+# Not much lower either: strict work spilled in ones and twos makes small strict batches on
+# spot nodes that run ahead of their best-effort queues (bench cluster-spot: 8 lost capacity
+# and refused work while a node was short; 16, two full batches, did not).
 PREFERRED = {RequestClass.RT: Market.ON_DEMAND, RequestClass.BE: Market.SPOT}
 
 

@@ -288,7 +288,7 @@ def test_clustered_short_notices_no_longer_leave_the_cluster_a_node_short():
     serving count never drops below the target once the cluster first serves."""
     cfg = ClusterConfig(min_nodes=4, max_nodes=4, p_rev=0.354, notice_min_s=30.0, notice_max_s=40.0,
                         drain_lead_s=10.0, drain_margin_s=5.0, spot_launch_s=60.0, on_demand_launch_s=20.0,
-                        revocation_seed=10)
+                        revocation_seed=10, dispatch_prefer_below=8)  # two batches of _work's 4
 
     def fewest_serving(cfg: ClusterConfig) -> tuple[int, dict]:
         sim = ClusterSim(cfg, _work(300.0), seed=0)
