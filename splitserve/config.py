@@ -370,6 +370,7 @@ class ClusterConfig:
     bill_records: int = 256  # ended node records the bill lists; older ones are folded into per-market totals
     # c-flat: compliance under fallbacks
     dispatch_prefer_below: int = 16  # in flight on a node below which its class's market is preferred (~2 full batches)
+    spot_return_s: float = 120.0  # protean asks spot to replace an on-demand node that served this long (0: never)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -414,6 +415,8 @@ class ClusterConfig:
                      "dispatch_prefer_below"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
+        if self.spot_return_s < 0:
+            raise InvalidInput("spot_return_s must be at least 0 (0: protean never moves back to spot)")
         if self.keep_alive_s < 0:
             raise InvalidInput("keep_alive_s must be at least 0 (0: scale down at once)")
         if self.bill_records < 0:

@@ -83,6 +83,7 @@ class _Node:
     batch_seq: int = 0  # the running batch's number: a done event for an older one is stale
     noticed: bool = False  # an eviction notice (else a draining node is scaled in)
     deadline: float = 0.0  # of the eviction, once noticed
+    ready_at: float = 0.0  # when it began serving
 
     def held(self) -> int:
         return len(self.rt) + len(self.be) + len(self.running)
@@ -264,10 +265,15 @@ class ClusterSim:
         if self._launches.get(order) != name:
             return  # withdrawn meanwhile
         del self._launches[order]
+        replaced = self.procurement.replaces(order)
         self.procurement.ready(order)
         n = self._nodes[name]
+        n.ready_at = self.now
         self._set_state(n, NodeState.ACTIVE)
         self.cost.ready(name, self.now)
+        old = self._nodes.get(replaced) if replaced is not None else None
+        if old is not None and old in self._staying():  # a swap: the on-demand node goes as on scale-in
+            self._retire(old)
         self._doomed()  # "once the new VM is acquired, we redirect the incoming traffic to it" (§4.5)
 
     def _notice(self, notice: Notice) -> None:
@@ -331,6 +337,8 @@ class ClusterSim:
         self._reconcile()
         self._doomed()
         self._act(self.procurement.tick(self.now))
+        self._act(self.procurement.swap(self.now, {n.node: n.ready_at for n in self._staying()
+                                                   if n.market is Market.ON_DEMAND}))
         self._push(self.cfg.autoscale_interval_s, "tick", None)
         counts = (sum(n.state is NodeState.ACTIVE for n in self._nodes.values()), len(self._nodes))
         if not self.timeline or self.timeline[-1][1:] != counts:
@@ -354,10 +362,14 @@ class ClusterSim:
             surplus -= 1
         prices = self.cfg.prices
         for n in sorted(active, key=lambda n: (-prices.of(n.market), n.held(), n.node))[:max(0, surplus)]:
-            self._set_state(n, NodeState.DRAINING)
-            self.cost.drained(n.node, self.now)
-            if not n.held():
-                self._end(n, evicted=False)
+            self._retire(n)
+
+    def _retire(self, n: _Node) -> None:
+        """Scale-in or a swap: ``n`` takes no new work and ends once it holds nothing."""
+        self._set_state(n, NodeState.DRAINING)
+        self.cost.drained(n.node, self.now)
+        if not n.held():
+            self._end(n, evicted=False)
 
     # -- the numbers -----------------------------------------------------------------------
 
@@ -384,6 +396,7 @@ class ClusterSim:
             "nodes_over_time": self.timeline,
             "fallbacks": self.procurement.fallbacks,
             "notice_fallbacks": self.procurement.notice_fallbacks,
+            "swaps": self.procurement.swaps,
             "spot_requests": self.revocation.spot_requests,
             "spot_failures": self.revocation.spot_failures,
             "spot_retries": self.procurement.spot_retries,

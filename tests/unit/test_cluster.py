@@ -305,6 +305,41 @@ def test_clustered_short_notices_no_longer_leave_the_cluster_a_node_short():
     assert res["notice_fallbacks"] > 0 and res["lost"] == 0 and res["strict"]["compliance"] == 1.0
 
 
+def test_protean_asks_spot_to_replace_an_on_demand_node_that_served_spot_return_s():
+    """The move back to spot: a swap is a spot request tied to one on-demand node; it adds no
+    wanted node, scale-in leaves it, a refusal drops it (the node serves on) until
+    ``spot_return_s`` later, and only protean makes one."""
+    proc = Procurement(ProcurementPolicy.PROTEAN, 120.0, 60.0, 60.0, spot_return_s=120.0)
+    assert proc.swap(100.0, {"od1": 0.0}) == []  # served 100 s of 120
+    assert proc.swap(130.0, {"od1": 0.0, "od2": 20.0}) == [Launch(1, SPOT)]
+    assert proc.replaces(1) == "od1" and proc.open_orders == 0 and proc.newest() is None
+    assert proc.swap(140.0, {"od1": 0.0, "od2": 20.0}) == [Launch(2, SPOT)]  # od1's is pending
+    assert proc.failed(1, 140.0) == [] and proc.swaps == 2 and proc.fallbacks == 0
+    assert proc.tick(1e4) == []  # a pending swap never falls back
+    assert proc.swap(200.0, {"od1": 0.0}) == []  # refused at 130: again from 250
+    assert proc.swap(250.0, {"od1": 0.0}) == [Launch(3, SPOT)]
+    assert proc.ready(2) is SPOT
+    for policy in (ProcurementPolicy.SPOT_ONLY, ProcurementPolicy.ON_DEMAND_ONLY):
+        assert Procurement(policy, 120.0, 60.0, 60.0, spot_return_s=120.0).swap(1e4, {"od1": 0.0}) == []
+    assert Procurement(ProcurementPolicy.PROTEAN, 120.0, 60.0, 60.0).swap(1e4, {"od1": 0.0}) == []
+
+
+def test_protean_moves_fallback_nodes_back_to_spot_and_costs_less_for_it():
+    """Without a move back, every fallback stayed on-demand until scale-in, and protean's cost
+    rose towards on-demand-only's as P_rev rose. The on-demand node a swap replaces ends
+    once idle (not an eviction), nothing is lost and the node count holds."""
+    base = ClusterConfig(min_nodes=4, max_nodes=4, p_rev=0.354, revocation_seed=3, dispatch_prefer_below=8)
+    stay = simulate(dataclasses.replace(base, spot_return_s=0.0), _work(900.0), seed=0)
+    back = ClusterSim(dataclasses.replace(base, spot_return_s=120.0), _work(900.0), seed=0)
+    res = back.run(60.0, 600.0)
+    assert stay["fallbacks"] > 0 and stay["swaps"] == 0 and res["swaps"] > 0
+    assert res["cost"]["dollars"] < stay["cost"]["dollars"]
+    assert res["lost"] == 0 and res["answered"] == res["requests"]
+    assert res["strict"]["compliance"] == stay["strict"]["compliance"] == 1.0
+    gone = [r for r in back.cost.records() if r.market is OD and r.ended_at is not None and r.ended_at < res["end_s"]]
+    assert gone and all(r.drained_at is not None and not r.evicted for r in gone)  # retired, drained first
+
+
 # -- cost --------------------------------------------------------------------------------
 
 def test_the_cost_ledger_against_table3():
