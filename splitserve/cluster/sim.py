@@ -273,7 +273,7 @@ class ClusterSim:
         self.cost.ready(name, self.now)
         old = self._nodes.get(replaced) if replaced is not None else None
         if old is not None and old in self._staying():  # a swap: the on-demand node goes as on scale-in
-            self._retire(old)
+            self._drain_out(old)
         self._doomed()  # "once the new VM is acquired, we redirect the incoming traffic to it" (§4.5)
 
     def _notice(self, notice: Notice) -> None:
@@ -362,9 +362,9 @@ class ClusterSim:
             surplus -= 1
         prices = self.cfg.prices
         for n in sorted(active, key=lambda n: (-prices.of(n.market), n.held(), n.node))[:max(0, surplus)]:
-            self._retire(n)
+            self._drain_out(n)
 
-    def _retire(self, n: _Node) -> None:
+    def _drain_out(self, n: _Node) -> None:
         """Scale-in or a swap: ``n`` takes no new work and ends once it holds nothing."""
         self._set_state(n, NodeState.DRAINING)
         self.cost.drained(n.node, self.now)
