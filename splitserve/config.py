@@ -386,6 +386,9 @@ class ClusterConfig:
     provider: NodeProviderKind = NodeProviderKind.AUTO  # auto (local; autoscaler with --address) | local | autoscaler
     launch_timeout_s: float = 90.0  # a node asked of Ray's autoscaler that has not joined by then is a failed launch
     terminate_timeout_s: float = 30.0  # how long retiring a node waits for Ray's autoscaler to take it away
+    # c-flat: compliance under fallbacks
+    dispatch_prefer_below: int = 16  # in flight on a node below which its class's market is preferred (~2 full batches)
+    spot_return_s: float = 120.0  # protean asks spot to replace an on-demand node that served this long (0: never)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -427,9 +430,11 @@ class ClusterConfig:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
                      "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes",
-                     "metrics_scrape_bytes"):
+                     "metrics_scrape_bytes", "dispatch_prefer_below"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")
+        if self.spot_return_s < 0:
+            raise InvalidInput("spot_return_s must be at least 0 (0: protean never moves back to spot)")
         if self.keep_alive_s < 0:
             raise InvalidInput("keep_alive_s must be at least 0 (0: scale down at once)")
         if self.bill_records < 0:

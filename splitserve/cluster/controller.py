@@ -39,7 +39,7 @@ from splitserve.cluster.gateway import NodeRoute, Routes
 from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator, doomed_step
+from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.slo import SloOutcome
@@ -52,8 +52,8 @@ _LONG_POLL_S = 1.0
 # Settings whose state outlives one decision (procurement's open orders, the revocation
 # emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
 _FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "bill_records", "procurement",
-                    "spot_retry_timeout_s", "p_rev", "revocation_interval_s", "notice_min_s", "notice_max_s",
-                    "revocation_seed"})
+                    "spot_retry_timeout_s", "spot_return_s", "p_rev", "revocation_interval_s", "notice_min_s",
+                    "notice_max_s", "revocation_seed"})
 
 
 @dataclass
@@ -66,6 +66,7 @@ class _Node:
     endpoint: NodeEndpoint | None = None
     state: NodeState = NodeState.STARTING
     deadline: float | None = None  # an eviction notice's deadline (epoch s)
+    ready_at: float = 0.0  # when it began serving
     models: frozenset[str] = frozenset()  # the registry's models this node was given (and loaded)
     retiring: bool = False  # scale-in or notice: the cluster ends it
     giving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one _give_models at a time
@@ -110,7 +111,7 @@ class Controller:
         self.nodes: dict[str, _Node] = {}
         self.cost = CostLedger(cfg.bill_records)
         self.autoscaler = _autoscaler(cfg)
-        self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
+        self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
         self._routes = Routes(0)
         self._changed = asyncio.Event()
@@ -209,6 +210,8 @@ class Controller:
             "bill": self.cost.to_list(),  # the nodes running and the newest bill_records ended
             "bill_earlier": self.cost.folded(),  # per market: the ended nodes no longer listed
             "fallbacks": self.procurement.fallbacks,
+            "notice_fallbacks": self.procurement.notice_fallbacks,
+            "swaps": self.procurement.swaps,
             "revocations": {"notices": self.revocation.notices, "spot_requests": self.revocation.spot_requests,
                             "spot_failures": self.revocation.spot_failures},
         }
@@ -267,8 +270,10 @@ class Controller:
                            met, total)
         self._target = self.autoscaler.tick(now, load)
         have = len(self._staying()) + self.procurement.open_orders
+        due = replacement_due(self.cfg, (n.deadline for n in self.nodes.values() if n.deadline is not None
+                                         and n.state is NodeState.ACTIVE and not n.retiring))
         while have < self._target:
-            self._act(self.procurement.open(now), now)
+            self._act(self.procurement.open(now, due), now)
             have += 1
         while have > self._target and (order := self.procurement.newest()) is not None:
             self._act(self.procurement.close(order), now)
@@ -277,10 +282,10 @@ class Controller:
         # the dearest first: on-demand before spot
         for n in sorted(self._staying(), key=lambda n: n.market is Market.SPOT)[:max(0, surplus)]:
             log.info("scale-in: draining node %s (%s)", n.node_id[:12], n.market)
-            self._set_state(n, NodeState.DRAINING, now)
-            n.retiring = True
-            self._spawn(self._retire_when_idle(n))
+            self._drain_out(n, now)
         self._act(self.procurement.tick(now), now)
+        self._act(self.procurement.swap(now, {n.node_id: n.ready_at for n in self._staying()
+                                              if n.market is Market.ON_DEMAND}), now)
 
     def _act(self, actions: list[Action], now: float) -> None:
         for a in actions:
@@ -335,12 +340,19 @@ class Controller:
         if n.retiring or self.nodes.get(n.node_id) is not n:
             return  # retired or gone while its models loaded
         now = self.clock()
+        replaced = None
         if n.order is not None:
+            replaced = self.nodes.get(self.procurement.replaces(n.order) or "")
             self.procurement.ready(n.order)
             n.order = None
+        n.ready_at = now
         self.cost.ready(n.node_id, now)
         self._set_state(n, NodeState.ACTIVE, now)
         log.info("node %s (%s) serves at %s:%d", n.node_id[:12], n.market, n.endpoint.host, n.endpoint.fast_port)
+        if replaced is not None and replaced in self._staying():
+            log.info("node %s (%s) is replaced by spot node %s", replaced.node_id[:12], replaced.market,
+                     n.node_id[:12])
+            self._drain_out(replaced, now)
 
     def _noticed(self, n: _Node, deadline: float, now: float) -> None:
         n.deadline = deadline
@@ -368,6 +380,12 @@ class Controller:
 
     def _idle(self, n: _Node) -> bool:
         return int(self._gateway.get("in_flight", {}).get(n.node_id, 0)) == 0
+
+    def _drain_out(self, n: _Node, now: float) -> None:
+        """Scale-in or a swap: ``n`` takes no new work and is retired once idle."""
+        self._set_state(n, NodeState.DRAINING, now)
+        n.retiring = True
+        self._spawn(self._retire_when_idle(n))
 
     async def _retire_when_idle(self, n: _Node) -> None:
         """Scale-in: the node leaves once the gateway holds nothing on it (bounded by the margin)."""

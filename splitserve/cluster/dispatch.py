@@ -45,21 +45,29 @@ class NodeView:
 
 
 # The market each class tries first: strict work on nodes that cannot be revoked under it,
-# best-effort work on the cheap ones, so on-demand room stays free for strict work.
+# best-effort work on the cheap ones, so on-demand room stays free for strict work. Only
+# while a node there is not busy (``prefer_below``): a preference held up to the window
+# queues all strict work on the few on-demand nodes a fallback bought while spot nodes idle.
+# Not much lower either: strict work spilled in ones and twos makes small strict batches on
+# spot nodes that run ahead of their best-effort queues (bench cluster-spot: 8 lost capacity
+# and refused work while a node was short; 16, two full batches, did not).
 PREFERRED = {RequestClass.RT: Market.ON_DEMAND, RequestClass.BE: Market.SPOT}
 
 
 class Dispatcher:
     """Per request: among ACTIVE nodes with the model warm and room in their window, the
-    class's preferred market first, then the lowest ``in_flight / capacity``; with more than
+    class's preferred market first while one of its nodes has fewer than ``prefer_below``
+    requests in flight per unit of capacity, then the lowest ``in_flight / capacity``; with more than
     ``two_choices_above`` such nodes in that market, the less loaded of two drawn at random
     (fewer herds onto the node that looked idlest when counts are stale)."""
 
-    def __init__(self, window: int, two_choices_above: int, rng: random.Random) -> None:
-        if window < 1 or two_choices_above < 1:
-            raise InvalidInput(f"window and two_choices_above must be at least 1, got {window}, {two_choices_above}")
+    def __init__(self, window: int, two_choices_above: int, rng: random.Random, prefer_below: int) -> None:
+        if window < 1 or two_choices_above < 1 or prefer_below < 1:
+            raise InvalidInput("window, two_choices_above and prefer_below must be at least 1, got "
+                               f"{window}, {two_choices_above}, {prefer_below}")
         self.window = window
         self.two_choices_above = two_choices_above
+        self.prefer_below = prefer_below
         self._rng = rng
 
     def choose(self, model: str, cls: RequestClass, nodes: Sequence[NodeView], in_flight: Mapping[str, int],
@@ -77,7 +85,8 @@ class Dispatcher:
             raise QueueFull(f"model {model!r}: all {len(warm)} nodes that hold it have {self.window} requests "
                             "in flight")
         preferred = PREFERRED.get(cls, Market.SPOT)
-        group = [n for n in open_ if n.market is preferred] or open_
+        group = [n for n in open_ if n.market is preferred
+                 and in_flight.get(n.node, 0) / n.capacity < self.prefer_below] or open_
         if len(group) > self.two_choices_above:
             group = self._rng.sample(group, 2)
         return min(group, key=lambda n: (in_flight.get(n.node, 0) / n.capacity, n.node)).node

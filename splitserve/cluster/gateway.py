@@ -171,7 +171,8 @@ class GatewayCore:
         self.cfg = cfg
         self.clock = clock
         self.ledger = Ledger(cfg.ledger_capacity, cfg.max_attempts)
-        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(cfg.revocation_seed))
+        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(cfg.revocation_seed),
+                                     cfg.dispatch_prefer_below)
         self.health = HealthTracker(cfg.ping_interval_s, cfg.ping_misses)
         self.routes = Routes(0)
         self._by_node: dict[str, NodeRoute] = {}

@@ -59,6 +59,14 @@ def doomed_step(cfg: "ClusterConfig", now: float, deadline: float, serving: bool
     return DoomedStep(stop, at_margin or ((draining or stop) and not holds_work), at_margin)
 
 
+def replacement_due(cfg: ClusterConfig, deadlines: Iterable[float]) -> float | None:
+    """When a node ordered now should serve (``Procurement.open``'s ``serve_by``): before the
+    first doomed node still taking work stops, ``drain_lead_s`` before its eviction (None:
+    no doomed node is taking work). The controller and the simulator both ask here."""
+    first = min(deadlines, default=None)
+    return None if first is None else first - cfg.drain_lead_s
+
+
 class RevocationEmulator:
     """Eviction notices for live spot nodes, and the fate of new spot requests."""
 

@@ -43,7 +43,7 @@ from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step
+from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
@@ -84,6 +84,7 @@ class _Node:
     batch_seq: int = 0  # the running batch's number: a done event for an older one is stale
     noticed: bool = False  # an eviction notice (else a draining node is scaled in)
     deadline: float = 0.0  # of the eviction, once noticed
+    ready_at: float = 0.0  # when it began serving
 
     def held(self) -> int:
         return len(self.rt) + len(self.be) + len(self.running)
@@ -109,10 +110,11 @@ class ClusterSim:
         self.cfg = cfg
         self.work = work
         self.ledger = Ledger(cfg.ledger_capacity, cfg.max_attempts)
-        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(seed))
+        self.dispatcher = Dispatcher(cfg.node_window, cfg.two_choices_above, random.Random(seed),
+                                     cfg.dispatch_prefer_below)
         self.autoscaler = ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target,
                                             cfg.keep_alive_s)
-        self.procurement = Procurement(cfg.procurement, cfg.spot_retry_timeout_s)
+        self.procurement = Procurement.of(cfg)
         # its own stream, the controller's: the eviction schedule does not depend on how dispatch drew
         self.revocation = RevocationEmulator.of(cfg)
         self.cost = CostLedger()
@@ -265,10 +267,15 @@ class ClusterSim:
         if self._launches.get(order) != name:
             return  # withdrawn meanwhile
         del self._launches[order]
+        replaced = self.procurement.replaces(order)
         self.procurement.ready(order)
         n = self._nodes[name]
+        n.ready_at = self.now
         self._set_state(n, NodeState.ACTIVE)
         self.cost.ready(name, self.now)
+        old = self._nodes.get(replaced) if replaced is not None else None
+        if old is not None and old in self._staying():  # a swap: the on-demand node goes as on scale-in
+            self._drain_out(old)
         self._doomed()  # "once the new VM is acquired, we redirect the incoming traffic to it" (§4.5)
 
     def _notice(self, notice: Notice) -> None:
@@ -332,6 +339,8 @@ class ClusterSim:
         self._reconcile()
         self._doomed()
         self._act(self.procurement.tick(self.now))
+        self._act(self.procurement.swap(self.now, {n.node: n.ready_at for n in self._staying()
+                                                   if n.market is Market.ON_DEMAND}))
         self._push(self.cfg.autoscale_interval_s, "tick", None)
         counts = (sum(n.state is NodeState.ACTIVE for n in self._nodes.values()), len(self._nodes))
         if not self.timeline or self.timeline[-1][1:] != counts:
@@ -345,18 +354,24 @@ class ClusterSim:
         """Open or close orders and drain nodes until serving + starting meets the target."""
         active = self._staying()
         have = len(active) + self.procurement.open_orders
+        due = replacement_due(self.cfg, (n.deadline for n in self._nodes.values()
+                                         if n.noticed and n.state is NodeState.ACTIVE))
         for _ in range(self._target - have):
-            self._act(self.procurement.open(self.now))
+            self._act(self.procurement.open(self.now, due))
         surplus = have - self._target
         while surplus > 0 and (order := self.procurement.newest()) is not None:
             self._act(self.procurement.close(order))
             surplus -= 1
         prices = self.cfg.prices
         for n in sorted(active, key=lambda n: (-prices.of(n.market), n.held(), n.node))[:max(0, surplus)]:
-            self._set_state(n, NodeState.DRAINING)
-            self.cost.drained(n.node, self.now)
-            if not n.held():
-                self._end(n, evicted=False)
+            self._drain_out(n)
+
+    def _drain_out(self, n: _Node) -> None:
+        """Scale-in or a swap: ``n`` takes no new work and ends once it holds nothing."""
+        self._set_state(n, NodeState.DRAINING)
+        self.cost.drained(n.node, self.now)
+        if not n.held():
+            self._end(n, evicted=False)
 
     # -- the numbers -----------------------------------------------------------------------
 
@@ -382,6 +397,8 @@ class ClusterSim:
             "notice_times": [(n.at, n.deadline) for n in self.notices],
             "nodes_over_time": self.timeline,
             "fallbacks": self.procurement.fallbacks,
+            "notice_fallbacks": self.procurement.notice_fallbacks,
+            "swaps": self.procurement.swaps,
             "spot_requests": self.revocation.spot_requests,
             "spot_failures": self.revocation.spot_failures,
             "spot_retries": self.procurement.spot_retries,

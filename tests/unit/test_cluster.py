@@ -5,6 +5,7 @@ keep-alive, ClusterConfig's environment names, and a small simulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -37,7 +38,7 @@ def _node(name: str, market: Market, state: NodeState = NodeState.ACTIVE, models
 # -- dispatch ----------------------------------------------------------------------------
 
 def test_rt_prefers_on_demand_and_be_prefers_spot_then_the_lowest_load():
-    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0))
+    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0), prefer_below=4)
     nodes = [_node("od1", OD), _node("od2", OD), _node("s1", SPOT), _node("s2", SPOT)]
     load = {"od1": 3, "od2": 1, "s1": 0, "s2": 2}
     assert d.choose("m", RT, nodes, load) == "od2"  # on-demand, then the less loaded one
@@ -46,8 +47,21 @@ def test_rt_prefers_on_demand_and_be_prefers_spot_then_the_lowest_load():
     assert d.choose("m", RT, nodes, {"od1": 4, "od2": 4, "s1": 3, "s2": 1}) == "s2"
 
 
+def test_strict_work_spills_from_a_busy_on_demand_node_to_an_idle_spot_node():
+    """A protean cluster with one on-demand node (a fallback) and idle spot nodes: strict work
+    kept to the on-demand node until its window was full, queueing a window's worth on it
+    while spot nodes idled (protean's strict compliance fell to 92 % at P_rev 0.354 in
+    ``bench cluster-spot``). Now the preference holds only below ``prefer_below``."""
+    d = Dispatcher(window=64, two_choices_above=8, rng=random.Random(0), prefer_below=8)
+    nodes = [_node("od", OD), _node("s1", SPOT), _node("s2", SPOT)]
+    assert d.choose("m", RT, nodes, {"od": 7, "s1": 0, "s2": 1}) == "od"  # not busy yet: its market
+    assert d.choose("m", RT, nodes, {"od": 8, "s1": 2, "s2": 1}) == "s2"  # busy: the least loaded of any
+    assert d.choose("m", RT, nodes, {"od": 8, "s1": 9, "s2": 9}) == "od"  # and that may be itself
+    assert d.choose("m", BE, nodes, {"od": 0, "s1": 8, "s2": 8}) == "od"  # best-effort work alike
+
+
 def test_draining_dead_starting_cold_and_excluded_nodes_get_no_work():
-    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0))
+    d = Dispatcher(window=4, two_choices_above=8, rng=random.Random(0), prefer_below=4)
     nodes = [_node("drain", OD, NodeState.DRAINING), _node("dead", OD, NodeState.DEAD),
              _node("boot", OD, NodeState.STARTING), _node("cold", OD, models=frozenset()),
              _node("refused", OD), _node("ok", SPOT)]
@@ -57,7 +71,7 @@ def test_draining_dead_starting_cold_and_excluded_nodes_get_no_work():
 
 
 def test_queue_full_when_every_window_is_full():
-    d = Dispatcher(window=2, two_choices_above=8, rng=random.Random(0))
+    d = Dispatcher(window=2, two_choices_above=8, rng=random.Random(0), prefer_below=2)
     nodes = [_node("a", OD), _node("b", SPOT)]
     with pytest.raises(QueueFull, match="all 2 nodes"):
         d.choose("m", BE, nodes, {"a": 2, "b": 2})
@@ -66,9 +80,9 @@ def test_queue_full_when_every_window_is_full():
 def test_power_of_two_choices_above_the_threshold_is_seeded():
     nodes = [_node(f"s{i}", SPOT) for i in range(12)]
     load = {f"s{i}": i for i in range(12)}
-    picks = [Dispatcher(8, 8, random.Random(7)).choose("m", BE, nodes, load) for _ in range(3)]
+    picks = [Dispatcher(8, 8, random.Random(7), 8).choose("m", BE, nodes, load) for _ in range(3)]
     assert len(set(picks)) == 1  # the same seed, the same choice
-    many = {Dispatcher(99, 8, random.Random(s)).choose("m", BE, nodes, load) for s in range(40)}
+    many = {Dispatcher(99, 8, random.Random(s), 99).choose("m", BE, nodes, load) for s in range(40)}
     assert len(many) > 1 and "s11" not in many  # the busiest node never wins a comparison
 
 
@@ -228,7 +242,7 @@ def test_notices_are_seeded_per_interval_with_lead_times_in_range():
 
 def test_protean_buys_spot_first_then_on_demand_after_a_failure_or_a_timeout():
     em = _emulator(1.0)  # spot capacity never there
-    proc = Procurement(ProcurementPolicy.PROTEAN, spot_retry_timeout_s=120.0)
+    proc = Procurement(ProcurementPolicy.PROTEAN, 120.0, spot_launch_s=60.0, on_demand_launch_s=60.0)
     [first] = proc.open(0.0)
     assert first == Launch(1, SPOT)
     assert em.spot_request_fails()
@@ -241,13 +255,89 @@ def test_protean_buys_spot_first_then_on_demand_after_a_failure_or_a_timeout():
 
 
 def test_spot_only_waits_and_asks_spot_again_and_on_demand_only_never_asks_spot():
-    proc = Procurement(ProcurementPolicy.SPOT_ONLY, spot_retry_timeout_s=60.0)
+    proc = Procurement(ProcurementPolicy.SPOT_ONLY, 60.0, spot_launch_s=60.0, on_demand_launch_s=60.0)
     assert proc.open(0.0) == [Launch(1, SPOT)]
     assert proc.failed(1, 0.0) == []
     assert proc.tick(59.0) == [] and proc.tick(60.0) == [Launch(1, SPOT)] and proc.spot_retries == 1
     assert proc.tick(500.0) == []  # a pending spot request is waited for, however long
-    od = Procurement(ProcurementPolicy.ON_DEMAND_ONLY, spot_retry_timeout_s=60.0)
+    od = Procurement(ProcurementPolicy.ON_DEMAND_ONLY, 60.0, spot_launch_s=60.0, on_demand_launch_s=60.0)
     assert od.open(0.0) == [Launch(1, OD)] and od.tick(1e6) == []
+
+
+def test_protean_buys_a_replacement_on_demand_at_once_when_spot_would_serve_after_the_doomed_node_stops():
+    """PROTEAN §4.5 orders the replacement at the notice so that it serves before the eviction:
+    with a lead shorter than the spot launch, protean buys the market that comes sooner."""
+    proc = Procurement(ProcurementPolicy.PROTEAN, 120.0, spot_launch_s=60.0, on_demand_launch_s=20.0)
+    assert proc.open(0.0, serve_by=40.0) == [Launch(1, OD)]
+    assert proc.fallbacks == proc.notice_fallbacks == 1
+    assert proc.open(0.0, serve_by=60.0) == [Launch(2, SPOT)]  # a long enough notice: spot first still
+    assert proc.open(0.0) == [Launch(3, SPOT)]  # no hurry (scale-out)
+    assert proc.fallbacks == 1
+    same = Procurement(ProcurementPolicy.PROTEAN, 120.0, spot_launch_s=60.0, on_demand_launch_s=60.0)
+    assert same.open(0.0, serve_by=10.0) == [Launch(1, SPOT)]  # on-demand would not come sooner
+    spot = Procurement(ProcurementPolicy.SPOT_ONLY, 120.0, spot_launch_s=60.0, on_demand_launch_s=20.0)
+    assert spot.open(0.0, serve_by=10.0) == [Launch(1, SPOT)] and spot.fallbacks == 0  # spot-only unchanged
+    od = Procurement(ProcurementPolicy.ON_DEMAND_ONLY, 120.0, spot_launch_s=60.0, on_demand_launch_s=20.0)
+    assert od.open(0.0, serve_by=100.0) == [Launch(1, OD)]
+
+
+def test_clustered_short_notices_no_longer_leave_the_cluster_a_node_short():
+    """Several spot nodes noticed at one boundary with leads shorter than the spot launch plus
+    the drain lead: each doomed node stopped taking work before its spot replacement served,
+    and the cluster ran nodes short. Their replacements now come on-demand, in time, and the
+    serving count never drops below the target once the cluster first serves."""
+    cfg = ClusterConfig(min_nodes=4, max_nodes=4, p_rev=0.354, notice_min_s=30.0, notice_max_s=40.0,
+                        drain_lead_s=10.0, drain_margin_s=5.0, spot_launch_s=60.0, on_demand_launch_s=20.0,
+                        revocation_seed=10, dispatch_prefer_below=8)  # two batches of _work's 4
+
+    def fewest_serving(cfg: ClusterConfig) -> tuple[int, dict]:
+        sim = ClusterSim(cfg, _work(300.0), seed=0)
+        res = sim.run(60.0, 600.0)
+        assert max(sum(n.at == t for n in sim.notices) for t in {n.at for n in sim.notices}) > 1  # clustered
+        timeline = res["nodes_over_time"]
+        first = next(i for i, (_, serving, _) in enumerate(timeline) if serving >= 4)
+        return min(serving for _, serving, _ in timeline[first:]), res
+
+    # the case itself: with nothing faster to buy, the cluster runs short on these draws
+    assert fewest_serving(dataclasses.replace(cfg, on_demand_launch_s=60.0))[0] < 4
+    fewest, res = fewest_serving(cfg)
+    assert fewest == 4
+    assert res["notice_fallbacks"] > 0 and res["lost"] == 0 and res["strict"]["compliance"] == 1.0
+
+
+def test_protean_asks_spot_to_replace_an_on_demand_node_that_served_spot_return_s():
+    """The move back to spot: a swap is a spot request tied to one on-demand node; it adds no
+    wanted node, scale-in leaves it, a refusal drops it (the node serves on) until
+    ``spot_return_s`` later, and only protean makes one."""
+    proc = Procurement(ProcurementPolicy.PROTEAN, 120.0, 60.0, 60.0, spot_return_s=120.0)
+    assert proc.swap(100.0, {"od1": 0.0}) == []  # served 100 s of 120
+    assert proc.swap(130.0, {"od1": 0.0, "od2": 20.0}) == [Launch(1, SPOT)]
+    assert proc.replaces(1) == "od1" and proc.open_orders == 0 and proc.newest() is None
+    assert proc.swap(140.0, {"od1": 0.0, "od2": 20.0}) == [Launch(2, SPOT)]  # od1's is pending
+    assert proc.failed(1, 140.0) == [] and proc.swaps == 2 and proc.fallbacks == 0
+    assert proc.tick(1e4) == []  # a pending swap never falls back
+    assert proc.swap(200.0, {"od1": 0.0}) == []  # refused at 130: again from 250
+    assert proc.swap(250.0, {"od1": 0.0}) == [Launch(3, SPOT)]
+    assert proc.ready(2) is SPOT
+    for policy in (ProcurementPolicy.SPOT_ONLY, ProcurementPolicy.ON_DEMAND_ONLY):
+        assert Procurement(policy, 120.0, 60.0, 60.0, spot_return_s=120.0).swap(1e4, {"od1": 0.0}) == []
+    assert Procurement(ProcurementPolicy.PROTEAN, 120.0, 60.0, 60.0).swap(1e4, {"od1": 0.0}) == []
+
+
+def test_protean_moves_fallback_nodes_back_to_spot_and_costs_less_for_it():
+    """Without a move back, every fallback stayed on-demand until scale-in, and protean's cost
+    rose towards on-demand-only's as P_rev rose. The on-demand node a swap replaces ends
+    once idle (not an eviction), nothing is lost and the node count holds."""
+    base = ClusterConfig(min_nodes=4, max_nodes=4, p_rev=0.354, revocation_seed=3, dispatch_prefer_below=8)
+    stay = simulate(dataclasses.replace(base, spot_return_s=0.0), _work(900.0), seed=0)
+    back = ClusterSim(dataclasses.replace(base, spot_return_s=120.0), _work(900.0), seed=0)
+    res = back.run(60.0, 600.0)
+    assert stay["fallbacks"] > 0 and stay["swaps"] == 0 and res["swaps"] > 0
+    assert res["cost"]["dollars"] < stay["cost"]["dollars"]
+    assert res["lost"] == 0 and res["answered"] == res["requests"]
+    assert res["strict"]["compliance"] == stay["strict"]["compliance"] == 1.0
+    gone = [r for r in back.cost.records() if r.market is OD and r.ended_at is not None and r.ended_at < res["end_s"]]
+    assert gone and all(r.drained_at is not None and not r.evicted for r in gone)  # retired, drained first
 
 
 # -- cost --------------------------------------------------------------------------------

@@ -40,7 +40,14 @@ ASSUMPTIONS = {
     "launch": "spot and on-demand nodes serve launch_s (60 s) after their request (boot and model load)",
     "doomed_node": "serves until its replacement serves or drain_lead_s before eviction; work left "
                    "drain_margin_s before eviction is re-sent",
-    "protean_return": "protean never moves an on-demand node back to spot (the paper does not say it does)",
+    "replacement": "ordered at the notice; protean buys it on-demand at once when a spot node would serve after "
+                   "the doomed node stops (deadline - drain_lead_s) and an on-demand one would come sooner (with "
+                   "equal launch times, as here, it stays spot first)",
+    "dispatch": "strict work prefers on-demand nodes and BE work spot nodes only on nodes with fewer than "
+                "dispatch_prefer_below in flight; busier nodes compete by load",
+    "protean_return": "protean asks spot to replace an on-demand node that has served spot_return_s (120 s), "
+                      "again spot_return_s after a refused request; the on-demand node leaves once the spot one "
+                      "serves (the paper: spot VMs 'when available', on-demand 'during periods of unavailability')",
     "node": "one model, one batch at a time, strict first, work-conserving batches of one class",
     "refusal": "a request no node can take is answered QUEUE_FULL or MODEL_NOT_READY; a strict one is a miss",
     "scale": "the paper's 5000 req/s on 8 A100s is scaled to load x the nodes' capacity of the simulated model",
