@@ -18,6 +18,15 @@ it reads Ray's node table and draining nodes, and:
   request to its end.
 
 Ray carries only control calls; routes reach the gateway through ``routes``, a long poll.
+
+It holds no data-path state, so a restart (Ray restarts the actor when its process dies)
+rebuilds its view (``_recover``, before it answers any call): the models and the bill from
+its store on the head (``cluster/store.py``), the nodes from the provider's ``markets()``
+and the node servers' named actors, taken back as ACTIVE once they hold every model, a
+launch that was in flight (a provider node with no node server) as a node starting for an
+adopted order, and eviction notices from the GCS in the next round. Routing-table versions
+start above every earlier controller's (``store.next_generation``), so the gateway, which
+served on its last table meanwhile, takes the new one.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -40,6 +50,7 @@ from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerAc
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due
+from splitserve.cluster.store import STORE_FILE, ControllerStore
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.slo import SloOutcome
@@ -61,7 +72,7 @@ class _Node:
     node_id: str
     market: Market
     order: int | None  # the procurement order it fills while starting
-    server: Any  # the NodeServer actor handle
+    server: Any  # the NodeServer actor handle (None: a restarted controller found none to stop)
     starting: asyncio.Future | None = None  # the endpoint() call in flight while it starts
     endpoint: NodeEndpoint | None = None
     state: NodeState = NodeState.STARTING
@@ -80,9 +91,10 @@ class _Registry:
     ids: dict[str, int] = field(default_factory=dict)
     specs: dict[str, ModelSpec | None] = field(default_factory=dict)
 
-    def add(self, name: str, spec: ModelSpec | None) -> int:
+    def add(self, name: str, spec: ModelSpec | None, func_id: int | None = None) -> int:
+        """Add ``name`` (with ``func_id``: as stored by an earlier controller) and return its id."""
         if name not in self.ids:
-            self.ids[name] = max(self.ids.values(), default=0) + 1
+            self.ids[name] = func_id or max(self.ids.values(), default=0) + 1
             self.specs[name] = spec
         return self.ids[name]
 
@@ -99,21 +111,34 @@ class Controller:
     """The cluster's control plane (an async Ray actor; one loop, no locks)."""
 
     def __init__(self, cfg: ClusterConfig, node_spec: NodeSpec, provider: Any, builtin_models: list[str],
-                 clock: Callable[[], float] = time.time, address: str | None = None) -> None:
+                 clock: Callable[[], float] = time.time, address: str | None = None,
+                 store: ControllerStore | None = None,
+                 find_server: Callable[[str], Any | None] | None = None) -> None:
+        """``store``: where the models and the bill outlive this actor (default: a file in the
+        head's Ray session directory); ``find_server``: a node server's live actor by its
+        name (default: Ray's named actors), for ``_recover``."""
         self.cfg = cfg
         self.node_spec = node_spec
         self.provider = provider
         self.clock = clock
         self.address = address or raycompat.gcs_address()  # the GCS of the Ray cluster it runs on
+        self.store = store or ControllerStore(Path(raycompat.session_dir()) / STORE_FILE)
+        self._find_server = find_server or (lambda name: raycompat.named_actor(name, NAMESPACE))
         self.registry = _Registry()
+        for name, fid, spec in self.store.models():
+            self.registry.add(name, spec, fid)
         for name in builtin_models:
-            self.registry.add(name, None)
+            if name not in self.registry.ids:
+                self.store.add_model(name, self.registry.add(name, None), None)
         self.nodes: dict[str, _Node] = {}
-        self.cost = CostLedger(cfg.bill_records)
+        bill = self.store.bill()
+        self.cost = CostLedger(cfg.bill_records) if bill is None else CostLedger.from_state(bill)
+        self._saved_bill = bill
         self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
-        self._routes = Routes(0)
+        # above every version an earlier controller published: the gateway takes this one's tables
+        self._routes = Routes(self.store.next_generation() << 32)
         self._changed = asyncio.Event()
         self._gateway: dict[str, Any] = {}
         # Withdrawn launches, by order *and* market: protean's fallback withdraws an order's spot
@@ -125,21 +150,86 @@ class Controller:
         self._last_window = {"met": 0, "total": 0}  # strict outcomes in the autoscaler's last window
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
+        self._recovered = asyncio.Event()  # set once _recover is done: the calls wait for it
+        self._checking_servers = False
 
     # -- the API (called through Ray) --------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the reconciliation loop (idempotent)."""
+        """Rebuild the view (``_recover``) and start the reconciliation loop (idempotent). A
+        controller that Ray restarted does this on the first call it gets, the gateway's
+        long poll within a second."""
+        await self._started()
+
+    async def _started(self) -> None:
         if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        await self._recovered.wait()
+
+    async def _run(self) -> None:
+        try:
+            await self._recover()
+        except Exception:  # noqa: BLE001 - what it could not take back, the loop replaces
+            log.exception("rebuilding the node table failed; the reconcile loop goes on without it")
+        finally:
+            self._recovered.set()
+        await self._loop()
+
+    async def _recover(self) -> None:
+        """Take back what an earlier controller left: every node the provider runs. One with a
+        node server (a named, detached actor) serves on and becomes ACTIVE once it holds every
+        model (already there: a quick, idempotent call); one without (its launch was in flight)
+        gets its node server and an adopted order, so the autoscaler does not buy it twice.
+        Open bill records of nodes no longer there end now. Bounded by
+        ``controller_recover_timeout_s``: a node not back by then joins later, through the loop,
+        and is out of the routes meanwhile (the gateway re-sends its work)."""
+        now = self.clock()
+        markets = await asyncio.wait_for(self.provider.markets.remote(), self.cfg.controller_recover_timeout_s)
+        adopting = []
+        for node_id, market in markets.items():
+            m = Market.parse(market)
+            if node_id in self.nodes:
+                continue
+            server = self._find_server(node_server_name(node_id))
+            record = self.cost.record(node_id)
+            if record is not None and record.ended_at is not None:
+                # retired (or lost) before the restart, and the provider still runs it: end it again
+                self._spawn(self._retire(_Node(node_id, m, None, server), evicted=False))
+                continue
+            if record is None:
+                self.cost.requested(node_id, str(m), m, self.cfg.prices.of(m), now)
+            if server is None:
+                log.info("node %s (%s) has no node server: its launch was in flight; starting one", node_id[:12], m)
+                self._place(node_id, m, self.procurement.adopt(m, now))
+                continue
+            n = self.nodes[node_id] = _Node(node_id, m, None, server,
+                                            starting=asyncio.ensure_future(server.endpoint.remote()))
+            adopting.append(self._spawn(self._adopt(n)))
+        for r in self.cost.records():
+            if r.ended_at is None and r.node not in self.nodes:
+                self.cost.ended(r.node, now)  # gone while no controller watched: billed to now
+        if adopting:
+            await asyncio.wait(adopting, timeout=self.cfg.controller_recover_timeout_s)
+        self._save_bill()
+        self._publish()
+        log.info("controller generation %d: %d models, %d nodes taken back (%d serving)", self._routes.version >> 32,
+                 len(self.registry.ids), len(self.nodes),
+                 sum(n.state is NodeState.ACTIVE for n in self.nodes.values()))
+
+    async def _adopt(self, n: _Node) -> None:
+        assert n.starting is not None
+        await asyncio.wait([n.starting])
+        await self._check_started(n)
 
     async def register(self, spec: ModelSpec) -> int:
         """Register ``spec`` on every node with a server; returns its cluster func id. The
         registry holds it from the start, so a node that joins meanwhile, or later, gets it
         when it joins; a node that refuses it rolls the registration back."""
+        await self._started()
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
         fid = self.registry.add(spec.name, spec)
+        self.store.add_model(spec.name, fid, spec)
         ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD
                  and not n.retiring]
         results = await asyncio.gather(*(self._give_models(n) for n in ready), return_exceptions=True)
@@ -147,6 +237,7 @@ class Controller:
             # a node retired meanwhile (scale-in, an eviction) no longer needs the model
             if isinstance(r, BaseException) and n.node_id in self.nodes and not n.retiring:
                 self.registry.remove(spec.name)
+                self.store.remove_model(spec.name)
                 for other in self.nodes.values():
                     other.models = other.models - {spec.name}
                 self._publish()
@@ -167,8 +258,17 @@ class Controller:
 
     async def routes(self, version: int, gateway_stats: dict | None = None) -> str | None:
         """Long poll: the routing table as JSON once it is newer than ``version`` (None after
-        a second without a change). The gateway's stats ride along (the autoscaler's input)."""
+        a second without a change, or while a restarted controller still rebuilds its view:
+        the gateway serves on its last table). The gateway's stats ride along (the
+        autoscaler's input)."""
+        try:
+            await asyncio.wait_for(self._started(), _LONG_POLL_S)
+        except TimeoutError:
+            return None
         if gateway_stats is not None:
+            if not self._gateway:
+                # a restarted controller: the gateway's counts so far are no window of this one's
+                self._slo_window.take(*_strict_counts(gateway_stats))
             self._gateway = gateway_stats
         if self._routes.version <= version:
             self._changed.clear()
@@ -184,6 +284,7 @@ class Controller:
         round acts on them. A change to procurement, revocations or prices is refused: their
         state (open orders, the eviction schedule, the bill) belongs to the settings the
         cluster started with."""
+        await self._started()
         fixed = [f.name for f in fields(cfg) if f.name in _FIXED and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
         if fixed:
             raise InvalidInput(f"these settings cannot change while the cluster runs: {', '.join(fixed)}")
@@ -195,6 +296,7 @@ class Controller:
 
     async def status(self) -> dict:
         """Nodes (market, state, models, in flight), the target, the cost so far."""
+        await self._started()
         now = self.clock()
         in_flight = self._gateway.get("in_flight", {})
         return {
@@ -222,6 +324,7 @@ class Controller:
             self._loop_task.cancel()
         await asyncio.gather(*(self._retire(n, evicted=False) for n in list(self.nodes.values())),
                              return_exceptions=True)
+        self.store.clear()  # the cluster is gone: a later `cluster up` on this Ray session starts empty
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -254,17 +357,45 @@ class Controller:
             log.info("revocation emulator: notice for %s, deadline in %.1f s", notice.node[:12], notice.deadline - now)
             await asyncio.to_thread(raycompat.drain_node, self.address, notice.node, notice.deadline - now,
                                     "splitserve revocation emulator")
+        if not self._checking_servers:
+            self._spawn(self._check_servers())
         if now >= self._next_autoscale:
             self._next_autoscale = now + self.cfg.autoscale_interval_s
             self._autoscale(now)
+        self._save_bill()
+
+    async def _check_servers(self) -> None:
+        """Ask each serving node's server whether its ``splitserve serve`` child lives. A node
+        whose child died (not the node: Ray still lists it) answers nothing on its fast path;
+        the gateway has re-sent its work on the link's loss, and the node is retired here, so
+        the autoscaler orders its replacement. A call not answered within
+        ``node_stats_timeout_s`` (the server busy loading models) proves nothing."""
+        self._checking_servers = True
+        try:
+            serving = [n for n in self.nodes.values() if n.state is NodeState.ACTIVE and not n.retiring]
+            answers = await asyncio.gather(*(asyncio.wait_for(n.server.stats.remote(), self.cfg.node_stats_timeout_s)
+                                             for n in serving), return_exceptions=True)
+            for n, stats in zip(serving, answers):
+                if isinstance(stats, dict) and not stats.get("alive", True) and not n.retiring:
+                    log.warning("node %s: its splitserve serve (pid %s) exited; replacing the node", n.node_id[:12],
+                                stats.get("pid"))
+                    n.retiring = True
+                    self._spawn(self._retire(n, evicted=False))
+        finally:
+            self._checking_servers = False
+
+    def _save_bill(self) -> None:
+        state = self.cost.to_state()
+        if state != self._saved_bill:
+            self.store.save_bill(state)
+            self._saved_bill = state
 
     def _staying(self) -> list[_Node]:
         return [n for n in self.nodes.values() if n.deadline is None and not n.retiring
                 and n.state is NodeState.ACTIVE]
 
     def _autoscale(self, now: float) -> None:
-        slo = self._gateway.get("slo", {})  # the gateway's strict outcomes since it started
-        met, total = self._slo_window.take(int(slo.get(SloOutcome.MET, 0)), sum(int(n) for n in slo.values()))
+        met, total = self._slo_window.take(*_strict_counts(self._gateway))
         self._last_window = {"met": met, "total": total}
         load = ClusterLoad(int(self._gateway.get("held", 0)), len(self._staying()), self.procurement.open_orders,
                            met, total)
@@ -312,14 +443,19 @@ class Controller:
                 self._act(self.procurement.failed(order, self.clock()), self.clock())
             return
         self.cost.requested(node_id, str(market), market, self.cfg.prices.of(market), requested)
-        server = NodeServerActor.options(name=node_server_name(node_id), namespace=NAMESPACE, lifetime="detached",
-                                         **raycompat.on_node(node_id)).remote(self.node_spec)
-        n = _Node(node_id, market, order, server, starting=asyncio.ensure_future(server.endpoint.remote()))
-        self.nodes[node_id] = n
+        n = self._place(node_id, market, order)
         if (order, market) in self._cancelled:
             self._cancelled.discard((order, market))
             n.order = None
             await self._retire(n, evicted=False)
+
+    def _place(self, node_id: str, market: Market, order: int | None) -> _Node:
+        """Start ``node_id``'s node server (detached and named: a restarted controller finds it)."""
+        server = NodeServerActor.options(name=node_server_name(node_id), namespace=NAMESPACE, lifetime="detached",
+                                         **raycompat.on_node(node_id)).remote(self.node_spec)
+        n = self.nodes[node_id] = _Node(node_id, market, order, server,
+                                        starting=asyncio.ensure_future(server.endpoint.remote()))
+        return n
 
     async def _check_started(self, n: _Node) -> None:
         """A node whose server came up gets the registry's models, then serves: it is ready
@@ -345,8 +481,12 @@ class Controller:
             replaced = self.nodes.get(self.procurement.replaces(n.order) or "")
             self.procurement.ready(n.order)
             n.order = None
-        n.ready_at = now
-        self.cost.ready(n.node_id, now)
+        record = self.cost.record(n.node_id)
+        if record is not None and record.ready_at is not None:
+            n.ready_at = record.ready_at  # taken back by a restarted controller: it served before
+        else:
+            n.ready_at = now
+            self.cost.ready(n.node_id, now)
         self._set_state(n, NodeState.ACTIVE, now)
         log.info("node %s (%s) serves at %s:%d", n.node_id[:12], n.market, n.endpoint.host, n.endpoint.fast_port)
         if replaced is not None and replaced in self._staying():
@@ -398,8 +538,9 @@ class Controller:
         n.retiring = True
         self._end(n, self.clock(), evicted)
         try:
-            await n.server.stop.remote()
-            ray.kill(n.server, no_restart=True)
+            if n.server is not None:
+                await n.server.stop.remote()
+                ray.kill(n.server, no_restart=True)
         except ray.exceptions.RayError as e:
             log.info("node server on %s was already gone: %s", n.node_id[:12], e)
         try:
@@ -431,10 +572,17 @@ class Controller:
         self._routes = Routes(self._routes.version + 1, nodes, tuple(sorted(self.registry.ids.items())))
         self._changed.set()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _strict_counts(gateway_stats: dict) -> tuple[int, int]:
+    """(met, total) of the strict calls the gateway answered since its process started."""
+    slo = gateway_stats.get("slo", {})
+    return int(slo.get(SloOutcome.MET, 0)), sum(int(n) for n in slo.values())
 
 
 # Detached and named so that tools and a restarted driver find it; on the head.

@@ -87,6 +87,10 @@ class CostLedger:
     def ready(self, node: str, now: float) -> None:
         self._get(node).ready_at = now
 
+    def record(self, node: str) -> NodeRecord | None:
+        """``node``'s record while the ledger keeps it (None: never billed, or folded)."""
+        return self._records.get(node)
+
     def drained(self, node: str, now: float) -> None:
         record = self._get(node)
         if record.drained_at is None:
@@ -143,6 +147,22 @@ class CostLedger:
     def folded(self) -> dict[str, dict[str, Any]]:
         """Per market, the totals of the ended records no longer kept."""
         return {str(m): asdict(t) for m, t in self._folded.items()}
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything the ledger holds, JSON-ready (the controller's store keeps it across a
+        restart); ``from_state`` reads it back."""
+        return {"keep_closed": self.keep_closed, "records": self.to_list(), "closed": list(self._closed),
+                "folded": self.folded()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> CostLedger:
+        ledger = cls(state["keep_closed"])
+        for r in state["records"]:
+            ledger._records[r["node"]] = NodeRecord(**(r | {"market": Market.parse(r["market"])}))
+        ledger._closed.extend(state["closed"])
+        for market, totals in state["folded"].items():
+            ledger._folded[Market.parse(market)] = Totals(**totals)
+        return ledger
 
     def _get(self, node: str) -> NodeRecord:
         try:

@@ -3,8 +3,14 @@
 The data plane (``cluster/dataplane.py``: the fast path, HTTP and gRPC) never imports Ray; this actor starts it with the
 cluster's settings in its environment, long-polls the controller's ``routes`` with the
 gateway's own stats (the autoscaler's input), and writes each newer table to the process's
-stdin. A data plane that died is started again on the same port with the latest table
-(clients reconnect; calls in flight on the dead connections are the only ones lost).
+stdin. A data plane that died is started again at once (a thread waits on it) on the same
+ports with the latest table: clients reconnect, and a call in flight on a dead connection is
+answered by the connection's reset (the client knows it has no answer and may send it
+again). The new process links to the nodes afresh from that table.
+
+While the controller is away (its process died and Ray restarts it) the data plane serves
+on its last table: each routes call waits at most ``routes_poll_timeout_s`` and is asked
+again, and a controller that was replaced by a new actor of the same name is looked up again.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any
 
 import ray
 
+from splitserve.cluster import raycompat
+from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE
 from splitserve.cluster.node_server import die_with_parent
 from splitserve.config import ClusterConfig
 from splitserve.errors import InternalError
@@ -52,6 +60,7 @@ class Gateway:
         self._stopped = threading.Event()
         self._start_process()
         threading.Thread(target=self._poll, name="gateway-routes", daemon=True).start()
+        threading.Thread(target=self._watch, name="gateway-watch", daemon=True).start()
 
     def _start_process(self) -> None:
         env = {**os.environ, **cluster_env(self.cfg)}
@@ -83,13 +92,33 @@ class Gateway:
             self.proc.stdin.write("stats\n")
             return json.loads(self.proc.stdout.readline())
 
+    def _watch(self) -> None:
+        """Start the data plane again as soon as it exits (not only at the next stats call)."""
+        while not self._stopped.is_set():
+            proc = self.proc
+            proc.wait()
+            with self._lock:
+                if self._stopped.is_set() or self.proc is not proc:
+                    continue
+                log.warning("gateway data plane pid %d exited with %s; starting it again", proc.pid, proc.returncode)
+                try:
+                    self._start_process()
+                except (InternalError, OSError, ValueError) as e:
+                    log.error("gateway data plane did not start again (%s); trying again", e)
+            if self.proc is proc:
+                self._stopped.wait(self.cfg.reconcile_interval_s)
+
     def _poll(self) -> None:
         while not self._stopped.is_set():
             try:
                 stats = self.stats()
-                doc = ray.get(self.controller.routes.remote(self._version, stats))
+                doc = ray.get(self.controller.routes.remote(self._version, stats),
+                              timeout=self.cfg.routes_poll_timeout_s)
             except (ray.exceptions.RayError, OSError, ValueError) as e:
-                log.warning("gateway: routes poll failed (%s); again", e)
+                log.warning("gateway: routes poll failed (%s); serving on routes v%d, asking again", e, self._version)
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    # killed for good: a new controller of the same name (cluster up again) is another actor
+                    self.controller = raycompat.named_actor(CONTROLLER_NAME, NAMESPACE) or self.controller
                 self._stopped.wait(self.cfg.reconcile_interval_s)
                 continue
             if doc is not None:

@@ -120,6 +120,13 @@ class Procurement:
             first = Market.ON_DEMAND
         return [self._launch(o, first, now)]
 
+    def adopt(self, market: Market, now: float) -> int:
+        """An order for a node already requested in ``market`` (a launch a restarted controller
+        found in flight): counted as wanted, filled by ``ready``, with no new request."""
+        o = Order(next(self._ids), now, market, now)
+        self._orders[o.order] = o
+        return o.order
+
     def failed(self, order: int, now: float) -> list[Action]:
         """``order``'s pending request was refused (no capacity in that market)."""
         o = self.order(order)

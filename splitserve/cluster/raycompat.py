@@ -118,6 +118,20 @@ def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def session_dir() -> str:
+    """This process's Ray session directory (on the head for the controller): it lives as
+    long as the Ray cluster, unlike the actor's working directory."""
+    return ray._private.worker.global_worker.node.get_session_dir_path()
+
+
+def named_actor(name: str, namespace: str) -> Any | None:
+    """The live actor called ``name`` in ``namespace``, or None when there is none."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
 def gcs_address() -> str:
     """The GCS address of the cluster this process is connected to."""
     return ray.get_runtime_context().gcs_address

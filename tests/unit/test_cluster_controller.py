@@ -4,14 +4,17 @@ while a model is being registered gets every model the registry holds, whatever 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
 from splitserve.cluster.controller import Controller, _Node
 from splitserve.cluster.dispatch import NodeState
+from splitserve.cluster.gateway import Routes
 from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeSpec
 from splitserve.cluster.pools import Market
+from splitserve.cluster.store import ControllerStore
 from splitserve.config import ClusterConfig
 
 SPEC = ModelSpec("late", 'name = "late"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
@@ -46,6 +49,24 @@ def _endpoint(node: str) -> NodeEndpoint:
     return NodeEndpoint(node, "127.0.0.1", 1, 2, 3)
 
 
+def _controller(cfg: ClusterConfig, provider: Any, now: list[float], store: ControllerStore | None = None,
+                servers: dict[str, Any] | None = None) -> Controller:
+    """A controller on a fake clock with no Ray: its store in memory unless given, its node
+    servers found in ``servers`` by name."""
+    found = servers if servers is not None else {}
+    return Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
+                      address="127.0.0.1:1", store=store or ControllerStore(":memory:"), find_server=found.get)
+
+
+def _running(cfg: ClusterConfig, provider: Any, now: list[float]) -> Controller:
+    """A controller whose start-up is done (nothing to take back) and whose loop the test runs
+    by hand (inside the test's event loop)."""
+    ctl = _controller(cfg, provider, now)
+    ctl._recovered.set()
+    ctl._loop_task = asyncio.get_running_loop().create_future()
+    return ctl
+
+
 async def _settle() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
@@ -60,8 +81,7 @@ def test_a_node_joining_while_a_model_registers_gets_every_model(slow: str) -> N
 
     async def scenario() -> None:
         now = [100.0]
-        ctl = Controller(ClusterConfig(), NodeSpec(), provider=None, builtin_models=["lenet"],
-                         clock=lambda: now[0], address="127.0.0.1:1")
+        ctl = _running(ClusterConfig(), None, now)
         old, new = FakeNodeServer("old"), FakeNodeServer("new")
         ctl.nodes["old"] = _Node("old", Market.ON_DEMAND, None, old, endpoint=_endpoint("old"),
                                  state=NodeState.ACTIVE, models=frozenset({"lenet"}))
@@ -103,8 +123,7 @@ def test_a_node_is_ready_when_its_models_are_warm_not_when_its_server_answered()
 
     async def scenario() -> None:
         now = [100.0]
-        ctl = Controller(ClusterConfig(), NodeSpec(), provider=None, builtin_models=["lenet"],
-                         clock=lambda: now[0], address="127.0.0.1:1")
+        ctl = _running(ClusterConfig(), None, now)
         server = FakeNodeServer("new")
         started: asyncio.Future = asyncio.get_running_loop().create_future()
         node = ctl.nodes["new"] = _Node("new", Market.SPOT, None, server, starting=started)
@@ -146,8 +165,7 @@ def test_the_controller_orders_a_node_when_the_gateways_strict_compliance_falls_
         now = [100.0]
         provider = _Provider()
         cfg = ClusterConfig(min_nodes=2, max_nodes=4, procurement="on-demand-only", slo_target=0.99)
-        ctl = Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
-                         address="127.0.0.1:1")
+        ctl = _running(cfg, provider, now)
         for name in ("a", "b"):
             ctl.nodes[name] = _Node(name, Market.ON_DEMAND, None, FakeNodeServer(name), endpoint=_endpoint(name),
                                     state=NodeState.ACTIVE, models=frozenset({"lenet"}))
@@ -215,8 +233,7 @@ def test_protean_keeps_the_on_demand_fallback_that_arrives_before_the_withdrawn_
         now = [100.0]
         provider = _HeldProvider()
         cfg = ClusterConfig(min_nodes=1, max_nodes=1, procurement="protean", p_rev=0.0, spot_retry_timeout_s=10.0)
-        ctl = Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
-                         address="127.0.0.1:1")
+        ctl = _running(cfg, provider, now)
         ctl._autoscale(now[0])
         await _settle()
         assert list(provider.pending) == ["spot"]
@@ -235,3 +252,184 @@ def test_protean_keeps_the_on_demand_fallback_that_arrives_before_the_withdrawn_
             task.cancel()
 
     asyncio.run(scenario())
+
+
+class _Server(FakeNodeServer):
+    """A serving node's server as a restarted controller finds it: endpoint, models, stats."""
+
+    def __init__(self, node_id: str, registered: set[str] = frozenset(), alive: bool = True) -> None:
+        super().__init__(node_id)
+        self.registered = set(registered)
+        self.alive = alive
+        self.stopped = False
+        self.endpoint = _Method(self._endpoint)
+        self.stats = _Method(self._stats)
+        self.stop = _Method(self._stop)
+
+    async def _endpoint(self) -> NodeEndpoint:
+        return _endpoint(self.node_id)
+
+    async def _stats(self) -> dict:
+        return {"node_id": self.node_id, "pid": 3, "alive": self.alive}
+
+    async def _stop(self) -> None:
+        self.stopped = True
+
+
+class _MarketsProvider(_HeldProvider):
+    """The provider's view of its nodes (``markets``), held until ``release`` is set."""
+
+    def __init__(self, markets: dict[str, str]) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.release.set()
+        self.markets = _Method(self._markets)
+        self._known = markets
+
+    async def _markets(self) -> dict[str, str]:
+        await self.release.wait()
+        return dict(self._known)
+
+
+def test_a_restarted_controller_takes_back_models_nodes_launches_in_flight_and_the_bill(tmp_path, monkeypatch) -> None:
+    """The first controller registers a model on two serving nodes and bills them; a third
+    node's launch is in flight (the provider has it, no node server yet) and a fourth node
+    ended while no controller watched. A new controller on the same store (what Ray's restart
+    gives: the constructor again, nothing in memory) keeps the model and its func id, takes
+    both nodes back as ACTIVE with their bill records, starts the third node's server under
+    an adopted order (so the autoscaler buys nothing more), ends the fourth's record, and
+    publishes routes newer than any the first one published."""
+    from splitserve.cluster import controller as controller_module
+    from splitserve.cluster.node_server import node_server_name
+
+    monkeypatch.setattr(controller_module, "NodeServerActor", _ServerActor())
+
+    async def scenario() -> None:
+        now = [100.0]
+        store = tmp_path / "controller.sqlite3"
+        cfg = ClusterConfig(min_nodes=3, max_nodes=3, procurement="protean", p_rev=0.0)
+        first = _controller(cfg, None, now, ControllerStore(store))
+        first._recovered.set()
+        first._loop_task = asyncio.get_running_loop().create_future()
+        servers = {"a": _Server("a", {"lenet"}), "b": _Server("b", {"lenet"})}
+        for node, market in (("a", Market.ON_DEMAND), ("b", Market.SPOT), ("lost", Market.SPOT)):
+            first.cost.requested(node, str(market), market, 1.0, 100.0)
+            first.cost.ready(node, 110.0)
+        for node, market in (("a", Market.ON_DEMAND), ("b", Market.SPOT)):
+            first.nodes[node] = _Node(node, market, None, servers[node], endpoint=_endpoint(node),
+                                      state=NodeState.ACTIVE, models=frozenset({"lenet"}), ready_at=110.0)
+        fid = await first.register(SPEC)
+        first._save_bill()
+        old_routes = first._routes
+        old_bill = {r["node"]: r for r in first.cost.to_list()}
+
+        now[0] = 200.0
+        provider = _MarketsProvider({"a": "on-demand", "b": "spot", "c": "spot"})
+        second = _controller(cfg, provider, now, ControllerStore(store),
+                             servers={node_server_name(n): s for n, s in servers.items()})
+        await second._recover()
+        assert second.registry.ids == {"lenet": 1, "late": fid}
+        assert second.registry.specs["late"] == SPEC
+        for node in ("a", "b"):
+            n = second.nodes[node]
+            assert n.state is NodeState.ACTIVE and n.models == {"lenet", "late"} and n.ready_at == 110.0
+            assert second.cost.to_list()[[r["node"] for r in second.cost.to_list()].index(node)] == old_bill[node]
+        assert second.nodes["a"].market is Market.ON_DEMAND and second.nodes["b"].market is Market.SPOT
+        c = second.nodes["c"]
+        assert c.state is NodeState.STARTING and c.order is not None and second.procurement.open_orders == 1
+        bill = {r["node"]: r for r in second.cost.to_list()}
+        assert bill["c"]["requested_at"] == 200.0 and bill["lost"]["ended_at"] == 200.0
+        assert second._routes.version > old_routes.version
+        assert {r.node for r in second._routes.nodes} == {"a", "b"}
+        assert dict(second._routes.models) == {"lenet": 1, "late": fid}
+        second._autoscale(now[0])
+        await _settle()
+        assert provider.pending == {}  # a, b serving and c's adopted order: nothing more to buy
+        for task in list(second._tasks) + list(first._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_gateway_keeps_its_last_routes_while_a_restarted_controller_rebuilds_them(monkeypatch) -> None:
+    """While the provider has not answered, the long poll returns None (the gateway serves
+    on its table); once the view is rebuilt, the routes it returns are the new ones."""
+    from splitserve.cluster import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "_LONG_POLL_S", 0.01)  # the first poll's wait for the rebuild
+    looped = asyncio.Event()
+
+    async def loop(self: Controller) -> None:  # the reconcile loop needs Ray: it only says it started
+        looped.set()
+
+    monkeypatch.setattr(Controller, "_loop", loop)
+
+    async def scenario() -> None:
+        now = [100.0]
+        provider = _MarketsProvider({})
+        provider.release.clear()
+        ctl = _controller(ClusterConfig(), provider, now)
+        assert await ctl.routes(5, {"held": 0}) is None
+        provider.release.set()
+        doc = await ctl.routes(5, {"held": 0})
+        assert doc is not None and Routes.from_json(doc).version > 5
+        assert looped.is_set()  # the first call started the loop: Ray's restart calls no start()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_whose_splitserve_serve_died_is_retired_and_replaced(monkeypatch) -> None:
+    """The node stays in Ray's table (only its server's child died), so nothing else takes it
+    out: it stayed ACTIVE in the routes, its fast path closed, and the cluster served one node
+    short for good. Now the controller asks each node server, retires the node (billed to
+    now, not an eviction) and the autoscaler orders its replacement."""
+    from splitserve.cluster import controller as controller_module
+    from splitserve.cluster.raycompat import RayNode
+
+    monkeypatch.setattr(controller_module.ray, "kill", lambda *a, **kw: None)
+    monkeypatch.setattr(controller_module.raycompat, "nodes", lambda: [RayNode(n, True, {}, {}) for n in "ab"])
+    monkeypatch.setattr(controller_module.raycompat, "draining_nodes", lambda address: {})
+
+    async def scenario() -> None:
+        now = [100.0]
+        provider = _HeldProvider()
+        cfg = ClusterConfig(min_nodes=2, max_nodes=2, procurement="on-demand-only")
+        ctl = _running(cfg, provider, now)
+        servers = {"a": _Server("a", alive=False), "b": _Server("b")}
+        for node, server in servers.items():
+            ctl.cost.requested(node, "on-demand", Market.ON_DEMAND, 1.0, 90.0)
+            ctl.nodes[node] = _Node(node, Market.ON_DEMAND, None, server, endpoint=_endpoint(node),
+                                    state=NodeState.ACTIVE, models=frozenset({"lenet"}))
+        await ctl._reconcile(now[0])
+        await _settle()
+        assert "a" not in ctl.nodes and servers["a"].stopped and provider.terminated == ["a"]
+        assert {r.node for r in ctl._routes.nodes} == {"b"}
+        record = ctl.cost.record("a")
+        assert record is not None and record.ended_at == 100.0 and not record.evicted
+        now[0] += cfg.autoscale_interval_s
+        await ctl._reconcile(now[0])
+        await _settle()
+        assert list(provider.pending) == ["on-demand"]  # its replacement
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_bill_read_back_from_its_saved_state_is_the_same_bill() -> None:
+    """What a restarted controller reads from its store: open, ended and folded records alike."""
+    from splitserve.cluster.cost import CostLedger
+
+    ledger = CostLedger(keep_closed=1)
+    for i, market in enumerate((Market.SPOT, Market.ON_DEMAND, Market.SPOT, Market.ON_DEMAND)):
+        ledger.requested(f"n{i}", str(market), market, 9.8318 if market is Market.SPOT else 32.7726, 10.0 * i)
+        ledger.ready(f"n{i}", 10.0 * i + 5)
+    ledger.drained("n0", 50.0)
+    for node, at in (("n0", 60.0), ("n1", 70.0), ("n2", 80.0)):
+        ledger.ended(node, at, evicted=node == "n2")
+    back = CostLedger.from_state(json.loads(json.dumps(ledger.to_state())))
+    assert back.to_state() == ledger.to_state()
+    assert back.summary(100.0) == ledger.summary(100.0)
+    back.ended("n3", 90.0)  # and it goes on billing as before
+    ledger.ended("n3", 90.0)
+    assert back.summary(100.0) == ledger.summary(100.0) and back.folded() == ledger.folded()
