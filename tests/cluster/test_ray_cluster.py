@@ -176,6 +176,31 @@ def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster) 
     assert sum(load.answers.values()) > 0
 
 
+def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster: LocalCluster) -> None:
+    """Ray restarts the controller (``ray.kill`` without ``no_restart``: a new process runs its
+    constructor again) while 4 clients send calls through the gateway: every accepted call is
+    answered once, the gateway serves on its last routes meanwhile and takes the new
+    controller's, which has every node, model and open bill record of the one before."""
+    h = cluster.handles
+    before = _status(cluster)
+    nodes = {n["node"] for n in before["nodes"] if n["state"] == "active"}
+    generation = _gateway(cluster)["routes"] >> 32
+    load = Load(h.gateway_port, _lookup(h.gateway_port, "lenet_cluster")).start(clients=4)
+    _until("calls answered", lambda: sum(load.answers.values()) >= 40, 30)
+    ray.kill(h.controller, no_restart=False)
+    answered = sum(load.answers.values())
+    _until("the gateway took the restarted controller's routes", lambda: _gateway(cluster)["routes"] >> 32 > generation,
+           60)
+    _until("calls answered after the restart", lambda: sum(load.answers.values()) >= answered + 40, 30)
+    load.finish()
+    after = _status(cluster)
+    assert {n["node"] for n in after["nodes"] if n["state"] == "active"} == nodes == set(_gateway(cluster)["links"])
+    assert after["models"] == before["models"]
+    assert all(set(before["models"]) <= set(n["models"]) for n in after["nodes"])
+    bill = {r["node"]: r for r in after["bill"]}
+    assert all(bill[n]["ended_at"] is None and bill[n]["ready_at"] is not None for n in nodes)
+
+
 def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster: LocalCluster) -> None:
     h = cluster.handles
     x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
