@@ -372,7 +372,9 @@ class Controller:
         ``node_stats_timeout_s`` (the server busy loading models) proves nothing."""
         self._checking_servers = True
         try:
-            serving = [n for n in self.nodes.values() if n.state is NodeState.ACTIVE and not n.retiring]
+            # a server loading models answers nothing else meanwhile: not asked, so calls do not pile up there
+            serving = [n for n in self.nodes.values() if n.state is NodeState.ACTIVE and not n.retiring
+                       and not n.giving.locked()]
             answers = await asyncio.gather(*(asyncio.wait_for(n.server.stats.remote(), self.cfg.node_stats_timeout_s)
                                              for n in serving), return_exceptions=True)
             for n, stats in zip(serving, answers):
