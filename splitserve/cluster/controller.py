@@ -319,7 +319,8 @@ class Controller:
         }
 
     async def stop_all(self) -> None:
-        """Retire every node (``cluster down``)."""
+        """Retire every node (``cluster down``), those a restarted controller takes back too."""
+        await self._started()
         if self._loop_task is not None:
             self._loop_task.cancel()
         await asyncio.gather(*(self._retire(n, evicted=False) for n in list(self.nodes.values())),
