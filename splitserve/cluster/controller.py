@@ -359,6 +359,7 @@ class Controller:
             await asyncio.to_thread(raycompat.drain_node, self.address, notice.node, notice.deadline - now,
                                     "splitserve revocation emulator")
         if not self._checking_servers:
+            self._checking_servers = True  # one check at a time: cleared when it ends
             self._spawn(self._check_servers())
         if now >= self._next_autoscale:
             self._next_autoscale = now + self.cfg.autoscale_interval_s
@@ -371,7 +372,6 @@ class Controller:
         the gateway has re-sent its work on the link's loss, and the node is retired here, so
         the autoscaler orders its replacement. A call not answered within
         ``node_stats_timeout_s`` (the server busy loading models) proves nothing."""
-        self._checking_servers = True
         try:
             # a server loading models answers nothing else meanwhile: not asked, so calls do not pile up there
             serving = [n for n in self.nodes.values() if n.state is NodeState.ACTIVE and not n.retiring
