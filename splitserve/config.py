@@ -389,6 +389,8 @@ class ClusterConfig:
     # c-flat: compliance under fallbacks
     dispatch_prefer_below: int = 16  # in flight on a node below which its class's market is preferred (~2 full batches)
     spot_return_s: float = 120.0  # protean asks spot to replace an on-demand node that served this long (0: never)
+    # c-reg: models registered and unregistered at the gateway
+    registration_timeout_s: float = 270.0  # a registration through the gateway (every node loads the model) waits this long
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -425,7 +427,8 @@ class ClusterConfig:
             raise InvalidInput(f"slo_target must be in (0, 1], got {self.slo_target}")
         for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
                      "ping_interval_s", "autoscale_interval_s", "reconcile_interval_s", "node_start_timeout_s",
-                     "node_stats_timeout_s", "metrics_scrape_timeout_s", "launch_timeout_s", "terminate_timeout_s"):
+                     "node_stats_timeout_s", "metrics_scrape_timeout_s", "launch_timeout_s", "terminate_timeout_s",
+                     "registration_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
