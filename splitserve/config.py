@@ -390,7 +390,7 @@ class ClusterConfig:
     dispatch_prefer_below: int = 16  # in flight on a node below which its class's market is preferred (~2 full batches)
     spot_return_s: float = 120.0  # protean asks spot to replace an on-demand node that served this long (0: never)
     # c-reg: models registered and unregistered at the gateway
-    registration_timeout_s: float = 270.0  # a registration through the gateway (every node loads the model) waits this long
+    registration_timeout_s: float = 270.0  # a registration at the gateway (every node loads the model) waits this long
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -192,7 +192,7 @@ class Controller:
             try:
                 await n.server.remove_models.remote([name])
             finally:
-                # gone from the node's share of the registry either way, so a new registration of the name is given again
+                # gone from the node's share either way, so a new registration of the name is given again
                 n.models = n.models - {name}
 
     async def _give_models(self, n: _Node) -> None:

@@ -290,8 +290,8 @@ def repository_routes(app: FastAPI, registrar: ModelRegistrar, config: ServerCon
     def authorize(request: Request) -> None:
         registrar.check_token(request.headers.get("authorization"))
 
-    @app.post("/v2/repository/index", tags=["repository"],
-              **_doc({"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
+    @app.post("/v2/repository/index", tags=["repository"], **_doc(
+        {"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
     async def repository_index(request: Request) -> list:
         """Every model and its state; body ``{"ready": true}`` lists ready models only."""
         doc = await _json(request, small_limit, {}) or {}
