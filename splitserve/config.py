@@ -392,6 +392,8 @@ class ClusterConfig:
     # c-restart: a restarted controller, the gateway's long poll
     controller_recover_timeout_s: float = 10.0  # a restarted controller publishes routes without nodes not back by then
     routes_poll_timeout_s: float = 30.0  # the gateway's wait for one routes call (a controller restarting), then again
+    # c-reg: models registered and unregistered at the gateway
+    registration_timeout_s: float = 270.0  # a registration at the gateway (every node loads the model) waits this long
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -429,7 +431,7 @@ class ClusterConfig:
         for name in ("spot_launch_s", "on_demand_launch_s", "spot_retry_timeout_s", "revocation_interval_s",
                      "ping_interval_s", "autoscale_interval_s", "reconcile_interval_s", "node_start_timeout_s",
                      "node_stats_timeout_s", "metrics_scrape_timeout_s", "launch_timeout_s", "terminate_timeout_s",
-                     "controller_recover_timeout_s", "routes_poll_timeout_s"):
+                     "controller_recover_timeout_s", "routes_poll_timeout_s", "registration_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",

@@ -52,7 +52,7 @@ from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due
 from splitserve.cluster.store import STORE_FILE, ControllerStore
 from splitserve.config import ClusterConfig
-from splitserve.errors import InvalidInput, SplitServeError
+from splitserve.errors import InvalidInput, SplitServeError, UnknownModel
 from splitserve.slo import SloOutcome
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,17 @@ class _Registry:
 
     ids: dict[str, int] = field(default_factory=dict)
     specs: dict[str, ModelSpec | None] = field(default_factory=dict)
+    # ids are never given twice: a client that kept an unregistered model's id must not reach another model
+    last_id: int = 0
+    removing: set[str] = field(default_factory=set)  # unregistered, still being removed from nodes
 
     def add(self, name: str, spec: ModelSpec | None, func_id: int | None = None) -> int:
         """Add ``name`` (with ``func_id``: as stored by an earlier controller) and return its id."""
         if name not in self.ids:
-            self.ids[name] = func_id or max(self.ids.values(), default=0) + 1
+            if func_id is None:
+                func_id = max(self.last_id, max(self.ids.values(), default=0)) + 1
+            self.last_id = max(self.last_id, func_id)
+            self.ids[name] = func_id
             self.specs[name] = spec
         return self.ids[name]
 
@@ -124,7 +130,7 @@ class Controller:
         self.address = address or raycompat.gcs_address()  # the GCS of the Ray cluster it runs on
         self.store = store or ControllerStore(Path(raycompat.session_dir()) / STORE_FILE)
         self._find_server = find_server or (lambda name: raycompat.named_actor(name, NAMESPACE))
-        self.registry = _Registry()
+        self.registry = _Registry(last_id=self.store.last_func_id())
         for name, fid, spec in self.store.models():
             self.registry.add(name, spec, fid)
         for name in builtin_models:
@@ -228,6 +234,9 @@ class Controller:
         await self._started()
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
+        if spec.name in self.registry.removing:
+            raise InvalidInput(f"model {spec.name!r} is being unregistered from the cluster's nodes; register it "
+                               "again once that is done")
         fid = self.registry.add(spec.name, spec)
         self.store.add_model(spec.name, fid, spec)
         ready = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD
@@ -245,6 +254,41 @@ class Controller:
         self._publish()
         log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid, len(ready))
         return fid
+
+    async def unregister(self, name: str) -> None:
+        """Stop serving ``name`` in the cluster: it leaves the registry and the routes at once
+        (the gateway dispatches it no more), then every node with a server unregisters it
+        (each under its ``giving`` lock, so a registration going on there ends first). A
+        built-in model is refused: every node has it."""
+        await self._started()
+        if name not in self.registry.ids:
+            raise UnknownModel(f"no model named {name!r} in the cluster; models: "
+                               f"{', '.join(sorted(self.registry.ids)) or 'none'}")
+        if self.registry.specs[name] is None:
+            raise InvalidInput(f"model {name!r} is built in on every node, not registered at run time; it cannot "
+                               "be deleted")
+        self.registry.remove(name)
+        self.store.remove_model(name)
+        self.registry.removing.add(name)
+        self._publish()
+        try:
+            nodes = [n for n in self.nodes.values() if n.endpoint is not None and n.state is not NodeState.DEAD]
+            results = await asyncio.gather(*(self._take_model(n, name) for n in nodes), return_exceptions=True)
+        finally:
+            self.registry.removing.discard(name)
+        for n, r in zip(nodes, results):
+            if isinstance(r, BaseException):
+                log.warning("node %s did not unregister %s: %s", n.node_id[:12], name, r)
+        self._publish()
+        log.info("unregistered %s from the cluster (%d nodes)", name, len(nodes))
+
+    async def _take_model(self, n: _Node, name: str) -> None:
+        async with n.giving:
+            try:
+                await n.server.remove_models.remote([name])
+            finally:
+                # gone from the node's share either way, so a new registration of the name is given again
+                n.models = n.models - {name}
 
     async def _give_models(self, n: _Node) -> None:
         """Register and load on ``n`` every model the registry holds that it lacks, again until

@@ -196,6 +196,7 @@ class GatewayCore:
         self.waits = 0  # requests that waited for a node with their model
         self.strict_slo: Counter[SloOutcome] = Counter({o: 0 for o in SloOutcome})
         self._model_slo: dict[str, float] = {}  # a model's own SLO, from its nodes' lookup replies
+        self._news = asyncio.Event()  # set (and replaced) whenever routes, links or health may have changed
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -488,8 +489,16 @@ class GatewayCore:
                 self._lose(node, f"silent for {self.health.dead_after_s:.1f} s")
             self._unpark()
 
+    async def until(self, check: Callable[[], bool]) -> None:
+        """Return once ``check()`` holds, looked at again on every change of the routes, the
+        links' lookups and health (each ping round at least); the caller bounds the wait."""
+        while not check():
+            await self._news.wait()
+
     def _unpark(self) -> None:
         """Try the waiting requests again (a node came, or their wait is over)."""
+        news, self._news = self._news, asyncio.Event()
+        news.set()
         parked, self._parked = self._parked, {}
         for entry, exclude in parked.values():
             self._dispatch(entry, exclude)

@@ -11,6 +11,11 @@ again). The new process links to the nodes afresh from that table.
 While the controller is away (its process died and Ray restarts it) the data plane serves
 on its last table: each routes call waits at most ``routes_poll_timeout_s`` and is asked
 again, and a controller that was replaced by a new actor of the same name is looked up again.
+
+Registrations a client makes at the gateway's HTTP come back up as upcalls
+(``cluster/upcall.py``) on a socketpair made for each data-plane process: a thread of this
+actor answers them one at a time by calling the controller (``ControllerRegistry``). The
+cluster's management token reaches the process in its environment, not on its command line.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -26,11 +32,11 @@ from typing import Any
 
 import ray
 
-from splitserve.cluster import raycompat
+from splitserve.cluster import raycompat, upcall
 from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE
-from splitserve.cluster.node_server import die_with_parent
-from splitserve.config import ClusterConfig
-from splitserve.errors import InternalError
+from splitserve.cluster.node_server import ModelSpec, die_with_parent
+from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.errors import InternalError, SplitServeError
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +49,48 @@ def cluster_env(cfg: ClusterConfig) -> dict[str, str]:
             for f in fields(cfg) if getattr(cfg, f.name) is not None}
 
 
+class ControllerRegistry:
+    """``upcall.ClusterRegistry`` over the controller actor: each call waits at most
+    ``timeout_s``, and the controller's SplitServeError comes back as itself."""
+
+    def __init__(self, controller: Any, timeout_s: float, get: Any = ray.get) -> None:
+        self.controller = controller
+        self.timeout_s = timeout_s
+        self._get = get  # ray.get (tests: a fake)
+
+    def register(self, call: upcall.RegisterCall) -> int:
+        spec = ModelSpec(call.name, call.config_toml, call.artifact, call.labels)
+        return int(self._wait(self.controller.register.remote(spec)))
+
+    def unregister(self, name: str) -> None:
+        self._wait(self.controller.unregister.remote(name))
+
+    def _wait(self, ref: Any) -> Any:
+        try:
+            return self._get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise InternalError(f"the cluster's controller did not answer within {self.timeout_s:g} s") from None
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, SplitServeError):
+                raise e.cause from None
+            raise InternalError(f"the cluster's controller failed: {e.cause!r}") from None
+        except ray.exceptions.RayError as e:
+            raise InternalError(f"the cluster's controller is unreachable: {e}") from None
+
+
 class Gateway:
     """One data-plane process on this (ingress) node."""
 
     def __init__(self, cfg: ClusterConfig, host: str, port: int, controller: Any, http_port: int | None = None,
-                 grpc_port: int | None = None) -> None:
+                 grpc_port: int | None = None, token: str = "") -> None:
         self.cfg = cfg
         self.host = host
         self.port = port
         self.http_port = http_port  # None: no HTTP front end
         self.grpc_port = grpc_port  # None: no gRPC front end
         self.controller = controller
+        self._token = token  # the cluster's management token, checked by the data plane's management routes
+        self._registry = ControllerRegistry(controller, cfg.registration_timeout_s)
         self._lock = threading.Lock()  # one conversation with the process at a time
         self._routes: str | None = None
         self._version = 0
@@ -63,12 +100,23 @@ class Gateway:
         threading.Thread(target=self._watch, name="gateway-watch", daemon=True).start()
 
     def _start_process(self) -> None:
-        env = {**os.environ, **cluster_env(self.cfg)}
+        env = {**os.environ, **cluster_env(self.cfg), upcall.TOKEN_ENV: self._token}
+        ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "splitserve.cluster.dataplane", "--host", self.host, "--port", str(self.port),
                "--http-port", str(-1 if self.http_port is None else self.http_port),
-               "--grpc-port", str(-1 if self.grpc_port is None else self.grpc_port)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     preexec_fn=die_with_parent, text=True, bufsize=1)
+               "--grpc-port", str(-1 if self.grpc_port is None else self.grpc_port),
+               "--upcall-fd", str(theirs.fileno())]
+        with theirs:
+            try:
+                self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             preexec_fn=die_with_parent, text=True, bufsize=1,
+                                             pass_fds=(theirs.fileno(),))
+            except BaseException:
+                ours.close()
+                raise
+        # one thread per process: it ends when that process's end of the pair closes
+        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().max_upload_bytes),
+                         name="gateway-upcalls", daemon=True).start()
         line = self.proc.stdout.readline()
         if not line:
             raise InternalError(f"the gateway process exited with {self.proc.wait()} before it listened")
@@ -119,6 +167,7 @@ class Gateway:
                 if isinstance(e, ray.exceptions.ActorDiedError):
                     # killed for good: a new controller of the same name (cluster up again) is another actor
                     self.controller = raycompat.named_actor(CONTROLLER_NAME, NAMESPACE) or self.controller
+                    self._registry.controller = self.controller
                 self._stopped.wait(self.cfg.reconcile_interval_s)
                 continue
             if doc is not None:
@@ -139,6 +188,7 @@ class Gateway:
                     self.proc.wait()
 
 
-# Threaded (the routes poll runs beside stats calls); restarted by Ray if its process dies.
+# Threaded (the routes poll runs beside stats calls; upcalls have a thread of their own);
+# restarted by Ray if its process dies.
 GatewayActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1,
                           max_concurrency=4)(Gateway)

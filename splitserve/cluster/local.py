@@ -63,7 +63,8 @@ def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_p
     controller = ControllerActor.options(name=CONTROLLER_NAME, **opts).remote(cfg, node_spec, provider, models)
     ray.get(controller.start.remote())
     gateway = GatewayActor.options(name=GATEWAY_NAME, **opts).remote(cfg, gateway_host, gateway_port, controller,
-                                                                     gateway_http_port, gateway_grpc_port)
+                                                                     gateway_http_port, gateway_grpc_port,
+                                                                     token=node_spec.token)
     return Handles(address, controller, gateway, provider, *ray.get(gateway.address.remote()))
 
 

@@ -3,7 +3,7 @@
 The actor keeps Ray's threads and GIL out of the data path: it starts ``python -m splitserve
 serve`` bound to the node's address with an ephemeral fast-path port, reads the child's
 ``server.json`` for the ports, and answers small control calls from the controller
-(``endpoint``, ``ensure_models``, ``stats``, ``stop``). Requests never pass through it. The
+(``endpoint``, ``ensure_models``, ``remove_models``, ``stats``, ``stop``). Requests never pass through it. The
 child gets SIGKILL when the actor's process dies, however it dies (``PR_SET_PDEATHSIG``:
 Ray kills an actor's children on a clean exit only), and its workers follow their server.
 The cluster's management token is written into the child's data directory before it
@@ -126,9 +126,7 @@ class NodeServer:
         """Register the models this node lacks (idempotent), then load ``warm`` (each waits until
         ready): a node joins the routes with its models warm, or the traffic a replacement takes
         over from a doomed node pays every model's cold start. Returns the names it serves."""
-        url = f"http://{self._endpoint.host}:{self._endpoint.http_port}"
-        auth = {"Authorization": f"Bearer {self.spec.token}"}
-        with httpx.Client(base_url=url, headers=auth, timeout=self.spec.start_timeout_s) as http:
+        with self._management() as http:
             for spec in specs:
                 if spec.name in self._registered:
                     continue
@@ -146,6 +144,20 @@ class NodeServer:
                 if r.status_code != 200:
                     raise _http_error(r)
         return sorted(self._registered)
+
+    def remove_models(self, names: list[str]) -> None:
+        """Unregister ``names`` on this node (idempotent: a model it does not have is skipped)."""
+        with self._management() as http:
+            for name in names:
+                r = http.delete(f"/v2/repository/models/{name}")
+                if r.status_code not in (200, 404):
+                    raise _http_error(r)
+                self._registered.discard(name)
+
+    def _management(self) -> httpx.Client:
+        """An HTTP client for the child's management calls, with the cluster's token."""
+        return httpx.Client(base_url=f"http://{self._endpoint.host}:{self._endpoint.http_port}",
+                            headers={"Authorization": f"Bearer {self.spec.token}"}, timeout=self.spec.start_timeout_s)
 
     def stats(self) -> dict:
         """Whether the child serves, and its pid (the controller's liveness check)."""

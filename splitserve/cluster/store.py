@@ -73,6 +73,18 @@ class ControllerStore:
             self._db.execute("INSERT OR REPLACE INTO models(name, func_id, config, artifact, labels)"
                              " VALUES (?, ?, ?, ?, ?)", (name, func_id, None if spec is None else spec.config_toml,
                               None if spec is None else spec.artifact, None if spec is None else spec.labels))
+            if func_id > self._last_func_id():
+                self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('last_func_id', ?)", (str(func_id),))
+
+    def last_func_id(self) -> int:
+        """The highest func id ever stored, unregistered models' included: a restarted
+        controller never gives one twice (a client holding it must not reach another model)."""
+        with self._lock:
+            return self._last_func_id()
+
+    def _last_func_id(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key='last_func_id'").fetchone()
+        return int(row[0]) if row else 0
 
     def remove_model(self, name: str) -> None:
         with self._lock:

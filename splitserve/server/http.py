@@ -42,7 +42,7 @@ from splitserve.protocol.sockets import tcp_listener
 from splitserve.server.frontends import CodecPool, EmbeddedUvicorn
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import (
-    FrontEnd, InferenceAPI, ModelCatalog, ModelSignature, ServingAPI, SharedMemoryRegions,
+    FrontEnd, InferenceAPI, ModelCatalog, ModelRegistrar, ModelSignature, ServingAPI, SharedMemoryRegions,
 )
 from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
@@ -279,6 +279,71 @@ def inference_routes(app: FastAPI, api: InferenceAPI, catalog: ModelCatalog, cod
              **infer_doc)(infer)
 
 
+def repository_routes(app: FastAPI, registrar: ModelRegistrar, config: ServerConfig) -> None:
+    """Add the repository routes that a node and a cluster gateway share to ``app``: the
+    index, register (multipart config, artifact and labels, within ``max_upload_bytes``) and
+    unregister, through ``registrar`` (a node's ``ModelManager``; a gateway's registrar,
+    which forwards to the cluster's controller). Register and unregister need the token."""
+    upload_limit = config.max_upload_bytes
+    small_limit = config.management_body_bytes
+
+    def authorize(request: Request) -> None:
+        registrar.check_token(request.headers.get("authorization"))
+
+    @app.post("/v2/repository/index", tags=["repository"], **_doc(
+        {"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
+    async def repository_index(request: Request) -> list:
+        """Every model and its state; body ``{"ready": true}`` lists ready models only."""
+        doc = await _json(request, small_limit, {}) or {}
+        if not isinstance(doc, dict):
+            raise InvalidInput("the body must be a JSON object")
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"ready must be true or false, got {ready!r}")
+        return registrar.repository_index(ready)
+
+    @app.post("/v2/repository/models/{name}/register", tags=["repository"], **_doc(doc.Registered, 400, 401, 413, 507),
+              openapi_extra={"requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["config"],
+            "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
+                           "artifact": {"type": "string", "format": "binary",
+                                        "description": "the artifact file (not for kind = 'zoo')"},
+                           "labels": {"type": "string", "format": "binary",
+                                      "description": "one label per line (for /classify)"}}}}}}})
+    async def register(name: str, request: Request) -> dict:
+        """Register a model: upload config.toml, its artifact and labels; it is loaded before
+        the call returns, or the registration is rolled back (needs the token)."""
+        authorize(request)
+        check_model_name(name)
+        req = _bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
+        async with req.form(max_files=3, max_fields=3, max_part_size=upload_limit) as form:
+            unknown = set(form.keys()) - {"config", "artifact", "labels"}
+            if unknown:
+                raise InvalidInput(f"unknown form fields {sorted(unknown)}: send config, artifact and labels")
+            config_toml = await _text_field(form.get("config"), "config")
+            art = form.get("artifact")
+            artifact = (await art.read() if isinstance(art, UploadFile) else str(art).encode()) if art else None
+            labels = await _text_field(form.get("labels"), "labels")
+        if not config_toml:
+            raise InvalidInput("the form needs a 'config' field with the model's config.toml")
+        try:
+            declared = tomllib.loads(config_toml).get("name")
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidInput(f"config.toml is not valid TOML: {e}") from None
+        if declared != name:
+            raise InvalidInput(f"config.toml names the model {declared!r}, but the URL says {name!r}")
+        rec = await registrar.register(config_toml, artifact, labels)
+        return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
+
+    @app.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
+    async def unregister(name: str, request: Request) -> dict:
+        """Unload and delete a model registered at run time (needs the token)."""
+        authorize(request)
+        await registrar.unregister(check_model_name(name))
+        return {"name": name, "deleted": True}
+
+
 def metrics_route(app: FastAPI, text: Callable[[], Awaitable[str]]) -> None:
     """Add ``GET /metrics`` to ``app``: the Prometheus text that ``text`` returns."""
 
@@ -292,12 +357,15 @@ def metrics_route(app: FastAPI, text: Callable[[], Awaitable[str]]) -> None:
 
 def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
                   shm: SharedMemoryRegions, extensions: Sequence[str] = ("binary_tensor_data",),
-                  metrics: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
-    """An app of ``inference_routes`` alone, and ``/metrics`` from ``metrics`` when given (a
-    cluster gateway's: no management)."""
+                  metrics: Callable[[], Awaitable[str]] | None = None,
+                  registrar: ModelRegistrar | None = None) -> FastAPI:
+    """An app of ``inference_routes``, ``repository_routes`` through ``registrar`` when given,
+    and ``/metrics`` from ``metrics`` when given (a cluster gateway's: no other management)."""
     app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
-                   [doc.InferRequestBody])
+                   [doc.InferRequestBody] + ([doc.IndexRequest] if registrar is not None else []))
     inference_routes(app, api, catalog, codec, config, shm, extensions)
+    if registrar is not None:
+        repository_routes(app, registrar, config)
     if metrics is not None:
         metrics_route(app, metrics)
     return app
@@ -311,7 +379,6 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
                    [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
                     doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
-    upload_limit = config.max_upload_bytes
     small_limit = config.management_body_bytes
     version_of = manager.version
 
@@ -450,58 +517,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
 
     # -- model repository and management -------------------------------------------------
 
-    @app.post("/v2/repository/index", tags=["repository"],
-              **_doc({"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
-    async def repository_index(request: Request) -> list:
-        """Every model and its state; body ``{"ready": true}`` lists ready models only."""
-        doc = await _json(request, small_limit, {}) or {}
-        if not isinstance(doc, dict):
-            raise InvalidInput("the body must be a JSON object")
-        ready = doc.get("ready", False)
-        if not isinstance(ready, bool):
-            raise InvalidInput(f"ready must be true or false, got {ready!r}")
-        return manager.repository_index(ready)
-
-    @app.post("/v2/repository/models/{name}/register", tags=["repository"], **_doc(doc.Registered, 400, 401, 413, 507),
-              openapi_extra={"requestBody": {
-        "required": True, "content": {"multipart/form-data": {"schema": {
-            "type": "object", "required": ["config"],
-            "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
-                           "artifact": {"type": "string", "format": "binary",
-                                        "description": "the artifact file (not for kind = 'zoo')"},
-                           "labels": {"type": "string", "format": "binary",
-                                      "description": "one label per line (for /classify)"}}}}}}})
-    async def register(name: str, request: Request) -> dict:
-        """Register a model: upload config.toml, its artifact and labels; it is loaded before
-        the call returns, or the registration is rolled back (needs the token)."""
-        authorize(request)
-        check_model_name(name)
-        req = _bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
-        async with req.form(max_files=3, max_fields=3, max_part_size=upload_limit) as form:
-            unknown = set(form.keys()) - {"config", "artifact", "labels"}
-            if unknown:
-                raise InvalidInput(f"unknown form fields {sorted(unknown)}: send config, artifact and labels")
-            config = await _text_field(form.get("config"), "config")
-            art = form.get("artifact")
-            artifact = (await art.read() if isinstance(art, UploadFile) else str(art).encode()) if art else None
-            labels = await _text_field(form.get("labels"), "labels")
-        if not config:
-            raise InvalidInput("the form needs a 'config' field with the model's config.toml")
-        try:
-            declared = tomllib.loads(config).get("name")
-        except tomllib.TOMLDecodeError as e:
-            raise InvalidInput(f"config.toml is not valid TOML: {e}") from None
-        if declared != name:
-            raise InvalidInput(f"config.toml names the model {declared!r}, but the URL says {name!r}")
-        rec = await manager.register(config, artifact, labels)
-        return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
-
-    @app.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
-    async def unregister(name: str, request: Request) -> dict:
-        """Unload and delete a model registered at run time (needs the token)."""
-        authorize(request)
-        await manager.unregister(check_model_name(name))
-        return {"name": name, "deleted": True}
+    repository_routes(app, manager, config)
 
     @app.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(
         doc.ModelState, 400, 401, 404, 503, openapi_extra=doc.body(doc.LoadRequest, {"parameters": {

@@ -195,6 +195,19 @@ def ensure_token_file(path: Path) -> str:
     return token
 
 
+def check_bearer(authorization: str | None, token: str, where: str) -> None:
+    """Accept the header ``Authorization: Bearer <token>``; raise Unauthorized otherwise
+    (constant-time compare), saying ``where`` the token is kept. A node's management and a
+    cluster gateway's check the same way."""
+    if not authorization:
+        raise Unauthorized(f"management calls need 'Authorization: Bearer <token>'; the token is in {where}")
+    scheme, _, given = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Unauthorized("the Authorization header must be 'Bearer <token>'")
+    if not secrets.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized("wrong management token")
+
+
 class ModelManager:
     """Register, unregister, load, unload, scale and re-batch the node's models, and the
     read-only views of them (index, statistics, metadata, placement, scheduler events).
@@ -252,14 +265,7 @@ class ModelManager:
 
     def check_token(self, authorization: str | None) -> None:
         """Accept ``Bearer <token>``; raise Unauthorized otherwise (constant-time compare)."""
-        if not authorization:
-            raise Unauthorized(f"management calls need 'Authorization: Bearer <token>'; the token is in "
-                               f"{self.config.data_dir / TOKEN_FILE}")
-        scheme, _, given = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise Unauthorized("the Authorization header must be 'Bearer <token>'")
-        if not secrets.compare_digest(given.strip().encode(), self.ensure_token().encode()):
-            raise Unauthorized("wrong management token")
+        check_bearer(authorization, self.ensure_token(), str(self.config.data_dir / TOKEN_FILE))
 
     # -- registration -----------------------------------------------------------------
 

@@ -267,6 +267,40 @@ class ModelCatalog(Protocol):
         """v2 model metadata (``v2.model_metadata``)."""
 
 
+class RegisteredModel(Protocol):
+    """What a registration answers with: the node's ``registry.ModelRecord``, or the cluster's
+    func id for the model at a gateway."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def func_id(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+
+class ModelRegistrar(Protocol):
+    """The repository routes' side (``http.repository_routes``: register, unregister, index),
+    per call: ``management.ModelManager`` on a node, a cluster gateway's
+    ``cluster/dataplane.py::GatewayRegistrar`` (which forwards to the cluster's controller)."""
+
+    def check_token(self, authorization: str | None) -> None:
+        """Accept ``Bearer <management token>``; raise Unauthorized otherwise."""
+
+    def register(self, config_toml: str, artifact: bytes | None, labels: str | None) -> Awaitable[RegisteredModel]:
+        """Register the model ``config_toml`` names and return once it serves (InvalidInput
+        when it is already registered, or is refused; nothing stays registered then)."""
+
+    def unregister(self, name: str) -> Awaitable[None]:
+        """Stop serving a model registered at run time and forget it (UnknownModel when there
+        is none; InvalidInput for one that was not registered at run time)."""
+
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        """The v2 repository extension's index: ``name``, ``version``, ``state``, ``reason`` per model."""
+
+
 @dataclass(frozen=True, slots=True)
 class RegionStatus:
     """One registered system shared-memory region, as the extension's status reports it."""

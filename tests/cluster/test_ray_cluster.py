@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ray = pytest.importorskip("ray")
 
 from splitserve.client.fastpath import connect  # noqa: E402
+from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster import raycompat  # noqa: E402
 from splitserve.cluster.local import LocalCluster, wait_serving  # noqa: E402
 from splitserve.cluster.node_server import ModelSpec, NodeSpec  # noqa: E402
@@ -159,10 +160,14 @@ class Load:
         assert all(np.allclose(x, logits[0], atol=1e-5) for x in logits), "nodes disagree on the model's output"
 
 
-def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster) -> None:
+def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster, tmp_path: Path) -> None:
     port = cluster.handles.gateway_port
-    spec = ModelSpec("lenet_cluster", 'name = "lenet_cluster"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
-    ray.get(cluster.handles.controller.register.remote(spec))
+    model = tmp_path / "lenet_cluster"
+    model.mkdir()
+    (model / "config.toml").write_text('name = "lenet_cluster"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+    # as a user registers it: the node's client and route, at the gateway's HTTP, with the cluster's token
+    with HttpClient(f"http://127.0.0.1:{cluster.handles.gateway_http_port}", token="cluster-test-token") as c:
+        assert c.register(model)["name"] == "lenet_cluster"
     status = _status(cluster)
     assert all("lenet_cluster" in n["models"] for n in status["nodes"])
     node_ids = {n["node"] for n in status["nodes"]}

@@ -16,6 +16,7 @@ from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeSpec
 from splitserve.cluster.pools import Market
 from splitserve.cluster.store import ControllerStore
 from splitserve.config import ClusterConfig
+from splitserve.errors import InvalidInput, UnknownModel
 
 SPEC = ModelSpec("late", 'name = "late"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
 
@@ -35,6 +36,7 @@ class FakeNodeServer:
         self.warm: set[str] = set()
         self.hold: asyncio.Event | None = None
         self.ensure_models = _Method(self._ensure_models)
+        self.remove_models = _Method(self._remove_models)
 
     async def _ensure_models(self, specs: list[ModelSpec], warm: tuple[str, ...] = ()) -> list[str]:
         if self.hold is not None:
@@ -43,6 +45,9 @@ class FakeNodeServer:
         self.registered |= {s.name for s in specs}
         self.warm |= set(warm)
         return sorted(self.registered)
+
+    async def _remove_models(self, names: list[str]) -> None:
+        self.registered -= set(names)
 
 
 def _endpoint(node: str) -> NodeEndpoint:
@@ -433,3 +438,44 @@ def test_the_bill_read_back_from_its_saved_state_is_the_same_bill() -> None:
     back.ended("n3", 90.0)  # and it goes on billing as before
     ledger.ended("n3", 90.0)
     assert back.summary(100.0) == ledger.summary(100.0) and back.folded() == ledger.folded()
+
+
+def test_unregistering_removes_the_model_from_every_node_the_routes_and_the_store_and_its_id_is_never_reused() -> None:
+    """Unregistered: gone from each node, the routes and the store (a restarted controller
+    does not bring it back), and its func id is never given again, after a restart too (a
+    client still holding it must not reach another model)."""
+    spec = ModelSpec("mine", 'name = "mine"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+
+    async def scenario() -> None:
+        now = [100.0]
+        store = ControllerStore(":memory:")
+        ctl = _controller(ClusterConfig(), None, now, store)
+        ctl._recovered.set()
+        ctl._loop_task = asyncio.get_running_loop().create_future()
+        servers = {n: FakeNodeServer(n) for n in ("a", "b")}
+        for n, server in servers.items():
+            ctl.nodes[n] = _Node(n, Market.ON_DEMAND, None, server, endpoint=_endpoint(n), state=NodeState.ACTIVE,
+                                 models=frozenset({"lenet"}))
+        first = await ctl.register(spec)
+        assert all("mine" in s.registered for s in servers.values())
+        await ctl.unregister("mine")
+        assert not any("mine" in s.registered for s in servers.values())
+        assert all("mine" not in n.models for n in ctl.nodes.values())
+        routes = Routes.from_json(ctl._routes.to_json())
+        assert "mine" not in dict(routes.models) and all("mine" not in n.models for n in routes.nodes)
+        assert "mine" not in {name for name, _, _ in store.models()}
+        with pytest.raises(UnknownModel, match="mine"):
+            await ctl.unregister("mine")
+        with pytest.raises(InvalidInput, match="built in"):
+            await ctl.unregister("lenet")
+        again = await ctl.register(spec)
+        assert again != first
+        assert all("mine" in s.registered for s in servers.values())
+        await ctl.unregister("mine")
+        restarted = _controller(ClusterConfig(), None, now, store)
+        assert "mine" not in restarted.registry.ids
+        restarted._recovered.set()
+        restarted._loop_task = asyncio.get_running_loop().create_future()
+        assert await restarted.register(ModelSpec("other", spec.config_toml.replace("mine", "other"))) > again
+
+    asyncio.run(scenario())
