@@ -135,3 +135,12 @@ def pack_request(req_id: int, func_id: int, cls: int, deadline_us: int, slo_us: 
     ...).pack()`` for a client's hot path, without building a ``Header``."""
     return _FORMAT.pack(MAGIC, VERSION, Kind.REQUEST, 0, cls, req_id, func_id, 0, 1, 0, deadline_us, payload_len,
                         0, 0, 0, 0, 0, slo_us)
+
+
+def pack_response_into(buf: "bytearray | memoryview", offset: int, req_id: int, func_id: int, cls: int,
+                       payload_len: int, queue_us: int, compute_us: int, total_us: int) -> None:
+    """A RESPONSE header written at ``offset`` of ``buf`` in one struct call: the per-call
+    form of ``Header(Kind.RESPONSE, ...).pack()`` for a server's answers (a batch's headers
+    go into one buffer, no ``Header`` built)."""
+    _FORMAT.pack_into(buf, offset, MAGIC, VERSION, Kind.RESPONSE, 0, cls, req_id, func_id, 0, 1, 0, 0, payload_len,
+                      0, 0, queue_us, compute_us, total_us, 0)

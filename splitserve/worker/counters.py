@@ -96,19 +96,30 @@ class WorkerCounters:
             raise ValueError(f"a {len(page)} B page has no room for the direct counters")
         # struct, not a numpy view: an exported buffer would keep the page from being unmapped
         self._page = page
-        # The worker's words as the worker last wrote them (it is their only writer), so
-        # counting is one store, not a load and a store.
+        # The worker's words as the worker last counted them (it is their only writer), so
+        # counting is one store, not a load and a store; ``flush`` puts them in the page.
         self._mine = list(_ZEROS.unpack_from(page, COUNTERS_OFFSET))
+        self._dirty = False
 
     def reset(self) -> None:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
         self._mine = [0] * Word.ADMIT
-        _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *self._mine)
+        self._dirty = True
+        self.flush()
 
     def add(self, word: Word, n: int = 1) -> None:
-        """Worker: count ``n`` more on one of its own words."""
-        v = self._mine[word] = self._mine[word] + n
-        _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, v)
+        """Worker: count ``n`` more on one of its own words. The page has it after the next
+        ``flush``: a call counts several words, and one write of them all costs what one
+        word's write does."""
+        self._mine[word] += n
+        self._dirty = True
+
+    def flush(self) -> None:
+        """Worker: write what ``add`` counted since the last flush into the page (the worker
+        flushes before a batch runs, before any answer leaves and before its loop waits)."""
+        if self._dirty:
+            _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *self._mine)
+            self._dirty = False
 
     def value(self, word: Word) -> int:
         """Worker: one of its own words."""
@@ -118,9 +129,13 @@ class WorkerCounters:
         self.add(word, -n)
 
     def set(self, word: Word, value: int) -> None:
+        """One word, in the page at once (with what was counted before it)."""
         if word < Word.ADMIT:
             self._mine[word] = value
-        _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
+            self._dirty = True
+            self.flush()
+        else:
+            _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
 
     def admit(self) -> int:
         return _U64.unpack_from(self._page, COUNTERS_OFFSET + 8 * Word.ADMIT)[0]

@@ -50,7 +50,7 @@ import torch
 from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
                                UnknownModel, WorkerFailed)
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.protocol.stream import FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
 _CLASSES = (RequestClass.RT, RequestClass.BE)
 _IN_FLIGHT = {RequestClass.RT: Word.IN_FLIGHT_RT, RequestClass.BE: Word.IN_FLIGHT_BE}
+# Buffers one sendmsg takes at most (Linux's IOV_MAX; past it the call fails)
+_IOV_MAX = 1024
 
 # Runs a batch's segments from ``first``: (class, activations, first segment, samples) ->
 # (the segment it stopped before, or None when it ran to the end; the activations there).
@@ -267,6 +269,7 @@ class _Conn(FrameStream):
 
     def refused(self, h: Header, error: SplitServeError) -> None:
         self.server.counters.add(Word.FAILED)
+        self.server.counters.flush()
         super().refused(h, error)
 
     def between_frames(self) -> None:
@@ -326,14 +329,23 @@ class DirectServer:
         self.inputs = {c: [np.empty((self.max_batch, *t.shape), t.dtype) for t in cfg.inputs] for c in _CLASSES}
         self.flat = {c: [memoryview(a).cast("B") for a in arrays] for c, arrays in self.inputs.items()}
         self.tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.inputs.items()}
+        # A batch of n rows is these views of the buffers, made once per (class, n)
+        self.batch_views: dict[RequestClass, dict[int, tuple[torch.Tensor, ...]]] = {c: {} for c in _CLASSES}
         self.next_row = {c: 0 for c in _CLASSES}
         self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
+        self.complete = {c: 0 for c in _CLASSES}  # placed calls whose payload is whole (a batch could run)
+        self.out_bytes = sum(t.nbytes for t in cfg.outputs)  # one sample's answer payload
+        # The answers' headers of one batch (a call holds at least one row), written in place
+        self.headers = memoryview(bytearray(self.max_batch * HEADER_SIZE))
         self.aside_done: dict[RequestClass, deque[_Call]] = {c: deque() for c in _CLASSES}
         self.waiting: dict[RequestClass, deque[_Conn]] = {c: deque() for c in _CLASSES}
         # A best-effort batch stopped at a segment boundary (padding deadline): its calls,
         # samples, the segment to resume at and the activations there.
         self.suspended: tuple[list[_Call], int, int, tuple] | None = None
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
+        # No frame can be past its timeout before this (see ``sweep``): the loop looks at
+        # its connections' frames then, not on every turn.
+        self.sweep_at_ns = time.monotonic_ns() + int(spec.frame_timeout_s * 1e9)
         self.path = Path(spec.path)
         counters.reset()
         self.listeners: list[socket.socket] = []
@@ -427,6 +439,8 @@ class DirectServer:
         aside, it takes rows then."""
         if call.row < 0:
             self.aside_done[call.cls].append(call)
+        else:
+            self.complete[call.cls] += 1
 
     def _drop(self, call: _Call) -> None:
         call.conn.ids.discard(call.req_id)
@@ -436,6 +450,7 @@ class DirectServer:
         self._drop(call)
         self.counters.add(Word.FAILED)
         self._count_slo(call, 0, error)
+        self.counters.flush()
         call.conn.send_error(call.req_id, self.spec.func_id, error)
 
     def _count_slo(self, call: _Call, answered_ns: int, error: SplitServeError | None) -> None:
@@ -447,22 +462,30 @@ class DirectServer:
     # -- the worker's loop -----------------------------------------------------------
 
     def timeout(self) -> float | None:
-        """How long the worker's loop may block: until a frame's timeout, or a short poll
-        while a batch is suspended (its padding deadline moves without a message)."""
+        """How long the worker's loop may block: until the next sweep while connections are
+        open, or a short poll while a batch is suspended (its padding deadline moves
+        without a message)."""
         if self.suspended is not None:
             return self.spec.suspend_poll_s
-        t0 = min((c.frame_t0_ns for c in self.conns if c.frame_t0_ns), default=0)
-        if not t0:
+        if not self.conns:
             return None
-        return max(0.0, (t0 - time.monotonic_ns()) / 1e9 + self.spec.frame_timeout_s) + 1e-3
+        return max(0.0, (self.sweep_at_ns - time.monotonic_ns()) / 1e9) + 1e-3
 
     def sweep(self, now_ns: int) -> None:
-        """Close connections whose frame has been incomplete too long."""
+        """Close connections whose frame has been incomplete too long. It looks at them only
+        from ``sweep_at_ns`` on, the earliest time any frame could be too old: every frame
+        begun since the last look expires a whole timeout after it (so per turn of the
+        loop the cost is one comparison, not one per connection)."""
+        if now_ns < self.sweep_at_ns:
+            return
+        limit_ns = int(self.spec.frame_timeout_s * 1e9)
         for conn in [c for c in self.conns if c.frame_t0_ns]:
             conn.expire(now_ns)
+        self.sweep_at_ns = min((c.frame_t0_ns for c in self.conns if c.frame_t0_ns and not c.closed),
+                               default=now_ns) + limit_ns
 
     def _has_ready(self, cls: RequestClass) -> bool:
-        return bool(self.aside_done[cls]) or any(x.complete for x in self.placed[cls])
+        return self.complete[cls] > 0 or bool(self.aside_done[cls])
 
     def ready(self) -> bool:
         """A batch could run (or resume) now. A suspended batch that would stop again at once
@@ -515,7 +538,9 @@ class DirectServer:
             self._rows_free(cls)
             return
         n = max(c.row + c.count for c in calls)
-        xs = tuple(t[:n] for t in self.tensors[cls])
+        xs = self.batch_views[cls].get(n)
+        if xs is None:
+            xs = self.batch_views[cls][n] = tuple(t[:n] for t in self.tensors[cls])
         self._finish(cls, calls, n, 0, xs, run)
 
     def _late(self, c: _Call, now: int) -> bool:
@@ -529,6 +554,9 @@ class DirectServer:
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
                 run: SegmentRunner, resuming: bool = False) -> None:
         rt = cls == RequestClass.RT
+        # the front end sees the calls in flight while they run (a batch may run long: its
+        # REEF view and statistics must not wait for the loop's next turn)
+        self.counters.flush()
         if rt:  # REEF: the instance's CPUs are claimed while it runs (the front end's view, and its bell)
             self._claim(1)
         t0 = time.monotonic_ns()
@@ -559,25 +587,38 @@ class DirectServer:
             outs.append((memoryview(arr).cast("B"), spec.nbytes))
         compute_us = (t1 - t0) // 1000
         t2 = time.monotonic_ns()
-        h = Header(Kind.RESPONSE, func_id=self.spec.func_id, cls=cls, compute_us=compute_us)
-        answers = []
+        func_id, headers, out_bytes = self.spec.func_id, self.headers, self.out_bytes
+        # Each connection's answers, in the batch's order, go in one gather write
+        answers: dict[_Conn, list] = {}
+        answered = 0
         for c in calls:
-            if c.conn.closed:
+            conn = c.conn
+            if conn.closed:
                 self._drop(c)
                 continue
-            parts = [b""] + [mv[c.row * nb : (c.row + c.count) * nb] for mv, nb in outs]
-            h.req_id, h.queue_us, h.total_us = c.req_id, max(0, t0 - c.t_rx_ns) // 1000, (t2 - c.t_rx_ns) // 1000
-            h.payload_len = sum(len(p) for p in parts) - len(parts[0])
-            parts[0] = h.pack()
-            c.conn.ids.discard(c.req_id)
-            self._count_slo(c, t2, None)
-            answers.append((c.conn, parts))
+            off = answered * HEADER_SIZE
+            pack_response_into(headers, off, c.req_id, func_id, cls, c.count * out_bytes,
+                               max(0, t0 - c.t_rx_ns) // 1000, compute_us, (t2 - c.t_rx_ns) // 1000)
+            parts = answers.get(conn)
+            if parts is None:
+                parts = answers[conn] = []
+            parts.append(headers[off : off + HEADER_SIZE])
+            a, b = c.row, c.row + c.count
+            for mv, nb in outs:
+                parts.append(mv[a * nb : b * nb])
+            conn.ids.discard(c.req_id)
+            if c.slo_ns:
+                self._count_slo(c, t2, None)
+            answered += 1
         # counted before any answer leaves: a client that has its answer and then asks the
         # front end (a LOOKUP, the statistics) must find the call counted
-        self.counters.sub(_IN_FLIGHT[cls], len(answers))
-        self.counters.add(Word.ANSWERED, len(answers))
-        for conn, parts in answers:
-            conn.send(parts)
+        self.counters.sub(_IN_FLIGHT[cls], answered)
+        self.counters.add(Word.ANSWERED, answered)
+        self.counters.flush()
+        step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
+        for conn, parts in answers.items():
+            for i in range(0, len(parts), step):
+                conn.send(parts[i : i + step])
         self._rows_free(cls)
 
     def _claim(self, running: int) -> None:
@@ -590,6 +631,7 @@ class DirectServer:
         paused ones look at their bounds again."""
         self.next_row[cls] = 0
         self.placed[cls] = []
+        self.complete[cls] = 0
         waiting = self.waiting[cls]
         while waiting:
             conn = waiting[0]

@@ -88,6 +88,8 @@ class Worker:
         self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
+        # Entered around every batch; one instance, as building one costs as much as entering it
+        self._inference = torch.inference_mode()
         # The bound model's direct endpoint (``worker/direct.py``), when its LOAD asked for
         # one, and the selector over it and the control socket (only while it is open).
         self.direct: DirectServer | None = None
@@ -215,7 +217,7 @@ class Worker:
         if b.device.type != "cpu" and first == 0:
             acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
         be = cls == RequestClass.BE
-        with torch.inference_mode():
+        with self._inference:
             return self._segments(b, model, acts, first, count, lambda i: be and self._direct_stops(i, count))
 
     def _direct_stops(self, i: int, count: int) -> bool:
@@ -236,7 +238,7 @@ class Worker:
         else:  # segments are idempotent: without a saved point, start over from the inputs
             first, acts = 0, self._inputs(b, msg)
         n = model.num_segments
-        with torch.inference_mode():
+        with self._inference:
             stopped, acts = self._segments(b, model, acts, first, msg.count,
                                            lambda i: self._should_stop(b, msg, i, first, msg.count))
             if stopped is not None:
@@ -293,6 +295,7 @@ class Worker:
                     direct.sweep(time.monotonic_ns())
                     if direct.ready():
                         direct.run_one(self.run_direct)
+                self.counters.flush()  # what this turn counted, in the page before the loop waits
         finally:
             self._close_direct()
 

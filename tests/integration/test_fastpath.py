@@ -17,7 +17,8 @@ from splitserve.models.digits import digits_dataset
 from splitserve.models.zoo import build_zoo_model
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
-from tests.framing import DIRECT_TCP, PATHS, client, direct_env, read_frame, stream, udp, udp_describe, udp_read
+from tests.framing import (DIRECT_TCP, PATHS, client, describe, direct_env, raw, read_frame, stream, udp, udp_describe,
+                           udp_read)
 
 MODELS = ("lenet", "vecadd1k", "digits")
 
@@ -233,6 +234,35 @@ def test_direct_call_past_its_deadline_before_its_batch_starts_is_refused(gated)
             late.result()
         assert ok.result().value().ravel().tolist() == [7012]
         assert c.direct_endpoints("gate") == 1
+
+
+def test_direct_calls_pipelined_on_one_connection_into_one_batch_are_answered_in_order_each_its_own(gated):
+    """The worker answers the calls of one batch that came on one connection with one gather
+    write: the answers keep the order the calls were sent in, and each carries its own
+    req_id and output. A held call keeps the worker busy while seven more arrive, so the
+    seven are read in one turn of its loop and run as one batch."""
+    server, gates = gated
+    def batches() -> int:
+        with raw(server) as r:  # a fresh lookup: the worker's counters now
+            return describe(r, "gate")["direct_counts"]["batches"]
+
+    s, fid = stream(server, "direct", "gate")
+    with s:
+        before = batches()
+        gates.close(7020)
+        try:
+            s.sendall(gate_frame(fid, 1, 7020))
+            deadline = time.monotonic() + 30
+            while not gates.held(7020) and time.monotonic() < deadline:  # the worker is mid-batch
+                time.sleep(0.01)
+            ids, keys = [9, 3, 7, 2**64 - 1, 5, 4, 8], [7021, 7022, 7023, 7024, 7025, 7026, 7027]
+            s.sendall(b"".join(gate_frame(fid, i, k) for i, k in zip(ids, keys)))
+        finally:
+            gates.open(7020)
+        got = [read_frame(s) for _ in range(8)]
+        assert [(h.kind, h.req_id) for h, _ in got] == [(Kind.RESPONSE, 1)] + [(Kind.RESPONSE, i) for i in ids]
+        assert [int(np.frombuffer(p, np.int64)[0]) for _, p in got] == [7020, *keys]
+        assert batches() == before + 2  # the held one, then the seven
 
 
 def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endpoint_closes(server):

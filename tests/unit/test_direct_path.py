@@ -97,6 +97,8 @@ def test_counters_count_per_binding_and_keep_the_front_ends_admission_limit():
         worker.add(Word.IN_FLIGHT_BE, 2)
         worker.sub(Word.IN_FLIGHT_BE)
         worker.add(Word.ANSWERED)
+        assert front.snapshot() == DirectCounts()  # counted, not yet written
+        worker.flush()
         snap = front.snapshot()
         assert (snap.received, snap.answered, snap.in_flight_be) == (3, 1, 1) and worker.admit() == 64
         assert snap.finished() == DirectCounts(received=3, answered=1)

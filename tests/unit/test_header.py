@@ -1,7 +1,8 @@
 import pytest
 
 from splitserve.errors import BadFrame, InvalidInput
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_request, unpack_header
+from splitserve.protocol.header import (HEADER_SIZE, Header, Kind, RequestClass, pack_request, pack_response_into,
+                                         unpack_header)
 
 
 def test_round_trip_and_size():
@@ -21,6 +22,14 @@ def test_pack_request_is_the_request_header_and_unpack_reads_at_an_offset():
     assert unpack_header(b"junk" + b + b"next", 4) == h
     with pytest.raises(BadFrame, match="header is 60 bytes"):
         unpack_header(b"junk" + b, 8)
+
+
+def test_pack_response_into_writes_the_response_header_at_an_offset():
+    h = Header(Kind.RESPONSE, req_id=2**64 - 2, func_id=7, cls=RequestClass.RT, payload_len=4096, queue_us=11,
+               compute_us=22, total_us=2**32 - 1)
+    buf = bytearray(b"x" * (2 * HEADER_SIZE + 3))
+    pack_response_into(buf, HEADER_SIZE + 3, 2**64 - 2, 7, RequestClass.RT, 4096, 11, 22, 2**32 - 1)
+    assert bytes(buf[HEADER_SIZE + 3 :]) == h.pack() and buf[: HEADER_SIZE + 3] == b"x" * (HEADER_SIZE + 3)
 
 
 def test_slo_us_is_bytes_56_to_63():
