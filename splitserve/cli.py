@@ -243,12 +243,12 @@ _URL = typer.Option("http://127.0.0.1:8000", help="The server's HTTP URL.")
 _TOKEN = typer.Option(None, envvar="SPLITSERVE_TOKEN",
                       help="Management token (default: read DATA_DIR/token).")
 _STATE_URL = typer.Option(None, "--url", help="A running server's (or a cluster gateway's) HTTP URL: list the models "
-                                              "IT has (its repository index), each with its state (ready, loading, "
-                                              "evicted, unloaded, failed; a gateway: ready or unavailable), shapes "
-                                              "from its metadata, and residency (RESIDENT, LOADING, EVICTED, FAILED, "
-                                              "UNLOADED) and bytes where it serves /v2/memory (a gateway does not). "
-                                              "Default: the data directory's registry, with the state of the server "
-                                              "running on it, if any.")
+                                              "that server has (its repository index), each with its state (ready, "
+                                              "loading, evicted, unloaded, failed; a gateway: ready or unavailable), "
+                                              "shapes from its metadata, and residency (RESIDENT, LOADING, EVICTED, "
+                                              "FAILED, UNLOADED) and bytes where it serves /v2/memory (a gateway does "
+                                              "not). Default: the data directory's registry, with the state of the "
+                                              "server running on it, if any.")
 _WIDE = typer.Option(False, "--wide", help="Every field (func_id, tensor names, batch, instances, source), "
                                            "not the 80-column summary; with --url, what the server says (instances "
                                            "and source are not among it: '-'), and a gateway's reason (on how "
