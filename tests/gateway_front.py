@@ -1,18 +1,28 @@
 """A cluster gateway's front end without Ray, for the gateway's HTTP and gRPC tests: a real
 node (an in-process server whose fast path listens on loopback, lenet loaded) behind a
-``GatewayCore`` that routes lenet to it under the cluster's id ``CLUSTER_FID``."""
+``GatewayCore`` that routes lenet to it under the cluster's id ``CLUSTER_FID``.
+
+``with_registry`` adds what the gateway's management needs: its ``GatewayRegistrar`` and the
+upcall channel, whose actor's end is ``upcall.serve`` in a thread over ``NodeRegistry``,
+which stands in for the controller by registering on the real node through its HTTP API
+(as the node servers do) and publishing the routes that name the model."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
-from splitserve.cluster.dataplane import front_ends
+from splitserve.cluster import upcall
+from splitserve.cluster.dataplane import GatewayRegistrar, front_ends
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
 from splitserve.cluster.pools import Market
@@ -20,6 +30,8 @@ from splitserve.config import ClusterConfig, ServerConfig
 from tests.inproc import quiet_config, run_server, until
 
 CLUSTER_FID = 7  # the cluster's id for lenet: not the node's, so the gateway must rewrite it
+TOKEN = "gateway-test-token"  # the cluster's management token, the node's too
+UPLOAD_LIMIT = 1 << 20  # the gateway's max_upload_bytes and its upcall channel's bound
 
 
 def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[int], dict[str, Any]],
@@ -50,4 +62,87 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[i
 
     node = dataclasses.replace(quiet_config(tmp_path / "node", load=("lenet",)), fast_port=0,
                                http_port=0 if node_http else None)
+    return run_server(node, scenario)
+
+
+class NodeRegistry:
+    """``upcall.ClusterRegistry`` standing in for the controller: registers on one real node
+    over its HTTP API, then publishes routes naming the model (on the gateway's loop)."""
+
+    def __init__(self, node_url: str, fast_port: int, core: GatewayCore, loop: asyncio.AbstractEventLoop) -> None:
+        self.node_url = node_url
+        self.fast_port = fast_port
+        self.core = core
+        self.loop = loop
+        self.models = {"lenet": CLUSTER_FID}
+        self.ids = itertools.count(CLUSTER_FID + 1)
+        self.version = itertools.count(1)
+        self.publish()
+
+    def publish(self) -> None:
+        route = NodeRoute("node-1", "127.0.0.1", self.fast_port, Market.ON_DEMAND, NodeState.ACTIVE,
+                          frozenset(self.models))
+        self.loop.call_soon_threadsafe(self.core.update, Routes(next(self.version), (route,),
+                                                                tuple(sorted(self.models.items()))))
+
+    def _node(self) -> httpx.Client:
+        return httpx.Client(base_url=self.node_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+
+    def register(self, call: upcall.RegisterCall) -> int:
+        files = {"config": ("config.toml", call.config_toml.encode())}
+        if call.artifact is not None:
+            files["artifact"] = ("artifact", call.artifact)
+        with self._node() as http:
+            r = http.post(f"/v2/repository/models/{call.name}/register", files=files)
+        r.raise_for_status()
+        self.models[call.name] = next(self.ids)
+        self.publish()
+        return self.models[call.name]
+
+    def unregister(self, name: str) -> None:
+        with self._node() as http:
+            http.delete(f"/v2/repository/models/{name}").raise_for_status()
+        del self.models[name]
+        self.publish()
+
+
+def with_registry(tmp_path: Path, calls: Callable[[dict[str, int]], Any], grpc: bool = False) -> Any:
+    """Run ``calls(ports)`` (in a thread) against a gateway whose management reaches a
+    ``NodeRegistry`` over the upcall channel, in front of a real node with the cluster's
+    ``TOKEN``; ``ports``: the gateway's "http" (and "grpc" when asked for) and the node's
+    "node_http". Returns what ``calls`` returned."""
+
+    async def scenario(server: Any) -> Any:
+        core = GatewayCore(ClusterConfig())
+        await core.serve("127.0.0.1", 0)
+        ours, theirs = socket.socketpair()
+        upcalls = upcall.UpcallClient(theirs, UPLOAD_LIMIT, 120)
+        gw = ServerConfig(host="127.0.0.1", data_dir=tmp_path / "gw", http_port=0, grpc_port=0 if grpc else None,
+                          max_upload_bytes=UPLOAD_LIMIT)
+        fronts = front_ends(core, gw, GatewayRegistrar(core, upcalls, TOKEN, 120))
+        ports = {"node_http": server.ports["http_port"]}
+        started = []
+        registry = NodeRegistry(f"http://127.0.0.1:{ports['node_http']}", server.ports["fast_port"], core,
+                                asyncio.get_running_loop())
+        actor = threading.Thread(target=upcall.serve, args=(ours, registry, UPLOAD_LIMIT), name="test-upcalls")
+        actor.start()
+        try:
+            for front in fronts:
+                bound = await front.start()
+                started.append(front)
+                ports.update({k.removesuffix("_port"): v for k, v in bound.items()})
+            await asyncio.wait_for(until(lambda: core.serves("lenet")), 60)
+            return await asyncio.to_thread(calls, ports)
+        finally:
+            for front in started:
+                await front.stop(1.0)
+            upcalls.close()  # the actor's end sees EOF and its thread ends
+            await asyncio.to_thread(actor.join, 30)
+            await core.close()
+
+    node_dir = tmp_path / "node"
+    node_dir.mkdir()
+    (node_dir / "token").write_text(TOKEN + "\n")
+    (node_dir / "token").chmod(0o600)
+    node = dataclasses.replace(quiet_config(node_dir, load=("lenet",)), fast_port=0, http_port=0)
     return run_server(node, scenario)

@@ -12,7 +12,9 @@ dispatched, re-sent on a node's loss and answered once exactly as a fast-path ca
 is never imported here.
 
 Its HTTP also serves the repository routes a node serves (``server.http.repository_routes``:
-register, unregister, the index) through ``GatewayRegistrar``: the cluster's management token
+register, unregister, the index), and its gRPC the repository calls that map onto them
+(``server.grpc_server.RepositoryServicer``: ``RepositoryIndex``, ``RepositoryModelLoad`` with
+a config registers), through ``GatewayRegistrar``: the cluster's management token
 (given in the environment, ``upcall.TOKEN_ENV``, never on the command line), and each
 registration forwarded to the controller as an upcall to the Gateway actor
 (``cluster/upcall.py``, on a socketpair the actor passes in ``--upcall-fd``).
@@ -48,7 +50,7 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import v2
 from splitserve.protocol.header import Header, Kind, RequestClass
 from splitserve.server.frontends import CodecPool
-from splitserve.server.grpc_server import GrpcFrontEnd, InferenceServicer
+from splitserve.server.grpc_server import GrpcFrontEnd, InferenceServicer, RepositoryServicer
 from splitserve.server.http import HttpFrontEnd, inference_app
 from splitserve.server.management import check_bearer
 from splitserve.server.ports import FrontEnd, InferOutcome, ModelRegistrar
@@ -205,8 +207,9 @@ def front_ends(core: GatewayCore, config: ServerConfig, registrar: ModelRegistra
     ``config.http_port`` and gRPC on ``config.grpc_port`` (None: off; 0: any free port), on
     ``config.host``, with the node's settings (codec pool, body limits, gRPC stream bound,
     grace). They share one codec pool, so its bound on bodies in hand holds for both, as on
-    a node. Of management, the gateway's HTTP serves the repository routes through
-    ``registrar`` when given (gRPC serves none); it has no shared-memory regions registered,
+    a node. Of management, both serve the repository calls through ``registrar`` when given
+    (HTTP: index, register, unregister; gRPC: ``RepositoryIndex``, and ``RepositoryModelLoad``
+    registering a model from its parameters); it has no shared-memory regions registered,
     so a call that names one is refused as naming one not registered. Its HTTP serves
     ``/metrics``: the gateway's own series and every node's (``cluster/metrics.py``)."""
     serving = GatewayServing(core)
@@ -218,7 +221,9 @@ def front_ends(core: GatewayCore, config: ServerConfig, registrar: ModelRegistra
         out.append(HttpFrontEnd(inference_app(serving, serving, codec, config, shm, metrics=metrics.text,
                                               registrar=registrar), config))
     if config.grpc_port is not None:
-        out.append(GrpcFrontEnd(InferenceServicer(serving, serving, codec, config, shm), config))
+        servicer = (InferenceServicer(serving, serving, codec, config, shm) if registrar is None
+                    else RepositoryServicer(serving, serving, codec, config, shm, registrar))
+        out.append(GrpcFrontEnd(servicer, config))
     return out
 
 

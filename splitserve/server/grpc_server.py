@@ -4,9 +4,11 @@ the model-repository, statistics, model-configuration and system shared-memory e
 ``GrpcFrontEnd`` serves one servicer. ``InferenceServicer`` is the inference half (health,
 server and model metadata, ``ModelInfer``, ``ModelStreamInfer``) over the ``InferenceAPI``
 and ``ModelCatalog`` seams, so a node and a cluster gateway (``cluster/dataplane.py``)
-share it, as they share HTTP's ``inference_routes``; ``NodeServicer`` adds the node's
-management calls through its ``ModelManager`` and shared-memory regions, as HTTP's
-``create_app`` does. A method a servicer lacks answers UNIMPLEMENTED.
+share it, as they share HTTP's ``inference_routes``; ``RepositoryServicer`` adds the
+repository index and registering loads through the ``ModelRegistrar`` seam (both share it,
+as HTTP's ``repository_routes``); ``NodeServicer`` adds the node's other management calls
+through its ``ModelManager`` and shared-memory regions, as HTTP's ``create_app`` does. A
+method a servicer lacks answers UNIMPLEMENTED.
 
 The node starts its front end when ``config.grpc_port`` is not None and stops it before it
 stops its models. The servicer runs on the server's own event loop (grpc.aio).
@@ -33,7 +35,7 @@ from google.protobuf.message import DecodeError
 
 from splitserve import __version__
 from splitserve.config import ServerConfig
-from splitserve.errors import InvalidInput, NotFound, PayloadTooLarge, SplitServeError
+from splitserve.errors import InvalidInput, ModelNotReady, NotFound, PayloadTooLarge, SplitServeError, UnknownModel
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import (
@@ -46,7 +48,7 @@ from splitserve.protocol.v2 import (
 from splitserve.server.frontends import CodecPool
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import (
-    FrontEnd, InferenceAPI, ModelCatalog, ModelSignature, ServingAPI, SharedMemoryRegions,
+    FrontEnd, InferenceAPI, ModelCatalog, ModelRegistrar, ModelSignature, ServingAPI, SharedMemoryRegions,
 )
 from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
 
@@ -330,14 +332,90 @@ class InferenceServicer:
             reader.cancel()
 
 
-class NodeServicer(InferenceServicer):
+def _registration(model_name: str, params: dict[str, Any]) -> tuple[str, bytes | None, str | None] | None:
+    """What a ``RepositoryModelLoad``'s parameters register, Triton's way: "config" (the
+    model's config.toml) with at most one "file:<name>" (bytes: its artifact) and "labels";
+    None when there is no "config" (a load of a model already registered)."""
+    config_toml = params.get("config")
+    if config_toml is None:
+        return None
+    if not isinstance(config_toml, str):
+        raise InvalidInput("parameter 'config' must be a string holding the model's config.toml")
+    files = [v for k, v in params.items() if k.startswith("file:")]
+    if len(files) > 1:
+        raise InvalidInput("give at most one 'file:<name>' parameter: the model's artifact")
+    if files and not isinstance(files[0], bytes):
+        raise InvalidInput("a 'file:<name>' parameter must hold bytes")
+    labels = params.get("labels")
+    if labels is not None and not isinstance(labels, str):
+        raise InvalidInput("parameter 'labels' must be a string, one label per line")
+    declared = ModelConfig.from_toml(config_toml).name
+    if model_name and model_name != declared:
+        raise InvalidInput(f"config.toml names the model {declared!r}, but model_name is {model_name!r}")
+    return config_toml, files[0] if files else None, labels
+
+
+class RepositoryServicer(InferenceServicer):
+    """The inference half and the repository calls that a ``ModelRegistrar`` serves (as HTTP's
+    ``repository_routes``): ``RepositoryIndex``, and ``RepositoryModelLoad`` registering a
+    model from its parameters (``_registration``). A cluster gateway serves it as it is
+    (``cluster/dataplane.py``): the cluster serves every model it has on its nodes, so a load
+    of a model it has only checks that it serves; ``NodeServicer`` loads on the node instead.
+    ``RepositoryModelUnload`` is the node's alone: a Triton unload keeps the model registered,
+    to be loaded again by name, which a cluster (whose unregister forgets the model) cannot do."""
+
+    def __init__(self, api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
+                 shm: SharedMemoryRegions, registrar: ModelRegistrar, extensions: Sequence[str] = ()) -> None:
+        super().__init__(api, catalog, codec, config, shm, extensions)
+        self.registrar = registrar
+
+    @_rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        resp = pb.RepositoryIndexResponse()
+        for m in self.registrar.repository_index(ready_only=request.ready):
+            resp.models.add(name=str(m["name"]), version=str(m.get("version") or ""), state=str(m.get("state") or ""),
+                            reason=str(m.get("reason") or ""))
+        return resp
+
+    @_rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Any) -> pb.RepositoryModelLoadResponse:
+        """Load a model; parameters "config" (TOML) register it first, with a "file:<name>"
+        (bytes) parameter as its artifact and "labels" (needs the token, metadata
+        ``authorization: Bearer <token>``)."""
+        self.registrar.check_token(_authorization(context))
+        params = {k: param_value(v) for k, v in request.parameters.items()}
+        name = request.model_name
+        registration = _registration(name, params)
+        if registration is not None:
+            name = (await self.registrar.register(*registration)).name
+        await self._load(name, params)
+        return pb.RepositoryModelLoadResponse()
+
+    async def _load(self, name: str, params: dict[str, Any]) -> None:
+        """Have ``name`` serve, after a registration if the call made one: here, check that it
+        does. A gateway places and sizes models on its nodes, so "instances" and
+        "keep_resident" are refused rather than ignored."""
+        unserved = sorted({"instances", "keep_resident"} & params.keys())
+        if unserved:
+            raise InvalidInput(f"parameter(s) {unserved} are not served here: the cluster places and sizes each "
+                               "model on its nodes")
+        entry = next((m for m in self.registrar.repository_index() if m["name"] == name), None)
+        if entry is None:
+            raise UnknownModel(f"there is no model {name!r}; register it with a 'config' parameter (its "
+                               "config.toml) and a 'file:<name>' one (its artifact)")
+        if entry["state"] != "READY":
+            raise ModelNotReady(f"model {name!r} is not served now: {entry.get('reason') or entry['state']}")
+
+
+class NodeServicer(RepositoryServicer):
     """A node's whole service: the inference half through the node (``ServingAPI``) and its
-    ``ModelManager`` as the catalog, and the management extensions through the manager and
-    the node's shared-memory regions."""
+    ``ModelManager`` as the catalog and registrar, and the management extensions through the
+    manager and the node's shared-memory regions."""
 
     def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
                  shm: SharedMemoryRegions) -> None:
-        super().__init__(api, manager, codec, config, shm, EXTENSIONS)
+        super().__init__(api, manager, codec, config, shm, manager, EXTENSIONS)
         self.manager = manager
 
     # -- model configuration ----------------------------------------------------------------
@@ -357,49 +435,17 @@ class NodeServicer(InferenceServicer):
         stats = self.manager.model_statistics(request.name or None)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
-    # -- model-repository extension --------------------------------------------------------
+    # -- model-repository extension: load on the node, and unload ------------------------------
 
-    @_rpc
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        resp = pb.RepositoryIndexResponse()
-        for m in self.manager.repository_index(ready_only=request.ready):
-            resp.models.add(name=str(m["name"]), version=str(m.get("version") or ""), state=str(m.get("state") or ""),
-                            reason=str(m.get("reason") or ""))
-        return resp
-
-    @_rpc
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
-                                  context: Any) -> pb.RepositoryModelLoadResponse:
-        """Load a registered model. Parameters: "config" (TOML) registers it first, with a
-        "file:<name>" (bytes) parameter as its artifact and "labels"; "instances" resizes it;
-        "keep_resident" (bool) sets whether the memory manager may evict it."""
-        self.manager.check_token(_authorization(context))
-        params = {k: param_value(v) for k, v in request.parameters.items()}
-        name = request.model_name
-        config_toml = params.get("config")
-        if config_toml is not None:
-            if not isinstance(config_toml, str):
-                raise InvalidInput("parameter 'config' must be a string holding the model's config.toml")
-            files = [v for k, v in params.items() if k.startswith("file:")]
-            if len(files) > 1:
-                raise InvalidInput("give at most one 'file:<name>' parameter: the model's artifact")
-            if files and not isinstance(files[0], bytes):
-                raise InvalidInput("a 'file:<name>' parameter must hold bytes")
-            labels = params.get("labels")
-            if labels is not None and not isinstance(labels, str):
-                raise InvalidInput("parameter 'labels' must be a string, one label per line")
-            declared = ModelConfig.from_toml(config_toml).name
-            if name and name != declared:
-                raise InvalidInput(f"config.toml names the model {declared!r}, but model_name is {name!r}")
-            rec = await self.manager.register(config_toml, files[0] if files else None, labels)
-            name = rec.name
+    async def _load(self, name: str, params: dict[str, Any]) -> None:
+        """Parameters: "instances" resizes it; "keep_resident" (bool) sets whether the memory
+        manager may evict it."""
         instances = params.get("instances")
         if instances is not None:
             if isinstance(instances, bool) or not isinstance(instances, int):
                 raise InvalidInput("parameter 'instances' must be an int64")
             await self.manager.set_instances(name, instances)
         await self.manager.load(name, keep_resident=params.get("keep_resident"))
-        return pb.RepositoryModelLoadResponse()
 
     @_rpc
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,

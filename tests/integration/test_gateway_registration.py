@@ -1,79 +1,26 @@
 """Registering a model at the cluster gateway, without Ray: the gateway's data plane (its HTTP
-front end, ``GatewayRegistrar`` and the upcall channel) in front of a real node; the actor's
-end of the channel is ``upcall.serve`` in a thread, over a registry that stands in for the
-controller by registering on that real node through its HTTP API (as the node servers do)
-and publishing the routes that name the model. ``HttpClient.register`` and
-``splitserve models register`` go through the gateway, and the model answers there."""
+and gRPC front ends, ``GatewayRegistrar`` and the upcall channel) in front of a real node,
+with a registry standing in for the controller (``tests/gateway_front.py::with_registry``).
+``HttpClient.register``, ``splitserve models register`` and ``tritonclient.grpc``'s
+``load_model`` with a config go through the gateway, and the model answers there."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import itertools
-import socket
-import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import tritonclient.grpc as tgrpc
+from tritonclient.utils import InferenceServerException
 from typer.testing import CliRunner
 
 from splitserve.cli import app
 from splitserve.client.http import HttpClient
-from splitserve.cluster import upcall
-from splitserve.cluster.dataplane import GatewayRegistrar, front_ends
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
-from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import UnknownModel
-from tests.gateway_front import CLUSTER_FID
-from tests.inproc import quiet_config, run_server, until, write_model
-
-TOKEN = "gateway-test-token"
-LIMIT = 1 << 20
-
-
-class NodeRegistry:
-    """``upcall.ClusterRegistry`` standing in for the controller: registers on one real node
-    over its HTTP API, then publishes routes naming the model (on the gateway's loop)."""
-
-    def __init__(self, node_url: str, fast_port: int, core: GatewayCore, loop: asyncio.AbstractEventLoop) -> None:
-        self.node_url = node_url
-        self.fast_port = fast_port
-        self.core = core
-        self.loop = loop
-        self.models = {"lenet": CLUSTER_FID}
-        self.ids = itertools.count(CLUSTER_FID + 1)
-        self.version = itertools.count(1)
-        self.publish()
-
-    def publish(self) -> None:
-        route = NodeRoute("node-1", "127.0.0.1", self.fast_port, Market.ON_DEMAND, NodeState.ACTIVE,
-                          frozenset(self.models))
-        self.loop.call_soon_threadsafe(self.core.update, Routes(next(self.version), (route,),
-                                                                tuple(sorted(self.models.items()))))
-
-    def _node(self) -> httpx.Client:
-        return httpx.Client(base_url=self.node_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
-
-    def register(self, call: upcall.RegisterCall) -> int:
-        files = {"config": ("config.toml", call.config_toml.encode())}
-        if call.artifact is not None:
-            files["artifact"] = ("artifact", call.artifact)
-        with self._node() as http:
-            r = http.post(f"/v2/repository/models/{call.name}/register", files=files)
-        r.raise_for_status()
-        self.models[call.name] = next(self.ids)
-        self.publish()
-        return self.models[call.name]
-
-    def unregister(self, name: str) -> None:
-        with self._node() as http:
-            http.delete(f"/v2/repository/models/{name}").raise_for_status()
-        del self.models[name]
-        self.publish()
+from tests.gateway_front import CLUSTER_FID, TOKEN, with_registry
+from tests.inproc import write_model
 
 
 def test_a_model_registered_at_the_gateway_answers_there_and_management_needs_the_clusters_token(
@@ -82,8 +29,8 @@ def test_a_model_registered_at_the_gateway_answers_there_and_management_needs_th
     mine = write_model(tmp_path / "models", "lenet_gw", "lenet")
     by_cli = write_model(tmp_path / "models", "lenet_cli", "lenet")
 
-    def calls(port: int, node_port: int) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{port}"
+    def calls(ports: dict[str, int]) -> dict[str, Any]:
+        url, node_port = f"http://127.0.0.1:{ports['http']}", ports["node_http"]
         out: dict[str, Any] = {}
         with httpx.Client(base_url=url, timeout=60) as http:
             out["no_token"] = http.delete("/v2/repository/models/lenet_gw")
@@ -110,34 +57,7 @@ def test_a_model_registered_at_the_gateway_answers_there_and_management_needs_th
             out["index_after"] = c.index()
         return out
 
-    async def scenario(server: Any) -> dict[str, Any]:
-        core = GatewayCore(ClusterConfig())
-        await core.serve("127.0.0.1", 0)
-        ours, theirs = socket.socketpair()
-        upcalls = upcall.UpcallClient(theirs, LIMIT, 120)
-        gw = ServerConfig(host="127.0.0.1", data_dir=tmp_path / "gw", http_port=0, grpc_port=None,
-                          max_upload_bytes=LIMIT)
-        (front,) = front_ends(core, gw, GatewayRegistrar(core, upcalls, TOKEN, 120))
-        port = (await front.start())["http_port"]
-        registry = NodeRegistry(f"http://127.0.0.1:{server.ports['http_port']}", server.ports["fast_port"], core,
-                                asyncio.get_running_loop())
-        actor = threading.Thread(target=upcall.serve, args=(ours, registry, LIMIT), name="test-upcalls")
-        actor.start()
-        try:
-            await asyncio.wait_for(until(lambda: core.serves("lenet")), 60)
-            return await asyncio.to_thread(calls, port, server.ports["http_port"])
-        finally:
-            await front.stop(1.0)
-            upcalls.close()  # the actor's end sees EOF and its thread ends
-            await asyncio.to_thread(actor.join, 30)
-            await core.close()
-
-    node_dir = tmp_path / "node"
-    node_dir.mkdir()
-    (node_dir / "token").write_text(TOKEN + "\n")
-    (node_dir / "token").chmod(0o600)
-    node = dataclasses.replace(quiet_config(node_dir, load=("lenet",)), fast_port=0, http_port=0)
-    out = run_server(node, scenario)
+    out = with_registry(tmp_path, calls)
 
     assert out["no_token"].status_code == 401
     assert out["bad_token"].status_code == 401 and "wrong management token" in out["bad_token"].json()["error"]
@@ -151,3 +71,52 @@ def test_a_model_registered_at_the_gateway_answers_there_and_management_needs_th
     np.testing.assert_allclose(out["cli_answer"], out["want"], atol=1e-5)
     assert "lenet_gw" in out["after_unregister"]
     assert [m["name"] for m in out["index_after"]] == ["lenet", "lenet_cli"]
+
+
+def _failure(call: Callable[[], Any]) -> tuple[str, str]:
+    """The status and message of the error ``call`` raises."""
+    try:
+        call()
+    except InferenceServerException as e:
+        return str(e.status()), str(e.message())
+    raise AssertionError("the call succeeded")
+
+
+def test_grpc_at_the_gateway_lists_and_registers_the_clusters_models_with_the_clusters_token(
+        tmp_path: Path) -> None:
+    x = (np.arange(784) % 251).astype(np.uint8).reshape(1, 1, 28, 28)
+    config = (write_model(tmp_path / "models", "lenet_grpc", "lenet") / "config.toml").read_text()
+    auth = {"authorization": f"Bearer {TOKEN}"}
+
+    def calls(ports: dict[str, int]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        triton = tgrpc.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+        try:
+            out["index"] = triton.get_model_repository_index(as_json=True)["models"]
+            out["no_token"] = _failure(lambda: triton.load_model("lenet_grpc", config=config))
+            out["wrong_token"] = _failure(lambda: triton.load_model("lenet_grpc", config=config,
+                                                                    headers={"authorization": "Bearer wrong"}))
+            triton.load_model("lenet_grpc", config=config, headers=auth)  # registered with the cluster
+            out["index_after"] = triton.get_model_repository_index(as_json=True)["models"]
+            t = tgrpc.InferInput("image", list(x.shape), "UINT8")
+            t.set_data_from_numpy(x)
+            out["answer"] = triton.infer("lenet_grpc", [t]).as_numpy("logits")
+            out["duplicate"] = _failure(lambda: triton.load_model("lenet_grpc", config=config, headers=auth))
+            triton.load_model("lenet", headers=auth)  # the cluster serves it: nothing to load
+            out["unknown"] = _failure(lambda: triton.load_model("nope", headers=auth))
+            out["unload"] = _failure(lambda: triton.unload_model("lenet", headers=auth))
+        finally:
+            triton.close()
+        with HttpClient(f"http://127.0.0.1:{ports['node_http']}") as node:
+            out["want"] = node.infer("lenet_grpc", x)
+        return out
+
+    out = with_registry(tmp_path, calls, grpc=True)
+    assert out["index"] == [{"name": "lenet", "version": "1", "state": "READY", "reason": "serving on 1 node(s)"}]
+    assert out["no_token"][0] == out["wrong_token"][0] == "StatusCode.UNAUTHENTICATED"
+    assert "wrong management token" in out["wrong_token"][1]
+    assert [(m["name"], m["state"]) for m in out["index_after"]] == [("lenet", "READY"), ("lenet_grpc", "READY")]
+    np.testing.assert_allclose(out["answer"], out["want"], atol=1e-5)
+    assert out["duplicate"][0] == "StatusCode.INVALID_ARGUMENT" and "lenet_grpc" in out["duplicate"][1]
+    assert out["unknown"][0] == "StatusCode.NOT_FOUND" and "nope" in out["unknown"][1]
+    assert out["unload"][0] == "StatusCode.UNIMPLEMENTED"  # the cluster keeps its models: DELETE unregisters

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from splitserve.cli import answer_with_progress, model_state, models_table, short_shapes
+from splitserve.cli import ModelRow, answer_with_progress, model_state, models_table, short_shapes
 from splitserve.client.common import ModelInfo
 from splitserve.errors import ModelNotReady
 from splitserve.registry import Registry
@@ -37,7 +37,8 @@ def render(table: object, width: int) -> str:
 def test_models_fits_80_columns_without_cutting_a_name_or_shape(builtin_records: list, with_states: bool) -> None:
     states = ({r.name: {"state": "evicted", "residency": "EVICTED", "bytes": 46_800_000} for r in builtin_records}
               if with_states else None)
-    text = render(models_table(builtin_records, states, wide=False), 80)
+    rows = [ModelRow.of(r, states[r.name] if states else None) for r in builtin_records]
+    text = render(models_table(rows, wide=False), 80)
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
     for r in builtin_records:
@@ -47,8 +48,8 @@ def test_models_fits_80_columns_without_cutting_a_name_or_shape(builtin_records:
 
 
 def test_wide_lists_every_field(builtin_records: list) -> None:
-    text = render(models_table(builtin_records, {r.name: {"state": "ready", "residency": "RESIDENT", "bytes": 1} for r in builtin_records},
-                             wide=True), 200)
+    live = {"state": "ready", "residency": "RESIDENT", "bytes": 1}
+    text = render(models_table([ModelRow.of(r, live) for r in builtin_records], wide=True), 200)
     assert "…" not in text and "func_id" in text and "instances x threads" in text
     assert all(f" {r.name} " in text for r in builtin_records)
     assert "token_type_ids INT32[512]" in text and "start_logits FP32[512]" in text
