@@ -25,6 +25,7 @@ from splitserve.cluster import upcall
 from splitserve.cluster.dataplane import GatewayRegistrar, front_ends
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
+from splitserve.cluster.modelspec import ModelSpec
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig, ServerConfig
 from tests.inproc import quiet_config, run_server, until
@@ -88,7 +89,7 @@ class NodeRegistry:
     def _node(self) -> httpx.Client:
         return httpx.Client(base_url=self.node_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
 
-    def register(self, call: upcall.RegisterCall) -> int:
+    def register(self, call: ModelSpec) -> int:
         files = {"config": ("config.toml", call.config_toml.encode())}
         if call.artifact is not None:
             files["artifact"] = ("artifact", call.artifact)

@@ -46,7 +46,8 @@ from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWind
 from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import NodeRoute, Routes
-from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.node_server import NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due

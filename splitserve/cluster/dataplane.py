@@ -43,7 +43,8 @@ from splitserve.client.common import ModelInfo, decode_outputs
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import GatewayCore, Routes
 from splitserve.cluster.metrics import GatewayMetrics
-from splitserve.cluster.upcall import TOKEN_ENV, Failed, RegisterCall, UnregisterCall, UpcallClient
+from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.upcall import TOKEN_ENV, Failed, UnregisterCall, UpcallClient
 from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import InternalError, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
 from splitserve.modelconfig import ModelConfig
@@ -148,7 +149,7 @@ class GatewayRegistrar:
                                "management calls")
         check_bearer(authorization, self.token, "the cluster's DATA_DIR/token (written by `splitserve cluster up`)")
 
-    async def _call(self, msg: RegisterCall | UnregisterCall) -> Any:
+    async def _call(self, msg: ModelSpec | UnregisterCall) -> Any:
         if self.upcalls is None:
             raise InternalError("this gateway has no channel to the cluster's controller")
         answer = await self.upcalls.call(msg)
@@ -161,7 +162,7 @@ class GatewayRegistrar:
         if any(m == name for m, _ in self.core.routes.models):
             raise InvalidInput(f"model {name!r} already exists in the cluster; unregister it first "
                                f"(DELETE /v2/repository/models/{name})")
-        answer = await self._call(RegisterCall(name, config_toml, artifact, labels))
+        answer = await self._call(ModelSpec(name, config_toml, artifact, labels))
         if not await self._until(lambda: self.core.serves(name)):
             raise ModelNotReady(f"model {name!r} is registered in the cluster (func id {answer.func_id}), but no "
                                 f"node serves it at the gateway after {self.timeout_s:g} s")

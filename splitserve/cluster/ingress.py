@@ -34,7 +34,8 @@ import ray
 
 from splitserve.cluster import raycompat, upcall
 from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE
-from splitserve.cluster.node_server import ModelSpec, die_with_parent
+from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.node_server import die_with_parent
 from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import InternalError, SplitServeError
 
@@ -58,8 +59,7 @@ class ControllerRegistry:
         self.timeout_s = timeout_s
         self._get = get  # ray.get (tests: a fake)
 
-    def register(self, call: upcall.RegisterCall) -> int:
-        spec = ModelSpec(call.name, call.config_toml, call.artifact, call.labels)
+    def register(self, spec: ModelSpec) -> int:
         return int(self._wait(self.controller.register.remote(spec)))
 
     def unregister(self, name: str) -> None:

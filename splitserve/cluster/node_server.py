@@ -29,23 +29,13 @@ import httpx
 import ray
 
 from splitserve.cluster import raycompat
+from splitserve.cluster.modelspec import ModelSpec
 from splitserve.errors import InternalError, SplitServeError, Status, error_for_status
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model registered with the cluster: what a node's register call needs (no spec for a
-    built-in model: every node has those)."""
-
-    name: str
-    config_toml: str
-    artifact: bytes | None = None
-    labels: str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from splitserve.cluster.node_server import ModelSpec
+from splitserve.cluster.modelspec import ModelSpec
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (

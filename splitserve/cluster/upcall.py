@@ -1,5 +1,6 @@
 """The gateway's upcalls: its data plane (``cluster/dataplane.py``, no Ray) asks the Gateway
-actor (``cluster/ingress.py``) to register or unregister a model with the cluster's controller.
+actor (``cluster/ingress.py``) to register (the call is the model's ``ModelSpec``) or unregister a model with the cluster's
+controller.
 
 They travel on a socketpair the actor makes for each data-plane process it starts (the
 process's end passed with ``pass_fds``): one call at a time, each bounded in size (the
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve.cluster.modelspec import ModelSpec
 from splitserve.errors import InternalError, PayloadTooLarge, SplitServeError, Status, error_for_status
 
 log = logging.getLogger(__name__)
@@ -28,16 +30,6 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "SPLITSERVE_GATEWAY_TOKEN"  # the cluster's management token, as the actor hands it to the data plane
 HEAD_LIMIT = 64 << 10  # a head names a message, a model and blob sizes: far less than this
 _LEN = struct.Struct("!I")
-
-
-@dataclass(frozen=True)
-class RegisterCall:
-    """Register ``name`` in the cluster from the files a client uploaded."""
-
-    name: str
-    config_toml: str
-    artifact: bytes | None = None
-    labels: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +41,7 @@ class UnregisterCall:
 
 @dataclass(frozen=True)
 class Registered:
-    """The answer to a ``RegisterCall``: the model's cluster func id."""
+    """The answer to a registration (a ``ModelSpec``): the model's cluster func id."""
 
     name: str
     func_id: int
@@ -73,14 +65,14 @@ class Failed:
         return error_for_status(self.status, self.message)
 
 
-Call = RegisterCall | UnregisterCall
+Call = ModelSpec | UnregisterCall
 Answer = Registered | Unregistered | Failed
 
 
 def encode(call_id: int, msg: Call | Answer) -> bytes:
     """One frame: ``msg`` under ``call_id``."""
     blobs: list[bytes] = []
-    if isinstance(msg, RegisterCall):
+    if isinstance(msg, ModelSpec):
         fields = {"name": msg.name}
         parts = {"config_toml": msg.config_toml.encode(), "labels": None if msg.labels is None else msg.labels.encode(),
                  "artifact": msg.artifact}
@@ -121,9 +113,9 @@ def _message(head: dict, blobs: dict[str, bytes]) -> Call | Answer:
     head.pop("id")
     head.pop("blobs", None)
     try:
-        if kind == "RegisterCall":
+        if kind == "ModelSpec":
             labels = blobs.get("labels")
-            return RegisterCall(str(head["name"]), blobs.get("config_toml", b"").decode(), blobs.get("artifact"),
+            return ModelSpec(str(head["name"]), blobs.get("config_toml", b"").decode(), blobs.get("artifact"),
                                 None if labels is None else labels.decode())
         types = {t.__name__: t for t in (UnregisterCall, Registered, Unregistered, Failed)}
         return types[kind](**head)
@@ -162,7 +154,7 @@ async def read_frame_async(reader: asyncio.StreamReader, limit: int) -> tuple[in
 class ClusterRegistry(Protocol):
     """What the actor's end calls per upcall: the cluster's controller (``ingress.ControllerRegistry``)."""
 
-    def register(self, call: RegisterCall) -> int:
+    def register(self, call: ModelSpec) -> int:
         """Register the model on every node; its cluster func id."""
 
     def unregister(self, name: str) -> None:
@@ -172,7 +164,7 @@ class ClusterRegistry(Protocol):
 def handle(registry: ClusterRegistry, msg: Call | Answer) -> Answer:
     """Carry out one call through ``registry``; every error becomes a ``Failed`` answer."""
     try:
-        if isinstance(msg, RegisterCall):
+        if isinstance(msg, ModelSpec):
             return Registered(msg.name, registry.register(msg))
         if isinstance(msg, UnregisterCall):
             registry.unregister(msg.name)

@@ -12,7 +12,8 @@ import pytest
 from splitserve.cluster.controller import Controller, _Node
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import Routes
-from splitserve.cluster.node_server import ModelSpec, NodeEndpoint, NodeSpec
+from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.node_server import NodeEndpoint, NodeSpec
 from splitserve.cluster.pools import Market
 from splitserve.cluster.store import ControllerStore
 from splitserve.config import ClusterConfig

@@ -13,13 +13,13 @@ import ray
 
 from splitserve.cluster import upcall
 from splitserve.cluster.ingress import ControllerRegistry
-from splitserve.cluster.node_server import ModelSpec
+from splitserve.cluster.modelspec import ModelSpec
 from splitserve.errors import InternalError, InvalidInput, PayloadTooLarge, Status, UnknownModel
 
 TOML = 'name = "mine"\n[artifact]\nkind = "safetensors"\nfile = "w.safetensors"\n'
 MESSAGES = [
-    upcall.RegisterCall("mine", TOML, b"\x00weights\xff" * 3, "cat\ndog\n"),
-    upcall.RegisterCall("zoo", 'name = "zoo"\n'),
+    ModelSpec("mine", TOML, b"\x00weights\xff" * 3, "cat\ndog\n"),
+    ModelSpec("zoo", 'name = "zoo"\n'),
     upcall.UnregisterCall("mine"),
     upcall.Registered("mine", 7),
     upcall.Unregistered("mine"),
@@ -54,7 +54,7 @@ def test_every_upcall_message_comes_back_as_it_was_sent_with_its_id(msg: Any) ->
 
 
 def test_an_upcall_over_its_limits_or_malformed_is_refused_before_its_files_are_read() -> None:
-    big = upcall.encode(1, upcall.RegisterCall("mine", TOML, bytes(1000)))
+    big = upcall.encode(1, ModelSpec("mine", TOML, bytes(1000)))
     with pytest.raises(PayloadTooLarge, match="1000|files"):
         upcall.read_frame(_recv(big), 999)
     huge_head = (upcall.HEAD_LIMIT + 1).to_bytes(4, "big")
@@ -72,7 +72,7 @@ class FakeRegistry:
         self.error = error
         self.calls: list[Any] = []
 
-    def register(self, call: upcall.RegisterCall) -> int:
+    def register(self, call: ModelSpec) -> int:
         self.calls.append(call)
         if self.error is not None:
             raise self.error
@@ -120,7 +120,7 @@ def test_the_controller_registry_sends_a_model_spec_and_gives_back_the_controlle
         return 3
 
     reg = ControllerRegistry(FakeController(), 9.0, get=get)
-    assert reg.register(upcall.RegisterCall("mine", TOML, b"w", "a\n")) == 3
+    assert reg.register(ModelSpec("mine", TOML, b"w", "a\n")) == 3
     assert seen == [(("register", (ModelSpec("mine", TOML, b"w", "a\n"),)), 9.0)]
     with pytest.raises(UnknownModel, match="no model named 'x'"):
         reg.unregister("x")
@@ -129,4 +129,4 @@ def test_the_controller_registry_sends_a_model_spec_and_gives_back_the_controlle
         raise ray.exceptions.GetTimeoutError("late")
 
     with pytest.raises(InternalError, match="9 s"):
-        ControllerRegistry(FakeController(), 9.0, get=slow).register(upcall.RegisterCall("mine", TOML))
+        ControllerRegistry(FakeController(), 9.0, get=slow).register(ModelSpec("mine", TOML))

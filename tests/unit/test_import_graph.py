@@ -161,3 +161,11 @@ def test_the_load_time_imports_skip_functions_and_type_checking():
     tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ndef f():\n    import c\ntry:\n    import d\n"
                      "except ImportError:\n    pass\n")
     assert sorted(n.names[0].name for n in _imports_run_on_load(tree)) == ["a", "d"]
+
+
+def test_the_gateways_data_plane_does_not_import_ray():
+    """The data plane is a plain process the Gateway actor supervises (docs/cluster.md): it
+    starts fast and carries every request with no Ray in it; what it sends up to the
+    controller (a registration's ``ModelSpec``) lives in a Ray-free module for that reason."""
+    _, theirs = loaded_with("splitserve.cluster.dataplane")
+    assert not sorted(m for m in theirs if m.split(".")[0] == "ray")
