@@ -108,7 +108,9 @@ class PartitionManager:
         self._lock = asyncio.Lock()  # one geometry change at a time
         self._timers: list[asyncio.TimerHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakes: dict[str, asyncio.TimerHandle] = {}  # model -> its waiting strict batch's re-decision
+        # model -> when its waiting batch is decided again, and the callback armed for it (the
+        # time is kept here: uvloop returns a plain Handle, without when(), for a delay under 1 ms)
+        self._wakes: dict[str, tuple[float, asyncio.Handle]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._scaling: dict[str, int] = {}  # model -> the instance count its resize under way brings
         self.cold_starts: dict[str, int] = {}  # model -> instances scale-up started (that came up)
@@ -274,10 +276,11 @@ class PartitionManager:
         at = self._loop.time() + max(0.0, delay)
         old = self._wakes.get(model)
         if old is not None:
-            if not old.cancelled() and old.when() <= at:
+            armed, handle = old
+            if not handle.cancelled() and armed <= at:
                 return
-            old.cancel()
-        self._wakes[model] = self._loop.call_at(at, self._kick, model)
+            handle.cancel()
+        self._wakes[model] = (at, self._loop.call_at(at, self._kick, model))
 
     def _kick(self, model: str) -> None:
         self._wakes.pop(model, None)
@@ -310,7 +313,7 @@ class PartitionManager:
 
     async def stop(self) -> None:
         """Stop ticking; a change under way is cancelled (the applier leaves what serves serving)."""
-        for t in [*self._timers, *self._wakes.values()]:
+        for t in [*self._timers, *(handle for _, handle in self._wakes.values())]:
             t.cancel()
         self._timers.clear()
         self._wakes.clear()
