@@ -338,21 +338,27 @@ class Profiles:
     def forget(self, model: str | None = None) -> None: ...
 
 
+def _be_on_one_partition_strict_on_the_other(models: dict, pm, coord) -> tuple:
+    """Models ``s`` (strict) and ``b`` (BE) on both partitions; a BE batch started on the first
+    and a strict batch on the second (η 1 against 2). Returns (p1, p2, s, b, be, strict)."""
+    p1, p2 = (p.id for p in pm.current())
+    s = models["s"] = Model("s", [p1, p2])
+    b = models["b"] = Model("b", [p1, p2])
+    b.enqueue(BE, 0)
+    (be,) = coord.schedule(b, 0.0)
+    s.enqueue(RT, 0)
+    (strict,) = coord.schedule(s, 0.0)
+    for model, batch in ((b, be), (s, strict)):
+        coord.started(model, batch)
+    assert (b.partition[be.instance], s.partition[strict.instance]) == (p1, p2)
+    return p1, p2, s, b, be, strict
+
+
 def test_a_strict_batch_waits_for_its_partition_to_free_ahead_of_be_and_runs_there_when_it_ends():
     models: dict[str, Model] = {}
     clock = [0.0]
     pm, coord = manager(models, 4 * GB, Profiles(), lambda: clock[0])
-    p1, p2 = (p.id for p in pm.current())
-    s = models["s"] = Model("s", [p1, p2])
-    b = models["b"] = Model("b", [p1, p2])
-    # BE takes the first partition; the strict batch goes to the free one (η 1 against 2)
-    b.enqueue(BE, 0)
-    (be,) = coord.schedule(b, 0.0)
-    s.enqueue(RT, 0)
-    (first,) = coord.schedule(s, 0.0)
-    for model, batch in ((b, be), (s, first)):
-        coord.started(model, batch)
-    assert (b.partition[be.instance], s.partition[first.instance]) == (p1, p2)
+    p1, p2, s, b, be, first = _be_on_one_partition_strict_on_the_other(models, pm, coord)
     # at 0.08 the next strict batch could run now beside BE (0.2 s, done at 0.28) or wait for
     # p2 (free at 0.1, done at 0.2): it waits, and BE work arriving meanwhile does not take p2
     clock[0] = 0.08
@@ -383,15 +389,7 @@ def test_a_wait_that_ends_within_a_millisecond_is_armed_again_on_uvloop():
     pm, coord = manager(models, 4 * GB, Profiles(), lambda: clock[0])
     pm.start(loop)
     try:
-        p1, p2 = (p.id for p in pm.current())
-        s = models["s"] = Model("s", [p1, p2])
-        b = models["b"] = Model("b", [p1, p2])
-        b.enqueue(BE, 0)
-        (be,) = coord.schedule(b, 0.0)
-        s.enqueue(RT, 0)
-        (rt,) = coord.schedule(s, 0.0)
-        for model, batch in ((b, be), (s, rt)):
-            coord.started(model, batch)
+        p1, p2, s, b, be, rt = _be_on_one_partition_strict_on_the_other(models, pm, coord)
         # BE's instance on p1 is busy and strict work runs on p2: the BE batch waits until
         # its oldest request has waited 0.5 s, which is 0.4 ms away
         b.enqueue(BE, 1, arrival=0.0)
