@@ -162,8 +162,9 @@ class GatewayRegistrar:
         if any(m == name for m, _ in self.core.routes.models):
             raise InvalidInput(f"model {name!r} already exists in the cluster; unregister it first "
                                f"(DELETE /v2/repository/models/{name})")
+        deadline = self._deadline()
         answer = await self._call(ModelSpec(name, config_toml, artifact, labels))
-        if not await self._until(lambda: self.core.serves(name)):
+        if not await self._until(lambda: self.core.serves(name), deadline):
             raise ModelNotReady(f"model {name!r} is registered in the cluster (func id {answer.func_id}), but no "
                                 f"node serves it at the gateway after {self.timeout_s:g} s")
         version = int(self.core.model_info(name).extra.get("version", 1))
@@ -171,17 +172,23 @@ class GatewayRegistrar:
         return Registration(name, answer.func_id, version)
 
     async def unregister(self, name: str) -> None:
+        deadline = self._deadline()
         await self._call(UnregisterCall(name))
-        if not await self._until(lambda: all(m != name for m, _ in self.core.routes.models)):
+        if not await self._until(lambda: all(m != name for m, _ in self.core.routes.models), deadline):
             log.warning("%s was unregistered, but the gateway's routes still named it after %g s", name,
                         self.timeout_s)
         log.info("unregistered %s from the cluster through the gateway", name)
 
-    async def _until(self, check: Callable[[], bool]) -> bool:
-        """Whether ``check`` came to hold within ``timeout_s``: the controller has answered, and
-        the routes it published (and the nodes' lookups) reach the gateway after."""
+    def _deadline(self) -> float:
+        """When a management call must be answered: ``timeout_s`` covers the controller's answer
+        and the wait for the gateway to follow it together (the client waits no longer)."""
+        return asyncio.get_running_loop().time() + self.timeout_s
+
+    async def _until(self, check: Callable[[], bool], deadline: float) -> bool:
+        """Whether ``check`` came to hold by ``deadline``: the controller has answered, and the
+        routes it published (and the nodes' lookups) reach the gateway after."""
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await self.core.until(check)
         except TimeoutError:
             return False
