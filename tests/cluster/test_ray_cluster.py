@@ -73,6 +73,15 @@ def _gateway(c: LocalCluster) -> dict:
     return ray.get(c.handles.gateway.stats.remote())
 
 
+def _fast_path_reference(c: LocalCluster) -> tuple[np.ndarray, np.ndarray, int]:
+    """Three lenet images, their answer over the fast path through the gateway, and the
+    ledger's deliveries after it (what another front end's calls are then counted from)."""
+    x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
+    with connect(f"tcp://127.0.0.1:{c.handles.gateway_port}") as fast:
+        want = fast.infer("lenet", x)
+    return x, want, _gateway(c)["delivered"]
+
+
 def _until(what: str, check, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -209,10 +218,7 @@ def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster
 
 def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster: LocalCluster) -> None:
     h = cluster.handles
-    x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
-    with connect(f"tcp://127.0.0.1:{h.gateway_port}") as fast:
-        want = fast.infer("lenet", x)
-    delivered = _gateway(cluster)["delivered"]
+    x, want, delivered = _fast_path_reference(cluster)
     with connect(f"http://127.0.0.1:{h.gateway_http_port}") as c:  # metadata, then binary tensors
         got = c.infer("lenet", x)
     body = {"inputs": [{"name": "image", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": x[0].ravel().tolist()}],
@@ -375,10 +381,7 @@ def test_the_cluster_scales_from_one_to_three_nodes_on_queue_depth_and_back_afte
 
 def test_v2_over_grpc_through_the_gateway_answers_as_the_fast_path_does(cluster: LocalCluster) -> None:
     h = cluster.handles
-    x = (np.arange(3 * 784) % 251).astype(np.uint8).reshape(3, 1, 28, 28)
-    with connect(f"tcp://127.0.0.1:{h.gateway_port}") as fast:
-        want = fast.infer("lenet", x)
-    delivered = _gateway(cluster)["delivered"]
+    x, want, delivered = _fast_path_reference(cluster)
     with connect(f"grpc://127.0.0.1:{h.gateway_grpc_port}") as c:  # ModelMetadata, then ModelInfer
         got = c.infer("lenet", x)
         one = c.infer("lenet", x[0], cls="rt")
