@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,10 @@ NAMESPACE = "splitserve"
 _LONG_POLL_S = 1.0
 # Settings whose state outlives one decision (procurement's open orders, the revocation
 # emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
+# The counters a restarted controller carries on (``status`` reports them), by part.
+_COUNTED = {"procurement": ("fallbacks", "notice_fallbacks", "spot_retries", "swaps"),
+            "revocation": ("notices", "spot_requests", "spot_failures")}
+
 _FIXED = frozenset({"pricing", "on_demand_price_per_hour", "spot_price_per_hour", "bill_records", "procurement",
                     "spot_retry_timeout_s", "spot_return_s", "p_rev", "revocation_interval_s", "notice_min_s",
                     "notice_max_s", "revocation_seed"})
@@ -110,6 +114,17 @@ class _Registry:
         self.specs.pop(name, None)
 
 
+def _settings(cfg: ClusterConfig) -> dict[str, Any]:
+    """``cfg``'s settings that ``configure`` may change, as plain values (the store's JSON)."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _FIXED}
+
+
+def _with_settings(cfg: ClusterConfig, saved: dict[str, Any]) -> ClusterConfig:
+    """``cfg`` with the settings a ``configure`` saved (those it could change, of this version's fields)."""
+    names = {f.name for f in fields(cfg)} - _FIXED
+    return replace(cfg, **{k: v for k, v in saved.items() if k in names}).checked() if saved else cfg
+
+
 def _autoscaler(cfg: ClusterConfig) -> ClusterAutoscaler:
     return ClusterAutoscaler(cfg.min_nodes, cfg.max_nodes, cfg.requests_per_node, cfg.slo_target, cfg.keep_alive_s)
 
@@ -124,12 +139,13 @@ class Controller:
         """``store``: where the models and the bill outlive this actor (default: a file in the
         head's Ray session directory); ``find_server``: a node server's live actor by its
         name (default: Ray's named actors), for ``_recover``."""
-        self.cfg = cfg
         self.node_spec = node_spec
         self.provider = provider
         self.clock = clock
         self.address = address or raycompat.gcs_address()  # the GCS of the Ray cluster it runs on
         self.store = store or ControllerStore(Path(raycompat.session_dir()) / STORE_FILE)
+        # Ray restarts the actor with the settings the cluster started with: configure's changes are stored
+        self.cfg = cfg = _with_settings(cfg, self.store.settings())
         self._find_server = find_server or (lambda name: raycompat.named_actor(name, NAMESPACE))
         self.registry = _Registry(last_id=self.store.last_func_id())
         for name, fid, spec in self.store.models():
@@ -144,6 +160,11 @@ class Controller:
         self.autoscaler = _autoscaler(cfg)
         self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
+        self._saved_counters = self.store.counters()
+        for part, names in _COUNTED.items():
+            for name, value in self._saved_counters.get(part, {}).items():
+                if name in names:
+                    setattr(getattr(self, part), name, int(value))
         # above every version an earlier controller published: the gateway takes this one's tables
         self._routes = Routes(self.store.next_generation() << 32)
         self._changed = asyncio.Event()
@@ -217,7 +238,7 @@ class Controller:
                 self.cost.ended(r.node, now)  # gone while no controller watched: billed to now
         if adopting:
             await asyncio.wait(adopting, timeout=self.cfg.controller_recover_timeout_s)
-        self._save_bill()
+        self._save_state()
         self._publish()
         log.info("controller generation %d: %d models, %d nodes taken back (%d serving)", self._routes.version >> 32,
                  len(self.registry.ids), len(self.nodes),
@@ -334,6 +355,7 @@ class Controller:
         if fixed:
             raise InvalidInput(f"these settings cannot change while the cluster runs: {', '.join(fixed)}")
         self.cfg = cfg.checked()
+        self.store.save_settings(_settings(cfg))
         self.autoscaler = _autoscaler(cfg)
         self._next_autoscale = 0.0
         log.info("autoscaling: %d to %d nodes, %d requests per node, keep-alive %.1f s", cfg.min_nodes,
@@ -409,7 +431,7 @@ class Controller:
         if now >= self._next_autoscale:
             self._next_autoscale = now + self.cfg.autoscale_interval_s
             self._autoscale(now)
-        self._save_bill()
+        self._save_state()
 
     async def _check_servers(self) -> None:
         """Ask each serving node's server whether its ``splitserve serve`` child lives. A node
@@ -432,11 +454,17 @@ class Controller:
         finally:
             self._checking_servers = False
 
-    def _save_bill(self) -> None:
+    def _save_state(self) -> None:
+        """The bill and the counters, where they changed since they were last saved."""
         state = self.cost.to_state()
         if state != self._saved_bill:
             self.store.save_bill(state)
             self._saved_bill = state
+        counters = {part: {name: getattr(getattr(self, part), name) for name in names}
+                    for part, names in _COUNTED.items()}
+        if counters != self._saved_counters:
+            self.store.save_counters(counters)
+            self._saved_counters = counters
 
     def _staying(self) -> list[_Node]:
         return [n for n in self.nodes.values() if n.deadline is None and not n.retiring

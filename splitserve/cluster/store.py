@@ -7,7 +7,10 @@ directory (the session is the cluster's life: a new ``cluster up`` is a new sess
 
 - the cluster's models (name, cluster func id, the spec a node registers), written before a
   registration reaches any node and removed if it is rolled back;
-- the bill (``CostLedger.to_state``), written when it changed, once per reconcile round;
+- the bill (``CostLedger.to_state``) and procurement's counters, written when they changed,
+  once per reconcile round;
+- the settings ``configure`` changed at run time (the actor's constructor gets the ones the
+  cluster started with);
 - a generation, one more for every controller that opens the store: routing-table versions
   start at ``generation << 32``, so the gateway takes a restarted controller's first table
   as newer than anything the one before it published.
@@ -43,7 +46,7 @@ STORE_FILE = "splitserve-controller.sqlite3"
 
 
 class ControllerStore:
-    """The controller's models, bill and generation in one SQLite file (``:memory:`` for tests
+    """The controller's models, bill, counters, settings and generation in one SQLite file (``:memory:`` for tests
     that do not restart). Calls are short and synchronous; the lock makes them safe from
     the threads ``asyncio.to_thread`` uses."""
 
@@ -91,21 +94,41 @@ class ControllerStore:
             self._db.execute("DELETE FROM models WHERE name=?", (name,))
 
     def save_bill(self, state: dict) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('bill', ?)", (json.dumps(state),))
+        self._save_json("bill", state)
 
     def bill(self) -> dict | None:
         """The bill as last saved (None: none yet)."""
+        return self._json("bill")
+
+    def save_counters(self, counters: dict[str, int]) -> None:
+        self._save_json("counters", counters)
+
+    def counters(self) -> dict[str, int]:
+        """Procurement's counters as last saved (empty: none yet)."""
+        return self._json("counters") or {}
+
+    def save_settings(self, settings: dict) -> None:
+        self._save_json("settings", settings)
+
+    def settings(self) -> dict:
+        """The settings ``configure`` last took, as plain values (empty: none)."""
+        return self._json("settings") or {}
+
+    def _save_json(self, key: str, value: dict) -> None:
         with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE key='bill'").fetchone()
+            self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    def _json(self, key: str) -> dict | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
 
     def clear(self) -> None:
-        """Forget the models and the bill (``cluster down``: the cluster is gone); the
-        generation stays, so versions keep rising on this Ray session."""
+        """Forget the models, the bill, the counters and the settings (``cluster down``: the
+        cluster is gone); the generation stays, so versions keep rising on this Ray session."""
         with self._lock:
             self._db.execute("DELETE FROM models")
-            self._db.execute("DELETE FROM meta WHERE key='bill'")
+            self._db.execute("DELETE FROM meta WHERE key IN ('bill', 'counters', 'settings')")
 
     def close(self) -> None:
         with self._lock:

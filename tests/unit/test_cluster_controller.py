@@ -4,6 +4,7 @@ while a model is being registered gets every model the registry holds, whatever 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -325,7 +326,7 @@ def test_a_restarted_controller_takes_back_models_nodes_launches_in_flight_and_t
             first.nodes[node] = _Node(node, market, None, servers[node], endpoint=_endpoint(node),
                                       state=NodeState.ACTIVE, models=frozenset({"lenet"}), ready_at=110.0)
         fid = await first.register(SPEC)
-        first._save_bill()
+        first._save_state()
         old_routes = first._routes
         old_bill = {r["node"]: r for r in first.cost.to_list()}
 
@@ -478,5 +479,32 @@ def test_unregistering_removes_the_model_from_every_node_the_routes_and_the_stor
         restarted._recovered.set()
         restarted._loop_task = asyncio.get_running_loop().create_future()
         assert await restarted.register(ModelSpec("other", spec.config_toml.replace("mine", "other"))) > again
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_controller_keeps_the_settings_configure_changed_and_the_counters_it_reported(tmp_path) -> None:
+    """Ray restarts the controller with the settings the cluster started with: what
+    ``configure`` changed since, and procurement's and the emulator's counters, come back
+    from the store; ``cluster down`` forgets them."""
+    store = tmp_path / "controller.sqlite3"
+    started = ClusterConfig(min_nodes=1, max_nodes=3, keep_alive_s=600.0)
+
+    async def scenario() -> None:
+        now = [100.0]
+        first = _controller(started, None, now, ControllerStore(store))
+        first._recovered.set()
+        first._loop_task = asyncio.get_running_loop().create_future()
+        await first.configure(dataclasses.replace(started, max_nodes=5, keep_alive_s=2.5, provider="local"))
+        first.procurement.fallbacks, first.procurement.swaps, first.revocation.notices = 2, 1, 3
+        first._save_state()
+
+        second = _controller(started, None, now, ControllerStore(store))
+        assert (second.cfg.max_nodes, second.cfg.keep_alive_s, second.cfg.provider) == (5, 2.5, "local")
+        assert (second.autoscaler.max_nodes, second.autoscaler.keep_alive.keep_alive_s) == (5, 2.5)
+        assert (second.procurement.fallbacks, second.procurement.swaps, second.revocation.notices) == (2, 1, 3)
+        second.store.clear()
+        third = _controller(started, None, now, ControllerStore(store))
+        assert third.cfg == started and third.procurement.fallbacks == 0 and third.revocation.notices == 0
 
     asyncio.run(scenario())
