@@ -601,16 +601,19 @@ class _AsyncConn(asyncio.BufferedProtocol):
             if not fut.done():
                 fut.set_exception(err)
 
-    async def writable(self, timeout: float) -> None:
-        """Until the write buffer drained below its low-water mark (or the connection died)."""
+    async def writable(self, timeout: float | None) -> None:
+        """Until the write buffer drained below its low-water mark (or the connection died),
+        at most ``timeout`` seconds (None: no limit)."""
         loop = self.client._loop
         waiter = loop.create_future()  # type: ignore[union-attr]
         self._resumed.append(waiter)
-        timer = loop.call_later(timeout, _time_out, waiter, f"the connection took no data for {timeout:g} s")  # type: ignore[union-attr]
+        timer = None if timeout is None else loop.call_later(  # type: ignore[union-attr]
+            timeout, _time_out, waiter, f"the connection took no data for {timeout:g} s")
         try:
             await waiter
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
 
 def _time_out(fut: asyncio.Future, message: str) -> None:
@@ -640,10 +643,10 @@ class AsyncClient:
     is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
     the client closed."""
 
-    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = False,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoint = Endpoint.parse(url)
-        self.timeout = timeout
+        self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)
         self.direct = direct
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
@@ -688,7 +691,7 @@ class AsyncClient:
             conn = front
         loop = self._loop
         fut = loop.create_future()  # type: ignore[union-attr]
-        deadline = loop.time() + self.timeout  # type: ignore[union-attr]
+        deadline = loop.time() + self.timeout if self.timeout is not None else math.inf  # type: ignore[union-attr]
         conn.pending[req_id] = (fut, decode, parts if conn.model is not None else None, deadline)
         if deadline < conn.sweep_at:
             self._arm(conn, deadline)
@@ -712,8 +715,9 @@ class AsyncClient:
             fut = pending.pop(req_id)[0]
             if not fut.done():
                 fut.set_exception(TimeoutError(f"no answer to call {req_id} within {self.timeout:g} s"))
-        if pending:
-            self._arm(conn, min(e[3] for e in pending.values()))
+        at = min((e[3] for e in pending.values()), default=math.inf)
+        if at < math.inf:
+            self._arm(conn, at)
 
     def _connection_lost(self, conn: _AsyncConn, exc: BaseException | None) -> None:
         if conn.model is not None and not conn.lost:
