@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import socket
 import threading
@@ -202,11 +203,12 @@ def _lookup_due(stale: bool, held: int, info: ModelInfo, age_s: float, retry_s: 
 
 
 class _Route:
-    """Where a model's calls go: its info, and with ``direct`` its workers' endpoints."""
+    """Where a model's calls go (a ``Client``'s or an ``AsyncClient``'s): its info, and
+    with ``direct`` its workers' endpoints."""
 
     __slots__ = ("info", "streams", "turns", "looked_up", "stale")
 
-    def __init__(self, info: ModelInfo, streams: list[_Stream], looked_up: float) -> None:
+    def __init__(self, info: ModelInfo, streams: "list[_Stream] | list[_AsyncConn]", looked_up: float) -> None:
         self.info = info
         # replaced, never changed in place, so a caller picks from it without the client's lock
         self.streams = streams
@@ -466,27 +468,168 @@ class Client:
                 c._error, c._done = err, True
 
 
-class _AsyncStream:
+# plain ints: an enum member's attribute lookup is a descriptor call, once per answer
+_ERROR, _DUPLICATE = int(Kind.ERROR), int(Status.DUPLICATE_REQUEST)
+# req_id -> the call's future, how to decode its answer, its frame while it is on a direct
+# connection (re-sent through the front end if that closes), and when it times out (loop time)
+_AsyncEntry = tuple[asyncio.Future, Callable[[Header, bytearray], Any], "list | None", float]
+
+
+class _AsyncConn(asyncio.BufferedProtocol):
     """One connection of an ``AsyncClient`` (the front end's, or a worker's direct endpoint)
-    and the calls awaiting their answer on it: (future, decode, the frame to re-send)."""
+    and the calls awaiting their answer on it.
 
-    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, model: str | None = None,
-                 url: str = "") -> None:
-        self.r, self.w = r, w
-        self.model = model
-        self.url = url
-        self.pending: dict[int, tuple[asyncio.Future, Callable[[Header, bytes], Any], list | None]] = {}
-        self.task: asyncio.Task | None = None
-        self.lost = False
+    Answers are parsed in the transport's read callback, out of one receive buffer reused
+    for the connection's life, and their futures resolved there: no reader task and no
+    ``StreamReader`` between the socket and the caller, so an answer costs one wake-up of
+    its caller. A payload that has not arrived whole with its header is received straight
+    into a buffer of its own (the decoded arrays keep it)."""
+
+    def __init__(self, client: "AsyncClient", model: str | None = None, url: str = "") -> None:
+        self.client = client
+        self.model = model  # a direct connection's model (None: the front end's)
+        self.url = url  # a direct connection's endpoint
+        self.pending: dict[int, _AsyncEntry] = {}
+        self.transport: asyncio.Transport | None = None
+        self.lost = False  # closed by the client, or its loss handled: its calls are not moved again
+        self.dead = False  # the transport is gone: nothing more is sent on it
+        self.paused = False  # the transport's write buffer is over its high-water mark
+        # One timer per connection, not one per call: it fires at the earliest deadline of the
+        # calls waiting here (an answered call leaves it armed; it re-arms when it fires).
+        self.sweep: asyncio.TimerHandle | None = None
+        self.sweep_at = math.inf
+        self.closed: asyncio.Future = client._loop.create_future()
+        self._resumed: list[asyncio.Future] = []  # callers waiting for the write buffer to drain
+        self._error: BaseException | None = None  # why the client dropped the connection (a bad frame)
+        self._rx = bytearray(_RX_BYTES)
+        self._rx_mv = memoryview(self._rx)
+        self._rx_end = 0  # rx[:rx_end] is an answer's header not yet whole (always < HEADER_SIZE bytes)
+        self._body: bytearray | None = None  # the payload being received past the buffer, its header, bytes in
+        self._body_mv = memoryview(b"")
+        self._body_h: Header | None = None
+        self._body_got = 0
+
+    # -- asyncio.BufferedProtocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body_mv[self._body_got :]
+        return self._rx_mv[self._rx_end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._body is not None:
+            self._body_got += nbytes
+            if self._body_got == len(self._body):
+                body, h, self._body, self._body_mv = self._body, self._body_h, None, memoryview(b"")
+                self._answer(h, body)  # type: ignore[arg-type]
+            return
+        rx = self._rx
+        end = self._rx_end + nbytes
+        start = 0
+        try:
+            while end - start >= HEADER_SIZE:
+                h = unpack_header(rx, start)
+                begin = start + HEADER_SIZE
+                stop = begin + h.payload_len
+                if stop > end:  # the rest of the payload is still coming
+                    self._body = body = bytearray(h.payload_len)
+                    body[: end - begin] = self._rx_mv[begin:end]
+                    self._body_mv, self._body_h, self._body_got = memoryview(body), h, end - begin
+                    start = end
+                    break
+                self._answer(h, rx[begin:stop])
+                start = stop
+        except SplitServeError as e:  # framing lost: nothing after it can be trusted
+            self._error, self._rx_end = e, 0
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        if start < end:
+            rx[: end - start] = rx[start:end]
+        self._rx_end = end - start
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.dead = True
+        self.paused = False
+        for w in self._resumed:
+            if not w.done():
+                w.set_result(None)  # the caller finds the connection dead and goes elsewhere or fails
+        self._resumed = []
+        self.client._connection_lost(self, self._error or exc)
+        if self.sweep is not None:  # no call waits here any more
+            self.sweep.cancel()
+            self.sweep, self.sweep_at = None, math.inf
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        for w in self._resumed:
+            if not w.done():
+                w.set_result(None)
+        self._resumed = []
+
+    # -- the client's side --------------------------------------------------------------
+
+    def _answer(self, h: Header, payload: bytearray) -> None:
+        if h.kind == _ERROR and h.status == _DUPLICATE:
+            return  # the server refused a duplicate of a call in flight: its own answer comes later
+        entry = self.pending.pop(h.req_id, None)
+        if entry is None:
+            return  # a call that timed out: its late answer is dropped
+        fut, decode = entry[0], entry[1]
+        if fut.done():  # its caller cancelled it
+            return
+        try:
+            fut.set_result(decode(h, payload))
+        except Exception as e:
+            fut.set_exception(e)
+
+    def fail_all(self, err: BaseException) -> None:
+        """Every call still waiting here ends with ``err``."""
+        calls, self.pending = self.pending, {}
+        for fut, _, _, _ in calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def writable(self, timeout: float | None) -> None:
+        """Until the write buffer drained below its low-water mark (or the connection died),
+        at most ``timeout`` seconds (None: no limit)."""
+        loop = self.client._loop
+        waiter = loop.create_future()  # type: ignore[union-attr]
+        self._resumed.append(waiter)
+        timer = None if timeout is None else loop.call_later(  # type: ignore[union-attr]
+            timeout, _time_out, waiter, f"the connection took no data for {timeout:g} s")
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
-async def _open_async(ep: Endpoint) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+def _time_out(fut: asyncio.Future, message: str) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(message))
+
+
+async def _open_async(ep: Endpoint, protocol: Callable[[], _AsyncConn]) -> _AsyncConn:
+    """A connection to ``ep`` served by ``protocol()``; TCP ones have TCP_NODELAY (asyncio sets it)."""
+    loop = asyncio.get_running_loop()
     if ep.scheme == "tcp":
-        r, w = await asyncio.open_connection(ep.host, ep.port)
-        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return r, w
+        _, conn = await loop.create_connection(protocol, ep.host, ep.port)
+        return conn
     if ep.scheme == "unix":
-        return await asyncio.open_unix_connection(ep.path)
+        _, conn = await loop.create_unix_connection(protocol, ep.path)
+        return conn
     raise InvalidInput("AsyncClient speaks tcp:// and unix://")
 
 
@@ -495,30 +638,28 @@ class AsyncClient:
 
     ``direct=True`` follows the workers' direct endpoints as ``Client`` does (one
     connection per instance, calls in turn; a closed one's unanswered calls are re-sent
-    through the front end and the model is looked up again)."""
+    through the front end and the model is looked up again). Every call ends exactly once:
+    with its result, its error, ``TimeoutError`` after ``timeout`` seconds (a later answer
+    is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
+    the client closed."""
 
-    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = False,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoint = Endpoint.parse(url)
-        self.timeout = timeout
+        self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)
         self.direct = direct
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
-        self._models: dict[str, ModelInfo] = {}
-        self._routes: dict[str, tuple[list[_AsyncStream], float, bool]] = {}  # streams, looked up at, stale
-        self._turn = 0
-        self._front: _AsyncStream | None = None
-        self._direct_streams: list[_AsyncStream] = []
+        self._routes: dict[str, _Route] = {}
+        self._front: _AsyncConn | None = None
+        self._direct_streams: list[_AsyncConn] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def connect(self) -> "AsyncClient":
-        r, w = await _open_async(self.endpoint)
-        self._front = self._start(_AsyncStream(r, w))
+        self._loop = asyncio.get_running_loop()
+        self._front = await _open_async(self.endpoint, lambda: _AsyncConn(self))
         return self
-
-    def _start(self, st: _AsyncStream) -> _AsyncStream:
-        st.task = asyncio.get_running_loop().create_task(self._read_loop(st))
-        return st
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -527,124 +668,149 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        streams = [self._front, *self._direct_streams] if self._front is not None else []
+        """Close every connection; calls still waiting end with ``ConnectionError``."""
+        conns = [self._front, *self._direct_streams] if self._front is not None else list(self._direct_streams)
         self._front, self._direct_streams = None, []
-        for st in streams:
-            st.lost = True
-            if st.task is not None:
-                st.task.cancel()
-            st.w.close()
-            try:
-                await st.w.wait_closed()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
+        for conn in conns:
+            conn.lost = True
+            if conn.transport is not None:
+                conn.transport.abort()  # a client's unsent requests are its own calls, which fail now
+        for conn in conns:
+            await conn.closed  # connection_lost comes on the loop's next turn
 
-    async def _read_loop(self, st: _AsyncStream) -> None:
-        try:
-            while True:
-                hdr = await st.r.readexactly(HEADER_SIZE)
-                h = unpack_header(hdr)
-                payload = await st.r.readexactly(h.payload_len) if h.payload_len else b""
-                entry = st.pending.get(h.req_id)
-                if entry is None or (h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST):
-                    continue
-                del st.pending[h.req_id]
-                fut, decode, _ = entry
-                if not fut.done():
-                    try:
-                        fut.set_result(decode(h, payload))
-                    except BaseException as e:
-                        fut.set_exception(e)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, SplitServeError) as e:
-            if st.model is not None and not st.lost:
-                self._lost(st)
-                return
-            for fut, _, _ in st.pending.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionError(f"connection lost: {e}"))
-            st.pending.clear()
+    # -- calls --------------------------------------------------------------------------
 
-    def _lost(self, st: _AsyncStream) -> None:
-        """A direct connection closed: its unanswered calls go through the front end."""
-        st.lost = True
-        st.w.close()
-        if st in self._direct_streams:  # a client that outlives many restarts keeps only the open ones
-            self._direct_streams.remove(st)
-        streams, at, _ = self._routes.get(st.model or "", ([], 0.0, False))
-        if st in streams:
-            streams.remove(st)
-            self._routes[st.model or ""] = (streams, at, True)
+    def _send(self, conn: _AsyncConn, req_id: int, parts: list, decode: Callable[[Header, bytearray], Any]
+              ) -> asyncio.Future:
+        """Send a call's frame on ``conn`` (a dead direct one: the front end) and return the
+        future of its outcome."""
+        if conn.dead:
+            front = self._front
+            if conn.model is None or front is None or front.dead:
+                raise ConnectionError("the client is closed" if front is None else "connection lost")
+            conn = front
+        loop = self._loop
+        fut = loop.create_future()  # type: ignore[union-attr]
+        deadline = loop.time() + self.timeout if self.timeout is not None else math.inf  # type: ignore[union-attr]
+        conn.pending[req_id] = (fut, decode, parts if conn.model is not None else None, deadline)
+        if deadline < conn.sweep_at:
+            self._arm(conn, deadline)
+        conn.transport.writelines(parts)  # type: ignore[union-attr]
+        return fut
+
+    def _arm(self, conn: _AsyncConn, at: float) -> None:
+        """``conn``'s timeout sweep runs at loop time ``at`` (and not before)."""
+        if conn.sweep is not None:
+            conn.sweep.cancel()
+        conn.sweep_at = at
+        conn.sweep = self._loop.call_at(at, self._sweep, conn)  # type: ignore[union-attr]
+
+    def _sweep(self, conn: _AsyncConn) -> None:
+        """The calls on ``conn`` past their deadline end with ``TimeoutError`` (their late
+        answers are dropped); the sweep re-arms for the earliest deadline left."""
+        cutoff = max(self._loop.time(), conn.sweep_at)  # type: ignore[union-attr]
+        conn.sweep, conn.sweep_at = None, math.inf
+        pending = conn.pending
+        for req_id in [r for r, e in pending.items() if e[3] <= cutoff]:
+            fut = pending.pop(req_id)[0]
+            if not fut.done():
+                fut.set_exception(TimeoutError(f"no answer to call {req_id} within {self.timeout:g} s"))
+        at = min((e[3] for e in pending.values()), default=math.inf)
+        if at < math.inf:
+            self._arm(conn, at)
+
+    def _connection_lost(self, conn: _AsyncConn, exc: BaseException | None) -> None:
+        if conn.model is not None and not conn.lost:
+            self._lost(conn)
+        elif conn.pending:
+            conn.fail_all(ConnectionError("the client is closed" if conn.lost and exc is None
+                                          else f"connection lost: {exc or 'closed by the server'}"))
+
+    def _lost(self, conn: _AsyncConn) -> None:
+        """A direct connection closed: its unanswered calls go through the front end, and
+        the model is looked up again before its next call."""
+        conn.lost = True
+        if conn.transport is not None:
+            conn.transport.abort()
+        # a client that outlives many restarts keeps only the open ones
+        self._direct_streams = [c for c in self._direct_streams if c is not conn]
+        route = self._routes.get(conn.model or "")
+        if route is not None and conn in route.streams:
+            route.streams = [c for c in route.streams if c is not conn]
+            route.stale = True
         front = self._front
-        calls, st.pending = st.pending, {}
-        for req_id, (fut, decode, parts) in calls.items():
+        if front is None or front.dead:
+            conn.fail_all(ConnectionError("the client is closed" if front is None else "connection lost"))
+            return
+        calls, conn.pending = conn.pending, {}
+        for req_id, (fut, decode, parts, deadline) in calls.items():
             if fut.done() or parts is None:
                 continue
-            if front is None:
-                fut.set_exception(ConnectionError("the client is closed"))
-                continue
-            front.pending[req_id] = (fut, decode, None)
-            front.w.writelines(parts)
+            front.pending[req_id] = (fut, decode, None, deadline)  # its deadline still counts from its first send
+            if deadline < front.sweep_at:
+                self._arm(front, deadline)
+            front.transport.writelines(parts)  # type: ignore[union-attr]
 
-    async def _call(self, parts: list, decode: Callable[[Header, bytes], Any], st: _AsyncStream | None = None) -> Any:
-        st = st or self._front
-        if st is None:
-            raise ConnectionError("the client is not connected")
-        req_id = int.from_bytes(bytes(parts[0][8:16]), "little")
-        fut = asyncio.get_running_loop().create_future()
-        st.pending[req_id] = (fut, decode, parts if st.model is not None else None)
-        st.w.writelines(parts)
-        try:
-            await st.w.drain()
-        except (ConnectionError, OSError):
-            if st.model is None:
-                raise
-            if not st.lost:
-                self._lost(st)
-        return await asyncio.wait_for(fut, self.timeout)
-
-    async def lookup(self, model: str) -> ModelInfo:
-        info = self._models.get(model)
+    def _fresh(self, model: str) -> _Route | None:
+        """``model``'s route when no lookup is due (see ``_lookup_due``)."""
         route = self._routes.get(model)
-        if info is not None and not (self.direct and route is not None and _lookup_due(
-                route[2], len(route[0]), info, time.monotonic() - route[1], self.direct_retry_s)):
-            return info
+        if route is not None and not (self.direct and _lookup_due(route.stale, len(route.streams), route.info,
+                                                                  time.monotonic() - route.looked_up,
+                                                                  self.direct_retry_s)):
+            return route
+        return None
+
+    async def _look_up(self, model: str) -> _Route:
+        front = self._front
+        if front is None:
+            raise ConnectionError("the client is not connected")
+        if front.paused:
+            await front.writable(self.timeout)
         body = model.encode()
-        info = await self._call([Header(Kind.LOOKUP, req_id=next(self._ids), payload_len=len(body)).pack(), body],
+        req_id = next(self._ids)
+        info = await self._send(front, req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
                                 lambda h, p: Client._check(h, p, ModelInfo.from_json))
-        self._models[model] = info
+        route = self._routes.get(model)
+        streams = []
         if self.direct:
-            live = {st.url: st for st in (route[0] if route else [])}
-            streams = []
+            live = {c.url: c for c in route.streams} if route is not None else {}
             for url in _direct_urls(self.endpoint, info):
-                st = live.pop(url, None)
-                if st is None:
+                conn = live.pop(url, None)
+                if conn is None:
                     try:
-                        r, w = await asyncio.wait_for(_open_async(Endpoint.parse(url)), self.direct_connect_s)
+                        conn = await asyncio.wait_for(
+                            _open_async(Endpoint.parse(url), lambda url=url: _AsyncConn(self, model, url)),
+                            self.direct_connect_s)
                     except (OSError, SplitServeError, TimeoutError):
                         continue  # gone since the lookup: the others, or the front end, serve
-                    st = self._start(_AsyncStream(r, w, model, url))
-                    self._direct_streams.append(st)
-                streams.append(st)
-            self._routes[model] = (streams, time.monotonic(), False)
-        return info
+                    self._direct_streams.append(conn)
+                streams.append(conn)
+        route = self._routes[model] = _Route(info, streams, time.monotonic())
+        return route
+
+    async def lookup(self, model: str) -> ModelInfo:
+        """Resolve a model name to its func_id, shapes and datatypes (cached)."""
+        return (self._fresh(model) or await self._look_up(model)).info
 
     def direct_endpoints(self, model: str) -> int:
         """Direct connections the client holds for ``model`` now (0: its calls go through the front end)."""
         route = self._routes.get(model)
-        return len(route[0]) if route is not None else 0
+        return len(route.streams) if route is not None else 0
 
     async def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
                            slo_ms: float | None = None) -> InferResult:
-        info = await self.lookup(model)
+        route = self._fresh(model) or await self._look_up(model)
+        info = route.info
         arrays, count, batched = encode_inputs(info, x)
-        hdr = _request_header(info, next(self._ids), arrays, cls, deadline_ms, slo_ms)
-        st = None
-        streams = self._routes.get(model, ([], 0.0, False))[0]
-        if streams:
-            self._turn = (self._turn + 1) % len(streams)
-            st = streams[self._turn]
-        return await self._call([hdr, *(memoryview(a).cast("B") for a in arrays)],
-                                lambda hh, p: _result(info, hh, p, count, batched), st)
+        req_id = next(self._ids)
+        hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
+        streams = route.streams
+        conn = streams[next(route.turns) % len(streams)] if streams else self._front
+        if conn is None:
+            raise ConnectionError("the client is not connected")
+        if conn.paused:  # bounded buffering: wait for the transport to take more
+            await conn.writable(self.timeout)
+        return await self._send(conn, req_id, [hdr, *arrays], lambda h, p: _result(info, h, p, count, batched))
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         return (await self.infer_result(model, x, **kw)).value()

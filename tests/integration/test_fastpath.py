@@ -281,15 +281,42 @@ def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endp
         async with AsyncClient(server.tcp, direct=True) as c:
             first = await asyncio.gather(*(c.infer("lenet", x) for x in xs[:16]))
             assert c.direct_endpoints("lenet") == 1
-            (st,) = c._routes["lenet"][0]
+            (st,) = c._routes["lenet"].streams
             calls = [asyncio.ensure_future(c.infer("lenet", x)) for x in xs[16:]]
             await asyncio.sleep(0)  # sent, not answered
-            st.w.transport.abort()  # the endpoint closes under them, as when its worker goes away
+            st.transport.abort()  # the endpoint closes under them, as when its worker goes away
             return first + list(await asyncio.gather(*calls))
 
     got = asyncio.run(scenario())
     for j, y in enumerate(got):
         np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["front", "direct"])
+def test_async_client_close_ends_each_call_in_flight_with_connection_error(gated, direct):
+    """Closing an ``AsyncClient`` ends every call still waiting (here one held by the gate)
+    with ``ConnectionError`` at once, not when its timeout comes."""
+    import asyncio
+
+    from splitserve import AsyncClient
+
+    server, gates = gated
+    gates.close(7300)
+
+    async def scenario() -> None:
+        c = await AsyncClient(server.tcp, timeout=20.0, direct=direct).connect()
+        await c.lookup("gate")
+        assert c.direct_endpoints("gate") == int(direct)
+        held = asyncio.ensure_future(c.infer("gate", np.array([7300], np.int64)))
+        await asyncio.sleep(0)  # sent, held in the batch
+        await c.close()
+        with pytest.raises(ConnectionError, match="the client is closed"):
+            await held
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gates.open(7300)
 
 
 def test_udp_retransmit_of_an_answered_request_gets_the_remembered_answer(gated):
