@@ -1,15 +1,16 @@
 /* The sync fast-path client's wire I/O, compiled (splitserve/client/fastpath.py, _CStream).
 
-   ``Wire(fd, capacity)`` wraps a connected blocking stream socket (the caller owns and
-   closes it) and a receive buffer of ``capacity`` bytes; its two methods hold the GIL only
+   ``Wire(capacity)`` is the receive buffer of one connected blocking stream socket, whose
+   fd each method is given (the caller's socket object owns and closes it, so a closed
+   socket's -1 is refused rather than a number since reused); the methods hold the GIL only
    outside the kernel:
 
-   send(parts, timeout_s) -> None
+   send(fd, parts, timeout_s) -> None
        One gather write of ``parts`` (a list of objects with a contiguous buffer: the
        64-byte header and the input arrays), finished with further writes if the kernel
        took only part.
 
-   recv_frame(timeout_s) -> (fields, payload)
+   recv_frame(fd, timeout_s) -> (fields, payload)
        The next whole frame of the stream. The buffer keeps what was received and not yet
        parsed (one recv usually brings a whole small answer, or several); a frame's header
        is parsed there and its payload copied into a bytearray of its own (the decoded
@@ -131,19 +132,17 @@ static Py_ssize_t recv_some(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, 
 
 typedef struct {
     PyObject_HEAD
-    int fd;
     char *buf;
     Py_ssize_t cap, start, end; /* the unparsed bytes are buf[start:end] */
     int reading;                /* a recv_frame is under way (the GIL may be released) */
 } Wire;
 
 static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
-    int fd;
     Py_ssize_t cap;
-    if (!PyArg_ParseTuple(args, "in", &fd, &cap))
+    if (!PyArg_ParseTuple(args, "n", &cap))
         return -1;
-    if (fd < 0 || cap < HEADER_SIZE) {
-        PyErr_Format(PyExc_ValueError, "Wire needs an open fd and at least %d bytes of buffer", HEADER_SIZE);
+    if (cap < HEADER_SIZE) {
+        PyErr_Format(PyExc_ValueError, "Wire needs at least %d bytes of buffer", HEADER_SIZE);
         return -1;
     }
     char *buf = PyMem_Realloc(self->buf, (size_t)cap);
@@ -151,7 +150,6 @@ static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
         PyErr_NoMemory();
         return -1;
     }
-    self->fd = fd;
     self->buf = buf;
     self->cap = cap;
     self->start = self->end = 0;
@@ -163,10 +161,20 @@ static void wire_dealloc(Wire *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* An fd to use: a closed socket's fileno() is -1. */
+static int check_fd(int fd) {
+    if (fd >= 0)
+        return 0;
+    errno = EBADF;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
+}
+
 static PyObject *wire_send(Wire *self, PyObject *args) {
+    int fd;
     PyObject *parts;
     double timeout;
-    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &parts, &timeout))
+    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(parts);
     if (n > MAX_PARTS) {
@@ -190,7 +198,7 @@ static PyObject *wire_send(Wire *self, PyObject *args) {
     memset(&msg, 0, sizeof msg);
     msg.msg_iov = iov;
     msg.msg_iovlen = (size_t)n;
-    int fd = self->fd, r = 1;
+    int r = 1;
     Py_BEGIN_ALLOW_THREADS
     while (msg.msg_iovlen > 0) {
         ssize_t sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -225,7 +233,7 @@ static PyObject *wire_send(Wire *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *read_frame(Wire *self, double timeout) {
+static PyObject *read_frame(Wire *self, int fd, double timeout) {
     double deadline = now_s() + timeout;
     int err;
     if (self->end - self->start < HEADER_SIZE) {
@@ -234,7 +242,7 @@ static PyObject *read_frame(Wire *self, double timeout) {
             self->end -= self->start;
             self->start = 0;
         }
-        self->end += recv_some(self->fd, self->buf + self->end, self->cap - self->end,
+        self->end += recv_some(fd, self->buf + self->end, self->cap - self->end,
                                self->start + HEADER_SIZE - self->end, deadline, 1, &err);
         if (err != 1)
             return io_error(err);
@@ -275,7 +283,7 @@ static PyObject *read_frame(Wire *self, double timeout) {
             Py_DECREF(payload);
             return NULL;
         }
-        recv_some(self->fd, PyByteArray_AS_STRING(payload) + have, n - have, n - have, deadline, 0, &err);
+        recv_some(fd, PyByteArray_AS_STRING(payload) + have, n - have, n - have, deadline, 0, &err);
         if (err != 1) {
             Py_DECREF(fields);
             Py_DECREF(payload);
@@ -286,23 +294,24 @@ static PyObject *read_frame(Wire *self, double timeout) {
 }
 
 static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
+    int fd;
     double timeout;
-    if (!PyArg_ParseTuple(args, "d", &timeout))
+    if (!PyArg_ParseTuple(args, "id", &fd, &timeout) || check_fd(fd) < 0)
         return NULL;
     if (self->buf == NULL || self->reading) {
         PyErr_SetString(PyExc_RuntimeError, "Wire.recv_frame: not initialised, or another thread is reading");
         return NULL;
     }
     self->reading = 1;
-    PyObject *out = read_frame(self, timeout);
+    PyObject *out = read_frame(self, fd, timeout);
     self->reading = 0;
     return out;
 }
 
 static PyMethodDef wire_methods[] = {
-    {"send", (PyCFunction)wire_send, METH_VARARGS, "send(parts, timeout_s): one gather write of parts."},
+    {"send", (PyCFunction)wire_send, METH_VARARGS, "send(fd, parts, timeout_s): one gather write of parts."},
     {"recv_frame", (PyCFunction)wire_recv_frame, METH_VARARGS,
-     "recv_frame(timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
+     "recv_frame(fd, timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -310,7 +319,7 @@ static PyTypeObject WireType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "splitserve._fastwire.Wire",
     .tp_basicsize = sizeof(Wire),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Wire(fd, capacity): a connected blocking socket's sends and framed receives (see _fastwire.c).",
+    .tp_doc = "Wire(capacity): a connected blocking socket's sends and framed receives (see _fastwire.c).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)wire_init,
     .tp_dealloc = (destructor)wire_dealloc,

@@ -211,14 +211,16 @@ class _CStream(_Stream):
 
     def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "") -> None:
         super().__init__(sock, timeout, model, url)
-        self.wire = _fastwire.Wire(sock.fileno(), _RX_BYTES)
+        self.wire = _fastwire.Wire(_RX_BYTES)
 
+    # the fd is the socket's at each call: once closed (a lost direct connection) it is -1
+    # and refused, never a number the OS may have given another socket since
     def send(self, parts: list, total: int | None = None) -> None:
         with self.send_lock:
-            self.wire.send(parts, self.timeout)
+            self.wire.send(self.sock.fileno(), parts, self.timeout)
 
     def read_one(self) -> tuple[Header, bytearray]:
-        fields, payload = self.wire.recv_frame(self.timeout)
+        fields, payload = self.wire.recv_frame(self.sock.fileno(), self.timeout)
         if fields is None:
             unpack_header(payload)  # raises the BadFrame that names what is wrong
         return Header(*fields), payload

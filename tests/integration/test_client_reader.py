@@ -320,3 +320,17 @@ def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(co
     assert not t.is_alive()
     np.testing.assert_array_equal(got["solo"], np.full(_OUT, 2, np.float32))
     np.testing.assert_array_equal(got["second"], np.full(_OUT, 10, np.float32))
+
+
+def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(compiled):
+    """The compiled wire takes the socket's fd at each call: once the socket is closed (a
+    lost direct connection) a send or read raises OSError, as the Python socket does,
+    rather than using a descriptor number the OS may since have given another socket."""
+    ours, peer = socket.socketpair()
+    with peer:
+        st = _stream(ours, compiled, 5.0)
+        ours.close()
+        with pytest.raises(OSError):
+            st.send([_answer(1, b"")])
+        with pytest.raises(OSError):
+            st.read_one()
