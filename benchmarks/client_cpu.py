@@ -12,11 +12,16 @@ Without ``--url`` it starts ``splitserve serve`` with ``fast_direct`` on and ``v
 loaded, and stops it at the end. With ``--url`` (a server started with
 ``SPLITSERVE_FAST_DIRECT=1``) it measures the client library on ``PYTHONPATH`` against it,
 which is how two versions of the client are compared on one server.
+
+Where the client on ``PYTHONPATH`` has both wires (``Client(compiled=...)``), the direct
+path and ``--scripted`` are measured with each: the compiled one (``splitserve._fastwire``)
+and the pure-Python one.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import os
@@ -62,10 +67,21 @@ def bare(url: str, model: str, calls: int, rounds: int) -> dict[str, float]:
     return {"cpu_us": statistics.median(cpu)}
 
 
-def measure(url: str, model: str, direct: bool, calls: int, rounds: int) -> dict[str, float]:
+def _wires() -> dict[str, dict[str, Any]]:
+    """The client's wires to measure, by label, as ``Client`` keywords ({"": {}} for a
+    client that has one)."""
+    if "compiled" not in inspect.signature(Client).parameters:
+        return {"": {}}
+    from splitserve.client import fastpath
+
+    return {**({", C wire": {"compiled": True}} if fastpath._fastwire is not None else {}),
+            ", Python wire": {"compiled": False}}
+
+
+def measure(url: str, model: str, direct: bool, calls: int, rounds: int, **kw: Any) -> dict[str, float]:
     """Median over ``rounds`` of the client's CPU and wall time per call, in µs."""
     cpu, wall = [], []
-    with Client(url, direct=direct) as c:
+    with Client(url, direct=direct, **kw) as c:
         info = c.lookup(model)
         x = [np.ones(t.shape, t.dtype) for t in info.inputs]
         for _ in range(200):
@@ -80,7 +96,7 @@ def measure(url: str, model: str, direct: bool, calls: int, rounds: int) -> dict
     return {"cpu_us": statistics.median(cpu), "wall_us": statistics.median(wall), "direct_endpoints": endpoints}
 
 
-def scripted(calls: int, rounds: int) -> dict[str, float]:
+def scripted(calls: int, rounds: int, **kw: Any) -> dict[str, float]:
     """The library's own CPU per vecadd1k-shaped call, system calls excluded (see the module doc)."""
     body = json.dumps({"name": "m", "func_id": 3, "max_batch_size": 8,
                        "inputs": [{"name": n, "datatype": "FP32", "shape": [1024]} for n in ("a", "b")],
@@ -89,7 +105,7 @@ def scripted(calls: int, rounds: int) -> dict[str, float]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen()
-    c = Client(f"unix://{path}")
+    c = Client(f"unix://{path}", **kw)
     conn, _ = listener.accept()
     c._ids = itertools.count(1)  # known ids, so that every answer can be written before its call
     conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=1, payload_len=len(body)).pack() + body)
@@ -128,7 +144,8 @@ def main() -> None:
     ap.add_argument("--scripted", action="store_true", help="no server: the library's own Python per call")
     a = ap.parse_args()
     if a.scripted:
-        print(json.dumps({"scripted, syscalls excluded": scripted(a.calls, a.rounds)}, indent=1))
+        print(json.dumps({f"scripted, syscalls excluded{w}": scripted(a.calls, a.rounds, **kw)
+                          for w, kw in _wires().items()}, indent=1))
         return
     server = None
     if a.url is None:
@@ -136,7 +153,8 @@ def main() -> None:
         server = start_server(data, "--load", a.model, env={**os.environ, "SPLITSERVE_FAST_DIRECT": "1"})
         a.url = server.tcp
     try:
-        out = {path: measure(a.url, a.model, path == "direct", a.calls, a.rounds) for path in ("front end", "direct")}
+        out = {"front end": measure(a.url, a.model, False, a.calls, a.rounds)}
+        out.update({f"direct{w}": measure(a.url, a.model, True, a.calls, a.rounds, **kw) for w, kw in _wires().items()})
         out["direct, bare loop"] = bare(a.url, a.model, a.calls, a.rounds)
     finally:
         if server is not None:

@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -25,11 +26,21 @@ from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, Request
 
 _RX_BYTES = 64 * 1024  # the sync client's receive buffer; bigger payloads are read past it
 
+try:
+    from splitserve import _fastwire
+except ImportError:  # installed without a compiler or Python's headers: the pure-Python wire
+    _fastwire = None
+
+
+_PLAIN_FIELDS = (RequestClass.DEFAULT.value, 0, 0)  # a call that names no class, deadline or SLO
+
 
 def _request_fields(cls: Any, deadline_ms: float | None, slo_ms: float | None) -> tuple[int, int, int]:
     """A request header's class, ``deadline_us`` and ``slo_us``. ``deadline_ms`` is hard (still
     queued then, the call fails), ``slo_ms`` soft (a late real-time call is served and counted
     missed); 0 or None: none."""
+    if cls is None and not deadline_ms and not slo_ms:  # the usual call: no enum lookups
+        return _PLAIN_FIELDS
     return (RequestClass.DEFAULT.value if cls is None else int(RequestClass.parse(cls)),
             int(deadline_ms * 1000) if deadline_ms else 0, int(slo_ms * 1000) if slo_ms else 0)
 
@@ -81,15 +92,25 @@ class PendingCall:
         return self._value
 
 
+def _bound_waits(sock: socket.socket, timeout: float) -> None:
+    """Make ``sock`` blocking with its sends and receives bounded by ``timeout`` in the
+    kernel (SO_SNDTIMEO, SO_RCVTIMEO): a Python-level ``settimeout`` costs a poll() before
+    every send and every recv, two system calls per call, to bound the same waits."""
+    sock.settimeout(None)
+    sec = int(timeout)
+    usec = int((timeout - sec) * 1e6) or (0 if sec else 1)  # a zero timeval would mean no bound
+    tv = struct.pack("ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def _connect(ep: Endpoint, timeout: float, connect_timeout: float | None = None) -> socket.socket:
-    """A connected stream socket whose reads wait at most ``timeout``; connecting waits at
-    most ``connect_timeout`` (None: ``timeout``)."""
+    """A connected blocking stream socket whose sends and reads wait at most ``timeout``;
+    connecting waits at most ``connect_timeout`` (None: ``timeout``)."""
     if ep.scheme == "tcp":
         sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout or timeout)
-        sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-    if ep.scheme == "unix":
+    elif ep.scheme == "unix":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -97,17 +118,21 @@ def _connect(ep: Endpoint, timeout: float, connect_timeout: float | None = None)
         except BaseException:
             sock.close()
             raise
-        return sock
-    raise InvalidInput(f"Client speaks tcp:// and unix://; use UdpClient or splitserve.connect(), not {ep.scheme}://")
+    else:
+        raise InvalidInput(f"Client speaks tcp:// and unix://; use UdpClient or splitserve.connect(), not {ep.scheme}://")
+    _bound_waits(sock, timeout)
+    return sock
 
 
 class _Stream:
     """One connection of a sync client (the front end's, or a worker's direct endpoint):
-    its socket, its calls in flight and its receive buffer. The client's condition guards
-    ``pending`` and ``reading``."""
+    its socket, its calls in flight and its receive buffer, read and written by the pure-
+    Python wire (``_CStream``: the compiled one). The client's condition guards ``pending``
+    and ``reading``; only the thread holding the reading turn calls ``read_one``."""
 
-    def __init__(self, sock: socket.socket, model: str | None = None, url: str = "") -> None:
+    def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "") -> None:
         self.sock = sock
+        self.timeout = timeout
         self.model = model  # a direct connection's model (None: the front end's)
         self.url = url  # a direct connection's endpoint
         self.send_lock = threading.Lock()
@@ -125,10 +150,22 @@ class _Stream:
         if total is None:
             total = sum(memoryview(p).nbytes for p in parts)
         with self.send_lock:
-            sent = self.sock.sendmsg(parts)
-            if sent < total:  # rare on blocking sockets; finish with a joined copy
-                rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[sent:]
-                self.sock.sendall(rest)
+            try:
+                sent = self.sock.sendmsg(parts)
+                if sent < total:  # rare on blocking sockets; finish with a joined copy
+                    rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[sent:]
+                    self.sock.sendall(rest)
+            except BlockingIOError:  # SO_SNDTIMEO ran out
+                raise TimeoutError("timed out") from None
+
+    def _recv_into(self, mv: memoryview) -> int:
+        try:
+            n = self.sock.recv_into(mv)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError("timed out") from None
+        if n == 0:
+            raise ConnectionError("server closed the connection")
+        return n
 
     def _fill(self, need: int) -> None:
         """Receive until ``need`` unparsed bytes are buffered (``need`` <= the buffer)."""
@@ -137,10 +174,7 @@ class _Stream:
             self.rx[:n] = self.rx[self.rx_start : self.rx_end]
             self.rx_start, self.rx_end = 0, n
         while self.rx_end - self.rx_start < need:
-            n = self.sock.recv_into(self.rx_mv[self.rx_end :])
-            if n == 0:
-                raise ConnectionError("server closed the connection")
-            self.rx_end += n
+            self.rx_end += self._recv_into(self.rx_mv[self.rx_end :])
 
     def _take(self, n: int) -> bytearray:
         """The next ``n`` bytes of the stream, in a buffer of their own (decoded arrays keep it)."""
@@ -148,17 +182,15 @@ class _Stream:
         have = min(n, self.rx_end - self.rx_start)
         out[:have] = self.rx_mv[self.rx_start : self.rx_start + have]
         self.rx_start += have
-        mv = memoryview(out)[have:]
-        while len(mv):  # a payload bigger than what was buffered: straight into its own buffer
-            got = self.sock.recv_into(mv)
-            if got == 0:
-                raise ConnectionError("server closed the connection")
-            mv = mv[got:]
         if self.rx_start == self.rx_end:
             self.rx_start = self.rx_end = 0
+        mv = memoryview(out)[have:]
+        while len(mv):  # a payload bigger than what was buffered: straight into its own buffer
+            mv = mv[self._recv_into(mv) :]
         return out
 
     def read_one(self) -> tuple[Header, bytearray]:
+        """The next frame: its header and its payload in a buffer of its own."""
         if self.rx_end - self.rx_start < HEADER_SIZE:
             self._fill(HEADER_SIZE)
         h = unpack_header(self.rx, self.rx_start)
@@ -170,9 +202,29 @@ class _Stream:
                 self.rx_start = self.rx_end = 0
             return h, self.rx[begin : begin + n]
         self.rx_start = begin
-        if n <= len(self.rx):
-            self._fill(n)
         return h, self._take(n)
+
+
+class _CStream(_Stream):
+    """A ``_Stream`` whose sends and reads are ``splitserve._fastwire``'s (C, the GIL
+    released in the kernel, a poll only when a call would block): the same frames, errors
+    and buffering as the Python wire, in one C call each."""
+
+    def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "") -> None:
+        super().__init__(sock, timeout, model, url)
+        self.wire = _fastwire.Wire(_RX_BYTES)
+
+    # the fd is the socket's at each call: once closed (a lost direct connection) it is -1
+    # and refused, never a number the OS may have given another socket since
+    def send(self, parts: list, total: int | None = None) -> None:
+        with self.send_lock:
+            self.wire.send(self.sock.fileno(), parts, self.timeout)
+
+    def read_one(self) -> tuple[Header, bytearray]:
+        fields, payload = self.wire.recv_frame(self.sock.fileno(), self.timeout)
+        if fields is None:
+            unpack_header(payload)  # raises the BadFrame that names what is wrong
+        return Header(*fields), payload
 
 
 def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
@@ -193,28 +245,33 @@ def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
 _REFRESH_RETRIES = 10
 
 
-def _lookup_due(stale: bool, held: int, info: ModelInfo, age_s: float, retry_s: float) -> bool:
-    """Whether a direct client looks ``info``'s model up again before its next call: a direct
-    connection of it closed (``stale``); it holds fewer connections than the model has
-    instances (none offered yet, one restarting or still loading) and ``retry_s`` has passed;
-    or ``_REFRESH_RETRIES`` retry intervals have passed."""
-    instances = int(info.extra.get("instances", 0) or 0)
-    return stale or (held < instances and age_s > retry_s) or age_s > _REFRESH_RETRIES * retry_s
+def _lookup_interval(held: int, info: ModelInfo, retry_s: float) -> float:
+    """How long after a lookup a direct client holding ``held`` connections to ``info``'s
+    model looks it up again: ``retry_s`` while it holds fewer than the model has instances
+    (none offered yet, one restarting or still loading), else ``_REFRESH_RETRIES`` of them."""
+    return retry_s if held < int(info.extra.get("instances", 0) or 0) else _REFRESH_RETRIES * retry_s
 
 
 class _Route:
     """Where a model's calls go (a ``Client``'s or an ``AsyncClient``'s): its info, and
     with ``direct`` its workers' endpoints."""
 
-    __slots__ = ("info", "streams", "turns", "looked_up", "stale")
+    __slots__ = ("info", "streams", "turns", "due_at", "stale")
 
-    def __init__(self, info: ModelInfo, streams: "list[_Stream] | list[_AsyncConn]", looked_up: float) -> None:
+    def __init__(self, info: ModelInfo, streams: "list[_Stream] | list[_AsyncConn]", due_at: float) -> None:
         self.info = info
         # replaced, never changed in place, so a caller picks from it without the client's lock
         self.streams = streams
         self.turns = itertools.count()
-        self.looked_up = looked_up
+        # when a direct client looks the model up again (its streams shrink only when one
+        # closes, which sets ``stale``, so the interval is known at the lookup)
+        self.due_at = due_at
         self.stale = False  # a direct connection closed: look the model up again
+
+    def lookup_due(self, now: float) -> bool:
+        """Whether a direct client looks the model up again before its next call: a direct
+        connection of it closed, or ``_lookup_interval`` has passed since the last lookup."""
+        return self.stale or now > self.due_at
 
 
 class Client:
@@ -237,16 +294,26 @@ class Client:
     the connection within ``direct_connect_s`` (e.g. a firewall that lets the front end's
     port through and drops the rest) is skipped the same way. Without direct endpoints (an
     old server, or the direct path off) every call goes through the front end as before.
+
+    A call made while no other is in flight on its connection sends and reads its answer
+    on the calling thread with no pending-call record; one started meanwhile on another
+    thread waits for it as for any reader. ``compiled`` picks the wire: the C one
+    (``splitserve._fastwire``) where it was built (None, the default) or required (True),
+    or the pure-Python one (False); both send, frame, check and time out alike.
     """
 
     def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
-                 direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
+                 direct_retry_s: float = 1.0, direct_connect_s: float = 2.0, compiled: bool | None = None) -> None:
+        if compiled and _fastwire is None:
+            raise InvalidInput("compiled=True, but splitserve._fastwire is not built: "
+                               "reinstall with a C compiler and Python's headers, or pass compiled=None")
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
         self.direct = direct
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
-        self._front = _Stream(_connect(self.endpoint, timeout))
+        self._stream_type = _CStream if _fastwire is not None and compiled is not False else _Stream
+        self._front = self._stream_type(_connect(self.endpoint, timeout), timeout)
         self.sock = self._front.sock
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
         # the hot sections take the plain lock itself: Condition's own ``with`` is Python code
@@ -267,19 +334,37 @@ class Client:
     def submit(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
                slo_ms: float | None = None) -> PendingCall:
         """Send a call and return at once; ``.result()`` gives an ``InferResult``."""
-        route = self._route(model)
-        info = route.info
-        arrays, count, batched = encode_inputs(info, x)
-        req_id = next(self._ids)
-        nbytes = sum(a.nbytes for a in arrays)
-        hdr = pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms), nbytes)
-        streams = route.streams
-        stream = streams[next(route.turns) % len(streams)] if streams else self._front
-        return self._call(req_id, [hdr, *arrays], lambda hh, p: _result(info, hh, p, count, batched), stream,
-                          HEADER_SIZE + nbytes)
+        info, req_id, parts, total, count, batched, stream = self._prepare(model, x, cls, deadline_ms, slo_ms)
+        return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), stream, total)
 
-    def infer_result(self, model: str, x: Any, **kw: Any) -> InferResult:
-        return self.submit(model, x, **kw).result()
+    def infer_result(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+                     slo_ms: float | None = None) -> InferResult:
+        """Send a call and wait for its ``InferResult``."""
+        info, req_id, parts, total, count, batched, stream = self._prepare(model, x, cls, deadline_ms, slo_ms)
+        with self._lock:
+            # alone on its connection: this thread sends and reads, no pending-call record
+            solo = not (stream.reading or stream.pending or stream.lost)
+            if solo:
+                stream.reading = True
+        if not solo:
+            return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), stream,
+                              total).result()
+        try:
+            stream.send(parts, total)
+        except BaseException as e:
+            with self._lock:
+                stream.reading = False
+                if self._waiting:
+                    self._cond.notify_all()
+            if stream.model is None or not isinstance(e, OSError):
+                raise
+            self._lost(stream, e)
+            return self._resend(req_id, parts, info, count, batched)
+        answer = self._read_for(stream, req_id)
+        if answer is None:  # a direct connection closed before the answer came
+            return self._resend(req_id, parts, info, count, batched)
+        h, payload = answer
+        return _result(info, h, bytes(payload) if h.kind == Kind.ERROR else payload, count, batched)
 
     def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         """numpy in, numpy out: the single output, or a dict of outputs."""
@@ -317,11 +402,27 @@ class Client:
             raise error_for_status(h.status, payload.decode(errors="replace"))
         return parse(payload)
 
+    def _prepare(self, model: str, x: Any, cls: Any, deadline_ms: float | None,
+                 slo_ms: float | None) -> tuple[ModelInfo, int, list, int, int, bool, _Stream]:
+        """A call's model info, req_id, frame parts and their bytes, sample count, whether
+        the caller gave a batch dimension, and the connection it goes on."""
+        route = self._route(model)
+        info = route.info
+        arrays, count, batched = encode_inputs(info, x)
+        req_id = next(self._ids)
+        nbytes = sum(a.nbytes for a in arrays)
+        parts = [pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms), nbytes), *arrays]
+        streams = route.streams
+        stream = streams[next(route.turns) % len(streams)] if streams else self._front
+        return info, req_id, parts, HEADER_SIZE + nbytes, count, batched, stream
+
+    def _resend(self, req_id: int, parts: list, info: ModelInfo, count: int, batched: bool) -> InferResult:
+        """A solo call whose direct connection closed unanswered, once through the front end."""
+        return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), self._front).result()
+
     def _route(self, model: str) -> _Route:
         route = self._routes.get(model)
-        if route is not None and not (self.direct and _lookup_due(route.stale, len(route.streams), route.info,
-                                                                  time.monotonic() - route.looked_up,
-                                                                  self.direct_retry_s)):
+        if route is not None and not (self.direct and route.lookup_due(time.monotonic())):
             return route
         body = model.encode()
         req_id = next(self._ids)
@@ -336,23 +437,27 @@ class Client:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
-                    st = _Stream(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s), model, url)
+                    st = self._stream_type(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s),
+                                           self.timeout, model, url)
                 except (OSError, SplitServeError):
                     self._mark_lost(url)  # not tried again for direct_retry_s
                     continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
                 self._direct_streams.append(st)
             streams.append(st)
         with self._cond:
-            route = self._routes[model] = _Route(info, streams, time.monotonic())
+            due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
+            route = self._routes[model] = _Route(info, streams, due_at)
         for st in live.values():  # no longer offered: calls on it are answered there or re-sent when it closes
-            if not st.pending:
+            if not st.pending and not st.reading:
                 self._lost(st, ConnectionError("endpoint withdrawn"))
         return route
 
     def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any], stream: _Stream,
               total: int | None = None) -> PendingCall:
-        call = PendingCall(self, req_id, decode, stream, parts if stream.model is not None else None)
         with self._lock:
+            if stream.lost:  # closed since it was picked: its calls go through the front end now
+                stream = self._front
+            call = PendingCall(self, req_id, decode, stream, parts if stream.model is not None else None)
             stream.pending[req_id] = call
         try:
             stream.send(parts, total)
@@ -384,13 +489,14 @@ class Client:
                     return
                 stream = call._stream
                 stream.reading = True
-            if self._read_until(call, stream):
+            if self._read_for(stream, call.req_id) is not None:
                 return
 
-    def _read_until(self, call: PendingCall, stream: _Stream) -> bool:
+    def _read_for(self, stream: _Stream, req_id: int) -> tuple[Header, bytearray] | None:
         """Read ``stream`` (this thread holds its reading turn) and hand each answer to its
-        call until ``call``'s is in: True then, the turn given up; False if ``stream`` closed
-        and ``call`` moved to the front end (wait again)."""
+        call until ``req_id``'s is in (resolving its call too, if it has a record): that
+        answer then, the turn given up; None if ``stream`` was a direct connection and
+        closed, its calls moved to the front end."""
         while True:
             try:
                 h, payload = stream.read_one()
@@ -405,22 +511,25 @@ class Client:
                 if not direct:
                     raise
                 self._lost(stream, e)
-                return False
-            got = stream.pending.get(h.req_id)
-            if got is None or got._done:
-                continue  # e.g. a DUPLICATE_REQUEST error for an id we did not send twice
+                return None
             if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST:
                 continue  # the server refused a duplicate of a call still in flight: its own answer comes later
-            got._resolve(h, bytes(payload) if h.kind == Kind.ERROR else payload)
+            mine = h.req_id == req_id
+            got = stream.pending.get(h.req_id)  # None for a solo call's own answer: it has no record
+            if not mine and (got is None or got._done):
+                continue  # e.g. the late answer of a call that timed out
+            if got is not None:
+                got._resolve(h, bytes(payload) if h.kind == Kind.ERROR else payload)
             with self._lock:
-                got._done = True
-                stream.pending.pop(h.req_id, None)
-                if got is call:
+                if got is not None:
+                    got._done = True
+                    stream.pending.pop(h.req_id, None)
+                if mine:
                     stream.reading = False
                 if self._waiting:
                     self._cond.notify_all()
-            if got is call:
-                return True
+            if mine:
+                return h, payload
 
     def _mark_lost(self, url: str) -> None:
         """``url`` is not connected to again for ``direct_retry_s``. Entries past that are
@@ -752,11 +861,9 @@ class AsyncClient:
             front.transport.writelines(parts)  # type: ignore[union-attr]
 
     def _fresh(self, model: str) -> _Route | None:
-        """``model``'s route when no lookup is due (see ``_lookup_due``)."""
+        """``model``'s route when no lookup is due (``_Route.lookup_due``)."""
         route = self._routes.get(model)
-        if route is not None and not (self.direct and _lookup_due(route.stale, len(route.streams), route.info,
-                                                                  time.monotonic() - route.looked_up,
-                                                                  self.direct_retry_s)):
+        if route is not None and not (self.direct and route.lookup_due(time.monotonic())):
             return route
         return None
 
@@ -785,7 +892,8 @@ class AsyncClient:
                         continue  # gone since the lookup: the others, or the front end, serve
                     self._direct_streams.append(conn)
                 streams.append(conn)
-        route = self._routes[model] = _Route(info, streams, time.monotonic())
+        due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
+        route = self._routes[model] = _Route(info, streams, due_at)
         return route
 
     async def lookup(self, model: str) -> ModelInfo:

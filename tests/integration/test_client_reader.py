@@ -1,22 +1,34 @@
 """The sync fast-path client's buffered reader against a scripted peer on loopback: answers
 that share one recv, answers out of order, and a payload bigger than the client's receive
 buffer (read past it), all land with the right call; a single caller reads its own answer
-(an error one included), and callers on several threads each get their own."""
+(an error one included), and callers on several threads each get their own. Every test
+runs on both wires: the compiled one (``splitserve._fastwire``, skipped where it is not
+built) and the pure-Python one."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from splitserve.client.fastpath import _RX_BYTES, Client
-from splitserve.errors import InvalidInput, Status
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.client import fastpath
+from splitserve.client.fastpath import _RX_BYTES, Client, _bound_waits, _CStream, _Stream
+from splitserve.errors import BadFrame, InvalidInput, Status
+from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
 
 _OUT = 3  # floats per answer
+
+
+@pytest.fixture(params=["c", "python"])
+def compiled(request: pytest.FixtureRequest) -> bool:
+    """``Client(compiled=...)`` for the wire under test."""
+    if request.param == "c" and fastpath._fastwire is None:
+        pytest.skip("splitserve._fastwire is not built (no C compiler or Python headers at install)")
+    return request.param == "c"
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -54,13 +66,13 @@ def _peer(listener: socket.socket, calls: int) -> None:
         conn.sendall(b"".join(reversed(answers)))
 
 
-def test_answers_sharing_a_recv_and_a_payload_past_the_buffer_reach_their_calls():
+def test_answers_sharing_a_recv_and_a_payload_past_the_buffer_reach_their_calls(compiled):
     listener = socket.create_server(("127.0.0.1", 0))
     calls = 5
     t = threading.Thread(target=_peer, args=(listener, calls), daemon=True)
     t.start()
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
             assert len(c.lookup("m").extra["pad"]) == 2 * _RX_BYTES
             xs = [np.full(_OUT, i, np.float32) for i in range(calls)]
             pending = [c.submit("m", x) for x in xs]
@@ -104,10 +116,10 @@ def _serve(rounds: list[int]) -> tuple[socket.socket, threading.Thread]:
     return listener, t
 
 
-def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_typed_error():
+def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_typed_error(compiled):
     listener, t = _serve([1, 1, 1])
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
             np.testing.assert_array_equal(c.infer("m", np.full(_OUT, 1, np.float32)), np.full(_OUT, 2, np.float32))
             with pytest.raises(InvalidInput, match="must not be negative") as e:
                 c.infer("m", np.full(_OUT, -1, np.float32))
@@ -120,7 +132,7 @@ def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_ty
     assert not t.is_alive()
 
 
-def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_own_answer():
+def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_own_answer(compiled):
     """The peer holds every call until all threads have sent theirs, then answers last first:
     whichever thread reads hands the others their answers (an error among them) and they
     read on after it; a second round mixes a thread's pipelined calls in."""
@@ -138,7 +150,7 @@ def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_ow
             got[v] = out
 
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
             c.lookup("m")
             for round_ in range(2):
                 values = [round_ * 100 + k for k in range(threads_n - 1)] + [-(round_ + 1)]
@@ -162,3 +174,163 @@ def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_ow
         t.join(timeout=30)
         listener.close()
     assert not t.is_alive()
+
+
+def _answer(req_id: int, payload: bytes) -> bytes:
+    return Header(Kind.RESPONSE, req_id=req_id, func_id=7, queue_us=5, compute_us=6, total_us=7,
+                  payload_len=len(payload)).pack() + payload
+
+
+def _stream(sock: socket.socket, compiled: bool, timeout: float) -> _Stream:
+    _bound_waits(sock, timeout)
+    return (_CStream if compiled else _Stream)(sock, timeout)
+
+
+def test_frames_split_across_reads_and_several_in_one_read_are_taken_whole(compiled):
+    """A header cut short is kept through a timeout and completed by the next read; two
+    frames that arrive together come out one by one; a payload bigger than the socket's
+    buffer (so received over many reads) arrives whole."""
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, compiled, 0.2)
+        first, second = _answer(1, b"abc"), _answer(2, b"")
+        big = bytes(range(256)) * 4096  # 1 MiB: more than a socket buffer holds
+        peer.sendall(first[:10])
+        with pytest.raises(TimeoutError):
+            st.read_one()
+        third = _answer(3, big)
+        peer.sendall(first[10:] + second + third[:HEADER_SIZE + 100])
+        writer = threading.Thread(target=peer.sendall, args=(third[HEADER_SIZE + 100 :],))
+        writer.start()
+        try:
+            got = [st.read_one() for _ in range(3)]
+        finally:
+            writer.join(timeout=30)
+        assert [(h.kind, h.req_id, h.payload_len, h.compute_us) for h, _ in got] == [
+            (Kind.RESPONSE, 1, 3, 6), (Kind.RESPONSE, 2, 0, 6), (Kind.RESPONSE, 3, len(big), 6)]
+        assert [bytes(p) for _, p in got] == [b"abc", b"", big]
+        assert got[0][0] == unpack_header(first)  # every field, as the Python parser reads it
+
+
+@pytest.mark.parametrize("field, value", [("magic", b"XXXX"), ("version", 9), ("kind", 99),
+                                          ("payload_len", MAX_PAYLOAD + 1), ("payload_len", 0xFFFFFFFF)])
+def test_a_malformed_answer_header_raises_the_parsers_bad_frame(compiled, field, value):
+    frame = bytearray(_answer(1, b""))
+    if field == "magic":
+        frame[0:4] = value
+    elif field == "version":
+        frame[4] = value
+    elif field == "kind":
+        frame[5] = value
+    else:
+        frame[32:36] = value.to_bytes(4, "little")
+    with pytest.raises(BadFrame) as expected:
+        unpack_header(frame)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, compiled, 5.0)
+        peer.sendall(bytes(frame))
+        with pytest.raises(BadFrame) as e:
+            st.read_one()
+    assert str(e.value) == str(expected.value)
+
+
+def _lookup_then(listener: socket.socket, reply: "Callable[[Header], bytes] | None", done: threading.Event) -> None:
+    """Answer a LOOKUP, take one call and answer it with ``reply(its header)`` (None: never,
+    until ``done``)."""
+    conn, _ = listener.accept()
+    with conn:
+        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+        _recv_exact(conn, h.payload_len)
+        body = _model()
+        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+        _recv_exact(conn, h.payload_len)
+        if reply is not None:
+            conn.sendall(reply(h))
+        done.wait(30)
+
+
+@pytest.mark.parametrize("reply", [None, lambda h: b"XXXX" + _answer(h.req_id, b"")[4:],
+                                   lambda h: _answer(h.req_id, b"")[:32] + (MAX_PAYLOAD + 1).to_bytes(4, "little")
+                                   + bytes(28)], ids=["silence", "bad-magic", "huge-payload-len"])
+def test_a_call_without_an_answer_times_out_and_a_malformed_answer_raises_bad_frame(compiled, reply):
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+    t = threading.Thread(target=_lookup_then, args=(listener, reply, done), daemon=True)
+    t.start()
+    try:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=0.3, compiled=compiled) as c:
+            c.lookup("m")
+            with pytest.raises(TimeoutError if reply is None else BadFrame):
+                c.infer("m", np.zeros(_OUT, np.float32))
+    finally:
+        done.set()
+        t.join(timeout=30)
+        listener.close()
+    assert not t.is_alive()
+
+
+def _two_calls_peer(listener: socket.socket, first_in: threading.Event, theirs_first: bool) -> None:
+    """Answer a LOOKUP; take a call (``first_in`` then), then a second, and answer both in
+    one write: the second's first (or the first's), after a DUPLICATE_REQUEST refusal of
+    the first call's id, which the client must ignore."""
+    conn, _ = listener.accept()
+    with conn:
+        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+        _recv_exact(conn, h.payload_len)
+        body = _model()
+        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        calls = []
+        for _ in range(2):
+            h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+            calls.append((h.req_id, np.frombuffer(_recv_exact(conn, h.payload_len), np.float32)))
+            first_in.set()
+        msg = b"a call with this id is in flight"
+        dup = Header(Kind.ERROR, req_id=calls[0][0], status=Status.DUPLICATE_REQUEST, payload_len=len(msg)).pack() + msg
+        answers = [_answer(req_id, (x * 2).tobytes()) for req_id, x in calls]
+        conn.sendall(dup + b"".join(reversed(answers) if theirs_first else answers))
+
+
+@pytest.mark.parametrize("theirs_first", [True, False], ids=["theirs-first", "mine-first"])
+def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(compiled, theirs_first):
+    """The first call is alone on the connection (it reads its own answer, with no pending
+    record); a second thread's call starts while it waits: whichever answer comes first,
+    each call gets its own (the solo reader hands the other its answer, or gives up the
+    reading turn to it), and the duplicate refusal is ignored."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    first_in = threading.Event()
+    t = threading.Thread(target=_two_calls_peer, args=(listener, first_in, theirs_first), daemon=True)
+    t.start()
+    got: dict[str, object] = {}
+    try:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
+            c.lookup("m")
+            solo = threading.Thread(target=lambda: got.update(solo=c.infer("m", np.full(_OUT, 1, np.float32))))
+            solo.start()
+            assert first_in.wait(30)  # the solo call is sent: it holds the connection's reading turn
+            assert c._front.reading and not c._front.pending
+            got["second"] = c.infer("m", np.full(_OUT, 5, np.float32))
+            solo.join(timeout=30)
+            assert not solo.is_alive()
+            assert not c._front.pending and not c._front.reading
+    finally:
+        t.join(timeout=30)
+        listener.close()
+    assert not t.is_alive()
+    np.testing.assert_array_equal(got["solo"], np.full(_OUT, 2, np.float32))
+    np.testing.assert_array_equal(got["second"], np.full(_OUT, 10, np.float32))
+
+
+def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(compiled):
+    """The compiled wire takes the socket's fd at each call: once the socket is closed (a
+    lost direct connection) a send or read raises OSError, as the Python socket does,
+    rather than using a descriptor number the OS may since have given another socket."""
+    ours, peer = socket.socketpair()
+    with peer:
+        st = _stream(ours, compiled, 5.0)
+        ours.close()
+        with pytest.raises(OSError):
+            st.send([_answer(1, b"")])
+        with pytest.raises(OSError):
+            st.read_one()

@@ -134,14 +134,20 @@ def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_insta
     """Under load a reloaded model's second instance may serve after the client's lookup: a route
     holding one of two instances' connections must be looked up again (it stayed at one forever)."""
     from splitserve.client.common import ModelInfo
-    from splitserve.client.fastpath import _lookup_due
+    from splitserve.client.fastpath import _lookup_interval, _Route
 
     info = ModelInfo("twin", 1, (), (), 1, {"instances": 2, "direct": ["a", "b"]})
-    assert _lookup_due(False, 1, info, 1.5, 1.0)  # one of two, past the retry interval
-    assert not _lookup_due(False, 1, info, 0.5, 1.0)  # not before it
-    assert not _lookup_due(False, 2, info, 5.0, 1.0)  # all held
-    assert _lookup_due(False, 2, info, 10.5, 1.0)  # then now and then, for instances added since
-    assert _lookup_due(True, 2, info, 0.0, 1.0)  # a connection closed
+
+    def due(held: int, age_s: float, stale: bool = False) -> bool:  # looked up at 100 s holding ``held``
+        route = _Route(info, [object()] * held, 100.0 + _lookup_interval(held, info, 1.0))
+        route.stale = stale
+        return route.lookup_due(100.0 + age_s)
+
+    assert due(1, 1.5)  # one of two, past the retry interval
+    assert not due(1, 0.5)  # not before it
+    assert not due(2, 5.0)  # all held
+    assert due(2, 10.5)  # then now and then, for instances added since
+    assert due(2, 0.0, stale=True)  # a connection closed
 
 
 def test_a_direct_client_follows_the_endpoints_of_its_front_ends_kind_at_the_host_it_reached():

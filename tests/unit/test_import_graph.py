@@ -23,11 +23,18 @@ PACKAGE = Path(splitserve.__file__).parent
 def _modules() -> dict[str, tuple[Path, bool]]:
     """Every module of the package by dotted name, with whether it is a package's ``__init__``."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
+    # a C extension (splitserve/_fastwire.c) is a module too, one that imports nothing of the
+    # package: without it, ``from splitserve import _fastwire`` would count as importing the package
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c")]:
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         is_pkg = parts[-1] == "__init__"
         out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
     return out
+
+
+def _parse(path: Path) -> ast.Module:
+    """A module's syntax tree (a C extension's: empty, it imports nothing of ours)."""
+    return ast.parse(path.read_text() if path.suffix == ".py" else "", str(path))
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_pkg: bool, modules: dict) -> list[str]:
@@ -54,7 +61,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, (path, is_pkg) in modules.items():
         deps = graph[module] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):  # every import, at any depth
+        for node in ast.walk(_parse(path)):  # every import, at any depth
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 deps.update(_targets(node, module, is_pkg, modules))
     return graph
@@ -131,7 +138,7 @@ def loaded_with(root: str) -> tuple[set[str], set[str]]:
                 continue
             ours.add(name)
             path, is_pkg = modules[name]
-            for node in _imports_run_on_load(ast.parse(path.read_text(), str(path))):
+            for node in _imports_run_on_load(_parse(path)):
                 found = _targets(node, name, is_pkg, modules)
                 todo.extend(found)
                 if isinstance(node, ast.Import):

@@ -1,0 +1,343 @@
+/* The sync fast-path client's wire I/O, compiled (splitserve/client/fastpath.py, _CStream).
+
+   ``Wire(capacity)`` is the receive buffer of one connected blocking stream socket, whose
+   fd each method is given (the caller's socket object owns and closes it, so a closed
+   socket's -1 is refused rather than a number since reused); the methods hold the GIL only
+   outside the kernel:
+
+   send(fd, parts, timeout_s) -> None
+       One gather write of ``parts`` (a list of objects with a contiguous buffer: the
+       64-byte header and the input arrays), finished with further writes if the kernel
+       took only part.
+
+   recv_frame(fd, timeout_s) -> (fields, payload)
+       The next whole frame of the stream. The buffer keeps what was received and not yet
+       parsed (one recv usually brings a whole small answer, or several); a frame's header
+       is parsed there and its payload copied into a bytearray of its own (the decoded
+       arrays keep it), or, when it is bigger than what is buffered, received straight into
+       that bytearray. ``fields`` is the header's 17 fields in ``protocol.header.Header``'s
+       positional order; when the header is malformed ``fields`` is None and ``payload`` the
+       64 header bytes, for the caller to raise ``unpack_header``'s own BadFrame from, so
+       that both implementations say the same.
+
+   The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
+   caller (client/fastpath.py _bound_waits): the first recv of a frame blocks in the kernel
+   (bounded by SO_RCVTIMEO, the whole of what is left then), every other call is
+   MSG_DONTWAIT and polls only when it would block, for what is left of ``timeout_s``
+   (counted from the method's start). A call's send and the receive of its answer are
+   then one system call each, as a bare blocking client's. Nothing a peer sends is trusted:
+   lengths are checked against the buffer and the protocol's payload limit before any byte
+   is read into memory. Header bytes received before an error stay buffered, as the Python
+   reader's do. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define HEADER_SIZE 64
+#define VERSION 1
+#define KIND_MAX 7              /* protocol.header.Kind: 1 .. 7 */
+#define MAX_PAYLOAD (1u << 30)  /* protocol.header.MAX_PAYLOAD */
+#define MAX_PARTS 64            /* a request is a header and one buffer per model input */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Wait (GIL released by the caller) until ``fd`` is ready for ``events`` or ``deadline``
+   passes: 0 ready, -1 timed out, -2 errno set. */
+static int wait_fd(int fd, short events, double deadline) {
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0)
+            return -1;
+        struct pollfd p = {fd, events, 0};
+        int ms = left > 3.6e6 ? 3600000 : (int)(left * 1000.0) + 1;
+        int r = poll(&p, 1, ms);
+        if (r > 0)
+            return 0;
+        if (r < 0 && errno != EINTR)
+            return -2;
+    }
+}
+
+static uint64_t le(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* Raise the error a failed I/O step stands for; ``r`` as wait_fd's, or 0 for a closed peer. */
+static PyObject *io_error(int r) {
+    if (r == -1)
+        PyErr_SetString(PyExc_TimeoutError, "timed out");
+    else if (r == 0)
+        PyErr_SetString(PyExc_ConnectionError, "server closed the connection");
+    else
+        PyErr_SetFromErrno(PyExc_OSError);
+    return NULL;
+}
+
+/* Receive at least ``need`` bytes into buf[0:cap) (at most cap); returns the bytes got,
+   and through *err 1, or io_error's code (-1 timeout, -2 errno, 0 closed). With ``block``
+   the first recv blocks, bounded by the socket's SO_RCVTIMEO (the caller's timeout, set
+   at connect): the start of an answer is rarely there yet, and a blocking recv is one
+   system call where a failed recv and a poll are two. Any other recv polls for what is
+   left of ``deadline`` only when it would block. GIL released inside. */
+static Py_ssize_t recv_some(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
+                            int *err) {
+    Py_ssize_t got = 0;
+    int r = 1, flags = block ? 0 : MSG_DONTWAIT;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < need) {
+        ssize_t n = recv(fd, buf + got, (size_t)(cap - got), flags);
+        if (flags == 0 && n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) { /* SO_RCVTIMEO ran out */
+            r = -1;
+            break;
+        }
+        flags = MSG_DONTWAIT;
+        if (n > 0) {
+            got += n;
+            continue;
+        }
+        if (n == 0) {
+            r = 0;
+            break;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            r = -2;
+            break;
+        }
+        r = wait_fd(fd, POLLIN, deadline);
+        if (r != 0)
+            break;
+        r = 1;
+    }
+    Py_END_ALLOW_THREADS
+    *err = r;
+    return got;
+}
+
+typedef struct {
+    PyObject_HEAD
+    char *buf;
+    Py_ssize_t cap, start, end; /* the unparsed bytes are buf[start:end] */
+    int reading;                /* a recv_frame is under way (the GIL may be released) */
+} Wire;
+
+static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
+    Py_ssize_t cap;
+    if (!PyArg_ParseTuple(args, "n", &cap))
+        return -1;
+    if (cap < HEADER_SIZE) {
+        PyErr_Format(PyExc_ValueError, "Wire needs at least %d bytes of buffer", HEADER_SIZE);
+        return -1;
+    }
+    char *buf = PyMem_Realloc(self->buf, (size_t)cap);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->buf = buf;
+    self->cap = cap;
+    self->start = self->end = 0;
+    return 0;
+}
+
+static void wire_dealloc(Wire *self) {
+    PyMem_Free(self->buf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* An fd to use: a closed socket's fileno() is -1. */
+static int check_fd(int fd) {
+    if (fd >= 0)
+        return 0;
+    errno = EBADF;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
+}
+
+static PyObject *wire_send(Wire *self, PyObject *args) {
+    int fd;
+    PyObject *parts;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(parts);
+    if (n > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "a frame is at most %d buffers, got %zd", MAX_PARTS, n);
+        return NULL;
+    }
+    Py_buffer views[MAX_PARTS];
+    struct iovec iov[MAX_PARTS];
+    Py_ssize_t taken = 0;
+    for (; taken < n; taken++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(parts, taken), &views[taken], PyBUF_SIMPLE) < 0) {
+            for (Py_ssize_t i = 0; i < taken; i++)
+                PyBuffer_Release(&views[i]);
+            return NULL;
+        }
+        iov[taken].iov_base = views[taken].buf;
+        iov[taken].iov_len = (size_t)views[taken].len;
+    }
+    double deadline = now_s() + timeout;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)n;
+    int r = 1;
+    Py_BEGIN_ALLOW_THREADS
+    while (msg.msg_iovlen > 0) {
+        ssize_t sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                r = -2;
+                break;
+            }
+            r = wait_fd(fd, POLLOUT, deadline);
+            if (r != 0)
+                break;
+            r = 1;
+            continue;
+        }
+        while (msg.msg_iovlen > 0 && (size_t)sent >= msg.msg_iov->iov_len) { /* drop the buffers that went */
+            sent -= (ssize_t)msg.msg_iov->iov_len;
+            msg.msg_iov++;
+            msg.msg_iovlen--;
+        }
+        if (msg.msg_iovlen > 0) {
+            msg.msg_iov->iov_base = (char *)msg.msg_iov->iov_base + sent;
+            msg.msg_iov->iov_len -= (size_t)sent;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+    if (r != 1)
+        return io_error(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *read_frame(Wire *self, int fd, double timeout) {
+    double deadline = now_s() + timeout;
+    int err;
+    if (self->end - self->start < HEADER_SIZE) {
+        if (self->start + HEADER_SIZE > self->cap) { /* no room after a partial header: move it to the front */
+            memmove(self->buf, self->buf + self->start, (size_t)(self->end - self->start));
+            self->end -= self->start;
+            self->start = 0;
+        }
+        self->end += recv_some(fd, self->buf + self->end, self->cap - self->end,
+                               self->start + HEADER_SIZE - self->end, deadline, 1, &err);
+        if (err != 1)
+            return io_error(err);
+    }
+    const unsigned char *h = (const unsigned char *)self->buf + self->start;
+    uint64_t payload_len = le(h + 32, 4);
+    if (memcmp(h, "SPRC", 4) != 0 || h[4] != VERSION || h[5] < 1 || h[5] > KIND_MAX || payload_len > MAX_PAYLOAD) {
+        PyObject *raw = PyBytes_FromStringAndSize((const char *)h, HEADER_SIZE);
+        return raw == NULL ? NULL : Py_BuildValue("(ON)", Py_None, raw);
+    }
+    /* the buffer holds magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count,
+       status, deadline_us, payload_len, payload_offset, total_len, queue_us, compute_us,
+       total_us, slo_us (header.py's _FORMAT); Header takes them in this order */
+    PyObject *fields = Py_BuildValue(
+        "(KKKKKKKKKKKKKKKKK)", (unsigned long long)h[5], (unsigned long long)le(h + 8, 8),
+        (unsigned long long)le(h + 16, 2), (unsigned long long)h[7], (unsigned long long)h[6],
+        (unsigned long long)le(h + 18, 2), (unsigned long long)le(h + 20, 2), (unsigned long long)le(h + 22, 2),
+        (unsigned long long)le(h + 24, 8), (unsigned long long)payload_len, (unsigned long long)le(h + 36, 4),
+        (unsigned long long)le(h + 40, 4), (unsigned long long)le(h + 44, 4), (unsigned long long)le(h + 48, 4),
+        (unsigned long long)le(h + 52, 4), (unsigned long long)le(h + 56, 8), (unsigned long long)h[4]);
+    if (fields == NULL)
+        return NULL;
+    Py_ssize_t n = (Py_ssize_t)payload_len;
+    Py_ssize_t begin = self->start + HEADER_SIZE;
+    Py_ssize_t have = self->end - begin < n ? self->end - begin : n;
+    PyObject *payload = PyByteArray_FromStringAndSize(self->buf + begin, have);
+    if (payload == NULL) {
+        Py_DECREF(fields);
+        return NULL;
+    }
+    /* the frame leaves the buffer now: a failure below loses this answer, as in the Python reader */
+    self->start = begin + have;
+    if (self->start == self->end)
+        self->start = self->end = 0;
+    if (have < n) { /* the rest goes straight into the payload's own buffer */
+        if (PyByteArray_Resize(payload, n) < 0) {
+            Py_DECREF(fields);
+            Py_DECREF(payload);
+            return NULL;
+        }
+        recv_some(fd, PyByteArray_AS_STRING(payload) + have, n - have, n - have, deadline, 0, &err);
+        if (err != 1) {
+            Py_DECREF(fields);
+            Py_DECREF(payload);
+            return io_error(err);
+        }
+    }
+    return Py_BuildValue("(NN)", fields, payload);
+}
+
+static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
+    int fd;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "id", &fd, &timeout) || check_fd(fd) < 0)
+        return NULL;
+    if (self->buf == NULL || self->reading) {
+        PyErr_SetString(PyExc_RuntimeError, "Wire.recv_frame: not initialised, or another thread is reading");
+        return NULL;
+    }
+    self->reading = 1;
+    PyObject *out = read_frame(self, fd, timeout);
+    self->reading = 0;
+    return out;
+}
+
+static PyMethodDef wire_methods[] = {
+    {"send", (PyCFunction)wire_send, METH_VARARGS, "send(fd, parts, timeout_s): one gather write of parts."},
+    {"recv_frame", (PyCFunction)wire_recv_frame, METH_VARARGS,
+     "recv_frame(fd, timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WireType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "splitserve._fastwire.Wire",
+    .tp_basicsize = sizeof(Wire),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Wire(capacity): a connected blocking socket's sends and framed receives (see _fastwire.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)wire_init,
+    .tp_dealloc = (destructor)wire_dealloc,
+    .tp_methods = wire_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "splitserve._fastwire",
+                                    "The sync fast-path client's wire I/O, compiled (see _fastwire.c).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__fastwire(void) {
+    if (PyType_Ready(&WireType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Wire", (PyObject *)&WireType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
