@@ -62,8 +62,9 @@ from splitserve.worker.spec import DirectSpec
 log = logging.getLogger(__name__)
 
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
-_CLASSES = (RequestClass.RT, RequestClass.BE)
-_IN_FLIGHT = {RequestClass.RT: Word.IN_FLIGHT_RT, RequestClass.BE: Word.IN_FLIGHT_BE}
+_RT, _BE = RequestClass.RT, RequestClass.BE  # looked up per call: an enum's attribute costs more than a global
+_CLASSES = (_RT, _BE)
+_IN_FLIGHT = {_RT: Word.IN_FLIGHT_RT, _BE: Word.IN_FLIGHT_BE}
 # Buffers one sendmsg takes at most (Linux's IOV_MAX; past it the call fails)
 _IOV_MAX = 1024
 
@@ -106,7 +107,7 @@ class _Call:
         self.aside: bytearray | None = None
         self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
         # Soft, real-time calls only: its own SLO, else its model's (``slo_us``); 0: none
-        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == RequestClass.RT else 0
+        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == _RT else 0
         self.t_rx_ns = t_rx_ns
 
     @property
@@ -246,7 +247,8 @@ class _Conn(FrameStream):
                 if not self.closed:
                     self.resume()
             if mask & selectors.EVENT_READ:
-                self._take()
+                if self.lo < self.hi:
+                    self._take()
                 for _ in range(self.spec.reads_per_wakeup):
                     if not self._wants_read() or not self._read_some():
                         break
@@ -560,7 +562,7 @@ class DirectServer:
     def _give_rows(self, call: _Call) -> bool:
         cls = call.cls
         row = self.next_row[cls]
-        if row + call.count > self.max_batch or (cls == RequestClass.BE and self.suspended is not None):
+        if row + call.count > self.max_batch or (cls == _BE and self.suspended is not None):
             return False
         call.place(row, self.flat[cls], self.sizes)
         self.next_row[cls] = row + call.count
@@ -626,19 +628,20 @@ class DirectServer:
         the real-time work claimed."""
         if self.suspended is not None:
             _, n, stopped, _ = self.suspended
-            return self._has_ready(RequestClass.RT) or not self.stops(stopped, n)
-        return self._has_ready(RequestClass.RT) or self._has_ready(RequestClass.BE)
+            return self._has_ready(_RT) or not self.stops(stopped, n)
+        complete, aside = self.complete, self.aside_done
+        return bool(complete[_RT] or complete[_BE] or aside[_RT] or aside[_BE])
 
     def run_one(self, run: SegmentRunner) -> None:
         """Run one batch: a suspended best-effort batch's next segments, else the oldest
         class with calls ready, real-time first."""
         if self.suspended is not None:
             calls, n, first, acts = self.suspended
-            if self._has_ready(RequestClass.RT):
-                self._run(RequestClass.RT, run)
+            if self._has_ready(_RT):
+                self._run(_RT, run)
                 return
             self.suspended = None
-            self._finish(RequestClass.BE, calls, n, first, acts, run, resuming=True)
+            self._finish(_BE, calls, n, first, acts, run, resuming=True)
             return
         for cls in _CLASSES:
             if self._has_ready(cls):
@@ -686,7 +689,7 @@ class DirectServer:
 
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
                 run: SegmentRunner, resuming: bool = False) -> None:
-        rt = cls == RequestClass.RT
+        rt = cls == _RT
         # the front end sees the calls in flight while they run (a batch may run long: its
         # REEF view and statistics must not wait for the loop's next turn)
         self.counters.flush()
