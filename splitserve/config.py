@@ -198,7 +198,7 @@ class ServerConfig:
     # -- direct data path over TCP (issue 15, f-tcp): remote clients reach the workers too --
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
-    direct_stage_bytes: int = 32768  # per direct connection: one read takes a header and up to this much after it (a small frame is one recv, its payload one copy)
+    direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an

@@ -13,10 +13,12 @@ endpoint), the preemption page, and the counters and admission limit in that pag
 
 The worker serves its direct connections in the loop that serves its control socket, one
 batch at a time (``Worker.serve``). Frames are checked by the rules the front end applies
-(``protocol/requests.py``); a request's payload is received with ``recv_into`` straight
-into the next free rows of a per-class batch buffer, so calls from many connections form
-one contiguous batch with no gather copy, up to the model's ``max_batch_size``; each call
-is answered on its connection with one ``sendmsg`` from the model's output rows.
+(``protocol/requests.py``); a request's payload lands in the next free rows of a per-class
+batch buffer (a small frame comes whole in one read into the connection's staging buffer
+and its payload is copied there; the rest of a longer one is received straight into
+them), so calls from many connections form one contiguous batch with no gather copy, up
+to the model's ``max_batch_size``; each connection's answers of a batch leave in one
+``sendmsg`` from the model's output rows.
 
 A request whose payload is still arriving when its batch starts is moved aside (one copy
 of what came so far), finishes arriving there and takes rows in the next batch (a second
@@ -78,8 +80,8 @@ def _out_bytes(y: torch.Tensor, dtype: torch.dtype, nbytes: int, spec: TensorSpe
     ``nbytes`` of contiguous CPU memory of the declared dtype (no copy), else converted."""
     if y.dtype is dtype and y.is_cpu and y.is_contiguous() and y.nbytes == nbytes and not y.requires_grad:
         return memoryview(y.numpy()).cast("B")
-    n = nbytes // spec.nbytes
-    return memoryview(np.ascontiguousarray(y.detach().cpu().numpy().reshape(n, *spec.shape), dtype=spec.dtype)).cast("B")
+    arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(nbytes // spec.nbytes, *spec.shape), dtype=spec.dtype)
+    return memoryview(arr).cast("B")
 
 
 class _Call:
