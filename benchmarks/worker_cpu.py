@@ -181,7 +181,7 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
                     [os.dup(q.fd) for q in queues[len(cfg.inputs) :]])
     spec = DirectSpec(str(tmp / "d.sock"), 1, 64, d.fast_max_in_flight, d.fast_out_high_water, d.fast_out_low_water,
                       d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup, False,
-                      d.direct_suspend_poll_s)
+                      d.direct_suspend_poll_s, d.direct_stage_bytes)
     w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
                                cpus=sorted(os.sched_getaffinity(0)), threads=1, direct=spec)))
     w.counters.set_admit(1 << 20)

@@ -12,6 +12,7 @@ from typing import Any
 from splitserve.cluster.pools import TABLE3, Market, NodeProviderKind, PricePreset, Prices, ProcurementPolicy
 from splitserve.errors import InvalidInput
 from splitserve.placement.packrat import PlacementKind
+from splitserve.protocol.header import HEADER_SIZE
 from splitserve.placement.partition import Partitioning, StrictPlacement
 from splitserve.scheduler.model_scheduler import ClassOrder, RtPolicy
 from splitserve.scheduler.priority import PriorityMode
@@ -196,6 +197,8 @@ class ServerConfig:
     direct_poll_s: float = 0.005  # how often the node reads its workers' pages for REEF (turns their doorbells on and off)
     # -- direct data path over TCP (issue 15, f-tcp): remote clients reach the workers too --
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
+    # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
+    direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -245,6 +248,8 @@ class ServerConfig:
             raise InvalidInput("frame_timeout_s must be positive")
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
+        if self.direct_stage_bytes < HEADER_SIZE:
+            raise InvalidInput(f"direct_stage_bytes must be at least a header's {HEADER_SIZE} B")
         if self.fast_stage_trace < 0:
             raise InvalidInput("fast_stage_trace must be 0 (off) or a number of calls")
         for name in ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",

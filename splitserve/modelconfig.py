@@ -38,6 +38,7 @@ accepts uploads of them only when started with ``--allow-code-artifacts``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import tomllib
@@ -205,12 +206,13 @@ class ModelConfig:
             return self.segment_capacity
         return 4 if self.device.startswith("cuda") else 1
 
-    @property
+    # cached: every fast-path frame's check divides by it (the config is frozen)
+    @functools.cached_property
     def request_bytes(self) -> int:
         """Payload bytes of one sample's inputs (fast path: payload_len / this = samples)."""
         return sum(t.nbytes for t in self.inputs)
 
-    @property
+    @functools.cached_property
     def response_bytes(self) -> int:
         return sum(t.nbytes for t in self.outputs)
 

@@ -129,13 +129,14 @@ class WorkerCounters:
         self.add(word, -n)
 
     def set(self, word: Word, value: int) -> None:
-        """One word, in the page at once (with what was counted before it)."""
+        """One word, in the page at once (with what was counted before it: the worker's
+        words all at once then, else this one alone)."""
         if word < Word.ADMIT:
             self._mine[word] = value
-            self._dirty = True
-            self.flush()
-        else:
-            _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
+            if self._dirty:
+                self.flush()
+                return
+        _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
 
     def admit(self) -> int:
         return _U64.unpack_from(self._page, COUNTERS_OFFSET + 8 * Word.ADMIT)[0]

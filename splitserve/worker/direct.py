@@ -13,10 +13,12 @@ endpoint), the preemption page, and the counters and admission limit in that pag
 
 The worker serves its direct connections in the loop that serves its control socket, one
 batch at a time (``Worker.serve``). Frames are checked by the rules the front end applies
-(``protocol/requests.py``); a request's payload is received with ``recv_into`` straight
-into the next free rows of a per-class batch buffer, so calls from many connections form
-one contiguous batch with no gather copy, up to the model's ``max_batch_size``; each call
-is answered on its connection with one ``sendmsg`` from the model's output rows.
+(``protocol/requests.py``); a request's payload lands in the next free rows of a per-class
+batch buffer (a small frame comes whole in one read into the connection's staging buffer
+and its payload is copied there; the rest of a longer one is received straight into
+them), so calls from many connections form one contiguous batch with no gather copy, up
+to the model's ``max_batch_size``; each connection's answers of a batch leave in one
+``sendmsg`` from the model's output rows.
 
 A request whose payload is still arriving when its batch starts is moved aside (one copy
 of what came so far), finishes arriving there and takes rows in the next batch (a second
@@ -50,19 +52,21 @@ import torch
 from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
                                UnknownModel, WorkerFailed)
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into, unpack_header
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
-from splitserve.protocol.stream import FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
+from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
 from splitserve.slo import slo_outcome
+from splitserve.types import TensorSpec
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.spec import DirectSpec
 
 log = logging.getLogger(__name__)
 
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
-_CLASSES = (RequestClass.RT, RequestClass.BE)
-_IN_FLIGHT = {RequestClass.RT: Word.IN_FLIGHT_RT, RequestClass.BE: Word.IN_FLIGHT_BE}
+_RT, _BE = RequestClass.RT, RequestClass.BE  # looked up per call: an enum's attribute costs more than a global
+_CLASSES = (_RT, _BE)
+_IN_FLIGHT = {_RT: Word.IN_FLIGHT_RT, _BE: Word.IN_FLIGHT_BE}
 # Buffers one sendmsg takes at most (Linux's IOV_MAX; past it the call fails)
 _IOV_MAX = 1024
 
@@ -71,11 +75,20 @@ _IOV_MAX = 1024
 SegmentRunner = Callable[[RequestClass, tuple, int, int], "tuple[int | None, tuple]"]
 
 
+def _out_bytes(y: torch.Tensor, dtype: torch.dtype, nbytes: int, spec: TensorSpec) -> memoryview:
+    """A batch's output as the answer's bytes: the model's own tensor when it already is
+    ``nbytes`` of contiguous CPU memory of the declared dtype (no copy), else converted."""
+    if y.dtype is dtype and y.is_cpu and y.is_contiguous() and y.nbytes == nbytes and not y.requires_grad:
+        return memoryview(y.numpy()).cast("B")
+    arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(nbytes // spec.nbytes, *spec.shape), dtype=spec.dtype)
+    return memoryview(arr).cast("B")
+
+
 class _Call:
     """One direct call from its accepted header to its answer."""
 
-    __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "views", "vi", "target", "aside",
-                 "deadline_ns", "slo_ns", "t_rx_ns")
+    __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "flat", "sizes", "views", "vi", "target",
+                 "aside", "deadline_ns", "slo_ns", "t_rx_ns")
 
     def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int,
                  slo_us: int = 0) -> None:
@@ -86,13 +99,17 @@ class _Call:
         self.total = h.payload_len
         self.got = 0
         self.row = -1  # its first row in the class's batch buffer (-1: none, e.g. moved aside)
-        self.views: list[memoryview] = []
+        self.flat: list[memoryview] = []
+        self.sizes: list[int] = []
+        # Where the rest of the payload goes (made on first need: a payload that comes whole
+        # with its header is copied into the rows without them)
+        self.views: list[memoryview] | None = None
         self.vi = 0
         self.target: memoryview = memoryview(b"")
         self.aside: bytearray | None = None
         self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
         # Soft, real-time calls only: its own SLO, else its model's (``slo_us``); 0: none
-        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == RequestClass.RT else 0
+        self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == _RT else 0
         self.t_rx_ns = t_rx_ns
 
     @property
@@ -100,12 +117,40 @@ class _Call:
         return self.got == self.total
 
     def place(self, row: int, flat: list[memoryview], sizes: list[int]) -> None:
-        """Receive into rows ``row..row+count`` of each input (inputs one after the other,
-        as the payload lays them out)."""
-        self.row = row
-        self.views = [mv[row * nb : (row + self.count) * nb] for mv, nb in zip(flat, sizes)]
+        """Its payload goes into rows ``row..row+count`` of each input (inputs one after the
+        other, as the payload lays them out)."""
+        self.row, self.flat, self.sizes = row, flat, sizes
+
+    def _views(self) -> None:
+        row, count = self.row, self.count
+        self.views = [mv[row * nb : (row + count) * nb] for mv, nb in zip(self.flat, self.sizes)]
         self.vi = 0
-        self.target = self.views[0]
+        self.target = self.views[0]  # nothing came yet: a partial payload made them
+
+    def fill(self, src: memoryview) -> bool:
+        """Copy the next ``len(src)`` bytes of the payload (no more than it lacks) into place;
+        True once it is complete. A whole payload in its rows is one copy per input."""
+        if self.got == 0 and len(src) == self.total and self.row >= 0:
+            self._copy_rows(self.row, src)
+            self.got = self.total
+            return True
+        if self.views is None:
+            self._views()
+        off, n = 0, len(src)
+        while off < n:
+            k = min(len(self.target), n - off)
+            self.target[:k] = src[off : off + k]
+            off += k
+            if self.advance(k):
+                return True
+        return False
+
+    def _copy_rows(self, row: int, src: "memoryview | bytearray") -> None:
+        off, count = 0, self.count
+        for mv, nb in zip(self.flat, self.sizes):
+            k = nb * count
+            mv[row * nb : row * nb + k] = src[off : off + k]
+            off += k
 
     def advance(self, n: int) -> bool:
         """``n`` bytes landed in ``target`` and the views after it; True once the payload is complete."""
@@ -115,20 +160,22 @@ class _Call:
         while n >= len(self.target):
             n -= len(self.target)
             self.vi += 1
-            self.target = self.views[self.vi]
+            self.target = self.views[self.vi]  # type: ignore[index]
         self.target = self.target[n:]
         return False
 
     def targets(self) -> list[memoryview]:
         """Where the rest of the payload goes, in order (one scatter read fills them)."""
-        return [self.target, *self.views[self.vi + 1 :]]
+        if self.views is None:
+            self._views()
+        return [self.target, *self.views[self.vi + 1 :]]  # type: ignore[index]
 
     def move_aside(self) -> None:
         """Its batch starts without it: keep what came in a buffer of its own, receive the
         rest there, give the rows back."""
         buf = bytearray(self.total)
         off = 0
-        for v in self.views:
+        for v in self.views or ():
             k = min(len(v), self.got - off)
             if k <= 0:
                 break
@@ -141,17 +188,18 @@ class _Call:
     def place_from_aside(self, row: int, flat: list[memoryview], sizes: list[int]) -> None:
         """A call that finished arriving aside takes rows ``row..``: one copy back."""
         assert self.aside is not None
-        off = 0
-        for mv, nb in zip(flat, sizes):
-            k = nb * self.count
-            mv[row * nb : row * nb + k] = self.aside[off : off + k]
-            off += k
+        self.flat, self.sizes = flat, sizes
+        self._copy_rows(row, self.aside)
         self.row, self.aside = row, None
 
 
 class _Conn(FrameStream):
     """One direct connection: frames in, answers out, its own flow control. Its frame
-    state machine is ``protocol/stream.py``'s, shared with the front end's connections."""
+    states, the refused frame's discard, the bad frame's answer and the writes are
+    ``protocol/stream.py``'s, shared with the front end's connections; its reads are its
+    own: into a staging buffer, so a small frame (header and payload) is one ``recv``
+    and its payload one copy into its rows, while the rest of a payload longer than what
+    came with its header is received straight into the rows."""
 
     def __init__(self, server: "DirectServer", sock: socket.socket) -> None:
         super().__init__(sock, "direct peer")
@@ -161,6 +209,12 @@ class _Conn(FrameStream):
         self.ids: set[int] = set()  # req_ids accepted and not answered
         self.paused = False  # reading stopped by flow control (at a frame boundary)
         self.events = 0
+        # Bytes read and not yet taken by the frame state machine: stage[lo:hi]. Past a
+        # frame boundary they wait there while the connection is paused or waits for rows,
+        # as unread bytes would in the socket (what is staged is bounded by its size).
+        self.stage = bytearray(server.stage_bytes)
+        self.stage_mv = memoryview(self.stage)
+        self.lo = self.hi = 0
         self._update()
 
     @property
@@ -177,9 +231,9 @@ class _Conn(FrameStream):
         if self.closed:
             return
         want = (selectors.EVENT_READ if self._wants_read() else 0) | (selectors.EVENT_WRITE if self.out else 0)
-        sel = self.server.sel
         if want == self.events:
             return
+        sel = self.server.sel
         if not self.events:
             sel.register(self.fd, want, self.on_event)
         elif not want:
@@ -193,8 +247,10 @@ class _Conn(FrameStream):
             if mask & selectors.EVENT_WRITE:
                 self.write_some()
                 if not self.closed:
-                    self.maybe_pause()
+                    self.resume()
             if mask & selectors.EVENT_READ:
+                if self.lo < self.hi:
+                    self._take()
                 for _ in range(self.spec.reads_per_wakeup):
                     if not self._wants_read() or not self._read_some():
                         break
@@ -208,22 +264,38 @@ class _Conn(FrameStream):
     # -- reading ---------------------------------------------------------------------
 
     def _read_some(self) -> bool:
-        """One read into the current target; False when the socket has nothing more now."""
+        """One read; False when the socket has nothing more now."""
         if self.state == PAYLOAD:
             return self._read_payload()
         if self.state == HEADER:
-            return self.read_header()
+            return self._read_stage()
         return self.read_discard()
 
+    def _read_stage(self) -> bool:
+        """One read into the staging buffer after the part of a header it may hold (a
+        header, its payload and the next frames, as far as they fit), then take them."""
+        if self.lo:
+            self.stage[: self.hi - self.lo] = self.stage_mv[self.lo : self.hi]
+            self.lo, self.hi = 0, self.hi - self.lo
+        want = len(self.stage) - self.hi
+        n = self.receive(self.stage_mv[self.hi :])
+        if not n:
+            return False
+        self.hi += n
+        self._take()
+        return n == want
+
     def _read_payload(self) -> bool:
-        """One scatter read of the rest of the payload (every input's rows) and the next
-        frame's header, if it is there: two system calls a call, and none that finds the
-        socket empty. False when the socket has nothing more now."""
+        """One scatter read of the rest of the payload (every input's rows) and what follows
+        it into the staging buffer, when the connection will read on after this frame.
+        False when the socket has nothing more now."""
         call = self.call
-        assert call is not None
+        assert call is not None and self.lo == self.hi
         bufs = call.targets()
-        if not self._over_bounds():  # it will not pause after this frame: read on into the next header
-            bufs.append(self.hdr_mv)
+        room = 0
+        if not self._over_bounds():  # it will not pause after this frame: read on into the stage
+            bufs.append(self.stage_mv)
+            room = len(self.stage)
         want = call.total - call.got
         n = self.receive(bufs)
         if n < want:
@@ -231,13 +303,58 @@ class _Conn(FrameStream):
                 call.advance(n)
             return False
         call.advance(want)
+        self.lo, self.hi = 0, n - want
+        self._arrived()
+        self._take()
+        return n == want + room
+
+    def _arrived(self) -> None:
+        call = self.call
+        assert call is not None
         self.call = None
         self.server.arrived(call)
         self.frame_done()
-        extra = n - want  # the next frame's header, or its first bytes
-        if extra:
-            self.header_bytes(extra)
-        return extra == HEADER_SIZE
+
+    def _take(self) -> None:
+        """Run the frame state machine over the staged bytes as far as the connection may
+        read now: headers parsed, payloads copied into their rows, refused ones skipped."""
+        stage = self.stage_mv
+        while self.lo < self.hi and not (self.closed or self.closing):
+            state = self.state
+            if state == HEADER:
+                if self.paused:
+                    break
+                if not self.frame_t0_ns:  # the frame's first byte is here (or reading resumed at it)
+                    self.frame_t0_ns = time.monotonic_ns()
+                if self.hi - self.lo < HEADER_SIZE:
+                    break
+                at = self.lo
+                self.lo += HEADER_SIZE
+                try:
+                    h = unpack_header(stage, at)
+                except BadFrame as e:  # framing is lost: say why, then close; other connections are unaffected
+                    self.send_error(int.from_bytes(stage[at + 8 : at + 16], "little"), 0, e)
+                    self.close(flush=True)
+                    break
+                self.header = h
+                self.on_header(h)
+            elif state == PAYLOAD:
+                call = self.call
+                assert call is not None
+                k = min(self.hi - self.lo, call.total - call.got)
+                self.lo += k
+                if call.fill(stage[self.lo - k : self.lo]):
+                    self._arrived()
+            elif state == DISCARD:
+                k = min(self.hi - self.lo, self.discard_left)
+                self.lo += k
+                self.discard_left -= k
+                if not self.discard_left:
+                    self._after_discard()
+            else:  # waits for rows: the rest stays staged
+                break
+        if self.lo == self.hi:
+            self.lo = self.hi = 0
 
     def on_header(self, h: Header) -> None:
         if h.kind == Kind.REQUEST:
@@ -261,7 +378,7 @@ class _Conn(FrameStream):
                 "PING; look models up at the front end)"))
 
     def rows_granted(self) -> None:
-        """The call that waited for rows has them: read its payload."""
+        """The call that waited for rows has them: take its staged payload and read the rest."""
         self.state = PAYLOAD
         self.frame_t0_ns = time.monotonic_ns()
         self._update()
@@ -276,11 +393,22 @@ class _Conn(FrameStream):
         self.maybe_pause()
 
     def maybe_pause(self) -> None:
-        """Pause or resume reading (only between frames) by the connection's own bounds and
-        the worker's admission limit."""
-        if self.state == HEADER and self.got == 0 and not self.closed:
+        """Pause or resume reading (only between frames: the next one not begun) by the
+        connection's own bounds and the worker's admission limit."""
+        if self.state == HEADER and not self.frame_t0_ns and not self.closed:
             self.paused = self._over_bounds()
+            if self.paused:
+                self.server.paused.add(self)
+            else:
+                self.server.paused.discard(self)
         self._update()
+
+    def resume(self) -> None:
+        """Look at the bounds again and, reading on, take what waited in the stage (the
+        selector says nothing of bytes already read)."""
+        self.maybe_pause()
+        if not self.paused and self.lo < self.hi:
+            self._take()
 
     def _over_bounds(self) -> bool:
         spec = self.spec
@@ -323,6 +451,7 @@ class DirectServer:
         self.sel = sel
         self.max_batch = cfg.max_batch_size
         self.default_cls = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
+        self.class_of: dict[int, RequestClass] = {}  # a header's class -> the class its call runs in
         self.sizes = [t.nbytes for t in cfg.inputs]
         # Per class: the batch buffer (one array per input), its bytes, the next free row,
         # the calls holding rows (row order), calls finished aside and connections waiting for rows.
@@ -335,6 +464,9 @@ class DirectServer:
         self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
         self.complete = {c: 0 for c in _CLASSES}  # placed calls whose payload is whole (a batch could run)
         self.out_bytes = sum(t.nbytes for t in cfg.outputs)  # one sample's answer payload
+        # Per output: its declared torch dtype and bytes per sample, to tell a model's own
+        # output tensor that can be sent as it is from one that needs converting
+        self.out_specs = [(torch.from_numpy(np.empty(0, t.dtype)).dtype, t.nbytes, t) for t in cfg.outputs]
         # The answers' headers of one batch (a call holds at least one row), written in place
         self.headers = memoryview(bytearray(self.max_batch * HEADER_SIZE))
         self.aside_done: dict[RequestClass, deque[_Call]] = {c: deque() for c in _CLASSES}
@@ -343,6 +475,8 @@ class DirectServer:
         # samples, the segment to resume at and the activations there.
         self.suspended: tuple[list[_Call], int, int, tuple] | None = None
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
+        self.paused: set[_Conn] = set()  # connections paused by their bounds: a batch's end looks at them again
+        self.stage_bytes = spec.stage_bytes
         # No frame can be past its timeout before this (see ``sweep``): the loop looks at
         # its connections' frames then, not on every turn.
         self.sweep_at_ns = time.monotonic_ns() + int(spec.frame_timeout_s * 1e9)
@@ -397,6 +531,7 @@ class DirectServer:
         if conn in self.conns:
             self.conns.discard(conn)
             self.counters.sub(Word.CONNECTIONS)
+        self.paused.discard(conn)
         call = conn.call
         if call is not None and (conn.state == _WAIT or call.row < 0):  # no batch holds it: drop it now
             self._drop(call)
@@ -415,7 +550,9 @@ class DirectServer:
         if h.req_id in conn.ids:
             raise DuplicateRequest(f"req_id {h.req_id} is already in flight on this connection")
         count = stream_samples(h, self.cfg)
-        cls = call_class(h.cls, self.default_cls, self.spec.rt_only)
+        cls = self.class_of.get(h.cls)
+        if cls is None:  # raises for a class no call may have, so this holds at most three
+            cls = self.class_of[h.cls] = call_class(h.cls, self.default_cls, self.spec.rt_only)
         call = _Call(conn, h, cls, count, conn.frame_t0_ns, h.slo_us or self.spec.slo_us)
         conn.ids.add(h.req_id)
         self.counters.add(Word.RECEIVED)
@@ -427,7 +564,7 @@ class DirectServer:
     def _give_rows(self, call: _Call) -> bool:
         cls = call.cls
         row = self.next_row[cls]
-        if row + call.count > self.max_batch or (cls == RequestClass.BE and self.suspended is not None):
+        if row + call.count > self.max_batch or (cls == _BE and self.suspended is not None):
             return False
         call.place(row, self.flat[cls], self.sizes)
         self.next_row[cls] = row + call.count
@@ -493,19 +630,20 @@ class DirectServer:
         the real-time work claimed."""
         if self.suspended is not None:
             _, n, stopped, _ = self.suspended
-            return self._has_ready(RequestClass.RT) or not self.stops(stopped, n)
-        return any(self._has_ready(c) for c in _CLASSES)
+            return self._has_ready(_RT) or not self.stops(stopped, n)
+        complete, aside = self.complete, self.aside_done
+        return bool(complete[_RT] or complete[_BE] or aside[_RT] or aside[_BE])
 
     def run_one(self, run: SegmentRunner) -> None:
         """Run one batch: a suspended best-effort batch's next segments, else the oldest
         class with calls ready, real-time first."""
         if self.suspended is not None:
             calls, n, first, acts = self.suspended
-            if self._has_ready(RequestClass.RT):
-                self._run(RequestClass.RT, run)
+            if self._has_ready(_RT):
+                self._run(_RT, run)
                 return
             self.suspended = None
-            self._finish(RequestClass.BE, calls, n, first, acts, run, resuming=True)
+            self._finish(_BE, calls, n, first, acts, run, resuming=True)
             return
         for cls in _CLASSES:
             if self._has_ready(cls):
@@ -518,9 +656,9 @@ class DirectServer:
         for c in self.placed[cls]:
             if c.conn.closed:
                 self._drop(c)
-            elif not c.complete:
+            elif c.got != c.total:
                 c.move_aside()
-            elif not self._late(c, now):
+            elif not (c.deadline_ns and self._late(c, now)):
                 calls.append(c)
         row = self.next_row[cls]
         aside = self.aside_done[cls]
@@ -529,7 +667,7 @@ class DirectServer:
             if c.conn.closed:
                 self._drop(c)
                 continue
-            if self._late(c, now):
+            if c.deadline_ns and self._late(c, now):
                 continue
             c.place_from_aside(row, self.flat[cls], self.sizes)
             calls.append(c)
@@ -537,7 +675,7 @@ class DirectServer:
         if not calls:
             self._rows_free(cls)
             return
-        n = max(c.row + c.count for c in calls)
+        n = calls[-1].row + calls[-1].count  # calls are in row order
         xs = self.batch_views[cls].get(n)
         if xs is None:
             xs = self.batch_views[cls][n] = tuple(t[:n] for t in self.tensors[cls])
@@ -553,7 +691,7 @@ class DirectServer:
 
     def _finish(self, cls: RequestClass, calls: list[_Call], n: int, first: int, acts: tuple,
                 run: SegmentRunner, resuming: bool = False) -> None:
-        rt = cls == RequestClass.RT
+        rt = cls == _RT
         # the front end sees the calls in flight while they run (a batch may run long: its
         # REEF view and statistics must not wait for the loop's next turn)
         self.counters.flush()
@@ -581,10 +719,7 @@ class DirectServer:
             return
         self.counters.add(Word.BATCHES)
         self.counters.add(Word.SAMPLES, n)
-        outs = []
-        for y, spec in zip(acts, self.cfg.outputs):
-            arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(n, *spec.shape), dtype=spec.dtype)
-            outs.append((memoryview(arr).cast("B"), spec.nbytes))
+        outs = [(_out_bytes(y, dtype, nb * n, spec), nb) for y, (dtype, nb, spec) in zip(acts, self.out_specs)]
         compute_us = (t1 - t0) // 1000
         t2 = time.monotonic_ns()
         func_id, headers, out_bytes = self.spec.func_id, self.headers, self.out_bytes
@@ -643,9 +778,8 @@ class DirectServer:
                 break
             waiting.popleft()
             conn.rows_granted()
-        for conn in list(self.conns):
-            if conn.paused:
-                conn.maybe_pause()
+        for conn in list(self.paused):
+            conn.resume()
 
     def close(self) -> None:
         """Close the endpoint and every connection (UNLOAD, STOP): calls not answered are

@@ -183,9 +183,10 @@ class Worker:
         return bool(deadline) and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline
 
     def _segments(self, b: Binding, model: SegmentedModel, acts: tuple, first: int, count: int,
-                  stop: "Callable[[int], bool]") -> tuple[int | None, tuple]:
+                  stop: "Callable[[int], bool] | None") -> tuple[int | None, tuple]:
         """Run segments from ``first`` (inside inference mode) until the end or until ``stop(i)``
-        says to stop before segment i: (i, or None at the end; the activations there).
+        says to stop before segment i (None: a batch that never stops): (i, or None at the
+        end; the activations there).
 
         At most ``segment_capacity`` segments are launched ahead of the one known to be
         finished (REEF-N's bounded device queue). On the CPU every launch completes before
@@ -193,7 +194,7 @@ class Worker:
         CUDA stream the launched segments finish before the restore point is taken."""
         launched: list = []  # CUDA events of segments launched but maybe unfinished
         for i in range(first, model.num_segments):
-            if stop(i):
+            if stop is not None and stop(i):
                 self._sync(launched)
                 return i, acts
             s0 = time.monotonic_ns()
@@ -216,9 +217,9 @@ class Worker:
         assert model is not None
         if b.device.type != "cpu" and first == 0:
             acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
-        be = cls == RequestClass.BE
+        stop = (lambda i: self._direct_stops(i, count)) if cls == RequestClass.BE else None
         with self._inference:
-            return self._segments(b, model, acts, first, count, lambda i: be and self._direct_stops(i, count))
+            return self._segments(b, model, acts, first, count, stop)
 
     def _direct_stops(self, i: int, count: int) -> bool:
         """A direct best-effort batch of ``count`` may not start segment ``i`` now: the front end

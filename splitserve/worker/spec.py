@@ -34,6 +34,7 @@ class DirectSpec:
     reads_per_wakeup: int  # ServerConfig.fast_reads_per_wakeup
     rt_only: bool  # the node refuses best-effort calls (preemption rt-only)
     suspend_poll_s: float  # ServerConfig.direct_suspend_poll_s
+    stage_bytes: int  # ServerConfig.direct_stage_bytes
     slo_us: int = 0  # the model's SLO for real-time calls that name none (0: none)
     # Also listen on TCP at this address (the node's fast-path host; the OS picks the port,
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.

@@ -194,6 +194,38 @@ def test_bad_input_gets_an_error_and_the_connection_survives(server, path, case,
         good_request(s, fid)
 
 
+@pytest.mark.parametrize("path", [*PATHS, DIRECT_TCP])
+def test_frames_split_and_joined_anyhow_across_reads_are_each_answered(server, path):
+    """However a stream's bytes fall into reads: a frame whole with the next one's header
+    behind it, that header alone and its payload later in two pieces, a frame of several
+    samples longer than what one read stages, with a PING right behind it: each call gets
+    its own answer, right."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 2, 1024), dtype=np.float32)  # six vecadd1k samples: (a, b) each
+
+    def frame(req_id: int, samples: np.ndarray) -> bytes:
+        payload = samples[:, 0].tobytes() + samples[:, 1].tobytes()  # inputs one after the other
+        return Header(Kind.REQUEST, req_id=req_id, func_id=fid, payload_len=len(payload)).pack() + payload
+
+    def answer(req_id: int, samples: np.ndarray, frame: tuple | None = None) -> None:
+        h, body = frame or read_frame(s)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, req_id), (h, body[:200])
+        np.testing.assert_array_equal(np.frombuffer(body, np.float32).reshape(-1, 1024), samples[:, 0] + samples[:, 1])
+
+    s, fid = stream(server, path, "vecadd1k")
+    with s:
+        a, b = frame(1, x[:1]), frame(2, x[1:2])
+        s.sendall(a + b[:64])  # a whole, then b's header alone
+        answer(1, x[:1])  # a was answered while b's payload had not come
+        s.sendall(b[64:3000])
+        s.sendall(b[3000:])
+        answer(2, x[1:2])
+        s.sendall(frame(3, x[2:6]) + Header(Kind.PING, req_id=4).pack())  # 32 KiB of payload, then a PING
+        got = {h.req_id: (h, body) for h, body in (read_frame(s), read_frame(s))}  # a PING is answered at once
+        answer(3, x[2:6], got[3])
+        assert got[4][0].kind == Kind.PONG
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_duplicate_req_id_in_flight_is_refused(gated, path):
     server, gates = gated

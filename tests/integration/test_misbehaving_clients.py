@@ -167,7 +167,7 @@ def test_lookup_reports_a_model_without_starting_its_workers(server):
         assert info["state"] == "ready" and all(info["pids"]), info
 
 
-@pytest.mark.parametrize("case", ["header", "payload", "trickle"])
+@pytest.mark.parametrize("case", ["header", "payload", "trickle", "behind_a_frame"])
 @pytest.mark.parametrize("path", PATHS)
 def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, path, case):
     _, _, payload = inputs(4)
@@ -178,6 +178,10 @@ def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, p
             s.sendall(frame[:20])
         elif case == "payload":
             s.sendall(frame[: 64 + 300])
+        elif case == "behind_a_frame":  # a whole frame, then a part of the next one in the same write
+            s.sendall(request(fid, payload, req_id=4) + frame[:20])
+            h, _ = read_frame(s)
+            assert (h.kind, h.req_id) == (Kind.RESPONSE, 4)
         else:  # a byte every 20 ms: the frame would take 2.7 minutes, each byte within the timeout
 
             def trickle() -> None:

@@ -49,14 +49,11 @@ def _buffers(rows: int) -> tuple[list[np.ndarray], list[memoryview], list[int]]:
 
 
 def _feed(call: _Call, data: bytes, chunk: int) -> bool:
-    """Receive ``data`` into the call's targets at most ``chunk`` bytes at a time, as
-    recv_into would (a recv never crosses the end of a target); True once complete."""
-    done, off = False, 0
-    while off < len(data):
-        n = min(chunk, len(call.target), len(data) - off)
-        call.target[:n] = data[off : off + n]
-        done = call.advance(n)
-        off += n
+    """Take ``data`` into the call at most ``chunk`` bytes at a time, as reads from the
+    staging buffer would; True once complete."""
+    done, mv = False, memoryview(data)
+    for off in range(0, len(data), chunk):
+        done = call.fill(mv[off : off + chunk])
     return done
 
 
@@ -69,6 +66,22 @@ def test_a_call_lands_in_consecutive_rows_of_every_input():
     np.testing.assert_array_equal(arrays[0][1:3], a)
     np.testing.assert_array_equal(arrays[1][1:3], b)
     assert not arrays[0][0].any() and not arrays[0][3].any()  # other rows untouched
+
+
+def test_a_payload_that_comes_whole_is_copied_into_its_rows_and_one_in_pieces_lands_alike():
+    arrays, flat, sizes = _buffers(4)
+    payload = np.random.default_rng(1).standard_normal(4096).astype(np.float32).tobytes()  # two samples
+    whole = _Call(None, req(len(payload)), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    whole.place(0, flat, sizes)
+    assert whole.fill(memoryview(payload)) and whole.views is None  # one copy per input, no views made
+    pieces = _Call(None, req(len(payload)), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    pieces.place(2, flat, sizes)
+    assert not _feed(pieces, payload[:5000], 3000)  # across the first input's end
+    assert [len(t) for t in pieces.targets()] == [2 * 4096 - 5000, 2 * 4096]  # what a scatter read fills
+    assert _feed(pieces, payload[5000:], 3000)
+    np.testing.assert_array_equal(arrays[0][0:2], arrays[0][2:4])
+    np.testing.assert_array_equal(arrays[1][0:2], arrays[1][2:4])
+    assert arrays[0][0:2].tobytes() + arrays[1][0:2].tobytes() == payload
 
 
 def test_a_call_moved_aside_mid_payload_keeps_its_bytes_and_takes_new_rows_whole():
