@@ -402,7 +402,10 @@ def run(ctx: Context) -> ScenarioOutput:
             m["instances"] = {
                 "retired": sum((_find(partitions, "retired") or {}).values()), "resizes": len(resizes),
                 "by_burst": analysis.resizes_by_burst(resizes, trace_info["bursts_s"], offset)
-                if "bursts_s" in trace_info else None}
+                if "bursts_s" in trace_info else None,
+                "timeline": [{"model": r["model"], "from": r["from"], "to": r["to"], "at_s": r["asked_at"] - offset,
+                              "took_s": None if r["done_at"] is None else r["done_at"] - r["asked_at"]}
+                             for r in resizes]}  # at_s: trace time the resize was asked at
             m["partitions"] = partitions
             runs[scheme] = m
             servers[scheme] = {"overrides": overrides}
