@@ -300,6 +300,51 @@ def twitter_like(duration: float, mean_rate: float, rng: np.random.Generator,
     return _steps(duration, fit_peak_to_mean(shape, mean_rate, peak_to_mean))
 
 
+def on_off_like(duration: float, mean_rate: float, rng: np.random.Generator, peak_to_mean: float = 3.0,
+                period_s: float = 12.0, burst_s: float = 2.0, jitter: float = 0.25) -> RatePoints:
+    """On/off load, the burstiness a keep-alive exists for (serverless keep-alive studies;
+    PROTEAN §4.2): every ``period_s`` a burst of ``burst_s`` at ``peak_to_mean × mean_rate``,
+    a steady base rate in between, at exactly ``mean_rate`` over ``duration`` s.
+
+    Each cycle is a gap, then its burst; the seed moves each burst earlier by up to ``jitter``
+    of the nominal gap (``period_s - burst_s``), so two bursts are always at least
+    ``(1 - jitter) × gap`` apart and the run starts with a gap. The base rate is what makes
+    the mean exact over the bursts that fit (the last one is cut at ``duration``); a burst so
+    tall or long that the base would go below 0 is refused.
+    """
+    _check_positive("duration", duration)
+    _check_positive("period_s", period_s)
+    _check_positive("burst_s", burst_s)
+    if not (math.isfinite(mean_rate) and mean_rate >= 0):
+        raise InvalidInput(f"mean_rate must be a number >= 0, got {mean_rate!r}")
+    if not (math.isfinite(peak_to_mean) and peak_to_mean >= 1):
+        raise InvalidInput(f"peak_to_mean must be a number >= 1, got {peak_to_mean!r}")
+    if burst_s >= period_s:
+        raise InvalidInput(f"burst_s ({burst_s:g}) must be shorter than period_s ({period_s:g}): a gap must remain")
+    if duration < period_s:
+        raise InvalidInput(f"duration ({duration:g} s) must hold at least one period ({period_s:g} s)")
+    if not 0 <= jitter < 1:
+        raise InvalidInput(f"jitter must be within [0, 1), got {jitter!r}")
+    gap = period_s - burst_s
+    bursts: list[tuple[float, float]] = []
+    k = 0
+    while (start := k * period_s + gap * (1.0 - jitter * float(rng.uniform()))) < duration:
+        bursts.append((start, min(start + burst_s, duration)))
+        k += 1
+    on = sum(b - a for a, b in bursts)
+    peak = peak_to_mean * mean_rate
+    base = (mean_rate * duration - peak * on) / (duration - on)
+    if base < 0:
+        raise InvalidInput(f"bursts of {burst_s:g} s every {period_s:g} s at peak:mean {peak_to_mean:g} hold more "
+                           f"than the whole mean: use lower or shorter bursts")
+    out: RatePoints = []
+    _append_step(out, 0.0, base)
+    for a, b in bursts:
+        _append_step(out, a, peak)
+        _append_step(out, b, base)
+    return out
+
+
 def peak_to_mean_of(points: RatePoints, duration: float) -> float:
     """The highest step rate over the time-averaged rate of a step trace."""
     mean = mean_rate_of(points, duration)

@@ -114,6 +114,10 @@ class PartitionManager:
         self._tasks: set[asyncio.Task] = set()
         self._scaling: dict[str, int] = {}  # model -> the instance count its resize under way brings
         self.cold_starts: dict[str, int] = {}  # model -> instances scale-up started (that came up)
+        self.retired: dict[str, int] = {}  # model -> instances scale-down retired (that went)
+        # the autoscaler's resizes, oldest first: when each was asked and landed, so a report can
+        # set instances started and retired against the load (bounded like placement records)
+        self.resizes: deque[dict[str, Any]] = deque(maxlen=config.placement_history)
         # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
         # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
         self._main: dict[bool, Job] = {}
@@ -355,17 +359,24 @@ class PartitionManager:
             if want != current[m.name] and m.name not in self._scaling and not self._lock.locked():
                 log.info("autoscaler: model %s %d -> %d instances", m.name, current[m.name], want)
                 self._scaling[m.name] = want
+                record = {"model": m.name, "from": current[m.name], "asked": want, "to": None,
+                          "asked_at": self.clock(), "done_at": None}  # to and done_at: when it lands
+                self.resizes.append(record)
                 task = self._spawn(f"resize of {m.name}", m.resize(want))
-                task.add_done_callback(functools.partial(self._resized, m, m.instance_count))
+                task.add_done_callback(functools.partial(self._resized, m, m.instance_count, record))
 
-    def _resized(self, model: PartitionedModel, before: int, _task: asyncio.Task) -> None:
-        """A resize ended: the instances it added are the cold starts (a resize that failed,
-        or did not land in full, added fewer than the autoscaler asked for)."""
+    def _resized(self, model: PartitionedModel, before: int, record: dict[str, Any], _task: asyncio.Task) -> None:
+        """A resize ended: the instances it added are the cold starts, those it removed are
+        retired (a resize that failed, or did not land in full, changed fewer than asked)."""
         self._scaling.pop(model.name, None)
-        added = model.instance_count - before
+        now = model.instance_count
+        added = now - before
         if added > 0:
             self.cold_starts[model.name] = self.cold_starts.get(model.name, 0) + added
             self.metrics.cold_starts.labels(model.name).inc(added)
+        elif added < 0:
+            self.retired[model.name] = self.retired.get(model.name, 0) - added
+        record.update(to=now, done_at=self.clock())
 
     def _be_mem_of(self, be_requests: float) -> int:
         """Algorithm 2's mem(BE_model, n): whole batches of the main BE model at its footprint."""
@@ -472,7 +483,8 @@ class PartitionManager:
             "partitions": [{"id": p.id, "cpus": sorted(p.cpus), "cores": p.cores, "mem_bytes": p.mem_bytes,
                             "tag": tags.get(p.id, 0.0), "instances": on[p.id]} for p in parts],
             "controller": controller, "cold_starts": dict(self.cold_starts),
-            "cold_starts_asked": dict(self.autoscaler.cold_starts),
+            "cold_starts_asked": dict(self.autoscaler.cold_starts), "retired": dict(self.retired),
+            "resizes": list(self.resizes),
             "keep_alive_s": self.autoscaler.keep_alive_s,
             "wait_for_free": distributor is not None and distributor.wait_for_free,
             "be_max_wait_s": distributor.be_max_wait_s if distributor is not None else None,

@@ -600,3 +600,54 @@ def test_workers_of_a_partitioned_node_wait_passively_unless_told_otherwise():
         assert ServerConfig(partitioning=partitioning).omp_wait_policy == "PASSIVE"
     assert ServerConfig(partitioning="colocate", worker_omp_wait_policy="active").omp_wait_policy == "ACTIVE"
     assert ServerConfig(worker_omp_wait_policy="passive").omp_wait_policy == "PASSIVE"
+
+
+class Elastic(Model):
+    """A model whose resizes also retire instances (the newest first), with ``pending``
+    requests queued or running."""
+
+    pending = 0
+
+    def waiting_requests(self, cls: RequestClass | None = None) -> int:
+        return self.pending
+
+    async def resize(self, instances: int) -> None:
+        await super().resize(instances)
+        while self.instance_count > instances:
+            gone = max(self.sched.serving())
+            self.sched.remove(gone)
+            del self.partition[gone]
+
+
+@pytest.mark.parametrize(("keep_alive_s", "cold_starts", "retired"), [(0.0, 4, 4), (600.0, 2, 0)])
+def test_on_off_bursts_start_instances_once_with_keep_alive_and_every_burst_without(keep_alive_s, cold_starts,
+                                                                                      retired):
+    """Two bursts, each above the warm instances and within the ceiling, with a gap between:
+    without a keep-alive the surplus goes in the gap and the second burst starts it again;
+    with one, the first burst's instances serve the second. The timeline says when."""
+    models: dict[str, Model] = {}
+    clock = [0.0]
+    pm, _ = manager(models, clock=lambda: clock[0], protean_keep_alive_s=keep_alive_s)
+    p1, p2 = (p.id for p in pm.current())
+    m = models["m"] = Elastic("m", [p1, p2])
+
+    async def tick(at: float) -> None:
+        clock[0] = at
+        pm._autoscale()
+        await asyncio.gather(*pm._tasks)
+
+    async def bursts() -> None:
+        for start in (0.0, 10.0):
+            m.pending = 4  # a burst: four batches of one, two more than the warm instances
+            await tick(start)
+            m.pending = 0  # served: the gap has nothing pending
+            await tick(start + 1.0)
+
+    asyncio.run(bursts())
+    snap = pm.snapshot()
+    assert snap["cold_starts"] == {"m": cold_starts}
+    assert snap["retired"] == ({"m": retired} if retired else {})
+    steps = [(r["from"], r["to"], r["asked_at"]) for r in snap["resizes"]]
+    assert steps == ([(2, 4, 0.0), (4, 2, 1.0), (2, 4, 10.0), (4, 2, 11.0)] if keep_alive_s == 0
+                     else [(2, 4, 0.0)])
+    assert all(r["done_at"] >= r["asked_at"] and r["asked"] == r["to"] for r in snap["resizes"])

@@ -47,6 +47,65 @@ def test_fit_peak_to_mean_refuses_what_would_need_negative_rates() -> None:
         traces.fit_peak_to_mean(np.array([0.0, 1.0, 1.0, 1.0, 2.0]), 1.0, 2.5)
 
 
+def test_on_off_has_the_asked_mean_peak_and_gaps_and_is_seeded() -> None:
+    for seed in range(5):
+        points = traces.on_off_like(60.0, 20.0, np.random.default_rng(seed), peak_to_mean=3.0, period_s=12.0,
+                                    burst_s=2.0, jitter=0.25)
+        assert traces.mean_rate_of(points, 60.0) == pytest.approx(20.0)
+        assert traces.peak_to_mean_of(points, 60.0) == pytest.approx(3.0)
+        base = points[0][1]
+        # 2 s of 60 every 12 s at 60 req/s: a base of (1200 - 5 * 2 * 60) / 50 = 12 req/s
+        assert points[0][0] == 0.0 and base == pytest.approx(12.0)
+        ends = [t for t, _ in points[1:]] + [60.0]
+        bursts = [(t, end) for (t, r), end in zip(points, ends) if r > base]
+        assert len(bursts) == 5 and all(end - t == pytest.approx(2.0) for t, end in bursts)
+        assert bursts[0][0] >= 0.75 * 10.0  # the run starts with a gap
+        assert all(b[0] - a[1] >= 0.75 * 10.0 - 1e-9 for a, b in zip(bursts, bursts[1:]))
+        assert sorted({round(r, 9) for _, r in points}) == [12.0, 60.0]  # two levels, nothing between
+    make = lambda seed: traces.on_off_like(60.0, 20.0, np.random.default_rng(seed))  # noqa: E731
+    assert make(7) == make(7) and make(7) != make(8)
+    # a burst cut at the end of the run still leaves the mean exact
+    cut = traces.on_off_like(13.0, 10.0, np.random.default_rng(0), jitter=0.0)
+    assert traces.mean_rate_of(cut, 13.0) == pytest.approx(10.0)
+
+
+def test_on_off_refuses_bursts_that_leave_no_gap_or_need_a_negative_base() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(Exception, match="lower or shorter"):
+        traces.on_off_like(60.0, 10.0, rng, peak_to_mean=7.0, period_s=12.0, burst_s=2.0)  # 7 x 1/6 > 1
+    with pytest.raises(Exception, match="gap must remain"):
+        traces.on_off_like(60.0, 10.0, rng, period_s=2.0, burst_s=2.0)
+    with pytest.raises(Exception, match="one period"):
+        traces.on_off_like(10.0, 10.0, rng, period_s=12.0)
+
+
+def test_capacity_is_the_median_of_interleaved_loops_each_without_its_warm_up() -> None:
+    # answers every 0.1 s from 0.1 s; the first 0.5 s are left out: 10 answers over 1 s
+    done = [0.1 * i for i in range(1, 16)]
+    assert analysis.closed_loop_rps(done, 0.5) == pytest.approx(10.0)
+    assert analysis.closed_loop_rps([], 0.5) == analysis.closed_loop_rps([0.2], 0.5) == 0.0
+    # round 2 ran in a quiet spell (an outlier 40 % up): the medians keep it out
+    loops = {"a": [100.0, 140.0, 96.0], "b": [50.0, 70.0, 52.0]}
+    got = analysis.steady_capacity(loops, {"a": 0.5, "b": 0.5})
+    assert got["rps"] == {"a": 100.0, "b": 52.0}
+    assert got["mix_rps"] == pytest.approx(analysis.capacity_of_mix({"a": 100.0, "b": 52.0}, {"a": 0.5, "b": 0.5}))
+    assert got["mix_rps_by_round"][1] == pytest.approx(analysis.capacity_of_mix({"a": 140.0, "b": 70.0},
+                                                                                 {"a": 0.5, "b": 0.5}))
+    assert len(got["mix_rps_by_round"]) == 3
+    with pytest.raises(ValueError, match="same number"):
+        analysis.steady_capacity({"a": [1.0], "b": [1.0, 2.0]}, {"a": 0.5, "b": 0.5})
+
+
+def test_resizes_are_counted_per_burst_on_the_servers_clock() -> None:
+    resizes = [{"from": 2, "to": 3, "asked_at": 101.0}, {"from": 3, "to": 4, "asked_at": 110.5},
+               {"from": 4, "to": 2, "asked_at": 113.0}, {"from": 2, "to": 4, "asked_at": 122.0},
+               {"from": 4, "to": None, "asked_at": 123.0}]
+    # bursts at 10 s and 22 s of the trace; the trace started at 100 s of the server's clock
+    assert analysis.resizes_by_burst(resizes, [[10.0, 12.0], [22.0, 24.0]], 100.0) == [
+        {"started": 1, "retired": 0, "pending": 0}, {"started": 1, "retired": 2, "pending": 0},
+        {"started": 2, "retired": 0, "pending": 1}]
+
+
 def test_mix_has_exactly_the_strict_share_and_switches_the_be_model() -> None:
     rng = np.random.default_rng(0)
     times = np.sort(rng.uniform(0.0, 60.0, 1001))

@@ -6,6 +6,7 @@ PROTEAN §1.1's stricter reading). A request answered with an error counts as mi
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,6 +150,47 @@ def capacity_of_mix(capacities: Mapping[str, float], shares: Mapping[str, float]
     if cost <= 0:
         raise ValueError("the mix has no requests")
     return 1.0 / cost
+
+
+def closed_loop_rps(done_s: Sequence[float], warmup_s: float) -> float:
+    """Requests/s of a closed loop from its answers' times (seconds from its start): the
+    answers after ``warmup_s`` over the time from then to the last one (0.0 when none came).
+    The warm-up is left out because the loop starts with every client sending at once."""
+    kept = [t for t in done_s if t > warmup_s]
+    span = max(kept, default=warmup_s) - warmup_s
+    return len(kept) / span if span > 0 else 0.0
+
+
+def steady_capacity(loops: Mapping[str, Sequence[float]], shares: Mapping[str, float]) -> dict[str, Any]:
+    """The node's capacity from ``loops[m]``, model ``m``'s req/s in each round of closed loops
+    (the rounds interleave the models, so a spell of background load on a shared host moves
+    one round of each, not every loop of one): each model's median, the mix's capacity from
+    those medians, and each round's mix (its spread is what the median kept out)."""
+    rounds = {len(v) for v in loops.values()}
+    if len(rounds) != 1 or 0 in rounds:
+        raise ValueError("every model needs the same number of capacity loops, at least one")
+    per_model = {m: float(np.median(v)) for m, v in loops.items()}
+    by_round = [capacity_of_mix({m: v[i] for m, v in loops.items()}, shares) for i in range(rounds.pop())]
+    return {"rps": per_model, "mix_rps": capacity_of_mix(per_model, shares), "mix_rps_by_round": by_round}
+
+
+def resizes_by_burst(resizes: Sequence[Mapping[str, Any]], bursts_s: Sequence[Sequence[float]],
+                     offset: float) -> list[dict[str, int]]:
+    """The autoscaler's resizes (``GET /v2/partitions`` ``resizes``, server clock) per burst of
+    an on/off trace: entry 0 is before the first burst, entry i from burst i's start to the
+    next one's (the burst and the gap after it), each with the instances resizes asked then
+    ``started`` and ``retired`` (a resize still under way, ``to`` None, counts in ``pending``).
+    ``offset`` puts trace times on the server's clock."""
+    starts = [b[0] + offset for b in bursts_s]
+    out = [{"started": 0, "retired": 0, "pending": 0} for _ in range(len(starts) + 1)]
+    for r in resizes:
+        i = bisect.bisect_right(starts, r["asked_at"])
+        if r["to"] is None:
+            out[i]["pending"] += 1
+            continue
+        change = r["to"] - r["from"]
+        out[i]["started" if change > 0 else "retired"] += abs(change)
+    return out
 
 
 def prom_counter(text: str, name: str, labels: Mapping[str, str]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Any
 from splitserve.bench.arrivals import Arrival
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.loadgen import Outcome, RunResult, closed_loop, open_loop, run_in_processes
+from splitserve.bench.protean.analysis import closed_loop_rps
 from splitserve.bench.transports import close_async, open_async
 
 
@@ -79,7 +80,7 @@ def drive(job: TraceJob) -> tuple[RunResult, float]:
 
 
 async def _closed(url: str, transport: str, model: str, x: Sequence[Any], cls: str, clients: int,
-                  duration_s: float) -> RunResult:
+                  duration_s: float, warmup_s: float) -> RunResult:
     client = await open_async(transport, url, 60.0)
     try:
         n = 0
@@ -89,18 +90,19 @@ async def _closed(url: str, transport: str, model: str, x: Sequence[Any], cls: s
             n += 1
             return _outcome(await client.infer_result(model, x[n % len(x)], cls=cls))
 
-        return await closed_loop(send, clients, duration_s=duration_s, model=model, cls=cls)
+        return await closed_loop(send, clients, duration_s=duration_s, model=model, cls=cls, warmup_s=warmup_s)
     finally:
         await close_async(client)
 
 
 def capacity(url: str, model: str, specs: Sequence[dict[str, Any]], batch: int, duration_s: float,
-             seed: int = 0, transport: str = "tcp") -> dict[str, Any]:
+             seed: int = 0, transport: str = "tcp", warmup_s: float = 0.0) -> dict[str, Any]:
     """Closed-loop throughput of ``model`` with ``2 × batch`` clients (full batches, one always
-    waiting behind the running one) for ``duration_s``: its requests/s on the node alone."""
+    waiting behind the running one) for ``duration_s`` after ``warmup_s``: its requests/s on
+    the node alone, counting the answers after the warm-up (``analysis.closed_loop_rps``)."""
     x = [as_call_arg(v) for v in make_inputs(specs, 8, seed)]
-    result = asyncio.run(_closed(url, transport, model, x, "be", 2 * batch, duration_s))
+    result = asyncio.run(_closed(url, transport, model, x, "be", 2 * batch, warmup_s + duration_s, warmup_s))
     ok = [s for s in result.samples if s.ok]
-    window = max((s.done for s in ok), default=0.0)
-    return {"rps": len(ok) / window if window > 0 else 0.0, "requests": len(result.samples),
-            "errors": len(result.samples) - len(ok), "clients": 2 * batch, "duration_s": duration_s}
+    return {"rps": closed_loop_rps([s.done for s in ok], warmup_s), "requests": len(result.samples),
+            "errors": len(result.samples) - len(ok), "clients": 2 * batch, "duration_s": duration_s,
+            "warmup_s": warmup_s}

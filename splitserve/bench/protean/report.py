@@ -19,6 +19,13 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
 
 
+def _bursts(by_burst: list[dict[str, int]] | None) -> str:
+    """``before, burst 1, burst 2, ...`` as ``started/retired`` (each burst with the gap after
+    it), ``+n`` for resizes still under way at the end."""
+    return "-" if not by_burst else ", ".join(
+        f"{b['started']}/{b['retired']}" + (f"+{b['pending']}" if b.get("pending") else "") for b in by_burst)
+
+
 def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
     """Summary lines for the console and the report's markdown."""
     runs = r["runs"]
@@ -28,7 +35,8 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
            f"switching every {p.switch_s:g} s; {100 * p.strict_share:.0f}% strict. SLO = {p.slo_multiplier:g} x "
            f"{r['solo_ms'][r['whole_cores']]:.1f} ms (solo on all {r['whole_cores']} cores) = **{r['slo_ms']:.1f} ms**. "
            f"Capacity of the mix {fmt(caps.get('mix_rps'))} req/s (measured on the `{caps.get('measured_on')}` "
-           f"server); offered {fmt(r['offered_rps'])} req/s = {p.load:g} of it, {r['requests']} requests, "
+           f"server; each round's: {', '.join(fmt(v) for v in caps.get('mix_rps_by_round', []))}); "
+           f"offered {fmt(r['offered_rps'])} req/s = {p.load:g} of it, {r['requests']} requests, "
            f"trace `{r['trace'].get('kind')}` (peak:mean {fmt(r['trace'].get('peak_to_mean'), 3)}).", "",
            "FBRs the servers' eta used (fitted from co-location runs on "
            f"{r.get('fbr_cores')} core(s); unidentified ones count as `protean_unknown_fbr`): "
@@ -58,9 +66,10 @@ def markdown(intro: str, p: Any, r: dict[str, Any]) -> tuple[list[str], str]:
     out += ["", "## Best effort and cold starts", ""]
     rows = [(name, m["be"]["requests"], m["be"]["errors"], fmt(m["be"]["p50"]), fmt(m["be"]["p99"]),
              "-" if m["cold_starts"]["total"] is None else m["cold_starts"]["total"],
+             (m.get("instances") or {}).get("retired", "-"), _bursts((m.get("instances") or {}).get("by_burst")),
              m["generator_bottleneck"] or "-") for name, m in runs.items()]
     out.append(md_table(("scheme", "BE requests", "BE errors", "BE p50 ms", "BE p99 ms", "cold starts",
-                         "generator"), rows))
+                         "retired", "started/retired per burst", "generator"), rows))
     failed = [(name, msg, n) for name, m in runs.items() for msg, n in (m.get("error_messages") or {}).items()]
     if failed:
         out += ["", "Failed requests, most frequent messages:", "",

@@ -9,8 +9,10 @@ strict (``rt``) for one model and half best-effort for a model that switches eve
 store Packrat uses); its solo latency on the whole node at the batch, times ``slo_multiplier``,
 is the SLO each strict request carries (``slo_ms``), and the same profile gives the solo time
 on each partition for the p99 breakdown. The node's capacity is measured on the first
-scheme's server, before its run, by a closed loop of ``2 × batch`` clients per model; the mix's
-capacity is the harmonic combination of those, and the trace is scaled to ``load`` of it.
+scheme's server, before its run, by ``capacity_rounds`` closed loops of ``2 × batch`` clients
+per model (models interleaved, each loop's warm-up left out), each model's capacity their
+median; the mix's capacity is the harmonic combination of those, and the trace is scaled to
+``load`` of it. ``trace=onoff`` is on/off bursts over a base rate (the keep-alive comparison).
 Compliance is computed from end-to-end latency measured from each request's arrival time in
 the trace (client queueing counts) and cross-checked with the server's
 ``splitserve_slo_requests_total``. ``scenario=crowded`` sends more strict work than one
@@ -51,7 +53,7 @@ SUMMARY = ("PROTEAN on one node: strict SLO compliance, p99 breakdown, SLO-cross
            "Twitter-like arrivals (PROTEAN Fig. 5/6/8/11/13/15).")
 MODELS: tuple[str, ...] = ("resnet152", "densenet201", "vgg19", "inception_v3", "distilbert", "resnet18", "lenet")
 TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
-TRACES: tuple[str, ...] = ("wiki", "twitter")  # or the path of a CSV trace (time,rate or time,model,class)
+TRACES: tuple[str, ...] = ("wiki", "twitter", "onoff")  # or the path of a CSV trace (time,rate or time,model,class)
 SETTINGS: tuple[str, ...] = ("mix", "crowded")
 
 
@@ -61,7 +63,10 @@ class Params(BaseParams):
     transports: tuple[str, ...] = ("tcp",)
     scenario: str = "mix"  # mix: the 50/50 evaluation; crowded: the large partition is crowded (eta ablation)
     schemes: tuple[str, ...] = ("protean", "naive", "colocate", "timeshare", "smart-static", "protean-no-keepalive")
-    trace: str = "wiki"  # wiki | twitter | a CSV file
+    trace: str = "wiki"  # wiki | twitter | onoff | a CSV file
+    burst_peak: float = 3.0  # onoff: a burst's rate over the mean (bursts of burst_s every burst_period_s)
+    burst_period_s: float = 12.0  # onoff: one burst per period, after a gap (longer than a no-keep-alive retirement)
+    burst_s: float = 2.0  # onoff: how long a burst lasts
     duration_s: float = 40.0  # of the trace, per scheme
     warmup_s: float = 4.0  # left out of every number
     load: float = 0.7  # offered load as a fraction of the node's measured capacity for the mix
@@ -70,7 +75,9 @@ class Params(BaseParams):
     batch: int = 4  # max_batch_size of every model (PROTEAN picks batches with 50-200 ms on 7g)
     slo_multiplier: float = 3.0  # PROTEAN §5: SLO = 3x solo at the batch on the whole device (Fig. 15: 2)
     geometry: str = ""  # static partition core counts for every server ("1,1"); empty: the server's own
-    capacity_s: float = 3.0  # closed-loop seconds per model for the capacity measurement
+    capacity_s: float = 1.0  # measured seconds of each closed loop of the capacity measurement
+    capacity_rounds: int = 3  # closed loops per model, models interleaved; each model's capacity is their median
+    capacity_warmup_s: float = 0.5  # seconds at the start of every capacity loop left out (all clients send at once)
     connections: int = 8  # fast-path connections of the generator
     queue_slots: int = 1024  # per model and class: room for a burst of the open loop (bounded)
     budget_s: float = 1.0  # profiler: most seconds per (threads, batch) point
@@ -93,11 +100,13 @@ class Params(BaseParams):
             raise ValueError("duration_s must be longer than warmup_s")
         if self.batch < 1 or self.slo_multiplier <= 0 or self.switch_s <= 0:
             raise ValueError("batch, slo_multiplier and switch_s must be positive")
+        if self.capacity_rounds < 1 or self.capacity_s <= 0 or self.capacity_warmup_s < 0:
+            raise ValueError("capacity_rounds and capacity_s must be positive, capacity_warmup_s at least 0")
 
     @classmethod
     def quick(cls) -> Params:
         return cls(models=("resnet152", "vgg19", "distilbert"), schemes=("protean", "timeshare"), duration_s=15.0,
-                   warmup_s=2.0, switch_s=5.0, capacity_s=1.5, budget_s=0.5, connections=4)
+                   warmup_s=2.0, switch_s=5.0, capacity_rounds=1, budget_s=0.5, connections=4)
 
     def resolved(self) -> Params:
         """The parameters the chosen ``scenario`` runs with: crowded defaults to mostly strict
@@ -126,7 +135,8 @@ NOT_GIVEN = {
     "latency_origin": "the request's arrival time in the trace (client queueing counts)",
     "be_switch": "uniform among the BE models, never the same one twice in a row",
     "strict_share_draw": "exactly round(share x n) arrivals, chosen at random",
-    "capacity": "closed loop of 2 x batch clients per model on the first scheme's server, harmonic mix",
+    "capacity": "median of capacity_rounds closed loops of 2 x batch clients per model (models interleaved, "
+                "capacity_warmup_s of each left out) on the first scheme's server, harmonic mix",
     "solo": "the stored L[threads, batch] profile of the strict model (isolated, pinned process); solo on c "
             "cores is the best of L[t, batch] for t <= c",
     "p99_breakdown": "each part's share of the mean latency of requests at or above p99, applied to p99",
@@ -138,10 +148,15 @@ def _arrivals(p: Params, mean_rate: float, strict: str, bes: Sequence[str]) -> t
     """The run's arrival list at ``mean_rate`` req/s, and what it was made of."""
     rng = np.random.default_rng(p.seed)
     if p.trace in TRACES:
-        make = traces.wiki_like if p.trace == "wiki" else traces.twitter_like
-        points = make(p.duration_s, mean_rate, rng)
+        if p.trace == "onoff":
+            points = traces.on_off_like(p.duration_s, mean_rate, rng, p.burst_peak, p.burst_period_s, p.burst_s)
+        else:
+            points = (traces.wiki_like if p.trace == "wiki" else traces.twitter_like)(p.duration_s, mean_rate, rng)
         times = from_rate_trace(points, p.duration_s, rng)
         info = {"kind": p.trace, "peak_to_mean": traces.peak_to_mean_of(points, p.duration_s)}
+        if p.trace == "onoff":  # when each burst ran, to set the autoscaler's resizes against
+            ends = [t for t, _ in points[1:]] + [p.duration_s]
+            info["bursts_s"] = [[t, min(end, p.duration_s)] for (t, r), end in zip(points, ends) if r > points[0][1]]
     else:
         csv = traces.load_csv(p.trace)
         if csv.kind == "arrivals":  # replayed as written: models and classes are the file's
@@ -346,13 +361,19 @@ def run(ctx: Context) -> ScenarioOutput:
             url, http = target.url(p.transports[0]), server.urls["http"]
             ctx.validate(target, {m: Expected(m) for m in p.models}, p.transports[:1])
             if not caps:
-                with ctx.task(f"{scheme}: capacity of each model", len(p.models)) as advance:
-                    for m in p.models:
-                        caps[m] = capacity(url, m, specs[m], p.batch, p.capacity_s, p.seed, p.transports[0])
-                        advance(1)
-                mix = analysis.capacity_of_mix({m: c["rps"] for m, c in caps.items()}, shares)
-                caps["mix_rps"] = mix
-                caps["measured_on"] = scheme
+                loops: dict[str, list[dict[str, Any]]] = {m: [] for m in p.models}
+                began = time.perf_counter()
+                with ctx.task(f"{scheme}: capacity of each model", p.capacity_rounds * len(p.models)) as advance:
+                    for _ in range(p.capacity_rounds):
+                        for m in p.models:
+                            loops[m].append(capacity(url, m, specs[m], p.batch, p.capacity_s, p.seed,
+                                                     p.transports[0], p.capacity_warmup_s))
+                            advance(1)
+                steady = analysis.steady_capacity({m: [c["rps"] for c in v] for m, v in loops.items()}, shares)
+                mix = steady["mix_rps"]
+                caps = {m: {"rps": steady["rps"][m], "loops": v} for m, v in loops.items()}
+                caps |= {"mix_rps": mix, "mix_rps_by_round": steady["mix_rps_by_round"], "measured_on": scheme,
+                         "took_s": time.perf_counter() - began}
                 arrivals, trace_info = _arrivals(p, p.load * mix, strict, bes)
             job = TraceJob(url, tuple(specs.items()), tuple(arrivals), slo_s * 1e3, p.connections,
                            max(30.0, p.duration_s), p.seed, transport=p.transports[0])
@@ -377,6 +398,14 @@ def run(ctx: Context) -> ScenarioOutput:
             slo = analysis.prom_counter(metrics or "", "splitserve_slo_requests", {"model": strict, "class": "rt"})
             m["server_slo"] = slo or None
             m["cold_starts"] = _cold_starts(partitions, metrics)
+            resizes = partitions.get("resizes", []) if isinstance(partitions, Mapping) else []
+            m["instances"] = {
+                "retired": sum((_find(partitions, "retired") or {}).values()), "resizes": len(resizes),
+                "by_burst": analysis.resizes_by_burst(resizes, trace_info["bursts_s"], offset)
+                if "bursts_s" in trace_info else None,
+                "timeline": [{"model": r["model"], "from": r["from"], "to": r["to"], "at_s": r["asked_at"] - offset,
+                              "took_s": None if r["done_at"] is None else r["done_at"] - r["asked_at"]}
+                             for r in resizes]}  # at_s: trace time the resize was asked at
             m["partitions"] = partitions
             runs[scheme] = m
             servers[scheme] = {"overrides": overrides}
