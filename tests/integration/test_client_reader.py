@@ -48,15 +48,20 @@ def _model(pad: int = 0) -> bytes:
                        "pad": "p" * pad}).encode()
 
 
+def _answer_lookup(conn: socket.socket, body: bytes | None = None) -> None:
+    """Take the client's LOOKUP and answer it with ``body`` (default: ``_model()``'s description, func id 7)."""
+    h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+    _recv_exact(conn, h.payload_len)
+    body = _model() if body is None else body
+    conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+
+
 def _peer(listener: socket.socket, calls: int) -> None:
     """Answer a LOOKUP with a body bigger than the client's buffer, then take ``calls``
     requests and answer them all with one write, last first."""
     conn, _ = listener.accept()
     with conn:
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
-        body = _model(2 * _RX_BYTES)
-        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        _answer_lookup(conn, _model(2 * _RX_BYTES))
         answers = []
         for _ in range(calls):
             h = unpack_header(_recv_exact(conn, HEADER_SIZE))
@@ -89,10 +94,7 @@ def _doubling_peer(listener: socket.socket, rounds: list[int]) -> None:
     first, one write each: x * 2, or an INVALID_INPUT error for a call whose x is negative."""
     conn, _ = listener.accept()
     with conn:
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
-        body = _model()
-        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        _answer_lookup(conn)
         for n in rounds:
             held = []
             for _ in range(n):
@@ -240,10 +242,7 @@ def _lookup_then(listener: socket.socket, reply: "Callable[[Header], bytes] | No
     until ``done``)."""
     conn, _ = listener.accept()
     with conn:
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
-        body = _model()
-        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        _answer_lookup(conn)
         h = unpack_header(_recv_exact(conn, HEADER_SIZE))
         _recv_exact(conn, h.payload_len)
         if reply is not None:
@@ -277,10 +276,7 @@ def _two_calls_peer(listener: socket.socket, first_in: threading.Event, theirs_f
     the first call's id, which the client must ignore."""
     conn, _ = listener.accept()
     with conn:
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
-        body = _model()
-        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        _answer_lookup(conn)
         calls = []
         for _ in range(2):
             h = unpack_header(_recv_exact(conn, HEADER_SIZE))
