@@ -367,9 +367,9 @@ class _Conn(FrameStream):
             self.call = call
             if call.row < 0:  # waiting for rows is the worker's doing: no frame timeout meanwhile
                 self.state, self.frame_t0_ns = _WAIT, 0
-            else:
+                self._update()
+            else:  # reading on, as between frames: the selector's interest stays as it is
                 self.state = PAYLOAD
-            self._update()
         elif h.kind == Kind.PING:
             self.discard(h.payload_len, None)
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
@@ -745,6 +745,9 @@ class DirectServer:
         self.counters.flush()
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():
+            if len(parts) <= step:
+                conn.send(parts)
+                continue
             for i in range(0, len(parts), step):
                 conn.send(parts[i : i + step])
         self._rows_free(cls)
@@ -771,8 +774,9 @@ class DirectServer:
                 break
             waiting.popleft()
             conn.rows_granted()
-        for conn in list(self.paused):
-            conn.resume()
+        if self.paused:
+            for conn in list(self.paused):
+                conn.resume()
 
     def close(self) -> None:
         """Close the endpoint and every connection (UNLOAD, STOP): calls not answered are

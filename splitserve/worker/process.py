@@ -202,14 +202,17 @@ class Worker:
                 self._sync(launched)
                 return i, acts
             s0 = time.monotonic_ns()
-            acts = self._launch(b, model, i, acts, launched)
-            if b.stream is None:  # synchronous: this is the segment's real time
+            if b.stream is not None:
+                acts = self._launch(b, model, i, acts, launched)
+            else:  # synchronous: this is the segment's real time
+                acts = model.run_segment(i, acts)
                 key = (i, count)
                 dt = time.monotonic_ns() - s0
                 old = b.segment_times.get(key)
                 weight = self.spec.segment_time_weight
                 b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
-        self._sync(launched)
+        if launched:
+            self._sync(launched)
         return None, acts
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
@@ -260,8 +263,8 @@ class Worker:
         return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first, start_ns=t0)
 
     def _launch(self, b: Binding, model: SegmentedModel, i: int, acts: tuple, launched: list) -> tuple:
-        if b.stream is None:
-            return model.run_segment(i, acts)
+        """Launch segment ``i`` on the binding's CUDA stream; its event joins ``launched``."""
+        assert b.stream is not None
         with torch.cuda.stream(b.stream):
             out = model.run_segment(i, acts)
             ev = torch.cuda.Event()
