@@ -228,7 +228,7 @@ class _Conn(FrameStream):
         return not (self.paused or self.closing or self.closed or self.state == _WAIT)
 
     def _update(self) -> None:
-        """Keep the selector's interest in step with what this connection can do now."""
+        """Keep the epoll interest in step with what this connection can do now."""
         if self.closed:
             return
         want = (select.EPOLLIN if self._wants_read() else 0) | (select.EPOLLOUT if self.out else 0)
@@ -368,7 +368,7 @@ class _Conn(FrameStream):
             if call.row < 0:  # waiting for rows is the worker's doing: no frame timeout meanwhile
                 self.state, self.frame_t0_ns = _WAIT, 0
                 self._update()
-            else:  # reading on, as between frames: the selector's interest stays as it is
+            else:  # reading on, as between frames: the epoll interest stays as it is
                 self.state = PAYLOAD
         elif h.kind == Kind.PING:
             self.discard(h.payload_len, None)
@@ -406,7 +406,7 @@ class _Conn(FrameStream):
 
     def resume(self) -> None:
         """Look at the bounds again and, reading on, take what waited in the stage (the
-        selector says nothing of bytes already read)."""
+        epoll says nothing of bytes already read)."""
         self.maybe_pause()
         if not self.paused and self.lo < self.hi:
             self._take()
