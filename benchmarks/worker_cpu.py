@@ -185,8 +185,8 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
     w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
                                cpus=sorted(os.sched_getaffinity(0)), threads=1, direct=spec)))
     w.counters.set_admit(1 << 20)
-    direct, sel = w.direct, w.sel
-    assert direct is not None and sel is not None
+    direct = w.direct
+    assert direct is not None
     entry = zoo_entry(model)
     x = b"".join(np.ones(t.shape, t.dtype).tobytes() for t in entry.inputs)
     frame = bytearray(Header(Kind.REQUEST, func_id=1, payload_len=len(x)).pack() + x)
@@ -195,15 +195,8 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
     for _ in range(conns):
         socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         socks[-1].connect(spec.path)
-    for key, mask in sel.select(0):  # the accepts
-        key.data(mask)
-
-    def turn() -> None:  # one turn of Worker.serve's loop
-        for key, mask in sel.select(0 if direct.ready() else direct.timeout()):
-            key.data(mask)
-        direct.sweep(time.monotonic_ns())
-        if direct.ready():
-            direct.run_one(w.run_direct)
+    while len(direct.conns) < conns:  # the accepts
+        w.turn(direct)
 
     def client(k: int) -> None:  # every connection sends a frame; the loop turns until all are answered
         for s in socks:
@@ -211,13 +204,14 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
             s.send(frame)
         target = w.counters.value(Word.ANSWERED) + conns
         while w.counters.value(Word.ANSWERED) < target:
-            turn()
+            w.turn(direct)  # as Worker.serve turns it, inside its inference mode
         for s in socks:
             got = 0
             while got < len(answer):
                 got += s.recv_into(answer[got:])
 
     rounds = max(1, calls // conns)
+    w.inference.__enter__()
     for k in range(1, 200):  # warm-up
         client(k)
     prof = cProfile.Profile() if profile else None
@@ -239,6 +233,7 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
         for a, b in pairs:
             b.recv_into(back)
     client_s = time.thread_time() - t0
+    w.inference.__exit__(None, None, None)
     out: dict[str, object] = {"worker_cpu_us": (total - client_s) / (rounds * conns) * 1e6,
                               "calls_per_batch": w.counters.snapshot().answered / max(1, w.counters.snapshot().batches)}
     if prof:

@@ -45,6 +45,10 @@ class Word(IntEnum):
 
 
 _WORDS = len(Word)
+# Indices of the words counted on every call, as plain ints (an enum member's lookup costs more)
+_RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES = (
+    int(w) for w in (Word.RECEIVED, Word.ANSWERED, Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.BUSY_NS, Word.BATCHES,
+                     Word.SAMPLES))
 _U64 = struct.Struct("<q")  # signed: an in-flight word goes down as well as up
 _ZEROS = struct.Struct(f"<{int(Word.ADMIT)}q")
 
@@ -120,6 +124,30 @@ class WorkerCounters:
         if self._dirty:
             _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *self._mine)
             self._dirty = False
+
+    def accepted(self, in_flight: Word) -> None:
+        """Worker: a call was accepted into ``in_flight`` (its class's word): one count of
+        RECEIVED and one more in flight (one method, not two ``add``s: it is per call)."""
+        mine = self._mine
+        mine[_RECEIVED] += 1
+        mine[in_flight] += 1
+        self._dirty = True
+
+    def answered(self, in_flight: Word, calls: int, samples: int, busy_ns: int) -> None:
+        """Worker: a batch of ``samples`` ran for ``busy_ns`` and ``calls`` of its class's
+        ``in_flight`` calls were answered with their results."""
+        mine = self._mine
+        mine[in_flight] -= calls
+        mine[_ANSWERED] += calls
+        mine[_BATCHES] += 1
+        mine[_SAMPLES] += samples
+        mine[_BUSY_NS] += busy_ns
+        self._dirty = True
+
+    def in_flight(self) -> int:
+        """Worker: its calls accepted and not yet answered or dropped, of both classes."""
+        mine = self._mine
+        return mine[_IN_FLIGHT_RT] + mine[_IN_FLIGHT_BE]
 
     def value(self, word: Word) -> int:
         """Worker: one of its own words."""

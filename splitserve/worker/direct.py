@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import selectors
+import select
 import socket
 import time
 from collections import deque
@@ -59,6 +59,7 @@ from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD
 from splitserve.slo import slo_outcome
 from splitserve.types import TensorSpec
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
+from splitserve.worker.poller import READABLE, WRITABLE, Poller
 from splitserve.worker.spec import DirectSpec
 
 log = logging.getLogger(__name__)
@@ -227,28 +228,28 @@ class _Conn(FrameStream):
         return not (self.paused or self.closing or self.closed or self.state == _WAIT)
 
     def _update(self) -> None:
-        """Keep the selector's interest in step with what this connection can do now."""
+        """Keep the epoll interest in step with what this connection can do now."""
         if self.closed:
             return
-        want = (selectors.EVENT_READ if self._wants_read() else 0) | (selectors.EVENT_WRITE if self.out else 0)
+        want = (select.EPOLLIN if self._wants_read() else 0) | (select.EPOLLOUT if self.out else 0)
         if want == self.events:
             return
-        sel = self.server.sel
+        poller = self.server.poller
         if not self.events:
-            sel.register(self.fd, want, self.on_event)
+            poller.register(self.fd, want, self.on_event)
         elif not want:
-            sel.unregister(self.fd)
+            poller.unregister(self.fd)
         else:
-            sel.modify(self.fd, want, self.on_event)
+            poller.modify(self.fd, want)
         self.events = want
 
     def on_event(self, mask: int) -> None:
         try:
-            if mask & selectors.EVENT_WRITE:
+            if mask & WRITABLE:
                 self.write_some()
                 if not self.closed:
                     self.resume()
-            if mask & selectors.EVENT_READ:
+            if mask & READABLE:
                 if self.lo < self.hi:
                     self._take()
                 for _ in range(self.spec.reads_per_wakeup):
@@ -366,9 +367,9 @@ class _Conn(FrameStream):
             self.call = call
             if call.row < 0:  # waiting for rows is the worker's doing: no frame timeout meanwhile
                 self.state, self.frame_t0_ns = _WAIT, 0
-            else:
+                self._update()
+            else:  # reading on, as between frames: the epoll interest stays as it is
                 self.state = PAYLOAD
-            self._update()
         elif h.kind == Kind.PING:
             self.discard(h.payload_len, None)
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
@@ -382,7 +383,7 @@ class _Conn(FrameStream):
         self.state = PAYLOAD
         self.frame_t0_ns = time.monotonic_ns()
         self._update()
-        self.on_event(selectors.EVENT_READ)
+        self.on_event(select.EPOLLIN)
 
     def refused(self, h: Header, error: SplitServeError) -> None:
         self.server.counters.add(Word.FAILED)
@@ -405,7 +406,7 @@ class _Conn(FrameStream):
 
     def resume(self) -> None:
         """Look at the bounds again and, reading on, take what waited in the stage (the
-        selector says nothing of bytes already read)."""
+        epoll says nothing of bytes already read)."""
         self.maybe_pause()
         if not self.paused and self.lo < self.hi:
             self._take()
@@ -414,7 +415,7 @@ class _Conn(FrameStream):
         spec = self.spec
         return (len(self.ids) >= spec.max_in_flight or len(self.out) > spec.out_high_water
                 or (self.paused and len(self.out) > spec.out_low_water)
-                or self.server.held() >= self.server.counters.admit())
+                or self.server.counters.in_flight() >= self.server.counters.admit())
 
     def expire(self, now_ns: int) -> None:
         """Close the connection if its current frame began more than frame_timeout_s ago."""
@@ -430,7 +431,7 @@ class _Conn(FrameStream):
             self._update()
             return
         if self.events:
-            self.server.sel.unregister(self.fd)
+            self.server.poller.unregister(self.fd)
             self.events = 0
         self.closed = True
         self.out = bytearray()
@@ -442,13 +443,13 @@ class DirectServer:
     """A bound worker's endpoint and its direct calls (see the module's docstring)."""
 
     def __init__(self, spec: DirectSpec, cfg: ModelConfig, counters: WorkerCounters,
-                 sel: selectors.BaseSelector, ring: Callable[[], None], stops: Callable[[int, int], bool]) -> None:
+                 poller: Poller, ring: Callable[[], None], stops: Callable[[int, int], bool]) -> None:
         self.spec = spec
         self.ring = ring  # tells the front end that a direct real-time batch began or ended
         self.stops = stops  # (segment, count): a suspended best-effort batch would stop again there now
         self.cfg = cfg
         self.counters = counters
-        self.sel = sel
+        self.poller = poller
         self.max_batch = cfg.max_batch_size
         self.default_cls = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self.class_of: dict[int, RequestClass] = {}  # a header's class -> the class its call runs in
@@ -489,7 +490,7 @@ class DirectServer:
                 self.listeners.append(tcp_listener(spec.tcp_host, 0))
             for listener in self.listeners:
                 listener.setblocking(False)
-                sel.register(listener.fileno(), selectors.EVENT_READ, functools.partial(self._on_accept, listener))
+                poller.register(listener.fileno(), select.EPOLLIN, functools.partial(self._on_accept, listener))
         except BaseException:
             if self.listeners:  # the Unix socket is this endpoint's (a live server's is never taken over)
                 self.close()
@@ -537,10 +538,6 @@ class DirectServer:
             self._drop(call)
             conn.call = None
 
-    def held(self) -> int:
-        """Direct calls accepted and not yet answered or dropped."""
-        return self.counters.value(Word.IN_FLIGHT_RT) + self.counters.value(Word.IN_FLIGHT_BE)
-
     def accept_call(self, conn: _Conn, h: Header) -> _Call:
         """Check a REQUEST header as the front end would; the call, with rows if its class
         has room now (else it waits for them and its connection is not read meanwhile)."""
@@ -555,8 +552,7 @@ class DirectServer:
             cls = self.class_of[h.cls] = call_class(h.cls, self.default_cls, self.spec.rt_only)
         call = _Call(conn, h, cls, count, conn.frame_t0_ns, h.slo_us or self.spec.slo_us)
         conn.ids.add(h.req_id)
-        self.counters.add(Word.RECEIVED)
-        self.counters.add(_IN_FLIGHT[cls])
+        self.counters.accepted(_IN_FLIGHT[cls])
         if not self._give_rows(call):
             self.waiting[cls].append(conn)
         return call
@@ -711,14 +707,12 @@ class DirectServer:
             if rt:
                 self._claim(0)
         t1 = time.monotonic_ns()
-        self.counters.add(Word.BUSY_NS, t1 - t0)
         if stopped is not None:  # best-effort, at a boundary: it resumes once it may
+            self.counters.add(Word.BUSY_NS, t1 - t0)
             if not resuming or stopped > first:
                 self.counters.add(Word.PREEMPTED)
             self.suspended = (calls, n, stopped, acts)
             return
-        self.counters.add(Word.BATCHES)
-        self.counters.add(Word.SAMPLES, n)
         outs = [(_out_bytes(y, dtype, nb * n, spec), nb) for y, (dtype, nb, spec) in zip(acts, self.out_specs)]
         compute_us = (t1 - t0) // 1000
         t2 = time.monotonic_ns()
@@ -747,11 +741,13 @@ class DirectServer:
             answered += 1
         # counted before any answer leaves: a client that has its answer and then asks the
         # front end (a LOOKUP, the statistics) must find the call counted
-        self.counters.sub(_IN_FLIGHT[cls], answered)
-        self.counters.add(Word.ANSWERED, answered)
+        self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
         self.counters.flush()
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():
+            if len(parts) <= step:
+                conn.send(parts)
+                continue
             for i in range(0, len(parts), step):
                 conn.send(parts[i : i + step])
         self._rows_free(cls)
@@ -778,17 +774,15 @@ class DirectServer:
                 break
             waiting.popleft()
             conn.rows_granted()
-        for conn in list(self.paused):
-            conn.resume()
+        if self.paused:
+            for conn in list(self.paused):
+                conn.resume()
 
     def close(self) -> None:
         """Close the endpoint and every connection (UNLOAD, STOP): calls not answered are
         the client's to re-send through the front end."""
         for listener in self.listeners:
-            try:
-                self.sel.unregister(listener.fileno())
-            except (KeyError, ValueError):
-                pass
+            self.poller.unregister(listener.fileno())
             listener.close()
         self.listeners = []
         try:

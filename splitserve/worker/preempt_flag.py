@@ -21,6 +21,7 @@ import struct
 import time
 
 _U64 = struct.Struct("<Q")
+_GATE = struct.Struct("<QQ")  # words 2 and 3: the padding deadline, the direct hold
 
 
 class PreemptFlag:
@@ -56,8 +57,10 @@ class PreemptFlag:
         """Hold the worker's direct best-effort batches at their next segment boundary, or let them go."""
         _U64.pack_into(self._mm, 24, int(held))
 
-    def direct_held(self) -> bool:
-        return bool(_U64.unpack_from(self._mm, 24)[0])
+    def direct_gate(self) -> tuple[int, int]:
+        """(the padding deadline, the direct hold) in one read: a direct best-effort batch
+        looks at both before each segment."""
+        return _GATE.unpack_from(self._mm, 16)
 
     def set_padding_deadline(self, deadline_ns: int) -> None:
         """Best-effort segments must end by ``deadline_ns`` (0 lifts the limit)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import array
 import logging
 import os
-import selectors
+import select
 import socket
 import sys
 import time
@@ -31,6 +31,7 @@ from splitserve.protocol.header import RequestClass
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
+from splitserve.worker.poller import Poller
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
@@ -88,12 +89,14 @@ class Worker:
         self._bufs = [self._buf]
         self._ancsize = socket.CMSG_SPACE(MAX_LOAD_FDS * _FD_BYTES)
         self.bound: Binding | None = None
-        # Entered around every batch; one instance, as building one costs as much as entering it
-        self._inference = torch.inference_mode()
+        # Entered around every front-end batch, and around the loop's turns while it serves a
+        # direct endpoint (between two control messages); one instance, as building one costs
+        # as much as entering it
+        self.inference = torch.inference_mode()
         # The bound model's direct endpoint (``worker/direct.py``), when its LOAD asked for
-        # one, and the selector over it and the control socket (only while it is open).
+        # one, and the epoll over it and the control socket (only while it is open).
         self.direct: DirectServer | None = None
-        self.sel: selectors.BaseSelector | None = None
+        self.poller: Poller | None = None
 
     @property
     def model(self) -> SegmentedModel:
@@ -119,10 +122,10 @@ class Worker:
             raise
         self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
         if msg.bind.direct is not None:
-            self.sel = selectors.DefaultSelector()
+            self.poller = Poller()
             try:
-                self.sel.register(self.ctrl.fileno(), selectors.EVENT_READ, None)
-                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.sel, self._ring,
+                self.poller.register(self.ctrl.fileno(), select.EPOLLIN, None)
+                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.poller, self._ring,
                                            self._direct_stops)
             except BaseException:
                 self._close_direct()
@@ -165,9 +168,9 @@ class Worker:
         d, self.direct = self.direct, None
         if d is not None:
             d.close()
-        sel, self.sel = self.sel, None
-        if sel is not None:
-            sel.close()
+        poller, self.poller = self.poller, None
+        if poller is not None:
+            poller.close()
 
     def _should_stop(self, b: Binding, msg: RunMsg, i: int, first: int, count: int) -> bool:
         """REEF's check between segments: an explicit preemption of this batch, or (for
@@ -175,11 +178,12 @@ class Worker:
         padding deadline."""
         if i > first and self.flag.target() == msg.batch_id:
             return True  # an explicit preemption lets at least one segment run: progress
-        return msg.cls == RequestClass.BE and self._past_padding(b, i, count)
+        return msg.cls == RequestClass.BE and self._past_padding(b, i, count, self.flag.padding_deadline())
 
-    def _past_padding(self, b: Binding, i: int, count: int) -> bool:
-        """Segment ``i`` of a best-effort batch of ``count`` would end after the padding deadline."""
-        deadline = self.flag.padding_deadline()
+    @staticmethod
+    def _past_padding(b: Binding, i: int, count: int, deadline: int) -> bool:
+        """Segment ``i`` of a best-effort batch of ``count`` would end after the padding
+        deadline (0: none)."""
         return bool(deadline) and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline
 
     def _segments(self, b: Binding, model: SegmentedModel, acts: tuple, first: int, count: int,
@@ -198,33 +202,37 @@ class Worker:
                 self._sync(launched)
                 return i, acts
             s0 = time.monotonic_ns()
-            acts = self._launch(b, model, i, acts, launched)
-            if b.stream is None:  # synchronous: this is the segment's real time
+            if b.stream is not None:
+                acts = self._launch(b, model, i, acts, launched)
+            else:  # synchronous: this is the segment's real time
+                acts = model.run_segment(i, acts)
                 key = (i, count)
                 dt = time.monotonic_ns() - s0
                 old = b.segment_times.get(key)
                 weight = self.spec.segment_time_weight
                 b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
-        self._sync(launched)
+        if launched:
+            self._sync(launched)
         return None, acts
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
         """A direct batch's segments (``direct.SegmentRunner``): a best-effort one stops at a
-        boundary while the front end holds it (``PreemptFlag.direct_held``: real-time work
-        claims its CPUs) or its padding deadline leaves no room, and resumes later."""
+        boundary while the front end holds it (``PreemptFlag.direct_gate``: real-time work
+        claims its CPUs) or its padding deadline leaves no room, and resumes later. Called
+        from ``turn``, inside the loop's inference mode."""
         b = self._binding(0)
         model = b.model
         assert model is not None
         if b.device.type != "cpu" and first == 0:
             acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
         stop = (lambda i: self._direct_stops(i, count)) if cls == RequestClass.BE else None
-        with self._inference:
-            return self._segments(b, model, acts, first, count, stop)
+        return self._segments(b, model, acts, first, count, stop)
 
     def _direct_stops(self, i: int, count: int) -> bool:
         """A direct best-effort batch of ``count`` may not start segment ``i`` now: the front end
         holds it, or the segment would end after the padding deadline."""
-        return self.flag.direct_held() or self._past_padding(self._binding(0), i, count)
+        deadline, held = self.flag.direct_gate()
+        return bool(held) or self._past_padding(self._binding(0), i, count, deadline)
 
     def run(self, msg: RunMsg) -> DoneMsg:
         """Run a batch of the bound model from its first (or restore) segment; stop at a
@@ -239,7 +247,7 @@ class Worker:
         else:  # segments are idempotent: without a saved point, start over from the inputs
             first, acts = 0, self._inputs(b, msg)
         n = model.num_segments
-        with self._inference:
+        with self.inference:
             stopped, acts = self._segments(b, model, acts, first, msg.count,
                                            lambda i: self._should_stop(b, msg, i, first, msg.count))
             if stopped is not None:
@@ -255,8 +263,8 @@ class Worker:
         return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first, start_ns=t0)
 
     def _launch(self, b: Binding, model: SegmentedModel, i: int, acts: tuple, launched: list) -> tuple:
-        if b.stream is None:
-            return model.run_segment(i, acts)
+        """Launch segment ``i`` on the binding's CUDA stream; its event joins ``launched``."""
+        assert b.stream is not None
         with torch.cuda.stream(b.stream):
             out = model.run_segment(i, acts)
             ev = torch.cuda.Event()
@@ -274,31 +282,44 @@ class Worker:
     def serve(self) -> None:
         """Serve the control socket and, while a model with a direct endpoint is bound, its
         direct connections: one control message, then one direct batch, in turn, so neither
-        path starves the other."""
+        path starves the other. Between two control messages the loop stays in inference
+        mode (entering it per batch cost ≈ 5 µs a call); a control message (LOAD, UNLOAD, a
+        front-end RUN) is handled outside it, as an unbound worker's are."""
         self.ctrl.send(pack_ready({"pid": os.getpid(), "rss_anon": rss_anon()}))
         try:
             while True:
                 direct = self.direct
-                if direct is None:  # the front end's path alone: block on the control socket
-                    if not self.step():
-                        return
-                    continue
-                ctrl = False
-                assert self.sel is not None  # open while a direct endpoint is
-                for key, mask in self.sel.select(0 if direct.ready() else direct.timeout()):
-                    if key.data is None:
-                        ctrl = True
-                    elif self.direct is direct:
-                        key.data(mask)
-                if ctrl and not self.step():
+                if direct is not None:
+                    with self.inference:
+                        while not self.turn(direct):
+                            pass
+                if not self.step():  # with no direct endpoint, blocks on the control socket
                     return
-                if self.direct is direct:
-                    direct.sweep(time.monotonic_ns())
-                    if direct.ready():
-                        direct.run_one(self.run_direct)
-                self.counters.flush()  # what this turn counted, in the page before the loop waits
         finally:
             self._close_direct()
+
+    def turn(self, direct: DirectServer) -> bool:
+        """One turn of the direct loop: wait for events (not at all while a batch is ready),
+        handle the direct ones, look for expired frames, run one batch; True, and no batch
+        run, when a control message waits (the caller handles it outside inference mode)."""
+        poller = self.poller
+        assert poller is not None  # open while a direct endpoint is
+        handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
+        for fd, mask in poller.ep.poll(0 if direct.ready() else direct.timeout()):
+            if fd == ctrl_fd:
+                ctrl = True
+                continue
+            handler = handlers.get(fd)
+            if handler is not None:  # None: unregistered by an earlier event of this turn
+                handler(mask)
+        if not ctrl:
+            now = time.monotonic_ns()
+            if now >= direct.sweep_at_ns:
+                direct.sweep(now)
+            if direct.ready():
+                direct.run_one(self.run_direct)
+        self.counters.flush()  # what this turn counted, in the page before the loop waits
+        return ctrl
 
     def step(self) -> bool:
         """Receive one message and answer it; False when the worker should exit (STOP, or

@@ -1,0 +1,124 @@
+"""The worker's direct loop (``Worker.serve`` / ``Worker.turn``): one epoll over the control
+socket and the direct endpoint, the turns in inference mode between two control messages
+and every control message handled outside it. An in-process worker serves on a thread
+of this test (inference mode is per thread: the loop's thread is the one that loads)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import numpy as np
+import torch
+
+from splitserve.config import ServerConfig
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.tensorqueue import TensorQueue, ring_slots
+from splitserve.worker.messages import LoadedMsg, LoadMsg, Msg, UnloadedMsg
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.process import Worker
+from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds, WorkerSpec
+
+WAIT_S = 60.0  # a bound on each wait, so a broken loop fails the test instead of hanging it
+FUNC_ID = 7
+
+
+def zoo(name: str) -> ModelConfig:
+    return ModelConfig.from_dict({"name": name, "artifact": {"kind": "zoo", "arch": name}})
+
+
+def _queues(cfg: ModelConfig) -> tuple[list[TensorQueue], int]:
+    n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
+    return [TensorQueue(t.nbytes, n) for t in cfg.inputs + cfg.outputs], n
+
+
+def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int) -> BindSpec:
+    """A best-effort binding of ``cfg`` with a direct endpoint at ``tmp_path/d.sock``."""
+    d = ServerConfig()
+    direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.fast_max_in_flight, d.fast_out_high_water,
+                        d.fast_out_low_water, d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup,
+                        False, d.direct_suspend_poll_s, d.direct_stage_bytes)
+    k = len(cfg.inputs)
+    qfds = QueueFds(n, [os.dup(q.fd) for q in queues[:k]], [os.dup(q.fd) for q in queues[k:]])
+    return BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
+                    threads=torch.get_num_threads(), direct=direct)
+
+
+def _direct_call(path: str, x: bytes, answer_bytes: int) -> bytes:
+    """One REQUEST over a fresh connection to the endpoint; the answer's payload."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(WAIT_S)
+        s.connect(path)
+        s.sendall(Header(Kind.REQUEST, req_id=1, func_id=FUNC_ID, payload_len=len(x)).pack() + x)
+        got = bytearray()
+        while len(got) < HEADER_SIZE + answer_bytes:
+            chunk = s.recv(65536)
+            assert chunk, "the worker closed the connection"
+            got += chunk
+    assert unpack_header(got).kind == Kind.RESPONSE
+    return bytes(got[HEADER_SIZE:])
+
+
+def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outside_it(tmp_path):
+    """A direct call is answered through the loop's epoll; every control message (UNLOAD,
+    LOAD, STOP) is handled with inference mode off, so a model bound while the loop serves
+    a direct endpoint has ordinary (not inference) weights, and its direct calls work."""
+    vecadd, lenet = zoo("vecadd1k"), zoo("lenet")
+    (vq, vn), (lq, ln) = _queues(vecadd), _queues(lenet)
+    path = str(tmp_path / "d.sock")
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(WAIT_S)
+    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                          segment_time_weight=ServerConfig.segment_time_weight))
+    modes: list[tuple[int, bool]] = []  # (message kind, inference mode on) as each control message is handled
+    step = w.step
+
+    def recording_step() -> bool:
+        on = torch.is_inference_mode_enabled()
+        going_on = step()
+        modes.append((w._buf[0], on))  # noqa: SLF001 (the kind of the message just handled)
+        return going_on
+
+    w.step = recording_step  # type: ignore[method-assign]
+    loop = threading.Thread(target=w.serve, daemon=True)
+    try:
+        w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn)))
+        w.counters.set_admit(64)
+        loop.start()
+        ours.recv(65536)  # READY
+        a, b = np.arange(1024, dtype=np.float32), np.full(1024, 2.0, np.float32)
+        y = np.frombuffer(_direct_call(path, a.tobytes() + b.tobytes(), a.nbytes), np.float32)
+        np.testing.assert_array_equal(y, a + b)
+
+        ours.send(bytes([Msg.UNLOAD]))
+        assert UnloadedMsg.unpack(ours.recv(65536)).binding == 1
+        data, fds = LoadMsg(2, _bind(tmp_path, lenet, lq, ln)).pack()
+        socket.send_fds(ours, [data], fds)
+        for fd in fds:
+            os.close(fd)
+        assert LoadedMsg.unpack(ours.recv(65536)).binding == 2
+        y = np.frombuffer(_direct_call(path, bytes(lenet.request_bytes), lenet.response_bytes), np.float32)
+        assert y.shape == (10,) and np.isfinite(y).all()
+        ours.send(bytes([Msg.STOP]))
+        loop.join(WAIT_S)
+        assert not loop.is_alive()
+        # the STOP came while a direct endpoint was open: the loop left inference mode for it too
+        assert [kind for kind, _ in modes] == [Msg.UNLOAD, Msg.LOAD, Msg.STOP]
+        assert not any(on for _, on in modes)
+        bound = w.bound
+        assert bound is not None and not any(p.is_inference() for p in bound.model.parameters())
+        assert not any(t.is_inference() for t in bound.model.buffers())
+        assert w.direct is None and w.poller is None  # serve's end closed the endpoint and its epoll
+    finally:
+        if loop.is_alive():
+            ours.send(bytes([Msg.STOP]))
+            loop.join(WAIT_S)
+        w.unload()
+        w.ctrl.close()
+        ours.close()
+        flag.close()
+        for q in vq + lq:
+            q.close()
