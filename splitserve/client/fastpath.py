@@ -21,7 +21,8 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
 from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, pack_request, unpack_header
+from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
+                                        unpack_header)
 
 
 _RX_BYTES = 64 * 1024  # the sync client's receive buffer; bigger payloads are read past it
@@ -283,10 +284,11 @@ class _Route:
     """Where a model's calls go (a ``Client``'s or an ``AsyncClient``'s): its info, and
     with ``direct`` its workers' endpoints."""
 
-    __slots__ = ("info", "streams", "turns", "due_at", "stale")
+    __slots__ = ("info", "plain", "streams", "turns", "due_at", "stale")
 
     def __init__(self, info: ModelInfo, streams: "list[_Stream] | list[_AsyncConn]", due_at: float) -> None:
         self.info = info
+        self.plain = RequestPacker(info.func_id, *_PLAIN_FIELDS)  # the header of a call that names no class
         # replaced, never changed in place, so a caller picks from it without the client's lock
         self.streams = streams
         self.turns = itertools.count()
@@ -450,9 +452,10 @@ class Client:
         info = route.info
         arrays, nbytes, count, batched = info.codec.frame(x)
         req_id = next(self._ids)
-        fields = _PLAIN_FIELDS if cls is None and not deadline_ms and not slo_ms else \
-            _request_fields(cls, deadline_ms, slo_ms)
-        parts = [pack_request(req_id, info.func_id, *fields, nbytes), *arrays]
+        fields = _request_fields(cls, deadline_ms, slo_ms)
+        hdr = route.plain.pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
+            pack_request(req_id, info.func_id, *fields, nbytes)
+        parts = [hdr, *arrays]
         streams = route.streams
         stream = streams[next(route.turns) % len(streams)] if streams else self._front
         return info, req_id, parts, HEADER_SIZE + nbytes, count, batched, stream

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from splitserve.client.common import ModelInfo, decode_outputs, encode_inputs
 from splitserve.errors import InvalidInput
+from splitserve.protocol.header import RequestPacker, pack_request
 
 INFO = ModelInfo.from_json({
     "name": "two", "func_id": 1, "max_batch_size": 8,
@@ -187,3 +188,13 @@ def test_one_sample_of_contiguous_arrays_is_framed_from_the_callers_own_buffers(
     x = [A, B]
     buffers, nbytes, count, batched = INFO.codec.frame(x)
     assert buffers is x and (nbytes, count, batched) == (A.nbytes + B.nbytes, 1, False)
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(req_id=st.integers(0, 2**64 - 1), func_id=st.integers(0, 2**16 - 1), cls=st.integers(0, 255),
+       deadline_us=st.integers(0, 2**64 - 1), slo_us=st.integers(0, 2**64 - 1), payload_len=st.integers(0, 2**32 - 1))
+def test_a_request_packer_packs_the_same_header_as_pack_request(req_id, func_id, cls, deadline_us, slo_us,
+                                                                  payload_len):
+    """The sync client's per-model header template gives the bytes ``pack_request`` does."""
+    packer = RequestPacker(func_id, cls, deadline_us, slo_us)
+    assert packer.pack(req_id, payload_len) == pack_request(req_id, func_id, cls, deadline_us, slo_us, payload_len)
