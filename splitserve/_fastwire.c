@@ -8,7 +8,8 @@
    send(fd, parts, timeout_s) -> None
        One gather write of ``parts`` (a list of objects with a contiguous buffer: the
        64-byte header and the input arrays), finished with further writes if the kernel
-       took only part.
+       took only part. Sends take the wire's own send lock (a frame is never interleaved
+       with another thread's), waited for at most ``timeout_s``.
 
    recv_frame(fd, timeout_s) -> (fields, payload)
        The next whole frame of the stream. The buffer keeps what was received and not yet
@@ -16,9 +17,16 @@
        is parsed there and its payload copied into a bytearray of its own (the decoded
        arrays keep it), or, when it is bigger than what is buffered, received straight into
        that bytearray. ``fields`` is the header's 17 fields in ``protocol.header.Header``'s
-       positional order; when the header is malformed ``fields`` is None and ``payload`` the
-       64 header bytes, for the caller to raise ``unpack_header``'s own BadFrame from, so
-       that both implementations say the same.
+       positional order and by its names (a ``Fields`` struct sequence); when the header is
+       malformed ``fields`` is None and ``payload`` the 64 header bytes, for the caller to
+       raise ``unpack_header``'s own BadFrame from, so that both implementations say the
+       same.
+
+   call(fd, parts, timeout_s) -> (fields, payload)
+       ``send`` then ``recv_frame`` in one call, for a caller that holds the reading turn
+       and has nothing else in flight: the GIL is released once for the send and the wait
+       for the answer, not once for each. ``sent`` (an attribute) then says whether the
+       send went out whole, so that the caller tells a failed send from a failed receive.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (client/fastpath.py _bound_waits): the first recv of a frame blocks in the kernel
@@ -32,6 +40,8 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <pythread.h>
 
 #include <errno.h>
 #include <poll.h>
@@ -93,12 +103,11 @@ static PyObject *io_error(int r) {
    the first recv blocks, bounded by the socket's SO_RCVTIMEO (the caller's timeout, set
    at connect): the start of an answer is rarely there yet, and a blocking recv is one
    system call where a failed recv and a poll are two. Any other recv polls for what is
-   left of ``deadline`` only when it would block. GIL released inside. */
-static Py_ssize_t recv_some(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
-                            int *err) {
+   left of ``deadline`` only when it would block. Called without the GIL. */
+static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
+                             int *err) {
     Py_ssize_t got = 0;
     int r = 1, flags = block ? 0 : MSG_DONTWAIT;
-    Py_BEGIN_ALLOW_THREADS
     while (got < need) {
         ssize_t n = recv(fd, buf + got, (size_t)(cap - got), flags);
         if (flags == 0 && n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) { /* SO_RCVTIMEO ran out */
@@ -125,7 +134,6 @@ static Py_ssize_t recv_some(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, 
             break;
         r = 1;
     }
-    Py_END_ALLOW_THREADS
     *err = r;
     return got;
 }
@@ -134,7 +142,9 @@ typedef struct {
     PyObject_HEAD
     char *buf;
     Py_ssize_t cap, start, end; /* the unparsed bytes are buf[start:end] */
-    int reading;                /* a recv_frame is under way (the GIL may be released) */
+    int reading;                /* a recv_frame or call is under way (the GIL may be released) */
+    PyThread_type_lock send_lock; /* held for a whole frame's send, taken without the GIL */
+    char sent;                  /* the last call's send went out whole */
 } Wire;
 
 static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
@@ -150,6 +160,10 @@ static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
         PyErr_NoMemory();
         return -1;
     }
+    if (self->send_lock == NULL && (self->send_lock = PyThread_allocate_lock()) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     self->buf = buf;
     self->cap = cap;
     self->start = self->end = 0;
@@ -158,6 +172,8 @@ static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
 
 static void wire_dealloc(Wire *self) {
     PyMem_Free(self->buf);
+    if (self->send_lock != NULL)
+        PyThread_free_lock(self->send_lock);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -170,36 +186,44 @@ static int check_fd(int fd) {
     return -1;
 }
 
-static PyObject *wire_send(Wire *self, PyObject *args) {
-    int fd;
-    PyObject *parts;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
-        return NULL;
+/* A frame's buffers as an iovec: ``views`` hold them until release_parts; -1 with an
+   exception set (none is held then). */
+static Py_ssize_t gather(PyObject *parts, Py_buffer *views, struct iovec *iov) {
     Py_ssize_t n = PyList_GET_SIZE(parts);
     if (n > MAX_PARTS) {
         PyErr_Format(PyExc_ValueError, "a frame is at most %d buffers, got %zd", MAX_PARTS, n);
-        return NULL;
+        return -1;
     }
-    Py_buffer views[MAX_PARTS];
-    struct iovec iov[MAX_PARTS];
-    Py_ssize_t taken = 0;
-    for (; taken < n; taken++) {
+    for (Py_ssize_t taken = 0; taken < n; taken++) {
         if (PyObject_GetBuffer(PyList_GET_ITEM(parts, taken), &views[taken], PyBUF_SIMPLE) < 0) {
             for (Py_ssize_t i = 0; i < taken; i++)
                 PyBuffer_Release(&views[i]);
-            return NULL;
+            return -1;
         }
         iov[taken].iov_base = views[taken].buf;
         iov[taken].iov_len = (size_t)views[taken].len;
     }
-    double deadline = now_s() + timeout;
+    return n;
+}
+
+static void release_parts(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+/* Send iov[0:n) whole under the wire's send lock, both waited for until ``deadline``:
+   1 sent, else wait_fd's code. Called without the GIL. */
+static int send_nogil(Wire *self, int fd, struct iovec *iov, Py_ssize_t n, double deadline) {
+    double left_us = (deadline - now_s()) * 1e6;
+    if (left_us > (double)PY_TIMEOUT_MAX)
+        left_us = (double)PY_TIMEOUT_MAX;
+    if (left_us <= 0 || PyThread_acquire_lock_timed(self->send_lock, (PY_TIMEOUT_T)left_us, 0) != PY_LOCK_ACQUIRED)
+        return -1;
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
     msg.msg_iov = iov;
     msg.msg_iovlen = (size_t)n;
     int r = 1;
-    Py_BEGIN_ALLOW_THREADS
     while (msg.msg_iovlen > 0) {
         ssize_t sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (sent < 0) {
@@ -225,28 +249,69 @@ static PyObject *wire_send(Wire *self, PyObject *args) {
             msg.msg_iov->iov_len -= (size_t)sent;
         }
     }
+    int saved = errno; /* releasing the lock must not change what io_error reports */
+    PyThread_release_lock(self->send_lock);
+    errno = saved;
+    return r;
+}
+
+static PyObject *wire_send(Wire *self, PyObject *args) {
+    int fd;
+    PyObject *parts;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
+        return NULL;
+    Py_buffer views[MAX_PARTS];
+    struct iovec iov[MAX_PARTS];
+    Py_ssize_t n = gather(parts, views, iov);
+    if (n < 0)
+        return NULL;
+    double deadline = now_s() + timeout;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = send_nogil(self, fd, iov, n, deadline);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyBuffer_Release(&views[i]);
+    int saved = errno;
+    release_parts(views, n);
+    errno = saved;
     if (r != 1)
         return io_error(r);
     Py_RETURN_NONE;
 }
 
-static PyObject *read_frame(Wire *self, int fd, double timeout) {
-    double deadline = now_s() + timeout;
-    int err;
+/* Make sure a whole header is buffered at buf[start:]: receive (blocking first) until it
+   is; 1, else io_error's code. Called without the GIL. */
+static int header_nogil(Wire *self, int fd, double deadline) {
+    int err = 1;
     if (self->end - self->start < HEADER_SIZE) {
         if (self->start + HEADER_SIZE > self->cap) { /* no room after a partial header: move it to the front */
             memmove(self->buf, self->buf + self->start, (size_t)(self->end - self->start));
             self->end -= self->start;
             self->start = 0;
         }
-        self->end += recv_some(fd, self->buf + self->end, self->cap - self->end,
-                               self->start + HEADER_SIZE - self->end, deadline, 1, &err);
-        if (err != 1)
-            return io_error(err);
+        self->end += recv_nogil(fd, self->buf + self->end, self->cap - self->end,
+                                self->start + HEADER_SIZE - self->end, deadline, 1, &err);
     }
+    return err;
+}
+
+/* A header's fields by name, in protocol.header.Header's order and with its names: what
+   ``call`` answers with, so that the caller reads them without building a Header. */
+static PyStructSequence_Field fields_names[] = {
+    {"kind", NULL}, {"req_id", NULL}, {"func_id", NULL}, {"cls", NULL}, {"flags", NULL}, {"seq_num", NULL},
+    {"seg_count", NULL}, {"status", NULL}, {"deadline_us", NULL}, {"payload_len", NULL},
+    {"payload_offset", NULL}, {"total_len", NULL}, {"queue_us", NULL}, {"compute_us", NULL},
+    {"total_us", NULL}, {"slo_us", NULL}, {"version", NULL}, {NULL, NULL},
+};
+static PyStructSequence_Desc fields_desc = {"splitserve._fastwire.Fields",
+                                            "An answer header's fields, by name and in Header's order.",
+                                            fields_names, 17};
+static PyTypeObject *FieldsType;
+
+/* The frame whose header is buffered at buf[start:] (header_nogil), its payload read on
+   until ``deadline``: (fields, payload), or (None, header bytes) for a malformed header. */
+static PyObject *take_frame(Wire *self, int fd, double deadline) {
+    int err;
     const unsigned char *h = (const unsigned char *)self->buf + self->start;
     uint64_t payload_len = le(h + 32, 4);
     if (memcmp(h, "SPRC", 4) != 0 || h[4] != VERSION || h[5] < 1 || h[5] > KIND_MAX || payload_len > MAX_PAYLOAD) {
@@ -256,13 +321,22 @@ static PyObject *read_frame(Wire *self, int fd, double timeout) {
     /* the buffer holds magic, version, kind, flags, cls, req_id, func_id, seq_num, seg_count,
        status, deadline_us, payload_len, payload_offset, total_len, queue_us, compute_us,
        total_us, slo_us (header.py's _FORMAT); Header takes them in this order */
-    PyObject *fields = Py_BuildValue(
-        "(KKKKKKKKKKKKKKKKK)", (unsigned long long)h[5], (unsigned long long)le(h + 8, 8),
-        (unsigned long long)le(h + 16, 2), (unsigned long long)h[7], (unsigned long long)h[6],
-        (unsigned long long)le(h + 18, 2), (unsigned long long)le(h + 20, 2), (unsigned long long)le(h + 22, 2),
-        (unsigned long long)le(h + 24, 8), (unsigned long long)payload_len, (unsigned long long)le(h + 36, 4),
-        (unsigned long long)le(h + 40, 4), (unsigned long long)le(h + 44, 4), (unsigned long long)le(h + 48, 4),
-        (unsigned long long)le(h + 52, 4), (unsigned long long)le(h + 56, 8), (unsigned long long)h[4]);
+    PyObject *fields = PyStructSequence_New(FieldsType);
+    if (fields == NULL)
+        return NULL;
+    const uint64_t values[17] = {
+        h[5],          le(h + 8, 8),  le(h + 16, 2), h[7],          h[6],          le(h + 18, 2),
+        le(h + 20, 2), le(h + 22, 2), le(h + 24, 8), payload_len,   le(h + 36, 4), le(h + 40, 4),
+        le(h + 44, 4), le(h + 48, 4), le(h + 52, 4), le(h + 56, 8), h[4],
+    };
+    for (int i = 0; i < 17; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(values[i]);
+        if (v == NULL) {
+            Py_DECREF(fields);
+            return NULL;
+        }
+        PyStructSequence_SET_ITEM(fields, i, v);
+    }
     if (fields == NULL)
         return NULL;
     Py_ssize_t n = (Py_ssize_t)payload_len;
@@ -283,7 +357,10 @@ static PyObject *read_frame(Wire *self, int fd, double timeout) {
             Py_DECREF(payload);
             return NULL;
         }
-        recv_some(fd, PyByteArray_AS_STRING(payload) + have, n - have, n - have, deadline, 0, &err);
+        char *rest = PyByteArray_AS_STRING(payload) + have;
+        Py_BEGIN_ALLOW_THREADS
+        recv_nogil(fd, rest, n - have, n - have, deadline, 0, &err);
+        Py_END_ALLOW_THREADS
         if (err != 1) {
             Py_DECREF(fields);
             Py_DECREF(payload);
@@ -293,25 +370,78 @@ static PyObject *read_frame(Wire *self, int fd, double timeout) {
     return Py_BuildValue("(NN)", fields, payload);
 }
 
+/* Claim the wire's reading turn: 0, or -1 with RuntimeError set. */
+static int claim(Wire *self, const char *what) {
+    if (self->buf == NULL || self->reading) {
+        PyErr_Format(PyExc_RuntimeError, "Wire.%s: not initialised, or another thread is reading", what);
+        return -1;
+    }
+    self->reading = 1;
+    return 0;
+}
+
 static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
     int fd;
     double timeout;
-    if (!PyArg_ParseTuple(args, "id", &fd, &timeout) || check_fd(fd) < 0)
+    if (!PyArg_ParseTuple(args, "id", &fd, &timeout) || check_fd(fd) < 0 || claim(self, "recv_frame") < 0)
         return NULL;
-    if (self->buf == NULL || self->reading) {
-        PyErr_SetString(PyExc_RuntimeError, "Wire.recv_frame: not initialised, or another thread is reading");
-        return NULL;
-    }
-    self->reading = 1;
-    PyObject *out = read_frame(self, fd, timeout);
+    double deadline = now_s() + timeout;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = header_nogil(self, fd, deadline);
+    Py_END_ALLOW_THREADS
+    PyObject *out = r == 1 ? take_frame(self, fd, deadline) : io_error(r);
     self->reading = 0;
     return out;
 }
+
+static PyObject *wire_call(Wire *self, PyObject *args) {
+    int fd;
+    PyObject *parts;
+    double timeout;
+    self->sent = 0;
+    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
+        return NULL;
+    Py_buffer views[MAX_PARTS];
+    struct iovec iov[MAX_PARTS];
+    Py_ssize_t n = gather(parts, views, iov);
+    if (n < 0)
+        return NULL;
+    if (claim(self, "call") < 0) {
+        release_parts(views, n);
+        return NULL;
+    }
+    /* the send and then the answer each have the whole timeout, as a send and then a
+       recv_frame would */
+    int r;
+    double deadline = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = send_nogil(self, fd, iov, n, now_s() + timeout);
+    if (r == 1) {
+        self->sent = 1;
+        deadline = now_s() + timeout;
+        r = header_nogil(self, fd, deadline);
+    }
+    Py_END_ALLOW_THREADS
+    int saved = errno;
+    release_parts(views, n);
+    errno = saved;
+    PyObject *out = r == 1 ? take_frame(self, fd, deadline) : io_error(r);
+    self->reading = 0;
+    return out;
+}
+
+static PyMemberDef wire_members[] = {
+    {"sent", T_BOOL, offsetof(Wire, sent), READONLY, "whether the last call's send went out whole"},
+    {NULL, 0, 0, 0, NULL},
+};
 
 static PyMethodDef wire_methods[] = {
     {"send", (PyCFunction)wire_send, METH_VARARGS, "send(fd, parts, timeout_s): one gather write of parts."},
     {"recv_frame", (PyCFunction)wire_recv_frame, METH_VARARGS,
      "recv_frame(fd, timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
+    {"call", (PyCFunction)wire_call, METH_VARARGS,
+     "call(fd, parts, timeout_s) -> recv_frame's answer, after sending parts (sent: whether they went)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -324,6 +454,7 @@ static PyTypeObject WireType = {
     .tp_init = (initproc)wire_init,
     .tp_dealloc = (destructor)wire_dealloc,
     .tp_methods = wire_methods,
+    .tp_members = wire_members,
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "splitserve._fastwire",
@@ -332,10 +463,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "splitserve._fastwire
 PyMODINIT_FUNC PyInit__fastwire(void) {
     if (PyType_Ready(&WireType) < 0)
         return NULL;
+    if (FieldsType == NULL && (FieldsType = PyStructSequence_NewType(&fields_desc)) == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Wire", (PyObject *)&WireType) < 0) {
+    if (PyModule_AddObjectRef(m, "Wire", (PyObject *)&WireType) < 0
+        || PyModule_AddObjectRef(m, "Fields", (PyObject *)FieldsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

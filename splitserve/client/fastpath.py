@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.client.common import Endpoint, InferResult, ModelInfo, decode_outputs, encode_inputs
+from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
 from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol.header import HEADER_SIZE, Flags, Header, Kind, RequestClass, pack_request, unpack_header
+from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
+                                        unpack_header)
 
 
 _RX_BYTES = 64 * 1024  # the sync client's receive buffer; bigger payloads are read past it
@@ -31,8 +32,14 @@ try:
 except ImportError:  # installed without a compiler or Python's headers: the pure-Python wire
     _fastwire = None
 
+# An answer's header as a solo call reads it: a Header, or on the compiled wire the same
+# fields by the same names (``_fastwire.Fields``), with no Header built
+_Fields = Any
+
 
 _PLAIN_FIELDS = (RequestClass.DEFAULT.value, 0, 0)  # a call that names no class, deadline or SLO
+# plain ints: an enum member's attribute lookup is a descriptor call, once per answer
+_ERROR, _DUPLICATE = int(Kind.ERROR), int(Status.DUPLICATE_REQUEST)
 
 
 def _request_fields(cls: Any, deadline_ms: float | None, slo_ms: float | None) -> tuple[int, int, int]:
@@ -52,10 +59,10 @@ def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls:
                         sum(a.nbytes for a in arrays))
 
 
-def _result(info: ModelInfo, h: Header, payload: bytes, count: int, batched: bool) -> InferResult:
-    if h.kind == Kind.ERROR:
-        raise error_for_status(h.status, payload.decode(errors="replace"))
-    return InferResult(decode_outputs(info, payload, count, batched), h.queue_us, h.compute_us, h.total_us)
+def _result(info: ModelInfo, h: "Header | _Fields", payload: bytes, count: int, batched: bool) -> InferResult:
+    if h.kind == _ERROR:
+        raise error_for_status(h.status, bytes(payload).decode(errors="replace"))
+    return InferResult(info.codec.decode(payload, count, batched), h.queue_us, h.compute_us, h.total_us)
 
 
 class PendingCall:
@@ -129,6 +136,8 @@ class _Stream:
     its socket, its calls in flight and its receive buffer, read and written by the pure-
     Python wire (``_CStream``: the compiled one). The client's condition guards ``pending``
     and ``reading``; only the thread holding the reading turn calls ``read_one``."""
+
+    sent = False  # whether the last ``call``'s send went out whole
 
     def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "") -> None:
         self.sock = sock
@@ -204,6 +213,14 @@ class _Stream:
         self.rx_start = begin
         return h, self._take(n)
 
+    def call(self, parts: list, total: int) -> tuple["Header | _Fields", bytearray]:
+        """``send`` then ``read_one``, for a caller that holds the reading turn with nothing
+        else in flight here; after an error ``sent`` says which of the two failed."""
+        self.sent = False
+        self.send(parts, total)
+        self.sent = True
+        return self.read_one()
+
 
 class _CStream(_Stream):
     """A ``_Stream`` whose sends and reads are ``splitserve._fastwire``'s (C, the GIL
@@ -215,16 +232,27 @@ class _CStream(_Stream):
         self.wire = _fastwire.Wire(_RX_BYTES)
 
     # the fd is the socket's at each call: once closed (a lost direct connection) it is -1
-    # and refused, never a number the OS may have given another socket since
+    # and refused, never a number the OS may have given another socket since; the wire
+    # takes its own send lock
     def send(self, parts: list, total: int | None = None) -> None:
-        with self.send_lock:
-            self.wire.send(self.sock.fileno(), parts, self.timeout)
+        self.wire.send(self.sock.fileno(), parts, self.timeout)
 
     def read_one(self) -> tuple[Header, bytearray]:
         fields, payload = self.wire.recv_frame(self.sock.fileno(), self.timeout)
         if fields is None:
             unpack_header(payload)  # raises the BadFrame that names what is wrong
         return Header(*fields), payload
+
+    def call(self, parts: list, total: int) -> tuple[_Fields, bytearray]:
+        # one C call, the GIL released once; the answer's fields come by name, no Header built
+        fields, payload = self.wire.call(self.sock.fileno(), parts, self.timeout)
+        if fields is None:
+            unpack_header(payload)
+        return fields, payload
+
+    @property
+    def sent(self) -> bool:  # type: ignore[override]
+        return self.wire.sent
 
 
 def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
@@ -256,10 +284,11 @@ class _Route:
     """Where a model's calls go (a ``Client``'s or an ``AsyncClient``'s): its info, and
     with ``direct`` its workers' endpoints."""
 
-    __slots__ = ("info", "streams", "turns", "due_at", "stale")
+    __slots__ = ("info", "plain", "streams", "turns", "due_at", "stale")
 
     def __init__(self, info: ModelInfo, streams: "list[_Stream] | list[_AsyncConn]", due_at: float) -> None:
         self.info = info
+        self.plain = RequestPacker(info.func_id, *_PLAIN_FIELDS)  # the header of a call that names no class
         # replaced, never changed in place, so a caller picks from it without the client's lock
         self.streams = streams
         self.turns = itertools.count()
@@ -350,25 +379,36 @@ class Client:
             return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), stream,
                               total).result()
         try:
-            stream.send(parts, total)
+            answer = stream.call(parts, total)
         except BaseException as e:
-            with self._lock:
-                stream.reading = False
-                if self._waiting:
-                    self._cond.notify_all()
-            if stream.model is None or not isinstance(e, OSError):
-                raise
-            self._lost(stream, e)
-            return self._resend(req_id, parts, info, count, batched)
-        answer = self._read_for(stream, req_id)
+            if stream.sent:
+                answer = self._read_failed(stream, e)
+            else:
+                with self._lock:
+                    stream.reading = False
+                    if self._waiting:
+                        self._cond.notify_all()
+                if stream.model is None or not isinstance(e, OSError):
+                    raise
+                self._lost(stream, e)
+                answer = None
+        else:
+            h = answer[0]
+            if h.req_id == req_id and not (h.kind == _ERROR and h.status == _DUPLICATE):
+                with self._lock:  # its own answer, the usual case: the turn is given up
+                    stream.reading = False
+                    if self._waiting:
+                        self._cond.notify_all()
+            else:  # another thread's call started meanwhile: read on for both
+                answer = self._read_for(stream, req_id, answer)
         if answer is None:  # a direct connection closed before the answer came
-            return self._resend(req_id, parts, info, count, batched)
-        h, payload = answer
-        return _result(info, h, bytes(payload) if h.kind == Kind.ERROR else payload, count, batched)
+            return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), self._front).result()
+        return _result(info, answer[0], answer[1], count, batched)
 
-    def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
+    def infer(self, model: str, x: Any, *, cls: Any = None, deadline_ms: float | None = None,
+              slo_ms: float | None = None) -> "np.ndarray | dict[str, np.ndarray]":
         """numpy in, numpy out: the single output, or a dict of outputs."""
-        return self.infer_result(model, x, **kw).value()
+        return self.infer_result(model, x, cls=cls, deadline_ms=deadline_ms, slo_ms=slo_ms).value()
 
     def ping(self) -> float:
         t = time.perf_counter()
@@ -406,19 +446,19 @@ class Client:
                  slo_ms: float | None) -> tuple[ModelInfo, int, list, int, int, bool, _Stream]:
         """A call's model info, req_id, frame parts and their bytes, sample count, whether
         the caller gave a batch dimension, and the connection it goes on."""
-        route = self._route(model)
+        route = self._routes.get(model)
+        if route is None or self.direct and route.lookup_due(time.monotonic()):
+            route = self._route(model)
         info = route.info
-        arrays, count, batched = encode_inputs(info, x)
+        arrays, nbytes, count, batched = info.codec.frame(x)
         req_id = next(self._ids)
-        nbytes = sum(a.nbytes for a in arrays)
-        parts = [pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms), nbytes), *arrays]
+        fields = _request_fields(cls, deadline_ms, slo_ms)
+        hdr = route.plain.pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
+            pack_request(req_id, info.func_id, *fields, nbytes)
+        parts = [hdr, *arrays]
         streams = route.streams
         stream = streams[next(route.turns) % len(streams)] if streams else self._front
         return info, req_id, parts, HEADER_SIZE + nbytes, count, batched, stream
-
-    def _resend(self, req_id: int, parts: list, info: ModelInfo, count: int, batched: bool) -> InferResult:
-        """A solo call whose direct connection closed unanswered, once through the front end."""
-        return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), self._front).result()
 
     def _route(self, model: str) -> _Route:
         route = self._routes.get(model)
@@ -492,34 +532,28 @@ class Client:
             if self._read_for(stream, call.req_id) is not None:
                 return
 
-    def _read_for(self, stream: _Stream, req_id: int) -> tuple[Header, bytearray] | None:
+    def _read_for(self, stream: _Stream, req_id: int, first: "tuple[Header | _Fields, bytearray] | None" = None
+                  ) -> "tuple[Header | _Fields, bytearray] | None":
         """Read ``stream`` (this thread holds its reading turn) and hand each answer to its
         call until ``req_id``'s is in (resolving its call too, if it has a record): that
         answer then, the turn given up; None if ``stream`` was a direct connection and
-        closed, its calls moved to the front end."""
+        closed, its calls moved to the front end. ``first``: a frame already read."""
         while True:
-            try:
-                h, payload = stream.read_one()
-            except BaseException as e:
-                direct = stream.model is not None and isinstance(e, (OSError, SplitServeError))
-                if not direct:
-                    self._fail_all(stream, e)
-                with self._lock:
-                    stream.reading = False
-                    if self._waiting:
-                        self._cond.notify_all()
-                if not direct:
-                    raise
-                self._lost(stream, e)
-                return None
-            if h.kind == Kind.ERROR and h.status == Status.DUPLICATE_REQUEST:
+            if first is not None:
+                (h, payload), first = first, None
+            else:
+                try:
+                    h, payload = stream.read_one()
+                except BaseException as e:
+                    return self._read_failed(stream, e)
+            if h.kind == _ERROR and h.status == _DUPLICATE:
                 continue  # the server refused a duplicate of a call still in flight: its own answer comes later
             mine = h.req_id == req_id
             got = stream.pending.get(h.req_id)  # None for a solo call's own answer: it has no record
             if not mine and (got is None or got._done):
                 continue  # e.g. the late answer of a call that timed out
             if got is not None:
-                got._resolve(h, bytes(payload) if h.kind == Kind.ERROR else payload)
+                got._resolve(h, bytes(payload) if h.kind == _ERROR else payload)
             with self._lock:
                 if got is not None:
                     got._done = True
@@ -530,6 +564,22 @@ class Client:
                     self._cond.notify_all()
             if mine:
                 return h, payload
+
+    def _read_failed(self, stream: _Stream, e: BaseException) -> None:
+        """Reading ``stream`` (this thread's turn) raised ``e``: the turn is given up; a
+        direct connection's calls move to the front end (None), else every call on it
+        fails and ``e`` is raised."""
+        direct = stream.model is not None and isinstance(e, (OSError, SplitServeError))
+        if not direct:
+            self._fail_all(stream, e)
+        with self._lock:
+            stream.reading = False
+            if self._waiting:
+                self._cond.notify_all()
+        if not direct:
+            raise e
+        self._lost(stream, e)
+        return None
 
     def _mark_lost(self, url: str) -> None:
         """``url`` is not connected to again for ``direct_retry_s``. Entries past that are
@@ -577,8 +627,6 @@ class Client:
                 c._error, c._done = err, True
 
 
-# plain ints: an enum member's attribute lookup is a descriptor call, once per answer
-_ERROR, _DUPLICATE = int(Kind.ERROR), int(Status.DUPLICATE_REQUEST)
 # req_id -> the call's future, how to decode its answer, its frame while it is on a direct
 # connection (re-sent through the front end if that closes), and when it times out (loop time)
 _AsyncEntry = tuple[asyncio.Future, Callable[[Header, bytearray], Any], "list | None", float]

@@ -137,6 +137,28 @@ def pack_request(req_id: int, func_id: int, cls: int, deadline_us: int, slo_us: 
                         0, 0, 0, 0, 0, slo_us)
 
 
+# a request header as its constant bytes around its req_id (8 bytes at 8) and its
+# payload_len (4 bytes at 32): what a RequestPacker fills in per call
+_AROUND_ID_AND_LEN = struct.Struct("<8sQ16sI28s")
+assert _AROUND_ID_AND_LEN.size == HEADER_SIZE
+
+
+class RequestPacker:
+    """``pack_request`` for one model's calls with the same class, deadline and SLO: the
+    header's other fields are packed once, so a call packs only its ``req_id`` and
+    ``payload_len`` (a third of ``pack_request``'s cost, which passes all 18 fields)."""
+
+    __slots__ = ("_pre", "_mid", "_post")
+
+    def __init__(self, func_id: int, cls: int, deadline_us: int, slo_us: int) -> None:
+        full = pack_request(0, func_id, cls, deadline_us, slo_us, 0)
+        self._pre, self._mid, self._post = full[:8], full[16:32], full[36:]
+
+    def pack(self, req_id: int, payload_len: int) -> bytes:
+        """The REQUEST header of call ``req_id`` with ``payload_len`` bytes of payload."""
+        return _AROUND_ID_AND_LEN.pack(self._pre, req_id, self._mid, payload_len, self._post)
+
+
 def pack_response_into(buf: "bytearray | memoryview", offset: int, req_id: int, func_id: int, cls: int,
                        payload_len: int, queue_us: int, compute_us: int, total_us: int) -> None:
     """A RESPONSE header written at ``offset`` of ``buf`` in one struct call: the per-call

@@ -330,3 +330,92 @@ def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(com
             st.send([_answer(1, b"")])
         with pytest.raises(OSError):
             st.read_one()
+
+
+def test_a_call_sends_then_reads_and_says_which_of_the_two_failed(compiled):
+    """``call`` (a solo call's send and read in one step) answers with the frame's fields by
+    name, as the parser reads them; ``sent`` tells a send that failed (the peer gone
+    before it) from a read that failed after the frame went out."""
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, compiled, 5.0)
+        frame = _answer(4, b"xyz")
+        peer.sendall(frame)
+        h, payload = st.call([_answer(9, b"")], HEADER_SIZE)
+        assert st.sent and bytes(payload) == b"xyz"
+        want = unpack_header(frame)
+        assert [getattr(h, f) for f in want.__slots__] == [getattr(want, f) for f in want.__slots__]
+        assert unpack_header(_recv_exact(peer, HEADER_SIZE)).req_id == 9
+        peer.shutdown(socket.SHUT_WR)  # the request goes out; the answer never comes
+        with pytest.raises(ConnectionError):
+            st.call([_answer(10, b"")], HEADER_SIZE)
+        assert st.sent
+    ours, peer = socket.socketpair()
+    with ours:
+        st = _stream(ours, compiled, 5.0)
+        peer.close()
+        with pytest.raises(OSError):
+            st.call([_answer(11, b"")], HEADER_SIZE)
+        assert not st.sent
+
+
+def _front_and_worker(front: socket.socket, worker: socket.socket, worker_path: str, mode: str,
+                      worker_done: threading.Event) -> None:
+    """A front end that offers one direct endpoint and doubles every call it gets; the
+    worker behind that endpoint closes its connection at once (``mode`` "before": before
+    any call is sent) or after taking one call unanswered ("after")."""
+    def work() -> None:
+        conn, _ = worker.accept()
+        with conn:
+            if mode == "after":
+                h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+                _recv_exact(conn, h.payload_len)
+        worker_done.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    conn, _ = front.accept()
+    with conn:
+        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+        _recv_exact(conn, h.payload_len)
+        body = json.dumps({**json.loads(_model()), "direct": [f"unix://{worker_path}"], "instances": 1}).encode()
+        conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
+        while True:
+            try:
+                h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+            except ConnectionError:
+                return  # the client closed
+            y = np.frombuffer(_recv_exact(conn, h.payload_len), np.float32) * 2
+            conn.sendall(_answer(h.req_id, y.tobytes()))
+
+
+@pytest.mark.parametrize("mode", ["before", "after"], ids=["send-fails", "read-fails"])
+def test_a_solo_call_whose_direct_connection_closes_is_answered_once_through_the_front_end(compiled, tmp_path,
+                                                                                           mode):
+    """Whether the worker's connection is gone before the call is sent (the send fails) or
+    closes with the call unanswered (the read fails), the call is re-sent through the front
+    end and answered there, once; the client drops that connection."""
+    front_path, worker_path = str(tmp_path / "front.sock"), str(tmp_path / "worker.sock")
+    front, worker = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    front.bind(front_path)
+    worker.bind(worker_path)
+    front.listen()
+    worker.listen()
+    worker_done = threading.Event()
+    t = threading.Thread(target=_front_and_worker, args=(front, worker, worker_path, mode, worker_done), daemon=True)
+    t.start()
+    try:
+        with Client(f"unix://{front_path}", timeout=30, direct=True, compiled=compiled) as c:
+            c.lookup("m")
+            assert c.direct_endpoints("m") == 1
+            direct = c._routes["m"].streams[0]
+            if mode == "before":
+                assert worker_done.wait(30)  # closed before the call: its send fails
+            y = c.infer("m", np.full(_OUT, 4, np.float32))
+            np.testing.assert_array_equal(y, np.full(_OUT, 8, np.float32))
+            assert direct.sent == (mode == "after") and direct.lost
+            assert c.direct_endpoints("m") == 0 and not c._front.pending and not c._front.reading
+    finally:
+        t.join(timeout=30)
+        front.close()
+        worker.close()
+    assert not t.is_alive()

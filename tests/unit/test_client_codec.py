@@ -3,11 +3,16 @@ input may take, the checks on it, and answers decoded as views of their payload.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from splitserve.client.common import ModelInfo, decode_outputs, encode_inputs
 from splitserve.errors import InvalidInput
+from splitserve.protocol.header import RequestPacker, pack_request
 
 INFO = ModelInfo.from_json({
     "name": "two", "func_id": 1, "max_batch_size": 8,
@@ -68,3 +73,128 @@ def test_an_answer_of_the_wrong_size_is_refused_with_both_sizes(size):
     client's InvalidInput naming the sizes."""
     with pytest.raises(InvalidInput, match=f"response of {size} B does not match the 20 B"):
         decode_outputs(INFO, bytes(size), 1, False)
+
+
+# -- the per-model codec (ModelInfo.codec) against the general way it replaced -------------
+
+def _reference_encode(info: ModelInfo, x: object) -> tuple[list[np.ndarray], int, bool]:
+    """``encode_inputs`` as it was before the per-model codec: the oracle the codec's fast
+    way must agree with, input for input, refusal for refusal (message included)."""
+    if isinstance(x, Mapping):
+        missing = [t.name for t in info.inputs if t.name not in x]
+        if missing:
+            raise InvalidInput(f"model {info.name!r}: missing inputs {missing}")
+        arrays = [x[t.name] for t in info.inputs]
+    elif isinstance(x, (list, tuple)):
+        arrays = list(x)
+    else:
+        arrays = [x]
+    if len(arrays) != len(info.inputs):
+        raise InvalidInput(f"model {info.name!r} takes {len(info.inputs)} inputs, got {len(arrays)}")
+    out, count, batched = [], None, False
+    for a, spec in zip(arrays, info.inputs):
+        a = np.asarray(a)
+        if a.dtype != spec.dtype:
+            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must be {spec.datatype} ({spec.dtype}), "
+                               f"got {a.dtype}")
+        if a.shape == spec.shape:
+            n, a = 1, a.reshape(1, *spec.shape)
+        elif a.shape[1:] == spec.shape:
+            n, batched = a.shape[0], True
+        else:
+            raise InvalidInput(f"input {spec.name!r} of {info.name!r} must have shape {list(spec.shape)} "
+                               f"or [n, {', '.join(map(str, spec.shape))}], got {list(a.shape)}")
+        if count is not None and n != count:
+            raise InvalidInput(f"inputs of {info.name!r} disagree on the batch size ({count} vs {n})")
+        count = n
+        out.append(np.ascontiguousarray(a))
+    return out, count or 1, batched
+
+
+_TYPES = {"FP32": np.float32, "INT64": np.int64, "UINT8": np.uint8, "FP16": np.float16}
+_shapes = st.lists(st.integers(1, 3), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def _model_and_input(draw: st.DrawFn) -> tuple[ModelInfo, object]:
+    """A model of 1-3 inputs and a call that is right, or wrong in one or more ways: a
+    dtype, a shape, a batch that disagrees, a strided array, a missing or extra input, or
+    another form (bare array, list, tuple, mapping, nested Python lists)."""
+    specs = draw(st.lists(st.tuples(st.sampled_from(sorted(_TYPES)), _shapes), min_size=1, max_size=3))
+    info = ModelInfo.from_json({"name": "m", "func_id": 1, "max_batch_size": 8,
+                                "inputs": [{"name": f"i{k}", "datatype": d, "shape": list(s)}
+                                           for k, (d, s) in enumerate(specs)],
+                                "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}]})
+    n = draw(st.sampled_from([None, 0, 1, 2]))  # None: one sample without a batch dimension
+    arrays: list[object] = []
+    for d, s in specs:
+        dtype = _TYPES[d] if draw(st.integers(0, 9)) else draw(st.sampled_from(sorted(_TYPES.values(), key=str)))
+        shape = s if n is None else (n, *s)
+        if not draw(st.integers(0, 9)):  # a wrong shape, or a batch that disagrees
+            shape = draw(_shapes)
+        if draw(st.integers(0, 4)) or not shape or shape[-1] < 2:
+            a = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=dtype).reshape(shape)
+        else:  # strided: every other element of a wider array
+            a = np.arange(int(np.prod(shape, dtype=np.int64)) * 2, dtype=dtype).reshape(*shape[:-1], shape[-1] * 2)
+            a = a[..., ::2]
+        arrays.append(a.tolist() if not draw(st.integers(0, 9)) else a)
+    if not draw(st.integers(0, 9)):
+        if draw(st.booleans()):
+            arrays.pop()
+        else:
+            arrays.append(arrays[0])
+    form = draw(st.sampled_from(["list", "tuple", "mapping", "bare"]))
+    if form == "bare" and len(arrays) == 1:
+        return info, arrays[0]
+    if form == "mapping":
+        return info, {f"i{k}": a for k, a in enumerate(arrays)}
+    return info, tuple(arrays) if form == "tuple" else arrays
+
+
+def _outcome(f: object, *args: object) -> object:
+    try:
+        return f(*args)
+    except InvalidInput as e:
+        return str(e)
+
+
+@settings(max_examples=400, deadline=None, database=None, derandomize=True)
+@given(case=_model_and_input())
+def test_the_per_model_codec_takes_and_refuses_exactly_what_the_general_way_does(case):
+    """Every input the old ``encode_inputs`` refused is refused with the same message;
+    every one it took gives the same rows, sample count and batch flag, from ``encode``
+    and from the fast path's ``frame`` (whose buffers carry the same bytes in all)."""
+    info, x = case
+    want = _outcome(_reference_encode, info, x)
+    got = _outcome(encode_inputs, info, x)
+    framed = _outcome(info.codec.frame, x)
+    if isinstance(want, str):
+        assert got == want and framed == want
+        return
+    arrays, count, batched = got
+    assert (count, batched) == want[1:]
+    assert [(a.dtype, a.shape) for a in arrays] == [(a.dtype, a.shape) for a in want[0]]
+    assert all(a.flags.c_contiguous for a in arrays)
+    assert b"".join(a.tobytes() for a in arrays) == b"".join(a.tobytes() for a in want[0])
+    buffers, nbytes, f_count, f_batched = framed
+    assert (f_count, f_batched) == want[1:]
+    assert all(type(a) is np.ndarray and a.flags.c_contiguous for a in buffers)
+    assert b"".join(a.tobytes() for a in buffers) == b"".join(a.tobytes() for a in want[0])
+    assert nbytes == sum(a.nbytes for a in want[0])
+
+
+def test_one_sample_of_contiguous_arrays_is_framed_from_the_callers_own_buffers():
+    """The usual call: nothing is copied or reshaped, the bytes are counted from the layout."""
+    x = [A, B]
+    buffers, nbytes, count, batched = INFO.codec.frame(x)
+    assert buffers is x and (nbytes, count, batched) == (A.nbytes + B.nbytes, 1, False)
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(req_id=st.integers(0, 2**64 - 1), func_id=st.integers(0, 2**16 - 1), cls=st.integers(0, 255),
+       deadline_us=st.integers(0, 2**64 - 1), slo_us=st.integers(0, 2**64 - 1), payload_len=st.integers(0, 2**32 - 1))
+def test_a_request_packer_packs_the_same_header_as_pack_request(req_id, func_id, cls, deadline_us, slo_us,
+                                                                  payload_len):
+    """The sync client's per-model header template gives the bytes ``pack_request`` does."""
+    packer = RequestPacker(func_id, cls, deadline_us, slo_us)
+    assert packer.pack(req_id, payload_len) == pack_request(req_id, func_id, cls, deadline_us, slo_us, payload_len)
