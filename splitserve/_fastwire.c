@@ -80,6 +80,17 @@ static int wait_fd(int fd, short events, double deadline) {
     }
 }
 
+/* After a recv or sendmsg that failed: 1 to try again (interrupted, or ``fd`` became ready
+   for ``events``), else wait_fd's -1 (timed out) or -2 (errno set). GIL released by the caller. */
+static int retry_after(int fd, short events, double deadline) {
+    if (errno == EINTR)
+        return 1;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return -2;
+    int r = wait_fd(fd, events, deadline);
+    return r == 0 ? 1 : r;
+}
+
 static uint64_t le(const unsigned char *p, int n) {
     uint64_t v = 0;
     for (int i = n - 1; i >= 0; i--)
@@ -123,16 +134,9 @@ static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need,
             r = 0;
             break;
         }
-        if (errno == EINTR)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            r = -2;
+        r = retry_after(fd, POLLIN, deadline);
+        if (r != 1)
             break;
-        }
-        r = wait_fd(fd, POLLIN, deadline);
-        if (r != 0)
-            break;
-        r = 1;
     }
     *err = r;
     return got;
@@ -227,16 +231,9 @@ static int send_nogil(Wire *self, int fd, struct iovec *iov, Py_ssize_t n, doubl
     while (msg.msg_iovlen > 0) {
         ssize_t sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (sent < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                r = -2;
+            r = retry_after(fd, POLLOUT, deadline);
+            if (r != 1)
                 break;
-            }
-            r = wait_fd(fd, POLLOUT, deadline);
-            if (r != 0)
-                break;
-            r = 1;
             continue;
         }
         while (msg.msg_iovlen > 0 && (size_t)sent >= msg.msg_iov->iov_len) { /* drop the buffers that went */
