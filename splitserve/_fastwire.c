@@ -63,8 +63,18 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* A system call was interrupted by a signal: run Python's handlers now (the GIL taken for
+   them), as the Python wire does between its calls, so that Ctrl-C or an alarm's exception is
+   not held until the timeout. 1 to go on, -3 when a handler raised (its exception set). */
+static int signals_nogil(void) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int r = PyErr_CheckSignals();
+    PyGILState_Release(gil);
+    return r < 0 ? -3 : 1;
+}
+
 /* Wait (GIL released by the caller) until ``fd`` is ready for ``events`` or ``deadline``
-   passes: 0 ready, -1 timed out, -2 errno set. */
+   passes: 0 ready, -1 timed out, -2 errno set, -3 a signal handler raised. */
 static int wait_fd(int fd, short events, double deadline) {
     for (;;) {
         double left = deadline - now_s();
@@ -77,14 +87,16 @@ static int wait_fd(int fd, short events, double deadline) {
             return 0;
         if (r < 0 && errno != EINTR)
             return -2;
+        if (r < 0 && signals_nogil() < 0)
+            return -3;
     }
 }
 
 /* After a recv or sendmsg that failed: 1 to try again (interrupted, or ``fd`` became ready
-   for ``events``), else wait_fd's -1 (timed out) or -2 (errno set). GIL released by the caller. */
+   for ``events``), else wait_fd's code. GIL released by the caller. */
 static int retry_after(int fd, short events, double deadline) {
     if (errno == EINTR)
-        return 1;
+        return signals_nogil();
     if (errno != EAGAIN && errno != EWOULDBLOCK)
         return -2;
     int r = wait_fd(fd, events, deadline);
@@ -98,8 +110,11 @@ static uint64_t le(const unsigned char *p, int n) {
     return v;
 }
 
-/* Raise the error a failed I/O step stands for; ``r`` as wait_fd's, or 0 for a closed peer. */
+/* Raise the error a failed I/O step stands for; ``r`` as wait_fd's, or 0 for a closed peer
+   (-3: a signal handler's exception is set already). */
 static PyObject *io_error(int r) {
+    if (r == -3)
+        return NULL;
     if (r == -1)
         PyErr_SetString(PyExc_TimeoutError, "timed out");
     else if (r == 0)
@@ -110,7 +125,8 @@ static PyObject *io_error(int r) {
 }
 
 /* Receive at least ``need`` bytes into buf[0:cap) (at most cap); returns the bytes got,
-   and through *err 1, or io_error's code (-1 timeout, -2 errno, 0 closed). With ``block``
+   and through *err 1, or io_error's code (-1 timeout, -2 errno, -3 a signal handler raised, 0
+   closed). With ``block``
    the first recv blocks, bounded by the socket's SO_RCVTIMEO (the caller's timeout, set
    at connect): the start of an answer is rarely there yet, and a blocking recv is one
    system call where a failed recv and a poll are two. Any other recv polls for what is
@@ -159,12 +175,16 @@ static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "Wire needs at least %d bytes of buffer", HEADER_SIZE);
         return -1;
     }
-    char *buf = PyMem_Realloc(self->buf, (size_t)cap);
-    if (buf == NULL) {
-        PyErr_NoMemory();
+    if (self->buf != NULL) { /* another thread may be reading into the buffer without the GIL */
+        PyErr_SetString(PyExc_RuntimeError, "a Wire is initialised once");
         return -1;
     }
     if (self->send_lock == NULL && (self->send_lock = PyThread_allocate_lock()) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    char *buf = PyMem_Malloc((size_t)cap);
+    if (buf == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -334,8 +354,6 @@ static PyObject *take_frame(Wire *self, int fd, double deadline) {
         }
         PyStructSequence_SET_ITEM(fields, i, v);
     }
-    if (fields == NULL)
-        return NULL;
     Py_ssize_t n = (Py_ssize_t)payload_len;
     Py_ssize_t begin = self->start + HEADER_SIZE;
     Py_ssize_t have = self->end - begin < n ? self->end - begin : n;

@@ -15,12 +15,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
-from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
+from splitserve.errors import BadFrame, InvalidInput, SplitServeError, Status, error_for_status
 from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
                                         unpack_header)
 
@@ -144,10 +144,14 @@ class _Stream:
         self.timeout = timeout
         self.model = model  # a direct connection's model (None: the front end's)
         self.url = url  # a direct connection's endpoint
-        self.send_lock = threading.Lock()
         self.reading = False
         self.lost = False
         self.pending: dict[int, PendingCall] = {}
+        self._init_wire()
+
+    def _init_wire(self) -> None:
+        """The wire's own state: a send lock and the receive buffer."""
+        self.send_lock = threading.Lock()
         # Answers are read through this buffer: one recv usually brings a whole small frame
         # (header and payload), where reading them apart took two system calls per answer.
         self.rx = bytearray(_RX_BYTES)
@@ -222,14 +226,21 @@ class _Stream:
         return self.read_one()
 
 
+def _refused(header: bytes) -> NoReturn:
+    """Raise the BadFrame that names what is wrong with a header the C wire refused (the
+    parser's own message; a parser that accepts it now differs from the C checks, and the
+    answer is refused all the same)."""
+    unpack_header(header)
+    raise BadFrame(f"the compiled wire refused an answer header the parser accepts: {header.hex()}")
+
+
 class _CStream(_Stream):
     """A ``_Stream`` whose sends and reads are ``splitserve._fastwire``'s (C, the GIL
     released in the kernel, a poll only when a call would block): the same frames, errors
     and buffering as the Python wire, in one C call each."""
 
-    def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "") -> None:
-        super().__init__(sock, timeout, model, url)
-        self.wire = _fastwire.Wire(_RX_BYTES)
+    def _init_wire(self) -> None:
+        self.wire = _fastwire.Wire(_RX_BYTES)  # its own receive buffer and send lock
 
     # the fd is the socket's at each call: once closed (a lost direct connection) it is -1
     # and refused, never a number the OS may have given another socket since; the wire
@@ -240,14 +251,14 @@ class _CStream(_Stream):
     def read_one(self) -> tuple[Header, bytearray]:
         fields, payload = self.wire.recv_frame(self.sock.fileno(), self.timeout)
         if fields is None:
-            unpack_header(payload)  # raises the BadFrame that names what is wrong
+            _refused(payload)
         return Header(*fields), payload
 
     def call(self, parts: list, total: int) -> tuple[_Fields, bytearray]:
         # one C call, the GIL released once; the answer's fields come by name, no Header built
         fields, payload = self.wire.call(self.sock.fileno(), parts, self.timeout)
         if fields is None:
-            unpack_header(payload)
+            _refused(payload)
         return fields, payload
 
     @property
@@ -771,6 +782,8 @@ class _AsyncConn(asyncio.BufferedProtocol):
         finally:
             if timer is not None:
                 timer.cancel()
+            if waiter in self._resumed:  # timed out or cancelled: a peer that never reads must not grow the list
+                self._resumed.remove(waiter)
 
 
 def _time_out(fut: asyncio.Future, message: str) -> None:
@@ -966,7 +979,10 @@ class AsyncClient:
             raise ConnectionError("the client is not connected")
         if conn.paused:  # bounded buffering: wait for the transport to take more
             await conn.writable(self.timeout)
-        return await self._send(conn, req_id, [hdr, *arrays], lambda h, p: _result(info, h, p, count, batched))
+        # flat byte views: from Python 3.12 the transport's writelines keeps memoryviews and counts
+        # them with len(), which for an (n, ...) array is its rows, not its bytes
+        parts = [hdr, *(memoryview(a).cast("B") for a in arrays)]
+        return await self._send(conn, req_id, parts, lambda h, p: _result(info, h, p, count, batched))
 
     async def infer(self, model: str, x: Any, **kw: Any) -> "np.ndarray | dict[str, np.ndarray]":
         return (await self.infer_result(model, x, **kw)).value()

@@ -8,6 +8,7 @@ built) and the pure-Python one."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -316,6 +317,33 @@ def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(co
     assert not t.is_alive()
     np.testing.assert_array_equal(got["solo"], np.full(_OUT, 2, np.float32))
     np.testing.assert_array_equal(got["second"], np.full(_OUT, 10, np.float32))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+def test_a_signal_while_waiting_for_an_answer_raises_its_handlers_exception_at_once(compiled):
+    """A signal handler's exception (Ctrl-C's KeyboardInterrupt, an alarm's) comes out of a
+    read that waits for an answer when the signal arrives, on both wires: not after the
+    timeout, with the read's TimeoutError behind it (the compiled wire retried an
+    interrupted call without running the handlers)."""
+    ours, peer = socket.socketpair()
+    old = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        with ours, peer:
+            st = _stream(ours, compiled, 10.0)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(_Interrupted) as e:
+                st.read_one()
+        assert e.value.__context__ is None  # raised by the wait itself, not while a timeout was handled
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(compiled):

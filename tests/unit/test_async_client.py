@@ -49,6 +49,12 @@ class FakeTransport(asyncio.Transport):
     def write(self, data) -> None:
         self.sent += data
 
+    def writelines(self, parts) -> None:
+        # asyncio's own transports (3.12 on) size what they keep with len(): every part must be flat bytes
+        for p in parts:
+            assert len(memoryview(p)) == memoryview(p).nbytes, "a part whose len() is not its size in bytes"
+            self.write(p)
+
     def is_closing(self) -> bool:
         return self.closing
 
