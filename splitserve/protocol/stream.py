@@ -7,7 +7,7 @@ connection closed, and the gather write that copies aside what the kernel does n
 
 What differs stays with each side: where a payload goes (tensor-queue slots, or a
 worker's batch rows), which kinds of frame it takes, how reading and writing are driven
-(the event loop's readers, or the worker's selector) and its flow control.
+(the event loop's readers, or the worker's epoll loop) and its flow control.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class FrameStream(ABC):
     """One non-blocking stream socket carrying fast-path frames.
 
     A subclass reads with ``read_header`` / ``read_discard`` / ``receive`` from its own
-    ``_read_some``, is told of each parsed header (``on_header``), calls ``frame_done``
+    ``_read_some`` (the worker's direct connection parses what it stages itself), is told of each parsed header (``on_header``), calls ``frame_done``
     when a frame has been read whole, and writes with ``send``. ``label`` names the peer
     in log lines."""
 

@@ -113,10 +113,6 @@ class _Call:
         self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == _RT else 0
         self.t_rx_ns = t_rx_ns
 
-    @property
-    def complete(self) -> bool:
-        return self.got == self.total
-
     def place(self, row: int, flat: list[memoryview], sizes: list[int]) -> None:
         """Its payload goes into rows ``row..row+count`` of each input (inputs one after the
         other, as the payload lays them out)."""

@@ -39,7 +39,8 @@ class Poller:
 
     def unregister(self, fd: int) -> None:
         """Stop watching ``fd`` (before it is closed); one not watched is ignored."""
-        if self.handlers.pop(fd, 0) != 0:
+        if fd in self.handlers:
+            del self.handlers[fd]
             self.ep.unregister(fd)
 
     def close(self) -> None:

@@ -281,8 +281,9 @@ class Worker:
 
     def serve(self) -> None:
         """Serve the control socket and, while a model with a direct endpoint is bound, its
-        direct connections: one control message, then one direct batch, in turn, so neither
-        path starves the other. Between two control messages the loop stays in inference
+        direct connections. A control message that waits goes first (a front-end RUN is the
+        worker's other path, and the front end keeps one in flight per worker, so direct
+        batches run between them; ``turn``). Between two control messages the loop stays in inference
         mode (entering it per batch cost ≈ 5 µs a call); a control message (LOAD, UNLOAD, a
         front-end RUN) is handled outside it, as an unbound worker's are."""
         self.ctrl.send(pack_ready({"pid": os.getpid(), "rss_anon": rss_anon()}))
