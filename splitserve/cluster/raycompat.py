@@ -155,6 +155,11 @@ def start_head(temp_dir: str, system_config: Mapping[str, Any]) -> Cluster:
     if len(os.fsencode(temp_dir)) > room:
         raise ValueError(f"Ray's temp dir {temp_dir!r} is {len(os.fsencode(temp_dir))} bytes; Ray's Unix socket paths "
                          f"under it need it at most {room} (AF_UNIX allows {_AF_UNIX_MAX}): use a shorter one")
+    # Whatever temp_dir says, Cluster writes the head's address to the *default* temp dir's
+    # ray_current_cluster (/tmp/ray/…) and does not create that folder: on a machine where no Ray
+    # ran before, the head failed to start with FileNotFoundError.
+    from ray._private.utils import get_ray_address_file
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     return Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=80 << 20,
         temp_dir=temp_dir, resources={"splitserve_head": 1}, _system_config=dict(system_config)))

@@ -46,6 +46,21 @@ def test_a_ray_temp_dir_too_long_for_its_unix_sockets_is_refused_before_anything
         raycompat.start_head("/tmp/" + "d" * 60, {})
 
 
+def test_a_head_starts_where_no_ray_ran_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray writes the head's address under its default temp dir (RAY_TMPDIR/ray), whatever temp_dir
+    # the head has, and did not create that folder: a fresh machine's first head failed to start.
+    root = Path(tempfile.mkdtemp(prefix="ssnew-"))
+    monkeypatch.setenv("RAY_TMPDIR", str(root / "never-made"))
+    head = None
+    try:
+        head = raycompat.start_head(str(root / "t"), {})
+        assert (root / "never-made" / "ray" / "ray_current_cluster").read_text() == head.address
+    finally:
+        if head is not None:
+            head.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # not pytest's tmp_path: under xdist its paths leave Ray's Unix sockets no room (raycompat.start_head)
