@@ -199,6 +199,10 @@ class ServerConfig:
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
+    # -- GPU partitions (issue 12): whole GPUs and MIG slices, read through NVML --
+    gpu_admin: bool = False  # let splitserve change MIG geometries (nvidia-smi): only on machines you administer; off, it prints the plan
+    gpu_command_timeout_s: float = 120.0  # each nvidia-smi command of an applied MIG plan may run this long
+    gpu_listing_max_age_s: float = 30.0  # GET /v2/partitions' GPU listing is read again (off the loop) once this old
 
     def __post_init__(self) -> None:
         # Names given as strings (flags, tests, code) become their enum here, so an
@@ -273,7 +277,7 @@ class ServerConfig:
             raise InvalidInput("worker_start_attempts must be at least 1")
         for name in ("worker_start_timeout_s", "drain_timeout_s", "stop_timeout_s", "max_call_age_s",
                      "watchdog_period_s", "worker_reap_timeout_s", "http_start_poll_s", "direct_suspend_poll_s",
-                     "direct_poll_s"):
+                     "direct_poll_s", "gpu_command_timeout_s", "gpu_listing_max_age_s"):
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         if self.geometry and self.partitioning is Partitioning.NONE:

@@ -51,8 +51,10 @@ class StrictPlacement(Choice, what="strict_placement"):
 
 
 class PartitionKind(str, Enum):
-    """What a partition is made of. Only CPU sets exist today; a whole GPU and an existing
-    GPU slice (a MIG device) become kinds of their own when the GPU allocator arrives."""
+    """What a partition of the ``ResourceManager`` is made of. Only CPU sets are handed out
+    today; a node's GPUs and MIG slices are listed read-only (``placement.mig``,
+    ``GET /v2/partitions``' ``gpus``) and become kinds of their own when workers are placed
+    on them (``CUDA_VISIBLE_DEVICES`` per partition)."""
 
     CPUS = "cpus"
 

@@ -31,6 +31,7 @@ import numpy as np
 from splitserve.config import ServerConfig
 from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
 from splitserve.types import TensorSpec, batch_of
+from splitserve.placement.gpus import MigDriver
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
@@ -44,6 +45,7 @@ from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
 from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
+from splitserve.server.gpus import GpuInventory
 from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
@@ -129,6 +131,8 @@ class Server:
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
+        # the node's GPUs and MIG slices, read-only (GET /v2/partitions' gpus)
+        self.gpus = GpuInventory(MigDriver().list, config.gpu_listing_max_age_s)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -165,7 +169,8 @@ class Server:
                               stopping=lambda: self.stopping, workers=self.pool,
                               footprints=self.footprints, memory=self.memory, partitions=self.partitions)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
-                                       self.partitions)
+                                       self.partitions, self.gpus)
+        self.gpus.start()
         if self.partitions is not None:
             self.partitions.start(self.loop)
         # uploads that a crash left half-written are never resumed
@@ -248,6 +253,7 @@ class Server:
         if self.partitions is not None:
             await self.partitions.stop()  # no autoscaling or geometry change while the models stop
         await self._stop_frontends(deadline)
+        await self.gpus.stop()
         runtimes = list(self.runtimes.values())
         results = await asyncio.gather(*(rt.unload(deadline, "was stopped: the server is shutting down")
                                          for rt in runtimes), return_exceptions=True)

@@ -597,10 +597,12 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         return manager.scheduler_events(since, limit)
 
     @app.get("/v2/partitions", tags=["scheduling"],
-             **_doc({"description": "The node's partitions (PROTEAN): CPUs, memory, tags, instances, geometry"}, 404))
+             **_doc({"description": "The node's partitions (PROTEAN): CPUs, memory, tags, instances, geometry; "
+                                    "its GPUs and MIG slices (read-only)"}))
     async def partitions() -> dict:
         """The node's partitions: each one's CPUs, memory budget, Algorithm 1's tag and the
-        models' instances on it; the geometry, the controller's last tick, cold starts."""
+        models' instances on it; the geometry, the controller's last tick, cold starts; and
+        ``gpus``, its GPUs and MIG slices as NVML last listed them (or why there are none)."""
         return manager.partition_status()
 
     @app.post("/v2/partitions", tags=["scheduling"], **_doc(

@@ -40,7 +40,7 @@ from splitserve.protocol import v2
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
-    EventLog, ManagedModel, MemoryReport, ModelDirectory, ModelStats, PartitionControl,
+    EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelStats, PartitionControl,
 )
 from splitserve.worker.counters import DirectCounts
 
@@ -217,9 +217,11 @@ class ModelManager:
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, models: ModelDirectory, events: EventLog,
-                 resources: ResourceManager, memory: MemoryReport, partitions: PartitionControl | None = None) -> None:
+                 resources: ResourceManager, memory: MemoryReport, partitions: PartitionControl | None = None,
+                 gpus: GpuView | None = None) -> None:
         self.config = config
         self.partitions = partitions
+        self.gpus = gpus
         self.memory = memory
         self.registry = registry
         self.models = models
@@ -531,8 +533,13 @@ class ModelManager:
 
     def partition_status(self) -> dict:
         """``GET /v2/partitions``: the node's partitions, their tags and instances, the geometry
-        controller's last tick and the cold starts (NotFound when the node has none)."""
-        return self._partitions().snapshot()
+        controller's last tick and the cold starts, and its GPUs (``gpus``: whole GPUs and MIG
+        slices, or why there are none). A node without CPU partitions answers
+        ``partitioning: none`` and no partitions, with its GPUs."""
+        gpus = self.gpus.snapshot() if self.gpus is not None else None
+        if self.partitions is None:
+            return {"partitioning": "none", "partitions": [], "gpus": gpus}
+        return {**self.partitions.snapshot(), "gpus": gpus}
 
     async def set_geometry(self, geometry: Any) -> dict:
         """``POST /v2/partitions``: re-carve the partitions (core counts), under the management

@@ -667,6 +667,14 @@ class PartitionControl(Protocol):
         applier, every model's instances moving without a request lost; the new snapshot."""
 
 
+class GpuView(Protocol):
+    """The node's GPUs as management shows them (``GET /v2/partitions``' ``gpus``), read-only."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Each GPU (index, uuid, name, memory, MIG mode, MIG slices, profiles) or the reason
+        there is none, and how old the listing is; never waits on NVML."""
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     """What a ``ModelRuntime`` needs from its node, built once by the composition root."""

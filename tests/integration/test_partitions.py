@@ -131,6 +131,11 @@ def test_protean_keeps_rt_batches_off_partitions_that_best_effort_work_has_taken
     run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
 
 
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=BOUND_S) as r:
+        return json.loads(r.read())
+
+
 def _post(url: str, body: dict, token: str) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
                                  headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
@@ -232,5 +237,25 @@ def test_protean_holds_a_strict_batch_for_its_busy_partition_rather_than_run_it_
         assert [e.partition for e in starts if e.model == "rt"] == [rt_part, rt_part]
         second_rt = [e for e in starts if e.model == "rt"][1]
         assert all(e.t >= second_rt.t for e in starts if e.model == "be" and e.partition == rt_part)
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
+def test_partitions_lists_the_nodes_gpus_read_only_on_any_node(tmp_path):
+    from tests.unit.test_gpus import _has_driver
+
+    cfg = replace(quiet_config(tmp_path / "data"), http_port=0)
+
+    async def scenario(server):
+        await until(lambda: server.gpus.listing is not None)  # read at start, off the loop
+        url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"
+        body = await asyncio.to_thread(_get, url)
+        assert body["partitioning"] == "none" and body["partitions"] == []
+        gpus = body["gpus"]
+        assert set(gpus) == {"gpus", "reason", "age_s"}
+        if not _has_driver():
+            assert gpus["gpus"] == [] and gpus["reason"].startswith("no GPUs (NVML not available: ")
+        else:
+            assert gpus["reason"] is not None or all(g["uuid"].startswith("GPU-") for g in gpus["gpus"])
 
     run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
