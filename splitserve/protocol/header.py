@@ -6,6 +6,7 @@ server receives straight into tensor-queue memory. Little-endian, fixed size, ve
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
@@ -49,7 +50,10 @@ class RequestClass(IntEnum):
 
     @classmethod
     def parse(cls, value: "str | int | RequestClass | None") -> "RequestClass":
-        """Accept 'rt'/'real-time'/'strict', 'be'/'best-effort', ints, or None (= DEFAULT)."""
+        """Accept 'rt'/'real-time'/'strict', 'be'/'best-effort', ints, or None (= DEFAULT).
+
+        A bool or a fractional number is refused, not truncated: a gRPC ``class`` parameter
+        may arrive as ``bool_param`` or ``double_param``, and True is no class."""
         if value is None:
             return cls.DEFAULT
         if isinstance(value, str):
@@ -63,8 +67,10 @@ class RequestClass(IntEnum):
                     return member
             raise InvalidInput(f"unknown request class {value!r}; use 'rt' or 'be'")
         try:
-            return cls(int(value))
-        except ValueError:
+            if isinstance(value, bool):
+                raise TypeError
+            return cls(operator.index(value))
+        except (TypeError, ValueError):
             raise InvalidInput(f"unknown request class {value!r}; use 0 (real-time) or 1 (best-effort)") from None
 
 

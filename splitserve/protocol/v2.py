@@ -240,10 +240,8 @@ class InferRequest:
         if c is None:
             return RequestClass.DEFAULT
         try:
-            if isinstance(c, bool) or not isinstance(c, (str, int)):
-                raise ValueError
             return RequestClass.parse(c)
-        except (ValueError, InvalidInput):
+        except InvalidInput:
             raise InvalidInput(f"parameters.class {c!r}: use 'rt' (real-time) or 'be' (best-effort)") from None
 
     @property

@@ -63,8 +63,10 @@ def test_parameters():
     assert _call_options({"class": "rt", "deadline_ms": 20}) == (RequestClass.RT, 0.02, None)
     assert _call_options({"class": "rt", "slo_ms": 5}) == (RequestClass.RT, None, 0.005)
     assert _call_options({}) == (RequestClass.DEFAULT, None, None)
-    with pytest.raises(InvalidInput, match="class"):
-        _call_options({"class": "urgent"})
+    assert _call_options({"class": "strict"}).cls is RequestClass.RT
+    for bad in ("urgent", True, 0.5):  # bool_param and double_param are no class (True was BE)
+        with pytest.raises(InvalidInput, match="class"):
+            _call_options({"class": bad})
     with pytest.raises(InvalidInput, match="deadline_ms"):
         _call_options({"deadline_ms": -1})
     with pytest.raises(InvalidInput, match="slo_ms"):

@@ -57,3 +57,16 @@ def test_request_class_parse():
     assert RequestClass.parse(None) is RequestClass.DEFAULT
     with pytest.raises(InvalidInput, match="unknown request class"):
         RequestClass.parse("urgent")
+
+
+def test_request_class_strict_is_rt():
+    """PROTEAN's name for the real-time class is an alias of ``rt``, in any spelling."""
+    for name in ("strict", "STRICT", " Strict "):
+        assert RequestClass.parse(name) is RequestClass.RT
+
+
+@pytest.mark.parametrize("value", [True, False, 0.0, 0.5, 1.0, 2, [0]])
+def test_request_class_refuses_bools_fractions_and_unknown_numbers(value):
+    """A gRPC ``class`` parameter can be a bool or a double: refused, never truncated to a class."""
+    with pytest.raises(InvalidInput, match="unknown request class"):
+        RequestClass.parse(value)
