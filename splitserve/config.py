@@ -199,6 +199,8 @@ class ServerConfig:
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
+    # -- direct path, fewer wake-ups (issue 15): a worker polls briefly for its next call before it sleeps --
+    direct_spin_us: int = 100  # poll this long while calls come this close and no task waits for a CPU (0: never; worker/spin.py)
     # -- GPU partitions (issue 12): whole GPUs and MIG slices, read through NVML --
     gpu_admin: bool = False  # let splitserve change MIG geometries (nvidia-smi): only on machines you administer; off, it prints the plan
     gpu_command_timeout_s: float = 120.0  # each nvidia-smi command of an applied MIG plan may run this long
@@ -252,6 +254,8 @@ class ServerConfig:
             raise InvalidInput("frame_timeout_s must be positive")
         if not 0 < self.fast_out_low_water < self.fast_out_high_water <= self.fast_max_pending_out:
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
+        if self.direct_spin_us < 0:
+            raise InvalidInput("direct_spin_us must be 0 (never poll) or a number of µs")
         if self.direct_stage_bytes < HEADER_SIZE:
             raise InvalidInput(f"direct_stage_bytes must be at least a header's {HEADER_SIZE} B")
         if self.fast_stage_trace < 0:

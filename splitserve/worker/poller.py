@@ -11,6 +11,7 @@ dict.
 from __future__ import annotations
 
 import select
+import time
 from collections.abc import Callable
 
 # A handler is told the epoll event mask of its fd's events (an error or hang-up counts as
@@ -42,6 +43,24 @@ class Poller:
         if fd in self.handlers:
             del self.handlers[fd]
             self.ep.unregister(fd)
+
+    def wait(self, timeout: float | None, spin_ns: int) -> list[tuple[int, int]]:
+        """The events of the next ``timeout`` seconds (None: until one comes): polled for
+        without sleeping for the first ``spin_ns``, then waited for in ``epoll_wait``."""
+        if timeout is not None:
+            spin_ns = min(spin_ns, int(timeout * 1e9))
+        if spin_ns:
+            poll, clock = self.ep.poll, time.monotonic_ns
+            end = clock() + spin_ns
+            while True:
+                events = poll(0)
+                if events or clock() >= end:
+                    break
+            if events:
+                return events
+            if timeout is not None:
+                timeout -= spin_ns / 1e9
+        return self.ep.poll(timeout)
 
     def close(self) -> None:
         self.ep.close()

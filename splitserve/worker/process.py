@@ -36,6 +36,7 @@ from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, R
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
+from splitserve.worker.spin import HostLoad, SpinPolicy
 
 log = logging.getLogger("splitserve.worker")
 
@@ -97,6 +98,10 @@ class Worker:
         # one, and the epoll over it and the control socket (only while it is open).
         self.direct: DirectServer | None = None
         self.poller: Poller | None = None
+        # How long the direct loop polls before it sleeps (set per binding) and the host's
+        # load it asks first
+        self.spin = SpinPolicy(0)
+        self.host = HostLoad()
 
     @property
     def model(self) -> SegmentedModel:
@@ -122,6 +127,7 @@ class Worker:
             raise
         self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
         if msg.bind.direct is not None:
+            self.spin = SpinPolicy(msg.bind.direct.spin_us * 1000)
             self.poller = Poller()
             try:
                 self.poller.register(self.ctrl.fileno(), select.EPOLLIN, None)
@@ -306,7 +312,13 @@ class Worker:
         poller = self.poller
         assert poller is not None  # open while a direct endpoint is
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
-        for fd, mask in poller.ep.poll(0 if direct.ready() else direct.timeout()):
+        if direct.ready():
+            events = poller.ep.poll(0)
+        else:  # nothing to run: poll for a while (``worker/spin.py``), then sleep
+            t0 = time.monotonic_ns()
+            events = poller.wait(direct.timeout(), self.spin.window_ns(self.host.cpu_free(t0)))
+            self.spin.observe(time.monotonic_ns() - t0)
+        for fd, mask in events:
             if fd == ctrl_fd:
                 ctrl = True
                 continue

@@ -1,0 +1,95 @@
+"""The direct loop's poll before it sleeps (worker/spin.py) and the poller's wait."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+import pytest
+
+from splitserve.config import ServerConfig
+from splitserve.errors import InvalidInput
+from splitserve.worker.poller import Poller
+from splitserve.worker.spin import LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
+
+US = 1000
+
+
+def test_calls_that_come_close_are_polled_for():
+    p = SpinPolicy(100 * US)
+    assert p.window_ns(cpu_free=True) == 100 * US  # nothing seen yet: poll, and learn
+    for _ in range(20):
+        p.observe(30 * US)
+    assert p.window_ns(cpu_free=True) == 100 * US
+
+
+def test_a_few_long_gaps_stop_the_poll_and_a_few_close_calls_bring_it_back():
+    p = SpinPolicy(100 * US)
+    p.observe(10 * 1_000_000_000)  # idle for 10 s: counted as 4 budgets, not 10 s
+    assert p.gap_ns == pytest.approx(100 * US)
+    p.observe(10 * 1_000_000_000)
+    assert p.window_ns(cpu_free=True) == 0  # calls come seldom: sleep at once
+    n = 0
+    while p.window_ns(cpu_free=True) == 0:
+        p.observe(30 * US)
+        n += 1
+    assert n <= 3  # an idle stretch does not keep the poll off for long once calls come close again
+
+
+def test_never_while_a_task_waits_for_a_cpu_nor_when_off():
+    p = SpinPolicy(100 * US)
+    assert p.window_ns(cpu_free=False) == 0
+    off = SpinPolicy(0)
+    off.observe(1)
+    assert off.window_ns(cpu_free=True) == 0
+    with pytest.raises(ValueError):
+        SpinPolicy(-1)
+    with pytest.raises(InvalidInput, match="direct_spin_us"):
+        ServerConfig.from_env(direct_spin_us=-1)
+
+
+def test_a_cpu_is_free_while_the_runnable_tasks_are_at_most_the_cpus():
+    assert cpu_free("0.50 0.40 0.30 2/345 999", cpus=2)  # the reader and one more: one each
+    assert not cpu_free("3.10 2.00 1.00 3/345 999", cpus=2)  # one of three waits
+    assert not cpu_free("garbage", cpus=2)
+
+
+def test_host_load_reads_the_file_at_most_once_a_period(tmp_path):
+    f = tmp_path / "loadavg"
+    f.write_text("0.1 0.1 0.1 1/100 5\n")
+    load = HostLoad(str(f))
+    load.cpus = 2
+    assert load.cpu_free(LOAD_PERIOD_NS)
+    f.write_text("9.0 9.0 9.0 9/100 5\n")
+    assert load.cpu_free(LOAD_PERIOD_NS + 1)  # not read again yet
+    assert not load.cpu_free(2 * LOAD_PERIOD_NS)
+    assert not HostLoad(str(tmp_path / "missing")).cpu_free(LOAD_PERIOD_NS)
+
+
+def test_the_poller_returns_an_event_that_comes_while_it_polls_and_sleeps_after():
+    a, b = socket.socketpair()
+    poller = Poller()
+    try:
+        poller.register(a.fileno(), select.EPOLLIN, None)
+        # nothing comes: the poll and then the sleep together last about the timeout
+        t0 = time.monotonic()
+        assert poller.wait(0.05, spin_ns=5_000_000) == []
+        assert 0.045 <= time.monotonic() - t0 < 1.0
+        # a byte while it polls
+        threading.Timer(0.002, b.send, (b"x",)).start()
+        assert poller.wait(1.0, spin_ns=500_000_000) == [(a.fileno(), select.EPOLLIN)]
+        a.recv(1)
+        # a byte after the poll: the sleep takes it
+        threading.Timer(0.05, b.send, (b"y",)).start()
+        assert poller.wait(2.0, spin_ns=1_000_000) == [(a.fileno(), select.EPOLLIN)]
+        a.recv(1)
+        # a poll longer than the timeout is cut to it
+        t0 = time.monotonic()
+        assert poller.wait(0.01, spin_ns=2_000_000_000) == []
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        poller.close()
+        a.close()
+        b.close()
