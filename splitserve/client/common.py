@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -92,6 +93,17 @@ class InferResult:
 
 
 InputArg = "np.ndarray | Sequence[np.ndarray] | Mapping[str, np.ndarray]"
+
+
+def target_ms(value: float | None, name: str) -> float | None:
+    """A call's ``deadline_ms`` or ``slo_ms`` as given (None: none), checked the way the
+    servers check it: a positive number of ms of at least 1 µs (the fast path's unit). A
+    deadline computed as 0 or less is already past: it is refused here, not sent as "none"."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0.001:
+        raise InvalidInput(f"{name} must be a positive number of milliseconds (at least 0.001), not {value!r}")
+    return float(value)
 
 
 def encode_inputs(info: ModelInfo, x: Any) -> tuple[list[np.ndarray], int, bool]:

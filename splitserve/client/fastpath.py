@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
+from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs, target_ms
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError, Status, error_for_status
 from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
                                         unpack_header)
@@ -45,11 +45,12 @@ _ERROR, _DUPLICATE = int(Kind.ERROR), int(Status.DUPLICATE_REQUEST)
 def _request_fields(cls: Any, deadline_ms: float | None, slo_ms: float | None) -> tuple[int, int, int]:
     """A request header's class, ``deadline_us`` and ``slo_us``. ``deadline_ms`` is hard (still
     queued then, the call fails), ``slo_ms`` soft (a late real-time call is served and counted
-    missed); 0 or None: none."""
-    if cls is None and not deadline_ms and not slo_ms:  # the usual call: no enum lookups
+    missed); None: none (``common.target_ms`` refuses 0 and less)."""
+    if cls is None and deadline_ms is None and slo_ms is None:  # the usual call: no enum lookups
         return _PLAIN_FIELDS
+    deadline, slo = target_ms(deadline_ms, "deadline_ms"), target_ms(slo_ms, "slo_ms")
     return (RequestClass.DEFAULT.value if cls is None else int(RequestClass.parse(cls)),
-            int(deadline_ms * 1000) if deadline_ms else 0, int(slo_ms * 1000) if slo_ms else 0)
+            round(deadline * 1000) if deadline else 0, round(slo * 1000) if slo else 0)
 
 
 def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None,

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
+from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs, target_ms
 from splitserve.errors import InvalidInput, SplitServeError, Status, error_for_status
 from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import STATUS_KEY, params_dict, set_param, set_repo_param, tensor_from_contents
@@ -88,10 +88,9 @@ def infer_request(info: ModelInfo, arrays: Sequence[np.ndarray], cls: Any, deadl
     c = RequestClass.parse(cls)
     if c != RequestClass.DEFAULT:
         set_param(req.parameters, "class", "rt" if c == RequestClass.RT else "be")
-    if deadline_ms:
-        set_param(req.parameters, "deadline_ms", float(deadline_ms))
-    if slo_ms:
-        set_param(req.parameters, "slo_ms", float(slo_ms))
+    for name, value in (("deadline_ms", deadline_ms), ("slo_ms", slo_ms)):
+        if value is not None:
+            set_param(req.parameters, name, target_ms(value, name))
     return req
 
 

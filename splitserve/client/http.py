@@ -16,7 +16,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
+from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs, target_ms
 from splitserve.errors import (
     BadSize, DeadlineMissed, DuplicateRequest, InvalidInput, ModelNotReady, Refused, SplitServeError, Status,
     Unauthorized, UnknownModel, WorkerFailed, error_for_status,
@@ -71,10 +71,9 @@ def _infer_body(info: ModelInfo, x: Any, cls: Any, deadline_ms: float | None, sl
     c = RequestClass.parse(cls)
     if c != RequestClass.DEFAULT:
         params["class"] = "rt" if c == RequestClass.RT else "be"
-    if deadline_ms:
-        params["deadline_ms"] = float(deadline_ms)
-    if slo_ms:
-        params["slo_ms"] = float(slo_ms)
+    for name, value in (("deadline_ms", deadline_ms), ("slo_ms", slo_ms)):
+        if value is not None:
+            params[name] = target_ms(value, name)
     parts, hlen = v2.build_infer_request([(t.name, a) for t, a in zip(info.inputs, arrays)], binary=binary,
                                          parameters=params)
     if hlen is None:

@@ -3,6 +3,7 @@ input may take, the checks on it, and answers decoded as views of their payload.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import numpy as np
@@ -11,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.client.common import ModelInfo, decode_outputs, encode_inputs
+from splitserve.client.fastpath import _request_fields
+from splitserve.client.grpc import infer_request
+from splitserve.client.http import _infer_body
 from splitserve.errors import InvalidInput
-from splitserve.protocol.header import RequestPacker, pack_request
+from splitserve.protocol.header import RequestClass, RequestPacker, pack_request
 
 INFO = ModelInfo.from_json({
     "name": "two", "func_id": 1, "max_batch_size": 8,
@@ -198,3 +202,28 @@ def test_a_request_packer_packs_the_same_header_as_pack_request(req_id, func_id,
     """The sync client's per-model header template gives the bytes ``pack_request`` does."""
     packer = RequestPacker(func_id, cls, deadline_us, slo_us)
     assert packer.pack(req_id, payload_len) == pack_request(req_id, func_id, cls, deadline_us, slo_us, payload_len)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -5, 0.0004, float("nan"), "soon", True])
+def test_a_deadline_or_slo_of_none_left_is_refused_by_every_client_not_sent_as_none(value):
+    # a caller's deadline that computed to 0 or less is already past: before, 0 was left out
+    # of the HTTP and gRPC requests and written as "none" in the fast-path header (no limit)
+    info, x = INFO, [A, B]
+    for name in ("deadline_ms", "slo_ms"):
+        targets = {"deadline_ms": None, "slo_ms": None, name: value}
+        with pytest.raises(InvalidInput, match=name):
+            _request_fields("rt", **targets)
+        with pytest.raises(InvalidInput, match=name):
+            _infer_body(info, x, "rt", binary=True, **targets)
+        with pytest.raises(InvalidInput, match=name):
+            infer_request(info, x, "rt", targets["deadline_ms"], slo_ms=targets["slo_ms"])
+
+
+def test_deadlines_and_slos_reach_each_wire_in_its_unit():
+    info, x = INFO, [A, B]
+    assert _request_fields(None, 2.5, np.float64(0.001)) == (int(RequestClass.DEFAULT), 2500, 1)
+    assert _request_fields(None, None, None) == (int(RequestClass.DEFAULT), 0, 0)
+    body, _, _, _ = _infer_body(info, x, None, 2.5, np.int64(7), binary=False)
+    assert json.loads(body)["parameters"] == {"deadline_ms": 2.5, "slo_ms": 7.0}
+    req = infer_request(info, x, None, None, slo_ms=3)
+    assert set(req.parameters) == {"slo_ms"} and req.parameters["slo_ms"].double_param == 3.0
