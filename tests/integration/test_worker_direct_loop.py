@@ -10,6 +10,7 @@ import socket
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from splitserve.config import ServerConfig
@@ -34,12 +35,12 @@ def _queues(cfg: ModelConfig) -> tuple[list[TensorQueue], int]:
     return [TensorQueue(t.nbytes, n) for t in cfg.inputs + cfg.outputs], n
 
 
-def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int) -> BindSpec:
+def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us: int = 0) -> BindSpec:
     """A best-effort binding of ``cfg`` with a direct endpoint at ``tmp_path/d.sock``."""
     d = ServerConfig()
     direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.fast_max_in_flight, d.fast_out_high_water,
                         d.fast_out_low_water, d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup,
-                        False, d.direct_suspend_poll_s, d.direct_stage_bytes)
+                        False, d.direct_suspend_poll_s, d.direct_stage_bytes, spin_us=spin_us)
     k = len(cfg.inputs)
     qfds = QueueFds(n, [os.dup(q.fd) for q in queues[:k]], [os.dup(q.fd) for q in queues[k:]])
     return BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
@@ -61,10 +62,14 @@ def _direct_call(path: str, x: bytes, answer_bytes: int) -> bytes:
     return bytes(got[HEADER_SIZE:])
 
 
-def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outside_it(tmp_path):
+@pytest.mark.parametrize("spin_us", [0, 50_000], ids=["sleeps", "polls"])
+def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outside_it(tmp_path, spin_us):
     """A direct call is answered through the loop's epoll; every control message (UNLOAD,
     LOAD, STOP) is handled with inference mode off, so a model bound while the loop serves
-    a direct endpoint has ordinary (not inference) weights, and its direct calls work."""
+    a direct endpoint has ordinary (not inference) weights, and its direct calls work. The
+    same when the loop polls before it sleeps (``worker/spin.py``; the host's load is taken
+    as free so that it does): the control socket is in the same epoll, so a message that
+    comes while it polls is taken at once."""
     vecadd, lenet = zoo("vecadd1k"), zoo("lenet")
     (vq, vn), (lq, ln) = _queues(vecadd), _queues(lenet)
     path = str(tmp_path / "d.sock")
@@ -83,9 +88,10 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
         return going_on
 
     w.step = recording_step  # type: ignore[method-assign]
+    w.host.cpu_free = lambda _now: True  # type: ignore[method-assign]
     loop = threading.Thread(target=w.serve, daemon=True)
     try:
-        w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn)))
+        w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn, spin_us)))
         w.counters.set_admit(64)
         loop.start()
         ours.recv(65536)  # READY
@@ -95,13 +101,14 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
 
         ours.send(bytes([Msg.UNLOAD]))
         assert UnloadedMsg.unpack(ours.recv(65536)).binding == 1
-        data, fds = LoadMsg(2, _bind(tmp_path, lenet, lq, ln)).pack()
+        data, fds = LoadMsg(2, _bind(tmp_path, lenet, lq, ln, spin_us)).pack()
         socket.send_fds(ours, [data], fds)
         for fd in fds:
             os.close(fd)
         assert LoadedMsg.unpack(ours.recv(65536)).binding == 2
         y = np.frombuffer(_direct_call(path, bytes(lenet.request_bytes), lenet.response_bytes), np.float32)
         assert y.shape == (10,) and np.isfinite(y).all()
+        assert w.spin.budget_ns == spin_us * 1000
         ours.send(bytes([Msg.STOP]))
         loop.join(WAIT_S)
         assert not loop.is_alive()
