@@ -63,13 +63,15 @@ class Placement:
     even if nothing ends (``until``); a strict one names the busy slot it waits for
     (``wait_for``), a BE one waits for any slot without strict work. ``run_now_s`` and
     ``wait_s`` are the predicted completions (seconds from now) that decided a strict wait,
-    None where there was no prediction."""
+    None where there was no prediction. ``tag`` is ``slot``'s tag in the decision (set by
+    ``node_partitions.BatchChooser``; None: no slot, or a policy without tags)."""
 
     slot: int | None
     wait_for: int | None = None
     until: float | None = None
     run_now_s: float | None = None
     wait_s: float | None = None
+    tag: float | None = None
 
 
 @dataclass(frozen=True)
