@@ -16,7 +16,7 @@ machine:
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.partition import NodePartition, Partitioning, StrictPlacement
@@ -134,10 +134,13 @@ class BatchChooser:
         """Where ``job`` runs among ``eligible`` (the partitions with an idle instance of its
         model), or ``slot`` None: it waits for a partition to free up (under ``eta`` it may
         name the one it waits for, see ``JobDistributor.place``; ``placed``: the partitions
-        its model has instances on, ``now`` the decider's clock)."""
+        its model has instances on, ``now`` the decider's clock). Under ``eta`` the answer
+        carries the chosen slot's tag in this decision (``Placement.tag``)."""
         if self.policy is StrictPlacement.ETA:
             assert self.distributor is not None
-            return self.distributor.place(job, slots, self.tags(slots, be_mem), eligible, now, be_models, placed)
+            tags = self.tags(slots, be_mem)
+            plan = self.distributor.place(job, slots, tags, eligible, now, be_models, placed)
+            return plan if plan.slot is None else replace(plan, tag=tags.get(plan.slot, 0.0))
         if not eligible:
             return Placement(None)
         candidates = [s for s in slots if s.id in eligible]

@@ -63,13 +63,15 @@ class Placement:
     even if nothing ends (``until``); a strict one names the busy slot it waits for
     (``wait_for``), a BE one waits for any slot without strict work. ``run_now_s`` and
     ``wait_s`` are the predicted completions (seconds from now) that decided a strict wait,
-    None where there was no prediction."""
+    None where there was no prediction. ``tag`` is ``slot``'s tag in the decision (set by
+    ``node_partitions.BatchChooser``; None: no slot, or a policy without tags)."""
 
     slot: int | None
     wait_for: int | None = None
     until: float | None = None
     run_now_s: float | None = None
     wait_s: float | None = None
+    tag: float | None = None
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,15 @@ class JobDistributor:
         """The slot id ``job`` should run on, among ``eligible`` ids, or None (wait).
 
         Strict (⑦): argmin η over eligible slots with tag < 1, η counting the BE batches the
-        tags predict there (``strict_eta``); when every eligible slot is wholly tagged, argmin
-        η over all of them (not given: splitserve's choice, the paper leaves the set empty).
-        Ties go to the larger slot, which has more headroom if the prediction is off (not
-        given: splitserve's choice).
+        tags predict there (``strict_eta``). While no eligible slot has tag < 1 but one with
+        tag < 1 runs a strict batch of the same model (its instance there is busy with short,
+        strict work, whose end decides again), the batch waits for it rather than go where
+        BE work has taken the partition: eligible means an idle instance, which on MIG the
+        autoscaler would make, and the paper's set is the partitions, not the idle
+        instances. Otherwise, when every eligible slot is wholly tagged, argmin η over all
+        of them (not given: splitserve's choice, the paper leaves the set empty). Ties go to
+        the larger slot, which has more headroom if the prediction is off (not given:
+        splitserve's choice).
 
         Best effort (⑧): first fit over the eligible slots, smallest first, by free memory;
         a batch that fits nowhere waits (not given: splitserve's choice). First fit over the
@@ -181,7 +188,11 @@ class JobDistributor:
         if not job.strict:
             fit = next((s for s in sorted(cands, key=_ascending) if s.free_mem >= job.mem_bytes), None)
             return None if fit is None else fit.id
-        pool = [s for s in cands if tags.get(s.id, 0.0) < 1.0] or cands
+        pool = [s for s in cands if tags.get(s.id, 0.0) < 1.0]
+        if not pool and any(tags.get(s.id, 0.0) < 1.0 and any(j.strict and j.model == job.model for j in s.running)
+                            for s in slots):
+            return None
+        pool = pool or cands
 
         def rank(s: Slot) -> tuple[float, ...]:
             return (self.strict_eta(job, s, tags.get(s.id, 0.0), be_models, slots), *(-v for v in _ascending(s)))
@@ -229,7 +240,7 @@ class JobDistributor:
             busy = set(held.values())
             return self._place_be(job, slots, tags, [i for i in eligible if i not in busy], now, be_models)
         base = self.choose(job, slots, tags, eligible, be_models)
-        if base is None:  # no idle instance: it waits as it did, on what it waited for
+        if base is None:  # no idle instance it may take: it waits as it did, on what it waited for
             return Placement(None)
         self._holds.pop(job.model, None)
         by_id = {s.id: s for s in slots}

@@ -43,3 +43,6 @@ class Batch:
     # REEF: segment to resume from (0 = from the start) when a preempted batch is re-run.
     resume_segment: int = 0
     started: float | None = None  # when the node last let it start (REEF's expected end counts from there)
+    # PROTEAN: its partition's tag (share taken by best-effort work) when the node placed it;
+    # None: not placed by tags (no partitions, or a strict placement other than eta)
+    tag: float | None = None

@@ -7,7 +7,9 @@ BE batches start where policy allows, and sets padding deadlines for BE work run
 beside RT work. It also keeps a bounded event log (start, preempt, resume, done) that
 tests and the DISB benchmark read to check the order of events rather than wall-clock
 thresholds. On a partitioned node it asks the node's ``BatchPlacement`` which instance (so
-which partition) takes each batch, and every event names the partition.
+which partition) takes each batch, and every event names the partition and, under PROTEAN's
+η placement, the partition's tag when the batch was placed (so a reader can check from the
+log alone that strict batches went only where best-effort work had not taken the partition).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
-from splitserve.server.ports import BatchPlacement, Event, ScheduledModel
+from splitserve.server.ports import BatchPlacement, Chosen, Event, ScheduledModel
 from splitserve.worker.messages import DIRECT_BATCH
 
 RT, BE = RequestClass.RT, RequestClass.BE
@@ -58,6 +60,9 @@ class Coordinator:
         # dispatched (its page says so); workers ring on such batches while ``_bell`` is on.
         self._direct_rt = False
         self._bell = False
+        # (model, instance) -> its partition's tag when ``placement`` chose it, during one
+        # scheduling pass: the batches that pass starts carry it (``Batch.tag``)
+        self._placed: dict[tuple[str, int], float | None] = {}
 
     # -- the node as the pure policy sees it ----------------------------------------------
 
@@ -84,7 +89,14 @@ class Coordinator:
         placement = self.placement
         if placement is None:
             return None
-        return lambda cls, size, idle: placement.choose(model.name, cls, size, idle, self.view())
+
+        def pick(cls: RequestClass, size: int, idle: Sequence[int]) -> int | None:
+            chosen: Chosen | None = placement.choose(model.name, cls, size, idle, self.view())
+            if chosen is None:
+                return None
+            self._placed[(model.name, chosen.instance)] = chosen.tag
+            return chosen.instance
+        return pick
 
     # -- called by runtimes ---------------------------------------------------------------
 
@@ -116,7 +128,16 @@ class Coordinator:
 
     def _start(self, model: ScheduledModel, now: float, classes: tuple[RequestClass, ...],
                may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
-        return model.start_batches(now, classes, may_start, self._pick(model))
+        """``model``'s batches that may start, each new one with its partition's tag when
+        placed (a resumed batch keeps the tag it was first placed with)."""
+        self._placed.clear()
+        batches = model.start_batches(now, classes, may_start, self._pick(model))
+        for b in batches:
+            key = (model.name, b.instance)
+            if key in self._placed:
+                b.tag = self._placed.pop(key)
+        self._placed.clear()
+        return batches
 
     @staticmethod
     def _stamp(batches: list[Batch], now: float) -> list[Batch]:
@@ -225,4 +246,4 @@ class Coordinator:
              latency_ns: int = 0) -> None:
         partition = self.partition_of(model.name, instance) if self.partition_of is not None else -1
         self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,
-                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition))
+                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition, batch.tag))

@@ -44,7 +44,7 @@ from splitserve.placement.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import PartitionedModel, ProteanProfileSource, PlacementChanger
+from splitserve.server.ports import Chosen, PartitionedModel, ProteanProfileSource, PlacementChanger
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class PartitionManager:
         return total, list(dict.fromkeys(names))
 
     def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
-               node: Sequence[InstanceView]) -> int | None:
+               node: Sequence[InstanceView]) -> Chosen | None:
         """See ``ports.BatchPlacement.choose``."""
         parts = self._parts
         ids = {p.id for p in parts}
@@ -260,7 +260,8 @@ class PartitionManager:
                 log.debug("model %s: BE batch of %d keeps off partitions with strict work until %+.3f s",
                           model, batch_size, plan.until - now)
             self._wake(model, plan.until - now)
-        return next((i for i in idle if where.get(i) == plan.slot), None)
+        instance = next((i for i in idle if where.get(i) == plan.slot), None)
+        return Chosen(instance, plan.tag) if instance is not None else None
 
     def _slots(self, node: Sequence[InstanceView], models: Mapping[str, PartitionedModel]) -> list[Slot]:
         """Algorithm 1's view of the partitions: each with the batches running on it, from when."""

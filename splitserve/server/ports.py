@@ -140,6 +140,7 @@ class Event:
     segment: int = 0  # preempted: the restore point; resume: where it resumes
     latency_ns: int = 0  # preempted: flag raised -> worker stopped
     partition: int = -1  # the node partition the instance sits on (-1: none, or not an instance's event)
+    tag: float | None = None  # the batch's ``Batch.tag``: its partition's tag when placed (None: not by tags)
 
 
 # -- transports -------------------------------------------------------------------------------
@@ -378,12 +379,21 @@ class ScheduledModel(Protocol):
         """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
 
 
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """``BatchPlacement.choose``'s answer: the instance that takes the batch, and its
+    partition's tag at that decision (None: the placement policy does not use tags)."""
+
+    instance: int
+    tag: float | None = None
+
+
 class BatchPlacement(Protocol):
     """The node's per-batch choice of a partition (``partitions.PartitionManager``), called by
     the coordinator for every batch a model could start."""
 
     def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
-               node: Sequence[InstanceView]) -> int | None:
+               node: Sequence[InstanceView]) -> Chosen | None:
         """Which of ``model``'s ``idle`` instances takes a batch of ``batch_size`` of ``cls``
         (its partition chosen under ``strict_placement``), given the whole node; None: the
         batch waits (best effort that fits no partition, or rt whose partition is busy)."""

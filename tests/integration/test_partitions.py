@@ -1,7 +1,8 @@
 """PROTEAN in the node, through real servers (in this process) and real worker processes:
 instances pinned to their partitions, rt batches kept off partitions best-effort work has
-taken (Algorithm 1's tags), a geometry change under a steady stream of requests, and a
-worker killed mid-batch restarting on its partition."""
+taken (Algorithm 1's tags), also under a 50/50 stream read back from the event log, a
+geometry change under a steady stream of requests, and a worker killed mid-batch restarting
+on its partition."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import signal
 import urllib.request
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,8 +49,57 @@ def gate_repo(tmp_path: Path, *models: tuple[str, str]) -> tuple[Path, Path, Gat
     return repo, cache, Gates(cache)
 
 
+def be_rt_repo(tmp_path: Path) -> tuple[Path, Path, Gates]:
+    """Two gate models, ``be`` and ``rt``, of those default classes, one request a batch."""
+    return gate_repo(tmp_path, ("be", 'default_class = "be"\nmax_batch_size = 1'),
+                     ("rt", 'default_class = "rt"\nmax_batch_size = 1'))
+
+
+def save_profiles(data: Path, profiles: dict[str, dict[str, object]]) -> None:
+    """Store ``{model: {kind: data}}`` in the registry under ``data`` for this machine, as
+    ``splitserve profile`` would (the node reads them when it starts)."""
+    from splitserve.placement.profiler import machine_id
+    from splitserve.registry import Registry
+
+    reg = Registry(data)
+    try:
+        for model, kinds in profiles.items():
+            for kind, value in kinds.items():
+                reg.save_profile(model, machine_id(), kind, value)
+    finally:
+        reg.close()
+
+
 def partitions_of(server) -> dict[int, set[int]]:
     return {p["id"]: set(p["cpus"]) for p in server.management.partition_status()["partitions"]}
+
+
+class Ledger:
+    """Every call a test sends, by key, with the answers it got (``call``), and how many
+    calls of each model were answered (``answered``); ``check`` says each got exactly one
+    answer, its own key, and the node counted each once, served."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.answers: dict[int, list[int]] = {}
+        self.answered: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    async def call(self, model: str, k: int) -> None:
+        assert k not in self.answers, f"key {k} sent twice"
+        self.answers[k] = []
+        out = await self.server.infer(model, key(k))
+        self.answers[k].append(int(out.outputs[0][0, 0]))
+        self.answered[model] += 1
+
+    def check(self) -> None:
+        assert all(v == [k] for k, v in self.answers.items())
+        out = self.server.monitor.outcomes
+        assert out["accepted"] == out["ok"] == len(self.answers)
+        assert not [k for k in out if k.startswith(("dropped", "error", "expired"))]
+        assert self.server.monitor.in_flight == 0
 
 
 def test_instances_sit_pinned_on_their_partitions_and_a_killed_worker_restarts_on_its_own(tmp_path):
@@ -88,8 +139,7 @@ def test_instances_sit_pinned_on_their_partitions_and_a_killed_worker_restarts_o
 
 
 def test_protean_keeps_rt_batches_off_partitions_that_best_effort_work_has_taken(tmp_path):
-    repo, cache, gates = gate_repo(tmp_path, ("be", 'default_class = "be"\nmax_batch_size = 1'),
-                                   ("rt", 'default_class = "rt"\nmax_batch_size = 1'))
+    repo, cache, gates = be_rt_repo(tmp_path)
     data = tmp_path / "data"
 
     async def measure(server):
@@ -131,6 +181,91 @@ def test_protean_keeps_rt_batches_off_partitions_that_best_effort_work_has_taken
     run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
 
 
+def test_protean_under_a_50_50_stream_logs_strict_batches_only_on_partitions_tagged_below_1(tmp_path):
+    """Issue 12: under 50/50 load with ``--partitioning protean`` the event log shows strict
+    batches only on partitions with tag < 1, every event carrying its partition's tag when
+    the batch was placed. Two rt and two be clients send ten calls each at once."""
+    repo, cache, gates = be_rt_repo(tmp_path)
+    data = tmp_path / "data"
+    # One BE batch holds F bytes and each of the two 1-core partitions has 1.5 F: with both BE
+    # clients' calls in (running or queued), the demand of 2 F tags the first partition 1 and
+    # the second 1/3. A strict batch holds next to nothing (the tags leave out what strict
+    # batches hold), so the demand of at most two BE calls never tags both partitions: the
+    # fallback when every partition is wholly taken is not what this test is about.
+    f = 100 * 2**20
+    save_profiles(data, {"be": {"footprint": {"1": f}}, "rt": {"footprint": {"1": 1}}})
+    # preemption concurrent is what --partitioning protean defaults to (ServerConfig.from_env);
+    # one instance of each model per partition: no cold starts on 2 cores
+    cfg = replace(quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
+                               preemption="concurrent", partition_memory_bytes=3 * f, partition_max_instances=1,
+                               load=("be", "rt")), http_port=0)
+    calls = 10  # per client
+
+    async def scenario(server):
+        ledger = Ledger(server)
+        held = 0  # BE calls that have reached their gate (so run, and hold their partition)
+        mark = 0  # strict answers when the last BE call reached its gate
+        holding = [False, False]  # each BE client's current call sits at its gate
+        done = [False, False]  # each BE client has had all its calls answered
+        turn = 0  # the BE client that lets its call through next
+
+        async def be_client(me: int) -> None:
+            # Each BE call is held at its gate until the strict stream has had three more
+            # answers since the last BE call reached its gate (or has ended), and the two BE
+            # clients let their calls through in turns, each only while the other's call is
+            # held: every BE call after the first two is placed while the other client's
+            # runs, at a demand of 2 F, and after each such placement at least one strict
+            # batch (of two clients, at most two calls were in flight) starts beside both.
+            nonlocal held, mark, turn
+            other = 1 - me
+            for i in range(calls):
+                k = 1 + me * 100 + i
+                gates.close(k)
+                call = asyncio.ensure_future(ledger.call("be", k))
+                await until(lambda: gates.held(k))
+                held += 1
+                holding[me] = True
+                mark = ledger.answered["rt"]
+                await until(lambda: (ledger.answered["rt"] >= mark + 3 or ledger.answered["rt"] == 2 * calls)
+                            and (turn == me or done[other]) and (holding[other] or done[other]))
+                holding[me] = False
+                turn = other
+                gates.open(k)
+                await call
+            done[me] = True
+
+        async def rt_client(me: int) -> None:
+            # The strict stream keeps pace: call i waits for the BE stream to have held i / 2
+            # calls, so it cannot run out before the BE calls that take a partition.
+            for i in range(calls):
+                await until(lambda: 2 * held >= i)
+                await ledger.call("rt", 1000 + me * 100 + i)
+
+        await asyncio.gather(*(be_client(c) for c in (0, 1)), *(rt_client(c) for c in (0, 1)))
+        ledger.check()
+        assert ledger.answered == {"be": 2 * calls, "rt": 2 * calls}
+        url = f"http://127.0.0.1:{server.ports['http_port']}/v2/scheduler/events"
+        events = (await asyncio.to_thread(_get, url))["events"]
+        parts = set(partitions_of(server))
+        starts = [e for e in events if e["kind"] == "start"]
+        rt = [e for e in starts if e["cls"] == "rt"]
+        be = [e for e in starts if e["cls"] == "be"]
+        # both classes ran, one batch a call, each on a partition, each with its tag at placement
+        assert len(rt) == len(be) == 2 * calls
+        assert all(e["partition"] in parts and e["tag"] is not None for e in starts)
+        # the claim: no strict batch was placed on a partition best-effort work had taken
+        assert [e for e in rt if e["tag"] >= 1] == []
+        # and not vacuously: best-effort work took a partition (BE batches placed there at
+        # tag 1), and strict batches were placed while BE batches ran on both partitions (a
+        # demand of 2 F, which tags the first partition 1): those went to the other one
+        assert [e for e in be if e["tag"] >= 1]
+        ends = {(e["model"], e["batch"]): e["t"] for e in events if e["kind"] == "done"}
+        beside_both = [r for r in rt if sum(b["t"] <= r["t"] <= ends[(b["model"], b["batch"])] for b in be) == 2]
+        assert beside_both
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=BOUND_S) as r:
         return json.loads(r.read())
@@ -152,16 +287,13 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
         url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"
         token = server.management.ensure_token()
         before = partitions_of(server)
-        ledger: dict[int, list[int]] = {}
+        ledger = Ledger(server)
         stop = asyncio.Event()
         keys = iter(range(100, 1_000_000))
 
         async def client() -> None:
             while not stop.is_set():
-                k = next(keys)
-                ledger[k] = []
-                out = await server.infer("gate", key(k))
-                ledger[k].append(int(out.outputs[0][0, 0]))
+                await ledger.call("gate", next(keys))
 
         clients = [asyncio.ensure_future(client()) for _ in range(4)]
         await until(lambda: len(ledger) > 20)
@@ -173,11 +305,7 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
         stop.set()
         await asyncio.gather(*clients)
         # every request answered once, with its own answer; nothing dropped, nothing left open
-        assert all(v == [k] for k, v in ledger.items())
-        out = server.monitor.outcomes
-        assert out["accepted"] == out["ok"] == len(ledger)
-        assert not [k for k in out if k.startswith(("dropped", "error", "expired"))]
-        assert server.monitor.in_flight == 0
+        ledger.check()
         now = partitions_of(server)
         placed = server.resources.placement()["gate"]
         assert {q.partition for q in placed.values()} == set(now)
@@ -189,24 +317,16 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
 
 
 def test_protean_holds_a_strict_batch_for_its_busy_partition_rather_than_run_it_beside_best_effort(tmp_path):
-    from splitserve.placement.profiler import machine_id
     from splitserve.protocol.header import RequestClass
-    from splitserve.registry import Registry
 
-    repo, cache, gates = gate_repo(tmp_path, ("be", 'default_class = "be"\nmax_batch_size = 1'),
-                                   ("rt", 'default_class = "rt"\nmax_batch_size = 1'))
+    repo, cache, gates = be_rt_repo(tmp_path)
     data = tmp_path / "data"
     # Stored profiles: rt takes 100 s alone on a core (FBR 0.5), be has FBR 5 and no solo time.
     # A second rt batch beside a BE batch is predicted at 550 s; waiting for the rt batch that
     # just started elsewhere, at about 200 s: it waits, for minutes, so only that end ends it.
-    reg = Registry(data)
-    try:
-        fit = {"fbr": {"rt@1": 0.5, "be@1": 5.0}, "unidentified": [], "residuals": {}, "equations": 2}
-        reg.save_profile("rt", machine_id(), "latency", {"model": "rt", "table": {"1,1": 100.0, "2,1": 100.0}})
-        for m in ("rt", "be"):
-            reg.save_profile(m, machine_id(), "fbr", fit)
-    finally:
-        reg.close()
+    fit = {"fbr": {"rt@1": 0.5, "be@1": 5.0}, "unidentified": [], "residuals": {}, "equations": 2}
+    save_profiles(data, {"rt": {"latency": {"model": "rt", "table": {"1,1": 100.0, "2,1": 100.0}}, "fbr": fit},
+                         "be": {"fbr": fit}})
     cfg = quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
                        preemption="concurrent", load=("be", "rt"))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -192,7 +193,12 @@ def test_eta_keeps_rt_off_a_partition_be_work_has_taken():
     slots = [Slot(1, 1, int(1.5 * GB), (be,)), Slot(2, 1, int(1.5 * GB), (be,))]
     # two BE batches: the first (smallest) partition is tagged 1, the second 1/3
     assert eta.tags(slots, 2 * GB) == {1: 1.0, 2: pytest.approx(1 / 3)}
-    assert eta.place(Job("s", 1, True, GB), slots, {1, 2}, 2 * GB, ["b"]).slot == 2
+    placed = eta.place(Job("s", 1, True, GB), slots, {1, 2}, 2 * GB, ["b"])
+    # the answer carries the chosen partition's tag in this decision (the event log records it)
+    assert placed.slot == 2 and placed.tag == pytest.approx(1 / 3)
+    # a second BE batch beside one running on partition 2: 2 GB of demand, it takes partition 1 at tag 1
+    assert eta.place(be, [replace(slots[0], running=()), slots[1]], {1}, 2 * GB).tag == 1.0
+    assert BatchChooser(StrictPlacement.BALANCED, None).place(be, slots, {1, 2}, 2 * GB).tag is None
 
 
 def test_the_scheduler_asks_pick_which_idle_instance_takes_each_batch():

@@ -117,6 +117,15 @@ def test_strict_avoids_partitions_the_tags_give_to_be() -> None:
     assert dist.choose(strict, slots, {0: 1.0, 1: 0.0}, {0, 1}, be_models=("be",)) == 1
     # every eligible slot wholly tagged: least η among them
     assert dist.choose(strict, slots, {0: 1.0, 1: 1.0}, {0, 1}, be_models=("be",)) == 0
+    # the slot BE work has not taken has no idle instance: while a strict batch of the model
+    # runs there it waits for it, rather than take the wholly tagged one (seen under a 50/50
+    # stream: a second strict client's batches went to the partition BE work had taken)
+    running = [slots[0], replace(slots[1], running=(Job("s", 8, True, GB),))]
+    assert dist.choose(strict, running, {0: 1.0, 1: 0.0}, {0}, be_models=("be",)) is None
+    # busy with anything else (a BE batch, another model's strict batch): it does not wait
+    for other in (Job("be", 8, False, 2 * GB), Job("t", 8, True, GB)):
+        busy_other = [slots[0], replace(slots[1], running=(other,))]
+        assert dist.choose(strict, busy_other, {0: 1.0, 1: 0.0}, {0}, be_models=("be",)) == 0
     # tag 0.5 of 20 GB with 2 GB batches predicts 5 BE batches: η = 1.75 × (0.5 + 5 × 0.6) = 6.125
     assert dist.strict_eta(strict, slots[0], 0.5, ("be",)) == pytest.approx(1.75 * 3.5)
     assert dist.choose(strict, slots, {0: 0.5, 1: 0.0}, {0, 1}, be_models=("be",)) == 1
