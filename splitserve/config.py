@@ -200,7 +200,7 @@ class ServerConfig:
     # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
     # -- direct path, fewer wake-ups (issue 15): a worker polls briefly for its next call before it sleeps --
-    direct_spin_us: int = 100  # poll this long while calls come this close and no task waits for a CPU (0: never; worker/spin.py)
+    direct_spin_us: int = 0  # poll this long while calls come this close and no task waits for a CPU (0: never; worker/spin.py): for workers whose cores are their own
     # -- GPU partitions (issue 12): whole GPUs and MIG slices, read through NVML --
     gpu_admin: bool = False  # let splitserve change MIG geometries (nvidia-smi): only on machines you administer; off, it prints the plan
     gpu_command_timeout_s: float = 120.0  # each nvidia-smi command of an applied MIG plan may run this long

@@ -10,6 +10,7 @@ dict.
 
 from __future__ import annotations
 
+import os
 import select
 import time
 from collections.abc import Callable
@@ -50,12 +51,13 @@ class Poller:
         if timeout is not None:
             spin_ns = min(spin_ns, int(timeout * 1e9))
         if spin_ns:
-            poll, clock = self.ep.poll, time.monotonic_ns
+            poll, clock, give_way = self.ep.poll, time.monotonic_ns, os.sched_yield
             end = clock() + spin_ns
             while True:
                 events = poll(0)
                 if events or clock() >= end:
                     break
+                give_way()
             if events:
                 return events
             if timeout is not None:
