@@ -5,6 +5,9 @@
     PYTHONPATH=. .venv/bin/python benchmarks/worker_cpu.py --inproc [--model vecadd1k] [--conns 1,32]
         [--calls 3000] [--cprofile]
 
+``--python`` turns the worker's compiled intake off (``direct_compiled``), for the same
+figures from the frame state machine alone.
+
 It starts ``splitserve serve`` with ``fast_direct`` on, the model loaded and no spare
 worker (so the one worker process is the model's), and drives the worker's Unix endpoint
 from this process with pre-built frames (only the req_id patched; answers read into one
@@ -151,7 +154,7 @@ def _top(raw: Path, by_line: bool, n: int = 25) -> list[tuple[str, float, float]
     return [(f, 100 * own[f] / total, 100 * incl[f] / total) for f in names]
 
 
-def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, object]:
+def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = True) -> dict[str, object]:
     """The worker's own loop per call, in this process (see the module's docstring)."""
     import cProfile
     import pstats
@@ -181,7 +184,7 @@ def inproc(model: str, conns: int, calls: int, profile: bool) -> dict[str, objec
                     [os.dup(q.fd) for q in queues[len(cfg.inputs) :]])
     spec = DirectSpec(str(tmp / "d.sock"), 1, 64, d.fast_max_in_flight, d.fast_out_high_water, d.fast_out_low_water,
                       d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup, False,
-                      d.direct_suspend_poll_s, d.direct_stage_bytes)
+                      d.direct_suspend_poll_s, d.direct_stage_bytes, compiled=compiled)
     w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
                                cpus=sorted(os.sched_getaffinity(0)), threads=1, direct=spec)))
     w.counters.set_admit(1 << 20)
@@ -263,13 +266,17 @@ def main() -> None:
     ap.add_argument("--inproc", action="store_true", help="no server: the worker's own loop in this process")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--cprofile", action="store_true", help="with --inproc: where the time goes")
+    ap.add_argument("--python", action="store_true",
+                    help="the frame state machine takes every read (no compiled intake: direct_compiled off)")
     a = ap.parse_args()
     if a.inproc:
-        res = {f"{k} connection(s)": inproc(a.model, int(k), a.calls, a.cprofile) for k in a.conns.split(",")}
+        res = {f"{k} connection(s)": inproc(a.model, int(k), a.calls, a.cprofile, not a.python)
+               for k in a.conns.split(",")}
         print(json.dumps(res, indent=1))
         return
     data = Path(tempfile.mkdtemp(prefix="worker-cpu-"))
-    env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1", "SPLITSERVE_SPARE_WORKERS": "0"}
+    env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1", "SPLITSERVE_SPARE_WORKERS": "0",
+           "SPLITSERVE_DIRECT_COMPILED": "0" if a.python else "1"}
     server = start_server(data, "--load", a.model, env=env)
     out = {}
     try:

@@ -9,9 +9,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.splitserve-installed
-# the editable install also compiles splitserve/_fastwire.c in place (optional: skipped without a
-# compiler), so a change to it installs again too
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ splitserve/_fastwire.c -nt "$stamp" ]; then
+# the editable install also compiles splitserve/_fastwire.c and _directlane.c in place (optional:
+# skipped without a compiler), so a change to either installs again too
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ splitserve/_fastwire.c -nt "$stamp" ] \
+    || [ splitserve/_directlane.c -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.4"

@@ -76,11 +76,12 @@ PATHS = ("front", "direct")
 DIRECT_TCP = "direct-tcp"
 
 
-def direct_env() -> dict[str, str]:
-    """The environment of a server whose workers also serve the direct path."""
+def direct_env(compiled: bool = True) -> dict[str, str]:
+    """The environment of a server whose workers also serve the direct path (``compiled``
+    False: their frame state machine takes every read, without the compiled intake)."""
     import os
 
-    return {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"}
+    return {**os.environ, "SPLITSERVE_FAST_DIRECT": "1", "SPLITSERVE_DIRECT_COMPILED": "1" if compiled else "0"}
 
 
 def stream(server: Any, path: str, model: str) -> tuple[socket.socket, int]:

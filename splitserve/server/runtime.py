@@ -435,7 +435,8 @@ class ModelRuntime:
             str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
             s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
             s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s,
-            s.direct_stage_bytes, int(self.slo_s * 1e6) if self.slo_s else 0, s.direct_tcp_host, s.direct_spin_us)
+            s.direct_stage_bytes, int(self.slo_s * 1e6) if self.slo_s else 0, s.direct_tcp_host, s.direct_spin_us,
+            s.direct_compiled)
 
     def _direct_path(self, i: int) -> Path:
         return self.settings.direct_dir / f"{self.func_id}-{i}.sock"

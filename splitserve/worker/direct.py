@@ -62,6 +62,11 @@ from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.poller import READABLE, WRITABLE, Poller
 from splitserve.worker.spec import DirectSpec
 
+try:  # compiled where the install found a C compiler (pyproject's optional ext-module)
+    from splitserve import _directlane
+except ImportError:  # the frame state machine takes every read
+    _directlane = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
@@ -91,13 +96,13 @@ class _Call:
     __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "flat", "sizes", "views", "vi", "target",
                  "aside", "deadline_ns", "slo_ns", "t_rx_ns")
 
-    def __init__(self, conn: "_Conn", h: Header, cls: RequestClass, count: int, t_rx_ns: int,
-                 slo_us: int = 0) -> None:
+    def __init__(self, conn: "_Conn", req_id: int, cls: RequestClass, count: int, total: int, deadline_us: int,
+                 t_rx_ns: int, slo_us: int = 0) -> None:
         self.conn = conn
-        self.req_id = h.req_id
+        self.req_id = req_id
         self.cls = cls
         self.count = count
-        self.total = h.payload_len
+        self.total = total  # payload bytes
         self.got = 0
         self.row = -1  # its first row in the class's batch buffer (-1: none, e.g. moved aside)
         self.flat: list[memoryview] = []
@@ -108,7 +113,7 @@ class _Call:
         self.vi = 0
         self.target: memoryview = memoryview(b"")
         self.aside: bytearray | None = None
-        self.deadline_ns = t_rx_ns + h.deadline_us * 1000 if h.deadline_us else 0
+        self.deadline_ns = t_rx_ns + deadline_us * 1000 if deadline_us else 0
         # Soft, real-time calls only: its own SLO, else its model's (``slo_us``); 0: none
         self.slo_ns = t_rx_ns + slo_us * 1000 if slo_us and cls == _RT else 0
         self.t_rx_ns = t_rx_ns
@@ -278,6 +283,8 @@ class _Conn(FrameStream):
         n = self.receive(self.stage_mv[self.hi :])
         if not n:
             return False
+        if not self.hi and self.server.lane is not None and self.server.take_whole(self, n):
+            return n == want
         self.hi += n
         self._take()
         return n == want
@@ -474,6 +481,9 @@ class DirectServer:
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
         self.paused: set[_Conn] = set()  # connections paused by their bounds: a batch's end looks at them again
         self.stage_bytes = spec.stage_bytes
+        # The compiled intake of a read that brought exactly one plain REQUEST (``_directlane``,
+        # where it was built and the spec allows it); None: the frame state machine takes every read
+        self.lane = self._lane() if spec.compiled and _directlane is not None else None
         # No frame can be past its timeout before this (see ``sweep``): the loop looks at
         # its connections' frames then, not on every turn.
         self.sweep_at_ns = time.monotonic_ns() + int(spec.frame_timeout_s * 1e9)
@@ -491,6 +501,43 @@ class DirectServer:
             if self.listeners:  # the Unix socket is this endpoint's (a live server's is never taken over)
                 self.close()
             raise
+
+    def _lane(self) -> "_directlane.Lane":
+        table = bytearray([255] * 256)  # a header's class -> the index in _CLASSES it runs in; 255: the Python path's
+        for value in range(256):
+            try:
+                table[value] = _CLASSES.index(call_class(value, self.default_cls, self.spec.rt_only))
+            except SplitServeError:
+                pass
+        return _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
+                                [self.flat[c] for c in _CLASSES])
+
+    def take_whole(self, conn: _Conn, n: int) -> bool:
+        """The read of ``n`` bytes into ``conn``'s empty stage was one plain REQUEST that the
+        lane took into its class's next rows: the call is accepted as ``accept_call`` and
+        ``fill`` would have done, its frame read whole. False: the frame state machine takes
+        the bytes (the lane declined, or the req_id is in flight: it answers the duplicate)."""
+        rt_row = self.next_row[_RT]
+        be_row = -1 if self.suspended is not None else self.next_row[_BE]
+        got = self.lane.take(conn.stage, n, rt_row, be_row)  # type: ignore[union-attr]
+        if got is None:
+            return False
+        req_id, ci, count, deadline_us, slo_us = got
+        if req_id in conn.ids:
+            return False  # its rows were free ones: nothing to undo
+        cls = _CLASSES[ci]
+        call = _Call(conn, req_id, cls, count, n - HEADER_SIZE, deadline_us, time.monotonic_ns(),
+                     slo_us or self.spec.slo_us)
+        row = self.next_row[cls]
+        call.place(row, self.flat[cls], self.sizes)
+        call.got = call.total
+        self.next_row[cls] = row + count
+        self.placed[cls].append(call)
+        self.complete[cls] += 1
+        conn.ids.add(req_id)
+        self.counters.accepted(_IN_FLIGHT[cls])
+        conn.frame_done()
+        return True
 
     @property
     def tcp_port(self) -> int | None:
@@ -546,7 +593,8 @@ class DirectServer:
         cls = self.class_of.get(h.cls)
         if cls is None:  # raises for a class no call may have, so this holds at most three
             cls = self.class_of[h.cls] = call_class(h.cls, self.default_cls, self.spec.rt_only)
-        call = _Call(conn, h, cls, count, conn.frame_t0_ns, h.slo_us or self.spec.slo_us)
+        call = _Call(conn, h.req_id, cls, count, h.payload_len, h.deadline_us, conn.frame_t0_ns,
+                     h.slo_us or self.spec.slo_us)
         conn.ids.add(h.req_id)
         self.counters.accepted(_IN_FLIGHT[cls])
         if not self._give_rows(call):

@@ -40,6 +40,7 @@ class DirectSpec:
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
     tcp_host: str | None = None
     spin_us: int = 0  # ServerConfig.direct_spin_us: the loop's poll before it sleeps (``worker/spin.py``)
+    compiled: bool = True  # ServerConfig.direct_compiled: one-frame reads taken by ``_directlane`` where built
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -35,17 +36,22 @@ def server(tmp_path_factory):
     assert s.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def gated(tmp_path_factory):
-    """A server whose only model is the gate (one instance, max batch 8), and its gates."""
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def gated(request, tmp_path_factory):
+    """A server whose only model is the gate (one instance, max batch 8), and its gates; its
+    workers' direct endpoints with the compiled intake, then without it (the same tests
+    over both ways a worker takes a read)."""
     from tests.conftest import start_server
     from tests.inproc import write_model
 
+    compiled = request.param == "compiled"
+    if compiled and importlib.util.find_spec("splitserve._directlane") is None:
+        pytest.skip("the compiled intake was not built")
     root = tmp_path_factory.mktemp("gated")
     write_model(root / "repo", "gate", "gate")
     gates = Gates(root / "cache")
     s = start_server(root / "data", "--repository", str(root / "repo"), "--load", "gate", cache_dir=root / "cache",
-                     env=direct_env())
+                     env=direct_env(compiled))
     yield s, gates
     gates.open_all()
     assert s.stop() == 0

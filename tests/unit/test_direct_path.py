@@ -60,7 +60,7 @@ def _feed(call: _Call, data: bytes, chunk: int) -> bool:
 def test_a_call_lands_in_consecutive_rows_of_every_input():
     arrays, flat, sizes = _buffers(4)
     a, b = np.arange(2048, dtype=np.float32).reshape(2, 1024), -np.arange(2048, dtype=np.float32).reshape(2, 1024)
-    call = _Call(None, req(4 * 4096), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    call = _Call(None, 1, RequestClass.RT, 2, 4 * 4096, 0, 0)  # type: ignore[arg-type]
     call.place(1, flat, sizes)
     assert _feed(call, a.tobytes() + b.tobytes(), 4096)
     np.testing.assert_array_equal(arrays[0][1:3], a)
@@ -71,10 +71,10 @@ def test_a_call_lands_in_consecutive_rows_of_every_input():
 def test_a_payload_that_comes_whole_is_copied_into_its_rows_and_one_in_pieces_lands_alike():
     arrays, flat, sizes = _buffers(4)
     payload = np.random.default_rng(1).standard_normal(4096).astype(np.float32).tobytes()  # two samples
-    whole = _Call(None, req(len(payload)), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    whole = _Call(None, 1, RequestClass.RT, 2, len(payload), 0, 0)  # type: ignore[arg-type]
     whole.place(0, flat, sizes)
     assert whole.fill(memoryview(payload)) and whole.views is None  # one copy per input, no views made
-    pieces = _Call(None, req(len(payload)), RequestClass.RT, 2, 0)  # type: ignore[arg-type]
+    pieces = _Call(None, 1, RequestClass.RT, 2, len(payload), 0, 0)  # type: ignore[arg-type]
     pieces.place(2, flat, sizes)
     assert not _feed(pieces, payload[:5000], 3000)  # across the first input's end
     assert [len(t) for t in pieces.targets()] == [2 * 4096 - 5000, 2 * 4096]  # what a scatter read fills
@@ -87,7 +87,7 @@ def test_a_payload_that_comes_whole_is_copied_into_its_rows_and_one_in_pieces_la
 def test_a_call_moved_aside_mid_payload_keeps_its_bytes_and_takes_new_rows_whole():
     arrays, flat, sizes = _buffers(4)
     payload = np.random.default_rng(0).standard_normal(2048).astype(np.float32).tobytes()
-    call = _Call(None, req(len(payload)), RequestClass.BE, 1, 0)  # type: ignore[arg-type]
+    call = _Call(None, 1, RequestClass.BE, 1, len(payload), 0, 0)  # type: ignore[arg-type]
     call.place(0, flat, sizes)
     assert not _feed(call, payload[:5000], 1000)  # past the first input, into the second
     call.move_aside()
