@@ -314,6 +314,8 @@ class Worker:
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
         if direct.ready():
             events = poller.ep.poll(0)
+        elif not self.spin.budget_ns:  # polling off (the default): no clock or host load read per turn
+            events = poller.ep.poll(direct.timeout())
         else:  # nothing to run: poll for a while (``worker/spin.py``), then sleep
             t0 = time.monotonic_ns()
             events = poller.wait(direct.timeout(), self.spin.window_ns(self.host.cpu_free(t0)))

@@ -22,7 +22,6 @@ takes a core that someone else is waiting for. So the loop polls only
 from __future__ import annotations
 
 import os
-import time
 
 _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls bring the poll back
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
@@ -80,8 +79,3 @@ class HostLoad:
             except OSError:
                 self.free = False
         return self.free
-
-
-def monotonic_ns() -> int:
-    """The clock the loop's gaps are measured with."""
-    return time.monotonic_ns()
