@@ -22,11 +22,14 @@
        raise ``unpack_header``'s own BadFrame from, so that both implementations say the
        same.
 
-   call(fd, parts, timeout_s) -> (fields, payload)
+   call(fd, parts, timeout_s, poll_s=0.0) -> (fields, payload)
        ``send`` then ``recv_frame`` in one call, for a caller that holds the reading turn
        and has nothing else in flight: the GIL is released once for the send and the wait
        for the answer, not once for each. ``sent`` (an attribute) then says whether the
        send went out whole, so that the caller tells a failed send from a failed receive.
+       With ``poll_s`` the answer's first bytes are polled for (MSG_DONTWAIT, the CPU
+       yielded between tries) for up to that long before the blocking recv: the caller's
+       policy (splitserve/spin.py) says when that pays.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (client/fastpath.py _bound_waits): the first recv of a frame blocks in the kernel
@@ -42,6 +45,8 @@
 #include <Python.h>
 #include <structmember.h>
 #include <pythread.h>
+
+#include <sched.h>
 
 #include <errno.h>
 #include <poll.h>
@@ -132,10 +137,36 @@ static PyObject *io_error(int r) {
    system call where a failed recv and a poll are two. Any other recv polls for what is
    left of ``deadline`` only when it would block. Called without the GIL. */
 static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
-                             int *err) {
+                             double poll_until, int *err) {
     Py_ssize_t got = 0;
     int r = 1, flags = block ? 0 : MSG_DONTWAIT;
     while (got < need) {
+        if (flags == 0 && poll_until > 0) { /* poll before the blocking recv, until poll_until */
+            ssize_t n = recv(fd, buf + got, (size_t)(cap - got), MSG_DONTWAIT);
+            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                if (now_s() >= poll_until)
+                    poll_until = 0;
+                else
+                    sched_yield(); /* a task that waits for this CPU runs first */
+                continue;
+            }
+            poll_until = 0;
+            if (n > 0) {
+                got += n;
+                flags = MSG_DONTWAIT;
+                continue;
+            }
+            if (n == 0) {
+                r = 0;
+                break;
+            }
+            /* an error or a signal: as after the blocking recv below */
+            flags = MSG_DONTWAIT;
+            r = retry_after(fd, POLLIN, deadline);
+            if (r != 1)
+                break;
+            continue;
+        }
         ssize_t n = recv(fd, buf + got, (size_t)(cap - got), flags);
         if (flags == 0 && n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) { /* SO_RCVTIMEO ran out */
             r = -1;
@@ -298,7 +329,7 @@ static PyObject *wire_send(Wire *self, PyObject *args) {
 
 /* Make sure a whole header is buffered at buf[start:]: receive (blocking first) until it
    is; 1, else io_error's code. Called without the GIL. */
-static int header_nogil(Wire *self, int fd, double deadline) {
+static int header_nogil(Wire *self, int fd, double deadline, double poll_until) {
     int err = 1;
     if (self->end - self->start < HEADER_SIZE) {
         if (self->start + HEADER_SIZE > self->cap) { /* no room after a partial header: move it to the front */
@@ -307,7 +338,7 @@ static int header_nogil(Wire *self, int fd, double deadline) {
             self->start = 0;
         }
         self->end += recv_nogil(fd, self->buf + self->end, self->cap - self->end,
-                                self->start + HEADER_SIZE - self->end, deadline, 1, &err);
+                                self->start + HEADER_SIZE - self->end, deadline, 1, poll_until, &err);
     }
     return err;
 }
@@ -374,7 +405,7 @@ static PyObject *take_frame(Wire *self, int fd, double deadline) {
         }
         char *rest = PyByteArray_AS_STRING(payload) + have;
         Py_BEGIN_ALLOW_THREADS
-        recv_nogil(fd, rest, n - have, n - have, deadline, 0, &err);
+        recv_nogil(fd, rest, n - have, n - have, deadline, 0, 0, &err);
         Py_END_ALLOW_THREADS
         if (err != 1) {
             Py_DECREF(fields);
@@ -403,7 +434,7 @@ static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
     double deadline = now_s() + timeout;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = header_nogil(self, fd, deadline);
+    r = header_nogil(self, fd, deadline, 0);
     Py_END_ALLOW_THREADS
     PyObject *out = r == 1 ? take_frame(self, fd, deadline) : io_error(r);
     self->reading = 0;
@@ -413,9 +444,9 @@ static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
 static PyObject *wire_call(Wire *self, PyObject *args) {
     int fd;
     PyObject *parts;
-    double timeout;
+    double timeout, poll = 0;
     self->sent = 0;
-    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &parts, &timeout) || check_fd(fd) < 0)
+    if (!PyArg_ParseTuple(args, "iO!d|d", &fd, &PyList_Type, &parts, &timeout, &poll) || check_fd(fd) < 0)
         return NULL;
     Py_buffer views[MAX_PARTS];
     struct iovec iov[MAX_PARTS];
@@ -434,8 +465,9 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
     r = send_nogil(self, fd, iov, n, now_s() + timeout);
     if (r == 1) {
         self->sent = 1;
-        deadline = now_s() + timeout;
-        r = header_nogil(self, fd, deadline);
+        double sent_at = now_s();
+        deadline = sent_at + timeout;
+        r = header_nogil(self, fd, deadline, poll > 0 ? sent_at + (poll < timeout ? poll : timeout) : 0);
     }
     Py_END_ALLOW_THREADS
     int saved = errno;
@@ -456,7 +488,8 @@ static PyMethodDef wire_methods[] = {
     {"recv_frame", (PyCFunction)wire_recv_frame, METH_VARARGS,
      "recv_frame(fd, timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
     {"call", (PyCFunction)wire_call, METH_VARARGS,
-     "call(fd, parts, timeout_s) -> recv_frame's answer, after sending parts (sent: whether they went)."},
+     "call(fd, parts, timeout_s, poll_s=0.0) -> recv_frame's answer, after sending parts (sent: whether they "
+     "went); the answer polled for up to poll_s before the blocking wait."},
     {NULL, NULL, 0, NULL},
 };
 

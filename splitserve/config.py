@@ -202,7 +202,7 @@ class ServerConfig:
     # -- direct path, compiled intake (issue 15): a read that is one plain call is taken in C --
     direct_compiled: bool = True  # a read that brings one plain call is taken by the compiled intake (_directlane.c) where it was built
     # -- direct path, fewer wake-ups (issue 15): a worker polls briefly for its next call before it sleeps --
-    direct_spin_us: int = 0  # poll this long while calls come this close and no task waits for a CPU (0: never; worker/spin.py): for workers whose cores are their own
+    direct_spin_us: int = 0  # poll this long while calls come this close and no task waits for a CPU (0: never; splitserve/spin.py): for workers whose cores are their own
     # -- GPU partitions (issue 12): whole GPUs and MIG slices, read through NVML --
     gpu_admin: bool = False  # let splitserve change MIG geometries (nvidia-smi): only on machines you administer; off, it prints the plan
     gpu_command_timeout_s: float = 120.0  # each nvidia-smi command of an applied MIG plan may run this long

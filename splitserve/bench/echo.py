@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
+
+from splitserve.protocol.sockets import bound_waits
 
 HEADER_SIZE = 64
 _SIZES = struct.Struct("<II")  # payload bytes that follow, bytes to answer
@@ -29,7 +33,10 @@ MAX_BYTES = 1 << 30
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     while len(view):
-        n = sock.recv_into(view)
+        try:
+            n = sock.recv_into(view)
+        except BlockingIOError:  # SO_RCVTIMEO ran out (a client's socket)
+            raise TimeoutError("the echo server did not answer in time") from None
         if n == 0:
             return False
         view = view[n:]
@@ -116,21 +123,45 @@ class EchoProcess:
 
 class EchoClient:
     """Blocking client: ``call()`` sends one request of ``request_bytes`` (header included)
-    and reads the ``response_bytes`` answer, like a fast-path call of the same sizes."""
+    and reads the ``response_bytes`` answer, like a fast-path call of the same sizes. With
+    ``poll_us`` it polls for the answer (``MSG_DONTWAIT``, yielding between tries) for up to
+    that long before it blocks, as a fast-path ``Client(poll_us=...)`` does."""
 
-    def __init__(self, host: str, port: int, request_bytes: int, response_bytes: int, timeout: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, request_bytes: int, response_bytes: int, timeout: float = 30.0,
+                 poll_us: float = 0.0) -> None:
         if request_bytes < HEADER_SIZE or response_bytes < 1:
             raise ValueError(f"request must be >= {HEADER_SIZE} bytes and response >= 1 byte")
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # waits bounded in the kernel, as the fast-path client's: a socket timeout would
+        # put a poll() before every send and recv, a floor two system calls too high
+        bound_waits(self.sock, timeout)
         self._header = request_header(request_bytes - HEADER_SIZE, response_bytes)
         self._payload = bytes(request_bytes - HEADER_SIZE)
         self._answer = bytearray(response_bytes)
+        self._poll_s = poll_us / 1e6
 
     def call(self) -> None:
         self.sock.sendmsg([self._header, self._payload])
-        if not _recv_exact(self.sock, memoryview(self._answer)):
+        view = memoryview(self._answer)
+        if self._poll_s:
+            view = view[self._poll(view, time.monotonic() + self._poll_s) :]
+        if not _recv_exact(self.sock, view):
             raise ConnectionError("echo server closed the connection")
+
+    def _poll(self, view: memoryview, until: float) -> int:
+        """Bytes of the answer received without blocking before ``until`` (stops at the first)."""
+        while True:
+            try:
+                n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() >= until:
+                    return 0
+                os.sched_yield()
+                continue
+            if n == 0:
+                raise ConnectionError("echo server closed the connection")
+            return n
 
     def close(self) -> None:
         self.sock.close()

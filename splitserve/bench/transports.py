@@ -142,22 +142,23 @@ class _AsyncEncoding(_Encoding):
         await close_async(self.client)
 
 
-def _construct(cls: type, url: str, timeout: float) -> Any:
+def _construct(cls: type, url: str, timeout: float, **options: Any) -> Any:
     # Every splitserve client takes the URL first; ``timeout`` is passed where accepted.
     try:
         accepts_timeout = "timeout" in inspect.signature(cls).parameters
     except (TypeError, ValueError):
         accepts_timeout = False
-    return cls(url, **({"timeout": timeout} if accepts_timeout else {}))
+    return cls(url, **({"timeout": timeout} if accepts_timeout else {}), **options)
 
 
-def open_sync(transport: str, url: str, timeout: float = 60.0) -> Any:
-    """A connected blocking client with ``infer_result(model, x)`` and ``close()``."""
+def open_sync(transport: str, url: str, timeout: float = 60.0, **options: Any) -> Any:
+    """A connected blocking client with ``infer_result(model, x)`` and ``close()``;
+    ``options``: the client class's own keywords (e.g. the fast-path client's ``poll_us``)."""
     sync_cls, _, kw = _classes(transport)
     if sync_cls is None:
         raise Unavailable(f"no blocking client for {transport}")
     try:
-        client = _construct(sync_cls, url, timeout)
+        client = _construct(sync_cls, url, timeout, **options)
     except (ConnectionError, OSError) as e:
         raise Unavailable(f"cannot connect to {url}: {e}") from None
     return _Encoding(client, kw) if kw else client

@@ -36,7 +36,7 @@ from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, R
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
-from splitserve.worker.spin import HostLoad, SpinPolicy
+from splitserve.spin import HostLoad, SpinPolicy
 
 log = logging.getLogger("splitserve.worker")
 
@@ -316,7 +316,7 @@ class Worker:
             events = poller.ep.poll(0)
         elif not self.spin.budget_ns:  # polling off (the default): no clock or host load read per turn
             events = poller.ep.poll(direct.timeout())
-        else:  # nothing to run: poll for a while (``worker/spin.py``), then sleep
+        else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
             t0 = time.monotonic_ns()
             events = poller.wait(direct.timeout(), self.spin.window_ns(self.host.cpu_free(t0)))
             self.spin.observe(time.monotonic_ns() - t0)

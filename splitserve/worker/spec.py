@@ -39,7 +39,7 @@ class DirectSpec:
     # Also listen on TCP at this address (the node's fast-path host; the OS picks the port,
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
     tcp_host: str | None = None
-    spin_us: int = 0  # ServerConfig.direct_spin_us: the loop's poll before it sleeps (``worker/spin.py``)
+    spin_us: int = 0  # ServerConfig.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
     compiled: bool = True  # ServerConfig.direct_compiled: one-frame reads taken by ``_directlane`` where built
 
 

@@ -138,6 +138,23 @@ def test_fastpath_latency(server, tmp_path):
     assert any("echo p50" in line for line in lines)
 
 
+def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
+    """On a server of its own with the direct path: the path measured by a blocking client
+    and by one that polls for its answers, the latter set against an echo client that polls
+    too, with no throughput figure of its own (the generator does not poll)."""
+    summary = run_scenario("fastpath-latency", quick=True, out=tmp_path, models=("vecadd1k",), transports=("direct",),
+                           overrides={"requests": "60", "warmup": "5", "connections": "4", "duration_s": "0.6",
+                                      "warmup_s": "0.1", "client_poll_us": "500"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK
+    paths = _result(summary.path)["models"]["vecadd1k"]["transports"]
+    assert set(paths) == {"direct", "direct+poll"}
+    assert paths["direct"]["throughput_ratio"] > 0 and paths["direct+poll"]["throughput_ratio"] is None
+    assert all(p["latency_ratio"] > 0 and p["compute_us"]["p50"] > 0 for p in paths.values())
+    assert any("direct, client polls" in line and "the echo client polls too" in line for line in summary.lines)
+    assert "vecadd1k (direct, client polls)" in (summary.path / "report.md").read_text()
+
+
 def test_validation_refuses_a_wrong_model(server, tmp_path):
     result = CliRunner().invoke(bench_app, ["rpc-tax", "--quick", "--models", "lenet", "--transports", "tcp,echo",
                                             "--url", str(server.info_file), "--out", str(tmp_path),

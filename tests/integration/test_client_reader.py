@@ -2,8 +2,10 @@
 that share one recv, answers out of order, and a payload bigger than the client's receive
 buffer (read past it), all land with the right call; a single caller reads its own answer
 (an error one included), and callers on several threads each get their own. Every test
-runs on both wires: the compiled one (``splitserve._fastwire``, skipped where it is not
-built) and the pure-Python one."""
+runs on both wires, the compiled one (``splitserve._fastwire``, skipped where it is not
+built) and the pure-Python one, each with solo calls that sleep for their answer and with
+ones that poll for it first (``Client(poll_us=...)``: the same frames, errors, timeouts
+and hand-overs whether the answer comes while it polls or after)."""
 
 from __future__ import annotations
 
@@ -11,25 +13,44 @@ import json
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from splitserve.client import fastpath
-from splitserve.client.fastpath import _RX_BYTES, Client, _bound_waits, _CStream, _Stream
+from splitserve.client.fastpath import _RX_BYTES, Client, _CStream, _Stream
 from splitserve.errors import BadFrame, InvalidInput, Status
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
+from splitserve.protocol.sockets import bound_waits
 
 _OUT = 3  # floats per answer
 
 
-@pytest.fixture(params=["c", "python"])
-def compiled(request: pytest.FixtureRequest) -> bool:
-    """``Client(compiled=...)`` for the wire under test."""
-    if request.param == "c" and fastpath._fastwire is None:
+@dataclass(frozen=True)
+class Wire:
+    """The client's wire under test: compiled or not, and how long a solo call polls."""
+
+    compiled: bool
+    poll_us: float
+
+    @property
+    def kw(self) -> dict[str, object]:
+        """``Client``'s keywords for it."""
+        return {"compiled": self.compiled, "poll_us": self.poll_us}
+
+
+@pytest.fixture(params=["c", "python", "c-polls", "python-polls"])
+def wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Wire:
+    if request.param.startswith("c") and fastpath._fastwire is None:
         pytest.skip("splitserve._fastwire is not built (no C compiler or Python headers at install)")
-    return request.param == "c"
+    polls = request.param.endswith("polls")
+    if polls:  # the host's load must not decide whether these tests poll
+        monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: True)
+    # 50 ms: long enough that answers the peers send at once come while the call polls
+    return Wire(request.param.startswith("c"), 50_000.0 if polls else 0.0)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -72,13 +93,13 @@ def _peer(listener: socket.socket, calls: int) -> None:
         conn.sendall(b"".join(reversed(answers)))
 
 
-def test_answers_sharing_a_recv_and_a_payload_past_the_buffer_reach_their_calls(compiled):
+def test_answers_sharing_a_recv_and_a_payload_past_the_buffer_reach_their_calls(wire):
     listener = socket.create_server(("127.0.0.1", 0))
     calls = 5
     t = threading.Thread(target=_peer, args=(listener, calls), daemon=True)
     t.start()
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, **wire.kw) as c:
             assert len(c.lookup("m").extra["pad"]) == 2 * _RX_BYTES
             xs = [np.full(_OUT, i, np.float32) for i in range(calls)]
             pending = [c.submit("m", x) for x in xs]
@@ -119,10 +140,10 @@ def _serve(rounds: list[int]) -> tuple[socket.socket, threading.Thread]:
     return listener, t
 
 
-def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_typed_error(compiled):
+def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_typed_error(wire):
     listener, t = _serve([1, 1, 1])
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, **wire.kw) as c:
             np.testing.assert_array_equal(c.infer("m", np.full(_OUT, 1, np.float32)), np.full(_OUT, 2, np.float32))
             with pytest.raises(InvalidInput, match="must not be negative") as e:
                 c.infer("m", np.full(_OUT, -1, np.float32))
@@ -135,7 +156,7 @@ def test_a_single_caller_reads_its_own_answers_and_an_error_answer_raises_its_ty
     assert not t.is_alive()
 
 
-def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_own_answer(compiled):
+def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_own_answer(wire):
     """The peer holds every call until all threads have sent theirs, then answers last first:
     whichever thread reads hands the others their answers (an error among them) and they
     read on after it; a second round mixes a thread's pipelined calls in."""
@@ -153,7 +174,7 @@ def test_callers_on_several_threads_interleaving_on_one_client_each_get_their_ow
             got[v] = out
 
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, **wire.kw) as c:
             c.lookup("m")
             for round_ in range(2):
                 values = [round_ * 100 + k for k in range(threads_n - 1)] + [-(round_ + 1)]
@@ -184,18 +205,18 @@ def _answer(req_id: int, payload: bytes) -> bytes:
                   payload_len=len(payload)).pack() + payload
 
 
-def _stream(sock: socket.socket, compiled: bool, timeout: float) -> _Stream:
-    _bound_waits(sock, timeout)
-    return (_CStream if compiled else _Stream)(sock, timeout)
+def _stream(sock: socket.socket, wire: Wire, timeout: float) -> _Stream:
+    bound_waits(sock, timeout)
+    return (_CStream if wire.compiled else _Stream)(sock, timeout, poll_ns=int(wire.poll_us * 1000))
 
 
-def test_frames_split_across_reads_and_several_in_one_read_are_taken_whole(compiled):
+def test_frames_split_across_reads_and_several_in_one_read_are_taken_whole(wire):
     """A header cut short is kept through a timeout and completed by the next read; two
     frames that arrive together come out one by one; a payload bigger than the socket's
     buffer (so received over many reads) arrives whole."""
     ours, peer = socket.socketpair()
     with ours, peer:
-        st = _stream(ours, compiled, 0.2)
+        st = _stream(ours, wire, 0.2)
         first, second = _answer(1, b"abc"), _answer(2, b"")
         big = bytes(range(256)) * 4096  # 1 MiB: more than a socket buffer holds
         peer.sendall(first[:10])
@@ -217,7 +238,7 @@ def test_frames_split_across_reads_and_several_in_one_read_are_taken_whole(compi
 
 @pytest.mark.parametrize("field, value", [("magic", b"XXXX"), ("version", 9), ("kind", 99),
                                           ("payload_len", MAX_PAYLOAD + 1), ("payload_len", 0xFFFFFFFF)])
-def test_a_malformed_answer_header_raises_the_parsers_bad_frame(compiled, field, value):
+def test_a_malformed_answer_header_raises_the_parsers_bad_frame(wire, field, value):
     frame = bytearray(_answer(1, b""))
     if field == "magic":
         frame[0:4] = value
@@ -231,7 +252,7 @@ def test_a_malformed_answer_header_raises_the_parsers_bad_frame(compiled, field,
         unpack_header(frame)
     ours, peer = socket.socketpair()
     with ours, peer:
-        st = _stream(ours, compiled, 5.0)
+        st = _stream(ours, wire, 5.0)
         peer.sendall(bytes(frame))
         with pytest.raises(BadFrame) as e:
             st.read_one()
@@ -254,13 +275,13 @@ def _lookup_then(listener: socket.socket, reply: "Callable[[Header], bytes] | No
 @pytest.mark.parametrize("reply", [None, lambda h: b"XXXX" + _answer(h.req_id, b"")[4:],
                                    lambda h: _answer(h.req_id, b"")[:32] + (MAX_PAYLOAD + 1).to_bytes(4, "little")
                                    + bytes(28)], ids=["silence", "bad-magic", "huge-payload-len"])
-def test_a_call_without_an_answer_times_out_and_a_malformed_answer_raises_bad_frame(compiled, reply):
+def test_a_call_without_an_answer_times_out_and_a_malformed_answer_raises_bad_frame(wire, reply):
     listener = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
     t = threading.Thread(target=_lookup_then, args=(listener, reply, done), daemon=True)
     t.start()
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=0.3, compiled=compiled) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=0.3, **wire.kw) as c:
             c.lookup("m")
             with pytest.raises(TimeoutError if reply is None else BadFrame):
                 c.infer("m", np.zeros(_OUT, np.float32))
@@ -290,7 +311,7 @@ def _two_calls_peer(listener: socket.socket, first_in: threading.Event, theirs_f
 
 
 @pytest.mark.parametrize("theirs_first", [True, False], ids=["theirs-first", "mine-first"])
-def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(compiled, theirs_first):
+def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(wire, theirs_first):
     """The first call is alone on the connection (it reads its own answer, with no pending
     record); a second thread's call starts while it waits: whichever answer comes first,
     each call gets its own (the solo reader hands the other its answer, or gives up the
@@ -301,7 +322,7 @@ def test_a_solo_call_hands_over_to_a_call_started_on_another_thread_meanwhile(co
     t.start()
     got: dict[str, object] = {}
     try:
-        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, compiled=compiled) as c:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, **wire.kw) as c:
             c.lookup("m")
             solo = threading.Thread(target=lambda: got.update(solo=c.infer("m", np.full(_OUT, 1, np.float32))))
             solo.start()
@@ -327,7 +348,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise _Interrupted
 
 
-def test_a_signal_while_waiting_for_an_answer_raises_its_handlers_exception_at_once(compiled):
+def test_a_signal_while_waiting_for_an_answer_raises_its_handlers_exception_at_once(wire):
     """A signal handler's exception (Ctrl-C's KeyboardInterrupt, an alarm's) comes out of a
     read that waits for an answer when the signal arrives, on both wires: not after the
     timeout, with the read's TimeoutError behind it (the compiled wire retried an
@@ -336,7 +357,7 @@ def test_a_signal_while_waiting_for_an_answer_raises_its_handlers_exception_at_o
     old = signal.signal(signal.SIGALRM, _interrupt)
     try:
         with ours, peer:
-            st = _stream(ours, compiled, 10.0)
+            st = _stream(ours, wire, 10.0)
             signal.setitimer(signal.ITIMER_REAL, 0.2)
             with pytest.raises(_Interrupted) as e:
                 st.read_one()
@@ -346,13 +367,13 @@ def test_a_signal_while_waiting_for_an_answer_raises_its_handlers_exception_at_o
         signal.signal(signal.SIGALRM, old)
 
 
-def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(compiled):
+def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(wire):
     """The compiled wire takes the socket's fd at each call: once the socket is closed (a
     lost direct connection) a send or read raises OSError, as the Python socket does,
     rather than using a descriptor number the OS may since have given another socket."""
     ours, peer = socket.socketpair()
     with peer:
-        st = _stream(ours, compiled, 5.0)
+        st = _stream(ours, wire, 5.0)
         ours.close()
         with pytest.raises(OSError):
             st.send([_answer(1, b"")])
@@ -360,30 +381,30 @@ def test_a_closed_connection_is_refused_not_read_through_a_reused_descriptor(com
             st.read_one()
 
 
-def test_a_call_sends_then_reads_and_says_which_of_the_two_failed(compiled):
+def test_a_call_sends_then_reads_and_says_which_of_the_two_failed(wire):
     """``call`` (a solo call's send and read in one step) answers with the frame's fields by
     name, as the parser reads them; ``sent`` tells a send that failed (the peer gone
     before it) from a read that failed after the frame went out."""
     ours, peer = socket.socketpair()
     with ours, peer:
-        st = _stream(ours, compiled, 5.0)
+        st = _stream(ours, wire, 5.0)
         frame = _answer(4, b"xyz")
         peer.sendall(frame)
-        h, payload = st.call([_answer(9, b"")], HEADER_SIZE)
+        h, payload = st.call([_answer(9, b"")], HEADER_SIZE, wire.poll_us / 1e6)
         assert st.sent and bytes(payload) == b"xyz"
         want = unpack_header(frame)
         assert [getattr(h, f) for f in want.__slots__] == [getattr(want, f) for f in want.__slots__]
         assert unpack_header(_recv_exact(peer, HEADER_SIZE)).req_id == 9
         peer.shutdown(socket.SHUT_WR)  # the request goes out; the answer never comes
         with pytest.raises(ConnectionError):
-            st.call([_answer(10, b"")], HEADER_SIZE)
+            st.call([_answer(10, b"")], HEADER_SIZE, wire.poll_us / 1e6)
         assert st.sent
     ours, peer = socket.socketpair()
     with ours:
-        st = _stream(ours, compiled, 5.0)
+        st = _stream(ours, wire, 5.0)
         peer.close()
         with pytest.raises(OSError):
-            st.call([_answer(11, b"")], HEADER_SIZE)
+            st.call([_answer(11, b"")], HEADER_SIZE, wire.poll_us / 1e6)
         assert not st.sent
 
 
@@ -417,7 +438,7 @@ def _front_and_worker(front: socket.socket, worker: socket.socket, worker_path: 
 
 
 @pytest.mark.parametrize("mode", ["before", "after"], ids=["send-fails", "read-fails"])
-def test_a_solo_call_whose_direct_connection_closes_is_answered_once_through_the_front_end(compiled, tmp_path,
+def test_a_solo_call_whose_direct_connection_closes_is_answered_once_through_the_front_end(wire, tmp_path,
                                                                                            mode):
     """Whether the worker's connection is gone before the call is sent (the send fails) or
     closes with the call unanswered (the read fails), the call is re-sent through the front
@@ -432,7 +453,7 @@ def test_a_solo_call_whose_direct_connection_closes_is_answered_once_through_the
     t = threading.Thread(target=_front_and_worker, args=(front, worker, worker_path, mode, worker_done), daemon=True)
     t.start()
     try:
-        with Client(f"unix://{front_path}", timeout=30, direct=True, compiled=compiled) as c:
+        with Client(f"unix://{front_path}", timeout=30, direct=True, **wire.kw) as c:
             c.lookup("m")
             assert c.direct_endpoints("m") == 1
             direct = c._routes["m"].streams[0]
@@ -447,3 +468,78 @@ def test_a_solo_call_whose_direct_connection_closes_is_answered_once_through_the
         front.close()
         worker.close()
     assert not t.is_alive()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
+def test_a_polling_call_takes_an_answer_that_comes_while_it_polls_or_after_and_its_wait_stays_bounded(compiled):
+    """An answer there while the call polls is taken at once; one that comes after the
+    poll is read by the blocking wait; a peer that closes during the poll is a closed
+    connection; a poll longer than the timeout waits only the timeout."""
+    if compiled and fastpath._fastwire is None:
+        pytest.skip("splitserve._fastwire is not built")
+    wire = Wire(compiled, 0.0)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, wire, 5.0)
+        peer.sendall(_answer(1, b"a"))
+        t0 = time.monotonic()
+        h, payload = st.call([_answer(9, b"")], HEADER_SIZE, 10.0)
+        assert h.req_id == 1 and bytes(payload) == b"a" and time.monotonic() - t0 < 5.0
+        later = threading.Timer(0.1, lambda: peer.sendall(_answer(2, b"bc")))
+        later.start()
+        h, payload = st.call([_answer(10, b"")], HEADER_SIZE, 0.01)  # polls 10 ms, then sleeps
+        later.join()
+        assert h.req_id == 2 and bytes(payload) == b"bc"
+        threading.Timer(0.05, lambda: peer.shutdown(socket.SHUT_WR)).start()
+        with pytest.raises(ConnectionError):
+            st.call([_answer(11, b"")], HEADER_SIZE, 10.0)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, wire, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            st.call([_answer(12, b"")], HEADER_SIZE, 30.0)
+        assert time.monotonic() - t0 < 10.0  # the timeout's bound, not the poll's
+
+
+def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_a_busy_host(monkeypatch):
+    """A connection whose answers take longer than the poll budget stops polling after a
+    few calls (its waits teach its policy); no call polls while the host has a task
+    waiting for a CPU; a negative budget is refused."""
+    free = [True]
+    monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: free[0])
+    listener = socket.create_server(("127.0.0.1", 0))
+    polls: list[float] = []
+
+    def slow_peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _answer_lookup(conn)
+            while True:
+                try:
+                    h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+                except ConnectionError:
+                    return
+                x = _recv_exact(conn, h.payload_len)
+                time.sleep(0.02)
+                conn.sendall(_answer(h.req_id, x))
+
+    t = threading.Thread(target=slow_peer, daemon=True)
+    t.start()
+    try:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, poll_us=1000) as c:
+            c.lookup("m")
+            call = c._front.call
+            monkeypatch.setattr(c._front, "call", lambda parts, total, poll_s=0.0: (polls.append(poll_s),
+                                                                                    call(parts, total, poll_s))[1])
+            for _ in range(4):
+                np.testing.assert_array_equal(c.infer("m", np.ones(_OUT, np.float32)), np.ones(_OUT, np.float32))
+            free[0] = False
+            c._front.spin.gap_ns = 0.0  # answers come close again, but the host is busy
+            c.infer("m", np.ones(_OUT, np.float32))
+    finally:
+        t.join(timeout=30)
+        listener.close()
+    assert polls[0] == pytest.approx(1e-3) and polls[3:] == [0.0, 0.0]
+    with pytest.raises(InvalidInput, match="poll_us"):
+        Client("tcp://127.0.0.1:1", poll_us=-1)

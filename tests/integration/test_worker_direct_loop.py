@@ -67,7 +67,7 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
     """A direct call is answered through the loop's epoll; every control message (UNLOAD,
     LOAD, STOP) is handled with inference mode off, so a model bound while the loop serves
     a direct endpoint has ordinary (not inference) weights, and its direct calls work. The
-    same when the loop polls before it sleeps (``worker/spin.py``; the host's load is taken
+    same when the loop polls before it sleeps (``splitserve/spin.py``; the host's load is taken
     as free so that it does): the control socket is in the same epoll, so a message that
     comes while it polls is taken at once."""
     vecadd, lenet = zoo("vecadd1k"), zoo("lenet")

@@ -1,4 +1,4 @@
-"""The direct loop's poll before it sleeps (worker/spin.py) and the poller's wait."""
+"""Polling before sleeping (splitserve/spin.py): the decider, the host's load, the worker poller's wait and the client's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.worker.poller import Poller
-from splitserve.worker.spin import LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
+from splitserve.spin import LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
 
 US = 1000
 

@@ -1,22 +1,25 @@
-"""How long a worker's direct loop polls for its next call before it sleeps (issue 15).
+"""How long a waiting side of a direct call polls before it sleeps (issue 15).
 
-A worker that sleeps in ``epoll_wait`` between calls pays a wake-up for each one: the
-scheduler's, the hypervisor's where an idle vCPU halts, and the caches that went cold
-meanwhile (on the 2-core VM every Python step of a call costs 2-3x after a wake-up: the
-worker's CPU per call was ≈ 76 µs turning in-process and ≈ 100 µs live). When calls come
-back to back (a client's next call tens of µs after its answer) polling for a while costs
-less than it saves; when they do not, it is CPU burnt for nothing, and on a busy host it
-takes a core that someone else is waiting for. So the loop polls only
+Two sides of a direct call wait: the worker's loop for its next call, and a blocking
+client for its answer. A side that sleeps (``epoll_wait``, a blocking ``recv``) pays a
+wake-up when the event comes: the scheduler's, the hypervisor's where an idle vCPU halts
+(on the 2-core VM a vCPU idle for more than ≈ 200 µs is descheduled by the host, and a
+client that slept through a lenet call paid ≈ 70-80 µs to run again), and the caches that
+went cold meanwhile. When the event comes soon, polling for it costs less than it saves;
+when it does not, it is CPU burnt for nothing, and on a busy host it takes a core that
+someone else is waiting for. So a side polls only
 
-- while the recent gaps between the end of its work and its next event (an EWMA, each gap
-  counted at most ``_GAP_CAP`` budgets) are within the budget: a loop whose calls come
-  seldom stops polling after a few misses and starts again once they come close; and
+- while the recent waits (an EWMA, each counted at most ``_GAP_CAP`` budgets) are within
+  its budget: a loop whose calls come seldom, or a client whose answers take longer than
+  the budget, stops polling after a few misses and starts again once they come close; and
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
-  at most the online CPUs, read at most every ``LOAD_PERIOD_NS``): a polling worker never
-  takes the core of a client on the same host, nor of another worker.
+  at most the online CPUs, read at most every ``LOAD_PERIOD_NS``): a polling side never
+  takes the core of a worker, a client or a front end on the same host.
 
-``SpinPolicy`` decides from the gaps and the host's state it is told (a pure decider);
-``HostLoad`` reads the host.
+``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
+``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
+(``ServerConfig.direct_spin_us``), the blocking client through its wire's ``call``
+(``Client(poll_us=...)``).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ LOAD_PERIOD_NS = 100_000_000  # how often HostLoad reads /proc/loadavg
 
 
 class SpinPolicy:
-    """The poll window before each sleep of the direct loop: ``budget_ns`` while the gaps
-    between calls are within it and a CPU is free, else 0 (sleep at once)."""
+    """The poll window before each sleep: ``budget_ns`` while the recent waits are within
+    it and a CPU is free, else 0 (sleep at once)."""
 
     def __init__(self, budget_ns: int) -> None:
         if budget_ns < 0:
