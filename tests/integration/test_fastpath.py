@@ -473,21 +473,42 @@ def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
         s.stop()
 
 
-def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_follows_the_restart(tmp_path):
+def _solo_calls(c: Client, xs: np.ndarray, want: np.ndarray, stop: threading.Event, outcomes: list[str]) -> None:
+    """One call at a time (each sent and read by this thread, polling for its answer when
+    the client polls) until ``stop``: each one's own result, or WORKER_FAILED."""
+    j = 0
+    while not stop.is_set() or j < 8:
+        try:
+            np.testing.assert_allclose(c.infer("lenet", xs[j % len(xs)]), want[j % len(xs)], rtol=1e-4, atol=1e-5)
+            outcomes.append("ok")
+        except WorkerFailed:
+            outcomes.append("failed")
+        j += 1
+
+
+def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_follows_the_restart(tmp_path,
+                                                                                                  monkeypatch):
     """A ledger over a worker's SIGKILL, for a client on its Unix endpoint and one on its TCP
     endpoint at once: every direct call gets exactly one answer, its own result (re-sent
     through the front end when the endpoint closed unanswered) or WORKER_FAILED naming the
-    dead worker; then each client follows the restarted worker's endpoint of its kind."""
+    dead worker; then each client follows the restarted worker's endpoint of its kind.
+    Meanwhile a client that polls for its answers makes solo calls on the Unix endpoint
+    throughout: each gets its own result or WORKER_FAILED, none hangs."""
+    from splitserve.client import fastpath
     from tests.conftest import start_server
 
+    monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: True)  # it polls, however busy the host
     s = start_server(tmp_path / "kill-direct", "--load", "lenet", env=direct_env())
     try:
         xs = np.random.default_rng(5).integers(0, 255, (64, 1, 28, 28), dtype=np.uint8)
         (want,) = local_outputs("lenet", [xs])
-        with client(s, "direct") as cu, client(s, DIRECT_TCP) as ct:
+        with client(s, "direct") as cu, client(s, DIRECT_TCP) as ct, client(s, "direct", poll_us=5000) as cp:
             clients = (cu, ct)
             pid = cu.lookup("lenet").extra["pids"][0]
-            assert all(c.lookup("lenet") and c.direct_endpoints("lenet") == 1 for c in clients)
+            assert all(c.lookup("lenet") and c.direct_endpoints("lenet") == 1 for c in (*clients, cp))
+            stop, solo = threading.Event(), []
+            poller = threading.Thread(target=_solo_calls, args=(cp, xs, want, stop, solo), daemon=True)
+            poller.start()
             calls = [(c, j, c.submit("lenet", xs[j])) for j in range(32) for c in clients]
             os.kill(pid, signal.SIGKILL)
             calls += [(c, j, c.submit("lenet", xs[j])) for j in range(32) for c in clients]
@@ -504,6 +525,10 @@ def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_fol
             assert len(answers) == 128
             for c in clients:
                 assert "ok" in [o for (k, _), o in answers.items() if k == id(c)]
+            stop.set()
+            poller.join(timeout=120)
+            assert not poller.is_alive() and len(solo) >= 8 and "ok" in solo
+            assert all(st.spin.budget_ns == 5_000_000 for st in (cp._front, *cp._direct_streams))
             deadline = time.monotonic() + 120
             for c in clients:  # the worker is restarted, and each client's calls go to it directly again
                 while True:
