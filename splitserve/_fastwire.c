@@ -29,7 +29,8 @@
        send went out whole, so that the caller tells a failed send from a failed receive.
        With ``poll_s`` the answer's first bytes are polled for (MSG_DONTWAIT, the CPU
        yielded between tries) for up to that long before the blocking recv: the caller's
-       policy (splitserve/spin.py) says when that pays.
+       policy (splitserve/spin.py) says when that pays. The answer's wait is then bounded by
+       the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (client/fastpath.py _bound_waits): the first recv of a frame blocks in the kernel

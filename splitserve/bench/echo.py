@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import struct
 import subprocess
@@ -24,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from splitserve.protocol.sockets import bound_waits
+from splitserve.protocol.sockets import bound_waits, recv_polling
 
 HEADER_SIZE = 64
 _SIZES = struct.Struct("<II")  # payload bytes that follow, bytes to answer
@@ -145,23 +144,12 @@ class EchoClient:
         self.sock.sendmsg([self._header, self._payload])
         view = memoryview(self._answer)
         if self._poll_s:
-            view = view[self._poll(view, time.monotonic() + self._poll_s) :]
-        if not _recv_exact(self.sock, view):
-            raise ConnectionError("echo server closed the connection")
-
-    def _poll(self, view: memoryview, until: float) -> int:
-        """Bytes of the answer received without blocking before ``until`` (stops at the first)."""
-        while True:
-            try:
-                n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                if time.monotonic() >= until:
-                    return 0
-                os.sched_yield()
-                continue
+            n = recv_polling(self.sock, view, time.monotonic() + self._poll_s)
             if n == 0:
                 raise ConnectionError("echo server closed the connection")
-            return n
+            view = view[n or 0 :]
+        if not _recv_exact(self.sock, view):
+            raise ConnectionError("echo server closed the connection")
 
     def close(self) -> None:
         self.sock.close()

@@ -20,7 +20,7 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs, target_ms
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol.sockets import bound_waits
+from splitserve.protocol.sockets import bound_waits, recv_polling
 from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
                                         unpack_header)
 from splitserve.spin import HostLoad, SpinPolicy
@@ -214,7 +214,8 @@ class _Stream:
     def call(self, parts: list, total: int, poll_s: float = 0.0) -> tuple["Header | _Fields", bytearray]:
         """``send`` then ``read_one``, for a caller that holds the reading turn with nothing
         else in flight here; after an error ``sent`` says which of the two failed. With
-        ``poll_s`` the answer is polled for that long before the blocking read."""
+        ``poll_s`` the answer is polled for that long before the blocking read (which waits
+        the timeout after it, as without)."""
         self.sent = False
         self.send(parts, total)
         self.sent = True
@@ -223,19 +224,10 @@ class _Stream:
         return self.read_one()
 
     def _poll(self, until: float) -> None:
-        """Try to receive without blocking, yielding the CPU between tries, until something
-        comes (or the peer closed: ``read_one`` says so) or ``until`` passes."""
-        self.rx_start = self.rx_end = 0
-        while True:
-            try:
-                n = self.sock.recv_into(self.rx_mv, 0, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                if time.monotonic() >= until:
-                    return
-                os.sched_yield()
-                continue
-            self.rx_end = n
-            return
+        """Receive what comes before ``until`` into the empty buffer (a closed peer is
+        ``read_one``'s to report)."""
+        self.rx_start = 0
+        self.rx_end = recv_polling(self.sock, self.rx_mv, until) or 0
 
 
 def _refused(header: bytes) -> NoReturn:

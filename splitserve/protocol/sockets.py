@@ -7,6 +7,7 @@ import errno
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 
 
@@ -49,3 +50,16 @@ def bound_waits(sock: socket.socket, timeout: float) -> None:
     tv = struct.pack("ll", sec, usec)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_polling(sock: socket.socket, view: memoryview, until: float) -> int | None:
+    """Receive into ``view`` without blocking, yielding the CPU between tries, until
+    something comes (its byte count; 0: the peer closed) or ``until`` (``time.monotonic``)
+    passes (None): a blocking caller's poll before it sleeps (``splitserve/spin.py``)."""
+    while True:
+        try:
+            return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= until:
+                return None
+            os.sched_yield()
