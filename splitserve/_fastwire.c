@@ -33,7 +33,7 @@
        the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
-   caller (client/fastpath.py _bound_waits): the first recv of a frame blocks in the kernel
+   caller (protocol/sockets.py bound_waits): the first recv of a frame blocks in the kernel
    (bounded by SO_RCVTIMEO, the whole of what is left then), every other call is
    MSG_DONTWAIT and polls only when it would block, for what is left of ``timeout_s``
    (counted from the method's start). A call's send and the receive of its answer are
@@ -47,10 +47,9 @@
 #include <structmember.h>
 #include <pythread.h>
 
-#include <sched.h>
-
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>

@@ -20,9 +20,9 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs, target_ms
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError, Status, error_for_status
-from splitserve.protocol.sockets import bound_waits, recv_polling
 from splitserve.protocol.header import (HEADER_SIZE, Flags, Header, Kind, RequestClass, RequestPacker, pack_request,
                                         unpack_header)
+from splitserve.protocol.sockets import bound_waits, recv_polling
 from splitserve.spin import HostLoad, SpinPolicy
 
 

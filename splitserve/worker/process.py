@@ -28,6 +28,7 @@ import torch
 from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
 from splitserve.models.segmented import SegmentedModel
 from splitserve.protocol.header import RequestClass
+from splitserve.spin import HostLoad, SpinPolicy
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
@@ -36,7 +37,6 @@ from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, R
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
-from splitserve.spin import HostLoad, SpinPolicy
 
 log = logging.getLogger("splitserve.worker")
 

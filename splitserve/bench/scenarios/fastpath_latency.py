@@ -66,6 +66,8 @@ class Params(BaseParams):
 
 
 POLLS = "+poll"  # a path's name with this suffix: measured by a client that polls for its answers
+# The throughput figures of a path measured for latency only
+_NO_RUN: dict[str, Any] = {"throughput_rps": None, "errors": None, "latency_ms": {"p99": None}}
 
 
 def _short(path: str) -> str:
@@ -122,13 +124,13 @@ def run(ctx: Context) -> ScenarioOutput:
             arg = as_call_arg(make_inputs(entry.inputs, 1, p.seed)[0])
             req, resp = HEADER_SIZE + entry.request_bytes, HEADER_SIZE + entry.response_bytes
             clients = {t: open_sync(t, target.url(t)) for t in usable}
-            if p.client_poll_us:
-                clients.update({t + POLLS: open_sync(t, target.url(t), poll_us=p.client_poll_us)
-                                for t in usable if t in DIRECT})
-            polled = p.client_poll_us if len(clients) > len(usable) else 0
-            echoes = {False: EchoClient(echo.host, echo.port, req, resp)}
+            polled = p.client_poll_us if any(t in DIRECT for t in usable) else 0
+            echoes: dict[bool, EchoClient] = {}
             try:
+                echoes[False] = EchoClient(echo.host, echo.port, req, resp)
                 if polled:
+                    clients.update({t + POLLS: open_sync(t, target.url(t), poll_us=polled)
+                                    for t in usable if t in DIRECT})
                     echoes[True] = EchoClient(echo.host, echo.port, req, resp, poll_us=polled)
                 times = _alternate(clients, echoes, model, arg, p.requests, p.warmup)
             finally:
@@ -160,8 +162,7 @@ def _cell(t: dict[str, np.ndarray], fp_s: dict[str, Any] | None, echo_s: dict[st
     echo_lat = lat_stats(t["echo_us"])
     lat_ratio = overhead["p50"] / echo_lat["p50"] if echo_lat["p50"] else None
     if fp_s is None:
-        fp_s, echo_s = {"throughput_rps": None, "errors": None, "latency_ms": {"p99": None}}, \
-            {"throughput_rps": None, "latency_ms": {"p99": None}}
+        fp_s = echo_s = _NO_RUN
     tp_ratio = (fp_s["throughput_rps"] / echo_s["throughput_rps"]
                 if fp_s["throughput_rps"] and echo_s["throughput_rps"] else None)
     return {
@@ -232,19 +233,15 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
         for tr, r in cell["transports"].items():
             lat = f"{model} over {_short(tr)}: p50(E2E - compute) / echo p50 = {fmt(r['latency_ratio'], 2)}x " \
                   f"(target <= {LATENCY_TARGET:g}x: {'met' if r['latency_target_met'] else 'missed'})"
+            row = (f"{model} ({_short(tr)})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
+                   fmt(r["compute_us"]["p50"]), fmt(r["fastpath_minus_compute_us"]["p50"]),
+                   fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
+                   fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"))
             if tr.endswith(POLLS):  # latency only
-                rows.append((f"{model} ({_short(tr)})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
-                             fmt(r["compute_us"]["p50"]), fmt(r["fastpath_minus_compute_us"]["p50"]),
-                             fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
-                             fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"),
-                             "-", "-", "-"))
+                rows.append((*row, "-", "-", "-"))
                 lines.append(lat + " (the echo client polls too)")
                 continue
-            rows.append((f"{model} ({_short(tr)})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
-                         fmt(r["compute_us"]["p50"]), fmt(r["fastpath_minus_compute_us"]["p50"]),
-                         fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
-                         fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"),
-                         fmt(r["fastpath_rps"], 0), fmt(r["echo_rps"], 0),
+            rows.append((*row, fmt(r["fastpath_rps"], 0), fmt(r["echo_rps"], 0),
                          fmt(r["throughput_ratio"], 2, "x") + (" ok" if r["throughput_target_met"] else " MISSED")))
             lines.append(lat + f"; throughput {fmt(r['fastpath_rps'], 0)} vs echo {fmt(r['echo_rps'], 0)} req/s = "
                          f"{fmt(r['throughput_ratio'], 2)}x (target >= {THROUGHPUT_TARGET:g}x: "
