@@ -1,10 +1,13 @@
-/* A worker's direct endpoint, the per-call intake compiled (splitserve/worker/direct.py).
+/* A worker's direct endpoint, its per-call steps compiled (splitserve/worker/direct.py):
+   the intake of a plain call and the answers of a batch.
 
-   ``Lane(func_id, sizes, max_batch, classes, rows)`` is built once per endpoint: the model's
-   func_id, each input's bytes per sample, its max_batch_size, the class each header ``cls``
-   byte runs in (a bytes of 256: 0 real-time, 1 best-effort, 255 for a class the Python path
-   must answer: unknown, or refused in rt-only mode) and, per class, the writable batch
-   buffers of the inputs (``rows[class][input]``, each ``max_batch`` samples long).
+   ``Lane(func_id, sizes, max_batch, classes, rows, out_sizes, out_rows)`` is built once per
+   endpoint: the model's func_id, each input's bytes per sample, its max_batch_size, the class
+   each header ``cls`` byte runs in (a bytes of 256: 0 real-time, 1 best-effort, 255 for a
+   class the Python path must answer: unknown, or refused in rt-only mode) and, per class,
+   the writable batch buffers of the inputs (``rows[class][input]``, each ``max_batch``
+   samples long); then each output's bytes per sample and, per class, its answer rows
+   (``out_rows[class][output]``, where the worker copies a batch's outputs).
 
    take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us) | None
        ``stage[0:n]`` is what one read of a connection brought. When it is exactly one
@@ -19,13 +22,41 @@
 
    It checks what ``protocol.header.unpack_header``, ``protocol.requests.stream_samples`` and
    ``call_class`` check, and declines, never refuses: whatever it takes, the Python path
-   would have accepted with the same fields and rows. */
+   would have accepted with the same fields and rows.
+
+   outputs(class, n, acts) -> bool
+       A batch of ``n`` samples of ``class`` ran: each of its outputs (``acts``, the model's
+       tensors) that is CPU memory of its declared dtype and ``n`` samples' bytes, C-contiguous
+       (what its ``numpy()`` view shows), is copied into the class's answer rows. False, and
+       perhaps some copied, when one is not (on a GPU, another dtype or size, needing grad):
+       the caller then converts them all, which also says what is wrong with them.
+
+   pack(calls, class, t0_ns, t1_ns, t2_ns) -> (answered, dropped, slo_met, slo_missed)
+       A batch of ``class`` (0 real-time, 1 best-effort: its index here is the protocol's
+       class byte) ran from ``t0_ns`` to ``t1_ns`` and its outputs are in the answer
+       rows: the RESPONSE header of each of ``calls`` (``_Call`` objects, row order) is
+       packed as ``protocol.header.pack_response_into`` would, stamped at ``t2_ns``; each
+       call's req_id leaves its connection's ``ids``; a call whose connection is closed is
+       dropped (no answer), one with an SLO counted met or missed by ``slo.slo_outcome``'s
+       rule. The answers wait in the lane for ``send`` (the caller counts them first: a
+       client that has its answer must find it counted).
+
+   send() -> [(conn, rest)]
+       The packed answers leave: each connection's, in the batch's order, in one gather write
+       (``sendmsg``, MSG_DONTWAIT, at most IOV_MAX buffers a write) of the headers and the
+       calls' answer rows. What a connection's socket did not take, or all of it when the
+       connection already has bytes waiting to go (``out``) or its write failed, is returned
+       as bytes for the connection's own ``send``, which queues it, waits for the socket or
+       closes the connection as the Python path does. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 #define HEADER_SIZE 64
 #define VERSION 1
@@ -33,6 +64,15 @@
 #define MAX_PAYLOAD (1u << 30) /* protocol.header.MAX_PAYLOAD */
 #define MAX_INPUTS 64
 #define NO_CLASS 255
+#define KIND_RESPONSE 2
+#define IOV_MAX_ 1024 /* Linux's IOV_MAX: a sendmsg takes at most this many buffers */
+
+/* One packed answer: its connection (a reference held until ``send``), its socket, rows and header */
+typedef struct {
+    PyObject *conn;
+    int fd;
+    Py_ssize_t row, count;
+} Answer;
 
 typedef struct {
     PyObject_HEAD
@@ -42,8 +82,20 @@ typedef struct {
     unsigned char classes[256];
     Py_buffer rows[2][MAX_INPUTS];
     Py_ssize_t held[2]; /* rows[c][0:held[c]] are views held (released in dealloc) */
-    int ready;          /* built whole */
+    Py_ssize_t nout, out_per;
+    Py_ssize_t out_sizes[MAX_INPUTS];
+    Py_buffer out_rows[2][MAX_INPUTS];
+    Py_ssize_t out_held[2];
+    PyObject *out_formats; /* each output's struct format as its answer rows' buffer gives it (a tuple of str) */
+    unsigned char *headers; /* max_batch answers' headers */
+    Answer *answers;        /* the packed batch's answers (max_batch) */
+    Py_ssize_t nanswers;
+    int answer_class;
+    struct iovec *iov; /* one connection's answers in a write: max_batch * (1 + nout) */
+    int ready;         /* built whole */
 } Lane;
+
+static PyObject *s_conn, *s_req_id, *s_row, *s_count, *s_t_rx_ns, *s_slo_ns, *s_closed, *s_ids, *s_fd, *s_out;
 
 static uint64_t le(const unsigned char *p, int n) {
     uint64_t v = 0;
@@ -52,62 +104,130 @@ static uint64_t le(const unsigned char *p, int n) {
     return v;
 }
 
+static void put_le(unsigned char *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++, v >>= 8)
+        p[i] = (unsigned char)v;
+}
+
+static void answers_release(Lane *self) {
+    for (Py_ssize_t i = 0; i < self->nanswers; i++)
+        Py_CLEAR(self->answers[i].conn);
+    self->nanswers = 0;
+}
+
 static void lane_release(Lane *self) {
     self->ready = 0;
+    answers_release(self);
     for (int c = 0; c < 2; c++) {
         for (Py_ssize_t i = 0; i < self->held[c]; i++)
             PyBuffer_Release(&self->rows[c][i]);
         self->held[c] = 0;
+        for (Py_ssize_t i = 0; i < self->out_held[c]; i++)
+            PyBuffer_Release(&self->out_rows[c][i]);
+        self->out_held[c] = 0;
     }
+    Py_CLEAR(self->out_formats);
+    PyMem_Free(self->headers);
+    PyMem_Free(self->answers);
+    PyMem_Free(self->iov);
+    self->headers = NULL;
+    self->answers = NULL;
+    self->iov = NULL;
+}
+
+/* ``bufs[c][i]`` (a list per class of one writable buffer per size) into ``views``, each at
+   least ``max_batch`` samples of ``sizes[i]``; ``held`` counts the views taken. */
+static int take_rows(PyObject *bufs_by_class, Py_ssize_t n, const Py_ssize_t *sizes, Py_ssize_t max_batch,
+                     Py_buffer views[2][MAX_INPUTS], Py_ssize_t held[2], const char *what) {
+    if (!PyList_Check(bufs_by_class) || PyList_GET_SIZE(bufs_by_class) != 2) {
+        PyErr_Format(PyExc_ValueError, "Lane: %s must hold a list for each of the two classes", what);
+        return -1;
+    }
+    for (int c = 0; c < 2; c++) {
+        PyObject *bufs = PyList_GET_ITEM(bufs_by_class, c);
+        if (!PyList_Check(bufs) || PyList_GET_SIZE(bufs) != n) {
+            PyErr_Format(PyExc_ValueError, "Lane: %s must hold one buffer per tensor for each class", what);
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_buffer *b = &views[c][i];
+            if (PyObject_GetBuffer(PyList_GET_ITEM(bufs, i), b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+                return -1;
+            held[c] = i + 1;
+            if (b->len < max_batch * sizes[i]) {
+                PyErr_Format(PyExc_ValueError, "Lane: a buffer of %s is shorter than max_batch samples", what);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* A list of positive sizes into ``out``; their count, or -1 with an exception set. */
+static Py_ssize_t take_sizes(PyObject *sizes, Py_ssize_t *out, Py_ssize_t *total) {
+    Py_ssize_t n = PyList_GET_SIZE(sizes);
+    if (n < 1 || n > MAX_INPUTS) {
+        PyErr_SetString(PyExc_ValueError, "Lane: between 1 and 64 tensors a side");
+        return -1;
+    }
+    *total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PyList_GET_ITEM(sizes, i));
+        if (s < 1) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "Lane: a tensor's bytes per sample must be positive");
+            return -1;
+        }
+        out[i] = s;
+        *total += s;
+    }
+    return n;
 }
 
 static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     unsigned func_id;
     Py_ssize_t max_batch;
-    PyObject *sizes, *rows;
+    PyObject *sizes, *rows, *out_sizes, *out_rows;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*O!", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &PyList_Type, &rows))
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!O", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
+                          &PyList_Type, &out_sizes, &out_rows))
         return -1;
     int ok = classes.len == 256;
     if (ok)
         memcpy(self->classes, classes.buf, 256);
     PyBuffer_Release(&classes);
-    Py_ssize_t n = PyList_GET_SIZE(sizes);
-    if (!ok || n < 1 || n > MAX_INPUTS || max_batch < 1 || func_id > 0xffff || PyList_GET_SIZE(rows) != 2) {
-        PyErr_SetString(PyExc_ValueError, "Lane: bad func_id, sizes, max_batch, classes or rows");
+    if (!ok || max_batch < 1 || max_batch > (1 << 20) || func_id > 0xffff) {
+        PyErr_SetString(PyExc_ValueError, "Lane: bad func_id, max_batch or classes");
         return -1;
     }
     self->func_id = func_id;
-    self->ninputs = n;
     self->max_batch = max_batch;
-    self->per = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t s = PyLong_AsSsize_t(PyList_GET_ITEM(sizes, i));
-        if (s < 1) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "Lane: an input's bytes per sample must be positive");
+    if ((self->ninputs = take_sizes(sizes, self->sizes, &self->per)) < 0 ||
+        (self->nout = take_sizes(out_sizes, self->out_sizes, &self->out_per)) < 0)
+        return -1;
+    if (take_rows(rows, self->ninputs, self->sizes, max_batch, self->rows, self->held, "rows") < 0 ||
+        take_rows(out_rows, self->nout, self->out_sizes, max_batch, self->out_rows, self->out_held, "out_rows") < 0)
+        return -1;
+    if ((self->out_formats = PyTuple_New(self->nout)) == NULL)
+        return -1;
+    for (Py_ssize_t o = 0; o < self->nout; o++) {
+        Py_buffer b;
+        PyObject *f;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(PyList_GET_ITEM(out_rows, 0), o), &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             return -1;
-        }
-        self->sizes[i] = s;
-        self->per += s;
+        f = PyUnicode_FromString(b.format != NULL ? b.format : "B");
+        PyBuffer_Release(&b);
+        if (f == NULL)
+            return -1;
+        PyTuple_SET_ITEM(self->out_formats, o, f);
     }
-    for (int c = 0; c < 2; c++) {
-        PyObject *bufs = PyList_GET_ITEM(rows, c);
-        if (!PyList_Check(bufs) || PyList_GET_SIZE(bufs) != n) {
-            PyErr_SetString(PyExc_ValueError, "Lane: rows must hold one buffer per input for each class");
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_buffer *b = &self->rows[c][i];
-            if (PyObject_GetBuffer(PyList_GET_ITEM(bufs, i), b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-                return -1;
-            self->held[c] = i + 1;
-            if (b->len < max_batch * self->sizes[i]) {
-                PyErr_SetString(PyExc_ValueError, "Lane: a batch buffer is shorter than max_batch samples");
-                return -1;
-            }
-        }
+    self->headers = PyMem_Calloc((size_t)max_batch, HEADER_SIZE);
+    self->answers = PyMem_Calloc((size_t)max_batch, sizeof(Answer));
+    self->iov = PyMem_Calloc((size_t)(max_batch * (1 + self->nout)), sizeof(struct iovec));
+    if (self->headers == NULL || self->answers == NULL || self->iov == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
     self->ready = 1;
     return 0;
@@ -156,10 +276,268 @@ done:
     return out;
 }
 
+static PyObject *s_numpy;
+
+/* Output ``o`` of a batch of ``n`` (``y``, the model's tensor) into class ``c``'s answer rows:
+   1 when it was CPU memory of the declared dtype and size (its numpy view copied), 0 when
+   not (the caller converts it), -1 on an error. */
+static int output_to_rows(Lane *self, int c, Py_ssize_t o, Py_ssize_t n, PyObject *y) {
+    PyObject *arr = PyObject_CallMethodNoArgs(y, s_numpy);
+    if (arr == NULL) { /* a GPU tensor, one that needs grad, not a tensor at all: converted in Python */
+        PyErr_Clear();
+        return 0;
+    }
+    Py_buffer b;
+    int r = 0;
+    if (PyObject_GetBuffer(arr, &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_DECREF(arr);
+        return 0;
+    }
+    const char *want = PyUnicode_AsUTF8(PyTuple_GET_ITEM(self->out_formats, o));
+    if (want == NULL)
+        r = -1;
+    else if (b.len == n * self->out_sizes[o] && b.format != NULL && strcmp(b.format, want) == 0) {
+        memcpy(self->out_rows[c][o].buf, b.buf, (size_t)b.len);
+        r = 1;
+    }
+    PyBuffer_Release(&b);
+    Py_DECREF(arr);
+    return r;
+}
+
+static PyObject *lane_outputs(Lane *self, PyObject *args) {
+    int c;
+    Py_ssize_t n;
+    PyObject *acts;
+    if (!PyArg_ParseTuple(args, "inO", &c, &n, &acts))
+        return NULL;
+    if (!self->ready || c < 0 || c > 1 || n < 1 || n > self->max_batch) {
+        PyErr_SetString(PyExc_ValueError, "Lane.outputs: not initialised, a bad class or batch size");
+        return NULL;
+    }
+    if (!PyTuple_Check(acts) || PyTuple_GET_SIZE(acts) != self->nout)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t o = 0; o < self->nout; o++) {
+        int r = output_to_rows(self, c, o, n, PyTuple_GET_ITEM(acts, o));
+        if (r < 0)
+            return NULL;
+        if (r == 0)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* An int attribute of ``obj`` (0 with an exception set when it is missing or not an int) */
+static long long int_attr(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return 0;
+    long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return x;
+}
+
+static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bit count */
+    if (ns <= 0)
+        return 0;
+    long long us = ns / 1000;
+    return us > 0xffffffffLL ? 0xffffffffu : (uint32_t)us;
+}
+
+static PyObject *lane_pack(Lane *self, PyObject *args) {
+    PyObject *calls;
+    int c;
+    long long t0, t1, t2;
+    if (!PyArg_ParseTuple(args, "O!iLLL", &PyList_Type, &calls, &c, &t0, &t1, &t2))
+        return NULL;
+    if (!self->ready || c < 0 || c > 1 || PyList_GET_SIZE(calls) > self->max_batch) {
+        PyErr_SetString(PyExc_ValueError, "Lane.pack: not initialised, a bad class, or more calls than max_batch");
+        return NULL;
+    }
+    answers_release(self); /* a batch packed and never sent (an error between): its answers are void */
+    Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0;
+    uint32_t compute_us = us32(t1 - t0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call = PyList_GET_ITEM(calls, i);
+        PyObject *conn = PyObject_GetAttr(call, s_conn);
+        if (conn == NULL)
+            goto fail;
+        PyObject *req = PyObject_GetAttr(call, s_req_id), *ids = PyObject_GetAttr(conn, s_ids);
+        int gone = -1;
+        if (req != NULL && ids != NULL && PySet_Discard(ids, req) >= 0) {
+            PyObject *closed = PyObject_GetAttr(conn, s_closed);
+            if (closed != NULL) {
+                gone = PyObject_IsTrue(closed);
+                Py_DECREF(closed);
+            }
+        }
+        Py_XDECREF(ids);
+        unsigned long long req_id = req != NULL && gone >= 0 ? PyLong_AsUnsignedLongLong(req) : 0;
+        Py_XDECREF(req);
+        if (gone < 0 || PyErr_Occurred()) {
+            Py_DECREF(conn);
+            goto fail;
+        }
+        if (gone) { /* its connection closed: no answer */
+            Py_DECREF(conn);
+            dropped++;
+            continue;
+        }
+        Answer *a = &self->answers[self->nanswers];
+        a->conn = conn;
+        self->nanswers++;
+        long long fd = int_attr(conn, s_fd), row = int_attr(call, s_row), count = int_attr(call, s_count);
+        long long t_rx = int_attr(call, s_t_rx_ns), slo = int_attr(call, s_slo_ns);
+        if (PyErr_Occurred())
+            goto fail;
+        if (fd < 0 || fd > 0x7fffffff || row < 0 || count < 1 || row + count > self->max_batch) {
+            PyErr_SetString(PyExc_ValueError, "Lane.pack: a call's rows or its connection's fd are out of range");
+            goto fail;
+        }
+        a->fd = (int)fd;
+        a->row = row;
+        a->count = count;
+        unsigned char *h = self->headers + (self->nanswers - 1) * HEADER_SIZE;
+        memset(h, 0, HEADER_SIZE);
+        memcpy(h, "SPRC", 4);
+        h[4] = VERSION;
+        h[5] = KIND_RESPONSE;
+        h[7] = (unsigned char)c; /* the class index is the protocol's class byte */
+        put_le(h + 8, req_id, 8);
+        put_le(h + 16, self->func_id, 2);
+        put_le(h + 20, 1, 2); /* one segment */
+        put_le(h + 32, (uint64_t)(count * self->out_per), 4);
+        put_le(h + 44, us32(t0 - t_rx), 4);
+        put_le(h + 48, compute_us, 4);
+        put_le(h + 52, us32(t2 - t_rx), 4);
+        if (slo) {
+            if (t2 <= slo)
+                met++;
+            else
+                missed++;
+        }
+    }
+    self->answer_class = c;
+    return Py_BuildValue("(nnnn)", self->nanswers, dropped, met, missed);
+fail:
+    answers_release(self);
+    return NULL;
+}
+
+/* ``iov[0:n]`` from byte ``skip`` on, as one bytes object */
+static PyObject *rest_bytes(const struct iovec *iov, int n, size_t skip) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += iov[i].iov_len;
+    PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(total - skip));
+    if (b == NULL)
+        return NULL;
+    char *dst = PyBytes_AS_STRING(b);
+    for (int i = 0; i < n; i++) {
+        size_t k = iov[i].iov_len;
+        if (skip >= k) {
+            skip -= k;
+            continue;
+        }
+        memcpy(dst, (const char *)iov[i].iov_base + skip, k - skip);
+        dst += k - skip;
+        skip = 0;
+    }
+    return b;
+}
+
+/* One connection's ``iov[0:n]`` written as far as the socket takes it now; the bytes sent. */
+static size_t write_some(int fd, struct iovec *iov, int n) {
+    size_t sent = 0;
+    int at = 0;
+    while (at < n) {
+        int k = n - at < IOV_MAX_ ? n - at : IOV_MAX_;
+        struct msghdr m = {0};
+        m.msg_iov = iov + at;
+        m.msg_iovlen = (size_t)k;
+        ssize_t r = sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            break; /* full, or failed: the connection's own send says which */
+        }
+        sent += (size_t)r;
+        size_t want = 0;
+        for (int i = at; i < at + k; i++)
+            want += iov[i].iov_len;
+        if ((size_t)r < want)
+            break;
+        at += k;
+    }
+    return sent;
+}
+
+static PyObject *lane_send(Lane *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *rests = PyList_New(0);
+    if (rests == NULL)
+        return NULL;
+    int c = self->answer_class;
+    Py_ssize_t n = self->nanswers;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *conn = self->answers[i].conn;
+        if (conn == NULL) /* gathered with an earlier answer of its connection */
+            continue;
+        int fd = self->answers[i].fd, k = 0;
+        size_t total = 0;
+        for (Py_ssize_t j = i; j < n; j++) { /* its answers, in the batch's order */
+            Answer *a = &self->answers[j];
+            if (a->conn != conn)
+                continue;
+            self->iov[k].iov_base = self->headers + j * HEADER_SIZE;
+            self->iov[k++].iov_len = HEADER_SIZE;
+            for (Py_ssize_t o = 0; o < self->nout; o++) {
+                Py_ssize_t nb = self->out_sizes[o];
+                self->iov[k].iov_base = (char *)self->out_rows[c][o].buf + a->row * nb;
+                self->iov[k++].iov_len = (size_t)(a->count * nb);
+            }
+            total += HEADER_SIZE + (size_t)(a->count * self->out_per);
+            if (j > i)
+                Py_CLEAR(a->conn);
+        }
+        PyObject *out = PyObject_GetAttr(conn, s_out);
+        Py_ssize_t waiting = out == NULL ? -1 : PyObject_Length(out);
+        Py_XDECREF(out);
+        if (waiting < 0)
+            goto fail;
+        size_t sent = waiting == 0 ? write_some(fd, self->iov, k) : 0; /* bytes waiting: these go behind them */
+        if (sent < total) {
+            PyObject *rest = rest_bytes(self->iov, k, sent);
+            PyObject *pair = rest == NULL ? NULL : PyTuple_Pack(2, conn, rest);
+            Py_XDECREF(rest);
+            if (pair == NULL || PyList_Append(rests, pair) < 0) {
+                Py_XDECREF(pair);
+                goto fail;
+            }
+            Py_DECREF(pair);
+        }
+        Py_CLEAR(self->answers[i].conn);
+    }
+    self->nanswers = 0;
+    return rests;
+fail:
+    answers_release(self);
+    Py_DECREF(rests);
+    return NULL;
+}
+
 static PyMethodDef lane_methods[] = {
     {"take", (PyCFunction)lane_take, METH_VARARGS,
      "take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us), or None to leave the bytes "
      "to the Python path."},
+    {"outputs", (PyCFunction)lane_outputs, METH_VARARGS,
+     "outputs(class, n, acts) -> bool: a batch's outputs copied into the class's answer rows when each is CPU memory "
+     "of its declared dtype and size; False: the caller converts them."},
+    {"pack", (PyCFunction)lane_pack, METH_VARARGS,
+     "pack(calls, class, t0_ns, t1_ns, t2_ns) -> (answered, dropped, slo_met, slo_missed): a batch's "
+     "answers packed for send()."},
+    {"send", (PyCFunction)lane_send, METH_NOARGS,
+     "send() -> [(conn, rest)]: the packed answers written; what a connection's socket did not take, for its send()."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -176,9 +554,18 @@ static PyTypeObject LaneType = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "splitserve._directlane",
-                                    "A worker's direct endpoint: the per-call intake, compiled.", -1, NULL};
+                                    "A worker's direct endpoint: the intake of a call and the answers of a batch, compiled.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__directlane(void) {
+    struct {
+        PyObject **name;
+        const char *text;
+    } names[] = {{&s_conn, "conn"},     {&s_req_id, "req_id"}, {&s_row, "row"},     {&s_count, "count"},
+                 {&s_t_rx_ns, "t_rx_ns"}, {&s_slo_ns, "slo_ns"}, {&s_closed, "closed"}, {&s_ids, "ids"},
+                 {&s_fd, "fd"},         {&s_out, "out"},       {&s_numpy, "numpy"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
     if (PyType_Ready(&LaneType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -56,8 +56,7 @@ from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, 
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
-from splitserve.slo import slo_outcome
-from splitserve.types import TensorSpec
+from splitserve.slo import SloOutcome, slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.poller import READABLE, WRITABLE, Poller
 from splitserve.worker.spec import DirectSpec
@@ -71,7 +70,7 @@ log = logging.getLogger(__name__)
 
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
 _RT, _BE = RequestClass.RT, RequestClass.BE  # looked up per call: an enum's attribute costs more than a global
-_CLASSES = (_RT, _BE)
+_CLASSES = (_RT, _BE)  # in the order of their values: a class's value is its index (the lane's rows)
 _IN_FLIGHT = {_RT: Word.IN_FLIGHT_RT, _BE: Word.IN_FLIGHT_BE}
 # Buffers one sendmsg takes at most (Linux's IOV_MAX; past it the call fails)
 _IOV_MAX = 1024
@@ -79,15 +78,6 @@ _IOV_MAX = 1024
 # Runs a batch's segments from ``first``: (class, activations, first segment, samples) ->
 # (the segment it stopped before, or None when it ran to the end; the activations there).
 SegmentRunner = Callable[[RequestClass, tuple, int, int], "tuple[int | None, tuple]"]
-
-
-def _out_bytes(y: torch.Tensor, dtype: torch.dtype, nbytes: int, spec: TensorSpec) -> memoryview:
-    """A batch's output as the answer's bytes: the model's own tensor when it already is
-    ``nbytes`` of contiguous CPU memory of the declared dtype (no copy), else converted."""
-    if y.dtype is dtype and y.is_cpu and y.is_contiguous() and y.nbytes == nbytes and not y.requires_grad:
-        return memoryview(y.numpy()).cast("B")
-    arr = np.ascontiguousarray(y.detach().cpu().numpy().reshape(nbytes // spec.nbytes, *spec.shape), dtype=spec.dtype)
-    return memoryview(arr).cast("B")
 
 
 class _Call:
@@ -468,9 +458,16 @@ class DirectServer:
         self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
         self.complete = {c: 0 for c in _CLASSES}  # placed calls whose payload is whole (a batch could run)
         self.out_bytes = sum(t.nbytes for t in cfg.outputs)  # one sample's answer payload
-        # Per output: its declared torch dtype and bytes per sample, to tell a model's own
-        # output tensor that can be sent as it is from one that needs converting
-        self.out_specs = [(torch.from_numpy(np.empty(0, t.dtype)).dtype, t.nbytes, t) for t in cfg.outputs]
+        # Per class, the answer rows (one array per output): a batch's outputs are copied
+        # there in one ``copy_`` each, which also converts dtype and device and checks the
+        # shape, and its answers are sent from them. Checking and viewing the model's own
+        # tensors as bytes instead costs more Python right after the model, where every
+        # step runs cold (benchmarks/cold_python.py) than the copy of a small model's outputs.
+        self.out_rows = {c: [np.empty((self.max_batch, *t.shape), t.dtype) for t in cfg.outputs] for c in _CLASSES}
+        self.out_flat = {c: [memoryview(a).cast("B") for a in arrays] for c, arrays in self.out_rows.items()}
+        self.out_tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.out_rows.items()}
+        self.out_views: dict[RequestClass, dict[int, tuple[torch.Tensor, ...]]] = {c: {} for c in _CLASSES}
+        self.out_sizes = [t.nbytes for t in cfg.outputs]
         # The answers' headers of one batch (a call holds at least one row), written in place
         self.headers = memoryview(bytearray(self.max_batch * HEADER_SIZE))
         self.aside_done: dict[RequestClass, deque[_Call]] = {c: deque() for c in _CLASSES}
@@ -510,7 +507,7 @@ class DirectServer:
             except SplitServeError:
                 pass
         return _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
-                                [self.flat[c] for c in _CLASSES])
+                                [self.flat[c] for c in _CLASSES], self.out_sizes, [self.out_rows[c] for c in _CLASSES])
 
     def take_whole(self, conn: _Conn, n: int) -> bool:
         """The read of ``n`` bytes into ``conn``'s empty stage was one plain REQUEST that the
@@ -536,7 +533,10 @@ class DirectServer:
         self.complete[cls] += 1
         conn.ids.add(req_id)
         self.counters.accepted(_IN_FLIGHT[cls])
-        conn.frame_done()
+        # its frame is done and the next not begun (as ``frame_done`` leaves it); reading
+        # went on, so the connection was not paused: it pauses now only if over its bounds
+        if conn._over_bounds():
+            conn.maybe_pause()
         return True
 
     @property
@@ -740,7 +740,10 @@ class DirectServer:
         t0 = time.monotonic_ns()
         try:
             stopped, acts = run(cls, acts, first, n)
-        except Exception as e:  # a model error fails this batch, not the worker
+            t1 = time.monotonic_ns()
+            if stopped is None and (self.lane is None or not self.lane.outputs(cls, n, acts)):
+                self._to_rows(cls, n, acts)
+        except Exception as e:  # a model error, or outputs that do not fit them, fails this batch, not the worker
             log.exception("direct batch of %d failed", n)
             self.counters.add(Word.BUSY_NS, time.monotonic_ns() - t0)
             for c in calls:
@@ -750,18 +753,49 @@ class DirectServer:
         finally:
             if rt:
                 self._claim(0)
-        t1 = time.monotonic_ns()
         if stopped is not None:  # best-effort, at a boundary: it resumes once it may
             self.counters.add(Word.BUSY_NS, t1 - t0)
             if not resuming or stopped > first:
                 self.counters.add(Word.PREEMPTED)
             self.suspended = (calls, n, stopped, acts)
             return
-        outs = [(_out_bytes(y, dtype, nb * n, spec), nb) for y, (dtype, nb, spec) in zip(acts, self.out_specs)]
-        compute_us = (t1 - t0) // 1000
         t2 = time.monotonic_ns()
+        if self.lane is not None:
+            self._answer_compiled(cls, calls, n, t0, t1, t2)
+        else:
+            self._answer(cls, calls, n, t0, t1, t2)
+        self._rows_free(cls)
+
+    def _to_rows(self, cls: RequestClass, n: int, acts: tuple) -> None:
+        """A batch's outputs into its class's answer rows ``0..n`` (converted as needed)."""
+        dsts = self.out_views[cls].get(n)
+        if dsts is None:
+            dsts = self.out_views[cls][n] = tuple(t[:n] for t in self.out_tensors[cls])
+        if len(acts) != len(dsts):
+            raise ValueError(f"it returned {len(acts)} outputs; its config declares {len(dsts)}")
+        for y, dst in zip(acts, dsts):
+            dst.copy_(y.reshape(dst.shape))
+
+    def _answer_compiled(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:
+        """``_answer`` in two calls of the lane: the headers packed, the answers sent."""
+        answered, dropped, met, missed = self.lane.pack(calls, cls, t0, t1, t2)  # type: ignore[union-attr]
+        counters = self.counters
+        if dropped:
+            counters.sub(_IN_FLIGHT[cls], dropped)
+        if met or missed:
+            counters.add(SLO_WORDS[SloOutcome.MET], met)
+            counters.add(SLO_WORDS[SloOutcome.MISSED], missed)
+        counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
+        counters.flush()
+        for conn, rest in self.lane.send():  # type: ignore[union-attr]
+            conn.send([rest])
+
+    def _answer(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:
+        """Answer a batch's calls from its answer rows: each connection's answers, in the
+        batch's order, in one gather write (calls of a closed connection are dropped)."""
+        compute_us = (t1 - t0) // 1000
         func_id, headers, out_bytes = self.spec.func_id, self.headers, self.out_bytes
-        # Each connection's answers, in the batch's order, go in one gather write
+        outs = list(zip(self.out_flat[cls], self.out_sizes))
         answers: dict[_Conn, list] = {}
         answered = 0
         for c in calls:
@@ -794,7 +828,6 @@ class DirectServer:
                 continue
             for i in range(0, len(parts), step):
                 conn.send(parts[i : i + step])
-        self._rows_free(cls)
 
     def _claim(self, running: int) -> None:
         self.counters.set(Word.RT_RUNNING, running)

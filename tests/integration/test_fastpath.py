@@ -57,6 +57,29 @@ def gated(request, tmp_path_factory):
     assert s.stop() == 0
 
 
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def declared(request, tmp_path_factory):
+    """vecadd1k served under two configs whose output its model does not return as declared:
+    ``wide`` says FP64 (its FP32 sums are converted), ``half`` says 512 elements (1024 cannot
+    fit); workers with direct endpoints, with and without the compiled lane."""
+    from tests.conftest import start_server
+    from tests.inproc import write_model
+
+    compiled = request.param == "compiled"
+    if compiled and importlib.util.find_spec("splitserve._directlane") is None:
+        pytest.skip("the compiled lane was not built")
+    root = tmp_path_factory.mktemp("declared")
+    inputs = '[[inputs]]\nname = "a"\ndatatype = "FP32"\nshape = [1024]\n[[inputs]]\nname = "b"\ndatatype = "FP32"\n' \
+             'shape = [1024]\n'
+    for name, dtype, n in (("wide", "FP64", 1024), ("half", "FP32", 512)):
+        write_model(root / "repo", name, "vecadd1k",
+                    f'{inputs}[[outputs]]\nname = "sum"\ndatatype = "{dtype}"\nshape = [{n}]\n')
+    s = start_server(root / "data", "--repository", str(root / "repo"), "--load", "wide", "--load", "half",
+                     env=direct_env(compiled))
+    yield s
+    assert s.stop() == 0
+
+
 def gate_frame(fid: int, req_id: int, key: int) -> bytes:
     """A one-sample request for the gate: held while ``key``'s gate is closed."""
     return Header(Kind.REQUEST, req_id=req_id, func_id=fid, payload_len=8).pack() + np.int64(key).tobytes()
@@ -301,6 +324,30 @@ def test_direct_calls_pipelined_on_one_connection_into_one_batch_are_answered_in
         assert [(h.kind, h.req_id) for h, _ in got] == [(Kind.RESPONSE, 1)] + [(Kind.RESPONSE, i) for i in ids]
         assert [int(np.frombuffer(p, np.int64)[0]) for _, p in got] == [7020, *keys]
         assert batches() == before + 2  # the held one, then the seven
+
+
+def test_direct_answers_convert_outputs_to_the_declared_dtype_and_outputs_that_cannot_fit_fail_the_call(declared):
+    """A worker answers a direct batch from its answer rows: outputs of another dtype are
+    converted into them; outputs that cannot take the declared shape fail the batch's calls
+    with WORKER_FAILED naming the model, and the worker serves on (no restart)."""
+    rng = np.random.default_rng(5)
+    a, b = rng.random((2, 3, 1024), np.float32)
+
+    def half() -> dict:
+        with raw(declared) as r:  # a fresh lookup: the worker's pid and counters now
+            return describe(r, "half")
+
+    with client(declared, "direct") as c:
+        y = c.infer("wide", {"a": a, "b": b})
+        assert y.dtype == np.float64 and np.array_equal(y, (a + b).astype(np.float64))
+        before = half()
+        for _ in range(2):
+            with pytest.raises(WorkerFailed, match="'half' raised: RuntimeError: shape"):
+                c.infer("half", {"a": a, "b": b})
+        assert c.direct_endpoints("half") == 1 and c.direct_endpoints("wide") == 1
+        after = half()
+        assert after["pids"] == before["pids"]
+        assert after["direct_counts"]["failed"] == before["direct_counts"]["failed"] + 2
 
 
 def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endpoint_closes(server):

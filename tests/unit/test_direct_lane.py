@@ -1,5 +1,5 @@
 """The direct endpoint's compiled intake (splitserve/_directlane.c) against the Python path it
-stands in for: whatever it takes, the frame state machine would have accepted with the same
+stands in for (its answers: tests/unit/test_direct_answers.py): whatever it takes, the frame state machine would have accepted with the same
 fields, in the same rows; whatever it declines, it leaves to that machine with nothing
 written but free rows."""
 
@@ -26,7 +26,12 @@ CFG = ModelConfig.from_dict({
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
 })
 SIZES = [12, 5]
+OUT_SIZES = [12]
 CLASSES = (RequestClass.RT, RequestClass.BE)
+
+
+def _out_rows() -> list[list[np.ndarray]]:
+    return [[np.zeros((MAX_BATCH, 3), np.float32)] for _ in CLASSES]
 
 
 def _lane(rt_only: bool, default: RequestClass) -> tuple["_directlane.Lane", list[list[np.ndarray]]]:
@@ -38,7 +43,8 @@ def _lane(rt_only: bool, default: RequestClass) -> tuple["_directlane.Lane", lis
             table[value] = CLASSES.index(call_class(value, default, rt_only))
         except SplitServeError:
             pass
-    return _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(table), [[memoryview(a) for a in c] for c in rows]), rows
+    return _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(table), [[memoryview(a) for a in c] for c in rows],
+                            OUT_SIZES, _out_rows()), rows
 
 
 def _python_takes(frame: bytes, rt_only: bool, default: RequestClass, free: tuple[int, int]):
@@ -122,12 +128,17 @@ def test_the_lane_takes_exactly_what_the_python_path_accepts_into_the_same_rows(
 
 def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_stage():
     short = [[memoryview(bytearray(n)) for n in SIZES] for _ in CLASSES]
+    rows = [[memoryview(bytearray(MAX_BATCH * n)) for n in SIZES] for _ in CLASSES]
     with pytest.raises(ValueError, match="shorter"):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), short)
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), short, OUT_SIZES, _out_rows())
+    with pytest.raises(ValueError, match="out_rows.*shorter"):
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, [[np.zeros(3, np.float32)]] * 2)
+    with pytest.raises(ValueError, match="one buffer per tensor"):
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows())
     with pytest.raises(ValueError):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), short)
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows())
     lane, _ = _lane(False, RequestClass.RT)
     with pytest.raises(ValueError, match="outside the stage"):
         lane.take(bytearray(10), 11, 0, 0)
     with pytest.raises(BufferError):  # read-only rows cannot be written into
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), [[b"x" * 64, b"y" * 64]] * 2)
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), [[b"x" * 64, b"y" * 64]] * 2, OUT_SIZES, _out_rows())

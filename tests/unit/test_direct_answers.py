@@ -1,0 +1,211 @@
+"""A direct batch's answers, written by the compiled lane (``_directlane.Lane.pack`` / ``send``
+/ ``outputs``) and by the Python path it stands in for (``DirectServer._answer``): the same
+bytes on every connection, the same counters, for any batch (calls of several connections
+in any order, closed connections, SLOs met and missed, bytes already waiting to go, a
+socket that takes only part)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from splitserve.modelconfig import ModelConfig
+from splitserve.protocol.header import HEADER_SIZE, Kind, RequestClass, unpack_header
+from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.direct import _IN_FLIGHT, DirectServer, _Call
+from splitserve.worker.poller import Poller
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.spec import DirectSpec
+
+pytest.importorskip("splitserve._directlane", reason="the compiled lane was not built")
+
+MAX_BATCH = 8
+# two outputs of different sizes and dtypes, so that each answer's parts are in order
+CFG = ModelConfig.from_dict({
+    "name": "two", "max_batch_size": MAX_BATCH, "artifact": {"kind": "zoo", "arch": "vecadd1k"},
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "shape": [300]}, {"name": "z", "datatype": "INT16", "shape": [5]}],
+})
+ANSWER = 1200 + 10  # one sample's answer payload: more than a small send buffer takes for a batch
+T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute's end, its answers' stamp (ns)
+
+
+class _Endpoint:
+    """A DirectServer over a real Unix endpoint, its connections accepted, and their clients."""
+
+    def __init__(self, root: Path, compiled: bool, conns: int) -> None:
+        self.flag = PreemptFlag()
+        self.counters = WorkerCounters(self.flag.page)
+        self.poller = Poller()
+        spec = DirectSpec(str(root / f"d{int(compiled)}.sock"), 1, 16, 64, 1 << 20, 1 << 19, 1 << 24, 5.0, 4, False,
+                          0.001, 1 << 16, compiled=compiled)
+        self.server = DirectServer(spec, CFG, self.counters, self.poller, lambda: None, lambda i, n: False)
+        assert (self.server.lane is not None) == compiled
+        self.clients, self.conns = [], []
+        for _ in range(conns):  # one at a time: a Unix client has no name to pair it with its connection by
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(spec.path)
+            self.clients.append(s)
+            known = set(self.server.conns)
+            self.server._on_accept(self.server.listeners[0], 0)
+            (conn,) = self.server.conns - known
+            self.conns.append(conn)
+
+    def drain(self) -> list[bytes]:
+        """Everything each client was sent, the connections' queued bytes written out as they go."""
+        got = [bytearray() for _ in self.clients]
+        while True:
+            moved = False
+            for conn, client, buf in zip(self.conns, self.clients, got):
+                try:
+                    chunk = client.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    chunk = b""
+                buf += chunk
+                if conn.out and not conn.closed:
+                    conn.write_some()
+                    moved = True
+                moved = moved or bool(chunk)
+            if not moved:
+                return [bytes(b) for b in got]
+
+    def close(self) -> None:
+        self.server.close()
+        for s in self.clients:
+            s.close()
+        self.poller.close()
+        self.flag.close()
+
+
+@st.composite
+def batches(draw):
+    conns = draw(st.integers(1, 4))
+    calls, rows = [], 0
+    while rows < MAX_BATCH and (not calls or draw(st.booleans())):
+        count = draw(st.integers(1, MAX_BATCH - rows))
+        slo = draw(st.sampled_from([0, 1, 2]))  # none, met, missed
+        calls.append((draw(st.integers(0, conns - 1)), draw(st.integers(0, 2**64 - 1)), count, slo))
+        rows += count
+    closed = draw(st.sets(st.integers(0, conns - 1), max_size=conns))
+    waiting = draw(st.sets(st.integers(0, conns - 1), max_size=conns))  # connections with bytes already queued
+    small = draw(st.booleans())  # a send buffer that takes only part of the answers
+    cls = draw(st.sampled_from([RequestClass.RT, RequestClass.BE]))
+    return conns, calls, closed, waiting, small, cls, draw(st.integers(0, 2**32 - 1))
+
+
+def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list[set], bool]:
+    """What each client was sent, the counters, each connection's req_ids in flight after
+    the batch, and whether some connection's answers waited for its socket."""
+    conns, calls, closed, waiting, small, cls, seed = batch
+    ep = _Endpoint(root, compiled, conns)
+    try:
+        d = ep.server
+        rng = np.random.default_rng(seed)
+        for rows in d.out_rows[cls]:  # what the model left in the answer rows
+            rows[...] = rng.integers(-1000, 1000, rows.shape).astype(rows.dtype)
+        if small:
+            for conn in ep.conns:
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made, row = [], 0
+        for j, req_id, count, slo in calls:
+            t_rx = T0 - 1000 * (len(made) + 1)
+            slo_us = {0: 0, 1: 1_000, 2: 100}[slo]  # met: the stamp is 270 µs after t_rx at most
+            c = _Call(ep.conns[j], req_id, cls, count, count * 8, 0, t_rx, slo_us)
+            c.place(row, d.flat[cls], d.sizes)
+            c.got = c.total
+            row += count
+            ep.conns[j].ids.add(req_id)
+            d.counters.accepted(_IN_FLIGHT[cls])
+            made.append(c)
+        for j in waiting:  # as after a write the socket did not take whole: the answers go behind
+            ep.conns[j].out += b"queued before the batch:" + bytes([j])
+        for j in closed:
+            ep.conns[j].close()
+        if compiled:
+            d._answer_compiled(cls, made, row, T0, T1, T2)
+        else:
+            d._answer(cls, made, row, T0, T1, T2)
+        ids = [set(conn.ids) for conn in ep.conns]
+        queued = any(conn.out for conn in ep.conns)
+        return ep.drain(), d.counters.snapshot(), ids, queued
+    finally:
+        ep.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches())
+def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
+    compiled = _answer(tmp_path, True, batch)
+    python = _answer(tmp_path, False, batch)
+    assert compiled == python
+    conns, calls, closed, waiting, _, cls, _ = batch
+    sent, counts, ids, _ = python
+    # and what the Python path wrote is each open connection's calls, in order, with their rows
+    for j in range(conns):
+        data = sent[j]
+        if j in closed:
+            assert data == b""
+            continue
+        if j in waiting:
+            prefix = b"queued before the batch:" + bytes([j])
+            assert data.startswith(prefix)
+            data = data[len(prefix):]
+        mine = [(req_id, count) for k, req_id, count, _ in calls if k == j]
+        for req_id, count in mine:
+            h = unpack_header(data[:HEADER_SIZE])
+            assert (h.kind, h.req_id, h.cls, h.payload_len) == (Kind.RESPONSE, req_id, cls, count * ANSWER)
+            assert (h.compute_us, h.queue_us) == ((T1 - T0) // 1000, h.total_us - (T2 - T0) // 1000)
+            data = data[HEADER_SIZE + h.payload_len:]
+        assert data == b""
+        assert ids[j] == set()
+    answered = sum(1 for j, *_ in calls if j not in closed)
+    assert counts.answered == answered and counts.in_flight_rt + counts.in_flight_be == 0
+    slo = [s for j, _, _, s in calls if j not in closed and cls == RequestClass.RT]
+    assert (counts.slo_met, counts.slo_missed) == (slo.count(1), slo.count(2))
+
+
+def test_answers_a_socket_does_not_take_wait_on_their_connection_and_all_arrive(tmp_path):
+    batch = (2, [(0, 7, 3, 0), (1, 8, 1, 0), (0, 9, 4, 0)], set(), set(), True, RequestClass.RT, 3)
+    sent, _, _, queued = _answer(tmp_path, True, batch)
+    assert queued  # 8.5 kB for connection 0 into a 4 kB send buffer
+    assert sent == _answer(tmp_path, False, batch)[0]
+    assert [len(b) for b in sent] == [2 * HEADER_SIZE + 7 * ANSWER, HEADER_SIZE + ANSWER]
+
+
+def _lane_rows():
+    from splitserve import _directlane
+
+    d = {c: [np.zeros((MAX_BATCH, 3), np.float32), np.zeros((MAX_BATCH, 5), np.int16)] for c in (0, 1)}
+    lane = _directlane.Lane(1, [8], MAX_BATCH, bytes(256), [[np.zeros(MAX_BATCH * 8, np.uint8)]] * 2, [12, 10],
+                            [d[0], d[1]])
+    return lane, d
+
+
+def test_outputs_copies_cpu_tensors_of_the_declared_dtype_and_size_and_declines_the_rest():
+    lane, rows = _lane_rows()
+    y = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    z = torch.arange(10, dtype=torch.int16).reshape(2, 5)
+    assert lane.outputs(1, 2, (y, z)) is True
+    np.testing.assert_array_equal(rows[1][0][:2], y.numpy())
+    np.testing.assert_array_equal(rows[1][1][:2], z.numpy())
+    assert not rows[0][0].any()  # the other class's rows untouched
+    strided = torch.arange(6, dtype=torch.float32).reshape(3, 2).t()
+    assert not strided.is_contiguous()
+    declined = [
+        (y.double(), z),  # another dtype: converted by the caller
+        (strided, z),  # the right size, not C-contiguous
+        (torch.zeros(2, 3, requires_grad=True), z),  # numpy() refuses it
+        (torch.zeros(3, 3), z),  # another size
+        (y,),  # fewer outputs than declared
+        [y, z],  # not a tuple
+    ]
+    for acts in declined:
+        assert lane.outputs(0, 2, acts) is False
+    with pytest.raises(ValueError):
+        lane.outputs(0, MAX_BATCH + 1, (y, z))
