@@ -12,7 +12,7 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.worker.poller import Poller
-from splitserve.spin import LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
+from splitserve.spin import BUSY_READS, LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
 
 US = 1000
 
@@ -56,7 +56,8 @@ def test_a_cpu_is_free_while_the_runnable_tasks_are_at_most_the_cpus():
     assert not cpu_free("garbage", cpus=2)
 
 
-def test_host_load_reads_the_file_at_most_once_a_period(tmp_path):
+def test_host_load_reads_the_file_at_most_once_a_period_and_is_busy_after_reads_in_a_row_find_a_task_waiting(
+        tmp_path):
     f = tmp_path / "loadavg"
     f.write_text("0.1 0.1 0.1 1/100 5\n")
     load = HostLoad(str(f))
@@ -64,7 +65,14 @@ def test_host_load_reads_the_file_at_most_once_a_period(tmp_path):
     assert load.cpu_free(LOAD_PERIOD_NS)
     f.write_text("9.0 9.0 9.0 9/100 5\n")
     assert load.cpu_free(LOAD_PERIOD_NS + 1)  # not read again yet
-    assert not load.cpu_free(2 * LOAD_PERIOD_NS)
+    assert BUSY_READS == 2
+    assert load.cpu_free(2 * LOAD_PERIOD_NS)  # one read that finds a task waiting is a moment
+    assert not load.cpu_free(3 * LOAD_PERIOD_NS)  # two in a row: busy
+    assert not load.cpu_free(4 * LOAD_PERIOD_NS)
+    f.write_text("0.1 0.1 0.1 2/100 5\n")
+    assert load.cpu_free(5 * LOAD_PERIOD_NS)  # free again at the first read that finds none waiting
+    f.write_text("9.0 9.0 9.0 9/100 5\n")
+    assert load.cpu_free(6 * LOAD_PERIOD_NS)
     assert not HostLoad(str(tmp_path / "missing")).cpu_free(LOAD_PERIOD_NS)
 
 
