@@ -46,9 +46,9 @@ class Word(IntEnum):
 
 _WORDS = len(Word)
 # Indices of the words counted on every call, as plain ints (an enum member's lookup costs more)
-_RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES = (
+_RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES, _SLO_MET, _SLO_MISSED = (
     int(w) for w in (Word.RECEIVED, Word.ANSWERED, Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.BUSY_NS, Word.BATCHES,
-                     Word.SAMPLES))
+                     Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
 _U64 = struct.Struct("<q")  # signed: an in-flight word goes down as well as up
 _ZEROS = struct.Struct(f"<{int(Word.ADMIT)}q")
 
@@ -133,16 +133,23 @@ class WorkerCounters:
         mine[in_flight] += 1
         self._dirty = True
 
-    def answered(self, in_flight: Word, calls: int, samples: int, busy_ns: int) -> None:
-        """Worker: a batch of ``samples`` ran for ``busy_ns`` and ``calls`` of its class's
-        ``in_flight`` calls were answered with their results."""
+    def answered(self, in_flight: Word, calls: int, samples: int, busy_ns: int, dropped: int = 0,
+                 slo_met: int = 0, slo_missed: int = 0) -> None:
+        """Worker: a batch of ``samples`` ran for ``busy_ns``; of its class's ``in_flight``
+        calls, ``calls`` were answered with their results (``slo_met`` and ``slo_missed`` of
+        them by and after their SLO) and ``dropped`` were not (their connection closed).
+        In the page at once: a client that has its answer and then asks the front end must
+        find it counted, so this comes before any answer of the batch leaves."""
         mine = self._mine
-        mine[in_flight] -= calls
+        mine[in_flight] -= calls + dropped
         mine[_ANSWERED] += calls
         mine[_BATCHES] += 1
         mine[_SAMPLES] += samples
         mine[_BUSY_NS] += busy_ns
-        self._dirty = True
+        mine[_SLO_MET] += slo_met
+        mine[_SLO_MISSED] += slo_missed
+        _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *mine)
+        self._dirty = False
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""

@@ -56,7 +56,7 @@ from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, 
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
-from splitserve.slo import SloOutcome, slo_outcome
+from splitserve.slo import slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
 from splitserve.worker.poller import READABLE, WRITABLE, Poller
 from splitserve.worker.spec import DirectSpec
@@ -778,16 +778,11 @@ class DirectServer:
 
     def _answer_compiled(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:
         """``_answer`` in two calls of the lane: the headers packed, the answers sent."""
-        answered, dropped, met, missed = self.lane.pack(calls, cls, t0, t1, t2)  # type: ignore[union-attr]
-        counters = self.counters
-        if dropped:
-            counters.sub(_IN_FLIGHT[cls], dropped)
-        if met or missed:
-            counters.add(SLO_WORDS[SloOutcome.MET], met)
-            counters.add(SLO_WORDS[SloOutcome.MISSED], missed)
-        counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
-        counters.flush()
-        for conn, rest in self.lane.send():  # type: ignore[union-attr]
+        lane = self.lane
+        assert lane is not None
+        answered, dropped, met, missed = lane.pack(calls, cls, t0, t1, t2)
+        self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0, dropped, met, missed)
+        for conn, rest in lane.send():
             conn.send([rest])
 
     def _answer(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:
@@ -817,10 +812,7 @@ class DirectServer:
             if c.slo_ns:
                 self._count_slo(c, t2, None)
             answered += 1
-        # counted before any answer leaves: a client that has its answer and then asks the
-        # front end (a LOOKUP, the statistics) must find the call counted
         self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
-        self.counters.flush()
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():
             if len(parts) <= step:
