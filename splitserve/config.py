@@ -199,8 +199,8 @@ class ServerConfig:
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     # -- direct path, leaner worker (issue 15, f-wlean): less of the worker's own time per call --
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
-    # -- direct path, compiled intake (issue 15): a read that is one plain call is taken in C --
-    direct_compiled: bool = True  # a read that brings one plain call is taken by the compiled intake (_directlane.c) where it was built
+    # -- direct path, compiled lane (issue 15): a plain call's intake and a batch's answers in C --
+    direct_compiled: bool = True  # _directlane.c, where built: one-call reads taken, outputs copied, answers packed and sent
     # -- direct path, fewer wake-ups (issue 15): a worker polls briefly for its next call before it sleeps --
     direct_spin_us: int = 0  # poll this long while calls come this close and no task waits for a CPU (0: never; splitserve/spin.py): for workers whose cores are their own
     # -- GPU partitions (issue 12): whole GPUs and MIG slices, read through NVML --

@@ -17,8 +17,11 @@ batch at a time (``Worker.serve``). Frames are checked by the rules the front en
 batch buffer (a small frame comes whole in one read into the connection's staging buffer
 and its payload is copied there; the rest of a longer one is received straight into
 them), so calls from many connections form one contiguous batch with no gather copy, up
-to the model's ``max_batch_size``; each connection's answers of a batch leave in one
-``sendmsg`` from the model's output rows.
+to the model's ``max_batch_size``. A batch's outputs are copied into the class's answer
+rows and each connection's answers of the batch leave from there in one ``sendmsg``. Where
+it was built, the compiled lane (``_directlane.Lane``) takes a read that is one plain call,
+copies the outputs and packs and sends the answers; the Python code here does the same
+where it was not, and everything the lane declines.
 
 A request whose payload is still arriving when its batch starts is moved aside (one copy
 of what came so far), finishes arriving there and takes rows in the next batch (a second

@@ -40,7 +40,7 @@ class DirectSpec:
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
     tcp_host: str | None = None
     spin_us: int = 0  # ServerConfig.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
-    compiled: bool = True  # ServerConfig.direct_compiled: one-frame reads taken by ``_directlane`` where built
+    compiled: bool = True  # ServerConfig.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
 
 
 @dataclass(frozen=True)
