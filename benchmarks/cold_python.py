@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import mmap
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 from splitserve import _directlane
 from splitserve.models.catalog import zoo_entry
 from splitserve.models.zoo import build_zoo_model
+from splitserve.worker.counters import WorkerCounters
 
 _SMALL = b"x" * 64
 
@@ -54,7 +56,8 @@ def main() -> None:
     dsts = tuple(torch.from_numpy(r) for r in rows)
     inputs = [np.empty(t.nbytes, np.uint8) for t in entry.inputs]
     lane = _directlane.Lane(0, [t.nbytes for t in entry.inputs], 1, bytes(256), [inputs, inputs],
-                            [t.nbytes for t in entry.outputs], [rows, rows])
+                            [t.nbytes for t in entry.outputs], [rows, rows],
+                            *WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE)).lane_counts())
     big = np.ones(1 << 20, np.float32)
 
     def python_step(ys: tuple) -> None:

@@ -1,13 +1,16 @@
 /* A worker's direct endpoint, its per-call steps compiled (splitserve/worker/direct.py):
    the intake of a plain call and the answers of a batch.
 
-   ``Lane(func_id, sizes, max_batch, classes, rows, out_sizes, out_rows)`` is built once per
-   endpoint: the model's func_id, each input's bytes per sample, its max_batch_size, the class
-   each header ``cls`` byte runs in (a bytes of 256: 0 real-time, 1 best-effort, 255 for a
-   class the Python path must answer: unknown, or refused in rt-only mode) and, per class,
-   the writable batch buffers of the inputs (``rows[class][input]``, each ``max_batch``
-   samples long); then each output's bytes per sample and, per class, its answer rows
-   (``out_rows[class][output]``, where the worker copies a batch's outputs).
+   ``Lane(func_id, sizes, max_batch, classes, rows, out_sizes, out_rows, words, page, offset,
+   slots)`` is built once per endpoint: the model's func_id, each input's bytes per sample, its
+   max_batch_size, the class each header ``cls`` byte runs in (a bytes of 256: 0 real-time,
+   1 best-effort, 255 for a class the Python path must answer: unknown, or refused in
+   rt-only mode) and, per class, the writable batch buffers of the inputs
+   (``rows[class][input]``, each ``max_batch`` samples long); then each output's bytes per
+   sample and, per class, its answer rows (``out_rows[class][output]``, where a batch's
+   outputs are copied); then the worker's counters (``worker/counters.py``): their words (a
+   writable int64 buffer, native order), the page they are copied into at ``offset`` and
+   the eight words a batch's answers count (``ANSWER_WORDS``' indices).
 
    take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us) | None
        ``stage[0:n]`` is what one read of a connection brought. When it is exactly one
@@ -31,23 +34,22 @@
        perhaps some copied, when one is not (on a GPU, another dtype or size, needing grad):
        the caller then converts them all, which also says what is wrong with them.
 
-   pack(calls, class, t0_ns, t1_ns, t2_ns) -> (answered, dropped, slo_met, slo_missed)
-       A batch of ``class`` (0 real-time, 1 best-effort: its index here is the protocol's
-       class byte) ran from ``t0_ns`` to ``t1_ns`` and its outputs are in the answer
-       rows: the RESPONSE header of each of ``calls`` (``_Call`` objects, row order) is
-       packed as ``protocol.header.pack_response_into`` would, stamped at ``t2_ns``; each
-       call's req_id leaves its connection's ``ids``; a call whose connection is closed is
-       dropped (no answer), one with an SLO counted met or missed by ``slo.slo_outcome``'s
-       rule. The answers wait in the lane for ``send`` (the caller counts them first: a
-       client that has its answer must find it counted).
-
-   send() -> [(conn, rest)]
-       The packed answers leave: each connection's, in the batch's order, in one gather write
-       (``sendmsg``, MSG_DONTWAIT, at most IOV_MAX buffers a write) of the headers and the
-       calls' answer rows. What a connection's socket did not take, or all of it when the
-       connection already has bytes waiting to go (``out``) or its write failed, is returned
-       as bytes for the connection's own ``send``, which queues it, waits for the socket or
-       closes the connection as the Python path does. */
+   finish(calls, class, n, t0_ns, t1_ns, t2_ns) -> [(conn, rest)]
+       A batch of ``n`` rows of ``class`` (0 real-time, 1 best-effort: its index here is the
+       protocol's class byte) ran from ``t0_ns`` to ``t1_ns`` and its outputs are in the
+       answer rows. Its answers are packed: the RESPONSE header of each of ``calls``
+       (``_Call`` objects, row order) as ``protocol.header.pack_response_into`` would, stamped
+       at ``t2_ns``; each call's req_id leaves its
+       connection's ``ids``; a call whose connection is closed is dropped (no answer), one
+       with an SLO is met or missed by ``slo.slo_outcome``'s rule. They are counted as
+       ``WorkerCounters.answered`` counts them, and the words copied into the page, before
+       any leaves: a client that has its answer must find it counted. Then they leave: each
+       connection's, in the batch's order, in one gather write (``sendmsg``, MSG_DONTWAIT, at
+       most IOV_MAX buffers a write) of the headers and the calls' answer rows. What a
+       connection's socket did not take, or all of it when the connection already has bytes
+       waiting to go (``out``) or its write failed, is returned as bytes for the
+       connection's own ``send``, which queues it, waits for the socket or closes the
+       connection as the Python path does. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,7 +69,7 @@
 #define KIND_RESPONSE 2
 #define IOV_MAX_ 1024 /* Linux's IOV_MAX: a sendmsg takes at most this many buffers */
 
-/* One packed answer: its connection (a reference held until ``send``), its socket, rows and header */
+/* One packed answer: its connection (a reference held until it is sent), its socket, rows and header */
 typedef struct {
     PyObject *conn;
     int fd;
@@ -87,6 +89,11 @@ typedef struct {
     Py_buffer out_rows[2][MAX_INPUTS];
     Py_ssize_t out_held[2];
     PyObject *out_formats; /* each output's struct format as its answer rows' buffer gives it (a tuple of str) */
+    Py_buffer words;       /* the worker's counter words (int64, native order), held while built */
+    int words_held;
+    PyObject *page;        /* the page they are copied into after a batch (its buffer taken per batch) */
+    Py_ssize_t page_offset;
+    Py_ssize_t slot[8];    /* in-flight RT, in-flight BE, answered, busy ns, batches, samples, SLO met, missed */
     unsigned char *headers; /* max_batch answers' headers */
     Answer *answers;        /* the packed batch's answers (max_batch) */
     Py_ssize_t nanswers;
@@ -127,6 +134,10 @@ static void lane_release(Lane *self) {
         self->out_held[c] = 0;
     }
     Py_CLEAR(self->out_formats);
+    if (self->words_held)
+        PyBuffer_Release(&self->words);
+    self->words_held = 0;
+    Py_CLEAR(self->page);
     PyMem_Free(self->headers);
     PyMem_Free(self->answers);
     PyMem_Free(self->iov);
@@ -187,12 +198,34 @@ static Py_ssize_t take_sizes(PyObject *sizes, Py_ssize_t *out, Py_ssize_t *total
 static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     unsigned func_id;
     Py_ssize_t max_batch;
-    PyObject *sizes, *rows, *out_sizes, *out_rows;
+    PyObject *sizes, *rows, *out_sizes, *out_rows, *page, *slots;
+    Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!O", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
-                          &PyList_Type, &out_sizes, &out_rows))
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
+                          &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
+                          &slots))
         return -1;
+    self->words_held = 1;
+    Py_INCREF(page);
+    self->page = page;
+    self->page_offset = page_offset;
+    Py_ssize_t nwords = self->words.len / 8;
+    if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8) {
+        PyBuffer_Release(&classes);
+        PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
+        return -1;
+    }
+    for (int i = 0; i < 8; i++) {
+        Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
+        if (w < 0 || w >= nwords) {
+            PyBuffer_Release(&classes);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "Lane: a counter slot outside the words");
+            return -1;
+        }
+        self->slot[i] = w;
+    }
     int ok = classes.len == 256;
     if (ok)
         memcpy(self->classes, classes.buf, 256);
@@ -345,17 +378,11 @@ static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bi
     return us > 0xffffffffLL ? 0xffffffffu : (uint32_t)us;
 }
 
-static PyObject *lane_pack(Lane *self, PyObject *args) {
-    PyObject *calls;
-    int c;
-    long long t0, t1, t2;
-    if (!PyArg_ParseTuple(args, "O!iLLL", &PyList_Type, &calls, &c, &t0, &t1, &t2))
-        return NULL;
-    if (!self->ready || c < 0 || c > 1 || PyList_GET_SIZE(calls) > self->max_batch) {
-        PyErr_SetString(PyExc_ValueError, "Lane.pack: not initialised, a bad class, or more calls than max_batch");
-        return NULL;
-    }
-    answers_release(self); /* a batch packed and never sent (an error between): its answers are void */
+/* Pack the answers of ``calls`` (see ``finish``); 0, with counts[] = answered, dropped, SLO
+   met, SLO missed, or -1 with an exception set and nothing packed. */
+static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long long t1, long long t2,
+                        Py_ssize_t counts[4]) {
+    answers_release(self);
     Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0;
     uint32_t compute_us = us32(t1 - t0);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -392,7 +419,7 @@ static PyObject *lane_pack(Lane *self, PyObject *args) {
         if (PyErr_Occurred())
             goto fail;
         if (fd < 0 || fd > 0x7fffffff || row < 0 || count < 1 || row + count > self->max_batch) {
-            PyErr_SetString(PyExc_ValueError, "Lane.pack: a call's rows or its connection's fd are out of range");
+            PyErr_SetString(PyExc_ValueError, "Lane.finish: a call's rows or its connection's fd are out of range");
             goto fail;
         }
         a->fd = (int)fd;
@@ -419,10 +446,14 @@ static PyObject *lane_pack(Lane *self, PyObject *args) {
         }
     }
     self->answer_class = c;
-    return Py_BuildValue("(nnnn)", self->nanswers, dropped, met, missed);
+    counts[0] = self->nanswers;
+    counts[1] = dropped;
+    counts[2] = met;
+    counts[3] = missed;
+    return 0;
 fail:
     answers_release(self);
-    return NULL;
+    return -1;
 }
 
 /* ``iov[0:n]`` from byte ``skip`` on, as one bytes object */
@@ -473,7 +504,8 @@ static size_t write_some(int fd, struct iovec *iov, int n) {
     return sent;
 }
 
-static PyObject *lane_send(Lane *self, PyObject *Py_UNUSED(ignored)) {
+/* Write the packed answers; what the sockets did not take, as [(conn, rest)] (see ``finish``). */
+static PyObject *send_answers(Lane *self) {
     PyObject *rests = PyList_New(0);
     if (rests == NULL)
         return NULL;
@@ -526,6 +558,47 @@ fail:
     return NULL;
 }
 
+
+static PyObject *lane_finish(Lane *self, PyObject *args) {
+    PyObject *calls;
+    int c;
+    Py_ssize_t n;
+    long long t0, t1, t2;
+    if (!PyArg_ParseTuple(args, "O!inLLL", &PyList_Type, &calls, &c, &n, &t0, &t1, &t2))
+        return NULL;
+    if (!self->ready || c < 0 || c > 1 || n < 1 || n > self->max_batch || PyList_GET_SIZE(calls) > n) {
+        PyErr_SetString(PyExc_ValueError, "Lane.finish: not initialised, a bad class or batch size, or more calls "
+                                          "than rows");
+        return NULL;
+    }
+    Py_ssize_t counts[4];
+    if (pack_answers(self, calls, c, t0, t1, t2, counts) < 0)
+        return NULL;
+    /* counted, and in the page, before any answer leaves (WorkerCounters.answered's rule) */
+    int64_t *w = self->words.buf;
+    w[self->slot[c]] -= counts[0] + counts[1];
+    w[self->slot[2]] += counts[0];
+    w[self->slot[3]] += t1 - t0;
+    w[self->slot[4]] += 1;
+    w[self->slot[5]] += n;
+    w[self->slot[6]] += counts[2];
+    w[self->slot[7]] += counts[3];
+    Py_buffer page;
+    if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0) {
+        answers_release(self);
+        return NULL;
+    }
+    if (self->page_offset + self->words.len > page.len) {
+        PyBuffer_Release(&page);
+        answers_release(self);
+        PyErr_SetString(PyExc_ValueError, "Lane.finish: the counters do not fit the page");
+        return NULL;
+    }
+    memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
+    PyBuffer_Release(&page);
+    return send_answers(self);
+}
+
 static PyMethodDef lane_methods[] = {
     {"take", (PyCFunction)lane_take, METH_VARARGS,
      "take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us), or None to leave the bytes "
@@ -533,11 +606,8 @@ static PyMethodDef lane_methods[] = {
     {"outputs", (PyCFunction)lane_outputs, METH_VARARGS,
      "outputs(class, n, acts) -> bool: a batch's outputs copied into the class's answer rows when each is CPU memory "
      "of its declared dtype and size; False: the caller converts them."},
-    {"pack", (PyCFunction)lane_pack, METH_VARARGS,
-     "pack(calls, class, t0_ns, t1_ns, t2_ns) -> (answered, dropped, slo_met, slo_missed): a batch's "
-     "answers packed for send()."},
-    {"send", (PyCFunction)lane_send, METH_NOARGS,
-     "send() -> [(conn, rest)]: the packed answers written; what a connection's socket did not take, for its send()."},
+    {"finish", (PyCFunction)lane_finish, METH_VARARGS,
+     "finish(calls, class, n, t0_ns, t1_ns, t2_ns) -> [(conn, rest)]: a batch's answers packed, counted and sent."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from array import array
 from dataclasses import asdict, astuple, dataclass, replace
 from enum import IntEnum
 
@@ -49,8 +50,14 @@ _WORDS = len(Word)
 _RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES, _SLO_MET, _SLO_MISSED = (
     int(w) for w in (Word.RECEIVED, Word.ANSWERED, Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.BUSY_NS, Word.BATCHES,
                      Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
-_U64 = struct.Struct("<q")  # signed: an in-flight word goes down as well as up
-_ZEROS = struct.Struct(f"<{int(Word.ADMIT)}q")
+# Native order: the page never leaves the host, and the worker's words are an array('q')
+# copied into it as they are (by ``flush``, and by the compiled lane after a batch)
+_U64 = struct.Struct("=q")  # signed: an in-flight word goes down as well as up
+_ZEROS = struct.Struct(f"={int(Word.ADMIT)}q")
+_MINE_BYTES = _ZEROS.size
+# The words a direct batch's answers count, in the order the compiled lane takes them
+_ANSWER_WORDS = tuple(int(w) for w in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.ANSWERED, Word.BUSY_NS,
+                                       Word.BATCHES, Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
 
 
 # The word that counts each SLO outcome of a direct call.
@@ -98,16 +105,17 @@ class WorkerCounters:
     def __init__(self, page: mmap.mmap) -> None:
         if len(page) < COUNTERS_OFFSET + 8 * _WORDS:
             raise ValueError(f"a {len(page)} B page has no room for the direct counters")
-        # struct, not a numpy view: an exported buffer would keep the page from being unmapped
-        self._page = page
+        # slices and struct, not a view: an exported buffer would keep the page from being unmapped
+        self.page = page
         # The worker's words as the worker last counted them (it is their only writer), so
-        # counting is one store, not a load and a store; ``flush`` puts them in the page.
-        self._mine = list(_ZEROS.unpack_from(page, COUNTERS_OFFSET))
+        # counting is one store, not a load and a store; ``flush`` copies them into the page.
+        self.words = array("q", _ZEROS.unpack_from(page, COUNTERS_OFFSET))
+        self._bytes = memoryview(self.words).cast("B")
         self._dirty = False
 
     def reset(self) -> None:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
-        self._mine = [0] * Word.ADMIT
+        self._bytes[:] = bytes(_MINE_BYTES)
         self._dirty = True
         self.flush()
 
@@ -115,20 +123,20 @@ class WorkerCounters:
         """Worker: count ``n`` more on one of its own words. The page has it after the next
         ``flush``: a call counts several words, and one write of them all costs what one
         word's write does."""
-        self._mine[word] += n
+        self.words[word] += n
         self._dirty = True
 
     def flush(self) -> None:
         """Worker: write what ``add`` counted since the last flush into the page (the worker
         flushes before a batch runs, before any answer leaves and before its loop waits)."""
         if self._dirty:
-            _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *self._mine)
+            self.page[COUNTERS_OFFSET : COUNTERS_OFFSET + _MINE_BYTES] = self._bytes
             self._dirty = False
 
     def accepted(self, in_flight: Word) -> None:
         """Worker: a call was accepted into ``in_flight`` (its class's word): one count of
         RECEIVED and one more in flight (one method, not two ``add``s: it is per call)."""
-        mine = self._mine
+        mine = self.words
         mine[_RECEIVED] += 1
         mine[in_flight] += 1
         self._dirty = True
@@ -140,7 +148,7 @@ class WorkerCounters:
         them by and after their SLO) and ``dropped`` were not (their connection closed).
         In the page at once: a client that has its answer and then asks the front end must
         find it counted, so this comes before any answer of the batch leaves."""
-        mine = self._mine
+        mine = self.words
         mine[in_flight] -= calls + dropped
         mine[_ANSWERED] += calls
         mine[_BATCHES] += 1
@@ -148,17 +156,22 @@ class WorkerCounters:
         mine[_BUSY_NS] += busy_ns
         mine[_SLO_MET] += slo_met
         mine[_SLO_MISSED] += slo_missed
-        _ZEROS.pack_into(self._page, COUNTERS_OFFSET, *mine)
+        self.page[COUNTERS_OFFSET : COUNTERS_OFFSET + _MINE_BYTES] = self._bytes
         self._dirty = False
+
+    def lane_counts(self) -> tuple:
+        """Where the compiled lane (``_directlane.Lane``) counts a batch's answers as
+        ``answered`` does: the words, the page, their offset there and the words it counts."""
+        return self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""
-        mine = self._mine
+        mine = self.words
         return mine[_IN_FLIGHT_RT] + mine[_IN_FLIGHT_BE]
 
     def value(self, word: Word) -> int:
         """Worker: one of its own words."""
-        return self._mine[word]
+        return self.words[word]
 
     def sub(self, word: Word, n: int = 1) -> None:
         self.add(word, -n)
@@ -167,25 +180,25 @@ class WorkerCounters:
         """One word, in the page at once (with what was counted before it: the worker's
         words all at once then, else this one alone)."""
         if word < Word.ADMIT:
-            self._mine[word] = value
+            self.words[word] = value
             if self._dirty:
                 self.flush()
                 return
-        _U64.pack_into(self._page, COUNTERS_OFFSET + 8 * word, value)
+        _U64.pack_into(self.page, COUNTERS_OFFSET + 8 * word, value)
 
     def admit(self) -> int:
-        return _U64.unpack_from(self._page, COUNTERS_OFFSET + 8 * Word.ADMIT)[0]
+        return _U64.unpack_from(self.page, COUNTERS_OFFSET + 8 * Word.ADMIT)[0]
 
     def set_admit(self, calls: int) -> None:
         """Front end: the calls the worker may hold from its direct connections."""
         self.set(Word.ADMIT, calls)
 
     def bell(self) -> bool:
-        return bool(_U64.unpack_from(self._page, COUNTERS_OFFSET + 8 * Word.BELL)[0])
+        return bool(_U64.unpack_from(self.page, COUNTERS_OFFSET + 8 * Word.BELL)[0])
 
     def set_bell(self, on: bool) -> None:
         """Front end: ring on direct real-time batches (both classes are about on the node)."""
         self.set(Word.BELL, int(on))
 
     def snapshot(self) -> DirectCounts:
-        return DirectCounts(*_ZEROS.unpack_from(self._page, COUNTERS_OFFSET))
+        return DirectCounts(*_ZEROS.unpack_from(self.page, COUNTERS_OFFSET))

@@ -510,7 +510,8 @@ class DirectServer:
             except SplitServeError:
                 pass
         return _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
-                                [self.flat[c] for c in _CLASSES], self.out_sizes, [self.out_rows[c] for c in _CLASSES])
+                                [self.flat[c] for c in _CLASSES], self.out_sizes, [self.out_rows[c] for c in _CLASSES],
+                                *self.counters.lane_counts())
 
     def take_whole(self, conn: _Conn, n: int) -> bool:
         """The read of ``n`` bytes into ``conn``'s empty stage was one plain REQUEST that the
@@ -780,12 +781,9 @@ class DirectServer:
             dst.copy_(y.reshape(dst.shape))
 
     def _answer_compiled(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:
-        """``_answer`` in two calls of the lane: the headers packed, the answers sent."""
-        lane = self.lane
-        assert lane is not None
-        answered, dropped, met, missed = lane.pack(calls, cls, t0, t1, t2)
-        self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0, dropped, met, missed)
-        for conn, rest in lane.send():
+        """``_answer`` in one call of the lane (packed, counted, sent); what a socket did not
+        take waits on its connection."""
+        for conn, rest in self.lane.finish(calls, cls, n, t0, t1, t2):  # type: ignore[union-attr]
             conn.send([rest])
 
     def _answer(self, cls: RequestClass, calls: list[_Call], n: int, t0: int, t1: int, t2: int) -> None:

@@ -6,6 +6,7 @@ socket that takes only part)."""
 
 from __future__ import annotations
 
+import mmap
 import socket
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
             ep.conns[j].close()
         if compiled:
             d._answer_compiled(cls, made, row, T0, T1, T2)
+            assert d.counters.snapshot() == WorkerCounters(ep.flag.page).snapshot()  # in the page as counted
         else:
             d._answer(cls, made, row, T0, T1, T2)
         ids = [set(conn.ids) for conn in ep.conns]
@@ -182,8 +184,9 @@ def _lane_rows():
     from splitserve import _directlane
 
     d = {c: [np.zeros((MAX_BATCH, 3), np.float32), np.zeros((MAX_BATCH, 5), np.int16)] for c in (0, 1)}
+    counters = WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE))
     lane = _directlane.Lane(1, [8], MAX_BATCH, bytes(256), [[np.zeros(MAX_BATCH * 8, np.uint8)]] * 2, [12, 10],
-                            [d[0], d[1]])
+                            [d[0], d[1]], *counters.lane_counts())
     return lane, d
 
 

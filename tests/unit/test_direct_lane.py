@@ -5,6 +5,8 @@ written but free rows."""
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from splitserve.errors import SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, RequestClass, unpack_header
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.modelconfig import ModelConfig
+from splitserve.worker.counters import WorkerCounters
 
 _directlane = pytest.importorskip("splitserve._directlane", reason="the compiled intake was not built")
 
@@ -34,6 +37,10 @@ def _out_rows() -> list[list[np.ndarray]]:
     return [[np.zeros((MAX_BATCH, 3), np.float32)] for _ in CLASSES]
 
 
+def _counts() -> tuple:
+    return WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE)).lane_counts()
+
+
 def _lane(rt_only: bool, default: RequestClass) -> tuple["_directlane.Lane", list[list[np.ndarray]]]:
     """A lane over fresh buffers, with the class table DirectServer builds."""
     rows = [[np.full(MAX_BATCH * n, 0xEE, np.uint8) for n in SIZES] for _ in CLASSES]
@@ -44,7 +51,7 @@ def _lane(rt_only: bool, default: RequestClass) -> tuple["_directlane.Lane", lis
         except SplitServeError:
             pass
     return _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(table), [[memoryview(a) for a in c] for c in rows],
-                            OUT_SIZES, _out_rows()), rows
+                            OUT_SIZES, _out_rows(), *_counts()), rows
 
 
 def _python_takes(frame: bytes, rt_only: bool, default: RequestClass, free: tuple[int, int]):
@@ -130,15 +137,21 @@ def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_sta
     short = [[memoryview(bytearray(n)) for n in SIZES] for _ in CLASSES]
     rows = [[memoryview(bytearray(MAX_BATCH * n)) for n in SIZES] for _ in CLASSES]
     with pytest.raises(ValueError, match="shorter"):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), short, OUT_SIZES, _out_rows())
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), short, OUT_SIZES, _out_rows(), *_counts())
     with pytest.raises(ValueError, match="out_rows.*shorter"):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, [[np.zeros(3, np.float32)]] * 2)
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, [[np.zeros(3, np.float32)]] * 2,
+                         *_counts())
     with pytest.raises(ValueError, match="one buffer per tensor"):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows())
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows(), *_counts())
+    words, page, offset, slots = _counts()
+    with pytest.raises(ValueError, match="slot outside"):
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
+                         (*slots[:7], len(words)))
     with pytest.raises(ValueError):
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows())
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows(), *_counts())
     lane, _ = _lane(False, RequestClass.RT)
     with pytest.raises(ValueError, match="outside the stage"):
         lane.take(bytearray(10), 11, 0, 0)
     with pytest.raises(BufferError):  # read-only rows cannot be written into
-        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), [[b"x" * 64, b"y" * 64]] * 2, OUT_SIZES, _out_rows())
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), [[b"x" * 64, b"y" * 64]] * 2, OUT_SIZES, _out_rows(),
+                         *_counts())
