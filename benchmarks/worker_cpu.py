@@ -22,7 +22,9 @@ take the most of its samples (own time, and with what they call).
 ``--conns`` connections each write one frame, then the worker's loop turns (as
 ``Worker.serve`` does) until every answer is out: the worker's own CPU per call with warm
 caches and no wake-ups (the client's side, writing frames and reading answers, is timed
-apart and taken off); ``--cprofile`` adds the functions that take the most of it.
+apart and taken off); ``--cprofile`` adds the functions that take the most of it, and
+``--split`` the p50 wall time of a turn that runs a batch before the model and after it
+(the model's call, ``Worker.run_direct``, stamped on both sides).
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def _top(raw: Path, by_line: bool, n: int = 25) -> list[tuple[str, float, float]
     return [(f, 100 * own[f] / total, 100 * incl[f] / total) for f in names]
 
 
-def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = True) -> dict[str, object]:
+def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = True,
+           split: bool = False) -> dict[str, object]:
     """The worker's own loop per call, in this process (see the module's docstring)."""
     import cProfile
     import pstats
@@ -201,13 +204,32 @@ def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = T
     while len(direct.conns) < conns:  # the accepts
         w.turn(direct)
 
+    stamps: dict[str, int] = {}
+    turns: list[tuple[int, int, int]] = []  # a batch's turn: before the model, the model, after it (ns)
+    if split:
+        run_direct = w.run_direct
+
+        def stamped(*args):  # type: ignore[no-untyped-def]
+            stamps["model"] = time.perf_counter_ns()
+            try:
+                return run_direct(*args)
+            finally:
+                stamps["after"] = time.perf_counter_ns()
+
+        w.run_direct = stamped  # type: ignore[method-assign]
+
     def client(k: int) -> None:  # every connection sends a frame; the loop turns until all are answered
         for s in socks:
             frame[8:16] = k.to_bytes(8, "little")
             s.send(frame)
         target = w.counters.value(Word.ANSWERED) + conns
         while w.counters.value(Word.ANSWERED) < target:
+            stamps.clear()
+            t0 = time.perf_counter_ns()
             w.turn(direct)  # as Worker.serve turns it, inside its inference mode
+            if "model" in stamps:
+                turns.append((stamps["model"] - t0, stamps["after"] - stamps["model"],
+                              time.perf_counter_ns() - stamps["after"]))
         for s in socks:
             got = 0
             while got < len(answer):
@@ -243,6 +265,9 @@ def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = T
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         out["cprofile"] = buf.getvalue().splitlines()
+    if turns:
+        before, model_ns, after = np.median(np.array(turns[len(turns) // 10 :]), axis=0) / 1e3
+        out["batch_turn_p50_us"] = {"before_the_model": before, "the_model": model_ns, "after_the_model": after}
     for s in socks:
         s.close()
     for a, b in pairs:
@@ -266,11 +291,12 @@ def main() -> None:
     ap.add_argument("--inproc", action="store_true", help="no server: the worker's own loop in this process")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--cprofile", action="store_true", help="with --inproc: where the time goes")
+    ap.add_argument("--split", action="store_true", help="with --inproc: a batch's turn before and after the model")
     ap.add_argument("--python", action="store_true",
                     help="the frame state machine takes every read (no compiled intake: direct_compiled off)")
     a = ap.parse_args()
     if a.inproc:
-        res = {f"{k} connection(s)": inproc(a.model, int(k), a.calls, a.cprofile, not a.python)
+        res = {f"{k} connection(s)": inproc(a.model, int(k), a.calls, a.cprofile, not a.python, a.split)
                for k in a.conns.split(",")}
         print(json.dumps(res, indent=1))
         return
