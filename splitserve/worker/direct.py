@@ -462,10 +462,11 @@ class DirectServer:
         self.complete = {c: 0 for c in _CLASSES}  # placed calls whose payload is whole (a batch could run)
         self.out_bytes = sum(t.nbytes for t in cfg.outputs)  # one sample's answer payload
         # Per class, the answer rows (one array per output): a batch's outputs are copied
-        # there in one ``copy_`` each, which also converts dtype and device and checks the
-        # shape, and its answers are sent from them. Checking and viewing the model's own
-        # tensors as bytes instead costs more Python right after the model, where every
-        # step runs cold (benchmarks/cold_python.py) than the copy of a small model's outputs.
+        # there (by the lane when they are already CPU memory of the declared dtype, else by
+        # ``copy_``, which also converts dtype and device and checks the shape) and its
+        # answers are sent from them. Checking and viewing the model's own tensors as bytes
+        # instead costs more Python right after the model, where every step runs cold
+        # (benchmarks/cold_python.py), than the copy of a small model's outputs.
         self.out_rows = {c: [np.empty((self.max_batch, *t.shape), t.dtype) for t in cfg.outputs] for c in _CLASSES}
         self.out_flat = {c: [memoryview(a).cast("B") for a in arrays] for c, arrays in self.out_rows.items()}
         self.out_tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.out_rows.items()}
