@@ -40,6 +40,29 @@ def unix_listener(path: Path) -> socket.socket:
     return s
 
 
+# What ``close_drained`` reads and drops at most before it closes
+_DRAIN_BYTES = 1 << 16
+
+
+def close_drained(sock: socket.socket) -> None:
+    """Close a connected stream socket after reading and dropping what its peer sent that
+    was not read (at most ``_DRAIN_BYTES``, without waiting). A socket closed with unread
+    bytes makes the kernel reset the connection (a TCP RST; ECONNRESET on a Unix peer's next
+    read), and a reset can cost the peer what was just sent to it: a server that closes a
+    misbehaving connection says why first, and the peer must be able to read that, then
+    the end of the stream."""
+    left = _DRAIN_BYTES
+    try:
+        while left > 0:
+            chunk = sock.recv(min(left, 16384), socket.MSG_DONTWAIT)
+            if not chunk:
+                break
+            left -= len(chunk)
+    except OSError:  # nothing waiting (EAGAIN), or the connection is already gone
+        pass
+    sock.close()
+
+
 def bound_waits(sock: socket.socket, timeout: float) -> None:
     """Make ``sock`` blocking with its sends and receives bounded by ``timeout`` in the
     kernel (SO_SNDTIMEO, SO_RCVTIMEO): a Python-level ``settimeout`` costs a poll() before

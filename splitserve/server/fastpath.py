@@ -28,7 +28,7 @@ from typing import Any
 from splitserve.errors import BadFrame, BadSize, DuplicateRequest, SplitServeError
 from splitserve.protocol.header import Header, Kind
 from splitserve.protocol.requests import stream_samples
-from splitserve.protocol.sockets import tcp_listener, unix_listener
+from splitserve.protocol.sockets import close_drained, tcp_listener, unix_listener
 from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
 from splitserve.server.intake import Arrival
 from splitserve.server.monitor import Call, after_us
@@ -245,7 +245,7 @@ class FastPathConnection(FrameStream):
             self.intake.dropped(arrival)
             arrival.call.abandon()
         self.intake.unwatch(self)
-        self.sock.close()
+        close_drained(self.sock)
         self.live.discard(self)
 
 

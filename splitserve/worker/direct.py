@@ -57,7 +57,7 @@ from splitserve.errors import (BadFrame, DeadlineMissed, DuplicateRequest, Refus
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into, unpack_header
 from splitserve.protocol.requests import call_class, stream_samples
-from splitserve.protocol.sockets import tcp_listener, unix_listener
+from splitserve.protocol.sockets import close_drained, tcp_listener, unix_listener
 from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
 from splitserve.slo import slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
@@ -431,7 +431,7 @@ class _Conn(FrameStream):
             self.events = 0
         self.closed = True
         self.out = bytearray()
-        self.sock.close()
+        close_drained(self.sock)
         self.server.gone(self)
 
 

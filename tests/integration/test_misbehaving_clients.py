@@ -202,6 +202,26 @@ def test_partial_frame_older_than_the_timeout_closes_its_connection(impatient, p
         assert read_frame(other)[0].kind == Kind.PONG
 
 
+@pytest.mark.parametrize("path", [*PATHS, DIRECT_TCP])
+def test_a_connection_closed_for_a_bad_frame_reads_why_and_then_the_end_whatever_it_sent_after(server, path):
+    """The server closes a connection whose framing is lost, after saying why; bytes the
+    client sent behind the bad header (more than one read of the server takes, less than
+    it drains) are read and dropped, not left unread: a socket closed with unread bytes is
+    reset (RST over TCP, ECONNRESET on a Unix peer), which can cost the client the error
+    and always its clean end of stream."""
+    s, _ = stream(server, path, "vecadd1k")
+    with s:
+        s.settimeout(30)
+        s.sendall(b"JUNK" + bytes(60) + bytes(40_000))  # a bad magic, then more than a direct stage takes
+        h, body = read_frame(s)
+        assert (h.kind, h.status) == (Kind.ERROR, Status.BAD_FRAME) and b"magic" in body, (h, body)
+        assert read_frame(s)[0] is None  # the end of the stream, not a reset
+    other, _ = stream(server, path, "vecadd1k")
+    with other:  # the server serves on
+        other.sendall(Header(Kind.PING, req_id=9).pack())
+        assert read_frame(other)[0].kind == Kind.PONG
+
+
 def test_udp_request_missing_a_segment_is_refused_after_the_timeout(impatient):
     _, _, payload = inputs(5)
     with udp(impatient) as u:
