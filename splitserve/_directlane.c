@@ -1,19 +1,41 @@
 /* A worker's direct endpoint, its per-call steps compiled (splitserve/worker/direct.py):
-   the intake of a plain call and the answers of a batch.
+   the read and intake of a plain call and the answers of a batch.
 
    ``Lane(func_id, sizes, max_batch, classes, rows, out_sizes, out_rows, words, page, offset,
-   slots)`` is built once per endpoint: the model's func_id, each input's bytes per sample, its
-   max_batch_size, the class each header ``cls`` byte runs in (a bytes of 256: 0 real-time,
-   1 best-effort, 255 for a class the Python path must answer: unknown, or refused in
-   rt-only mode) and, per class, the writable batch buffers of the inputs
+   slots, received, admit)`` is built once per endpoint: the model's func_id, each input's
+   bytes per sample, its max_batch_size, the class each header ``cls`` byte runs in (a bytes
+   of 256: 0 real-time, 1 best-effort, 255 for a class the Python path must answer: unknown,
+   or refused in rt-only mode) and, per class, the writable batch buffers of the inputs
    (``rows[class][input]``, each ``max_batch`` samples long); then each output's bytes per
    sample and, per class, its answer rows (``out_rows[class][output]``, where a batch's
-   outputs are copied); then the worker's counters (``worker/counters.py``): their words (a
-   writable int64 buffer, native order), the page they are copied into at ``offset`` and
-   the eight words a batch's answers count (``ANSWER_WORDS``' indices).
+   outputs are copied); then the worker's counters (``WorkerCounters.lane_counts``): their
+   words (a writable int64 buffer, native order), the page they are copied into at
+   ``offset``, the eight words a batch's answers count, the RECEIVED word and the ADMIT
+   word (the front end's, read in the page).
+
+   bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
+        out_high_water)
+       Where ``intake`` records the calls it takes, as ``DirectServer`` keeps them: the
+       call record's type (called as ``_Call(conn, req_id, cls, count, total, deadline_us,
+       t_rx_ns, slo_us)``), the two classes' objects, and per class (lists indexed by the
+       class) the placed calls, the next free row and the count of complete calls; each
+       class's row buffers and the inputs' sizes (what ``_Call.place`` sets); the model's
+       SLO for calls that name none; the connection limits of ``_Conn._over_bounds``.
+
+   intake(conn, be_open) -> (n, pause) | n
+       One read of ``conn`` (a ``_Conn`` with an empty stage, between frames) into its
+       stage. When the read is one plain call for this model (``take``'s rules; best-effort
+       rows only while ``be_open``) and its req_id is not in flight on the connection, the
+       call is recorded as ``DirectServer`` records an accepted call (its record in its
+       class's placed calls with its rows, the class's next row and complete count moved
+       on, the req_id in ``conn.ids``, RECEIVED and its class's in-flight word counted and
+       in the page) and ``(n, pause)`` returned, ``pause`` when the connection is now over
+       its bounds. Else the bytes read, for the frame state machine (0: nothing to read
+       now; -1: the peer closed or the read failed).
 
    take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us) | None
-       ``stage[0:n]`` is what one read of a connection brought. When it is exactly one
+       ``intake``'s check and copy alone (no socket, no record). ``stage[0:n]`` is what one
+       read of a connection brought. When it is exactly one
        plain REQUEST for this model (a valid header, one segment, a whole number of samples
        within max_batch, a class that runs, the whole payload and nothing after it) and its
        class has room (rows from ``rt_row`` / ``be_row`` on; -1: none), its payload is
@@ -59,6 +81,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define HEADER_SIZE 64
 #define VERSION 1
@@ -94,6 +117,11 @@ typedef struct {
     PyObject *page;        /* the page they are copied into after a batch (its buffer taken per batch) */
     Py_ssize_t page_offset;
     Py_ssize_t slot[8];    /* in-flight RT, in-flight BE, answered, busy ns, batches, samples, SLO met, missed */
+    Py_ssize_t w_received, w_admit; /* RECEIVED in the words; ADMIT in the page (the front end's) */
+    /* ``bind``: where ``intake`` records a call (see there) */
+    PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
+    unsigned long long slo_default_us;
+    Py_ssize_t max_in_flight, out_high_water;
     unsigned char *headers; /* max_batch answers' headers */
     Answer *answers;        /* the packed batch's answers (max_batch) */
     Py_ssize_t nanswers;
@@ -102,7 +130,8 @@ typedef struct {
     int ready;         /* built whole */
 } Lane;
 
-static PyObject *s_conn, *s_req_id, *s_row, *s_count, *s_t_rx_ns, *s_slo_ns, *s_closed, *s_ids, *s_fd, *s_out;
+static PyObject *s_conn, *s_req_id, *s_row, *s_count, *s_t_rx_ns, *s_slo_ns, *s_closed, *s_ids, *s_fd, *s_out, *s_stage,
+    *s_flat, *s_sizes, *s_got;
 
 static uint64_t le(const unsigned char *p, int n) {
     uint64_t v = 0;
@@ -138,6 +167,13 @@ static void lane_release(Lane *self) {
         PyBuffer_Release(&self->words);
     self->words_held = 0;
     Py_CLEAR(self->page);
+    Py_CLEAR(self->call_type);
+    Py_CLEAR(self->class_objs);
+    Py_CLEAR(self->placed);
+    Py_CLEAR(self->next_row);
+    Py_CLEAR(self->complete);
+    Py_CLEAR(self->flat);
+    Py_CLEAR(self->sizes_list);
     PyMem_Free(self->headers);
     PyMem_Free(self->answers);
     PyMem_Free(self->iov);
@@ -202,16 +238,17 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
                           &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
-                          &slots))
+                          &slots, &self->w_received, &self->w_admit))
         return -1;
     self->words_held = 1;
     Py_INCREF(page);
     self->page = page;
     self->page_offset = page_offset;
     Py_ssize_t nwords = self->words.len / 8;
-    if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8) {
+    if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
+        self->w_received >= nwords || self->w_admit < nwords) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
@@ -271,6 +308,41 @@ static void lane_dealloc(Lane *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A plain REQUEST taken into its class's rows (see ``take``) */
+typedef struct {
+    unsigned long long req_id, deadline_us, slo_us;
+    int c;
+    Py_ssize_t count, total;
+} Taken;
+
+/* ``take``'s rules over ``h[0:n]``: 1 with ``t`` filled and the payload in its rows, 0 when declined */
+static int take_frame(Lane *self, const unsigned char *h, Py_ssize_t n, const Py_ssize_t row[2], Taken *t) {
+    if (n < HEADER_SIZE || memcmp(h, "SPRC", 4) != 0 || h[4] != VERSION || h[5] != KIND_REQUEST)
+        return 0;
+    uint64_t payload_len = le(h + 32, 4);
+    if (payload_len == 0 || payload_len > MAX_PAYLOAD || (Py_ssize_t)payload_len != n - HEADER_SIZE ||
+        le(h + 16, 2) != self->func_id || le(h + 18, 2) != 0 || le(h + 20, 2) != 1 ||
+        payload_len % (uint64_t)self->per != 0)
+        return 0;
+    Py_ssize_t count = (Py_ssize_t)(payload_len / (uint64_t)self->per);
+    int c = self->classes[h[7]];
+    if (count > self->max_batch || c == NO_CLASS || row[c] < 0 || row[c] + count > self->max_batch)
+        return 0;
+    const unsigned char *src = h + HEADER_SIZE;
+    for (Py_ssize_t i = 0; i < self->ninputs; i++) { /* the payload lays the inputs out one after the other */
+        Py_ssize_t k = count * self->sizes[i];
+        memcpy((char *)self->rows[c][i].buf + row[c] * self->sizes[i], src, (size_t)k);
+        src += k;
+    }
+    t->req_id = le(h + 8, 8);
+    t->deadline_us = le(h + 24, 8);
+    t->slo_us = le(h + 56, 8);
+    t->c = c;
+    t->count = count;
+    t->total = (Py_ssize_t)payload_len;
+    return 1;
+}
+
 static PyObject *lane_take(Lane *self, PyObject *args) {
     Py_buffer st;
     Py_ssize_t n, row[2];
@@ -281,31 +353,172 @@ static PyObject *lane_take(Lane *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "Lane.take: not initialised, or n outside the stage");
         return NULL;
     }
-    const unsigned char *h = st.buf;
-    PyObject *out = Py_None;
-    Py_INCREF(out);
-    if (n < HEADER_SIZE || memcmp(h, "SPRC", 4) != 0 || h[4] != VERSION || h[5] != KIND_REQUEST)
-        goto done;
-    uint64_t payload_len = le(h + 32, 4);
-    if (payload_len == 0 || payload_len > MAX_PAYLOAD || (Py_ssize_t)payload_len != n - HEADER_SIZE ||
-        le(h + 16, 2) != self->func_id || le(h + 18, 2) != 0 || le(h + 20, 2) != 1 ||
-        payload_len % (uint64_t)self->per != 0)
-        goto done;
-    Py_ssize_t count = (Py_ssize_t)(payload_len / (uint64_t)self->per);
-    int c = self->classes[h[7]];
-    if (count > self->max_batch || c == NO_CLASS || row[c] < 0 || row[c] + count > self->max_batch)
-        goto done;
-    const unsigned char *src = h + HEADER_SIZE;
-    for (Py_ssize_t i = 0; i < self->ninputs; i++) { /* the payload lays the inputs out one after the other */
-        Py_ssize_t k = count * self->sizes[i];
-        memcpy((char *)self->rows[c][i].buf + row[c] * self->sizes[i], src, (size_t)k);
-        src += k;
+    Taken t;
+    int taken = take_frame(self, st.buf, n, row, &t);
+    PyBuffer_Release(&st);
+    if (!taken)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(KinKK)", t.req_id, t.c, t.count, t.deadline_us, t.slo_us);
+}
+
+/* An int attribute of ``obj`` (0 with an exception set when it is missing or not an int) */
+static long long int_attr(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return 0;
+    long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return x;
+}
+
+static PyObject *lane_bind(Lane *self, PyObject *args) {
+    PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes;
+    unsigned long long slo_us;
+    Py_ssize_t max_in_flight, out_high_water;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!Knn", &call_type, &PyTuple_Type, &class_objs, &PyList_Type, &placed,
+                          &PyList_Type, &next_row, &PyList_Type, &complete, &PyList_Type, &flat, &PyList_Type, &sizes,
+                          &slo_us, &max_in_flight, &out_high_water))
+        return NULL;
+    if (!self->ready || !PyCallable_Check(call_type) || PyTuple_GET_SIZE(class_objs) != 2 ||
+        PyList_GET_SIZE(placed) != 2 || PyList_GET_SIZE(next_row) != 2 || PyList_GET_SIZE(complete) != 2 ||
+        PyList_GET_SIZE(flat) != 2 || max_in_flight < 1) {
+        PyErr_SetString(PyExc_ValueError, "Lane.bind: not initialised, or not two of each per class");
+        return NULL;
     }
-    Py_DECREF(out);
-    out = Py_BuildValue("(KinKK)", (unsigned long long)le(h + 8, 8), c, count, (unsigned long long)le(h + 24, 8),
-                        (unsigned long long)le(h + 56, 8));
+    PyObject **fields[] = {&self->call_type, &self->class_objs, &self->placed, &self->next_row,
+                           &self->complete, &self->flat, &self->sizes_list};
+    PyObject *values[] = {call_type, class_objs, placed, next_row, complete, flat, sizes};
+    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+        Py_INCREF(values[i]);
+        Py_XSETREF(*fields[i], values[i]);
+    }
+    self->slo_default_us = slo_us;
+    self->max_in_flight = max_in_flight;
+    self->out_high_water = out_high_water;
+    Py_RETURN_NONE;
+}
+
+/* ``list[i] += delta`` for a list of ints; -1 on an error */
+static int list_add(PyObject *list, Py_ssize_t i, Py_ssize_t delta) {
+    Py_ssize_t v = PyLong_AsSsize_t(PyList_GET_ITEM(list, i));
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromSsize_t(v + delta);
+    return nv == NULL ? -1 : PyList_SetItem(list, i, nv);
+}
+
+/* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there */
+static int write_words(Lane *self, int64_t *admit) {
+    Py_buffer page;
+    if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0)
+        return -1;
+    int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len;
+    if (ok) {
+        memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
+        if (admit != NULL)
+            memcpy(admit, (char *)page.buf + self->page_offset + 8 * self->w_admit, 8);
+    }
+    PyBuffer_Release(&page);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "Lane: the counters do not fit the page");
+    return ok ? 0 : -1;
+}
+
+/* The call ``t`` (its payload already in its rows) recorded as ``DirectServer`` records an
+   accepted call: a ``call_type`` object in its class's placed calls, the class's next row
+   and complete count moved on, its req_id in the connection's ``ids``, RECEIVED and its
+   class's in-flight word counted and in the page. 1 when the connection is now over its
+   bounds (the caller pauses it), 0 when not, -1 on an error. */
+static int record(Lane *self, PyObject *conn, PyObject *ids, PyObject *req, const Taken *t, Py_ssize_t row) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns()'s clock */
+    long long t_rx = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    int c = t->c;
+    PyObject *call = PyObject_CallFunction(self->call_type, "OOOnnKLK", conn, req, PyTuple_GET_ITEM(self->class_objs, c),
+                                           t->count, t->total, t->deadline_us, t_rx,
+                                           t->slo_us ? t->slo_us : self->slo_default_us);
+    if (call == NULL)
+        return -1;
+    /* its rows (``_Call.place``) and its whole payload, then the class's state */
+    PyObject *row_obj = PyLong_FromSsize_t(row), *total = PyLong_FromSsize_t(t->total);
+    int r = row_obj == NULL || total == NULL || PyObject_SetAttr(call, s_row, row_obj) < 0 ||
+                    PyObject_SetAttr(call, s_flat, PyList_GET_ITEM(self->flat, c)) < 0 ||
+                    PyObject_SetAttr(call, s_sizes, self->sizes_list) < 0 || PyObject_SetAttr(call, s_got, total) < 0 ||
+                    list_add(self->next_row, c, t->count) < 0 ||
+                    PyList_Append(PyList_GET_ITEM(self->placed, c), call) < 0 || list_add(self->complete, c, 1) < 0 ||
+                    PySet_Add(ids, req) < 0
+                ? -1
+                : 0;
+    Py_XDECREF(row_obj);
+    Py_XDECREF(total);
+    Py_DECREF(call);
+    if (r < 0)
+        return -1;
+    int64_t *w = self->words.buf, admit = 0;
+    w[self->w_received] += 1;
+    w[self->slot[c]] += 1;
+    if (write_words(self, &admit) < 0)
+        return -1;
+    if (PySet_GET_SIZE(ids) >= self->max_in_flight || w[self->slot[0]] + w[self->slot[1]] >= admit)
+        return 1;
+    PyObject *out = PyObject_GetAttr(conn, s_out);
+    Py_ssize_t waiting = out == NULL ? -1 : PyObject_Length(out);
+    Py_XDECREF(out);
+    return waiting < 0 ? -1 : waiting > self->out_high_water;
+}
+
+static PyObject *lane_intake(Lane *self, PyObject *args) {
+    PyObject *conn;
+    int be_open;
+    if (!PyArg_ParseTuple(args, "Op", &conn, &be_open))
+        return NULL;
+    if (self->call_type == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Lane.intake: not bound (bind)");
+        return NULL;
+    }
+    long long fd = int_attr(conn, s_fd);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *stage = PyObject_GetAttr(conn, s_stage);
+    if (stage == NULL)
+        return NULL;
+    Py_buffer st;
+    if (PyObject_GetBuffer(stage, &st, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(stage);
+        return NULL;
+    }
+    ssize_t n;
+    do
+        n = recv((int)fd, st.buf, (size_t)st.len, MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    PyObject *out = NULL;
+    if (n <= 0) { /* nothing now, or the peer closed or the read failed */
+        out = PyLong_FromLong(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1);
+        goto done;
+    }
+    Py_ssize_t row[2] = {PyLong_AsSsize_t(PyList_GET_ITEM(self->next_row, 0)),
+                         be_open ? PyLong_AsSsize_t(PyList_GET_ITEM(self->next_row, 1)) : -1};
+    if (PyErr_Occurred())
+        goto done;
+    Taken t;
+    if (!take_frame(self, st.buf, n, row, &t)) {
+        out = PyLong_FromSsize_t(n);
+        goto done;
+    }
+    PyObject *req = PyLong_FromUnsignedLongLong(t.req_id), *ids = PyObject_GetAttr(conn, s_ids);
+    int dup = req == NULL || ids == NULL ? -1 : PySet_Contains(ids, req);
+    if (dup == 0) {
+        int pause = record(self, conn, ids, req, &t, row[t.c]);
+        if (pause >= 0)
+            out = Py_BuildValue("(nO)", (Py_ssize_t)n, pause ? Py_True : Py_False);
+    } else if (dup == 1) { /* the frame state machine answers the duplicate (the rows it filled were free) */
+        out = PyLong_FromSsize_t(n);
+    }
+    Py_XDECREF(req);
+    Py_XDECREF(ids);
 done:
     PyBuffer_Release(&st);
+    Py_DECREF(stage);
     return out;
 }
 
@@ -359,16 +572,6 @@ static PyObject *lane_outputs(Lane *self, PyObject *args) {
             Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
-}
-
-/* An int attribute of ``obj`` (0 with an exception set when it is missing or not an int) */
-static long long int_attr(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return 0;
-    long long x = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return x;
 }
 
 static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bit count */
@@ -603,6 +806,12 @@ static PyMethodDef lane_methods[] = {
     {"take", (PyCFunction)lane_take, METH_VARARGS,
      "take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us), or None to leave the bytes "
      "to the Python path."},
+    {"bind", (PyCFunction)lane_bind, METH_VARARGS,
+     "bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight, out_high_water): "
+     "where intake records the calls it takes."},
+    {"intake", (PyCFunction)lane_intake, METH_VARARGS,
+     "intake(conn, be_open) -> (n, pause) for a call taken from a read of n bytes, n for bytes left to the frame "
+     "state machine, 0 for nothing now, -1 for a closed or failed connection."},
     {"outputs", (PyCFunction)lane_outputs, METH_VARARGS,
      "outputs(class, n, acts) -> bool: a batch's outputs copied into the class's answer rows when each is CPU memory "
      "of its declared dtype and size; False: the caller converts them."},
@@ -632,7 +841,8 @@ PyMODINIT_FUNC PyInit__directlane(void) {
         const char *text;
     } names[] = {{&s_conn, "conn"},     {&s_req_id, "req_id"}, {&s_row, "row"},     {&s_count, "count"},
                  {&s_t_rx_ns, "t_rx_ns"}, {&s_slo_ns, "slo_ns"}, {&s_closed, "closed"}, {&s_ids, "ids"},
-                 {&s_fd, "fd"},         {&s_out, "out"},       {&s_numpy, "numpy"}};
+                 {&s_fd, "fd"},         {&s_out, "out"},       {&s_numpy, "numpy"},   {&s_stage, "stage"},
+                 {&s_flat, "flat"},     {&s_sizes, "sizes"},   {&s_got, "got"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;

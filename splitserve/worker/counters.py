@@ -55,7 +55,7 @@ _RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES
 _U64 = struct.Struct("=q")  # signed: an in-flight word goes down as well as up
 _ZEROS = struct.Struct(f"={int(Word.ADMIT)}q")
 _MINE_BYTES = _ZEROS.size
-# The words a direct batch's answers count, in the order the compiled lane takes them
+# The words a direct batch's answers count, in the order the compiled lane takes them (``lane_counts``)
 _ANSWER_WORDS = tuple(int(w) for w in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.ANSWERED, Word.BUSY_NS,
                                        Word.BATCHES, Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
 
@@ -160,9 +160,10 @@ class WorkerCounters:
         self._dirty = False
 
     def lane_counts(self) -> tuple:
-        """Where the compiled lane (``_directlane.Lane``) counts a batch's answers as
-        ``answered`` does: the words, the page, their offset there and the words it counts."""
-        return self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS
+        """Where the compiled lane (``_directlane.Lane``) counts calls as ``accepted`` and
+        batches as ``answered`` do: the words, the page, their offset there, the words a
+        batch's answers count, the RECEIVED word and the ADMIT word (read in the page)."""
+        return self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS, int(Word.RECEIVED), int(Word.ADMIT)
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""

@@ -84,7 +84,9 @@ SegmentRunner = Callable[[RequestClass, tuple, int, int], "tuple[int | None, tup
 
 
 class _Call:
-    """One direct call from its accepted header to its answer."""
+    """One direct call from its accepted header to its answer. The compiled lane records the
+    calls it takes as these too (``Lane.bind``: this constructor, then the fields ``place``
+    sets and ``got``) and reads their fields to answer them (``Lane.finish``)."""
 
     __slots__ = ("conn", "req_id", "cls", "count", "total", "got", "row", "flat", "sizes", "views", "vi", "target",
                  "aside", "deadline_ns", "slo_ns", "t_rx_ns")
@@ -268,16 +270,30 @@ class _Conn(FrameStream):
 
     def _read_stage(self) -> bool:
         """One read into the staging buffer after the part of a header it may hold (a
-        header, its payload and the next frames, as far as they fit), then take them."""
+        header, its payload and the next frames, as far as they fit), then take them. Into
+        an empty stage, the compiled lane reads, and takes a read that is one plain call
+        whole: its frame is done and the next not begun, as ``frame_done`` leaves it."""
         if self.lo:
             self.stage[: self.hi - self.lo] = self.stage_mv[self.lo : self.hi]
             self.lo, self.hi = 0, self.hi - self.lo
         want = len(self.stage) - self.hi
-        n = self.receive(self.stage_mv[self.hi :])
-        if not n:
-            return False
-        if not self.hi and self.server.lane is not None and self.server.take_whole(self, n):
-            return n == want
+        lane = self.server.lane
+        if not self.hi and lane is not None:
+            got = lane.intake(self, self.server.suspended is None)
+            if type(got) is tuple:  # one call, recorded: reading went on, so it was not paused
+                n, over = got
+                if over:
+                    self.maybe_pause()
+                return n == want
+            if got <= 0:
+                if got < 0:  # the peer closed, or the read failed
+                    self.close()
+                return False
+            n = got
+        else:
+            n = self.receive(self.stage_mv[self.hi :])
+            if not n:
+                return False
         self.hi += n
         self._take()
         return n == want
@@ -457,9 +473,10 @@ class DirectServer:
         self.tensors = {c: [torch.from_numpy(a) for a in arrays] for c, arrays in self.inputs.items()}
         # A batch of n rows is these views of the buffers, made once per (class, n)
         self.batch_views: dict[RequestClass, dict[int, tuple[torch.Tensor, ...]]] = {c: {} for c in _CLASSES}
-        self.next_row = {c: 0 for c in _CLASSES}
-        self.placed: dict[RequestClass, list[_Call]] = {c: [] for c in _CLASSES}
-        self.complete = {c: 0 for c in _CLASSES}  # placed calls whose payload is whole (a batch could run)
+        # (lists indexed by the class: the compiled lane records the calls it takes in them)
+        self.next_row = [0 for _ in _CLASSES]
+        self.placed: list[list[_Call]] = [[] for _ in _CLASSES]
+        self.complete = [0 for _ in _CLASSES]  # placed calls whose payload is whole (a batch could run)
         self.out_bytes = sum(t.nbytes for t in cfg.outputs)  # one sample's answer payload
         # Per class, the answer rows (one array per output): a batch's outputs are copied
         # there (by the lane when they are already CPU memory of the declared dtype, else by
@@ -510,39 +527,13 @@ class DirectServer:
                 table[value] = _CLASSES.index(call_class(value, self.default_cls, self.spec.rt_only))
             except SplitServeError:
                 pass
-        return _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
+        lane = _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
                                 [self.flat[c] for c in _CLASSES], self.out_sizes, [self.out_rows[c] for c in _CLASSES],
                                 *self.counters.lane_counts())
-
-    def take_whole(self, conn: _Conn, n: int) -> bool:
-        """The read of ``n`` bytes into ``conn``'s empty stage was one plain REQUEST that the
-        lane took into its class's next rows: the call is accepted as ``accept_call`` and
-        ``fill`` would have done, its frame read whole. False: the frame state machine takes
-        the bytes (the lane declined, or the req_id is in flight: it answers the duplicate)."""
-        rt_row = self.next_row[_RT]
-        be_row = -1 if self.suspended is not None else self.next_row[_BE]
-        got = self.lane.take(conn.stage, n, rt_row, be_row)  # type: ignore[union-attr]
-        if got is None:
-            return False
-        req_id, ci, count, deadline_us, slo_us = got
-        if req_id in conn.ids:
-            return False  # its rows were free ones: nothing to undo
-        cls = _CLASSES[ci]
-        call = _Call(conn, req_id, cls, count, n - HEADER_SIZE, deadline_us, time.monotonic_ns(),
-                     slo_us or self.spec.slo_us)
-        row = self.next_row[cls]
-        call.place(row, self.flat[cls], self.sizes)
-        call.got = call.total
-        self.next_row[cls] = row + count
-        self.placed[cls].append(call)
-        self.complete[cls] += 1
-        conn.ids.add(req_id)
-        self.counters.accepted(_IN_FLIGHT[cls])
-        # its frame is done and the next not begun (as ``frame_done`` leaves it); reading
-        # went on, so the connection was not paused: it pauses now only if over its bounds
-        if conn._over_bounds():
-            conn.maybe_pause()
-        return True
+        spec = self.spec
+        lane.bind(_Call, _CLASSES, self.placed, self.next_row, self.complete, [self.flat[c] for c in _CLASSES],
+                  self.sizes, spec.slo_us, spec.max_in_flight, spec.out_high_water)
+        return lane
 
     @property
     def tcp_port(self) -> int | None:

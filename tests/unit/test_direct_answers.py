@@ -1,12 +1,15 @@
-"""A direct batch's answers, written by the compiled lane (``_directlane.Lane.pack`` / ``send``
-/ ``outputs``) and by the Python path it stands in for (``DirectServer._answer``): the same
-bytes on every connection, the same counters, for any batch (calls of several connections
-in any order, closed connections, SLOs met and missed, bytes already waiting to go, a
-socket that takes only part)."""
+"""A direct call's intake and a batch's answers by the compiled lane (``_directlane.Lane``:
+``intake``, ``outputs``, ``finish``) and by the Python path it stands in for: the same call
+records, rows, flow control and counters for any sequence of reads (plain calls of either
+class, duplicates, refusals, a full batch, a suspended best-effort batch, the connection's
+and the worker's limits); the same bytes on every connection and the same counters for any
+batch (calls of several connections in any order, closed connections, SLOs met and missed,
+bytes already waiting to go, a socket that takes only part)."""
 
 from __future__ import annotations
 
 import mmap
+import select
 import socket
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.modelconfig import ModelConfig
-from splitserve.protocol.header import HEADER_SIZE, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import _IN_FLIGHT, DirectServer, _Call
 from splitserve.worker.poller import Poller
@@ -40,12 +43,12 @@ T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute'
 class _Endpoint:
     """A DirectServer over a real Unix endpoint, its connections accepted, and their clients."""
 
-    def __init__(self, root: Path, compiled: bool, conns: int) -> None:
+    def __init__(self, root: Path, compiled: bool, conns: int, max_in_flight: int = 64) -> None:
         self.flag = PreemptFlag()
         self.counters = WorkerCounters(self.flag.page)
         self.poller = Poller()
-        spec = DirectSpec(str(root / f"d{int(compiled)}.sock"), 1, 16, 64, 1 << 20, 1 << 19, 1 << 24, 5.0, 4, False,
-                          0.001, 1 << 16, compiled=compiled)
+        spec = DirectSpec(str(root / f"d{int(compiled)}.sock"), 1, 16, max_in_flight, 1 << 20, 1 << 19, 1 << 24, 5.0,
+                          4, False, 0.001, 1 << 16, compiled=compiled)
         self.server = DirectServer(spec, CFG, self.counters, self.poller, lambda: None, lambda i, n: False)
         assert (self.server.lane is not None) == compiled
         self.clients, self.conns = [], []
@@ -170,6 +173,50 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     assert counts.answered == answered and counts.in_flight_rt + counts.in_flight_be == 0
     slo = [s for j, _, _, s in calls if j not in closed and cls == RequestClass.RT]
     assert (counts.slo_met, counts.slo_missed) == (slo.count(1), slo.count(2))
+
+
+@st.composite
+def intakes(draw):
+    frames = []
+    for _ in range(draw(st.integers(1, 8))):
+        count = draw(st.integers(1, 5))
+        frames.append((draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 255, 7])), count,
+                       draw(st.sampled_from([0, 50_000])), draw(st.sampled_from([0, 2_000])),
+                       draw(st.sampled_from([0, 1]))))  # req_id, class byte, samples, deadline, SLO, extra byte
+    return frames, draw(st.integers(1, 5)), draw(st.integers(0, 6)), draw(st.booleans())
+
+
+def _intake(root: Path, compiled: bool, case) -> tuple:
+    frames, max_in_flight, admit, suspended = case
+    ep = _Endpoint(root, compiled, 1, max_in_flight)
+    try:
+        d, conn, client = ep.server, ep.conns[0], ep.clients[0]
+        d.counters.set_admit(admit)
+        if suspended:  # a best-effort batch stopped at a boundary: best-effort calls wait for rows
+            d.suspended = ([], 0, 1, ())
+        for req_id, cls, count, deadline_us, slo_us, extra in frames:
+            payload = np.arange(count * 2, dtype=np.float32).tobytes() + bytes(extra)  # an extra byte: a bad size
+            client.sendall(Header(Kind.REQUEST, req_id=req_id, func_id=1, cls=cls, deadline_us=deadline_us,
+                                  slo_us=slo_us, payload_len=len(payload)).pack() + payload)
+            conn.on_event(select.EPOLLIN)
+        calls = [[(c.req_id, int(c.cls), c.count, c.total, c.got, c.row, c.deadline_ns and c.deadline_ns - c.t_rx_ns,
+                   c.slo_ns and c.slo_ns - c.t_rx_ns) for c in d.placed[k]] for k in (0, 1)]
+        rows = [[bytes(mv[: d.next_row[k] * nb]) for mv, nb in zip(d.flat[k], d.sizes)] for k in (0, 1)]
+        words = list(d.counters.words)
+        d.counters.flush()  # as the loop does at the end of each turn
+        return (calls, rows, list(d.next_row), list(d.complete), sorted(conn.ids), conn.paused, conn.state, words,
+                d.counters.snapshot(), ep.drain())
+    finally:
+        ep.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(intakes())
+def test_the_lane_takes_a_read_as_the_python_path_does(tmp_path, case):
+    compiled = _intake(tmp_path, True, case)
+    python = _intake(tmp_path, False, case)
+    assert compiled[:-1] == python[:-1]  # records, rows, flow control, the worker's words and the page
+    assert compiled[-1] == python[-1]  # the same answers (refusals, duplicates) to the client
 
 
 def test_answers_a_socket_does_not_take_wait_on_their_connection_and_all_arrive(tmp_path):
