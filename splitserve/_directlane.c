@@ -284,7 +284,8 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     for (Py_ssize_t o = 0; o < self->nout; o++) {
         Py_buffer b;
         PyObject *f;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(PyList_GET_ITEM(out_rows, 0), o), &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        PyObject *rows0 = PyList_GET_ITEM(PyList_GET_ITEM(out_rows, 0), o);
+        if (PyObject_GetBuffer(rows0, &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             return -1;
         f = PyUnicode_FromString(b.format != NULL ? b.format : "B");
         PyBuffer_Release(&b);
@@ -434,7 +435,8 @@ static int record(Lane *self, PyObject *conn, PyObject *ids, PyObject *req, cons
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns()'s clock */
     long long t_rx = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
     int c = t->c;
-    PyObject *call = PyObject_CallFunction(self->call_type, "OOOnnKLK", conn, req, PyTuple_GET_ITEM(self->class_objs, c),
+    PyObject *call = PyObject_CallFunction(self->call_type, "OOOnnKLK", conn, req,
+                                           PyTuple_GET_ITEM(self->class_objs, c),
                                            t->count, t->total, t->deadline_us, t_rx,
                                            t->slo_us ? t->slo_us : self->slo_default_us);
     if (call == NULL)
@@ -786,19 +788,10 @@ static PyObject *lane_finish(Lane *self, PyObject *args) {
     w[self->slot[5]] += n;
     w[self->slot[6]] += counts[2];
     w[self->slot[7]] += counts[3];
-    Py_buffer page;
-    if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0) {
+    if (write_words(self, NULL) < 0) {
         answers_release(self);
         return NULL;
     }
-    if (self->page_offset + self->words.len > page.len) {
-        PyBuffer_Release(&page);
-        answers_release(self);
-        PyErr_SetString(PyExc_ValueError, "Lane.finish: the counters do not fit the page");
-        return NULL;
-    }
-    memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
-    PyBuffer_Release(&page);
     return send_answers(self);
 }
 
@@ -825,7 +818,8 @@ static PyTypeObject LaneType = {
     .tp_name = "splitserve._directlane.Lane",
     .tp_basicsize = sizeof(Lane),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A direct endpoint's compiled intake of plain one-frame reads (see the module's source).",
+    .tp_doc = "A direct endpoint's compiled lane: a plain call's intake and a batch's answers "
+              "(see the module's source).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)lane_init,
     .tp_dealloc = (destructor)lane_dealloc,
@@ -833,7 +827,9 @@ static PyTypeObject LaneType = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "splitserve._directlane",
-                                    "A worker's direct endpoint: the intake of a call and the answers of a batch, compiled.", -1, NULL};
+                                    "A worker's direct endpoint: the intake of a call and the answers of a "
+                                    "batch, compiled.",
+                                    -1, NULL};
 
 PyMODINIT_FUNC PyInit__directlane(void) {
     struct {

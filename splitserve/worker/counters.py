@@ -156,8 +156,8 @@ class WorkerCounters:
         mine[_BUSY_NS] += busy_ns
         mine[_SLO_MET] += slo_met
         mine[_SLO_MISSED] += slo_missed
-        self.page[COUNTERS_OFFSET : COUNTERS_OFFSET + _MINE_BYTES] = self._bytes
-        self._dirty = False
+        self._dirty = True
+        self.flush()
 
     def lane_counts(self) -> tuple:
         """Where the compiled lane (``_directlane.Lane``) counts calls as ``accepted`` and

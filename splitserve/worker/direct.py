@@ -499,8 +499,8 @@ class DirectServer:
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
         self.paused: set[_Conn] = set()  # connections paused by their bounds: a batch's end looks at them again
         self.stage_bytes = spec.stage_bytes
-        # The compiled intake of a read that brought exactly one plain REQUEST (``_directlane``,
-        # where it was built and the spec allows it); None: the frame state machine takes every read
+        # The compiled lane (``_directlane``, where it was built and the spec allows it): a read
+        # that is one plain call, a batch's outputs and answers; None: the Python code does all
         self.lane = self._lane() if spec.compiled and _directlane is not None else None
         # No frame can be past its timeout before this (see ``sweep``): the loop looks at
         # its connections' frames then, not on every turn.
@@ -527,12 +527,11 @@ class DirectServer:
                 table[value] = _CLASSES.index(call_class(value, self.default_cls, self.spec.rt_only))
             except SplitServeError:
                 pass
-        lane = _directlane.Lane(self.spec.func_id, self.sizes, self.max_batch, bytes(table),
-                                [self.flat[c] for c in _CLASSES], self.out_sizes, [self.out_rows[c] for c in _CLASSES],
-                                *self.counters.lane_counts())
-        spec = self.spec
-        lane.bind(_Call, _CLASSES, self.placed, self.next_row, self.complete, [self.flat[c] for c in _CLASSES],
-                  self.sizes, spec.slo_us, spec.max_in_flight, spec.out_high_water)
+        spec, flat = self.spec, [self.flat[c] for c in _CLASSES]
+        lane = _directlane.Lane(spec.func_id, self.sizes, self.max_batch, bytes(table), flat, self.out_sizes,
+                                [self.out_rows[c] for c in _CLASSES], *self.counters.lane_counts())
+        lane.bind(_Call, _CLASSES, self.placed, self.next_row, self.complete, flat, self.sizes, spec.slo_us,
+                  spec.max_in_flight, spec.out_high_water)
         return lane
 
     @property
