@@ -103,11 +103,13 @@ def time_local(arch: str, seed: int, sample: Sequence[np.ndarray], n: int, warmu
     return out * 1e6
 
 
-def time_echo(host: str, port: int, request_bytes: int, response_bytes: int, n: int, warmup: int) -> np.ndarray:
-    """µs per round trip of the plain TCP echo, with these request and response sizes."""
+def time_echo(host: str, port: int, request_bytes: int, response_bytes: int, n: int, warmup: int,
+              poll_us: int = 0) -> np.ndarray:
+    """µs per round trip of the plain TCP echo, with these request and response sizes, by a
+    client that polls for each answer up to ``poll_us`` before it sleeps (0: never)."""
     from splitserve.bench.echo import EchoClient
 
-    with EchoClient(host, port, request_bytes, response_bytes) as c:
+    with EchoClient(host, port, request_bytes, response_bytes, poll_us=poll_us) as c:
         for _ in range(warmup):
             c.call()
         out = np.empty(n)

@@ -43,6 +43,17 @@ SHORT: dict[str, str] = {
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
 DIRECT: tuple[str, ...] = ("direct", "direct-tcp")  # the transports that go straight to the workers
+# A direct path's name with this suffix: the same path measured by a client that polls for its
+# answers before it sleeps (``Client(poll_us=...)``)
+POLLS = "+poll"
+
+
+def path_label(path: str, short: bool = False) -> str:
+    """A transport's label (``SHORT``'s with ``short``), ", client polls" after a polled path's."""
+    base = path.removesuffix(POLLS)
+    return (SHORT if short else LABEL)[base] + (", client polls" if path != base else "")
+
+
 FAST_PATH: tuple[str, ...] = ("tcp", "unix", *DIRECT, "udp")
 # third-party clients (bench peers), by the names in splitserve.bench.peers.clients.CLIENTS
 PEER_CLIENTS: tuple[str, ...] = ("tritonclient-http", "tritonclient-grpc", "httpx-raw")

@@ -77,7 +77,7 @@ def test_rpc_tax(server, tmp_path):
     assert code == EXIT_OK
     doc = _result(path)
     cells = doc["models"]["vecadd1k"]
-    assert set(cells) == {"tcp", "udp", "local", "echo"}
+    assert set(cells) == {"tcp", "udp", "local", "echo", "echo+poll"}  # the echo by a polling client too
     assert "http-json" in doc["unavailable"]  # this server has no HTTP front end
     tcp = cells["tcp"]
     parts = tcp["components"]
@@ -153,6 +153,21 @@ def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
     assert all(p["latency_ratio"] > 0 and p["compute_us"]["p50"] > 0 for p in paths.values())
     assert any("direct, client polls" in line and "the echo client polls too" in line for line in summary.lines)
     assert "vecadd1k (direct, client polls)" in (summary.path / "report.md").read_text()
+
+
+def test_rpc_tax_direct_with_a_polling_client(tmp_path):
+    """On a server of its own with the direct path: the path and the echo each timed by a
+    sleeping client and by one that polls, each polled row broken down like the others."""
+    summary = run_scenario("rpc-tax", quick=True, out=tmp_path, models=("vecadd1k",), transports=("direct", "echo"),
+                           overrides={"requests": "30", "warmup": "5", "codec_reps": "5", "client_poll_us": "500"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK
+    doc = _result(summary.path)
+    cells = doc["models"]["vecadd1k"]
+    assert set(cells) == {"direct", "direct+poll", "echo", "echo+poll"}
+    assert cells["direct+poll"]["tax_us"] > 0 and cells["direct+poll"]["components"]["compute_us"] > 0
+    assert doc["ratios"]["vecadd1k"]["direct_polled_tax_us"] == cells["direct+poll"]["tax_us"]
+    assert "fast path direct (to the worker, Unix), client polls" in (summary.path / "report.md").read_text()
 
 
 def test_validation_refuses_a_wrong_model(server, tmp_path):

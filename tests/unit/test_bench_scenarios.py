@@ -160,8 +160,10 @@ def test_rpc_tax_components_add_up_to_the_median():
     assert cell["tax_us"] == pytest.approx(70.0)
     unreported = breakdown(CallTimes(e2e, np.zeros(3), np.zeros(3), np.zeros(3), []), None)
     assert unreported["tax_us"] is None and unreported["components"]["transport_us"] == pytest.approx(110.0)
-    r = ratios({"tcp": {"tax_us": 70.0}, "echo": {"tax_us": 35.0}, "grpc": {"tax_us": 700.0}})
+    r = ratios({"tcp": {"tax_us": 70.0}, "echo": {"tax_us": 35.0}, "grpc": {"tax_us": 700.0},
+                "direct": {"tax_us": 84.0}, "direct+poll": {"tax_us": 35.0}})
     assert r["vs_echo"] == pytest.approx(2.0) and r["vs_grpc"] == pytest.approx(0.1) and r["vs_http_json"] is None
+    assert r["direct_vs_grpc"] == pytest.approx(0.12) and r["direct_polled_vs_grpc"] == pytest.approx(0.05)
 
 
 def test_inputs_are_deterministic_and_valid_for_text_models():

@@ -328,14 +328,15 @@ def write_repository(root: Path, variants: Mapping[str, dict[str, Any]]) -> Path
 
 
 def time_transport(ctx: "Context", transport: str, url: str, model: str, sample: Sequence[Any],
-                   requests: int, warmup: int) -> "CallTimes | None":
-    """``requests`` timed sequential calls over ``transport``; None, noted as a failure of that
-    transport, when it cannot be reached or breaks while being timed."""
+                   requests: int, warmup: int, **options: Any) -> "CallTimes | None":
+    """``requests`` timed sequential calls over ``transport`` (``options``: the client's own
+    keywords, as ``open_sync`` takes them); None, noted as a failure of that transport, when it
+    cannot be reached or breaks while being timed."""
     from splitserve.bench.timing import time_calls
     from splitserve.errors import SplitServeError
 
     try:
-        client = open_sync(transport, url)
+        client = open_sync(transport, url, **options)
         try:
             return time_calls(client, model, sample, requests, warmup)
         finally:

@@ -30,7 +30,7 @@ from splitserve.bench.inputs import as_call_arg
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
-from splitserve.bench.transports import DIRECT, LABEL, SHORT, close_sync, open_sync
+from splitserve.bench.transports import DIRECT, LABEL, POLLS, close_sync, open_sync, path_label
 from splitserve.bench.validate import Expected
 
 NAME = "fastpath-latency"
@@ -65,14 +65,8 @@ class Params(BaseParams):
         return cls(requests=500, warmup=50, duration_s=1.5, warmup_s=0.3)
 
 
-POLLS = "+poll"  # a path's name with this suffix: measured by a client that polls for its answers
 # The throughput figures of a path measured for latency only
 _NO_RUN: dict[str, Any] = {"throughput_rps": None, "errors": None, "latency_ms": {"p99": None}}
-
-
-def _short(path: str) -> str:
-    base = path.removesuffix(POLLS)
-    return SHORT[base] + (", client polls" if path != base else "")
 
 
 def _alternate(clients: dict[str, Any], echoes: dict[bool, EchoClient], model: str, arg: Any, n: int, warmup: int,
@@ -188,9 +182,9 @@ def _plot(results: dict[str, Any]) -> Any:
     axes = fig.subplots(1, len(results) + 1, squeeze=False)[0]
     for ax, (model, r) in zip(axes, results.items()):
         paths = list(r["transports"])
-        curves = [(r["transports"][t]["samples_us"]["fastpath"], _label(t), _COLOURS[paths.index(t.removesuffix(POLLS))
-                                                                                    % len(_COLOURS)],
-                   ":" if t.endswith(POLLS) else "-") for t in paths]
+        curves = [(r["transports"][t]["samples_us"]["fastpath"], path_label(t),
+                   _COLOURS[paths.index(t.removesuffix(POLLS)) % len(_COLOURS)], ":" if t.endswith(POLLS) else "-")
+                  for t in paths]
         echoes = [(r["transports"][t]["samples_us"]["echo"], "TCP echo" + (", client polls" if t.endswith(POLLS) else ""),
                    "#7f7f7f", ":" if t.endswith(POLLS) else "-")
                   for t in (paths[0], next((t for t in paths if t.endswith(POLLS)), None)) if t is not None]
@@ -221,19 +215,15 @@ def _plot(results: dict[str, Any]) -> Any:
     return fig
 
 
-def _label(path: str) -> str:
-    base = path.removesuffix(POLLS)
-    return LABEL[base] + (", client polls" if path != base else "")
-
-
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
     report = [__doc__.split("\n\n", 1)[1].strip(), ""]
     rows, lines, gen_notes = [], [], []
     for model, cell in results.items():
         for tr, r in cell["transports"].items():
-            lat = f"{model} over {_short(tr)}: p50(E2E - compute) / echo p50 = {fmt(r['latency_ratio'], 2)}x " \
+            name = path_label(tr, short=True)
+            lat = f"{model} over {name}: p50(E2E - compute) / echo p50 = {fmt(r['latency_ratio'], 2)}x " \
                   f"(target <= {LATENCY_TARGET:g}x: {'met' if r['latency_target_met'] else 'missed'})"
-            row = (f"{model} ({_short(tr)})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
+            row = (f"{model} ({name})", fmt(r["fastpath_us"]["p50"]), fmt(r["fastpath_us"]["p99"]),
                    fmt(r["compute_us"]["p50"]), fmt(r["fastpath_minus_compute_us"]["p50"]),
                    fmt(r["echo_us"]["p50"]), fmt(r["echo_us"]["p99"]),
                    fmt(r["latency_ratio"], 2, "x") + (" ok" if r["latency_target_met"] else " MISSED"))
@@ -246,7 +236,7 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
             lines.append(lat + f"; throughput {fmt(r['fastpath_rps'], 0)} vs echo {fmt(r['echo_rps'], 0)} req/s = "
                          f"{fmt(r['throughput_ratio'], 2)}x (target >= {THROUGHPUT_TARGET:g}x: "
                          f"{'met' if r['throughput_target_met'] else 'missed'})")
-            gen_notes += [f"{model} over {_short(tr)}, {k}: {v}" for k, v in r["generator_bottleneck"].items()]
+            gen_notes += [f"{model} over {name}, {k}: {v}" for k, v in r["generator_bottleneck"].items()]
     report += [md_table(("model (path)", "fast path p50 µs", "p99 µs", "server compute p50", "p50(E2E - compute)",
                          "echo p50 µs", "echo p99 µs", "latency ratio (<= 2x)", "fast path req/s",
                          "echo req/s", "throughput ratio (>= 0.5x)"), rows), ""]
