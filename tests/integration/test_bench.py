@@ -144,10 +144,12 @@ def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
     too, with no throughput figure of its own (the generator does not poll)."""
     summary = run_scenario("fastpath-latency", quick=True, out=tmp_path, models=("vecadd1k",), transports=("direct",),
                            overrides={"requests": "60", "warmup": "5", "connections": "4", "duration_s": "0.6",
-                                      "warmup_s": "0.1", "client_poll_us": "500"},
+                                      "warmup_s": "0.1", "client_poll_us": "500", "worker_spin_us": "0"},
                            console=Console(file=io.StringIO()))
     assert summary.exit_code == EXIT_OK
-    paths = _result(summary.path)["models"]["vecadd1k"]["transports"]
+    doc = _result(summary.path)
+    assert doc["server"]["direct_spin_us"] == "0"  # its workers sleep at once, as asked
+    paths = doc["models"]["vecadd1k"]["transports"]
     assert set(paths) == {"direct", "direct+poll"}
     assert paths["direct"]["throughput_ratio"] > 0 and paths["direct+poll"]["throughput_ratio"] is None
     assert all(p["latency_ratio"] > 0 and p["compute_us"]["p50"] > 0 for p in paths.values())
@@ -163,6 +165,7 @@ def test_rpc_tax_direct_with_a_polling_client(tmp_path):
                            console=Console(file=io.StringIO()))
     assert summary.exit_code == EXIT_OK
     doc = _result(summary.path)
+    assert doc["server"]["direct_spin_us"] == "200"  # the benchmark's default: its workers poll
     cells = doc["models"]["vecadd1k"]
     assert set(cells) == {"direct", "direct+poll", "echo", "echo+poll"}
     assert cells["direct+poll"]["tax_us"] > 0 and cells["direct+poll"]["components"]["compute_us"] > 0

@@ -188,18 +188,24 @@ class Context:
         directory (seconds of CPU for a DISB model), once per server a scenario starts."""
         return env_cache_dir() or self.results.path.parent / ".weights-cache"
 
-    def target(self, load: Sequence[str] = (), repository: Path | None = None, direct: bool = False) -> Target:
+    def target(self, load: Sequence[str] = (), repository: Path | None = None, direct: bool = False,
+               spin_us: int | None = None) -> Target:
         """The server to measure: the one ``--url`` names, or a fresh one with ``load`` ready.
 
         A fresh server runs every front end it has (HTTP and gRPC included) on free loopback
         ports, from a temporary data directory; it is stopped by ``close()``. ``direct``: its
-        workers serve the direct path too (``fast_direct``), for the ``direct`` transport.
+        workers serve the direct path too (``fast_direct``), for the ``direct`` transport,
+        polling up to ``spin_us`` for their next call before they sleep (``direct_spin_us``;
+        None: as the environment says).
         """
         if self.urls:
             target = Target.parse(self.urls)
             self.data_dir = next((p if p.is_dir() else p.parent for p in map(Path, self.urls)
                                   if "://" not in str(p) and ((p / "server.json").is_file() or p.is_file())), None)
             self.server_info = {"started_by_bench": False, "urls": target.urls}
+            if direct and spin_us is not None:
+                self.notes.append("the server named by --url polls for direct calls as it was started "
+                                  "(worker_spin_us applies to a server the bench starts)")
             return target
         from splitserve.launcher import start_server
 
@@ -209,13 +215,19 @@ class Context:
         if repository is not None:
             args += ["--repository", str(repository)]
         with self.task(f"starting a server with {', '.join(load) or 'no models'}", 1):
-            env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"} if direct else None
+            env = None
+            if direct:
+                env = {**os.environ, "SPLITSERVE_FAST_DIRECT": "1"}
+                if spin_us is not None:
+                    env["SPLITSERVE_DIRECT_SPIN_US"] = str(spin_us)
             server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s, env=env,
                                   cache_dir=self.weights_cache())
         self._servers.append(server)
         self.data_dir = data_dir
         target = Target(server.urls)
         self.server_info = {"started_by_bench": True, "urls": target.urls, "args": args, "fast_direct": direct}
+        if env is not None:
+            self.server_info["direct_spin_us"] = env.get("SPLITSERVE_DIRECT_SPIN_US")  # None: the default
         return target
 
     def failed(self, transport: str, model: str, error: BaseException) -> None:

@@ -14,7 +14,10 @@ With ``client_poll_us`` (default 1000; 0: off) each direct path is measured a se
 by a client that polls for its answer before it sleeps (``Client(poll_us=...)``, rows
 "client polls"), next to an echo client that polls the same way, in the same alternating
 blocks: what a caller whose core is its own gets. Those rows have no throughput figure
-(the 32-connection generator is the asyncio client, which does not poll).
+(the 32-connection generator is the asyncio client, which does not poll). The server the
+benchmark starts has its workers poll for their next direct call (``worker_spin_us``, default
+200; ``direct_spin_us``, whose own default is 0) for the same reason on the server's side; with
+``-p worker_spin_us=0`` each call pays the worker's wake-up too.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Params(BaseParams):
     warmup_s: float = 0.5
     generators: int = 1
     client_poll_us: int = 1000  # a second, polling client on each direct path (0: none)
+    worker_spin_us: int = 200  # the started server's workers poll this long for a direct call (0: sleep at once)
 
     @classmethod
     def quick(cls) -> Params:
@@ -106,7 +110,7 @@ def run(ctx: Context) -> ScenarioOutput:
     from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]
-    target = ctx.target(load=p.models, direct=any(t in DIRECT for t in p.transports))
+    target = ctx.target(load=p.models, direct=any(t in DIRECT for t in p.transports), spin_us=p.worker_spin_us)
     usable = [t for t in ctx.validate(target, {m: Expected(m) for m in p.models}, p.transports) if t in TRANSPORTS]
     if not usable:
         raise RuntimeError(f"no fast path to measure: {ctx.unavailable}")

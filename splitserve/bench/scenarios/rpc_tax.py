@@ -12,7 +12,8 @@ With ``client_poll_us`` (default 1000; 0: off) each direct path, and the echo, i
 second time by a client that polls for its answer before it sleeps (``Client(poll_us=...)``,
 rows "client polls"): a caller whose core is its own does not pay the wake-up of a thread that
 slept through the model's run (on a VM, its vCPU's too). The gRPC and HTTP clients have no such
-mode; they are timed as they come.
+mode; they are timed as they come. The server the benchmark starts has its workers poll for
+their next direct call (``worker_spin_us``, default 200; the server's own default is 0).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Params(BaseParams):
     warmup: int = 100  # untimed requests before them
     codec_reps: int = 200  # repetitions when timing the client's encode and decode
     client_poll_us: int = 1000  # the direct paths and the echo timed again by a polling client (0: not)
+    worker_spin_us: int = 200  # the started server's workers poll this long for a direct call (0: sleep at once)
 
     @classmethod
     def quick(cls) -> Params:
@@ -164,7 +166,8 @@ def run(ctx: Context) -> ScenarioOutput:
     p: Params = ctx.params  # type: ignore[assignment]
     models = list(p.models)
     server_side = [t for t in p.transports if t in SERVER_TRANSPORTS]
-    target = ctx.target(load=models, direct=any(t in DIRECT for t in server_side)) if server_side else None
+    target = ctx.target(load=models, direct=any(t in DIRECT for t in server_side),
+                        spin_us=p.worker_spin_us) if server_side else None
     usable = ctx.validate(target, {m: Expected(m) for m in models}, p.transports) if target else \
         [t for t in p.transports if t in BASELINES]
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in models}
