@@ -52,9 +52,11 @@
    outputs(class, n, acts) -> bool
        A batch of ``n`` samples of ``class`` ran: each of its outputs (``acts``, the model's
        tensors) that is CPU memory of its declared dtype and ``n`` samples' bytes, C-contiguous
-       (what its ``numpy()`` view shows), is copied into the class's answer rows. False, and
-       perhaps some copied, when one is not (on a GPU, another dtype or size, needing grad):
-       the caller then converts them all, which also says what is wrong with them.
+       (what its ``numpy()`` view shows), is copied into the class's answer rows; once an
+       output's dtype passed that way, later tensors of it are copied from their own memory
+       (``data_ptr``, after the same checks read from the tensor) with no view made. False,
+       and perhaps some copied, when one is not (on a GPU, another dtype or size, needing
+       grad): the caller then converts them all, which also says what is wrong with them.
 
    finish(calls, class, n, t0_ns, t1_ns, t2_ns) -> [(conn, rest)]
        A batch of ``n`` rows of ``class`` (0 real-time, 1 best-effort: its index here is the
@@ -112,6 +114,7 @@ typedef struct {
     Py_buffer out_rows[2][MAX_INPUTS];
     Py_ssize_t out_held[2];
     PyObject *out_formats; /* each output's struct format as its answer rows' buffer gives it (a tuple of str) */
+    PyObject *out_dtype[MAX_INPUTS]; /* each output's torch dtype, once a tensor of it was copied through numpy */
     Py_buffer words;       /* the worker's counter words (int64, native order), held while built */
     int words_held;
     PyObject *page;        /* the page they are copied into after a batch (its buffer taken per batch) */
@@ -163,6 +166,8 @@ static void lane_release(Lane *self) {
         self->out_held[c] = 0;
     }
     Py_CLEAR(self->out_formats);
+    for (Py_ssize_t o = 0; o < MAX_INPUTS; o++)
+        Py_CLEAR(self->out_dtype[o]);
     if (self->words_held)
         PyBuffer_Release(&self->words);
     self->words_held = 0;
@@ -524,12 +529,59 @@ done:
     return out;
 }
 
-static PyObject *s_numpy;
+static PyObject *s_numpy, *s_dtype, *s_is_cpu, *s_requires_grad, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_nbytes,
+    *s_data_ptr;
+
+/* ``y.name`` (``call``: ``y.name()``) is the object ``want``; 0 when not or on an error (cleared). */
+static int attr_is(PyObject *y, PyObject *name, int call, PyObject *want) {
+    PyObject *v = call ? PyObject_CallMethodNoArgs(y, name) : PyObject_GetAttr(y, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = v == want;
+    Py_DECREF(v);
+    return same;
+}
+
+/* ``y.name()`` as a non-negative integer; -1 when it is not one or on an error (cleared). */
+static long long attr_int(PyObject *y, PyObject *name, int call) {
+    PyObject *v = call ? PyObject_CallMethodNoArgs(y, name) : PyObject_GetAttr(y, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long long x = PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return x;
+}
+
+/* Output ``o`` straight from the tensor's memory, without a numpy view, once a tensor of the
+   same dtype object went through one (so the dtype is the declared one): 1 when ``y`` is a
+   dense CPU tensor of that dtype, contiguous, of the batch's size, needing no grad, with no
+   lazy negation or conjugation pending; 0 when not (the numpy way decides). A numpy view is
+   an array made and freed per output, and right after the model its code runs cold. */
+static int output_from_tensor(Lane *self, int c, Py_ssize_t o, Py_ssize_t n, PyObject *y) {
+    if (self->out_dtype[o] == NULL || !attr_is(y, s_dtype, 0, self->out_dtype[o]) ||
+        !attr_is(y, s_is_cpu, 0, Py_True) || !attr_is(y, s_requires_grad, 0, Py_False) ||
+        !attr_is(y, s_is_contiguous, 1, Py_True) || !attr_is(y, s_is_neg, 1, Py_False) ||
+        !attr_is(y, s_is_conj, 1, Py_False) || attr_int(y, s_nbytes, 0) != n * self->out_sizes[o])
+        return 0;
+    long long p = attr_int(y, s_data_ptr, 1);
+    if (p <= 0)
+        return 0;
+    memcpy(self->out_rows[c][o].buf, (const void *)(uintptr_t)p, (size_t)(n * self->out_sizes[o]));
+    return 1;
+}
 
 /* Output ``o`` of a batch of ``n`` (``y``, the model's tensor) into class ``c``'s answer rows:
-   1 when it was CPU memory of the declared dtype and size (its numpy view copied), 0 when
-   not (the caller converts it), -1 on an error. */
+   1 when it was CPU memory of the declared dtype and size (copied from the tensor, or from its
+   numpy view), 0 when not (the caller converts it), -1 on an error. */
 static int output_to_rows(Lane *self, int c, Py_ssize_t o, Py_ssize_t n, PyObject *y) {
+    if (output_from_tensor(self, c, o, n, y))
+        return 1;
     PyObject *arr = PyObject_CallMethodNoArgs(y, s_numpy);
     if (arr == NULL) { /* a GPU tensor, one that needs grad, not a tensor at all: converted in Python */
         PyErr_Clear();
@@ -548,6 +600,11 @@ static int output_to_rows(Lane *self, int c, Py_ssize_t o, Py_ssize_t n, PyObjec
     else if (b.len == n * self->out_sizes[o] && b.format != NULL && strcmp(b.format, want) == 0) {
         memcpy(self->out_rows[c][o].buf, b.buf, (size_t)b.len);
         r = 1;
+        if (self->out_dtype[o] == NULL) { /* the tensor way may take this dtype from now on */
+            self->out_dtype[o] = PyObject_GetAttr(y, s_dtype);
+            if (self->out_dtype[o] == NULL)
+                PyErr_Clear();
+        }
     }
     PyBuffer_Release(&b);
     Py_DECREF(arr);
@@ -838,7 +895,9 @@ PyMODINIT_FUNC PyInit__directlane(void) {
     } names[] = {{&s_conn, "conn"},     {&s_req_id, "req_id"}, {&s_row, "row"},     {&s_count, "count"},
                  {&s_t_rx_ns, "t_rx_ns"}, {&s_slo_ns, "slo_ns"}, {&s_closed, "closed"}, {&s_ids, "ids"},
                  {&s_fd, "fd"},         {&s_out, "out"},       {&s_numpy, "numpy"},   {&s_stage, "stage"},
-                 {&s_flat, "flat"},     {&s_sizes, "sizes"},   {&s_got, "got"}};
+                 {&s_flat, "flat"},     {&s_sizes, "sizes"},   {&s_got, "got"},       {&s_dtype, "dtype"},
+                 {&s_is_cpu, "is_cpu"}, {&s_requires_grad, "requires_grad"}, {&s_is_contiguous, "is_contiguous"},
+                 {&s_is_neg, "is_neg"}, {&s_is_conj, "is_conj"}, {&s_nbytes, "nbytes"}, {&s_data_ptr, "data_ptr"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;

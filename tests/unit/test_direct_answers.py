@@ -245,12 +245,22 @@ def test_outputs_copies_cpu_tensors_of_the_declared_dtype_and_size_and_declines_
     np.testing.assert_array_equal(rows[1][0][:2], y.numpy())
     np.testing.assert_array_equal(rows[1][1][:2], z.numpy())
     assert not rows[0][0].any()  # the other class's rows untouched
+    # those dtypes are known now: later tensors are copied from their own memory, a view at
+    # an offset too (the first call went through numpy views)
+    offset = torch.arange(12, dtype=torch.float32).reshape(4, 3)[2:]
+    assert lane.outputs(0, 2, (offset, z + 1)) is True
+    np.testing.assert_array_equal(rows[0][0][:2], offset.numpy())
+    np.testing.assert_array_equal(rows[0][1][:2], (z + 1).numpy())
     strided = torch.arange(6, dtype=torch.float32).reshape(3, 2).t()
     assert not strided.is_contiguous()
+    negated = torch._neg_view(y)  # its memory holds y: the negation is pending
+    assert negated.is_neg()
     declined = [
         (y.double(), z),  # another dtype: converted by the caller
         (strided, z),  # the right size, not C-contiguous
+        (negated, z),  # numpy() refuses it, and its memory is not its value
         (torch.zeros(2, 3, requires_grad=True), z),  # numpy() refuses it
+        (torch.empty(2, 3, device="meta"), z),  # no CPU memory
         (torch.zeros(3, 3), z),  # another size
         (y,),  # fewer outputs than declared
         [y, z],  # not a tuple
