@@ -18,7 +18,7 @@ bounded: the ledger's capacity, the payload bytes held, each node's window, each
 connection's unanswered calls (its reading pauses past ``gateway_client_in_flight``).
 
 Every front end goes through ``GatewayCore.submit`` with a ``Reply`` of its own: fast-path
-frames here, HTTP calls through ``cluster/dataplane.py`` (the process's composition root),
+frames here, HTTP calls through ``cluster/gateway/dataplane.py`` (the process's composition root),
 so exactly-once, re-sends and health checks are the same for both. Routes (which nodes
 exist, their state, market and models; the cluster's model ids) come from the controller
 through the Gateway actor (``dataplane.run``).
@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from splitserve.client.common import ModelInfo
-from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
-from splitserve.cluster.health import Health, HealthTracker
-from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
+from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
+from splitserve.cluster.policy.health import Health, HealthTracker
+from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig
 from splitserve.errors import (
