@@ -48,14 +48,14 @@ from splitserve.config import ClusterConfig
 from splitserve.errors import (
     BadFrame, ModelNotReady, PayloadTooLarge, QueueFull, SplitServeError, UnknownModel, error_for_status,
 )
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import Header, Kind, RequestClass
+from splitserve.protocol.stream import read_frame
 from splitserve.slo import SloOutcome, slo_outcome
 
 log = logging.getLogger(__name__)
 
 # Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
 _CONTROL_BIT = 1 << 63
-_DISCARD_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -261,16 +261,14 @@ class GatewayCore:
             while True:
                 await conn.room.wait()
                 try:
-                    h = unpack_header(await reader.readexactly(HEADER_SIZE))
+                    h, payload = await read_frame(reader, self.cfg.gateway_held_bytes)
                 except BadFrame as e:
                     conn.write(_error(Header(Kind.ERROR), e))
                     break
-                if h.payload_len > self.cfg.gateway_held_bytes:
-                    await _discard(reader, h.payload_len)
+                if payload is None:
                     conn.write(_error(h, PayloadTooLarge(
                         f"payload of {h.payload_len} bytes is over the gateway's {self.cfg.gateway_held_bytes}")))
                     continue
-                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
                 self._frame(conn, h, payload)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -437,8 +435,8 @@ class GatewayCore:
     async def _read_link(self, link: _Link, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, OSError, BadFrame):
             while True:
-                h = unpack_header(await reader.readexactly(HEADER_SIZE))
-                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
+                h, payload = await read_frame(reader)
+                assert payload is not None  # no bound below the header's own: every payload is read
                 now = self.clock()
                 self.health.heard(link.node, now)
                 if h.req_id & _CONTROL_BIT:
@@ -545,11 +543,3 @@ def _error(h: Header, e: SplitServeError) -> list[bytes]:
     body = e.message.encode()
     return [Header(Kind.ERROR, req_id=h.req_id, func_id=h.func_id, status=int(e.status),
                    payload_len=len(body)).pack(), body]
-
-
-async def _discard(reader: asyncio.StreamReader, n: int) -> None:
-    while n > 0:
-        chunk = await reader.read(min(n, _DISCARD_CHUNK))
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", n)
-        n -= len(chunk)
