@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from splitserve.cluster import upcall
-from splitserve.cluster.dataplane import GatewayRegistrar, front_ends
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes
-from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.gateway import upcall
+from splitserve.cluster.gateway.core import GatewayCore, NodeRoute, Routes
+from splitserve.cluster.gateway.dataplane import GatewayRegistrar, front_ends
+from splitserve.cluster.gateway.modelspec import ModelSpec
+from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig, ServerConfig
 from tests.inproc import quiet_config, run_server, until

@@ -26,9 +26,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.cluster import raycompat
-from splitserve.cluster.local import LocalCluster, attach, find, stop_actors
-from splitserve.cluster.node_server import NodeSpec
+from splitserve.cluster.actors import raycompat
+from splitserve.cluster.actors.local import LocalCluster, attach, find, stop_actors
+from splitserve.cluster.actors.node_server import NodeSpec
 from splitserve.cluster.pools import NodeProviderKind
 from splitserve.config import ClusterConfig, default_data_dir, env_cache_dir
 from splitserve.server.management import TOKEN_FILE, ensure_token_file

@@ -19,7 +19,7 @@ class Market(Choice, what="market"):
 
 
 class NodeProviderKind(Choice, what="provider"):
-    """Where the cluster's serving nodes come from (``cluster/provider.py``)."""
+    """Where the cluster's serving nodes come from (``cluster/actors/provider.py``)."""
 
     AUTO = "auto"  # local on a cluster `cluster up` starts itself; autoscaler on one it joins (--address)
     LOCAL = "local"  # raylets started on the head's machine (development, tests)

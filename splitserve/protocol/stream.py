@@ -1,6 +1,9 @@
-"""The frame state machine of a fast-path stream connection, shared by the front end's
-connections (``server/fastpath.py``) and a worker's direct connections
-(``worker/direct.py``): the 64-byte header accumulated with its frame's first-byte time,
+"""How a server reads fast-path frames from a stream: the frame state machine of a
+non-blocking connection, shared by the front end's connections (``server/fastpath.py``)
+and a worker's direct connections (``worker/direct.py``), and ``read_frame`` for an
+asyncio stream (the cluster gateway's clients and node links).
+
+The state machine: the 64-byte header accumulated with its frame's first-byte time,
 a receive with its error and end-of-stream handling, a refused frame's payload read and
 thrown away before its error is answered, a frame that cannot be parsed answered and the
 connection closed, and the gather write that copies aside what the kernel does not take.
@@ -16,11 +19,19 @@ import logging
 import socket
 import time
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from splitserve.errors import BadFrame, SplitServeError
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
+
+# A refused payload is read into nothing this many bytes at a time, so refusing one costs
+# at most this much memory whatever its size.
+_DISCARD_CHUNK = 1 << 20
 
 # Reading states shared by both sides; a subclass numbers its own from ``FIRST_OWN_STATE``.
 HEADER, PAYLOAD, DISCARD = range(3)
@@ -225,3 +236,21 @@ class FrameStream(ABC):
         if self.closing:
             self.close()
         return True
+
+
+async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD) -> tuple[Header, bytes | None]:
+    """The next frame of an asyncio stream: its header and payload, or its header and None
+    when the payload is over ``max_payload`` (then read and thrown away in bounded chunks,
+    so the stream stays framed and the caller can answer why).
+
+    Raises ``BadFrame`` when the header does not parse (framing is lost: the caller closes
+    the stream) and ``asyncio.IncompleteReadError`` when the stream ends before a whole frame."""
+    h = unpack_header(await reader.readexactly(HEADER_SIZE))
+    if h.payload_len > max_payload:
+        left = h.payload_len
+        while left:
+            n = min(left, _DISCARD_CHUNK)
+            await reader.readexactly(n)
+            left -= n
+        return h, None
+    return h, (await reader.readexactly(h.payload_len) if h.payload_len else b"")

@@ -3,7 +3,7 @@ the model-repository, statistics, model-configuration and system shared-memory e
 
 ``GrpcFrontEnd`` serves one servicer. ``InferenceServicer`` is the inference half (health,
 server and model metadata, ``ModelInfer``, ``ModelStreamInfer``) over the ``InferenceAPI``
-and ``ModelCatalog`` seams, so a node and a cluster gateway (``cluster/dataplane.py``)
+and ``ModelCatalog`` seams, so a node and a cluster gateway (``cluster/gateway/dataplane.py``)
 share it, as they share HTTP's ``inference_routes``; ``RepositoryServicer`` adds the
 repository index and registering loads through the ``ModelRegistrar`` seam (both share it,
 as HTTP's ``repository_routes``); ``NodeServicer`` adds the node's other management calls
@@ -359,7 +359,7 @@ class RepositoryServicer(InferenceServicer):
     """The inference half and the repository calls that a ``ModelRegistrar`` serves (as HTTP's
     ``repository_routes``): ``RepositoryIndex``, and ``RepositoryModelLoad`` registering a
     model from its parameters (``_registration``). A cluster gateway serves it as it is
-    (``cluster/dataplane.py``): the cluster serves every model it has on its nodes, so a load
+    (``cluster/gateway/dataplane.py``): the cluster serves every model it has on its nodes, so a load
     of a model it has only checks that it serves; ``NodeServicer`` loads on the node instead.
     ``RepositoryModelUnload`` is the node's alone: a Triton unload keeps the model registered,
     to be loaded again by name, which a cluster (whose unregister forgets the model) cannot do."""

@@ -285,7 +285,7 @@ class RegisteredModel(Protocol):
 class ModelRegistrar(Protocol):
     """The repository routes' side (``http.repository_routes``: register, unregister, index),
     per call: ``management.ModelManager`` on a node, a cluster gateway's
-    ``cluster/dataplane.py::GatewayRegistrar`` (which forwards to the cluster's controller)."""
+    ``cluster/gateway/dataplane.py::GatewayRegistrar`` (which forwards to the cluster's controller)."""
 
     def check_token(self, authorization: str | None) -> None:
         """Accept ``Bearer <management token>``; raise Unauthorized otherwise."""

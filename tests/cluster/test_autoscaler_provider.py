@@ -27,10 +27,10 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from splitserve.client.fastpath import connect  # noqa: E402
-from splitserve.cluster import raycompat  # noqa: E402
-from splitserve.cluster.local import attach, stop_actors, wait_serving  # noqa: E402
-from splitserve.cluster.node_server import NodeSpec  # noqa: E402
-from splitserve.cluster.provider import AutoscalerProviderActor  # noqa: E402
+from splitserve.cluster.actors import raycompat  # noqa: E402
+from splitserve.cluster.actors.local import attach, stop_actors, wait_serving  # noqa: E402
+from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402
+from splitserve.cluster.actors.provider import AutoscalerProviderActor  # noqa: E402
 from splitserve.config import ClusterConfig  # noqa: E402
 from tests.conftest import CACHE  # noqa: E402
 

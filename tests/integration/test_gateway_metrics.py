@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import NodeRoute
+from splitserve.cluster.gateway.core import NodeRoute
+from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
 from tests.gateway_front import through_gateway
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster import provider as prov
-from splitserve.cluster import raycompat
+from splitserve.cluster.actors import provider as prov
+from splitserve.cluster.actors import raycompat
 from splitserve.cluster.pools import NodeProviderKind
 from splitserve.errors import InvalidInput, Refused, ResourcesUnavailable
 

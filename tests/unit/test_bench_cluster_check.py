@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.bench.scenarios.cluster_check import Side, agreement, answered, compare, figures, ledger_of, mean_nodes
-from splitserve.cluster.cost import CostLedger
+from splitserve.cluster.policy.cost import CostLedger
 from splitserve.cluster.pools import Market
 
 T0 = 1_700_000_000.0

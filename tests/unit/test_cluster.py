@@ -13,15 +13,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
-from splitserve.cluster.cost import CostLedger
-from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView, place
-from splitserve.cluster.health import Health, HealthTracker
-from splitserve.cluster.ledger import Deliver, Drop, Ledger, Resend
+from splitserve.cluster.policy.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
+from splitserve.cluster.policy.cost import CostLedger
+from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView, place
+from splitserve.cluster.policy.health import Health, HealthTracker
+from splitserve.cluster.policy.ledger import Deliver, Drop, Ledger, Resend
+from splitserve.cluster.policy.procurement import Cancel, Launch, Procurement
+from splitserve.cluster.policy.revocation import DoomedStep, RevocationEmulator, doomed_step
+from splitserve.cluster.policy.sim import ClusterSim, Workload, simulate
 from splitserve.cluster.pools import TABLE3, Market, PricePreset, ProcurementPolicy
-from splitserve.cluster.procurement import Cancel, Launch, Procurement
-from splitserve.cluster.revocation import DoomedStep, RevocationEmulator, doomed_step
-from splitserve.cluster.sim import ClusterSim, Workload, simulate
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, ModelNotReady, QueueFull, ShuttingDown
 from splitserve.protocol.header import RequestClass

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from splitserve.cluster.controller import Controller, _Node
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import Routes
-from splitserve.cluster.modelspec import ModelSpec
-from splitserve.cluster.node_server import NodeEndpoint, NodeSpec
+from splitserve.cluster.actors.controller import Controller, _Node
+from splitserve.cluster.actors.node_server import NodeEndpoint, NodeSpec
+from splitserve.cluster.actors.store import ControllerStore
+from splitserve.cluster.gateway.core import Routes
+from splitserve.cluster.gateway.modelspec import ModelSpec
+from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
-from splitserve.cluster.store import ControllerStore
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, UnknownModel
 
@@ -231,7 +231,7 @@ def test_protean_keeps_the_on_demand_fallback_that_arrives_before_the_withdrawn_
     """A spot request pending past ``spot_retry_timeout_s`` is withdrawn and the same order asks
     on-demand. Withdrawals were kept by order only, so an on-demand node that joined first was
     retired as withdrawn, and the late spot node kept. Now only the spot node goes."""
-    from splitserve.cluster import controller as controller_module
+    from splitserve.cluster.actors import controller as controller_module
 
     monkeypatch.setattr(controller_module, "NodeServerActor", _ServerActor())
     monkeypatch.setattr(controller_module.ray, "kill", lambda *a, **kw: None)
@@ -306,8 +306,8 @@ def test_a_restarted_controller_takes_back_models_nodes_launches_in_flight_and_t
     both nodes back as ACTIVE with their bill records, starts the third node's server under
     an adopted order (so the autoscaler buys nothing more), ends the fourth's record, and
     publishes routes newer than any the first one published."""
-    from splitserve.cluster import controller as controller_module
-    from splitserve.cluster.node_server import node_server_name
+    from splitserve.cluster.actors import controller as controller_module
+    from splitserve.cluster.actors.node_server import node_server_name
 
     monkeypatch.setattr(controller_module, "NodeServerActor", _ServerActor())
 
@@ -361,7 +361,7 @@ def test_a_restarted_controller_takes_back_models_nodes_launches_in_flight_and_t
 def test_the_gateway_keeps_its_last_routes_while_a_restarted_controller_rebuilds_them(monkeypatch) -> None:
     """While the provider has not answered, the long poll returns None (the gateway serves
     on its table); once the view is rebuilt, the routes it returns are the new ones."""
-    from splitserve.cluster import controller as controller_module
+    from splitserve.cluster.actors import controller as controller_module
 
     monkeypatch.setattr(controller_module, "_LONG_POLL_S", 0.01)  # the first poll's wait for the rebuild
     looped = asyncio.Event()
@@ -390,8 +390,8 @@ def test_a_node_whose_splitserve_serve_died_is_retired_and_replaced(monkeypatch)
     out: it stayed ACTIVE in the routes, its fast path closed, and the cluster served one node
     short for good. Now the controller asks each node server, retires the node (billed to
     now, not an eviction) and the autoscaler orders its replacement."""
-    from splitserve.cluster import controller as controller_module
-    from splitserve.cluster.raycompat import RayNode
+    from splitserve.cluster.actors import controller as controller_module
+    from splitserve.cluster.actors.raycompat import RayNode
 
     monkeypatch.setattr(controller_module.ray, "kill", lambda *a, **kw: None)
     monkeypatch.setattr(controller_module.raycompat, "nodes", lambda: [RayNode(n, True, {}, {}) for n in "ab"])
@@ -425,7 +425,7 @@ def test_a_node_whose_splitserve_serve_died_is_retired_and_replaced(monkeypatch)
 
 def test_the_bill_read_back_from_its_saved_state_is_the_same_bill() -> None:
     """What a restarted controller reads from its store: open, ended and folded records alike."""
-    from splitserve.cluster.cost import CostLedger
+    from splitserve.cluster.policy.cost import CostLedger
 
     ledger = CostLedger(keep_closed=1)
     for i, market in enumerate((Market.SPOT, Market.ON_DEMAND, Market.SPOT, Market.ON_DEMAND)):

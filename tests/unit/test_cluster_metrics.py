@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.metrics import merge, node_label, relabel
+from splitserve.cluster.gateway.metrics import merge, node_label, relabel
 
 
 def _node_text(requests: int, extra_label: str | None = None) -> str:

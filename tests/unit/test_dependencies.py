@@ -22,8 +22,7 @@ ROOT = PACKAGE.parent
 PEER_SCRIPTS = [BENCH / "peers" / p.script for p in PEERS.values()]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # the Ray half of cluster mode: imported only by `splitserve cluster` and Ray's own processes
-RAY_HALF = [PACKAGE / "cluster" / f for f in ("raycompat.py", "provider.py", "node_server.py", "controller.py",
-                                              "ingress.py", "local.py", "cli.py")]
+RAY_HALF = [*sorted((PACKAGE / "cluster" / "actors").glob("*.py")), PACKAGE / "cluster" / "cli.py"]
 # benchmarks of a live Ray cluster: they need the cluster extra besides the bench one
 CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py", BENCH / "scenarios" / "cluster_check.py"]
 

@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 
-from splitserve.cluster.dataplane import GatewayServing
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes, _Link
+from splitserve.cluster.gateway.core import GatewayCore, NodeRoute, Routes, _Link
+from splitserve.cluster.gateway.dataplane import GatewayServing
+from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import ray
 
-from splitserve.cluster import upcall
-from splitserve.cluster.ingress import ControllerRegistry
-from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.actors.ingress import ControllerRegistry
+from splitserve.cluster.gateway import upcall
+from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.errors import InternalError, InvalidInput, PayloadTooLarge, Status, UnknownModel
 
 TOML = 'name = "mine"\n[artifact]\nkind = "safetensors"\nfile = "w.safetensors"\n'

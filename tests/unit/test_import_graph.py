@@ -152,8 +152,9 @@ def loaded_with(root: str) -> tuple[set[str], set[str]]:
 # CLI that starts it), the client library, the cluster's data plane and its Ray actors. Importing
 # torch costs ~3 s of CPU per process on this 2-core machine: each server start paid it,
 # through the models package's re-exports, before the catalogue was split from the builders.
-TORCH_FREE = ("splitserve.server.app", "splitserve.cli", "splitserve.client", "splitserve.cluster.dataplane",
-              "splitserve.cluster.controller", "splitserve.cluster.node_server", "splitserve.cluster.ingress")
+TORCH_FREE = ("splitserve.server.app", "splitserve.cli", "splitserve.client",
+              "splitserve.cluster.gateway.dataplane", "splitserve.cluster.actors.controller",
+              "splitserve.cluster.actors.node_server", "splitserve.cluster.actors.ingress")
 
 
 def test_processes_that_run_no_model_do_not_import_torch():
@@ -170,9 +171,39 @@ def test_the_load_time_imports_skip_functions_and_type_checking():
     assert sorted(n.names[0].name for n in _imports_run_on_load(tree)) == ["a", "d"]
 
 
-def test_the_gateways_data_plane_does_not_import_ray():
+# cluster mode's layers, each allowed to import only those before it: the pure deciders, the
+# gateway's data plane, the Ray half (docs/cluster.md)
+CLUSTER_LAYERS = ("splitserve.cluster.policy", "splitserve.cluster.gateway", "splitserve.cluster.actors")
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_cluster_layers_import_only_the_layers_before_them():
+    graph = import_graph()
+    for i, layer in enumerate(CLUSTER_LAYERS):
+        later = CLUSTER_LAYERS[i + 1:]
+        wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() if _in_package(m, layer)
+                       for d in deps if any(_in_package(d, other) for other in later))
+        assert not wrong, wrong
+    # the layering does bind: the Ray half does import the data plane
+    assert "splitserve.cluster.gateway.core" in graph["splitserve.cluster.actors.controller"]
+
+
+def test_the_clusters_deciders_and_data_plane_import_no_ray():
     """The data plane is a plain process the Gateway actor supervises (docs/cluster.md): it
     starts fast and carries every request with no Ray in it; what it sends up to the
-    controller (a registration's ``ModelSpec``) lives in a Ray-free module for that reason."""
-    _, theirs = loaded_with("splitserve.cluster.dataplane")
-    assert not sorted(m for m in theirs if m.split(".")[0] == "ray")
+    controller (a registration's ``ModelSpec``) lives in its package for that reason. The
+    deciders are pure. So no module of either package imports Ray, at any depth, and
+    neither does anything they load."""
+    modules = _modules()
+    for module, (path, _) in sorted(modules.items()):
+        if not any(_in_package(module, layer) for layer in CLUSTER_LAYERS[:2]):
+            continue
+        direct = [n for n in ast.walk(_parse(path)) if isinstance(n, (ast.Import, ast.ImportFrom))
+                  and any(name.split(".")[0] == "ray" for name in
+                          ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]))]
+        assert not direct, f"{module} imports Ray"
+        _, theirs = loaded_with(module)
+        assert not sorted(m for m in theirs if m.split(".")[0] == "ray"), f"importing {module} loads Ray"

@@ -3,7 +3,7 @@
 One seeded trace of strict and best-effort ``lenet`` calls (Wikipedia-like shape, a minute
 or two) is served twice with the same ``ClusterConfig``: by a live local Ray cluster (a head
 and up to ``max_nodes`` raylets on 127.0.0.1, the controller, gateway and revocation
-emulator of ``splitserve cluster``) and by ``splitserve.cluster.sim`` (the same pure
+emulator of ``splitserve cluster``) and by ``splitserve.cluster.policy.sim`` (the same pure
 dispatch, ledger, autoscaler, procurement, revocation emulator and cost ledger on a
 discrete-event clock). The simulator is calibrated on the real run, and only on what it
 cannot know: when the trace started after the cluster did, how long a node took from its
@@ -31,9 +31,9 @@ from splitserve.bench import traces
 from splitserve.bench.arrivals import Arrival, from_rate_trace
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
-from splitserve.cluster.cost import CostLedger
+from splitserve.cluster.policy.cost import CostLedger
+from splitserve.cluster.policy.sim import ClusterSim, Workload
 from splitserve.cluster.pools import Market, ProcurementPolicy
-from splitserve.cluster.sim import ClusterSim, Workload
 from splitserve.config import ClusterConfig
 
 NAME = "cluster-check"
@@ -221,8 +221,8 @@ def _real_run(ctx: Context, p: Params, times: np.ndarray, strict: list[bool]) ->
                            "(pip install -e '.[cluster]', which scripts/setup.sh does)") from e
 
     from splitserve.bench.protean.load import TraceJob, drive
-    from splitserve.cluster.local import LocalCluster
-    from splitserve.cluster.node_server import NodeSpec
+    from splitserve.cluster.actors.local import LocalCluster
+    from splitserve.cluster.actors.node_server import NodeSpec
     from splitserve.config import env_cache_dir
     from splitserve.models.catalog import zoo_entry
 

@@ -1,7 +1,7 @@
 """cluster-spot: PROTEAN Fig. 9 on emulated revocations, simulated at the paper's scale.
 
 Schemes ``protean``, ``spot-only`` and ``on-demand-only`` at each P_rev (0, 0.354, 0.708) on
-the identical Wikipedia-like trace (50/50 strict/BE) run in ``splitserve.cluster.sim``: the
+the identical Wikipedia-like trace (50/50 strict/BE) run in ``splitserve.cluster.policy.sim``: the
 dispatch, ledger, autoscaler, procurement, revocation emulator and cost ledger of the
 cluster, with a discrete-event clock. Each point is (cost normalised to on-demand-only on
 the same trace and seed, strict SLO compliance), plus strict and BE p99, evictions,
@@ -23,8 +23,8 @@ from splitserve.bench import traces
 from splitserve.bench.arrivals import from_rate_trace
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
+from splitserve.cluster.policy.sim import Workload, simulate
 from splitserve.cluster.pools import ProcurementPolicy
-from splitserve.cluster.sim import Workload, simulate
 from splitserve.config import ClusterConfig
 
 NAME = "cluster-spot"

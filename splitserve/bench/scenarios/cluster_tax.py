@@ -103,8 +103,8 @@ def run(ctx: Context) -> ScenarioOutput:
 
     from splitserve.bench.inputs import as_call_arg, make_inputs
     from splitserve.bench.transports import close_sync, open_sync
-    from splitserve.cluster.local import LocalCluster
-    from splitserve.cluster.node_server import NodeSpec
+    from splitserve.cluster.actors.local import LocalCluster
+    from splitserve.cluster.actors.node_server import NodeSpec
     from splitserve.config import ClusterConfig, env_cache_dir
     from splitserve.models.catalog import zoo_entry
 

@@ -1,10 +1,10 @@
-"""The gateway's data-plane process: its composition root (``python -m splitserve.cluster.dataplane``).
+"""The gateway's data-plane process: its composition root (``python -m splitserve.cluster.gateway.dataplane``).
 
 It builds one ``GatewayCore`` (the fast path over TCP, the ledger, dispatch and health
 checks) and, unless their ports are off, HTTP and gRPC front ends over it: the node's own
 Open Inference Protocol v2 inference half (``server.http.inference_app``: health, model
 readiness and metadata, infer with JSON tensors and the binary tensor data extension, and
-``/metrics``, the gateway's series and every node's merged, ``cluster/metrics.py``;
+``/metrics``, the gateway's series and every node's merged, ``cluster/gateway/metrics.py``;
 ``server.grpc_server.InferenceServicer``: the same calls, ``ModelInfer`` and
 ``ModelStreamInfer``), served through ``GatewayServing``, which turns each call into a
 fast-path request held by the same ledger as a client's frame. So an HTTP or gRPC call is
@@ -17,7 +17,7 @@ register, unregister, the index), and its gRPC the repository calls that map ont
 a config registers), through ``GatewayRegistrar``: the cluster's management token
 (given in the environment, ``upcall.TOKEN_ENV``, never on the command line), and each
 registration forwarded to the controller as an upcall to the Gateway actor
-(``cluster/upcall.py``, on a socketpair the actor passes in ``--upcall-fd``).
+(``cluster/gateway/upcall.py``, on a socketpair the actor passes in ``--upcall-fd``).
 
 Routes from the controller arrive through the Gateway actor as JSON lines on stdin (the line
 ``stats`` asks for the core's counters); the process prints what it bound as one JSON line on
@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from splitserve.client.common import ModelInfo, decode_outputs
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, Routes
-from splitserve.cluster.metrics import GatewayMetrics
-from splitserve.cluster.modelspec import ModelSpec
-from splitserve.cluster.upcall import TOKEN_ENV, Failed, UnregisterCall, UpcallClient
+from splitserve.cluster.gateway.core import GatewayCore, Routes
+from splitserve.cluster.gateway.metrics import GatewayMetrics
+from splitserve.cluster.gateway.modelspec import ModelSpec
+from splitserve.cluster.gateway.upcall import TOKEN_ENV, Failed, UnregisterCall, UpcallClient
+from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import InternalError, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
 from splitserve.modelconfig import ModelConfig
@@ -219,7 +219,7 @@ def front_ends(core: GatewayCore, config: ServerConfig, registrar: ModelRegistra
     (HTTP: index, register, unregister; gRPC: ``RepositoryIndex``, and ``RepositoryModelLoad``
     registering a model from its parameters); it has no shared-memory regions registered,
     so a call that names one is refused as naming one not registered. Its HTTP serves
-    ``/metrics``: the gateway's own series and every node's (``cluster/metrics.py``)."""
+    ``/metrics``: the gateway's own series and every node's (``cluster/gateway/metrics.py``)."""
     serving = GatewayServing(core)
     codec = CodecPool.from_config(config)
     shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)

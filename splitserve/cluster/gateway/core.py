@@ -18,7 +18,7 @@ bounded: the ledger's capacity, the payload bytes held, each node's window, each
 connection's unanswered calls (its reading pauses past ``gateway_client_in_flight``).
 
 Every front end goes through ``GatewayCore.submit`` with a ``Reply`` of its own: fast-path
-frames here, HTTP calls through ``cluster/dataplane.py`` (the process's composition root),
+frames here, HTTP calls through ``cluster/gateway/dataplane.py`` (the process's composition root),
 so exactly-once, re-sends and health checks are the same for both. Routes (which nodes
 exist, their state, market and models; the cluster's model ids) come from the controller
 through the Gateway actor (``dataplane.run``).
@@ -40,22 +40,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from splitserve.client.common import ModelInfo
-from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
-from splitserve.cluster.health import Health, HealthTracker
-from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
+from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
+from splitserve.cluster.policy.health import Health, HealthTracker
+from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
 from splitserve.config import ClusterConfig
 from splitserve.errors import (
     BadFrame, ModelNotReady, PayloadTooLarge, QueueFull, SplitServeError, UnknownModel, error_for_status,
 )
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
+from splitserve.protocol.header import Header, Kind, RequestClass
+from splitserve.protocol.stream import read_frame
 from splitserve.slo import SloOutcome, slo_outcome
 
 log = logging.getLogger(__name__)
 
 # Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
 _CONTROL_BIT = 1 << 63
-_DISCARD_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -261,16 +261,14 @@ class GatewayCore:
             while True:
                 await conn.room.wait()
                 try:
-                    h = unpack_header(await reader.readexactly(HEADER_SIZE))
+                    h, payload = await read_frame(reader, self.cfg.gateway_held_bytes)
                 except BadFrame as e:
                     conn.write(_error(Header(Kind.ERROR), e))
                     break
-                if h.payload_len > self.cfg.gateway_held_bytes:
-                    await _discard(reader, h.payload_len)
+                if payload is None:
                     conn.write(_error(h, PayloadTooLarge(
                         f"payload of {h.payload_len} bytes is over the gateway's {self.cfg.gateway_held_bytes}")))
                     continue
-                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
                 self._frame(conn, h, payload)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -437,8 +435,8 @@ class GatewayCore:
     async def _read_link(self, link: _Link, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, OSError, BadFrame):
             while True:
-                h = unpack_header(await reader.readexactly(HEADER_SIZE))
-                payload = await reader.readexactly(h.payload_len) if h.payload_len else b""
+                h, payload = await read_frame(reader)
+                assert payload is not None  # no bound below the header's own: every payload is read
                 now = self.clock()
                 self.health.heard(link.node, now)
                 if h.req_id & _CONTROL_BIT:
@@ -545,11 +543,3 @@ def _error(h: Header, e: SplitServeError) -> list[bytes]:
     body = e.message.encode()
     return [Header(Kind.ERROR, req_id=h.req_id, func_id=h.func_id, status=int(e.status),
                    payload_len=len(body)).pack(), body]
-
-
-async def _discard(reader: asyncio.StreamReader, n: int) -> None:
-    while n > 0:
-        chunk = await reader.read(min(n, _DISCARD_CHUNK))
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", n)
-        n -= len(chunk)

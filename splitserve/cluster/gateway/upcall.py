@@ -1,6 +1,6 @@
-"""The gateway's upcalls: its data plane (``cluster/dataplane.py``, no Ray) asks the Gateway
-actor (``cluster/ingress.py``) to register (the call is the model's ``ModelSpec``) or unregister a model with the cluster's
-controller.
+"""The gateway's upcalls: its data plane (``cluster/gateway/dataplane.py``, no Ray) asks the
+Gateway actor (``cluster/actors/ingress.py``) to register (the call is the model's ``ModelSpec``)
+or unregister a model with the cluster's controller.
 
 They travel on a socketpair the actor makes for each data-plane process it starts (the
 process's end passed with ``pass_fds``): one call at a time, each bounded in size (the
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.errors import InternalError, PayloadTooLarge, SplitServeError, Status, error_for_status
 
 log = logging.getLogger(__name__)

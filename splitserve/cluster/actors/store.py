@@ -29,7 +29,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.gateway.modelspec import ModelSpec
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (

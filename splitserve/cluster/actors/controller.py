@@ -21,7 +21,7 @@ Ray carries only control calls; routes reach the gateway through ``routes``, a l
 
 It holds no data-path state, so a restart (Ray restarts the actor when its process dies)
 rebuilds its view (``_recover``, before it answers any call): the models and the bill from
-its store on the head (``cluster/store.py``), the nodes from the provider's ``markets()``
+its store on the head (``cluster/actors/store.py``), the nodes from the provider's ``markets()``
 and the node servers' named actors, taken back as ACTIVE once they hold every model, a
 launch that was in flight (a provider node with no node server) as a node starting for an
 adopted order, and eviction notices from the GCS in the next round. Routing-table versions
@@ -41,17 +41,17 @@ from typing import Any
 
 import ray
 
-from splitserve.cluster import raycompat
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
-from splitserve.cluster.cost import CostLedger
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import NodeRoute, Routes
-from splitserve.cluster.modelspec import ModelSpec
-from splitserve.cluster.node_server import NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.actors import raycompat
+from splitserve.cluster.actors.node_server import NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.actors.store import STORE_FILE, ControllerStore
+from splitserve.cluster.gateway.core import NodeRoute, Routes
+from splitserve.cluster.gateway.modelspec import ModelSpec
+from splitserve.cluster.policy.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
+from splitserve.cluster.policy.cost import CostLedger
+from splitserve.cluster.policy.dispatch import NodeState
+from splitserve.cluster.policy.procurement import Action, Cancel, Launch, Procurement
+from splitserve.cluster.policy.revocation import RevocationEmulator, doomed_step, replacement_due
 from splitserve.cluster.pools import Market
-from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import RevocationEmulator, doomed_step, replacement_due
-from splitserve.cluster.store import STORE_FILE, ControllerStore
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError, UnknownModel
 from splitserve.slo import SloOutcome

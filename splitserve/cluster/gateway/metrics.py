@@ -27,9 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.dispatch import NodeState
-from splitserve.cluster.gateway import GatewayCore, NodeRoute
-from splitserve.cluster.health import Health
+from splitserve.cluster.gateway.core import GatewayCore, NodeRoute
+from splitserve.cluster.policy.dispatch import NodeState
+from splitserve.cluster.policy.health import Health
 from splitserve.errors import PayloadTooLarge
 
 log = logging.getLogger(__name__)

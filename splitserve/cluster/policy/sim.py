@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from splitserve.cluster.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
-from splitserve.cluster.cost import CostLedger
-from splitserve.cluster.dispatch import Dispatcher, NodeState, NodeView
-from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
+from splitserve.cluster.policy.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
+from splitserve.cluster.policy.cost import CostLedger
+from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
+from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
+from splitserve.cluster.policy.procurement import Action, Cancel, Launch, Procurement
+from splitserve.cluster.policy.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
 from splitserve.cluster.pools import Market
-from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
-from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass

@@ -1,7 +1,7 @@
 """What the cluster keeps of a model registered with it: the files a node's register call takes.
 
 Its own module, free of Ray, because the gateway's data plane (which never imports Ray) sends
-one up to the controller when a client registers a model there (``cluster/upcall.py``).
+one up to the controller when a client registers a model there (``cluster/gateway/upcall.py``).
 """
 
 from __future__ import annotations

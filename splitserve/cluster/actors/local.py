@@ -16,11 +16,11 @@ from typing import Any
 
 import ray
 
-from splitserve.cluster import raycompat
-from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
-from splitserve.cluster.ingress import GATEWAY_NAME, GatewayActor
-from splitserve.cluster.node_server import NodeSpec
-from splitserve.cluster.provider import PROVIDER_NAME, provider_actor
+from splitserve.cluster.actors import raycompat
+from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+from splitserve.cluster.actors.ingress import GATEWAY_NAME, GatewayActor
+from splitserve.cluster.actors.node_server import NodeSpec
+from splitserve.cluster.actors.provider import PROVIDER_NAME, provider_actor
 from splitserve.config import ClusterConfig
 from splitserve.errors import InternalError
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import ray
 
-from splitserve.cluster import raycompat
+from splitserve.cluster.actors import raycompat
 from splitserve.cluster.pools import Market, NodeProviderKind
 from splitserve.config import ClusterConfig
 from splitserve.errors import InvalidInput, NotFound, Refused, ResourcesUnavailable

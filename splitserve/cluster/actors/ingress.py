@@ -1,10 +1,10 @@
 """The Gateway actor: supervises the gateway's data-plane process and feeds it routes.
 
-The data plane (``cluster/dataplane.py``: the fast path, HTTP and gRPC) never imports Ray; this actor starts it with the
-cluster's settings in its environment, long-polls the controller's ``routes`` with the
-gateway's own stats (the autoscaler's input), and writes each newer table to the process's
-stdin. A data plane that died is started again at once (a thread waits on it) on the same
-ports with the latest table: clients reconnect, and a call in flight on a dead connection is
+The data plane (``cluster/gateway/dataplane.py``: the fast path, HTTP and gRPC) never imports
+Ray; this actor starts it with the cluster's settings in its environment, long-polls the
+controller's ``routes`` with the gateway's own stats (the autoscaler's input), and writes
+each newer table to the process's stdin. A data plane that died is started again at once (a
+thread waits on it) on the same ports with the latest table: clients reconnect, and a call in flight on a dead connection is
 answered by the connection's reset (the client knows it has no answer and may send it
 again). The new process links to the nodes afresh from that table.
 
@@ -13,7 +13,7 @@ on its last table: each routes call waits at most ``routes_poll_timeout_s`` and 
 again, and a controller that was replaced by a new actor of the same name is looked up again.
 
 Registrations a client makes at the gateway's HTTP come back up as upcalls
-(``cluster/upcall.py``) on a socketpair made for each data-plane process: a thread of this
+(``cluster/gateway/upcall.py``) on a socketpair made for each data-plane process: a thread of this
 actor answers them one at a time by calling the controller (``ControllerRegistry``). The
 cluster's management token reaches the process in its environment, not on its command line.
 """
@@ -32,10 +32,11 @@ from typing import Any
 
 import ray
 
-from splitserve.cluster import raycompat, upcall
-from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE
-from splitserve.cluster.modelspec import ModelSpec
-from splitserve.cluster.node_server import die_with_parent
+from splitserve.cluster.actors import raycompat
+from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE
+from splitserve.cluster.actors.node_server import die_with_parent
+from splitserve.cluster.gateway import upcall
+from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.config import ClusterConfig, ServerConfig
 from splitserve.errors import InternalError, SplitServeError
 
@@ -102,7 +103,8 @@ class Gateway:
     def _start_process(self) -> None:
         env = {**os.environ, **cluster_env(self.cfg), upcall.TOKEN_ENV: self._token}
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "splitserve.cluster.dataplane", "--host", self.host, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "splitserve.cluster.gateway.dataplane",
+               "--host", self.host, "--port", str(self.port),
                "--http-port", str(-1 if self.http_port is None else self.http_port),
                "--grpc-port", str(-1 if self.grpc_port is None else self.grpc_port),
                "--upcall-fd", str(theirs.fileno())]

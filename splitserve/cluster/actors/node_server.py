@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 import ray
 
-from splitserve.cluster import raycompat
-from splitserve.cluster.modelspec import ModelSpec
+from splitserve.cluster.actors import raycompat
+from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.errors import InternalError, SplitServeError, Status, error_for_status
 
 log = logging.getLogger(__name__)
