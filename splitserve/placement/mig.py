@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.protean import COMPUTE_UNITS, MIG_A100_MEM_UNITS, MIG_MAX_COUNT
+from splitserve.protean.geometry import COMPUTE_UNITS, MIG_A100_MEM_UNITS, MIG_MAX_COUNT
 
 A100_MEM_SLICE_GB = 5  # Table 2: an A100 40GB has 8 memory slices of 5 GB
 
@@ -45,7 +45,7 @@ class MigProfile:
                 "max_count": self.max_count, "placements": [list(p) for p in self.placements]}
 
 
-# The A100 40GB's GPU instance profiles: Table 2's counts and memory (placement.protean holds
+# The A100 40GB's GPU instance profiles: Table 2's counts and memory (protean.geometry holds
 # them for Algorithm 2), with the profile ids and memory-slice placements NVIDIA's MIG user
 # guide gives. Used when NVML cannot list an A100's profiles (MIG still off); every other GPU's
 # profiles come from NVML and are never assumed.

@@ -264,7 +264,7 @@ class NodePartition:
 
 class PartitionSource(Protocol):
     """The node's partitions as a model's ``placer.PartitionPlacer`` reads them when it places
-    instances (``server.partitions.PartitionManager``; a list in tests)."""
+    instances (``protean.partitions.PartitionManager``; a list in tests)."""
 
     partitioning: Partitioning
     warm: int  # warm instances per partition per model

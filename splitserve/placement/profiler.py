@@ -459,7 +459,7 @@ def fit_stored_fbr(registry: Any, models: Sequence[str], cores: int, machine: st
     """Fit FBRs (``slowdown.fit_fbr``) over every stored run on ``cores`` cores that has one
     of ``models`` in it, and store the fit (kind ``fbr``) under each model of those runs.
     Returns the ``FbrFit``; its ``unidentified`` keys got no number."""
-    from splitserve.placement.slowdown import Colocation, fit_fbr  # scipy: paid only where a fit is made
+    from splitserve.protean.slowdown import Colocation, fit_fbr  # scipy: paid only where a fit is made
 
     machine = machine or machine_id()
     runs: list[ColocationRun] = []
@@ -484,6 +484,6 @@ def load_fbr(registry: Any, model: str, machine: str | None = None) -> float | N
     stored = registry.load_profile(model, machine or machine_id(), "fbr")
     if stored is None:
         return None
-    from splitserve.placement.slowdown import FbrFit  # scipy: paid only where a fit is read
+    from splitserve.protean.slowdown import FbrFit  # scipy: paid only where a fit is read
 
     return fbr_of(FbrFit.from_dict(stored), model)

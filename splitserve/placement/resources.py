@@ -18,7 +18,7 @@ Who calls it, and when:
 - the placement applier (``server.applier``, planning with ``placement.plans``) asks for ``placement()`` and ``idle_cpus()`` to
   plan a change, and allocates or releases partitions as the change needs;
 - the coordinator asks ``instance_cpus`` for the CPUs REEF's claims cover;
-- with ``partitioning`` other than none, the node's partition manager (``server.partitions``)
+- with ``partitioning`` other than none, the node's partition manager (``protean.partitions``)
   ``allocate``s one ``Carved`` partition per node partition, and each model's
   ``PartitionPlacer`` joins them with ``OnPartition``: its instances sit there, beside other
   models' (all shared);

@@ -53,8 +53,8 @@ from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warn
 from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
-from splitserve.server.partitions import PartitionManager
-from splitserve.server.protean_profiles import ProteanProfiles
+from splitserve.protean.partitions import PartitionManager
+from splitserve.protean.profiles import ProteanProfiles
 from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
 from splitserve.server.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory

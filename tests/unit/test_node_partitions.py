@@ -14,19 +14,32 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, ResourcesUnavailable
 from splitserve.modelconfig import ModelConfig
-from splitserve.placement.node_partitions import (
-    BatchChooser, default_static, initial_layout, parse_geometry, split_memory, worker_cpus,
-)
+from splitserve.placement.packrat import PlacementKind
 from splitserve.placement.partition import (
-    Carved, Cpus, ExactCpus, InstancePlacement, NodePartition, OnPartition, Partitioning, SharedCpus,
+    Carved,
+    Cpus,
+    ExactCpus,
+    InstancePlacement,
+    NodePartition,
+    OnPartition,
+    Partitioning,
+    SharedCpus,
     StrictPlacement,
 )
 from splitserve.placement.placer import PartitionPlacer, make_placer, spread
-from splitserve.placement.packrat import PlacementKind
-from splitserve.placement.protean import Job, JobDistributor, Slot
 from splitserve.placement.resources import ResourceManager
-from splitserve.placement.slowdown import SlowdownModel
 from splitserve.placement.topology import Core
+from splitserve.protean.distributor import Job, JobDistributor, Slot
+from splitserve.protean.node_partitions import (
+    BatchChooser,
+    default_static,
+    initial_layout,
+    parse_geometry,
+    split_memory,
+    worker_cpus,
+)
+from splitserve.protean.partitions import NODE_OWNER, PartitionManager
+from splitserve.protean.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import WorkConserving
@@ -34,7 +47,6 @@ from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.metrics import Metrics
-from splitserve.server.partitions import NODE_OWNER, PartitionManager
 from splitserve.server.ports import MemoryFootprint
 
 RT, BE = RequestClass.RT, RequestClass.BE

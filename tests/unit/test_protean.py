@@ -12,26 +12,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.protean import (
+from splitserve.protean.distributor import Job, JobDistributor, Placement, Slot, tag_partitions
+from splitserve.protean.geometry import (
     FALLBACK_GEOMETRY,
     INITIAL_GEOMETRY,
     MIG_A100_MEM_UNITS,
     SMALL_SETS,
-    BEPredictor,
     Geometry,
-    GeometryController,
-    Job,
-    JobDistributor,
-    Placement,
-    ProteanSettings,
-    Slot,
     carve,
     cpu_unit,
+)
+from splitserve.protean.reconfig import (
+    BEPredictor,
+    GeometryController,
+    ProteanSettings,
     derive_thresholds,
     reconfig_budget,
-    tag_partitions,
 )
-from splitserve.placement.slowdown import SlowdownModel
+from splitserve.protean.slowdown import SlowdownModel
 
 GB = 10**9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.autoscale import InstanceAutoscaler
+from splitserve.protean.instance_autoscale import InstanceAutoscaler
 
 MIN = 60.0
 

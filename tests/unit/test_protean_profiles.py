@@ -14,12 +14,23 @@ from typer.testing import CliRunner
 
 from splitserve.placement.measure import peak_added
 from splitserve.placement.optimizer import LatencyProfile
-from splitserve.placement.profiler import (ColocationProfile, ColocationRun, ModelProfile, colocation_sets,
-                                           fit_stored_fbr, footprint_at, load_colocations, load_fbr,
-                                           load_footprint, load_profile, save_colocation, save_profile)
-from splitserve.placement.slowdown import FbrFit
+from splitserve.placement.profiler import (
+    ColocationProfile,
+    ColocationRun,
+    ModelProfile,
+    colocation_sets,
+    fit_stored_fbr,
+    footprint_at,
+    load_colocations,
+    load_fbr,
+    load_footprint,
+    load_profile,
+    save_colocation,
+    save_profile,
+)
+from splitserve.protean.profiles import ProteanProfiles
+from splitserve.protean.slowdown import FbrFit
 from splitserve.registry import Registry
-from splitserve.server.protean_profiles import ProteanProfiles
 
 M = "test-machine"
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.slowdown import Colocation, FbrFit, SlowdownModel, eta, fit_fbr, interference
+from splitserve.protean.slowdown import Colocation, FbrFit, SlowdownModel, eta, fit_fbr, interference
 
 TRUTH = {"a@8": 0.3, "b@8": 0.55, "c@8": 0.8, "d@8": 1.1}
 

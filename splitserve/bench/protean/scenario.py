@@ -24,10 +24,10 @@ splitserve's waits: a strict batch's wait-for-free and a BE batch's keeping off 
 from __future__ import annotations
 
 import os
-from collections import Counter
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,7 @@ from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repos
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target
 from splitserve.bench.validate import Expected
-from splitserve.placement.node_partitions import parse_geometry
+from splitserve.protean.node_partitions import parse_geometry
 
 NAME = "protean"
 SUMMARY = ("PROTEAN on one node: strict SLO compliance, p99 breakdown, SLO-crossing percentile, BE tail and cold "
@@ -255,7 +255,7 @@ def fbr_summary(fits: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any
     """Per model: its FBR as the node reads it (None: unidentified or never fitted), and the
     fit's keys, residuals and equation count."""
     from splitserve.placement.profiler import fbr_of
-    from splitserve.placement.slowdown import FbrFit
+    from splitserve.protean.slowdown import FbrFit
 
     out: dict[str, Any] = {}
     for m in models:

@@ -103,7 +103,7 @@ def rel_errors(predictions: list[dict[str, Any]]) -> dict[str, float | None]:
 def predict(fit: Any, runs: list[Any], solo: dict[tuple[str, int], float], whole: int) -> list[dict[str, Any]]:
     """Each member of ``runs``: predicted (``SlowdownModel.predict``) vs measured batch latency."""
     from splitserve.placement.profiler import key_model
-    from splitserve.placement.slowdown import SlowdownModel
+    from splitserve.protean.slowdown import SlowdownModel
 
     fbr = {key_model(k): v for k, v in fit.fbr.items() if k not in fit.unidentified}
     model = SlowdownModel(lambda m, c, b: solo.get((m, c)), fbr, whole)
@@ -123,8 +123,7 @@ def predict(fit: Any, runs: list[Any], solo: dict[tuple[str, int], float], whole
 
 def _pass(ctx: Context, p: Params, configs: list[Any], cache: Path, omp: str) -> dict[str, Any]:
     """Everything measured with one OMP_WAIT_POLICY, in one set of warm processes."""
-    from splitserve.placement.profiler import (MeasuringProcesses, Measurer, colocation_measurers,
-                                               run_colocations)
+    from splitserve.placement.profiler import Measurer, MeasuringProcesses, colocation_measurers, run_colocations
     from splitserve.placement.topology import allocate, read_topology
 
     names = [c.name for c in configs]
@@ -182,7 +181,7 @@ def _pass(ctx: Context, p: Params, configs: list[Any], cache: Path, omp: str) ->
 
 def _fit(result: dict[str, Any]) -> None:
     """FBRs fitted per partition size on the training runs; predictions of the held-out runs."""
-    from splitserve.placement.slowdown import Colocation, fit_fbr
+    from splitserve.protean.slowdown import Colocation, fit_fbr
     whole = max(result["cores"])
     solo = {(k.rsplit("@", 1)[0], c): v for c, r in result["cores"].items() for k, v in r["solo_s"].items()}
     for cores, r in result["cores"].items():

@@ -8,7 +8,7 @@ not buy a node per tick; and not for misses of work already answered, which a ne
 cannot help). The controller (from the gateway's counts) and the simulator (from its own)
 both turn cumulative strict outcomes into the window's with ``SloWindow``.
 More nodes are asked for at once; fewer only after ``keep_alive_s`` of continuous surplus,
-by the same keep-alive rule as the node's own instance autoscaler (``placement.autoscale``).
+by the same keep-alive rule as the node's own instance autoscaler (``protean.instance_autoscale``).
 
 Pure: the caller passes the clock and the counts; which market a node is bought in is
 ``procurement``'s business, which node goes on scale-in the controller's (the dearest
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from splitserve.errors import InvalidInput
-from splitserve.placement.autoscale import KeepAlive
+from splitserve.protean.instance_autoscale import KeepAlive
 
 _KEY = "nodes"
 

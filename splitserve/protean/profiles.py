@@ -65,7 +65,7 @@ class ProteanProfiles:
         stored = self._load(model, "fbr")
         if stored is None:
             return None
-        from splitserve.placement.slowdown import FbrFit  # scipy: paid only by a node with a stored fit
+        from splitserve.protean.slowdown import FbrFit  # scipy: paid only by a node with a stored fit
 
         return fbr_of(FbrFit.from_dict(stored), model)
 

@@ -14,8 +14,8 @@ It carves the worker cores into partitions at start (``Carved`` partitions of th
 Every change of placement it makes (an autoscaler's resize, a geometry change from the
 controller or an operator) goes through the node's one applier (``PlacementChanger``), so
 the old instances drain while the new ones serve and no request is lost or answered twice.
-The deciders are pure (``placement.protean``, ``placement.autoscale``,
-``placement.node_partitions``); this module reads the node, calls them on timers and
+The deciders are pure (``distributor``, ``reconfig``, ``instance_autoscale``,
+``node_partitions``); this module reads the node, calls them on timers and
 applies what they say.
 """
 
@@ -31,20 +31,26 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from splitserve.config import ServerConfig
-from splitserve.placement.autoscale import InstanceAutoscaler
-from splitserve.placement.node_partitions import (
-    BatchChooser, initial_layout, parse_geometry, slice_cpus, slots_of, split_memory, worker_cpus,
-)
 from splitserve.placement.partition import Carved, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list
-from splitserve.placement.protean import (
-    Geometry, GeometryController, Job, JobDistributor, ProteanSettings, Slot, carve, derive_thresholds,
-)
 from splitserve.placement.resources import ResourceManager
-from splitserve.placement.slowdown import SlowdownModel
+from splitserve.protean.distributor import Job, JobDistributor, Slot
+from splitserve.protean.geometry import Geometry, carve
+from splitserve.protean.instance_autoscale import InstanceAutoscaler
+from splitserve.protean.node_partitions import (
+    BatchChooser,
+    initial_layout,
+    parse_geometry,
+    slice_cpus,
+    slots_of,
+    split_memory,
+    worker_cpus,
+)
+from splitserve.protean.reconfig import GeometryController, ProteanSettings, derive_thresholds
+from splitserve.protean.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import Chosen, PartitionedModel, ProteanProfileSource, PlacementChanger
+from splitserve.server.ports import Chosen, PartitionedModel, PlacementChanger, ProteanProfileSource
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ every model keeps warm instances on each of them. This module decides, without t
 machine:
 
 - the layout at start (``initial_layout``): which CPU sets, from ``partitioning``,
-  ``geometry`` and the worker cores (PROTEAN's CPU family of ``placement.protean`` with at
+  ``geometry`` and the worker cores (PROTEAN's CPU family of ``protean.geometry`` with at
   least 7 worker cores, else a static split);
 - each partition's memory budget (``split_memory``: proportional to cores);
 - which partition one batch goes to (``BatchChooser``): PROTEAN's Algorithm 1 (``eta``), the
@@ -20,9 +20,8 @@ from dataclasses import dataclass, replace
 
 from splitserve.errors import InvalidInput
 from splitserve.placement.partition import NodePartition, Partitioning, StrictPlacement
-from splitserve.placement.protean import (
-    INITIAL_GEOMETRY, Geometry, Job, JobDistributor, Placement, Slot, carve, cpu_unit, tag_partitions,
-)
+from splitserve.protean.distributor import Job, JobDistributor, Placement, Slot, tag_partitions
+from splitserve.protean.geometry import INITIAL_GEOMETRY, Geometry, carve, cpu_unit
 
 # A default static split gives each partition one core up to this many partitions; more cores
 # are shared out among that many (a few mid-sized partitions serve better than dozens of 1-core ones).
