@@ -1,5 +1,5 @@
 """Fuzzing the fast path's parsers: the control header, the stream frame state machine and
-UDP reassembly (issue 9, "Must have" 8).
+UDP reassembly.
 
 Each target module defines ``NAME``, a ``generate(rnd)`` that draws one input from a
 ``random.Random`` and a property check that raises ``PropertyViolation``. The stream and UDP

@@ -94,7 +94,7 @@ def segments(rnd: random.Random, req_id: int) -> list[bytes]:
 
 def overlapping(rnd: random.Random, segs: list[bytes]) -> bytes:
     """A segment that claims bytes another segment of the same request also claims: another
-    segment's offset under its own seq_num (the case of issue 9), or a shifted offset."""
+    segment's offset under its own seq_num, or a shifted offset."""
     a = rnd.choice(segs)
     wa = Wire.decode(a)
     b = Wire.decode(rnd.choice(segs))

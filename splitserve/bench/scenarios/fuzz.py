@@ -1,4 +1,4 @@
-"""fuzz: the fast path's parsers under random and mutated input (issue 9, "Must have" 8).
+"""fuzz: the fast path's parsers under random and mutated input.
 
 Three targets, each a property checked on every input: the 64-byte control header (any
 buffer unpacks into a header that packs back to the same bytes, or is refused with
