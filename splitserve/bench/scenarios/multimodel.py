@@ -40,7 +40,7 @@ from splitserve.bench.access import (Pattern, cost_ratio, lru_misses, predicted_
                                      predicted_vs_every_request, sequence, shares, within, zipf_shares)
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.ownserver import get_json, own_server
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, write_repository
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import gc_paused, lat_stats
 from splitserve.bench.transports import Target, close_async, close_sync, open_async, open_sync
@@ -610,7 +610,7 @@ def _ok(v: bool | None) -> str:
 
 def _output(p: Params, r: dict[str, Any]) -> ScenarioOutput:
     f = figures(p, r)
-    report = [__doc__.split("\n\n", 1)[1].strip(), "",
+    report = [report_intro(__doc__), "",
               f"{len(r['copies'])} copies of `{r['arch']}` ({r['weights_bytes'] / 2**20:.1f} MiB of weights each, "
               f"max batch {MAX_BATCH}), cache {p.cache} models, byte budget {r['budget_bytes'] / 2**20:.0f} MiB, "
               f"{p.requests} requests per sequence, concurrency 1, evicted weights "
