@@ -14,8 +14,9 @@ between the trees. It prints p25, p50 and p75 of E2E - the worker's compute per 
 
 The host's phases (a shared VM's compute moved by 50 % between minutes in the runs of
 docs/fastpath-breakdown.md) shift both trees alike, so a difference between them is the
-code's. Run it from a directory that holds neither tree: ``python -m`` puts the working directory first on the path, so a
-server started inside a checkout imports that checkout whatever ``PYTHONPATH`` says.
+code's. Run it from a directory that holds neither tree: ``python -m`` puts the working
+directory first on the path, so a server started inside a checkout imports that checkout
+whatever ``PYTHONPATH`` says.
 """
 
 from __future__ import annotations
