@@ -61,7 +61,7 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("multimodel", "More models than fit: an LRU memory manager under sequential, uniform and zipf "
                      "access against no limit, loading on every request and a new process per load; miss ratios vs "
                      "a reference LRU, throughput vs 1/(1+m·r) (Rafiqi Fig. 2/3/4).",
-                     "splitserve.bench.scenarios.multimodel"),
+                     "splitserve.bench.multimodel.scenario"),
         ScenarioInfo("peers", "splitserve vs Triton (PyTriton) and Ray Serve on the same models with the same "
                      "clients (tritonclient, httpx): single-client p50/p99, closed-loop throughput at 1, 8 and 32 "
                      "clients, and ratios from the same run.", "splitserve.bench.scenarios.peers"),
