@@ -12,10 +12,11 @@ sends a pre-built frame (only the req_id patched) and polls for the answer
 (``benchmarks/client_wait.py``'s raw polling client), in blocks of 50 calls alternating
 between the trees. It prints p25, p50 and p75 of E2E - the worker's compute per tree.
 
-The host's phases (a shared VM's compute moved by 50 % between minutes in issue 15's runs)
-shift both trees alike, so a difference between them is the code's. Run it from a directory
-that holds neither tree: ``python -m`` puts the working directory first on the path, so a
-server started inside a checkout imports that checkout whatever ``PYTHONPATH`` says.
+The host's phases (a shared VM's compute moved by 50 % between minutes in the runs of
+docs/fastpath-breakdown.md) shift both trees alike, so a difference between them is the
+code's. Run it from a directory that holds neither tree: ``python -m`` puts the working
+directory first on the path, so a server started inside a checkout imports that checkout
+whatever ``PYTHONPATH`` says.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ memory (sha256 of 64 bytes, over and over), a 300 µs sleep, a sum over 4 MiB, a
 step (back to back). p50 of each, µs, for both ways a worker takes that step
 (``worker/direct.py``): the Python path's ``copy_`` of the reshaped output, and the
 compiled lane's ``outputs`` (the output's numpy view checked and copied in C). On the
-2-vCPU VM of issue 15 the step of stop 24 (the output checked and viewed as bytes in
-Python) took 1.9 µs back to back and 8.4 µs after lenet's forward: the Python between a
-call's compute and its answer runs several times slower than its profile in a loop says,
+2-vCPU VM of docs/fastpath-breakdown.md, the step as it was while it still ran in Python
+(the output checked and viewed as bytes) took 1.9 µs back to back and 8.4 µs after lenet's
+forward: the Python between a call's compute and its answer runs several times slower than
+its profile in a loop says,
 which is why lenet's tax is above vecadd1k's with the same code, and why the worker's
 per-call steps went to C.
 """

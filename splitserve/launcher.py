@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,25 @@ _URL_KEYS: dict[str, tuple[str, str]] = {
     "http_port": ("http", "http://{host}:{value}"),
     "grpc_port": ("grpc", "grpc://{host}:{value}"),
 }
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float, *, terminate: bool = True) -> int:
+    """Stop a child process and reap it; its exit code.
+
+    SIGTERM (unless ``terminate`` is false: the caller has already asked the child to exit, e.g.
+    by closing its stdin), then up to ``grace_s`` seconds for it to exit on its own, then
+    SIGKILL. A child that has already exited is only reaped. Always waits for the child, so no
+    zombie is left behind.
+    """
+    if proc.poll() is None:
+        if terminate:
+            proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def urls_from_info(info: dict[str, Any]) -> dict[str, str]:
@@ -84,14 +102,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait up to ``timeout`` s for a clean stop, then kill; the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from splitserve.launcher import stop_process
 from splitserve.protocol.sockets import bound_waits, recv_polling
 
 HEADER_SIZE = 64
@@ -103,13 +104,7 @@ class EchoProcess:
         return f"tcp://{self.host}:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 

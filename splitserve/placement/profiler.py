@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.errors import InvalidInput
+from splitserve.launcher import stop_process
 from splitserve.modelconfig import ModelConfig
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.topology import allocate, read_topology
@@ -281,11 +282,7 @@ class _Process:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()  # end of its commands: it exits
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10, terminate=False)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.err.close()

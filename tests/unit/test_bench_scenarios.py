@@ -13,7 +13,14 @@ from splitserve.bench.inputs import make_inputs
 from splitserve.bench.runner import build_params
 from splitserve.bench.scenarios import SCENARIOS, get
 from splitserve.bench.results import ResultsDir
-from splitserve.bench.scenarios.base import Context, Params, apply_overrides, write_repository
+from splitserve.bench.scenarios.base import (
+    Context,
+    Params,
+    apply_overrides,
+    note_generator_bottleneck,
+    report_intro,
+    write_repository,
+)
 from splitserve.bench.scenarios.batching import fig5, fig5_lines, variant_name, variants
 from splitserve.bench.scenarios.load import Params as LoadParams
 from splitserve.bench.scenarios.load import find_knee, rate_ladder
@@ -101,6 +108,23 @@ def test_every_scenario_has_params_and_a_quick_size():
         assert full.to_dict().keys() == quick.to_dict().keys()
     with pytest.raises(ValueError, match="unknown transports"):
         build_params("rpc-tax", transports=("carrier-pigeon",))
+
+
+def test_every_report_opens_with_its_scenarios_docstring_less_the_title():
+    assert report_intro("load: the title.\n\nWhat it does,\nin two lines.\n\nMore.\n") == \
+        "What it does,\nin two lines.\n\nMore."
+    assert report_intro("A title alone.") == report_intro(None) == ""  # python -OO drops docstrings
+
+
+def test_the_generator_section_appears_only_where_the_generator_fell_behind():
+    report, lines = ["intro", ""], ["a line"]
+    note_generator_bottleneck(report, lines, [])
+    assert (report, lines) == (["intro", ""], ["a line"])
+    note_generator_bottleneck(report, lines, ["lenet at 100", "lenet at 200"], counted="in {n} run(s)",
+                              explain="Why it matters:")
+    assert report[2:] == ["## The generator was the bottleneck", "", "Why it matters:", "", "- lenet at 100",
+                          "- lenet at 200", ""]
+    assert lines[1:] == ["the load generator was the bottleneck in 2 run(s); see report.md"]
 
 
 def test_batching_repository_is_readable_by_the_registry(tmp_path):

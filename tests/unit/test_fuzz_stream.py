@@ -1,7 +1,7 @@
-"""Property tests for the stream transports' frame state machine (issue 9, "Must have" 8).
+"""Property tests for the stream transports' frame state machine.
 
 A real ``FastPathConnection`` on a real event loop reads one end of a Unix socketpair; the
-fake server of ``splitserve.bench.fuzz.fakes`` gives it real tensor-queue rings whose every
+fake server of ``splitserve.testing.fastpath_host`` gives it real tensor-queue rings whose every
 byte is watched. Valid, random and mutated frames, cut at random places, must never raise
 out of the connection, never write outside the slots being received, submit exactly the
 bytes sent, and get one answer each (or one BAD_FRAME and a close); every slot is free once
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitserve.bench.fuzz.fakes import FUNC_IDS, Answer
 from splitserve.bench.fuzz.stream import StreamCase, StreamHarness
 from splitserve.bench.fuzz.wire import PING, REQUEST, frame, payload_bytes
+from splitserve.testing.fastpath_host import FUNC_IDS, Answer
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -1,7 +1,7 @@
-"""Property tests for UDP reassembly (issue 9, "Must have" 8).
+"""Property tests for UDP reassembly.
 
 A real ``UdpEndpoint`` on a real event loop serves a loopback UDP socket; the fake server
-of ``splitserve.bench.fuzz.fakes`` gives it real tensor-queue rings whose every byte is
+of ``splitserve.testing.fastpath_host`` gives it real tensor-queue rings whose every byte is
 watched. Random, duplicated, reordered, truncated and mutated segments from two peers must
 never raise out of the endpoint, never write outside the slots being assembled, and submit
 a request only when its segments cover the client's payload exactly once; answers are
@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from splitserve.bench.fuzz.fakes import FUNC_IDS, Answer
 from splitserve.bench.fuzz.udp import UdpCase, UdpHarness
 from splitserve.bench.fuzz.wire import REQUEST, SEGMENTED, frame, payload_bytes
 from splitserve.errors import Status
 from splitserve.protocol.header import HEADER_SIZE, Kind, unpack_header
 from splitserve.server.udp import UdpEndpoint
+from splitserve.testing.fastpath_host import FUNC_IDS, Answer
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=200,
                 suppress_health_check=[HealthCheck.too_slow])

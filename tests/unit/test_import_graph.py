@@ -109,6 +109,14 @@ def test_nothing_below_the_composition_root_imports_it():
     assert importers == ["splitserve.cli"]
 
 
+def test_only_the_tests_and_benchmarks_import_the_fakes_of_the_seams():
+    """``splitserve.testing`` holds fakes of the node's seams: no part of the server may lean on them."""
+    importers = sorted(m for m, deps in import_graph().items()
+                       if any(d == "splitserve.testing" or d.startswith("splitserve.testing.") for d in deps))
+    assert importers, "the graph should see the fuzz targets import the fakes"
+    assert [m for m in importers if not m.startswith(("splitserve.bench.", "splitserve.testing."))] == []
+
+
 def _imports_run_on_load(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
     """The imports a module runs when it is imported: not those inside functions (run when
     called) nor under ``if TYPE_CHECKING:`` (never run)."""

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from splitserve.bench.access import lru_misses
-from splitserve.bench.scenarios.multimodel import Params, Timed, _broken, _public, _seq, figures, summarise
+from splitserve.bench.multimodel.report import broken, figures, public
+from splitserve.bench.multimodel.scenario import Params, Timed, _seq, summarise
 
 HIT_MS, SWAP_MS = 10.0, 30.0  # r = 3
 
@@ -47,7 +48,7 @@ def test_a_run_that_follows_the_cost_model_meets_every_prediction():
     assert f["vs_ceiling"]["sequential/2"]["predicted"] == pytest.approx(1.0)  # fits: no misses
     assert all(c["within"] for c in f["vs_every_request"].values())
     assert f["mean_order"] is True  # sequential > uniform > zipf
-    assert _broken(r) == []
+    assert broken(r) == []
 
 
 def test_loads_that_differ_from_the_reference_are_a_broken_promise():
@@ -56,7 +57,7 @@ def test_loads_that_differ_from_the_reference_are_a_broken_promise():
     cell = _run("uniform", 5, seq, p.cache)
     cell["loads"] += 1
     cell["loads_equal_reference"] = False
-    assert _broken({"lru": {"uniform/5": cell}}) == [
+    assert broken({"lru": {"uniform/5": cell}}) == [
         f"lru uniform/5: {cell['loads']} loads, the reference LRU misses {cell['reference_misses']}"]
     assert figures(p, {"lru": {"uniform/5": cell}})["miss_ratio_equal"] == {"uniform/5": False}
 
@@ -66,8 +67,8 @@ def test_wrong_answers_are_a_broken_promise_and_raw_arrays_stay_out_of_the_resul
     seq = _seq(p, "zipf", 5, 50)
     cell = _run("zipf", 5, seq, None)
     cell["wrong"] = 2
-    assert _broken({"no-limit": {"zipf/5": cell}})[0].startswith("no-limit zipf/5: 2 wrong answers")
-    assert not any(k.startswith("_") for k in _public({"no-limit": {"zipf/5": cell}})["no-limit"]["zipf/5"])
+    assert broken({"no-limit": {"zipf/5": cell}})[0].startswith("no-limit zipf/5: 2 wrong answers")
+    assert not any(k.startswith("_") for k in public({"no-limit": {"zipf/5": cell}})["no-limit"]["zipf/5"])
 
 
 def test_params_refuse_what_cannot_run():
@@ -80,7 +81,7 @@ def test_params_refuse_what_cannot_run():
 
 
 def test_drive_interleaves_the_servers_and_checks_every_answer():
-    from splitserve.bench.scenarios.multimodel import Copies, drive
+    from splitserve.bench.multimodel.scenario import Copies, drive
     from splitserve.client.common import InferResult
     from splitserve.errors import ModelNotReady
 
@@ -111,5 +112,5 @@ def test_drive_interleaves_the_servers_and_checks_every_answer():
 def test_a_wrong_answer_to_the_b4_background_client_is_a_broken_promise():
     quiet = {"wrong": 0, "errors": 0, "background": {"requests": 9, "wrong": 0, "errors": 0}}
     loading = {"wrong": 0, "errors": 0, "background": {"requests": 3, "wrong": 1, "errors": 0}}
-    assert _broken({"overlap": {"quiet": quiet, "loading": loading}}) == [
+    assert broken({"overlap": {"quiet": quiet, "loading": loading}}) == [
         "B4 loading, the other client: 1 wrong answers, 0 errors"]

@@ -61,7 +61,7 @@ from splitserve.bench.disb.workload import (
 )
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, own_server, server_now
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, report_intro, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target, close_sync, open_sync
 from splitserve.bench.validate import Expected
@@ -407,7 +407,7 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
         "runs": runs, "normalised": norm, "fig12": fig12, "restore_overhead": restore, "pairs": pair_runs,
     }
     figures = report.figures(runs, norm, restore, pair_runs)
-    lines, markdown = report.markdown(__doc__.split("\n\n", 1)[1].strip(), p, specs, runs, norm, pair_runs, scales,
+    lines, markdown = report.markdown(report_intro(__doc__), p, specs, runs, norm, pair_runs, scales,
                                       compute_s, fig12, restore, gen_cpus)
     return ScenarioOutput(result, markdown, figures, lines)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from splitserve.bench.fuzz.fakes import PropertyViolation
 from splitserve.bench.fuzz.wire import HEADER, SEGMENTED, frame, mutate
 from splitserve.errors import BadFrame
 from splitserve.protocol.header import Header, unpack_header
+from splitserve.testing.fastpath_host import PropertyViolation
 
 NAME = "header"
 

@@ -6,9 +6,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.bench.fuzz.fakes import FuzzServer, PropertyViolation, Submitted
 from splitserve.bench.fuzz.wire import ERROR, HEADER, LOOKUP_REPLY, PONG, RESPONSE, SERVER_KINDS, Wire
 from splitserve.errors import Status
+from splitserve.testing.fastpath_host import FuzzServer, PropertyViolation, Submitted
 
 
 # Refusals any request may get, however well formed, depending on the server's state.

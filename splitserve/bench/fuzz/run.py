@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from splitserve.bench.fuzz.fakes import PropertyViolation
+from splitserve.testing.fastpath_host import PropertyViolation
 
 TARGETS: tuple[str, ...] = ("header", "stream", "udp")
 

@@ -1,12 +1,13 @@
 """Fuzz target: the stream transports' frame state machine (``server/fastpath.py``).
 
 A real ``FastPathConnection`` serves one end of a Unix socketpair on a real asyncio loop
-that the harness turns by hand; the fake server of ``fakes`` stands in for the node. The
-client sends a case's bytes in chunks, pausing at each cut so the server sees partial
+that the harness turns by hand; the fake server of ``splitserve.testing.fastpath_host``
+stands in for the node. The client sends a case's bytes in chunks, pausing at each cut so the server sees partial
 headers and payloads, then collects every frame the server sent. Properties:
 
 - nothing escapes the connection's callbacks;
-- no ring byte changes outside the slots of the request being received (``fakes``);
+- no ring byte changes outside the slots of the request being received (the fake server's
+  shadow of its rings);
 - every submitted request is, byte for byte, the payload of a valid request frame that the
   client sent with that req_id, in order;
 - every frame the client completed gets one answer of a kind it allows (a REQUEST: its
@@ -24,7 +25,6 @@ import termios
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.bench.fuzz.fakes import FUNC_IDS, MODELS, Answer, LoopHarness, PropertyViolation, ring_free, ring_start
 from splitserve.bench.fuzz.oracle import (
     RESOURCE_ERRORS,
     Expect,
@@ -52,6 +52,15 @@ from splitserve.bench.fuzz.wire import (
 )
 from splitserve.errors import Status
 from splitserve.server.fastpath import FastPathConnection
+from splitserve.testing.fastpath_host import (
+    FUNC_IDS,
+    MODELS,
+    Answer,
+    LoopHarness,
+    PropertyViolation,
+    ring_free,
+    ring_start,
+)
 
 NAME = "stream"
 _SPINS = 200  # loop turns without progress before the connection counts as stuck

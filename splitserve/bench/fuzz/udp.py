@@ -1,13 +1,14 @@
 """Fuzz target: UDP reassembly (``server/udp.py``).
 
 A real ``UdpEndpoint`` serves a loopback UDP socket on a real event loop that the harness
-turns by hand, against the fake server of ``fakes``. Two client sockets send a case's
-datagrams one at a time: the segments of a few requests, duplicated, dropped, reordered,
+turns by hand, against the fake server of ``splitserve.testing.fastpath_host``. Two client
+sockets send a case's datagrams one at a time: the segments of a few requests, duplicated, dropped, reordered,
 truncated or mutated, with overlapping segments in some cases, retransmissions, pings,
 lookups and junk. Properties:
 
 - nothing escapes the endpoint's callbacks, and no request is started twice while running;
-- no ring byte changes outside the slots of a request being assembled (``fakes``);
+- no ring byte changes outside the slots of a request being assembled (the fake server's
+  shadow of its rings);
 - a submitted request is exactly the client's payload: its bytes are tiled, with no gap and
   no overlap, by segments that peer sent for that req_id, agreeing on the total length and
   on a segment count equal to the number of tiles;
@@ -25,16 +26,6 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.bench.fuzz.fakes import (
-    FUNC_IDS,
-    MODELS,
-    Answer,
-    LoopHarness,
-    PropertyViolation,
-    Submitted,
-    ring_free,
-    ring_start,
-)
 from splitserve.bench.fuzz.oracle import check_answer, check_end_state
 from splitserve.bench.fuzz.wire import (
     ERROR,
@@ -54,6 +45,16 @@ from splitserve.bench.fuzz.wire import (
     payload_bytes,
 )
 from splitserve.server.udp import UdpEndpoint
+from splitserve.testing.fastpath_host import (
+    FUNC_IDS,
+    MODELS,
+    Answer,
+    LoopHarness,
+    PropertyViolation,
+    Submitted,
+    ring_free,
+    ring_start,
+)
 
 NAME = "udp"
 PEERS = 2
@@ -94,7 +95,7 @@ def segments(rnd: random.Random, req_id: int) -> list[bytes]:
 
 def overlapping(rnd: random.Random, segs: list[bytes]) -> bytes:
     """A segment that claims bytes another segment of the same request also claims: another
-    segment's offset under its own seq_num (the case of issue 9), or a shifted offset."""
+    segment's offset under its own seq_num, or a shifted offset."""
     a = rnd.choice(segs)
     wa = Wire.decode(a)
     b = Wire.decode(rnd.choice(segs))

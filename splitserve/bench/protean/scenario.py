@@ -41,7 +41,7 @@ from splitserve.bench.ownserver import EVENT_LIMIT, fetch_events, get_json, own_
 from splitserve.bench.protean import analysis, report
 from splitserve.bench.protean.load import TraceJob, capacity, drive
 from splitserve.bench.protean.schemes import REFERENCE, SCHEMES, check_schemes, server_env, settings_problems
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, write_repository
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, report_intro, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target
 from splitserve.bench.validate import Expected
@@ -419,5 +419,5 @@ def run(ctx: Context) -> ScenarioOutput:
         "requests": len(arrivals), "schemes": servers, "not_given": NOT_GIVEN,
         "runs": runs, "ratios": analysis.ratios(runs, REFERENCE),
     }
-    lines, markdown = report.markdown(__doc__.split("\n\n", 1)[1].strip(), p, result)
+    lines, markdown = report.markdown(report_intro(__doc__), p, result)
     return ScenarioOutput(result, markdown, report.figures(result), lines)

@@ -1,6 +1,6 @@
 """The schemes PROTEAN is compared with, each nothing but ``ServerConfig`` overrides.
 
-The table is the issue-12 contract: a scheme never gets a code path of its own in the server,
+The table is the schemes' contract: a scheme never gets a code path of its own in the server,
 so a difference between two schemes' numbers is a difference between their settings.
 """
 

@@ -53,7 +53,7 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "splitserve.bench.scenarios.slowdown"),
         ScenarioInfo("chaos", "Mixed RT/BE load at 2x capacity over every transport while workers are killed, "
                      "clients stall or stop reading, frames are malformed and models are resized, reconfigured "
-                     "and reloaded: a ledger proves one answer per request (issue 9).",
+                     "and reloaded: a ledger proves one answer per request.",
                      "splitserve.bench.scenarios.chaos"),
         ScenarioInfo("fuzz", "The control header, the stream frame state machine and UDP reassembly under random "
                      "and mutated input: inputs tried and failures found per target (>= 1M inputs).",
@@ -61,25 +61,25 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("multimodel", "More models than fit: an LRU memory manager under sequential, uniform and zipf "
                      "access against no limit, loading on every request and a new process per load; miss ratios vs "
                      "a reference LRU, throughput vs 1/(1+m·r) (Rafiqi Fig. 2/3/4).",
-                     "splitserve.bench.scenarios.multimodel"),
+                     "splitserve.bench.multimodel.scenario"),
         ScenarioInfo("peers", "splitserve vs Triton (PyTriton) and Ray Serve on the same models with the same "
                      "clients (tritonclient, httpx): single-client p50/p99, closed-loop throughput at 1, 8 and 32 "
-                     "clients, and ratios from the same run (issue 14).", "splitserve.bench.scenarios.peers"),
+                     "clients, and ratios from the same run.", "splitserve.bench.scenarios.peers"),
         ScenarioInfo("protean", "PROTEAN on one node: protean vs naive, colocate, timeshare and smart-static on "
                      "identical Wikipedia- or Twitter-like arrivals, 50/50 strict/BE: strict SLO compliance, p99 "
-                     "breakdown, SLO-crossing percentile, BE tail, cold starts (PROTEAN Fig. 5/6/8/11/13/15; "
-                     "issue 12).", "splitserve.bench.protean.scenario"),
+                     "breakdown, SLO-crossing percentile, BE tail, cold starts (PROTEAN Fig. 5/6/8/11/13/15).",
+                     "splitserve.bench.protean.scenario"),
         ScenarioInfo("cluster-spot", "PROTEAN Fig. 9 simulated at the paper's scale: normalised cost and strict SLO "
                      "compliance of protean, spot-only and on-demand-only at P_rev 0, 0.354 and 0.708 on emulated "
-                     "revocations; evictions, fallbacks, requeued and lost requests (issue 13).",
+                     "revocations; evictions, fallbacks, requeued and lost requests.",
                      "splitserve.bench.scenarios.cluster_spot"),
         ScenarioInfo("cluster-tax", "The cluster gateway's added latency: lenet over the fast path through the gateway "
                      "vs straight to one node server of the same local Ray cluster, p50 and p99 and their ratios, "
-                     "single client and N connections (issue 13).", "splitserve.bench.scenarios.cluster_tax"),
+                     "single client and N connections.", "splitserve.bench.scenarios.cluster_tax"),
         ScenarioInfo("cluster-check", "The cluster simulator checked against a real local Ray cluster: one seeded "
                      "trace of strict and best-effort lenet calls with emulated revocations through both, nodes per "
                      "market, notices, evictions, lost and answered requests, normalised cost, strict SLO compliance "
-                     "and nodes over time side by side (issue 13).", "splitserve.bench.scenarios.cluster_check"),
+                     "and nodes over time side by side.", "splitserve.bench.scenarios.cluster_check"),
     )
 }
 

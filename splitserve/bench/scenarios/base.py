@@ -123,6 +123,25 @@ class ScenarioOutput:
     broken: list[str] = field(default_factory=list)
 
 
+def report_intro(doc: str | None) -> str:
+    """What a scenario's report.md opens with: its module docstring less the first paragraph
+    (the one-line title; the scenario's ``SUMMARY`` is what ``--help`` lists)."""
+    parts = (doc or "").split("\n\n", 1)
+    return parts[1].strip() if len(parts) == 2 else ""
+
+
+def note_generator_bottleneck(report: list[str], lines: list[str], notes: Sequence[str],
+                              counted: str = "at {n} point(s)", explain: str | None = None) -> None:
+    """Where the load generator could not keep up (``notes``, one per run or point), add a
+    section to the report and one summary line saying how many (``counted``, with ``{n}``);
+    nothing when there are none. ``explain``: a paragraph that opens the section."""
+    if not notes:
+        return
+    report += ["## The generator was the bottleneck", ""] + ([explain, ""] if explain else [])
+    report += [f"- {n}" for n in notes] + [""]
+    lines.append(f"the load generator was the bottleneck {counted.format(n=len(notes))}; see report.md")
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A GitHub markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

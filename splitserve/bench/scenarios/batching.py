@@ -26,6 +26,8 @@ from splitserve.bench.scenarios.base import (
     ScenarioOutput,
     fmt,
     md_table,
+    note_generator_bottleneck,
+    report_intro,
     write_repository,
 )
 from splitserve.bench.scenarios.base import (
@@ -261,7 +263,7 @@ def _plot(p: Params, results: dict[str, Any]) -> Any:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     gen_notes: list[str] = []
     g = gains(p, results)
@@ -289,8 +291,6 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
                 found = fig5_lines(p, arch, t, r)
                 report += [f"- {line}" for line in found] + [""]
                 lines += found
-    if gen_notes:
-        report += ["## The generator was the bottleneck", ""] + [f"- {n}" for n in gen_notes] + [""]
-        lines.append(f"the load generator was the bottleneck at {len(gen_notes)} point(s); see report.md")
+    note_generator_bottleneck(report, lines, gen_notes)
     return ScenarioOutput({"models": results, "gain_at_max_clients": g, "fig5": f5}, "\n".join(report),
                           {"batching": _plot(p, results)} if results else {}, lines)

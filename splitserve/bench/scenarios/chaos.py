@@ -1,4 +1,4 @@
-"""chaos: one answer per request under every fault (issue 9).
+"""chaos: one answer per request under every fault.
 
 Three phases against one server, in one run:
 

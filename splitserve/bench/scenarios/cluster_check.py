@@ -29,7 +29,7 @@ import numpy as np
 from splitserve import errors
 from splitserve.bench import traces
 from splitserve.bench.arrivals import Arrival, from_rate_trace
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.cluster.policy.cost import CostLedger
 from splitserve.cluster.policy.sim import ClusterSim, Workload
@@ -341,7 +341,7 @@ def _cell(v: Any) -> str:
 
 def _report(p: Params, r: dict[str, Any], rows: list[tuple[str, Any, Any, Any]]) -> str:
     c = r["calibration"]
-    out = [__doc__.split("\n\n", 1)[1].strip(), "",
+    out = [report_intro(__doc__), "",
            f"{r['requests']:,} {r['model']} calls over {p.duration_s:g} s ({p.rate_rps:g} req/s mean, "
            f"{p.strict_share:g} strict, SLO {p.slo_ms:g} ms); {p.procurement}, {p.min_nodes}-{p.max_nodes} nodes, "
            f"P_rev {p.p_rev:g} per {p.revocation_interval_s:g} s, notices {p.notice_min_s:g}-{p.notice_max_s:g} s, "

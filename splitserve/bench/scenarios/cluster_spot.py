@@ -21,7 +21,7 @@ import numpy as np
 
 from splitserve.bench import traces
 from splitserve.bench.arrivals import from_rate_trace
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.cluster.policy.sim import Workload, simulate
 from splitserve.cluster.pools import ProcurementPolicy
@@ -154,7 +154,7 @@ def _report(p: Params, r: dict[str, Any]) -> tuple[list[str], str]:
              fmt(x["strict"]["p99_ms"]), fmt(x["be"]["p99_ms"]), x["notices"], x["evictions"], x["fallbacks"],
              x["spot_failures"], x["requeued"], x["strict"]["errors"] + x["be"]["errors"], x["lost"])
             for k, x in r["runs"].items()]
-    out = [__doc__.split("\n\n", 1)[1].strip(), "",
+    out = [report_intro(__doc__), "",
            f"{p.nodes} nodes, batch {p.batch}; batch times from {r['batch_times_from']}; SLO "
            f"{r['slo_ms']:.1f} ms ({p.slo_multiplier:g} x solo); {r['requests']:,} requests over {p.duration_s:g} s "
            f"at {fmt(r['offered_rps'])} req/s mean ({p.load:g} of {fmt(r['capacity_rps'])}), wiki-like trace "

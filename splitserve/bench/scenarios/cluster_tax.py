@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
 
@@ -152,7 +152,7 @@ def _output(p: Params, r: dict[str, Any], seq: dict[str, np.ndarray]) -> Scenari
                 for path in PATHS]
     load_rows = [(path, fmt(ld[path]["p50_ms"], 3), fmt(ld[path]["p99_ms"], 3), fmt(ld[path]["rps"], 0),
                   ld[path]["errors"]) for path in PATHS]
-    report = [__doc__.split("\n\n", 1)[1].strip(), "",
+    report = [report_intro(__doc__), "",
               f"{r['model']}, {r['nodes']} node(s); direct = node {r['direct_node'][:12]}.", "",
               f"## Single client ({p.requests} calls per path)", "",
               md_table(("path", "p50 µs", "p99 µs", "mean µs"), seq_rows), "",

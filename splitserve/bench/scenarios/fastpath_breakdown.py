@@ -27,7 +27,7 @@ import numpy as np
 
 from splitserve.bench.echo import HEADER_SIZE, EchoClient
 from splitserve.bench.ownserver import get_json, own_server
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import gc_paused
 from splitserve.bench.transports import Target, close_sync, open_sync
@@ -276,7 +276,7 @@ def _plot(results: dict[str, Any]) -> Any:
 
 
 def _output(results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines = []
     keys = list(results)
     rows = []

@@ -30,7 +30,14 @@ import numpy as np
 
 from splitserve.bench.echo import HEADER_SIZE, EchoClient
 from splitserve.bench.inputs import as_call_arg
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import (
+    Context,
+    ScenarioOutput,
+    fmt,
+    md_table,
+    note_generator_bottleneck,
+    report_intro,
+)
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
 from splitserve.bench.transports import DIRECT, LABEL, POLLS, close_sync, open_sync, path_label
@@ -220,7 +227,7 @@ def _plot(results: dict[str, Any]) -> Any:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     rows, lines, gen_notes = [], [], []
     for model, cell in results.items():
         for tr, r in cell["transports"].items():
@@ -244,9 +251,7 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
     report += [md_table(("model (path)", "fast path p50 µs", "p99 µs", "server compute p50", "p50(E2E - compute)",
                          "echo p50 µs", "echo p99 µs", "latency ratio (<= 2x)", "fast path req/s",
                          "echo req/s", "throughput ratio (>= 0.5x)"), rows), ""]
-    if gen_notes:
-        report += ["## The generator was the bottleneck", ""] + [f"- {n}" for n in gen_notes] + [""]
-        lines.append(f"the load generator was the bottleneck in {len(gen_notes)} run(s); see report.md")
+    note_generator_bottleneck(report, lines, gen_notes, counted="in {n} run(s)")
 
     def slim(r: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in r.items() if k not in ("samples_us", "transports")}

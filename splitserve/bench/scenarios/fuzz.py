@@ -1,4 +1,4 @@
-"""fuzz: the fast path's parsers under random and mutated input (issue 9, "Must have" 8).
+"""fuzz: the fast path's parsers under random and mutated input.
 
 Three targets, each a property checked on every input: the 64-byte control header (any
 buffer unpacks into a header that packs back to the same bytes, or is refused with
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.fuzz.run import TARGETS, TargetResult, fuzz
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 
 NAME = "fuzz"
@@ -89,7 +89,7 @@ def _output(results: dict[str, TargetResult]) -> ScenarioOutput:
     rows = [(n, f"{r.inputs:,}", f"{r.failures:,}", fmt(r.inputs_per_s, 0), fmt(r.seconds, 1),
              "; ".join(f"{k} ({c:,})" for k, c in r.kinds.most_common(3)) or "-")
             for n, r in results.items()]
-    report = [__doc__.split("\n\n", 1)[1].strip(), "",
+    report = [report_intro(__doc__), "",
               md_table(("target", "inputs", "failures", "inputs/s", "seconds", "most common failures"), rows), "",
               f"{total:,} inputs in all, {failures:,} failing.", ""]
     for n, r in results.items():

@@ -19,7 +19,15 @@ import numpy as np
 from splitserve.bench.arrivals import poisson, to_arrivals
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import run_in_processes
-from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import (
+    COLOURS,
+    Context,
+    ScenarioOutput,
+    fmt,
+    md_table,
+    note_generator_bottleneck,
+    report_intro,
+)
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, workload
 from splitserve.bench.transports import LABEL, SERVER_TRANSPORTS
@@ -163,7 +171,7 @@ def _plot(results: dict[str, Any]) -> Any:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     gen_notes: list[str] = []
     for model, r in results.items():
@@ -186,9 +194,7 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
                           for t, c in r["transports"].items())
         report += [f"Knee (first rate with p99 > {p.knee_factor:g}x the lowest rate's p99, or errors): {knees}.", ""]
         lines.append(f"{model}: knee at {knees}")
-    if gen_notes:
-        report += ["## The generator was the bottleneck", "",
-                   ("At these points the load generator could not send on schedule, so the server saw less "
-                    "than the offered load:"), ""] + [f"- {g}" for g in gen_notes] + [""]
-        lines.append(f"the load generator was the bottleneck at {len(gen_notes)} point(s); see report.md")
+    note_generator_bottleneck(report, lines, gen_notes,
+                              explain="At these points the load generator could not send on schedule, so the server "
+                                      "saw less than the offered load:")
     return ScenarioOutput({"models": results}, "\n".join(report), {"load": _plot(results)} if results else {}, lines)

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
+from splitserve.bench.scenarios.base import (
+    Context,
+    ScenarioOutput,
+    fmt,
+    md_table,
+    note_generator_bottleneck,
+    report_intro,
+    time_transport,
+)
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, lat_stats, time_echo, time_local, workload
 from splitserve.bench.transports import (
@@ -123,7 +131,7 @@ def _plot(p: Params, results: dict[str, Any]) -> Any:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     gen_notes = []
     for model, cells in results.items():
@@ -142,8 +150,6 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
             f"{SHORT[t]} p50 {fmt(c['latency_us']['p50'], 0)} µs" +
             (f" / {fmt(c['throughput_rps'], 0)} req/s" if c.get("throughput_rps") else "")
             for t, c in cells.items()))
-    if gen_notes:
-        report += ["## The generator was the bottleneck", ""] + [f"- {n}" for n in gen_notes] + [""]
-        lines.append(f"the load generator was the bottleneck at {len(gen_notes)} point(s); see report.md")
+    note_generator_bottleneck(report, lines, gen_notes)
     return ScenarioOutput({"models": results}, "\n".join(report), {"micro": _plot(p, results)} if results else {},
                           lines)

@@ -35,7 +35,7 @@ from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import run_in_processes
 from splitserve.bench.ownserver import get_json, own_server
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, write_repository
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.scenarios.trace import windowed
 from splitserve.bench.timing import bottleneck, closed_loop_run, workload
@@ -370,7 +370,7 @@ def run(ctx: Context) -> ScenarioOutput:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     figures: dict[str, Any] = {}
     for arch, r in results.items():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.jobs import Workload
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import bottleneck, closed_loop_run, lat_stats, time_calls
 from splitserve.bench.transports import Unavailable, close_sync, open_sync
@@ -335,7 +335,7 @@ def _output(models: Sequence[str], endpoints: Sequence[str], cells: dict[str, di
     # in ENDPOINTS order (splitserve first), whatever order the servers ran in
     cells = {m: {e.name: cells[m][e.name] for e in ENDPOINTS if e.name in cells[m]} for m in models}
     rat = {m: ratios(cells[m]) for m in models}
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     for m in models:
         row = cells[m]

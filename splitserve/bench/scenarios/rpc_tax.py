@@ -25,7 +25,7 @@ import numpy as np
 
 from splitserve.bench import codecs
 from splitserve.bench.echo import HEADER_SIZE
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, time_transport
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro, time_transport
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.timing import CallTimes, lat_stats, time_echo, time_local
 from splitserve.bench.transports import (
@@ -207,7 +207,7 @@ def run(ctx: Context) -> ScenarioOutput:
 def _output(models: list[str], usable: list[str], cells: dict[str, dict[str, dict[str, Any]]]) -> ScenarioOutput:
     rat = {m: ratios(cells[m]) for m in models}
     lines: list[str] = []
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     for m in models:
         row = cells[m]
         report += [f"## {m}", "", md_table(

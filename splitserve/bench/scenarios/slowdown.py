@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_table, report_intro
 from splitserve.bench.scenarios.base import Params as BaseParams
 
 NAME = "slowdown"
@@ -257,7 +257,7 @@ def _plot(passes: list[dict[str, Any]]) -> Any:
 
 
 def _output(p: Params, passes: list[dict[str, Any]]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     for ps in passes:
         tag = f"OMP_WAIT_POLICY={ps['omp_wait_policy']}" if ps["omp_wait_policy"] else "OMP_WAIT_POLICY unset"

@@ -22,7 +22,15 @@ from splitserve.bench.arrivals import from_rate_trace, to_arrivals
 from splitserve.bench.jobs import OpenLoopJob, run_open_loop
 from splitserve.bench.loadgen import RunResult, run_in_processes
 from splitserve.bench.results import percentiles
-from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
+from splitserve.bench.scenarios.base import (
+    COLOURS,
+    Context,
+    ScenarioOutput,
+    fmt,
+    md_table,
+    note_generator_bottleneck,
+    report_intro,
+)
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.scenarios.batching import prepare_repository, variant_name
 from splitserve.bench.timing import bottleneck, closed_loop_run, workload
@@ -172,7 +180,7 @@ def _plot(p: Params, arch: str, r: dict[str, Any]) -> Any:
 
 
 def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
-    report = [__doc__.split("\n\n", 1)[1].strip(), ""]
+    report = [report_intro(__doc__), ""]
     lines: list[str] = []
     gen_notes: list[str] = []
     for r in results.values():
@@ -192,8 +200,6 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
                     gen_notes.append(f"{r['model']} {kind} over {LABEL[t]}: {run['generator_bottleneck']}")
         report += [md_table(("trace", "transport", "requests", "errors", "p50 ms", "p99 ms", "worst window p99 ms",
                              "generator-bound"), rows), ""]
-    if gen_notes:
-        report += ["## The generator was the bottleneck", ""] + [f"- {n}" for n in gen_notes] + [""]
-        lines.append(f"the load generator was the bottleneck in {len(gen_notes)} replay(s); see report.md")
+    note_generator_bottleneck(report, lines, gen_notes, counted="in {n} replay(s)")
     figures = {f"trace_{arch}": _plot(p, arch, r) for arch, r in results.items()}
     return ScenarioOutput({"models": results}, "\n".join(report), figures, lines)
