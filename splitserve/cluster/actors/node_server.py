@@ -31,6 +31,7 @@ import ray
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.errors import InternalError, SplitServeError, Status, error_for_status
+from splitserve.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,7 @@ class NodeServer:
 
     def stop(self) -> None:
         """Stop the child (SIGTERM, then SIGKILL after its grace) and remove its data dir."""
-        if self.child.poll() is None:
-            self.child.terminate()
-            try:
-                self.child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.child.kill()
-                self.child.wait()
+        stop_process(self.child, 10)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
