@@ -34,7 +34,7 @@ from splitserve.cluster.node_server import NodeSpec  # noqa: E402
 from splitserve.config import ClusterConfig  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
-from tests.conftest import CACHE  # noqa: E402
+from tests.helpers import CACHE  # noqa: E402
 
 NODES = 3
 WINDOW = 4  # pipelined calls per client

@@ -25,7 +25,7 @@ from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unau
 from splitserve.models.zoo import build_zoo_model
 from splitserve.models.loader import save_safetensors
 from splitserve.protocol import v2
-from tests.conftest import ROOT, start_server
+from tests.helpers import ROOT, start_server
 from tests.inproc import quiet_config, run_server
 
 MODELS = ("lenet", "distilbert")  # UINT8 in / FP32 out, and INT32 in; vecadd1k (FP32 in) loads lazily

@@ -163,7 +163,7 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
     from splitserve import Client
     from splitserve.bench.ownserver import get_json
     from splitserve.models.gate import Gates
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.framing import describe, direct_env, raw
     from tests.inproc import write_model
 
@@ -223,7 +223,7 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
     from splitserve.models.gate import Gates
     from splitserve.protocol.header import Header, Kind
     from splitserve.worker.messages import DIRECT_BATCH
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.framing import describe, direct_env, raw, read_frame, stream
     from tests.inproc import write_model
 
