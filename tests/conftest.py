@@ -10,12 +10,9 @@ from typing import Any
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from splitserve import launcher
 from splitserve.launcher import ServerProcess
+from tests.helpers import CACHE, ROOT, start_server
 
-ROOT = Path(__file__).resolve().parents[1]
-# Trained weights (digits) are shared by every server the tests start.
-CACHE = ROOT / ".pytest_cache" / "splitserve-cache"
 # Hypothesis caches what it learns from the source even with database=None; keep that out of
 # the work tree (the property tests set derandomize=True and database=None themselves).
 set_hypothesis_home_dir(ROOT / ".pytest_cache" / "hypothesis")
@@ -23,15 +20,6 @@ set_hypothesis_home_dir(ROOT / ".pytest_cache" / "hypothesis")
 # spare costs a process importing torch per server (seconds of CPU each on 2 cores), and the
 # tests that are about spares ask for them (``spare_workers=1``, or an ``env`` of their own).
 os.environ.setdefault("SPLITSERVE_SPARE_WORKERS", "0")
-
-__all__ = ["CACHE", "ROOT", "ServerProcess", "start_server"]
-
-
-def start_server(data_dir: Path, *args: str, **kw: Any) -> ServerProcess:
-    """``launcher.start_server`` with the tests' shared weight cache and working directory."""
-    kw.setdefault("cache_dir", CACHE)
-    kw.setdefault("cwd", ROOT)
-    return launcher.start_server(data_dir, *args, **kw)
 
 
 @pytest.fixture(scope="session")

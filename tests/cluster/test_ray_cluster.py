@@ -34,7 +34,7 @@ from splitserve.cluster.gateway.modelspec import ModelSpec  # noqa: E402
 from splitserve.config import ClusterConfig  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
-from tests.conftest import CACHE  # noqa: E402
+from tests.helpers import CACHE  # noqa: E402
 
 NODES = 3
 WINDOW = 4  # pipelined calls per client
@@ -259,7 +259,7 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     port = cluster.handles.gateway_port
     before = {n["node"] for n in _status(cluster)["nodes"]}
     load = Load(port, _lookup(port, "lenet")).start()
-    _until("load on every node", lambda: len(_gateway(cluster)["answers_by_node"]) >= 1)
+    _until("load on every node", lambda: set(_gateway(cluster)["answers_by_node"]) >= before)
     victim = sorted(before)[0]
     resent = _gateway(cluster)["resent"]
     ray.get(cluster.handles.provider.evict.remote(victim))
@@ -269,7 +269,8 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     load.finish()
     assert victim not in {n["node"] for n in _status(cluster)["nodes"]}
     assert _status(cluster)["cost"]["evictions"] >= 1
-    assert _gateway(cluster)["resent"] >= resent
+    # 8 clients keep 32 calls in flight over every node: the kill caught some on the victim
+    assert _gateway(cluster)["resent"] > resent
 
 
 # A provider's notice is long against the time it takes to bring up a machine (AWS: 120 s, a VM

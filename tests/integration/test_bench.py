@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("shared_weights")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     base = tmp_path_factory.mktemp("bench")
     repo = write_repository(base / "repository", {

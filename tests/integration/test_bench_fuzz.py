@@ -28,7 +28,10 @@ def test_fuzz_quick_writes_result_json(tmp_path):
     assert doc["total_inputs"] == 2040
     assert targets["header"]["failures"] == 0 and targets["stream"]["failures"] == 0
     for t in targets.values():
-        assert t["inputs_per_s"] > 0
+        # the rate is the count over the time (``seconds`` is rounded to the millisecond)
+        assert t["seconds"] > 0 and not t["stopped_early"]
+        assert t["inputs"] / (t["seconds"] + 5e-4) - 0.1 <= t["inputs_per_s"]
+        assert t["inputs_per_s"] <= t["inputs"] / max(t["seconds"] - 5e-4, 1e-9) + 0.1
         assert all("message" in ex and "input" in ex for ex in t["first_failures"])
     assert (summary.path / "report.md").read_text().startswith("# splitserve bench fuzz")
     assert list(summary.path.glob("*.png"))

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from splitserve.config import ServerConfig
@@ -66,7 +67,6 @@ def test_evicted_memory_returns_a_reload_binds_a_spare_and_a_recycled_process_se
     first, second, third, weights, before, after, processes, reloaded_by, pid_b = run_server(
         cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     assert weights >= 40_000_000  # resnet18 for CIFAR: 44.7 MB
-    assert after is None or before - after >= 0.8 * weights, (before, after, weights)  # I9
     assert reloaded_by in processes  # the reload took a process that was up: none started
     assert pid_b == reloaded_by  # the process that served r18a, recycled, now serves r18b
     want_a, want_b = reference(0, x), reference(1, x)
@@ -74,6 +74,9 @@ def test_evicted_memory_returns_a_reload_binds_a_spare_and_a_recycled_process_se
     np.testing.assert_allclose(second, want_a, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(third, want_b, rtol=1e-4, atol=1e-5)  # its own weights (I10) ...
     assert not np.allclose(third, want_a, rtol=1e-2, atol=1e-3)  # ... never the last model's
+    if before is None or after is None:
+        pytest.skip(f"the worker's resident memory could not be read from /proc (before {before}, after {after})")
+    assert before - after >= 0.8 * weights, (before, after, weights)  # I9
 
 
 def test_a_models_measured_size_survives_a_restart_and_is_not_measured_again(tmp_path):

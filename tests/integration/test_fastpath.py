@@ -26,7 +26,7 @@ MODELS = ("lenet", "vecadd1k", "digits")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     # HTTP and the stage trace are on for test_stage_stamps_of_a_call_are_in_order_across_processes;
     # the workers serve the direct path too, so the stream tests run over both paths.
@@ -41,7 +41,7 @@ def gated(request, tmp_path_factory):
     """A server whose only model is the gate (one instance, max batch 8), and its gates; its
     workers' direct endpoints with the compiled intake, then without it (the same tests
     over both ways a worker takes a read)."""
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.inproc import write_model
 
     compiled = request.param == "compiled"
@@ -62,7 +62,7 @@ def declared(request, tmp_path_factory):
     """vecadd1k served under two configs whose output its model does not return as declared:
     ``wide`` says FP64 (its FP32 sums are converted), ``half`` says 512 elements (1024 cannot
     fit); workers with direct endpoints, with and without the compiled lane."""
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.inproc import write_model
 
     compiled = request.param == "compiled"
@@ -462,7 +462,7 @@ def test_lost_framing_closes_only_that_connection(server, path, case):
 
 
 def test_queue_full_is_refused_not_buffered(tmp_path):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     s = start_server(tmp_path / "small", "--load", "lenet", "--queue-slots", "8")
     try:
@@ -484,39 +484,40 @@ def test_queue_full_is_refused_not_buffered(tmp_path):
 
 
 def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
+    from tests.inproc import write_model
 
-    s = start_server(tmp_path / "kill", "--load", "resnet50")
+    write_model(tmp_path / "repo", "gate", "gate")
+    gates = Gates(tmp_path / "cache")
+    s = start_server(tmp_path / "kill", "--repository", str(tmp_path / "repo"), "--load", "gate",
+                     cache_dir=tmp_path / "cache")
     try:
         with Client(s.tcp) as c:
-            info = c.lookup("resnet50")
-            pid = info.extra["pids"][0]
-            x = np.zeros((16, 3, 32, 32), np.float32)
-            calls = [c.submit("resnet50", x) for _ in range(4)]
-            time.sleep(0.3)
+            pid = c.lookup("gate").extra["pids"][0]
+            gates.close(7020)
+            held = c.submit("gate", np.full((4, 1), 7020, np.int64))
+            deadline = time.monotonic() + 60
+            while not gates.held(7020):  # its batch is mid-run in the worker
+                assert time.monotonic() < deadline, "the batch never reached its gate"
+                time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
-            outcomes = []
-            for p in calls:
-                try:
-                    p.result(timeout=60)
-                    outcomes.append("ok")
-                except WorkerFailed as e:
-                    assert "died" in str(e) or "not running" in str(e)
-                    outcomes.append("failed")
-            assert "failed" in outcomes
+            with pytest.raises(WorkerFailed, match="died|not running"):
+                held.result(timeout=60)
+            gates.open_all()  # the restarted worker's samples run
             deadline = time.monotonic() + 120
             while True:  # the worker is restarted; later calls succeed
                 try:
-                    y = c.infer("resnet50", x[0])
+                    y = c.infer("gate", np.array([7021], np.int64))
                     break
                 except SplitServeError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            assert y.shape == (10,)
+            assert y.ravel().tolist() == [7021]
             with Client(s.tcp) as c2:
-                assert c2.lookup("resnet50").extra["pids"][0] != pid
+                assert c2.lookup("gate").extra["pids"][0] != pid
     finally:
+        gates.open_all()
         s.stop()
 
 
@@ -542,7 +543,7 @@ def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_fol
     Meanwhile a client that polls for its answers makes solo calls on the Unix endpoint
     throughout: each gets its own result or WORKER_FAILED, none hangs."""
     from splitserve.client import fastpath
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: True)  # it polls, however busy the host
     s = start_server(tmp_path / "kill-direct", "--load", "lenet", env=direct_env())

@@ -19,7 +19,7 @@ rng = np.random.default_rng(7)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     s = start_server(tmp_path_factory.mktemp("grpc"), *sum((["--load", m] for m in MODELS), []), grpc=True)
     yield s

@@ -25,7 +25,7 @@ from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError, Unau
 from splitserve.models.zoo import build_zoo_model
 from splitserve.models.loader import save_safetensors
 from splitserve.protocol import v2
-from tests.conftest import ROOT, start_server
+from tests.helpers import ROOT, start_server
 from tests.inproc import quiet_config, run_server
 
 MODELS = ("lenet", "distilbert")  # UINT8 in / FP32 out, and INT32 in; vecadd1k (FP32 in) loads lazily
@@ -331,20 +331,27 @@ def test_scaling_1_2_1_under_load_drops_nothing(server, token):
                     errors.append(e)
                     return
 
+    def every_client_answered(what: str) -> None:  # one more call each, or a client's error
+        base = list(counts)
+        deadline = time.monotonic() + 60
+        while not errors and any(c <= b for c, b in zip(counts, base)):
+            assert time.monotonic() < deadline, f"the clients stalled {what}: {counts}"
+            time.sleep(0.01)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     try:
         with HttpClient(server.http, token=token) as admin:
-            time.sleep(0.3)
+            every_client_answered("before scaling")
             assert admin.scale("lenet", 2)["instances"] == 2
             deadline = time.monotonic() + 60
             while "splitserve_instances{model=\"lenet\"} 2.0" not in admin.metrics():
                 assert time.monotonic() < deadline, "the second instance did not come up"
                 time.sleep(0.1)
-            time.sleep(0.3)
+            every_client_answered("on two instances")
             assert admin.scale("lenet", 1)["instances"] == 1
-            time.sleep(0.3)
+            every_client_answered("on one instance")
     finally:
         stop.set()
         for t in threads:

@@ -15,7 +15,7 @@ import os
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.conftest import start_server
+from tests.helpers import start_server
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_TEST_SCHEMA_EXAMPLES", "8"))
 

@@ -26,7 +26,7 @@ from splitserve.errors import InternalError, ModelNotReady, ShuttingDown, Worker
 from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.messages import DoneMsg, Msg
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.inproc import quiet_config, run_server, until, write_model
 
 BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs

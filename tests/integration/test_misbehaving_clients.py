@@ -22,7 +22,7 @@ RSS_GROWTH_BOUND = 32 << 20  # stated bound on the server's RSS growth under a n
 
 
 def _server(root, timeout_s: float):
-    from tests.conftest import start_server
+    from tests.helpers import start_server
 
     env = {**direct_env(), "SPLITSERVE_FRAME_TIMEOUT_S": str(timeout_s)}  # the stream tests take both paths
     return start_server(root, "--load", "vecadd1k", "--queue-slots", "8", env=env)

@@ -97,11 +97,17 @@ def test_reconfiguration_under_a_steady_stream_loses_no_request(tmp_path):
                     results.append(f"{type(e).__name__}: {e}")
                     await asyncio.sleep(0.01)  # a failure raised before any await must not starve the loop
 
+        async def answered(n: int) -> None:  # the clients run: n calls have come back
+            deadline = asyncio.get_running_loop().time() + 60
+            while len(results) < n:
+                assert asyncio.get_running_loop().time() < deadline, f"{len(results)} of {n} calls answered"
+                await asyncio.sleep(0.005)
+
         clients = [asyncio.ensure_future(client(i)) for i in range(4)]
-        await asyncio.sleep(0.2)
+        await answered(20)
         # Both switch inside the model's 2-core budget, one instance at a time (a rolling change).
         steps = [await rt.repack(4), await rt.repack(16)]
-        await asyncio.sleep(0.2)
+        await answered(len(results) + 20)  # and they still run on the final shape
         stop.set()
         await asyncio.gather(*clients)
         final = [(rt.resources.placed(rt.name, i).threads, rt.sched.instances[i].max_batch)

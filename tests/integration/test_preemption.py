@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from splitserve.modelconfig import ModelConfig
+from splitserve.models.gate import Gates
 from splitserve.models.zoo import build_zoo_model
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.messages import Msg, RunMsg
-from tests.inproc import inproc_worker, quiet_config
+from tests.inproc import inproc_worker, quiet_config, write_model
 from tests.inproc import run_server as run_inproc
 
 
@@ -42,14 +43,11 @@ def test_preempted_at_every_segment_and_resumed_equals_an_uninterrupted_run(tmp_
         assert np.array_equal(got, want.numpy())  # bit-identical: segments are idempotent
 
 
-def run_server(tmp_path, mode, scenario, vgg_cpus=(0,)):
-    """resnet152 on CPU 0 and vgg19 on ``vgg_cpus``: overlapping CPUs unless told otherwise."""
+def run_server(tmp_path, mode, scenario):
+    """resnet152 on CPU 0 and vgg19 on CPU 0 too: their work shares the CPU."""
     repo = tmp_path / f"repo-{mode}"
-    for name, cpus in (("resnet152", (0,)), ("vgg19", vgg_cpus)):
-        (repo / name).mkdir(parents=True)
-        (repo / name / "config.toml").write_text(
-            f'name = "{name}"\ncpus = {list(cpus)}\nshare_cpus = true\n[artifact]\nkind = "zoo"\narch = "{name}"\n')
-
+    for name in ("resnet152", "vgg19"):
+        write_model(repo, name, name, "cpus = [0]\nshare_cpus = true")
     cfg = quiet_config(tmp_path / mode, repository=repo, load=("resnet152", "vgg19"), preemption=mode)
     return run_inproc(cfg, scenario)
 
@@ -58,65 +56,105 @@ def image(model, n, seed=0):
     return np.random.default_rng(seed).standard_normal((n, 3, 64, 64)).astype(np.float32)
 
 
-async def be_then_rt(server, rt_model):
-    """A long BE batch on resnet152; an RT request arrives while it runs."""
-    be = asyncio.ensure_future(server.infer("resnet152", [image("resnet152", 8)], cls="be"))
-    while not any(e.kind == "start" and e.cls == "be" for e in server.coordinator.events):
-        await asyncio.sleep(0.001)
-    await asyncio.sleep(0.02)  # mid-batch
-    rt = await server.infer(rt_model, [image(rt_model, 1, seed=1)], cls="rt")
-    be_out = await be
-    events = [e for e in server.coordinator.events]
-    return events, be_out, rt
+BE_KEY, RT_KEY = 8001, 8002
+
+
+def run_gated(tmp_path, mode, scenario, rt_cpus=(0,)):
+    """Gate models: ``gate_be`` on CPU 0, ``gate_rt`` on ``rt_cpus`` (the same CPU unless told
+    otherwise); ``scenario(server, gates)``. A gate holds a batch mid-run until the test opens
+    it, so what runs while what is forced, not timed."""
+    repo = tmp_path / f"repo-{mode}"
+    for name, cpus in (("gate_be", (0,)), ("gate_rt", rt_cpus)):
+        write_model(repo, name, "gate", f"cpus = {list(cpus)}\nshare_cpus = true")
+    cfg = quiet_config(tmp_path / mode, repository=repo, cache_dir=tmp_path / "cache", load=("gate_be", "gate_rt"),
+                       preemption=mode)
+    gates = Gates(tmp_path / "cache")
+    try:
+        return run_inproc(cfg, lambda server: scenario(server, gates))
+    finally:
+        gates.open_all()
+
+
+async def until(what, done):
+    deadline = asyncio.get_running_loop().time() + 60
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.002)
+
+
+def be_then_rt(rt_model, release_be, release_rt=None):
+    """A best-effort batch on ``gate_be``, held at its gate (so provably mid-run) when a
+    real-time request for ``rt_model`` arrives. The BE batch is let go once
+    ``release_be(server)``; with ``release_rt``, the RT request is held at its gate until
+    ``release_rt(server)``."""
+
+    async def scenario(server, gates):
+        gates.close(BE_KEY)
+        if release_rt is not None:
+            gates.close(RT_KEY)
+        be = asyncio.ensure_future(server.infer("gate_be", [np.array([[BE_KEY]], np.int64)], cls="be"))
+        await until("the best-effort batch at its gate", lambda: gates.held(BE_KEY))
+        rt = asyncio.ensure_future(server.infer(rt_model, [np.array([[RT_KEY]], np.int64)], cls="rt"))
+        await until("the moment to let the best-effort batch go", lambda: release_be(server))
+        gates.open(BE_KEY)
+        if release_rt is not None:
+            await until("the moment to let the real-time request go", lambda: release_rt(server))
+            gates.open(RT_KEY)
+        rt_out, be_out = await rt, await be
+        return list(server.coordinator.events), be_out, rt_out
+
+    return scenario
 
 
 def kinds(events, cls=None):
     return [(e.kind, e.cls) for e in events if cls is None or e.cls == cls]
 
 
+def seen(kind, cls):
+    return lambda server: (kind, cls) in kinds(server.coordinator.events)
+
+
 def test_reef_rt_preempts_be_of_the_same_model_and_be_resumes_correctly(tmp_path):
-    events, be_out, rt_out = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "resnet152"))
+    events, be_out, rt_out = run_gated(tmp_path, "reef", be_then_rt("gate_be", seen("preempt", "be")))
     seq = kinds(events)
     assert seq == [("start", "be"), ("preempt", "be"), ("preempted", "be"), ("start", "rt"), ("done", "rt"),
                    ("resume", "be"), ("done", "be")], seq
     preempted = next(e for e in events if e.kind == "preempted")
     resumed = next(e for e in events if e.kind == "resume")
-    assert 0 < preempted.segment == resumed.segment < 16
-    with torch.inference_mode():
-        model = build_zoo_model("resnet152")
-        (want_be,) = model(torch.from_numpy(image("resnet152", 8)))
-        (want_rt,) = model(torch.from_numpy(image("resnet152", 1, seed=1)))
-    np.testing.assert_allclose(be_out.outputs[0], want_be.numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(rt_out.outputs[0], want_rt.numpy(), rtol=1e-4, atol=1e-5)
+    assert preempted.segment == resumed.segment == 1  # the gate's boundary: after its holding segment
+    assert be_out.outputs[0].ravel().tolist() == [BE_KEY]  # resumed at segment 1, its own answer
+    assert rt_out.outputs[0].ravel().tolist() == [RT_KEY]
 
 
 def test_reef_rt_of_another_model_starts_at_once_and_be_on_its_cpus_stops_at_a_boundary(tmp_path):
-    events, be_out, _ = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "vgg19"))
+    rt_running = seen("start", "rt")
+    events, be_out, rt_out = run_gated(tmp_path, "reef", be_then_rt(
+        "gate_rt", lambda s: rt_running(s) and seen("preempt", "be")(s), release_rt=seen("preempted", "be")))
     seq = kinds(events)
     # the RT request starts before the BE batch has even stopped: it does not wait for it
     assert seq.index(("start", "rt")) < seq.index(("preempted", "be"))
     assert seq[-2:] == [("resume", "be"), ("done", "be")]
-    assert be_out.outputs[0].shape == (8, 1000)
+    assert be_out.outputs[0].ravel().tolist() == [BE_KEY] and rt_out.outputs[0].ravel().tolist() == [RT_KEY]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="padding needs a CPU the RT work does not use")
 def test_reef_pads_best_effort_on_cpus_the_rt_work_does_not_need(tmp_path):
-    events, be_out, _ = run_server(tmp_path, "reef", lambda s: be_then_rt(s, "vgg19"), vgg_cpus=(1,))
+    events, be_out, _ = run_gated(tmp_path, "reef", be_then_rt("gate_rt", seen("done", "rt")), rt_cpus=(1,))
     seq = kinds(events)
-    # BE on CPU 0 is never preempted for RT on CPU 1 unless a segment would overrun the RT
-    # work (rule 1); either way it finishes exactly once and RT started while BE was running
+    # BE on CPU 0 runs on, never preempted, while RT work runs on CPU 1
     assert seq.index(("start", "rt")) < seq.index(("done", "be"))
     assert seq.count(("done", "be")) == 1 and ("preempt", "be") not in seq
-    assert be_out.outputs[0].shape == (8, 1000)
+    assert be_out.outputs[0].ravel().tolist() == [BE_KEY]
 
 
 def test_seq_never_interrupts_best_effort(tmp_path):
-    events, _, _ = run_server(tmp_path, "seq", lambda s: be_then_rt(s, "vgg19"))
+    # both calls are in when the BE batch is let go: the RT request waited for it
+    events, _, _ = run_gated(tmp_path, "seq", be_then_rt("gate_rt", lambda s: s.monitor.in_flight == 2))
     assert kinds(events) == [("start", "be"), ("done", "be"), ("start", "rt"), ("done", "rt")]
 
 
 def test_concurrent_runs_side_by_side_without_preemption(tmp_path):
-    events, _, _ = run_server(tmp_path, "concurrent", lambda s: be_then_rt(s, "vgg19"))
+    events, _, _ = run_gated(tmp_path, "concurrent", be_then_rt("gate_rt", seen("done", "rt")))
     seq = kinds(events)
     assert seq.index(("start", "rt")) < seq.index(("done", "be"))
     assert not any(k in ("preempt", "preempted") for k, _ in seq)
@@ -163,7 +201,7 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
     from splitserve import Client
     from splitserve.bench.ownserver import get_json
     from splitserve.models.gate import Gates
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.framing import describe, direct_env, raw
     from tests.inproc import write_model
 
@@ -223,7 +261,7 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
     from splitserve.models.gate import Gates
     from splitserve.protocol.header import Header, Kind
     from splitserve.worker.messages import DIRECT_BATCH
-    from tests.conftest import start_server
+    from tests.helpers import start_server
     from tests.framing import describe, direct_env, raw, read_frame, stream
     from tests.inproc import write_model
 

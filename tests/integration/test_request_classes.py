@@ -25,7 +25,7 @@ from splitserve.errors import DeadlineMissed
 from splitserve.models.gate import Gates
 from splitserve.protocol import v2
 from splitserve.protocol.grpc_codec import set_param
-from tests.conftest import start_server
+from tests.helpers import start_server
 from tests.inproc import write_model
 
 OUTCOMES = ("met", "missed", "dropped")

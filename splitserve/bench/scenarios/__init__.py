@@ -58,6 +58,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("fuzz", "The control header, the stream frame state machine and UDP reassembly under random "
                      "and mutated input: inputs tried and failures found per target (>= 1M inputs).",
                      "splitserve.bench.scenarios.fuzz"),
+        ScenarioInfo("loadgen", "The load generator's own accuracy against an in-process server that answers after a "
+                     "fixed time: open-loop send lag (p50, p99, max) and achieved rate per asked rate, closed-loop "
+                     "calls against the ideal.", "splitserve.bench.scenarios.loadgen"),
         ScenarioInfo("multimodel", "More models than fit: an LRU memory manager under sequential, uniform and zipf "
                      "access against no limit, loading on every request and a new process per load; miss ratios vs "
                      "a reference LRU, throughput vs 1/(1+m·r) (Rafiqi Fig. 2/3/4).",
