@@ -1,4 +1,4 @@
-"""How long a waiting side of a direct call polls before it sleeps (issue 15).
+"""How long a waiting side of a direct call polls before it sleeps.
 
 Two sides of a direct call wait: the worker's loop for its next call, and a blocking
 client for its answer. A side that sleeps (``epoll_wait``, a blocking ``recv``) pays a

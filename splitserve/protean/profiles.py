@@ -4,7 +4,7 @@ Solo time per partition size comes from the latency profile (on a CPU a partitio
 runs an instance with c threads: L[c, b], so RDF = L[c, b] / L[C_all, b] needs no new
 measurement), the FBR from the ``fbr`` kind fitted over co-location runs, and a batch's
 memory from the per-batch ``footprint`` kind, falling back to the private bytes a load
-measured (issue 11's ``memory`` kind: the load plus one batch at max batch, so an upper
+measured (the ``memory`` kind: the load plus one batch at max batch, so an upper
 bound for smaller batches). Each model's rows are read once, on first use, and kept: the
 deciders ask per batch and must not wait on SQLite each time.
 """

@@ -1,4 +1,4 @@
-"""One class model for REEF and PROTEAN on a real server (issue 12): a late real-time call
+"""One class model for REEF and PROTEAN on a real server: a late real-time call
 is served and counted ``missed``; a hard deadline still answers DEADLINE_MISSED and counts
 ``dropped``; under ``--class-order arrival`` an earlier best-effort call runs before a later
 real-time one. The gate model holds the only instance so that every call waits.

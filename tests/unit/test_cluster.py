@@ -1,4 +1,4 @@
-"""The pure half of cluster mode (issue 13 "Must show", no Ray): dispatch choices, the health
+"""The pure half of cluster mode (no Ray): dispatch choices, the health
 tracker's bound, the ledger's one answer per request, procurement with the seeded
 revocation emulator, the cost ledger against PROTEAN Table 3, the cluster autoscaler's
 keep-alive, ClusterConfig's environment names, and a small simulation."""

@@ -1,4 +1,4 @@
-"""Property tests for the 64-byte control header (issue 9, "Must have" 8).
+"""Property tests for the 64-byte control header.
 
 Every valid header round-trips; any buffer either unpacks into a header that packs back to
 the same bytes or is refused with BadFrame, never another exception. The property itself

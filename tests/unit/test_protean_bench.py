@@ -1,5 +1,5 @@
 """bench protean's pure parts: PROTEAN's traces, the strict/BE mix, the p99 breakdown, the
-SLO-crossing percentile, the ratios and the scheme table (issue 12, Must have 7)."""
+SLO-crossing percentile, the ratios and the scheme table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One class model for REEF and PROTEAN (issue 12): class order, the soft SLO beside the
+"""One class model for REEF and PROTEAN: class order, the soft SLO beside the
 hard deadline, and where SLO outcomes are counted. Pure parts and fakes, a fake clock."""
 
 from __future__ import annotations
