@@ -182,12 +182,12 @@ def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = T
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp), log_level="WARNING",
-                          segment_time_weight=d.segment_time_weight))
+                          segment_time_weight=d.reef.segment_time_weight))
     qfds = QueueFds(n, [os.dup(q.fd) for q in queues[: len(cfg.inputs)]],
                     [os.dup(q.fd) for q in queues[len(cfg.inputs) :]])
-    spec = DirectSpec(str(tmp / "d.sock"), 1, 64, d.fast_max_in_flight, d.fast_out_high_water, d.fast_out_low_water,
-                      d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup, False,
-                      d.direct_suspend_poll_s, d.direct_stage_bytes, compiled=compiled)
+    spec = DirectSpec(str(tmp / "d.sock"), 1, 64, d.transports.fast_max_in_flight, d.transports.fast_out_high_water, d.transports.fast_out_low_water,
+                      d.transports.fast_max_pending_out, d.transports.frame_timeout_s, d.transports.fast_reads_per_wakeup, False,
+                      d.transports.direct_suspend_poll_s, d.transports.direct_stage_bytes, compiled=compiled)
     w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
                                cpus=sorted(os.sched_getaffinity(0)), threads=1, direct=spec)))
     w.counters.set_admit(1 << 20)

@@ -663,7 +663,7 @@ def profile(
             return
         ts = _int_list(threads) or list(range(1, len(os.sched_getaffinity(0)) + 1))
         bs = _int_list(batches) or default_batches(rec.config.max_batch_size)
-        cache = ServerConfig(data_dir=data_dir or default_data_dir()).cache_path
+        cache = ServerConfig.of(data_dir=data_dir or default_data_dir()).cache_path
         with Progress(console=console) as bar:
             task = bar.add_task(f"profiling {model}", total=len(ts) * len(bs))
             prof = profile_model(rec.config, rec.path, cache, ts, bs, budget_s=budget_s,
@@ -691,7 +691,7 @@ def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: 
     names = list(dict.fromkeys(r.name for r in records))
     configs = {r.name: r.config for r in records}
     batches = {n: batch or configs[n].max_batch_size for n in names}
-    cache = ServerConfig(data_dir=data_dir or default_data_dir()).cache_path
+    cache = ServerConfig.of(data_dir=data_dir or default_data_dir()).cache_path
     with console.status(f"co-locating {', '.join(names)} on {cores} cores") as status:
         def ran(run: ColocationRun) -> None:
             status.update(f"co-locating on {cores} cores: {' + '.join(run.members)} done")
@@ -768,7 +768,7 @@ def _mig_driver(admin: bool | None = None) -> "MigDriver":
     from splitserve.placement.gpus import MigDriver
 
     cfg = ServerConfig.from_env(**({} if admin is None else {"gpu_admin": admin}))
-    return MigDriver(admin=cfg.gpu_admin, timeout_s=cfg.gpu_command_timeout_s)
+    return MigDriver(admin=cfg.gpu.gpu_admin, timeout_s=cfg.gpu.gpu_command_timeout_s)
 
 
 @gpus_app.callback(invoke_without_command=True)

@@ -36,7 +36,8 @@ from splitserve.cluster import raycompat, upcall
 from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE
 from splitserve.cluster.modelspec import ModelSpec
 from splitserve.cluster.node_server import die_with_parent
-from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ServerConfig
 from splitserve.errors import InternalError, SplitServeError
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Gateway:
                 ours.close()
                 raise
         # one thread per process: it ends when that process's end of the pair closes
-        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().max_upload_bytes),
+        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().frontends.max_upload_bytes),
                          name="gateway-upcalls", daemon=True).start()
         line = self.proc.stdout.readline()
         if not line:

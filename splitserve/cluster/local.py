@@ -21,7 +21,7 @@ from splitserve.cluster.controller import CONTROLLER_NAME, NAMESPACE, Controller
 from splitserve.cluster.ingress import GATEWAY_NAME, GatewayActor
 from splitserve.cluster.node_server import NodeSpec
 from splitserve.cluster.provider import PROVIDER_NAME, provider_actor
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InternalError
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from splitserve.cluster.ledger import Deliver, Drop, Entry, Ledger, Outcome, Res
 from splitserve.cluster.pools import Market
 from splitserve.cluster.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
 from splitserve.slo import SloOutcome, slo_outcome

@@ -156,18 +156,18 @@ class UdpEndpoint:
         self.sock = sock
         cfg = server.config
         sock.setblocking(False)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.udp_rcvbuf)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.transports.udp_rcvbuf)
         self.hdr = bytearray(HEADER_SIZE)
         self.scratch = bytearray(65536)
         self.assembling: dict[tuple, _Assembly] = {}
         self.running: set[tuple] = set()
-        self.answered = AnswerCache(cfg.udp_response_cache, cfg.udp_response_cache_bytes)
-        self.segment = cfg.udp_segment
+        self.answered = AnswerCache(cfg.transports.udp_response_cache, cfg.transports.udp_response_cache_bytes)
+        self.segment = cfg.transports.udp_segment
         self.loop.add_reader(sock.fileno(), self._on_readable)
         self.intake.watch(self, self.loop)
 
     def _on_readable(self) -> None:
-        for _ in range(self.server.config.fast_reads_per_wakeup):
+        for _ in range(self.server.config.transports.fast_reads_per_wakeup):
             try:
                 n, addr = self.sock.recvfrom_into(self.hdr, HEADER_SIZE, socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):

@@ -31,7 +31,7 @@ from splitserve.cluster import raycompat  # noqa: E402
 from splitserve.cluster.local import attach, stop_actors, wait_serving  # noqa: E402
 from splitserve.cluster.node_server import NodeSpec  # noqa: E402
 from splitserve.cluster.provider import AutoscalerProviderActor  # noqa: E402
-from splitserve.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.config import ClusterConfig  # noqa: E402
 from tests.conftest import CACHE  # noqa: E402
 
 # the fake provider names its nodes by number; v2 needs the head's named so too

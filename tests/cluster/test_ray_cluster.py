@@ -31,7 +31,7 @@ from splitserve.cluster import raycompat  # noqa: E402
 from splitserve.cluster.local import LocalCluster, wait_serving  # noqa: E402
 from splitserve.cluster.modelspec import ModelSpec  # noqa: E402
 from splitserve.cluster.node_server import NodeSpec  # noqa: E402
-from splitserve.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.config import ClusterConfig  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
 from tests.conftest import CACHE  # noqa: E402

@@ -22,7 +22,7 @@ from splitserve.cluster.pools import TABLE3, Market, PricePreset, ProcurementPol
 from splitserve.cluster.procurement import Cancel, Launch, Procurement
 from splitserve.cluster.revocation import DoomedStep, RevocationEmulator, doomed_step
 from splitserve.cluster.sim import ClusterSim, Workload, simulate
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, ModelNotReady, QueueFull, ShuttingDown
 from splitserve.protocol.header import RequestClass
 

@@ -17,7 +17,7 @@ from splitserve.cluster.modelspec import ModelSpec
 from splitserve.cluster.node_server import NodeEndpoint, NodeSpec
 from splitserve.cluster.pools import Market
 from splitserve.cluster.store import ControllerStore
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, UnknownModel
 
 SPEC = ModelSpec("late", 'name = "late"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')

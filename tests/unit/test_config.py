@@ -12,7 +12,7 @@ import pytest
 import typer
 
 from splitserve.cli import app
-from splitserve.config import ServerConfig
+from splitserve.config import ServerConfig, TransportSection
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactConfig, ArtifactKind, ModelConfig
 from splitserve.models.loader import load_artifact
@@ -35,11 +35,11 @@ def _refused(*parts: str) -> str:
 def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
     for mode in PriorityMode:
         assert PriorityMode.parse(str(mode)) is mode
-        assert ServerConfig(preemption=mode.value).preemption is mode
+        assert ServerConfig.of(preemption=mode.value).reef.preemption is mode
         monkeypatch.setenv("SPLITSERVE_PREEMPTION", mode.value)
-        assert ServerConfig.from_env().preemption is mode
+        assert ServerConfig.from_env().reef.preemption is mode
     with pytest.raises(InvalidInput, match=_refused("preemption", "'lifo'", "reef, seq, concurrent, rt-only")):
-        ServerConfig(preemption="lifo")
+        ServerConfig.of(preemption="lifo")
     monkeypatch.setenv("SPLITSERVE_PREEMPTION", "REEF")
     with pytest.raises(InvalidInput, match=_refused("SPLITSERVE_PREEMPTION", "'REEF'", "reef, seq, concurrent, rt-only")):
         ServerConfig.from_env()
@@ -48,10 +48,10 @@ def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
 def test_rt_policies_round_trip_and_an_unknown_one_is_refused():
     for policy in RtPolicy:
         assert RtPolicy.parse(policy.value) is policy
-        assert ServerConfig(rt_policy=policy.value).rt_policy is policy
+        assert ServerConfig.of(rt_policy=policy.value).reef.rt_policy is policy
         assert ModelScheduler("m", WorkConserving(), 2, 8, rt_policy=policy.value).rt_policy is policy
     with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
-        ServerConfig(rt_policy="lifo")
+        ServerConfig.of(rt_policy="lifo")
     with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
         ModelScheduler("m", WorkConserving(), 2, 8, rt_policy="lifo")
 
@@ -59,13 +59,13 @@ def test_rt_policies_round_trip_and_an_unknown_one_is_refused():
 def test_placements_round_trip_and_an_unknown_one_is_refused():
     for kind in PlacementKind:
         assert PlacementKind.parse(kind.value) is kind
-        assert ServerConfig(placement=kind.value).placement is kind
+        assert ServerConfig.of(placement=kind.value).packrat.placement is kind
         parsed = PackratConfig.parse({"kind": kind.value, "threads": 1}, 8)
         assert (parsed is None) == (kind is PlacementKind.FIXED)
         # the server's default applies to a model whose [placement] names no kind
         assert (PackratConfig.parse({}, 8, kind) is None) == (kind is PlacementKind.FIXED)
     with pytest.raises(InvalidInput, match=_refused("placement", "'magic'", "fixed, packrat")):
-        ServerConfig(placement="magic")
+        ServerConfig.of(placement="magic")
     with pytest.raises(InvalidInput, match=_refused("placement.kind", "'magic'", "fixed, packrat")):
         PackratConfig.parse({"kind": "magic"}, 8)
 
@@ -125,7 +125,7 @@ def test_every_tunable_has_an_environment_name(monkeypatch):
     for name, value in given.items():
         monkeypatch.setenv(f"SPLITSERVE_{name.upper()}", str(value))
     cfg = ServerConfig.from_env()
-    assert {name: getattr(cfg, name) for name in given} == given
+    assert {name: cfg.setting(name) for name in given} == given
 
 
 @pytest.mark.parametrize("bad", [{"segment_time_weight": 0.0}, {"batch_time_weight": 1.5}, {"max_top_k": 0},
@@ -139,16 +139,16 @@ def test_bad_tunables_are_refused_at_start_up(bad):
 
 def test_the_cache_dir_comes_from_the_config_or_its_environment_name(monkeypatch, tmp_path):
     monkeypatch.delenv("SPLITSERVE_CACHE_DIR", raising=False)
-    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "cache"
+    assert ServerConfig.of(data_dir=tmp_path).cache_path == tmp_path / "cache"
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "elsewhere"))
-    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "elsewhere"
-    assert ServerConfig(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
+    assert ServerConfig.of(data_dir=tmp_path).cache_path == tmp_path / "elsewhere"
+    assert ServerConfig.of(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
 
 
 def test_a_port_of_minus_one_is_off_from_a_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_HTTP_PORT", "-1")
     cfg = ServerConfig.from_env(grpc_port=-1)
-    assert (cfg.http_port, cfg.grpc_port, cfg.fast_port) == (None, None, ServerConfig.fast_port)
+    assert (cfg.frontends.http_port, cfg.frontends.grpc_port, cfg.transports.fast_port) == (None, None, TransportSection.fast_port)
 
 
 def _environment_reads(tree: ast.AST) -> list[int]:

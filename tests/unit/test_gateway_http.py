@@ -13,7 +13,7 @@ from splitserve.cluster.dataplane import GatewayServing
 from splitserve.cluster.dispatch import NodeState
 from splitserve.cluster.gateway import GatewayCore, NodeRoute, Routes, _Link
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
 NODE_FID = 3  # lenet's id on every fake node

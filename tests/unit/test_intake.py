@@ -73,7 +73,7 @@ class Sink:
 
 
 def setup(nslots: int = 4, side: int = 1 << 20):
-    intake = Intake(ServerConfig(data_dir=Path("/nonexistent"), side_buffer_bytes=side))
+    intake = Intake(ServerConfig.of(data_dir=Path("/nonexistent"), side_buffer_bytes=side))
     return intake, FakeRuntime(nslots), Owner(intake), InferenceMonitor(), Sink()
 
 

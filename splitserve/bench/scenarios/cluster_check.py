@@ -34,7 +34,7 @@ from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.cluster.cost import CostLedger
 from splitserve.cluster.pools import Market, ProcurementPolicy
 from splitserve.cluster.sim import ClusterSim, Workload
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 
 NAME = "cluster-check"
 SUMMARY = "The cluster simulator against a real local Ray cluster on one seeded trace: both columns and the differences."
