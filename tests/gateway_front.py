@@ -63,7 +63,7 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[i
             await core.close()
 
     node = quiet_config(tmp_path / "node", load=("lenet",)).replaced(fast_port=0,
-                               http_port=0 if node_http else None)
+                                                                     http_port=0 if node_http else None)
     return run_server(node, scenario)
 
 

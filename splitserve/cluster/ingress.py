@@ -116,7 +116,8 @@ class Gateway:
                 ours.close()
                 raise
         # one thread per process: it ends when that process's end of the pair closes
-        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().frontends.max_upload_bytes),
+        upload_limit = ServerConfig.from_env().frontends.max_upload_bytes
+        threading.Thread(target=upcall.serve, args=(ours, self._registry, upload_limit),
                          name="gateway-upcalls", daemon=True).start()
         line = self.proc.stdout.readline()
         if not line:

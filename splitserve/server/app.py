@@ -113,12 +113,13 @@ class Server:
         if config.protean.partitioning is not Partitioning.NONE:
             self.partitions = PartitionManager(config, self.resources, self.applier, lambda: self.runtimes.values(),
                                                lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.reef.preemption, config.batching.coordinator_events,
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.reef.preemption,
+                                       config.batching.coordinator_events,
                                        class_order=config.reef.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
-        self.intake = Intake(config)  # requests still arriving on the fast path
+        self.intake = Intake(config.transports)  # requests still arriving on the fast path
         self.frontends: list[FrontEnd] = []
         self.ports: dict[str, Any] = {}
         self.stopping = False

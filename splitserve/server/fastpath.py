@@ -56,7 +56,7 @@ class FastPathConnection(FrameStream):
         self.server = server
         self.live = live
         self.loop = server.loop
-        self.cfg = server.config
+        self.cfg = server.config.transports  # the fast path's limits
         self.intake = server.intake
         self.peer = peer
         self.arrival: Arrival | None = None  # the request whose payload is being read
@@ -70,13 +70,13 @@ class FastPathConnection(FrameStream):
 
     @property
     def max_pending_out(self) -> int:
-        return self.cfg.transports.fast_max_pending_out
+        return self.cfg.fast_max_pending_out
 
     # -- reading -------------------------------------------------------------------
 
     def _on_readable(self) -> None:
         try:
-            for _ in range(self.cfg.transports.fast_reads_per_wakeup):
+            for _ in range(self.cfg.fast_reads_per_wakeup):
                 if self.closed or self.closing or self.paused or not self._read_some():
                     return
         except ConnectionError:
@@ -115,7 +115,7 @@ class FastPathConnection(FrameStream):
             self.discard(h.payload_len, None)
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
         elif h.kind == Kind.LOOKUP:
-            limit = self.cfg.transports.fast_max_lookup
+            limit = self.cfg.fast_max_lookup
             if not 0 < h.payload_len <= limit:
                 self.discard(h.payload_len, BadSize(f"lookup payload must be 1..{limit} bytes (a model name)"))
             else:
@@ -167,13 +167,13 @@ class FastPathConnection(FrameStream):
 
     def between_frames(self) -> None:
         """Pause here if flow control says so."""
-        if len(self.in_flight) >= self.cfg.transports.fast_max_in_flight or len(self.out) > self.cfg.transports.fast_out_high_water:
+        if len(self.in_flight) >= self.cfg.fast_max_in_flight or len(self.out) > self.cfg.fast_out_high_water:
             self.paused = True
             self.loop.remove_reader(self.fd)
 
     def _maybe_resume(self) -> None:
         if (self.paused and not self.closed and not self.closing
-                and len(self.in_flight) < self.cfg.transports.fast_max_in_flight and len(self.out) <= self.cfg.transports.fast_out_low_water):
+                and len(self.in_flight) < self.cfg.fast_max_in_flight and len(self.out) <= self.cfg.fast_out_low_water):
             self.paused = False
             self.loop.add_reader(self.fd, self._on_readable)
 

@@ -38,7 +38,7 @@ from splitserve.errors import QueueFull, SplitServeError
 from splitserve.server.monitor import Call, CallTarget
 
 if TYPE_CHECKING:
-    from splitserve.config import ServerConfig
+    from splitserve.config import TransportSection
     from splitserve.protocol.header import RequestClass
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,9 @@ class Intake:
     itself so the periodic sweep can expire old frames.
     """
 
-    def __init__(self, config: "ServerConfig") -> None:
-        self.timeout = config.transports.frame_timeout_s
-        self.side_limit = config.transports.side_buffer_bytes
+    def __init__(self, config: "TransportSection") -> None:
+        self.timeout = config.frame_timeout_s
+        self.side_limit = config.side_buffer_bytes
         self.side_bytes = 0  # bytes of side buffers in use
         self.moved_aside = 0  # requests moved aside so far (a count for tests and logs)
         # Requests receiving into their slots, per ring, by first sequence number. Slots

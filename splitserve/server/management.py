@@ -81,8 +81,8 @@ def exposure_warning(config: "ServerConfig") -> str | None:
         open_.append(f"UDP {config.transports.udp_port} (inference; answers go to the datagram's source address, "
                      "so spoofed requests reflect traffic)")
     if config.frontends.http_port is not None:
-        open_.append(f"HTTP {config.frontends.http_port}: inference, /classify, /metrics, /v2/scheduler/events, placement "
-                     "and model metadata")
+        open_.append(f"HTTP {config.frontends.http_port}: inference, /classify, /metrics, /v2/scheduler/events, "
+                     "placement and model metadata")
     if config.frontends.grpc_port is not None:
         open_.append(f"gRPC {config.frontends.grpc_port}: inference, metadata and statistics")
     if not open_:

@@ -145,7 +145,8 @@ class MemoryManager:
                 "last_used_s_ago": None if e.last_used is None else max(0.0, now - e.last_used),
             }
         return {
-            "budget_bytes": self.config.memory.memory_budget_bytes, "max_resident_models": self.config.memory.max_resident_models,
+            "budget_bytes": self.config.memory.memory_budget_bytes,
+            "max_resident_models": self.config.memory.max_resident_models,
             "max_concurrent_loads": self.config.memory.max_concurrent_loads, "reserved_bytes": cache.reserved,
             "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
             "lru": cache.lru(),

@@ -154,15 +154,15 @@ class UdpEndpoint:
         self.loop = server.loop
         self.intake = server.intake
         self.sock = sock
-        cfg = server.config
+        cfg = server.config.transports
         sock.setblocking(False)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.transports.udp_rcvbuf)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.udp_rcvbuf)
         self.hdr = bytearray(HEADER_SIZE)
         self.scratch = bytearray(65536)
         self.assembling: dict[tuple, _Assembly] = {}
         self.running: set[tuple] = set()
-        self.answered = AnswerCache(cfg.transports.udp_response_cache, cfg.transports.udp_response_cache_bytes)
-        self.segment = cfg.transports.udp_segment
+        self.answered = AnswerCache(cfg.udp_response_cache, cfg.udp_response_cache_bytes)
+        self.segment = cfg.udp_segment
         self.loop.add_reader(sock.fileno(), self._on_readable)
         self.intake.watch(self, self.loop)
 

@@ -39,8 +39,10 @@ class DirectSpec:
     # Also listen on TCP at this address (the node's fast-path host; the OS picks the port,
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
     tcp_host: str | None = None
-    spin_us: int = 0  # ServerConfig.transports.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
-    compiled: bool = True  # ServerConfig.transports.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
+    # ServerConfig.transports.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
+    spin_us: int = 0
+    # ServerConfig.transports.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
+    compiled: bool = True
 
 
 @dataclass(frozen=True)

@@ -489,7 +489,8 @@ def test_register_unload_load_restart_and_upload_limits(tmp_path):
 def _inproc(tmp_path, test, **overrides):
     """Run ``test(server, base_url)`` in a thread beside an in-process server (HTTP and the
     fast path on free ports, no workers unless a model is used)."""
-    config = quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache").replaced(http_port=0, fast_port=0, **overrides)
+    config = quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache").replaced(http_port=0, fast_port=0,
+                                                                                    **overrides)
 
     async def scenario(server):
         return await asyncio.to_thread(test, server, f"http://127.0.0.1:{server.ports['http_port']}")
@@ -556,7 +557,8 @@ def test_infer_bodies_are_limited_by_the_models_size_not_the_upload_limit(tmp_pa
 
     def test(server, url):
         cfg = server.records["lenet"].config
-        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.frontends.json_chars_per_value) == 868_352
+        per_value = server.config.frontends.json_chars_per_value
+        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, per_value) == 868_352
         assert too_big < server.config.frontends.max_upload_bytes // 100
         declared = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * too_big,
                               headers={"Content-Type": "application/json"})

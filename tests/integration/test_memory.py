@@ -237,7 +237,7 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     """Rafiqi §5.0.2's untested case: highly concurrent model swapping."""
     names = lenet_copies(tmp_path / "repo", 8)
     cfg = quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache",
-                               max_resident_models=2, spare_workers=1).replaced(fast_port=0, http_port=0)
+                       max_resident_models=2, spare_workers=1).replaced(fast_port=0, http_port=0)
     xs = np.random.default_rng(1).integers(0, 256, (4, 1, 28, 28), dtype=np.uint8)
     want = {name: reference(seed + 1, xs) for seed, name in enumerate(names)}
     clients = 32

@@ -197,8 +197,8 @@ def test_protean_under_a_50_50_stream_logs_strict_batches_only_on_partitions_tag
     # preemption concurrent is what --partitioning protean defaults to (ServerConfig.from_env);
     # one instance of each model per partition: no cold starts on 2 cores
     cfg = quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
-                               preemption="concurrent", partition_memory_bytes=3 * f, partition_max_instances=1,
-                               load=("be", "rt")).replaced(http_port=0)
+                       preemption="concurrent", partition_memory_bytes=3 * f, partition_max_instances=1,
+                       load=("be", "rt")).replaced(http_port=0)
     calls = 10  # per client
 
     async def scenario(server):
@@ -281,7 +281,7 @@ def _post(url: str, body: dict, token: str) -> dict:
 def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_once(tmp_path):
     repo, cache, _ = gate_repo(tmp_path, ("gate", "max_batch_size = 4"))
     cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static",
-                               geometry="1,1", load=("gate",)).replaced(http_port=0)
+                       geometry="1,1", load=("gate",)).replaced(http_port=0)
 
     async def scenario(server):
         url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"

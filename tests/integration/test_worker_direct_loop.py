@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.config import ReefSection, ServerConfig
+from splitserve.config import ReefSection, TransportSection
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.tensorqueue import TensorQueue, ring_slots
@@ -37,10 +37,10 @@ def _queues(cfg: ModelConfig) -> tuple[list[TensorQueue], int]:
 
 def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us: int = 0) -> BindSpec:
     """A best-effort binding of ``cfg`` with a direct endpoint at ``tmp_path/d.sock``."""
-    d = ServerConfig()
-    direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.transports.fast_max_in_flight, d.transports.fast_out_high_water,
-                        d.transports.fast_out_low_water, d.transports.fast_max_pending_out, d.transports.frame_timeout_s, d.transports.fast_reads_per_wakeup,
-                        False, d.transports.direct_suspend_poll_s, d.transports.direct_stage_bytes, spin_us=spin_us)
+    d = TransportSection()
+    direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.fast_max_in_flight, d.fast_out_high_water,
+                        d.fast_out_low_water, d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup,
+                        False, d.direct_suspend_poll_s, d.direct_stage_bytes, spin_us=spin_us)
     k = len(cfg.inputs)
     qfds = QueueFds(n, [os.dup(q.fd) for q in queues[:k]], [os.dup(q.fd) for q in queues[k:]])
     return BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,

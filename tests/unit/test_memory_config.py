@@ -25,7 +25,8 @@ def test_the_budget_and_the_model_count_come_from_their_environment_names(monkey
     monkeypatch.setenv("SPLITSERVE_MAX_RESIDENT_MODELS", "4")
     monkeypatch.setenv("SPLITSERVE_MAX_CONCURRENT_LOADS", "2")
     cfg = ServerConfig.from_env()
-    assert (cfg.memory.memory_budget_bytes, cfg.memory.max_resident_models, cfg.memory.max_concurrent_loads) == (2 << 30, 4, 2)
+    memory = cfg.memory
+    assert (memory.memory_budget_bytes, memory.max_resident_models, memory.max_concurrent_loads) == (2 << 30, 4, 2)
     assert cfg.memory.managed
 
 
