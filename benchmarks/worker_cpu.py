@@ -163,7 +163,7 @@ def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = T
     import pstats
     import io
 
-    from splitserve.config import ServerConfig
+    from splitserve.config import ReefSection, TransportSection
     from splitserve.models.catalog import zoo_entry
     from splitserve.modelconfig import ModelConfig
     from splitserve.protocol.header import RequestClass
@@ -175,14 +175,14 @@ def inproc(model: str, conns: int, calls: int, profile: bool, compiled: bool = T
     from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds, WorkerSpec
 
     cfg = ModelConfig.from_dict({"name": model, "artifact": {"kind": "zoo", "arch": model}})
-    d = ServerConfig()
+    d = TransportSection()
     tmp = Path(tempfile.mkdtemp(prefix="worker-cpu-"))
     n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
     queues = [TensorQueue(t.nbytes, n) for t in cfg.inputs + cfg.outputs]
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp), log_level="WARNING",
-                          segment_time_weight=d.segment_time_weight))
+                          segment_time_weight=ReefSection.segment_time_weight))
     qfds = QueueFds(n, [os.dup(q.fd) for q in queues[: len(cfg.inputs)]],
                     [os.dup(q.fd) for q in queues[len(cfg.inputs) :]])
     spec = DirectSpec(str(tmp / "d.sock"), 1, 64, d.fast_max_in_flight, d.fast_out_high_water, d.fast_out_low_water,

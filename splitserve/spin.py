@@ -21,7 +21,7 @@ someone else is waiting for. So a side polls only
 
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
-(``ServerConfig.direct_spin_us``), the blocking client through its wire's ``call``
+(``ServerConfig.transports.direct_spin_us``), the blocking client through its wire's ``call``
 (``Client(poll_us=...)``).
 """
 

@@ -69,7 +69,7 @@ def udp_describe(u: socket.socket, name: str) -> dict:
 
 
 # The stream data paths a call can take: through the front end, or straight to the worker
-# that runs the model (ServerConfig.fast_direct, endpoints named by LOOKUP) over its Unix
+# that runs the model (ServerConfig.transports.fast_direct, endpoints named by LOOKUP) over its Unix
 # socket. ``DIRECT_TCP``, the same over the worker's TCP endpoint (the way a client on
 # another machine goes), is added only where it proves that endpoint cheaply.
 PATHS = ("front", "direct")

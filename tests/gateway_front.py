@@ -10,7 +10,6 @@ which stands in for the controller by registering on the real node through its H
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import socket
 import threading
@@ -27,7 +26,8 @@ from splitserve.cluster.gateway.dataplane import GatewayRegistrar, front_ends
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ServerConfig
 from tests.inproc import quiet_config, run_server, until
 
 CLUSTER_FID = 7  # the cluster's id for lenet: not the node's, so the gateway must rewrite it
@@ -47,7 +47,7 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[i
         core = GatewayCore(ClusterConfig())
         await core.serve("127.0.0.1", 0)
         ports: dict[str, int | None] = {"http_port": None, "grpc_port": None, f"{kind}_port": 0}
-        (front,) = front_ends(core, ServerConfig(host="127.0.0.1", data_dir=tmp_path / "gw", **ports))
+        (front,) = front_ends(core, ServerConfig.of(host="127.0.0.1", data_dir=tmp_path / "gw", **ports))
         port = (await front.start())[f"{kind}_port"]
         try:
             route = NodeRoute("node-1", "127.0.0.1", server.ports["fast_port"], Market.ON_DEMAND, NodeState.ACTIVE,
@@ -61,8 +61,8 @@ def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[i
             await front.stop(1.0)
             await core.close()
 
-    node = dataclasses.replace(quiet_config(tmp_path / "node", load=("lenet",)), fast_port=0,
-                               http_port=0 if node_http else None)
+    node = quiet_config(tmp_path / "node", load=("lenet",)).replaced(fast_port=0,
+                                                                     http_port=0 if node_http else None)
     return run_server(node, scenario)
 
 
@@ -118,7 +118,7 @@ def with_registry(tmp_path: Path, calls: Callable[[dict[str, int]], Any], grpc: 
         await core.serve("127.0.0.1", 0)
         ours, theirs = socket.socketpair()
         upcalls = upcall.UpcallClient(theirs, UPLOAD_LIMIT, 120)
-        gw = ServerConfig(host="127.0.0.1", data_dir=tmp_path / "gw", http_port=0, grpc_port=0 if grpc else None,
+        gw = ServerConfig.of(host="127.0.0.1", data_dir=tmp_path / "gw", http_port=0, grpc_port=0 if grpc else None,
                           max_upload_bytes=UPLOAD_LIMIT)
         fronts = front_ends(core, gw, GatewayRegistrar(core, upcalls, TOKEN, 120))
         ports = {"node_http": server.ports["http_port"]}
@@ -145,5 +145,5 @@ def with_registry(tmp_path: Path, calls: Callable[[dict[str, int]], Any], grpc: 
     node_dir.mkdir()
     (node_dir / "token").write_text(TOKEN + "\n")
     (node_dir / "token").chmod(0o600)
-    node = dataclasses.replace(quiet_config(node_dir, load=("lenet",)), fast_port=0, http_port=0)
+    node = quiet_config(node_dir, load=("lenet",)).replaced(fast_port=0, http_port=0)
     return run_server(node, scenario)

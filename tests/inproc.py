@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import ServerConfig
+from splitserve.config import ReefSection, ServerConfig
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import RequestClass
 from splitserve.server.app import Server
@@ -31,7 +31,7 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir),
-                      log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
+                      log_level=ServerConfig.log_level, segment_time_weight=ReefSection.segment_time_weight)
     w = Worker(spec)
     # the binding owns the fds it is given: it gets copies, the queues here keep theirs
     queues = QueueFds(n, [os.dup(q.fd) for q in ins], [os.dup(q.fd) for q in outs])
@@ -73,7 +73,7 @@ def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:
     worker processes unless ``spare_workers`` is given: a spare costs a process start
     (torch's import) that most tests would pay for nothing."""
     kw.setdefault("spare_workers", 0)
-    return ServerConfig(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
+    return ServerConfig.of(fast_port=None, udp_port=None, http_port=None, grpc_port=None, data_dir=data_dir, **kw)
 
 
 def write_model(repo: Path, name: str, arch: str, toml: str = "") -> Path:

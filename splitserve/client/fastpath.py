@@ -325,7 +325,7 @@ class Client:
     waits first reads for everyone), so a single caller pays no thread hand-off.
 
     ``direct=True`` sends calls straight to the worker processes that run the model when
-    the server offers it (``ServerConfig.fast_direct``; its LOOKUP names their endpoints):
+    the server offers it (``ServerConfig.transports.fast_direct``; its LOOKUP names their endpoints):
     one connection per instance, calls spread over them in turn; lookups stay with the
     front end. A ``unix://`` client connects to the workers' Unix sockets, a ``tcp://`` one
     to their TCP ports (so a client on another machine goes direct too). A direct connection that closes (its worker was unloaded, evicted, restarted

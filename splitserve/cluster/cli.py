@@ -30,7 +30,8 @@ from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.local import LocalCluster, attach, find, stop_actors
 from splitserve.cluster.actors.node_server import NodeSpec
 from splitserve.cluster.pools import NodeProviderKind
-from splitserve.config import ClusterConfig, default_data_dir, env_cache_dir
+from splitserve.cluster.config import ClusterConfig
+from splitserve.config import default_data_dir, env_cache_dir
 from splitserve.server.management import TOKEN_FILE, ensure_token_file
 
 cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,

@@ -9,7 +9,7 @@ runs ``nvidia-smi`` to change a MIG geometry.
   never changes a mode or an instance. Without the NVIDIA driver it says so
   (``no GPUs (NVML not available: ...)``) instead of failing.
 - ``MigDriver`` lists, plans (``mig.plan_geometry``) and applies. Applying runs the plan's
-  commands one by one only when built with ``admin=True`` (``ServerConfig.gpu_admin``,
+  commands one by one only when built with ``admin=True`` (``ServerConfig.gpu.gpu_admin``,
   ``--gpu-admin``: for machines you administer); otherwise it logs the plan and runs nothing.
 
 Who calls it: ``splitserve gpus`` (the CLI) and the node's ``server.gpus.GpuInventory``
@@ -286,7 +286,7 @@ Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 class MigDriver:
     """Lists a node's GPUs, plans MIG geometries and, for an administrator only, applies them.
 
-    ``admin`` is the explicit flag (``ServerConfig.gpu_admin``): without it ``apply`` logs the
+    ``admin`` is the explicit flag (``ServerConfig.gpu.gpu_admin``): without it ``apply`` logs the
     plan and runs nothing. ``run`` is ``subprocess.run`` (a test passes a recorder);
     ``timeout_s`` bounds each command."""
 

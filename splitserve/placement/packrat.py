@@ -21,7 +21,7 @@ from splitserve.types import Choice
 
 class PlacementKind(Choice, what="placement"):
     """How a model's instances get their CPUs: ``[placement] kind`` of a model config, and
-    ``ServerConfig.placement`` for models whose config names none."""
+    ``ServerConfig.packrat.placement`` for models whose config names none."""
 
     FIXED = "fixed"  # the config's instances and threads, pinned by the node
     PACKRAT = "packrat"  # Packrat's ⟨instances, threads, batch⟩ plan, adapted at run time

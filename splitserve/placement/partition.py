@@ -27,7 +27,7 @@ from splitserve.types import Choice
 
 
 class Partitioning(Choice, what="partitioning"):
-    """How the node carves its worker cores into partitions (``ServerConfig.partitioning``)."""
+    """How the node carves its worker cores into partitions (``ServerConfig.protean.partitioning``)."""
 
     NONE = "none"  # no partitions: each model is placed by its own placer (fixed or Packrat)
     STATIC = "static"  # ``geometry`` core counts, fixed for the node's life unless an operator changes it
@@ -36,7 +36,7 @@ class Partitioning(Choice, what="partitioning"):
 
 
 class StrictPlacement(Choice, what="strict_placement"):
-    """Which partition a batch goes to (``ServerConfig.strict_placement``)."""
+    """Which partition a batch goes to (``ServerConfig.protean.strict_placement``)."""
 
     AUTO = "auto"  # eta under protean, balanced under static and colocate
     ETA = "eta"  # PROTEAN's Algorithm 1: rt to the least predicted slowdown among partitions not taken by be
@@ -93,7 +93,7 @@ class Cpus:
 class SharedCpus:
     """``count`` CPUs for one instance from the node's shared pool: CPUs that no unshared
     partition holds, the least shared first. Such a partition is shared with every other
-    shared one (fixed placement's default, ``ServerConfig.fixed_cpus_shared``: small models
+    shared one (fixed placement's default, ``ServerConfig.packrat.fixed_cpus_shared``: small models
     share cores among themselves, never with Packrat's budgets or an unshared ``ExactCpus``)."""
 
     count: int

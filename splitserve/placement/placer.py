@@ -12,7 +12,7 @@ applier) and never looks inside. Two kinds:
 - ``PackratPlacer``: one budget of cores (``CoreBudget(placement.threads)``, or the config's
   ``cpus``) inside which Packrat's controller plans ⟨instances, threads, batch⟩; it owns the
   model's batching policy (Packrat's aggregation) and moves its target when a plan switches.
-- ``PartitionPlacer``: with ``ServerConfig.partitioning`` other than none, every model's: its
+- ``PartitionPlacer``: with ``ServerConfig.protean.partitioning`` other than none, every model's: its
   instances sit on the node's partitions (``OnPartition``), warm ones on each, beside the
   other models' (PROTEAN's co-location on a slice); threads = the partition's cores.
 

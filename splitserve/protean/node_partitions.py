@@ -1,6 +1,6 @@
 """The node's partitions as PROTEAN sees them, and the per-batch choice of one. Pure.
 
-With ``ServerConfig.partitioning`` other than none the node carves its worker cores into
+With ``ServerConfig.protean.partitioning`` other than none the node carves its worker cores into
 partitions (a partition is PROTEAN's GPU slice: a set of cores with a memory budget), and
 every model keeps warm instances on each of them. This module decides, without touching the
 machine:

@@ -1,7 +1,7 @@
 """PROTEAN on one node: the node's partitions, the per-batch choice of one, the instance
 autoscaler and geometry changes, on the loop.
 
-With ``ServerConfig.partitioning`` other than none the root builds one ``PartitionManager``.
+With ``ServerConfig.protean.partitioning`` other than none the root builds one ``PartitionManager``.
 It carves the worker cores into partitions at start (``Carved`` partitions of the node's
 ``ResourceManager``, so nothing else pins onto them), and is:
 
@@ -60,12 +60,12 @@ NODE_OWNER = "node"  # the owner of the node's partitions in the ResourceManager
 def protean_settings(config: ServerConfig) -> ProteanSettings:
     """The ``protean_*`` settings as Algorithm 2 and the autoscaler take them."""
     return ProteanSettings(
-        monitor_interval_s=config.protean_monitor_interval_s, ewma_weight=config.protean_ewma_weight,
-        wait_limit=config.protean_wait_limit, reconfig_fraction=config.protean_reconfig_fraction,
-        require_same_target=config.protean_require_same_target, t_low=config.protean_t_low,
-        t_high=config.protean_t_high, keep_alive_s=config.protean_keep_alive_s,
-        unknown_fbr=config.protean_unknown_fbr, wait_for_free=config.protean_wait_for_free,
-        be_max_wait_s=config.protean_be_max_wait_s)
+        monitor_interval_s=config.protean.protean_monitor_interval_s, ewma_weight=config.protean.protean_ewma_weight,
+        wait_limit=config.protean.protean_wait_limit, reconfig_fraction=config.protean.protean_reconfig_fraction,
+        require_same_target=config.protean.protean_require_same_target, t_low=config.protean.protean_t_low,
+        t_high=config.protean.protean_t_high, keep_alive_s=config.protean.protean_keep_alive_s,
+        unknown_fbr=config.protean.protean_unknown_fbr, wait_for_free=config.protean.protean_wait_for_free,
+        be_max_wait_s=config.protean.protean_be_max_wait_s)
 
 
 class PartitionManager:
@@ -81,8 +81,8 @@ class PartitionManager:
                  metrics: Metrics, total_mem: int, profiles: ProteanProfileSource | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
-        self.partitioning = config.partitioning
-        self.warm = config.partition_warm_instances
+        self.partitioning = config.protean.partitioning
+        self.warm = config.protean.partition_warm_instances
         self.resources = resources
         self.changer = changer
         self.models = models
@@ -92,15 +92,15 @@ class PartitionManager:
         self.profiles = profiles
         self.clock = clock
         self.cpus = worker_cpus(sorted(resources.cpus))
-        layout = initial_layout(config.partitioning, config.geometry, self.cpus)
+        layout = initial_layout(config.protean.partitioning, config.protean.geometry, self.cpus)
         self.geometry: Geometry | None = layout.geometry  # PROTEAN's units, None for a static layout
         self.unit = layout.unit
         self._parts = self._carve(layout.cpu_sets)
         self.settings = protean_settings(config)
-        self.policy = config.strict_placement.resolve(config.partitioning)
+        self.policy = config.protean.strict_placement.resolve(config.protean.partitioning)
         self.slowdown = self._slowdown_model()
         self.chooser = BatchChooser(self.policy, self._distributor())
-        self.autoscaler = InstanceAutoscaler(config.protean_keep_alive_s)
+        self.autoscaler = InstanceAutoscaler(config.protean.protean_keep_alive_s)
         self.controller: GeometryController | None = None
         self.controller_off: str | None = None  # why no geometry controller runs
         if self.geometry is not None and self.unit is not None:
@@ -108,9 +108,9 @@ class PartitionManager:
                                                  self._thresholds)
         else:
             self.controller_off = (f"{len(self.cpus)} worker cores: PROTEAN's geometries need at least 7"
-                                   if config.partitioning is Partitioning.PROTEAN else
-                                   f"partitioning {config.partitioning.value} keeps its geometry")
-        self.changes: deque[dict[str, Any]] = deque(maxlen=config.placement_history)
+                                   if config.protean.partitioning is Partitioning.PROTEAN else
+                                   f"partitioning {config.protean.partitioning.value} keeps its geometry")
+        self.changes: deque[dict[str, Any]] = deque(maxlen=config.packrat.placement_history)
         self._lock = asyncio.Lock()  # one geometry change at a time
         self._timers: list[asyncio.TimerHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,7 +123,7 @@ class PartitionManager:
         self.retired: dict[str, int] = {}  # model -> instances scale-down retired (that went)
         # the autoscaler's resizes, oldest first: when each was asked and landed, so a report can
         # set instances started and retired against the load (bounded like placement records)
-        self.resizes: deque[dict[str, Any]] = deque(maxlen=config.placement_history)
+        self.resizes: deque[dict[str, Any]] = deque(maxlen=config.packrat.placement_history)
         # The models that stand for the BE and the strict mix in Algorithm 2 (the one with most
         # work of the class at the last tick): Job(model, batch, strict, bytes of one batch).
         self._main: dict[bool, Job] = {}
@@ -133,7 +133,7 @@ class PartitionManager:
         if len(resources.cpus) <= 2:
             log.info("partitions: %d CPUs: the front end shares the partitions' cores with the workers",
                      len(resources.cpus))
-        if self.controller is None and config.partitioning is Partitioning.PROTEAN:
+        if self.controller is None and config.protean.partitioning is Partitioning.PROTEAN:
             log.info("partitions: no geometry controller (%s); static geometry", self.controller_off)
 
     # -- PartitionSource (the models' placers) ------------------------------------------------
@@ -183,7 +183,7 @@ class PartitionManager:
                 value = self.profiles.fbr(m.name)
                 if value is not None:
                     fbr[m.name] = value
-        return SlowdownModel(self._solo, fbr, len(self.cpus), self.config.protean_unknown_fbr)
+        return SlowdownModel(self._solo, fbr, len(self.cpus), self.config.protean.protean_unknown_fbr)
 
     def _distributor(self) -> JobDistributor | None:
         if self.policy is not StrictPlacement.ETA:
@@ -309,7 +309,7 @@ class PartitionManager:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start ticking on ``loop``: the autoscaler, and the geometry controller when it runs."""
         self._loop = loop
-        self._every(loop, self.config.partition_autoscale_s, self._autoscale)
+        self._every(loop, self.config.protean.partition_autoscale_s, self._autoscale)
         if self.controller is not None:
             self._every(loop, self.settings.monitor_interval_s, self._monitor)
 
@@ -356,10 +356,10 @@ class PartitionManager:
         # One instance per pending batch is unbounded in a burst; on a CPU node instances
         # beyond a few per partition only time-slice its cores, and starting dozens at once
         # starves the ones serving (seen: 49 workers asked for at once on 2 cores, none up in 120 s).
-        ceiling = self.config.partition_max_instances * len(self._parts)
+        ceiling = self.config.protean.partition_max_instances * len(self._parts)
         for m in models:
             want = max(min(target.get(m.name, current[m.name]), ceiling), floor)
-            if self.config.preemption is PriorityMode.SEQ:
+            if self.config.reef.preemption is PriorityMode.SEQ:
                 # seq runs one batch on the node at a time: an instance beyond the warm ones
                 # could never run a batch beside another, it would only cost a cold start
                 want = min(want, max(floor, current[m.name]))

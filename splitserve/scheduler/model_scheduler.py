@@ -25,14 +25,14 @@ CLASSES = (RequestClass.RT, RequestClass.BE)
 
 
 class RtPolicy(Choice, what="rt_policy"):
-    """Order among waiting real-time requests; ``ServerConfig.rt_policy``."""
+    """Order among waiting real-time requests; ``ServerConfig.reef.rt_policy``."""
 
     FIFO = "fifo"  # arrival (slot) order
     EDF = "edf"  # earliest deadline first: the earlier of a request's soft SLO and hard deadline
 
 
 class ClassOrder(Choice, what="class_order"):
-    """Which class an idle instance serves first; ``ServerConfig.class_order``."""
+    """Which class an idle instance serves first; ``ServerConfig.reef.class_order``."""
 
     PRIORITY = "priority"  # real-time before best-effort (REEF, PROTEAN)
     ARRIVAL = "arrival"  # the oldest waiting request first, whatever its class (Molecule, INFless, naive slicing)

@@ -26,7 +26,7 @@ from splitserve.types import Choice
 
 
 class PriorityMode(Choice, what="preemption mode"):
-    """How RT and BE work share the node (the modes above); ``ServerConfig.preemption``."""
+    """How RT and BE work share the node (the modes above); ``ServerConfig.reef.preemption``."""
 
     REEF = "reef"
     SEQ = "seq"

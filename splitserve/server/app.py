@@ -68,10 +68,10 @@ log = logging.getLogger(__name__)
 def _partition_memory(config: ServerConfig) -> int:
     """The bytes the node's partitions share by cores: ``partition_memory_bytes``, else the
     memory budget, else the machine's physical memory."""
-    if config.partition_memory_bytes is not None:
-        return config.partition_memory_bytes
-    if config.memory_budget_bytes is not None:
-        return config.memory_budget_bytes
+    if config.protean.partition_memory_bytes is not None:
+        return config.protean.partition_memory_bytes
+    if config.memory.memory_budget_bytes is not None:
+        return config.memory.memory_budget_bytes
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -104,35 +104,36 @@ class Server:
     def __init__(self, config: ServerConfig, start_worker: WorkerFactory | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.monitor = InferenceMonitor(self.metrics, stage_trace=config.fast_stage_trace)
+        self.monitor = InferenceMonitor(self.metrics, stage_trace=config.transports.fast_stage_trace)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
         # PROTEAN's partitions, per-batch placement, autoscaler and geometry controller (partitioning set)
         self.partitions: PartitionManager | None = None
-        if config.partitioning is not Partitioning.NONE:
+        if config.protean.partitioning is not Partitioning.NONE:
             self.partitions = PartitionManager(config, self.resources, self.applier, lambda: self.runtimes.values(),
                                                lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events,
-                                       class_order=config.class_order, placement=self.partitions,
+        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.reef.preemption,
+                                       config.batching.coordinator_events,
+                                       class_order=config.reef.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
         self.by_func: dict[int, str] = {}
-        self.intake = Intake(config)  # requests still arriving on the fast path
+        self.intake = Intake(config.transports)  # requests still arriving on the fast path
         self.frontends: list[FrontEnd] = []
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self._stopped = False
         self._start_worker = start_worker or functools.partial(
-            WorkerHandle, reap_timeout_s=config.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
+            WorkerHandle, reap_timeout_s=config.workers.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._direct_watch: asyncio.TimerHandle | None = None
         self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
-        self.shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
+        self.shm = SystemSharedMemory(config.frontends.shm_max_regions, config.frontends.shm_max_bytes)
         # the node's GPUs and MIG slices, read-only (GET /v2/partitions' gpus)
-        self.gpus = GpuInventory(MigDriver().list, config.gpu_listing_max_age_s)
+        self.gpus = GpuInventory(MigDriver().list, config.gpu.gpu_listing_max_age_s)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -146,13 +147,13 @@ class Server:
 
     async def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
+        self._watchdog = self.loop.call_later(self.config.batching.watchdog_period_s, self._sweep)
         cfg = self.config
         private_dir(cfg.data_dir)
-        if cfg.fast_direct:
+        if cfg.transports.fast_direct:
             private_dir(cfg.direct_dir)
-            if cfg.preemption is PriorityMode.REEF:  # REEF across the direct path: the workers' pages
-                self._direct_watch = self.loop.call_later(cfg.direct_poll_s, self._watch_direct)
+            if cfg.reef.preemption is PriorityMode.REEF:  # REEF across the direct path: the workers' pages
+                self._direct_watch = self.loop.call_later(cfg.transports.direct_poll_s, self._watch_direct)
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
@@ -177,7 +178,7 @@ class Server:
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
             self.remember(rec)
-        if cfg.http_port is not None or cfg.grpc_port is not None:
+        if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             await asyncio.to_thread(self.management.ensure_token)
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
@@ -191,17 +192,17 @@ class Server:
         """The front ends ``config`` turns on, in start order."""
         cfg = self.config
         out: list[FrontEnd] = []
-        if cfg.fast_port is not None:
-            out.append(StreamListener(self, (cfg.host, cfg.fast_port)))
-        if cfg.unix_path is not None or cfg.fast_port is not None:
+        if cfg.transports.fast_port is not None:
+            out.append(StreamListener(self, (cfg.host, cfg.transports.fast_port)))
+        if cfg.transports.unix_path is not None or cfg.transports.fast_port is not None:
             out.append(StreamListener(self, cfg.unix_socket))
-        if cfg.udp_port is not None:
-            out.append(UdpListener(self, (cfg.host, cfg.udp_port)))
-        if cfg.http_port is not None or cfg.grpc_port is not None:
+        if cfg.transports.udp_port is not None:
+            out.append(UdpListener(self, (cfg.host, cfg.transports.udp_port)))
+        if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             self._codec = CodecPool.from_config(cfg)
-            if cfg.http_port is not None:
+            if cfg.frontends.http_port is not None:
                 out.append(HttpFrontEnd(create_app(self, self.management, self._codec, cfg, self.shm), cfg))
-            if cfg.grpc_port is not None:
+            if cfg.frontends.grpc_port is not None:
                 out.append(GrpcFrontEnd(NodeServicer(self, self.management, self._codec, cfg, self.shm), cfg))
         return out
 
@@ -220,18 +221,18 @@ class Server:
 
     def _sweep(self) -> None:
         """The watchdog: answer calls nothing answered within max_call_age_s (see monitor)."""
-        self.monitor.sweep(time.perf_counter(), self.config.max_call_age_s)
-        self._watchdog = self.loop.call_later(self.config.watchdog_period_s, self._sweep)
+        self.monitor.sweep(time.perf_counter(), self.config.batching.max_call_age_s)
+        self._watchdog = self.loop.call_later(self.config.batching.watchdog_period_s, self._sweep)
 
     def _watch_direct(self) -> None:
         self.coordinator.watch_direct()
-        self._direct_watch = self.loop.call_later(self.config.direct_poll_s, self._watch_direct)
+        self._direct_watch = self.loop.call_later(self.config.transports.direct_poll_s, self._watch_direct)
 
     async def _stop_frontends(self, deadline: float) -> None:
         """Every front end stops taking requests; HTTP and gRPC calls in flight get stop_grace_s."""
         async def stop_one(fe: FrontEnd) -> None:
             try:
-                await fe.stop(self.config.stop_grace_s)
+                await fe.stop(self.config.frontends.stop_grace_s)
             except Exception:
                 log.exception("stopping front end %s failed", type(fe).__name__)
 
@@ -249,7 +250,7 @@ class Server:
         if self._stopped:
             return
         self._stopped = self.stopping = True
-        deadline = time.perf_counter() + self.config.stop_timeout_s
+        deadline = time.perf_counter() + self.config.workers.stop_timeout_s
         if self.partitions is not None:
             await self.partitions.stop()  # no autoscaling or geometry change while the models stop
         await self._stop_frontends(deadline)
@@ -385,7 +386,7 @@ class Server:
         """The class a call runs in: its own, or the model's default; policy may refuse BE."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        return call_class(cls, port.default_class, self.config.preemption is PriorityMode.RT_ONLY)
+        return call_class(cls, port.default_class, self.config.reef.preemption is PriorityMode.RT_ONLY)
 
     # -- ServingAPI: the shared request path for decoded front ends --------------------------
 

@@ -56,7 +56,7 @@ class FastPathConnection(FrameStream):
         self.server = server
         self.live = live
         self.loop = server.loop
-        self.cfg = server.config
+        self.cfg = server.config.transports  # the fast path's limits
         self.intake = server.intake
         self.peer = peer
         self.arrival: Arrival | None = None  # the request whose payload is being read

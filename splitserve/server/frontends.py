@@ -46,7 +46,7 @@ class CodecPool:
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> "CodecPool":
-        return cls(cfg.codec_threads, cfg.codec_max_pending, cfg.codec_inline_bytes)
+        return cls(cfg.frontends.codec_threads, cfg.frontends.codec_max_pending, cfg.frontends.codec_inline_bytes)
 
     def small(self, size: int | None) -> bool:
         """Whether a body of ``size`` bytes (None: not known yet) is handled on the loop."""

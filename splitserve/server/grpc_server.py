@@ -10,7 +10,7 @@ as HTTP's ``repository_routes``); ``NodeServicer`` adds the node's other managem
 through its ``ModelManager`` and shared-memory regions, as HTTP's ``create_app`` does. A
 method a servicer lacks answers UNIMPLEMENTED.
 
-The node starts its front end when ``config.grpc_port`` is not None and stops it before it
+The node starts its front end when ``config.frontends.grpc_port`` is not None and stops it before it
 stops its models. The servicer runs on the server's own event loop (grpc.aio).
 ``ModelInfer`` takes and returns raw message bytes, so that parsing the message,
 converting its tensors to numpy arrays and encoding the answer run in the front ends'
@@ -267,7 +267,7 @@ class InferenceServicer:
                 echo.id, echo.model_name, echo.model_version = request.id, request.model_name, request.model_version
             version = self.catalog.version(request.model_name, request.model_version)
             cfg = self.catalog.model_config(request.model_name)
-            limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, self.config.json_chars_per_value)
+            limit = infer_body_limit(cfg.inputs, cfg.max_batch_size, self.config.frontends.json_chars_per_value)
             if size > limit:
                 raise PayloadTooLarge(f"the message of {size} bytes exceeds model {cfg.name!r}'s limit of {limit} "
                                       f"bytes (max_batch_size {cfg.max_batch_size} samples of its inputs)")
@@ -301,7 +301,7 @@ class InferenceServicer:
         stream is not read (gRPC's flow control then holds the client back) until an answer
         has gone out. Each call gets exactly one answer; when the client goes away, the calls
         in flight still finish, and their answers are dropped."""
-        in_flight = asyncio.Semaphore(self.config.grpc_stream_max_in_flight)
+        in_flight = asyncio.Semaphore(self.config.frontends.grpc_stream_max_in_flight)
         # None: the reader is done, every answer is ahead of it. Bounded by in_flight: an
         # answer holds its call's place until it is sent.
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -490,7 +490,7 @@ def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:
 
 class GrpcFrontEnd(FrontEnd):
     """gRPC of ``servicer`` (a node's ``NodeServicer``, a cluster gateway's
-    ``InferenceServicer``) on ``config.host:config.grpc_port`` (0: a free port)."""
+    ``InferenceServicer``) on ``config.host:config.frontends.grpc_port`` (0: a free port)."""
 
     def __init__(self, servicer: InferenceServicer, config: ServerConfig) -> None:
         self.servicer = servicer
@@ -499,9 +499,9 @@ class GrpcFrontEnd(FrontEnd):
 
     async def start(self) -> dict[str, Any]:
         cfg = self.config
-        port_wanted = cfg.grpc_port or 0
+        port_wanted = cfg.frontends.grpc_port or 0
         srv = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", cfg.max_upload_bytes),
+            ("grpc.max_receive_message_length", cfg.frontends.max_upload_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),  # a port in use must fail here, not be shared silently
         ])

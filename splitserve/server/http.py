@@ -119,7 +119,7 @@ async def _json(request: Request, limit: int, default: Any = None) -> Any:
 
 
 def _infer_limit(config: ServerConfig, cfg: ModelSignature) -> int:
-    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.json_chars_per_value)
+    return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.frontends.json_chars_per_value)
 
 
 def _decode_infer(cfg: ModelSignature, body: bytes, header_length: str | None, shm: SharedMemoryRegions
@@ -257,7 +257,7 @@ def inference_routes(app: FastAPI, api: InferenceAPI, catalog: ModelCatalog, cod
         out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
         names = [t.name for t in cfg.outputs]
         parts, hlen = await codec.run(
-            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.json_chars_per_value),
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.frontends.json_chars_per_value),
             _encode_infer, name, ver, req, list(zip(names, out.outputs)),
             {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
         if hlen is None:
@@ -284,8 +284,8 @@ def repository_routes(app: FastAPI, registrar: ModelRegistrar, config: ServerCon
     index, register (multipart config, artifact and labels, within ``max_upload_bytes``) and
     unregister, through ``registrar`` (a node's ``ModelManager``; a gateway's registrar,
     which forwards to the cluster's controller). Register and unregister need the token."""
-    upload_limit = config.max_upload_bytes
-    small_limit = config.management_body_bytes
+    upload_limit = config.frontends.max_upload_bytes
+    small_limit = config.frontends.management_body_bytes
 
     def authorize(request: Request) -> None:
         registrar.check_token(request.headers.get("authorization"))
@@ -379,7 +379,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
                    [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
                     doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
-    small_limit = config.management_body_bytes
+    small_limit = config.frontends.management_body_bytes
     version_of = manager.version
 
     def authorize(request: Request) -> None:
@@ -439,8 +439,8 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]
         top_k = v2.json_number("top_k", doc.get("top_k", 5), int)
-        if not 1 <= top_k <= config.max_top_k:
-            raise InvalidInput(f"top_k must be an integer between 1 and {config.max_top_k}")
+        if not 1 <= top_k <= config.frontends.max_top_k:
+            raise InvalidInput(f"top_k must be an integer between 1 and {config.frontends.max_top_k}")
         cfg = manager.model_config(name)
         if not cfg.labels:
             raise InvalidInput(f"model {name!r} has no labels; register it with a labels file to classify")
@@ -527,7 +527,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
         optional body's ``parameters.keep_resident`` (bool) sets whether the memory manager
         may evict it."""
         authorize(request)
-        body = await _json(request, config.management_body_bytes, {})
+        body = await _json(request, config.frontends.management_body_bytes, {})
         params = body.get("parameters") if isinstance(body, dict) else body
         if params is not None and not isinstance(params, dict):
             raise InvalidInput(f"the body must be an object whose parameters are an object, got {body!r}")
@@ -639,7 +639,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
 class HttpFrontEnd(FrontEnd):
     """The HTTP front end: uvicorn serving ``app`` (``create_app``'s on a node,
     ``inference_app``'s at a cluster gateway) on the running loop, on ``config.host`` and
-    ``config.http_port`` (lifespan off, no signal handlers: the process's root owns the signals)."""
+    ``config.frontends.http_port`` (lifespan off, no signal handlers: the process's root owns the signals)."""
 
     def __init__(self, app: FastAPI, config: ServerConfig) -> None:
         self.app = app
@@ -649,15 +649,15 @@ class HttpFrontEnd(FrontEnd):
 
     async def start(self) -> dict[str, Any]:
         cfg = self.config
-        sock = tcp_listener(cfg.host, cfg.http_port or 0)
+        sock = tcp_listener(cfg.host, cfg.frontends.http_port or 0)
         sock.setblocking(False)
         userver = self._server = EmbeddedUvicorn(uvicorn.Config(
             self.app, lifespan="off", http="httptools", loop="none", log_config=None, access_log=False,
-            timeout_graceful_shutdown=max(1, round(cfg.stop_grace_s)), server_header=False,
+            timeout_graceful_shutdown=max(1, round(cfg.frontends.stop_grace_s)), server_header=False,
         ))
         task = self._task = asyncio.get_running_loop().create_task(userver.serve(sockets=[sock]),
                                                                    name="splitserve-http")
-        await userver.wait_started(task, cfg.http_start_poll_s)
+        await userver.wait_started(task, cfg.frontends.http_start_poll_s)
         port = sock.getsockname()[1]
         log.info("HTTP (Open Inference Protocol v2) on %s:%d", cfg.host, port)
         return {"http_port": port}

@@ -11,7 +11,7 @@ is refused ``QUEUE_FULL``. Two mechanisms close that hole:
   far are copied into a side buffer, their slots are freed at once, and they go on
   receiving into the side buffer. When such a request completes it gets fresh slots and
   is copied in once (``QUEUE_FULL`` if there is no room then). Side buffers are bounded
-  server-wide (``ServerConfig.side_buffer_bytes``); past the bound the oldest request
+  server-wide (``ServerConfig.transports.side_buffer_bytes``); past the bound the oldest request
   already aside is given up (its stream connection is closed, a UDP peer gets an error).
 * **A frame timeout.** A partial frame (stream or UDP) that is not complete
   ``frame_timeout_s`` after its first byte is abandoned; trickling bytes does not extend
@@ -38,7 +38,7 @@ from splitserve.errors import QueueFull, SplitServeError
 from splitserve.server.monitor import Call, CallTarget
 
 if TYPE_CHECKING:
-    from splitserve.config import ServerConfig
+    from splitserve.config import TransportSection
     from splitserve.protocol.header import RequestClass
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class Intake:
     itself so the periodic sweep can expire old frames.
     """
 
-    def __init__(self, config: "ServerConfig") -> None:
+    def __init__(self, config: "TransportSection") -> None:
         self.timeout = config.frame_timeout_s
         self.side_limit = config.side_buffer_bytes
         self.side_bytes = 0  # bytes of side buffers in use

@@ -72,19 +72,19 @@ def exposure_warning(config: "ServerConfig") -> str | None:
     if is_loopback(config.host):
         return None
     open_ = []
-    if config.fast_port is not None:
-        open_.append(f"the fast path on TCP {config.fast_port} (inference on every registered model)")
+    if config.transports.fast_port is not None:
+        open_.append(f"the fast path on TCP {config.transports.fast_port} (inference on every registered model)")
     if config.direct_tcp_host is not None:
         open_.append("each loaded model's workers' direct endpoints on TCP ports the OS picks (inference on that "
                      "model; LOOKUP names them)")
-    if config.udp_port is not None:
-        open_.append(f"UDP {config.udp_port} (inference; answers go to the datagram's source address, "
+    if config.transports.udp_port is not None:
+        open_.append(f"UDP {config.transports.udp_port} (inference; answers go to the datagram's source address, "
                      "so spoofed requests reflect traffic)")
-    if config.http_port is not None:
-        open_.append(f"HTTP {config.http_port}: inference, /classify, /metrics, /v2/scheduler/events, placement "
-                     "and model metadata")
-    if config.grpc_port is not None:
-        open_.append(f"gRPC {config.grpc_port}: inference, metadata and statistics")
+    if config.frontends.http_port is not None:
+        open_.append(f"HTTP {config.frontends.http_port}: inference, /classify, /metrics, /v2/scheduler/events, "
+                     "placement and model metadata")
+    if config.frontends.grpc_port is not None:
+        open_.append(f"gRPC {config.frontends.grpc_port}: inference, metadata and statistics")
     if not open_:
         return None
     return (f"listening on {config.host}, which is not loopback: anyone who can reach it can use, without the "
@@ -292,7 +292,7 @@ class ModelManager:
     def _prepare(self, config_toml: str, artifact: bytes | None, labels: str | None) -> tuple[ModelConfig, Path]:
         """Validate and write the model's files into a fresh directory beside the repository."""
         cfg = ModelConfig.from_toml(config_toml)
-        if cfg.artifact.kind.runs_code and not self.config.allow_code_artifacts:
+        if cfg.artifact.kind.runs_code and not self.config.frontends.allow_code_artifacts:
             raise InvalidInput(f"artifact.kind {cfg.artifact.kind!r} can run code on the server, so this server refuses "
                                "uploads of it; upload safetensors weights of a zoo architecture, or start the server "
                                "with --allow-code-artifacts (SPLITSERVE_ALLOW_CODE_ARTIFACTS=1) if every token holder "
@@ -300,7 +300,7 @@ class ModelManager:
         if labels is not None:
             if cfg.labels:
                 raise InvalidInput("give labels either in config.toml or as a labels file, not both")
-            config_toml = _with_labels(config_toml, _parse_labels(labels, self.config.max_labels))
+            config_toml = _with_labels(config_toml, _parse_labels(labels, self.config.frontends.max_labels))
             cfg = ModelConfig.from_toml(config_toml)
         if cfg.labels and len(cfg.labels) != cfg.outputs[0].numel:
             raise InvalidInput(f"{len(cfg.labels)} labels for output {cfg.outputs[0].name!r} of "
@@ -505,7 +505,7 @@ class ModelManager:
         """The model's configuration as served now, in Triton's model-configuration schema;
         splitserve's own settings are its ``parameters``."""
         rec, rt, cfg = self.record(name), self.models.loaded(name), self.model_config(name)
-        placement = cfg.placement or {"kind": str(self.config.placement)}
+        placement = cfg.placement or {"kind": str(self.config.packrat.placement)}
         return triton_model_config(cfg, rt.instance_count if rt is not None else cfg.instances,
                                    {"residency": self.state(name), "placement": placement,
                                     "func_id": rec.func_id, "version": rec.version})

@@ -70,7 +70,7 @@ class Metrics:
         self.dropped_answers = Counter(
             "splitserve_dropped_answers", "Answers not sent: after the watchdog's (late) or a second one (duplicate)",
             ("model", "reason"), registry=r)
-        # The direct path (ServerConfig.fast_direct): calls the workers took without the front end,
+        # The direct path (ServerConfig.transports.fast_direct): calls the workers took without the front end,
         # read from their pages at each scrape, so gauges of monotonic totals.
         self.direct_calls = Gauge("splitserve_direct_calls", "Direct calls by what became of them: received, "
                                   "answered, failed, in_flight_rt, in_flight_be", ("model", "state"), registry=r)

@@ -75,7 +75,7 @@ class ModelRuntime:
         self.func_id = record.func_id
         cfg = self.config
         sizes = [t.nbytes for t in cfg.inputs + cfg.outputs]
-        self.nslots = ring_slots(sizes, max(cfg.queue_slots or self.settings.queue_slots, 2 * cfg.max_batch_size))
+        self.nslots = ring_slots(sizes, max(cfg.queue_slots or self.settings.batching.queue_slots, 2 * cfg.max_batch_size))
         self.rings = {c: SlotRing(self.nslots) for c in CLASSES}
         self.tqs: dict[RequestClass, tuple[list[TensorQueue], list[TensorQueue]]] = {
             c: (
@@ -85,7 +85,7 @@ class ModelRuntime:
             for c in CLASSES
         }
         self.sched = ModelScheduler(self.name, make_policy(cfg.batching), cfg.max_batch_size, queue_limit=self.nslots,
-                                    rt_policy=self.settings.rt_policy, class_order=self.settings.class_order)
+                                    rt_policy=self.settings.reef.rt_policy, class_order=self.settings.reef.class_order)
         # Per instance id: its worker. Where each instance sits (threads, batch, CPUs) is the
         # node's ResourceManager's record; instances exist while the model holds its CPUs
         # (from a load until its unload gives them back).
@@ -100,8 +100,8 @@ class ModelRuntime:
         self.footprint = env.footprints.footprint(record)
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = env.profile(self.name)
-        self.placer = make_placer(self.name, cfg, self.settings.placement, self.profile.latency if self.profile else None,
-                                  self.settings.packrat_default_share, self.settings.fixed_cpus_shared,
+        self.placer = make_placer(self.name, cfg, self.settings.packrat.placement, self.profile.latency if self.profile else None,
+                                  self.settings.packrat.packrat_default_share, self.settings.packrat.fixed_cpus_shared,
                                   env.partitions)
         if (policy := self.placer.policy()) is not None:
             self.sched.policy = policy
@@ -130,9 +130,9 @@ class ModelRuntime:
         self.default_class = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self._batch_s: dict[int, float] = {}  # batch size -> EWMA of its compute time (s)
         # What each change of placement cost (bounded: the newest placement_history).
-        self.reconfigurations: deque[dict] = deque(maxlen=self.settings.placement_history)
+        self.reconfigurations: deque[dict] = deque(maxlen=self.settings.packrat.placement_history)
         self._repack_task: asyncio.Task | None = None
-        # Direct calls (ServerConfig.fast_direct) counted by workers this model no longer
+        # Direct calls (ServerConfig.transports.fast_direct) counted by workers this model no longer
         # holds; the live ones are read from their pages.
         self._direct_past = DirectCounts()
         # instance -> the port of its worker's TCP direct endpoint (from LOADED; the OS picks it)
@@ -211,7 +211,7 @@ class ModelRuntime:
         except BaseException:
             self.sched.remove(iid)
             raise
-        self._backoff[iid] = self.settings.worker_restart_backoff_s
+        self._backoff[iid] = self.settings.workers.worker_restart_backoff_s
         self._start_failures[iid] = 0
         return iid
 
@@ -260,7 +260,7 @@ class ModelRuntime:
         """Until the instances ``ids`` are up; ModelNotReady if one gave up starting (or
         the model stopped trying). Bounded: every start attempt is (worker_start_timeout_s)."""
         cfg = self.settings
-        attempts = cfg.worker_start_attempts
+        attempts = cfg.workers.worker_start_attempts
 
         def up() -> bool:
             return all(self.sched.instances[i].ready for i in ids if i in self.sched.instances)
@@ -269,7 +269,7 @@ class ModelRuntime:
             gave_up = any(self._start_failures.get(i, 0) >= attempts for i in ids)
             return up() or gave_up or self.state not in _RUNNING
 
-        deadline = time.perf_counter() + attempts * (cfg.worker_start_timeout_s + cfg.worker_restart_backoff_max_s)
+        deadline = time.perf_counter() + attempts * (cfg.workers.worker_start_timeout_s + cfg.workers.worker_restart_backoff_max_s)
         await self._until(settled, deadline)
         if not up():
             raise ModelNotReady(f"model {self.name!r}: new instances did not start: {self.error or 'timed out'}")
@@ -384,7 +384,7 @@ class ModelRuntime:
             raise ModelNotReady(f"model {self.name!r} was unloaded; load it again first")
         if self._evicting:  # bounded: evict kills what has not released its weights by its deadline
             await self._until(lambda: not self._evicting,
-                              time.perf_counter() + self.settings.drain_timeout_s + self.settings.stop_timeout_s)
+                              time.perf_counter() + self.settings.workers.drain_timeout_s + self.settings.workers.stop_timeout_s)
         if self.state is ModelState.FAILED:
             self._retry_at = 0.0  # an explicit load retries at once (through the memory manager, like any load)
         elif self.state is ModelState.READY:
@@ -404,7 +404,7 @@ class ModelRuntime:
             log.info("model %s: instance %d binds spare worker %d", self.name, i, handle.pid)
             self._bind(i)
             return
-        timeout = self.settings.worker_start_timeout_s
+        timeout = self.settings.workers.worker_start_timeout_s
         self.loop.call_later(timeout, self._start_timed_out, handle, timeout)
         log.info("model %s: instance %d waits for worker %d to start", self.name, i, handle.pid)
 
@@ -429,21 +429,21 @@ class ModelRuntime:
     def _direct_spec(self, i: int) -> DirectSpec | None:
         """Instance ``i``'s direct endpoint, with the front end's stream limits (None: off)."""
         s = self.settings
-        if not s.fast_direct:
+        if not s.transports.fast_direct:
             return None
         return DirectSpec(
-            str(self._direct_path(i)), self.func_id, s.direct_max_connections, s.fast_max_in_flight,
-            s.fast_out_high_water, s.fast_out_low_water, s.fast_max_pending_out, s.frame_timeout_s,
-            s.fast_reads_per_wakeup, s.preemption is PriorityMode.RT_ONLY, s.direct_suspend_poll_s,
-            s.direct_stage_bytes, int(self.slo_s * 1e6) if self.slo_s else 0, s.direct_tcp_host, s.direct_spin_us,
-            s.direct_compiled)
+            str(self._direct_path(i)), self.func_id, s.transports.direct_max_connections, s.transports.fast_max_in_flight,
+            s.transports.fast_out_high_water, s.transports.fast_out_low_water, s.transports.fast_max_pending_out, s.transports.frame_timeout_s,
+            s.transports.fast_reads_per_wakeup, s.reef.preemption is PriorityMode.RT_ONLY, s.transports.direct_suspend_poll_s,
+            s.transports.direct_stage_bytes, int(self.slo_s * 1e6) if self.slo_s else 0, s.direct_tcp_host, s.transports.direct_spin_us,
+            s.transports.direct_compiled)
 
     def _direct_path(self, i: int) -> Path:
         return self.settings.direct_dir / f"{self.func_id}-{i}.sock"
 
     def _direct_instances(self) -> list[int]:
         """Instances whose direct endpoints take calls now (bound, not retiring)."""
-        if not self.settings.fast_direct or self.state is not ModelState.READY:
+        if not self.settings.transports.fast_direct or self.state is not ModelState.READY:
             return []
         return [i for i in self.sched.serving()
                 if self.sched.instances[i].ready and not self.sched.instances[i].draining
@@ -470,7 +470,7 @@ class ModelRuntime:
         zero while the direct path is off). Their SLO outcomes join the model's SLO metric
         and statistics here, so every read of the statistics or the metrics sees them."""
         total = self._direct_past
-        if not self.settings.fast_direct:
+        if not self.settings.transports.fast_direct:
             return total
         for handle in self.workers.values():
             total = total + handle.counters.snapshot()
@@ -481,7 +481,7 @@ class ModelRuntime:
         """A worker leaves this model (unloaded or gone): keep what its page counted; its
         TCP endpoint is gone."""
         self._direct_tcp_ports.pop(instance, None)
-        if self.settings.fast_direct:
+        if self.settings.transports.fast_direct:
             self._direct_past = self._direct_past + handle.counters.snapshot().finished()
 
     def _profiled_segment_times(self, i: int) -> list[tuple[int, int, int]]:
@@ -494,12 +494,12 @@ class ModelRuntime:
         """LOAD this model into instance ``i``'s worker (up, bound to nothing); the
         instance is LOADING, never dispatched to, until ``on_loaded``."""
         handle = self.workers[i]
-        if self.settings.fast_direct:
-            handle.counters.set_admit(self.settings.direct_admit)
+        if self.settings.transports.fast_direct:
+            handle.counters.set_admit(self.settings.transports.direct_admit)
         if not handle.send_load(self._bind_spec(i)):
             return  # gone: its exit is handled as any other
         self.sched.set_residency(i, Residency.LOADING)
-        timeout = self.settings.worker_start_timeout_s
+        timeout = self.settings.workers.worker_start_timeout_s
         self.loop.call_later(timeout, self._load_timed_out, handle, handle.binding, timeout)
 
     @staticmethod
@@ -527,7 +527,7 @@ class ModelRuntime:
             self.env.footprints.save(self.record, self.footprint, msg.load_ns / 1e6)
         self.stats.loads += 1
         self.stats.load_ns += msg.load_ns
-        self._backoff[instance] = self.settings.worker_restart_backoff_s
+        self._backoff[instance] = self.settings.workers.worker_restart_backoff_s
         self._start_failures[instance] = 0
         if self.state is ModelState.LOADING and not self.sched.instances[instance].standby:
             self.state = ModelState.READY  # serve as soon as one instance can
@@ -621,7 +621,7 @@ class ModelRuntime:
         same way); a crash or a timeout is retried, and fails the model after
         worker_start_attempts in a row. Other instances that serve keep serving."""
         self._start_failures[instance] += 1
-        attempts = self.settings.worker_start_attempts
+        attempts = self.settings.workers.worker_start_attempts
         others = any(self.sched.instances[i].ready for i in self.sched.serving() if i != instance)
         given_up = self._start_failures[instance] >= attempts
         if others:
@@ -639,7 +639,7 @@ class ModelRuntime:
 
     def _restart_later(self, instance: int, why: str) -> None:
         delay = self._backoff[instance]
-        self._backoff[instance] = min(delay * 2, self.settings.worker_restart_backoff_max_s)
+        self._backoff[instance] = min(delay * 2, self.settings.workers.worker_restart_backoff_max_s)
         log.warning("model %s: %s; restarting in %.1fs", self.name, why, delay)
         self.loop.call_later(delay, self._restart, instance)
 
@@ -656,7 +656,7 @@ class ModelRuntime:
     def _fail(self, reason: str) -> None:
         """The model could not load: FAILED, refusing calls (MODEL_NOT_READY and the reason)
         until ``load_retry_s`` passed; the instances stay, so a retry starts them again."""
-        retry_s = self.settings.load_retry_s
+        retry_s = self.settings.workers.load_retry_s
         self.state, self.error = ModelState.FAILED, reason
         self._retry_at = time.perf_counter() + retry_s
         log.error("model %s failed to load: %s; calls are refused, a request after %gs or a load retries it",
@@ -669,7 +669,7 @@ class ModelRuntime:
 
     async def _drain_all(self, ids: list[int]) -> None:
         """Retire the instances ``ids``: no new batches; each gets drain_timeout_s."""
-        deadline = time.perf_counter() + self.settings.drain_timeout_s
+        deadline = time.perf_counter() + self.settings.workers.drain_timeout_s
         await asyncio.gather(*(self._drain_and_stop(i, deadline) for i in ids))
 
     async def _drain_and_stop(self, i: int, deadline: float) -> None:
@@ -713,7 +713,7 @@ class ModelRuntime:
         if disable:
             self.enabled = False
         if deadline is None:
-            deadline = time.perf_counter() + self.settings.stop_timeout_s
+            deadline = time.perf_counter() + self.settings.workers.stop_timeout_s
         self.state = ModelState.STOPPING
         self._evicting = False  # an eviction under way ends here: the workers stop
         error = ShuttingDown(f"model {self.name!r} {reason}")
@@ -761,14 +761,14 @@ class ModelRuntime:
             if not self.release_residency():
                 return False
             if deadline is None:
-                deadline = time.perf_counter() + self.settings.drain_timeout_s
+                deadline = time.perf_counter() + self.settings.workers.drain_timeout_s
             if not await self._until(lambda: not self._evicting, deadline):
                 for i, st in self.sched.instances.items():
                     handle = self.workers.get(i)
                     if handle is not None and st.residency is not Residency.ABSENT:
                         handle.kill(f"model {self.name!r}: instance {i} did not release its weights by the "
                                     "eviction's deadline")
-                await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.stop_timeout_s)
+                await self._until(lambda: not self._evicting, time.perf_counter() + self.settings.workers.stop_timeout_s)
             return True
 
     def release_residency(self) -> bool:
@@ -819,7 +819,7 @@ class ModelRuntime:
         self._evicting = False
         self.stats.evictions += 1
         log.info("model %s: evicted; its weights are released, the next call loads it", self.name)
-        if self.settings.evict_drop_cache:
+        if self.settings.memory.evict_drop_cache:
             path = weights_file(self.config, self.record.path, self.settings.cache_path)
             if path is not None:  # off the loop: the kernel may write back or walk many pages
                 self.loop.run_in_executor(None, drop_page_cache, path)
@@ -965,7 +965,7 @@ class ModelRuntime:
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
             sample = msg.compute_ns / 1e9
-            weight = self.settings.batch_time_weight
+            weight = self.settings.reef.batch_time_weight
             self._batch_s[batch.count] = sample if old is None else old + weight * (sample - old)
             self.sched.batch_done(sample)
         st = self.stats
@@ -1050,7 +1050,7 @@ class ModelRuntime:
             began = None if b is None else b.created if b.started is None else b.started
             placed = self.resources.placed(self.name, i)
             running_cls, running_batch = (b.cls, b.batch_id) if b else (None, 0)
-            if b is None and self.settings.fast_direct and (h := self.workers.get(i)) is not None:
+            if b is None and self.settings.transports.fast_direct and (h := self.workers.get(i)) is not None:
                 d = h.counters.snapshot()  # what its direct path runs, from its page
                 if d.rt_running or d.in_flight_be:
                     running_cls = RequestClass.RT if d.rt_running else RequestClass.BE
@@ -1148,7 +1148,7 @@ class ModelRuntime:
             "enabled": self.enabled,
             "residency": [self.sched.instances[i].residency.value for i in serving],
             "weights_bytes": self.stats.weights_bytes,
-            # The workers' own endpoints (ServerConfig.fast_direct; empty: send calls here),
+            # The workers' own endpoints (ServerConfig.transports.fast_direct; empty: send calls here),
             # and the calls they took directly.
             "direct": self.direct_endpoints(),
             # the same workers' TCP endpoints, for clients that reach the node over TCP (a
@@ -1193,4 +1193,4 @@ class ModelRuntime:
         return ModelGauges(
             self.name, {c: len(q) for c, q in self.sched.queues.items()},
             sum(1 for st in self.sched.instances.values() if st.ready and not st.draining),
-            self.state is ModelState.FAILED, self.direct_counts() if self.settings.fast_direct else None)
+            self.state is ModelState.FAILED, self.direct_counts() if self.settings.transports.fast_direct else None)

@@ -154,7 +154,7 @@ class UdpEndpoint:
         self.loop = server.loop
         self.intake = server.intake
         self.sock = sock
-        cfg = server.config
+        cfg = server.config.transports
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.udp_rcvbuf)
         self.hdr = bytearray(HEADER_SIZE)
@@ -167,7 +167,7 @@ class UdpEndpoint:
         self.intake.watch(self, self.loop)
 
     def _on_readable(self) -> None:
-        for _ in range(self.server.config.fast_reads_per_wakeup):
+        for _ in range(self.server.config.transports.fast_reads_per_wakeup):
             try:
                 n, addr = self.sock.recvfrom_into(self.hdr, HEADER_SIZE, socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):

@@ -213,7 +213,7 @@ class FuzzServer:
         self.config = config or ServerConfig()
         self.connections: set[Any] = set()
         self.monitor = InferenceMonitor()
-        self.intake = Intake(self.config)
+        self.intake = Intake(self.config.transports)
         self.runtimes = {m.name: FuzzRuntime(self, m, FUNC_IDS[m.name]) for m in MODELS}
         self.by_func = {rt.func_id: rt for rt in self.runtimes.values()}
         self.submitted: list[Submitted] = []
@@ -225,7 +225,7 @@ class FuzzServer:
     def reset(self, answers: list[str], start: int, free: int | None) -> None:
         self.monitor = InferenceMonitor()
         self.intake.close()
-        self.intake = Intake(self.config)
+        self.intake = Intake(self.config.transports)
         self.connections.clear()
         self.submitted = []
         self.later = []

@@ -1,6 +1,6 @@
 """A worker's direct endpoint: SplitRPC's split on a host without a programmable NIC.
 
-With ``ServerConfig.fast_direct`` every bound worker also listens on a Unix socket of its
+With ``ServerConfig.transports.fast_direct`` every bound worker also listens on a Unix socket of its
 own (in the node's private run directory, mode 0600) and, when the node's fast path listens
 on TCP, on a TCP port of its own at the fast path's address (``DirectSpec.tcp_host``; the
 port its OS picks goes back in LOADED), both named in the model's LOOKUP reply. Both kinds

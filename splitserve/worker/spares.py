@@ -56,7 +56,7 @@ class SparePool(Generic[W]):
         self.loop = loop
         self._spawn = spawn
         self._node_stopping = node_stopping  # the node is shutting down: nothing new starts
-        self.target = config.spare_workers
+        self.target = config.memory.spare_workers
         # A spare returned by an eviction is kept even when the pool is full, once: the
         # load that the eviction made room for takes it, so no process starts or exits.
         self.capacity = self.target + 1 if self.target else 0
@@ -104,7 +104,7 @@ class SparePool(Generic[W]):
             return False
         start = handle.rss_anon_at_start
         recycled = (not self.stopped and handle.alive and handle.residency is Residency.UNBOUND
-                    and start is not None and rss_anon - start <= self.config.recycle_slack_bytes)
+                    and start is not None and rss_anon - start <= self.config.memory.recycle_slack_bytes)
         handle.adopt(self, -next(self._ids))
         if recycled and len(self.idle) < self.capacity:
             self.idle.append(handle)
@@ -137,7 +137,7 @@ class SparePool(Generic[W]):
 
     def _stop(self, handle: W, grace_s: float | None = None) -> None:
         """Ask ``handle`` to exit (killed after ``grace_s``, default stop_timeout_s)."""
-        grace = self.config.stop_timeout_s if grace_s is None else grace_s
+        grace = self.config.workers.stop_timeout_s if grace_s is None else grace_s
         task = self.loop.create_task(handle.stop(grace))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
@@ -145,17 +145,17 @@ class SparePool(Generic[W]):
     def _spec(self, ctrl_fd: int, flag_fd: int) -> WorkerSpec:
         cfg = self.config
         return WorkerSpec(ctrl_fd=ctrl_fd, flag_fd=flag_fd, cache_dir=str(cfg.cache_path), log_level=cfg.log_level,
-                          segment_time_weight=cfg.segment_time_weight)
+                          segment_time_weight=cfg.reef.segment_time_weight)
 
     def _refill(self) -> None:
         """Start spares until ``spare_workers`` are up or starting (bounded: never more,
         and not after worker_start_attempts spares in a row died before they were up)."""
         while (not self.stopped and not self._node_stopping() and len(self.idle) + len(self.starting) < self.target
-               and self._failed_starts < self.config.worker_start_attempts):
+               and self._failed_starts < self.config.workers.worker_start_attempts):
             ident = next(self._ids)
             handle = self._spawn(self, -ident, self._spec, self.loop)
             self.starting[ident] = handle
-            self.loop.call_later(self.config.worker_start_timeout_s, self._start_timed_out, handle)
+            self.loop.call_later(self.config.workers.worker_start_timeout_s, self._start_timed_out, handle)
 
     def _start_timed_out(self, handle: W) -> None:
         if handle.alive and not handle.started and any(h is handle for h in self.starting.values()):

@@ -25,22 +25,24 @@ class DirectSpec:
 
     path: str  # its Unix socket, in the node's private run directory
     func_id: int  # the model it serves: frames naming another are refused UNKNOWN_MODEL
-    max_connections: int  # ServerConfig.direct_max_connections
-    max_in_flight: int  # ServerConfig.fast_max_in_flight, per connection
-    out_high_water: int  # ServerConfig.fast_out_high_water
-    out_low_water: int  # ServerConfig.fast_out_low_water
-    max_pending_out: int  # ServerConfig.fast_max_pending_out
-    frame_timeout_s: float  # ServerConfig.frame_timeout_s
-    reads_per_wakeup: int  # ServerConfig.fast_reads_per_wakeup
+    max_connections: int  # ServerConfig.transports.direct_max_connections
+    max_in_flight: int  # ServerConfig.transports.fast_max_in_flight, per connection
+    out_high_water: int  # ServerConfig.transports.fast_out_high_water
+    out_low_water: int  # ServerConfig.transports.fast_out_low_water
+    max_pending_out: int  # ServerConfig.transports.fast_max_pending_out
+    frame_timeout_s: float  # ServerConfig.transports.frame_timeout_s
+    reads_per_wakeup: int  # ServerConfig.transports.fast_reads_per_wakeup
     rt_only: bool  # the node refuses best-effort calls (preemption rt-only)
-    suspend_poll_s: float  # ServerConfig.direct_suspend_poll_s
-    stage_bytes: int  # ServerConfig.direct_stage_bytes
+    suspend_poll_s: float  # ServerConfig.transports.direct_suspend_poll_s
+    stage_bytes: int  # ServerConfig.transports.direct_stage_bytes
     slo_us: int = 0  # the model's SLO for real-time calls that name none (0: none)
     # Also listen on TCP at this address (the node's fast-path host; the OS picks the port,
     # reported in LOADED): None for a Unix endpoint only. One connection limit covers both.
     tcp_host: str | None = None
-    spin_us: int = 0  # ServerConfig.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
-    compiled: bool = True  # ServerConfig.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
+    # ServerConfig.transports.direct_spin_us: the loop's poll before it sleeps (``splitserve/spin.py``)
+    spin_us: int = 0
+    # ServerConfig.transports.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
+    compiled: bool = True
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class WorkerSpec:
     flag_fd: int  # one page of shared memory: byte 0 is the preemption flag
     cache_dir: str
     log_level: str  # ServerConfig.log_level
-    segment_time_weight: float  # ServerConfig.segment_time_weight
+    segment_time_weight: float  # ServerConfig.reef.segment_time_weight
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -31,7 +31,7 @@ from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import attach, stop_actors, wait_serving  # noqa: E402
 from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402
 from splitserve.cluster.actors.provider import AutoscalerProviderActor  # noqa: E402
-from splitserve.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.config import ClusterConfig  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402
 
 # the fake provider names its nodes by number; v2 needs the head's named so too

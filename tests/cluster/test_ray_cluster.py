@@ -31,7 +31,7 @@ from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402
 from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402
 from splitserve.cluster.gateway.modelspec import ModelSpec  # noqa: E402
-from splitserve.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.config import ClusterConfig  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402

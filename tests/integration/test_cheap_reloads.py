@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.config import ServerConfig
+from splitserve.config import WorkerSection
 from splitserve.models.zoo import build_zoo_model
 from tests.inproc import quiet_config, run_server, until, write_model
 from tests.integration.test_worker_residency import Queues, Recorder, load, run_and_check, start, unload, zoo
@@ -134,7 +134,7 @@ def test_each_load_places_the_process_anew_all_its_threads_included_and_a_measur
             await run_and_check(owner, h, q, batch_id=2)
             return first_load, first, second_load, thread_cpus(h.pid)
         finally:
-            await h.stop(ServerConfig.stop_timeout_s)
+            await h.stop(WorkerSection.stop_timeout_s)
 
     try:
         first_load, first, second_load, second = asyncio.run(asyncio.wait_for(story(), BOUND_S))

@@ -348,7 +348,6 @@ def test_deadline_ms_must_be_a_positive_number(stub, kind, value):
 
 
 def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details(tmp_path, monkeypatch):
-    import dataclasses
     import errno
     import os
 
@@ -388,8 +387,7 @@ def test_a_full_disk_is_resource_exhausted_and_a_bug_is_internal_without_details
     async def scenario(server):
         return await asyncio.to_thread(test, server)
 
-    config = dataclasses.replace(quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache"),
-                                 grpc_port=0, http_port=0)
+    config = quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache").replaced(grpc_port=0, http_port=0)
     full_disk, internal, ready, http_ready = run_server(config, scenario)
     assert "secret" not in internal and "KeyError" not in internal
     assert ready is True and http_ready is True

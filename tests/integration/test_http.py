@@ -4,7 +4,6 @@ security, statistics and metrics, against real server processes on loopback."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import json
 import logging
@@ -496,8 +495,8 @@ def test_register_unload_load_restart_and_upload_limits(tmp_path):
 def _inproc(tmp_path, test, **overrides):
     """Run ``test(server, base_url)`` in a thread beside an in-process server (HTTP and the
     fast path on free ports, no workers unless a model is used)."""
-    config = dataclasses.replace(quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache"),
-                                 http_port=0, fast_port=0, **overrides)
+    config = quiet_config(tmp_path / "data", cache_dir=tmp_path / "cache").replaced(http_port=0, fast_port=0,
+                                                                                    **overrides)
 
     async def scenario(server):
         return await asyncio.to_thread(test, server, f"http://127.0.0.1:{server.ports['http_port']}")
@@ -564,8 +563,9 @@ def test_infer_bodies_are_limited_by_the_models_size_not_the_upload_limit(tmp_pa
 
     def test(server, url):
         cfg = server.records["lenet"].config
-        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, server.config.json_chars_per_value) == 868_352
-        assert too_big < server.config.max_upload_bytes // 100
+        per_value = server.config.frontends.json_chars_per_value
+        assert v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, per_value) == 868_352
+        assert too_big < server.config.frontends.max_upload_bytes // 100
         declared = httpx.post(f"{url}/v2/models/lenet/infer", content=b" " * too_big,
                               headers={"Content-Type": "application/json"})
 
@@ -675,9 +675,9 @@ def test_a_non_loopback_bind_warns_what_needs_no_token():
     from splitserve.config import ServerConfig
     from splitserve.server.management import exposure_warning
 
-    assert exposure_warning(ServerConfig(host="127.0.0.1")) is None
-    assert exposure_warning(ServerConfig(host="::1")) is None
-    text = exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert exposure_warning(ServerConfig.of(host="127.0.0.1")) is None
+    assert exposure_warning(ServerConfig.of(host="::1")) is None
+    text = exposure_warning(ServerConfig.of(host="0.0.0.0"))
     for words in ("fast path on TCP 8100", "UDP 8101", "/classify", "/metrics", "gRPC 8001", "first request"):
         assert words in text
 

@@ -8,7 +8,6 @@ process wait, so a regression fails instead of hanging the suite.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import signal
@@ -112,7 +111,7 @@ def corrupt_model(repo: Path) -> None:
 def test_a_model_whose_load_failed_is_failed_and_refuses_calls_at_once(tmp_path):
     repo = tmp_path / "repo"
     corrupt_model(repo)
-    cfg = dataclasses.replace(quiet_config(tmp_path / "data", repository=repo), fast_port=0)
+    cfg = quiet_config(tmp_path / "data", repository=repo).replaced(fast_port=0)
     x = np.zeros((1, 1, 28, 28), np.uint8)
 
     def over_the_fast_path(url: str) -> list[str]:

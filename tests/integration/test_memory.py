@@ -12,7 +12,6 @@ import random
 import signal
 import threading
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -236,8 +235,8 @@ def test_a_worker_killed_mid_load_releases_the_reservation_and_the_waiting_calls
 def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answered_once_and_right(tmp_path):
     """Rafiqi §5.0.2's untested case: highly concurrent model swapping."""
     names = lenet_copies(tmp_path / "repo", 8)
-    cfg = replace(quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache",
-                               max_resident_models=2, spare_workers=1), fast_port=0, http_port=0)
+    cfg = quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache",
+                       max_resident_models=2, spare_workers=1).replaced(fast_port=0, http_port=0)
     xs = np.random.default_rng(1).integers(0, 256, (4, 1, 28, 28), dtype=np.uint8)
     want = {name: reference(seed + 1, xs) for seed, name in enumerate(names)}
     clients = 32

@@ -14,8 +14,9 @@ from unittest import mock
 from rich.console import Console
 from typer.testing import CliRunner
 
-from splitserve import cli
-from splitserve.cli import app, short_shapes
+from splitserve.cli import app
+from splitserve.cli import models as models_cli
+from splitserve.cli.models import short_shapes
 from splitserve.client.http import HttpClient
 from tests.gateway_front import CLUSTER_FID, with_registry
 from tests.inproc import write_model
@@ -24,7 +25,7 @@ from tests.inproc import write_model
 def _list(url: str, data_dir: Path, *flags: str) -> Any:
     # --wide's rows unfolded: the CLI's console took its width when it was made (a COLUMNS set
     # in the environment then, e.g. by the test runner, fixes it), so give it a wide one
-    with mock.patch.object(cli, "console", Console(width=200)):
+    with mock.patch.object(models_cli, "console", Console(width=200)):
         result = CliRunner().invoke(app, ["models", "list", "--url", url, "--data-dir", str(data_dir), *flags])
     assert result.exit_code == 0, result.output
     return json.loads(result.output) if "--json" in flags else result.output

@@ -12,7 +12,6 @@ import os
 import signal
 import urllib.request
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -196,9 +195,9 @@ def test_protean_under_a_50_50_stream_logs_strict_batches_only_on_partitions_tag
     save_profiles(data, {"be": {"footprint": {"1": f}}, "rt": {"footprint": {"1": 1}}})
     # preemption concurrent is what --partitioning protean defaults to (ServerConfig.from_env);
     # one instance of each model per partition: no cold starts on 2 cores
-    cfg = replace(quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
-                               preemption="concurrent", partition_memory_bytes=3 * f, partition_max_instances=1,
-                               load=("be", "rt")), http_port=0)
+    cfg = quiet_config(data, repository=repo, cache_dir=cache, partitioning="protean", geometry="1,1",
+                       preemption="concurrent", partition_memory_bytes=3 * f, partition_max_instances=1,
+                       load=("be", "rt")).replaced(http_port=0)
     calls = 10  # per client
 
     async def scenario(server):
@@ -280,8 +279,8 @@ def _post(url: str, body: dict, token: str) -> dict:
 
 def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_once(tmp_path):
     repo, cache, _ = gate_repo(tmp_path, ("gate", "max_batch_size = 4"))
-    cfg = replace(quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static",
-                               geometry="1,1", load=("gate",)), http_port=0)
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static",
+                       geometry="1,1", load=("gate",)).replaced(http_port=0)
 
     async def scenario(server):
         url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"
@@ -364,7 +363,7 @@ def test_protean_holds_a_strict_batch_for_its_busy_partition_rather_than_run_it_
 def test_partitions_lists_the_nodes_gpus_read_only_on_any_node(tmp_path):
     from tests.unit.test_gpus import _has_driver
 
-    cfg = replace(quiet_config(tmp_path / "data"), http_port=0)
+    cfg = quiet_config(tmp_path / "data").replaced(http_port=0)
 
     async def scenario(server):
         await until(lambda: server.gpus.listing is not None)  # read at start, off the loop

@@ -60,9 +60,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     (INT64, holds a sample while its key is closed) in a repository."""
     base = tmp_path_factory.mktemp("triton")
     write_model(base / "repo", "gate", "gate")
-    config = dataclasses.replace(quiet_config(base / "data", cache_dir=base / "cache", repository=base / "repo",
-                                              load=("lenet", "vecadd1k"), grpc_stream_max_in_flight=STREAM_LIMIT),
-                                 http_port=0, grpc_port=0)
+    config = quiet_config(base / "data", cache_dir=base / "cache", repository=base / "repo",
+                          load=("lenet", "vecadd1k"),
+                          grpc_stream_max_in_flight=STREAM_LIMIT).replaced(http_port=0, grpc_port=0)
     up, stop = threading.Event(), threading.Event()
     box: dict[str, Any] = {}
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.config import ServerConfig
+from splitserve.config import ReefSection, TransportSection
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.tensorqueue import TensorQueue, ring_slots
@@ -37,7 +37,7 @@ def _queues(cfg: ModelConfig) -> tuple[list[TensorQueue], int]:
 
 def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us: int = 0) -> BindSpec:
     """A best-effort binding of ``cfg`` with a direct endpoint at ``tmp_path/d.sock``."""
-    d = ServerConfig()
+    d = TransportSection()
     direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.fast_max_in_flight, d.fast_out_high_water,
                         d.fast_out_low_water, d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup,
                         False, d.direct_suspend_poll_s, d.direct_stage_bytes, spin_us=spin_us)
@@ -77,7 +77,7 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.settimeout(WAIT_S)
     w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
-                          segment_time_weight=ServerConfig.segment_time_weight))
+                          segment_time_weight=ReefSection.segment_time_weight))
     modes: list[tuple[int, bool]] = []  # (message kind, inference mode on) as each control message is handled
     step = w.step
 

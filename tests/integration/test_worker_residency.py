@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.config import ServerConfig
+from splitserve.config import ReefSection, ServerConfig, WorkerSection
 from splitserve.modelconfig import ModelConfig
 from splitserve.models.zoo import build_zoo_model
 from splitserve.protocol.header import RequestClass
@@ -121,7 +121,7 @@ def unbound_worker(cache_dir: Path) -> Iterator[tuple[Worker, socket.socket]]:
     flag = PreemptFlag()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     spec = WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(cache_dir),
-                      log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
+                      log_level=ServerConfig.log_level, segment_time_weight=ReefSection.segment_time_weight)
     w = Worker(spec)
     try:
         yield w, ours
@@ -282,9 +282,9 @@ def start(owner: Recorder, cache_dir: Path) -> WorkerHandle:
 
     def make_spec(ctrl_fd: int, flag_fd: int) -> WorkerSpec:
         return WorkerSpec(ctrl_fd=ctrl_fd, flag_fd=flag_fd, cache_dir=str(cache_dir),
-                          log_level=ServerConfig.log_level, segment_time_weight=ServerConfig.segment_time_weight)
+                          log_level=ServerConfig.log_level, segment_time_weight=ReefSection.segment_time_weight)
 
-    return WorkerHandle(owner, 0, make_spec, asyncio.get_running_loop(), ServerConfig.worker_reap_timeout_s)
+    return WorkerHandle(owner, 0, make_spec, asyncio.get_running_loop(), WorkerSection.worker_reap_timeout_s)
 
 
 async def run_and_check(owner: Recorder, h: WorkerHandle, q: Queues, batch_id: int, seq: int = 3) -> None:
@@ -366,7 +366,7 @@ def test_a_worker_process_binds_a_model_serves_it_unloads_and_serves_another(tmp
             assert abs(loaded.nbytes - param_bytes("resnet18")) <= 0.1 * param_bytes("resnet18")
             await run_and_check(owner, h, resnet, batch_id=3)
         finally:
-            await h.stop(ServerConfig.stop_timeout_s)
+            await h.stop(WorkerSection.stop_timeout_s)
 
     try:
         asyncio.run(story())
@@ -401,7 +401,7 @@ def test_an_unloaded_models_weights_go_back_to_the_system(tmp_path):
                 await unload(owner, h)
                 assert resident - rss(h.pid) >= loaded.nbytes // 2, q.cfg.name
         finally:
-            await h.stop(ServerConfig.stop_timeout_s)
+            await h.stop(WorkerSection.stop_timeout_s)
 
     try:
         asyncio.run(story())

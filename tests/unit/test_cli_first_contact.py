@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from splitserve.cli import ModelRow, answer_with_progress, model_state, models_table, short_shapes
+from splitserve.cli.infer import answer_with_progress, model_state
+from splitserve.cli.models import ModelRow, models_table, short_shapes
 from splitserve.client.common import ModelInfo
 from splitserve.errors import ModelNotReady
 from splitserve.registry import Registry

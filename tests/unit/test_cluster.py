@@ -22,7 +22,7 @@ from splitserve.cluster.policy.procurement import Cancel, Launch, Procurement
 from splitserve.cluster.policy.revocation import DoomedStep, RevocationEmulator, doomed_step
 from splitserve.cluster.policy.sim import ClusterSim, Workload, simulate
 from splitserve.cluster.pools import TABLE3, Market, PricePreset, ProcurementPolicy
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, ModelNotReady, QueueFull, ShuttingDown
 from splitserve.protocol.header import RequestClass
 

@@ -17,7 +17,7 @@ from splitserve.cluster.gateway.core import Routes
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, UnknownModel
 
 SPEC = ModelSpec("late", 'name = "late"\n[artifact]\nkind = "zoo"\narch = "lenet"\n')

@@ -5,6 +5,7 @@ used by every place that takes the name; every tunable in ``ServerConfig`` with 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import typer
 
 from splitserve.cli import app
-from splitserve.config import ServerConfig
+from splitserve.config import ServerConfig, TransportSection
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactConfig, ArtifactKind, ModelConfig
 from splitserve.models.loader import load_artifact
@@ -35,11 +36,11 @@ def _refused(*parts: str) -> str:
 def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
     for mode in PriorityMode:
         assert PriorityMode.parse(str(mode)) is mode
-        assert ServerConfig(preemption=mode.value).preemption is mode
+        assert ServerConfig.of(preemption=mode.value).reef.preemption is mode
         monkeypatch.setenv("SPLITSERVE_PREEMPTION", mode.value)
-        assert ServerConfig.from_env().preemption is mode
+        assert ServerConfig.from_env().reef.preemption is mode
     with pytest.raises(InvalidInput, match=_refused("preemption", "'lifo'", "reef, seq, concurrent, rt-only")):
-        ServerConfig(preemption="lifo")
+        ServerConfig.of(preemption="lifo")
     monkeypatch.setenv("SPLITSERVE_PREEMPTION", "REEF")
     with pytest.raises(InvalidInput, match=_refused("SPLITSERVE_PREEMPTION", "'REEF'", "reef, seq, concurrent, rt-only")):
         ServerConfig.from_env()
@@ -48,10 +49,10 @@ def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
 def test_rt_policies_round_trip_and_an_unknown_one_is_refused():
     for policy in RtPolicy:
         assert RtPolicy.parse(policy.value) is policy
-        assert ServerConfig(rt_policy=policy.value).rt_policy is policy
+        assert ServerConfig.of(rt_policy=policy.value).reef.rt_policy is policy
         assert ModelScheduler("m", WorkConserving(), 2, 8, rt_policy=policy.value).rt_policy is policy
     with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
-        ServerConfig(rt_policy="lifo")
+        ServerConfig.of(rt_policy="lifo")
     with pytest.raises(InvalidInput, match=_refused("rt_policy", "'lifo'", "fifo, edf")):
         ModelScheduler("m", WorkConserving(), 2, 8, rt_policy="lifo")
 
@@ -59,13 +60,13 @@ def test_rt_policies_round_trip_and_an_unknown_one_is_refused():
 def test_placements_round_trip_and_an_unknown_one_is_refused():
     for kind in PlacementKind:
         assert PlacementKind.parse(kind.value) is kind
-        assert ServerConfig(placement=kind.value).placement is kind
+        assert ServerConfig.of(placement=kind.value).packrat.placement is kind
         parsed = PackratConfig.parse({"kind": kind.value, "threads": 1}, 8)
         assert (parsed is None) == (kind is PlacementKind.FIXED)
         # the server's default applies to a model whose [placement] names no kind
         assert (PackratConfig.parse({}, 8, kind) is None) == (kind is PlacementKind.FIXED)
     with pytest.raises(InvalidInput, match=_refused("placement", "'magic'", "fixed, packrat")):
-        ServerConfig(placement="magic")
+        ServerConfig.of(placement="magic")
     with pytest.raises(InvalidInput, match=_refused("placement.kind", "'magic'", "fixed, packrat")):
         PackratConfig.parse({"kind": "magic"}, 8)
 
@@ -125,7 +126,7 @@ def test_every_tunable_has_an_environment_name(monkeypatch):
     for name, value in given.items():
         monkeypatch.setenv(f"SPLITSERVE_{name.upper()}", str(value))
     cfg = ServerConfig.from_env()
-    assert {name: getattr(cfg, name) for name in given} == given
+    assert {name: cfg.setting(name) for name in given} == given
 
 
 @pytest.mark.parametrize("bad", [{"segment_time_weight": 0.0}, {"batch_time_weight": 1.5}, {"max_top_k": 0},
@@ -139,16 +140,17 @@ def test_bad_tunables_are_refused_at_start_up(bad):
 
 def test_the_cache_dir_comes_from_the_config_or_its_environment_name(monkeypatch, tmp_path):
     monkeypatch.delenv("SPLITSERVE_CACHE_DIR", raising=False)
-    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "cache"
+    assert ServerConfig.of(data_dir=tmp_path).cache_path == tmp_path / "cache"
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "elsewhere"))
-    assert ServerConfig(data_dir=tmp_path).cache_path == tmp_path / "elsewhere"
-    assert ServerConfig(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
+    assert ServerConfig.of(data_dir=tmp_path).cache_path == tmp_path / "elsewhere"
+    assert ServerConfig.of(data_dir=tmp_path, cache_dir=tmp_path / "given").cache_path == tmp_path / "given"
 
 
 def test_a_port_of_minus_one_is_off_from_a_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_HTTP_PORT", "-1")
     cfg = ServerConfig.from_env(grpc_port=-1)
-    assert (cfg.http_port, cfg.grpc_port, cfg.fast_port) == (None, None, ServerConfig.fast_port)
+    assert (cfg.frontends.http_port, cfg.frontends.grpc_port) == (None, None)
+    assert cfg.transports.fast_port == TransportSection.fast_port
 
 
 def _environment_reads(tree: ast.AST) -> list[int]:
@@ -171,3 +173,73 @@ def test_only_the_config_module_reads_the_environment():
     reads = {str(p.relative_to(PACKAGE)): lines for p in sorted(PACKAGE.rglob("*.py"))
              if (lines := _environment_reads(ast.parse(p.read_text())))}
     assert set(reads) == {"config.py"}, reads
+
+
+# (section, field, what the environment says, the value it gives): a few fields of every
+# section, each read from the environment name it had before the sections
+_SECTION_ENV = [
+    (None, "host", "0.0.0.0", "0.0.0.0"),
+    (None, "log_level", "DEBUG", "DEBUG"),
+    ("transports", "fast_port", "9100", 9100),
+    ("transports", "udp_segment", "4096", 4096),
+    ("transports", "fast_direct", "1", True),
+    ("transports", "direct_spin_us", "50", 50),
+    ("batching", "queue_slots", "64", 64),
+    ("batching", "watchdog_period_s", "2.5", 2.5),
+    ("memory", "memory_budget_bytes", "2GiB", 2 << 30),
+    ("memory", "spare_workers", "0", 0),
+    ("packrat", "placement", "packrat", PlacementKind.PACKRAT),
+    ("packrat", "packrat_default_share", "0.25", 0.25),
+    ("protean", "partitioning", "static", "static"),
+    ("protean", "protean_t_low", "0.5", 0.5),
+    ("protean", "partition_max_instances", "3", 3),
+    ("reef", "preemption", "seq", PriorityMode.SEQ),
+    ("reef", "rt_policy", "edf", RtPolicy.EDF),
+    ("reef", "batch_time_weight", "0.5", 0.5),
+    ("frontends", "http_port", "-1", None),
+    ("frontends", "codec_threads", "3", 3),
+    ("frontends", "shm_max_regions", "8", 8),
+    ("workers", "worker_start_timeout_s", "30", 30.0),
+    ("workers", "worker_omp_wait_policy", "passive", "passive"),
+    ("gpu", "gpu_admin", "true", True),
+    ("gpu", "gpu_listing_max_age_s", "5", 5.0),
+]
+
+
+@pytest.mark.parametrize(("section", "name", "raw", "value"), _SECTION_ENV)
+def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypatch, section, name, raw, value):
+    monkeypatch.setenv(f"SPLITSERVE_{name.upper()}", raw)
+    cfg = ServerConfig.from_env()
+    assert ServerConfig.section_of(name) == section
+    assert getattr(cfg if section is None else getattr(cfg, section), name) == value
+    assert cfg.setting(name) == value
+
+
+def test_the_table_covers_every_section_and_no_field_is_in_two():
+    assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
+    names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
+    assert len(names) == len(set(names)) == 90
+    assert len(ServerConfig.field_names()) == 96
+
+
+def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():
+    cfg = ServerConfig.of(fast_port=0, spare_workers=0, host="::1")
+    assert (cfg.transports.fast_port, cfg.memory.spare_workers, cfg.host) == (0, 0, "::1")
+    assert cfg.replaced(fast_port=5).transports.fast_port == 5 and cfg.transports.fast_port == 0
+    with pytest.raises(TypeError, match="no field 'fast_prot'"):
+        ServerConfig.of(fast_prot=1)
+
+
+def test_serve_help_groups_its_options_by_config_section():
+    from typer.testing import CliRunner
+
+    from splitserve.cli.serve import PANELS
+
+    out = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    for title in ("Node", "Transports", "Batching", "Memory (Rafiqi)", "Placement (Packrat)",
+                  "Partitions (PROTEAN)", "Scheduling (REEF)", "Front ends"):
+        assert f"─ {title}" in out, title
+    # an option sits in its section's panel: --memory-budget after the memory title, before the next one
+    memory = out.index(f"─ {PANELS['memory']}")
+    assert memory < out.index("--memory-budget") < min(out.index(f"─ {PANELS[s]}", memory + 1) for s in PANELS
+                                                       if f"─ {PANELS[s]}" in out[memory + 1:])

@@ -191,11 +191,11 @@ def test_the_tcp_endpoint_is_only_where_the_fast_path_listens_on_tcp_and_its_por
     from splitserve.server.management import exposure_warning
     from splitserve.worker.messages import LoadedMsg
 
-    assert ServerConfig(fast_direct=True, host="10.1.2.3").direct_tcp_host == "10.1.2.3"
-    assert ServerConfig(fast_direct=False).direct_tcp_host is None
-    assert ServerConfig(fast_direct=True, fast_port=None).direct_tcp_host is None
-    assert ServerConfig(fast_direct=True, direct_tcp=False).direct_tcp_host is None
-    assert "direct endpoints on TCP" in exposure_warning(ServerConfig(host="0.0.0.0", fast_direct=True))
-    assert "direct endpoints" not in exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert ServerConfig.of(fast_direct=True, host="10.1.2.3").direct_tcp_host == "10.1.2.3"
+    assert ServerConfig.of(fast_direct=False).direct_tcp_host is None
+    assert ServerConfig.of(fast_direct=True, fast_port=None).direct_tcp_host is None
+    assert ServerConfig.of(fast_direct=True, direct_tcp=False).direct_tcp_host is None
+    assert "direct endpoints on TCP" in exposure_warning(ServerConfig.of(host="0.0.0.0", fast_direct=True))
+    assert "direct endpoints" not in exposure_warning(ServerConfig.of(host="0.0.0.0"))
     msg = LoadedMsg(3, "m", 10, 20, 1, "cpu", None, 41000)
     assert LoadedMsg.unpack(msg.pack()) == msg

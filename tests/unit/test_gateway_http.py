@@ -13,7 +13,7 @@ from splitserve.cluster.gateway.core import GatewayCore, NodeRoute, Routes, _Lin
 from splitserve.cluster.gateway.dataplane import GatewayServing
 from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
 NODE_FID = 3  # lenet's id on every fake node

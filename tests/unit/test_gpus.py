@@ -12,7 +12,8 @@ import subprocess
 import pytest
 from typer.testing import CliRunner
 
-from splitserve.cli import app, run_gpu_plan
+from splitserve.cli import app
+from splitserve.cli.gpus import run_gpu_plan
 from splitserve.errors import InvalidInput
 from splitserve.placement.gpus import MigDriver, PynvmlNvml, read_gpus
 from splitserve.placement.mig import Gpu, GpuListing, plan_geometry

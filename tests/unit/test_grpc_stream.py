@@ -64,7 +64,8 @@ async def settle() -> None:
 
 def servicer(api: FakeAPI, limit: int) -> InferenceServicer:
     codec = CodecPool(threads=1, max_pending=4, inline_bytes=1 << 20)  # every body decoded inline
-    return InferenceServicer(api, FakeCatalog(), codec, ServerConfig(grpc_stream_max_in_flight=limit),  # type: ignore[arg-type]
+    config = ServerConfig.of(grpc_stream_max_in_flight=limit)
+    return InferenceServicer(api, FakeCatalog(), codec, config,  # type: ignore[arg-type]
                              SystemSharedMemory(max_regions=1, max_bytes=1))
 
 

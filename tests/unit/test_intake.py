@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from splitserve.config import ServerConfig
+from splitserve.config import TransportSection
 from splitserve.errors import QueueFull, SplitServeError
 from splitserve.modelconfig import BatchingConfig
 from splitserve.protocol.header import RequestClass
@@ -73,7 +71,7 @@ class Sink:
 
 
 def setup(nslots: int = 4, side: int = 1 << 20):
-    intake = Intake(ServerConfig(data_dir=Path("/nonexistent"), side_buffer_bytes=side))
+    intake = Intake(TransportSection(side_buffer_bytes=side))
     return intake, FakeRuntime(nslots), Owner(intake), InferenceMonitor(), Sink()
 
 

@@ -20,13 +20,14 @@ def test_a_size_that_is_not_one_is_refused_naming_where_it_came_from():
 
 
 def test_the_budget_and_the_model_count_come_from_their_environment_names(monkeypatch):
-    assert not ServerConfig.from_env().memory_managed  # unset: no manager, as before
+    assert not ServerConfig.from_env().memory.managed  # unset: no manager, as before
     monkeypatch.setenv("SPLITSERVE_MEMORY_BUDGET_BYTES", "2GiB")
     monkeypatch.setenv("SPLITSERVE_MAX_RESIDENT_MODELS", "4")
     monkeypatch.setenv("SPLITSERVE_MAX_CONCURRENT_LOADS", "2")
     cfg = ServerConfig.from_env()
-    assert (cfg.memory_budget_bytes, cfg.max_resident_models, cfg.max_concurrent_loads) == (2 << 30, 4, 2)
-    assert cfg.memory_managed
+    memory = cfg.memory
+    assert (memory.memory_budget_bytes, memory.max_resident_models, memory.max_concurrent_loads) == (2 << 30, 4, 2)
+    assert cfg.memory.managed
 
 
 @pytest.mark.parametrize("bad", [{"memory_budget_bytes": 0}, {"max_resident_models": 0}, {"max_concurrent_loads": 0}])

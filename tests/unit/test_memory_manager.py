@@ -74,7 +74,7 @@ class Clock:
 
 def manager(**settings) -> tuple[MemoryManager, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
-    config = ServerConfig(**settings)
+    config = ServerConfig.of(**settings)
     return MemoryManager(config, Metrics(), lambda kind, model: events.append((kind, model)), clock=Clock()), events
 
 

@@ -62,31 +62,31 @@ def cores(n: int) -> list[Core]:
 
 def test_protean_defaults_preemption_to_concurrent_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_PREEMPTION", raising=False)
-    assert ServerConfig.from_env(partitioning="protean").preemption is PriorityMode.CONCURRENT
-    assert ServerConfig.from_env(partitioning="protean", preemption="reef").preemption is PriorityMode.REEF
-    assert ServerConfig.from_env(partitioning="static").preemption is PriorityMode.REEF  # only protean
+    assert ServerConfig.from_env(partitioning="protean").reef.preemption is PriorityMode.CONCURRENT
+    assert ServerConfig.from_env(partitioning="protean", preemption="reef").reef.preemption is PriorityMode.REEF
+    assert ServerConfig.from_env(partitioning="static").reef.preemption is PriorityMode.REEF  # only protean
     monkeypatch.setenv("SPLITSERVE_PREEMPTION", "seq")
-    assert ServerConfig.from_env(partitioning="protean").preemption is PriorityMode.SEQ
+    assert ServerConfig.from_env(partitioning="protean").reef.preemption is PriorityMode.SEQ
     monkeypatch.delenv("SPLITSERVE_PREEMPTION")
     monkeypatch.setenv("SPLITSERVE_PARTITIONING", "protean")
-    assert ServerConfig.from_env().preemption is PriorityMode.CONCURRENT
+    assert ServerConfig.from_env().reef.preemption is PriorityMode.CONCURRENT
 
 
 def test_partition_settings_are_checked_where_they_are_given(monkeypatch):
     cfg = ServerConfig()
-    assert (cfg.partitioning, cfg.strict_placement, cfg.partition_warm_instances) == (
+    assert (cfg.protean.partitioning, cfg.protean.strict_placement, cfg.protean.partition_warm_instances) == (
         Partitioning.NONE, StrictPlacement.AUTO, 1)
     assert StrictPlacement.AUTO.resolve(Partitioning.PROTEAN) is StrictPlacement.ETA
     assert StrictPlacement.AUTO.resolve(Partitioning.STATIC) is StrictPlacement.BALANCED
     assert StrictPlacement.LARGEST.resolve(Partitioning.PROTEAN) is StrictPlacement.LARGEST
     with pytest.raises(InvalidInput, match="partitioning"):
-        ServerConfig(partitioning="slices")
+        ServerConfig.of(partitioning="slices")
     with pytest.raises(InvalidInput, match="needs partitioning"):
         ServerConfig.from_env(geometry="1,1")
     monkeypatch.setenv("SPLITSERVE_PARTITION_MEMORY_BYTES", "2GiB")
     monkeypatch.setenv("SPLITSERVE_PROTEAN_T_LOW", "4")
     cfg = ServerConfig.from_env()
-    assert (cfg.partition_memory_bytes, cfg.protean_t_low) == (2 * GB, 4.0)
+    assert (cfg.protean.partition_memory_bytes, cfg.protean.protean_t_low) == (2 * GB, 4.0)
 
 
 # -- layout ------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def manager(models: dict[str, Model], memory: int = 3 * GB, profiles: Any = None
             clock: Callable[[], float] | None = None, **kw: Any) -> tuple[PartitionManager, Coordinator]:
     """A protean node of two 1-core partitions over ``models`` (its manager and coordinator;
     ``clock`` for both when given)."""
-    cfg = ServerConfig(**{"partitioning": "protean", "geometry": "1,1", "preemption": "concurrent", **kw})
+    cfg = ServerConfig.of(**{"partitioning": "protean", "geometry": "1,1", "preemption": "concurrent", **kw})
     holder: dict[str, Coordinator] = {}
     timed: dict[str, Any] = {} if clock is None else {"clock": clock}
     pm = PartitionManager(cfg, ResourceManager(cores(2)), Changer(), lambda: models.values(),
@@ -429,7 +429,7 @@ def test_a_be_batch_keeps_off_a_partition_where_strict_work_runs_until_it_ends_o
     p1, p2 = (p.id for p in pm.current())
     s = models["s"] = Model("s", [p1, p2])
     b = models["b"] = Model("b", [p1, p2])
-    assert pm.snapshot()["be_max_wait_s"] == ServerConfig().protean_be_max_wait_s == 0.5
+    assert pm.snapshot()["be_max_wait_s"] == ServerConfig().protean.protean_be_max_wait_s == 0.5
     b.enqueue(BE, 0)
     (be,) = coord.schedule(b, 0.0)
     s.enqueue(RT, 0)
@@ -567,7 +567,7 @@ def test_a_burst_scales_up_to_the_ceiling_of_instances_per_partition_not_one_per
     asyncio.run(tick())
     assert models["m"].resized == [6]  # 3 per partition on 2 partitions
     with pytest.raises(InvalidInput, match="partition_max_instances"):
-        ServerConfig(partition_warm_instances=2, partition_max_instances=1).checked()
+        ServerConfig.of(partition_warm_instances=2, partition_max_instances=1).checked()
 
 
 def test_seq_never_scales_up_an_instance_that_could_not_run_beside_another():
@@ -588,7 +588,7 @@ def test_seq_never_scales_up_an_instance_that_could_not_run_beside_another():
 
 def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mismatch():
     models: dict[str, Model] = {}
-    cfg = ServerConfig(partitioning="protean", preemption="concurrent")
+    cfg = ServerConfig.of(partitioning="protean", preemption="concurrent")
     holder: dict[str, Coordinator] = {}
     pm = PartitionManager(cfg, ResourceManager(cores(8)), Changer(), lambda: models.values(),
                           lambda: holder["c"].view(), Metrics(), 7 * GB, clock=lambda: 0.0)
@@ -615,9 +615,9 @@ def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mis
 def test_workers_of_a_partitioned_node_wait_passively_unless_told_otherwise():
     assert ServerConfig().omp_wait_policy is None  # a worker with cores of its own: OpenMP's default
     for partitioning in ("static", "colocate", "protean"):
-        assert ServerConfig(partitioning=partitioning).omp_wait_policy == "PASSIVE"
-    assert ServerConfig(partitioning="colocate", worker_omp_wait_policy="active").omp_wait_policy == "ACTIVE"
-    assert ServerConfig(worker_omp_wait_policy="passive").omp_wait_policy == "PASSIVE"
+        assert ServerConfig.of(partitioning=partitioning).omp_wait_policy == "PASSIVE"
+    assert ServerConfig.of(partitioning="colocate", worker_omp_wait_policy="active").omp_wait_policy == "ACTIVE"
+    assert ServerConfig.of(worker_omp_wait_policy="passive").omp_wait_policy == "PASSIVE"
 
 
 class Elastic(Model):

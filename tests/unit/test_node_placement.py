@@ -101,13 +101,13 @@ class Node:
         self.monitor = InferenceMonitor()
         self.sink = Sink()
         self.loop = loop
-        config = ServerConfig(data_dir=tmp_path, queue_slots=32, **settings)
+        config = ServerConfig.of(data_dir=tmp_path, queue_slots=32, **settings)
         metrics = Metrics()
         self.env = RuntimeEnv(
             loop=loop, config=config,  # type: ignore[arg-type]
             node=RecordingNode(), metrics=metrics, resources=self.rm, placements=self.applier,
             profile=lambda name: profile(name) if name.startswith("pk") else None, stopping=lambda: False,
-            workers=SparePool(ServerConfig(data_dir=tmp_path, spare_workers=0), loop, self._start_worker),
+            workers=SparePool(ServerConfig.of(data_dir=tmp_path, spare_workers=0), loop, self._start_worker),
             footprints=NoFootprints(), memory=MemoryManager(config, metrics))
         self._ids = 0
 

@@ -88,20 +88,20 @@ def test_a_soft_slo_never_expires_a_request():
 
 
 def test_class_order_parses_from_config_and_environment(monkeypatch):
-    assert ServerConfig().class_order is ClassOrder.PRIORITY
-    assert ServerConfig(class_order="arrival").class_order is ClassOrder.ARRIVAL
+    assert ServerConfig().reef.class_order is ClassOrder.PRIORITY
+    assert ServerConfig.of(class_order="arrival").reef.class_order is ClassOrder.ARRIVAL
     monkeypatch.setenv("SPLITSERVE_CLASS_ORDER", "arrival")
     monkeypatch.setenv("SPLITSERVE_PREEMPTION", "concurrent")
-    assert ServerConfig.from_env().class_order is ClassOrder.ARRIVAL
+    assert ServerConfig.from_env().reef.class_order is ClassOrder.ARRIVAL
     with pytest.raises(InvalidInput, match="class_order.*'fifo'.*priority, arrival"):
-        ServerConfig(class_order="fifo")
+        ServerConfig.of(class_order="fifo")
 
 
 def test_arrival_order_with_reef_preemption_is_refused_at_start_up():
     with pytest.raises(InvalidInput, match="class_order=arrival does not go with preemption=reef"):
         ServerConfig.from_env(class_order="arrival", preemption="reef")
     for mode in (PriorityMode.SEQ, PriorityMode.CONCURRENT, PriorityMode.RT_ONLY):
-        assert ServerConfig.from_env(class_order="arrival", preemption=mode).class_order is ClassOrder.ARRIVAL
+        assert ServerConfig.from_env(class_order="arrival", preemption=mode).reef.class_order is ClassOrder.ARRIVAL
 
 
 def model(slo: object) -> ModelConfig:

@@ -223,7 +223,7 @@ class Harness:
             return w
 
         rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(2)])
-        cfg = ServerConfig(data_dir=tmp_path, queue_slots=8)
+        cfg = ServerConfig.of(data_dir=tmp_path, queue_slots=8)
         metrics = Metrics()
         self.pool = SparePool(cfg, self.loop, start_worker)  # type: ignore[arg-type]
         self.footprints = NoFootprints()
@@ -439,7 +439,7 @@ def test_a_load_that_is_not_answered_in_time_kills_the_worker_and_counts_as_a_fa
     (worker,) = h.workers
     worker.start()
     ((timeout, check, args),) = [t for t in h.loop.later if getattr(t[1], "__name__", "") == "_load_timed_out"]
-    assert timeout == h.rt.settings.worker_start_timeout_s
+    assert timeout == h.rt.settings.workers.worker_start_timeout_s
     check(*args)
     assert not worker.alive and "did not load the model" in worker.killed_for
     assert h.sink.answers == []  # a start that failed is retried after a backoff; the call waits

@@ -32,7 +32,7 @@ class Pool:
 
     def __init__(self, tmp_path: Path, node_stopping: bool = False, **settings: Any) -> None:
         self.started: list[FakeWorker] = []
-        cfg = ServerConfig(data_dir=tmp_path, **settings)
+        cfg = ServerConfig.of(data_dir=tmp_path, **settings)
         self.pool = SparePool(cfg, asyncio.get_running_loop(), self.spawn,  # type: ignore[arg-type]
                               lambda: node_stopping)
 

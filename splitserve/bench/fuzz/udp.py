@@ -274,11 +274,11 @@ class UdpHarness(LoopHarness):
                 if not mine:
                     raise PropertyViolation(f"a RESPONSE segment to peer {peer} for req_id {w.req_id} is not part of "
                                             "the answer of any of its calls")
-                if w.seg_count != max(1, math.ceil(w.total_len / self.server.config.udp_segment)):
+                if w.seg_count != max(1, math.ceil(w.total_len / self.server.config.transports.udp_segment)):
                     raise PropertyViolation(f"a RESPONSE to peer {peer} says {w.seg_count} segments")
                 for s in mine:
                     covered.setdefault(id(s), set()).add(w.payload_offset)
-        seg = self.server.config.udp_segment
+        seg = self.server.config.transports.udp_segment
         for s in calls:
             if s.answered_ok and covered.get(id(s), set()) != set(range(0, max(1, len(s.output)), seg)):
                 raise PropertyViolation(f"the answer of peer {peer}'s call {s.call.req_id} did not all arrive")

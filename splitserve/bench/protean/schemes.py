@@ -86,21 +86,21 @@ def settings_problems(scheme: str, overrides: Mapping[str, Any], partitions: Any
     out: list[str] = []
     if not isinstance(partitions, Mapping) or not isinstance(events, Mapping):
         return [f"{scheme}: the server answered no /v2/partitions or no scheduler events"]
-    placement = want.strict_placement.resolve(want.partitioning).value
-    seen = {"partitioning": (partitions.get("partitioning"), want.partitioning.value),
+    placement = want.protean.strict_placement.resolve(want.protean.partitioning).value
+    seen = {"partitioning": (partitions.get("partitioning"), want.protean.partitioning.value),
             "strict_placement": (partitions.get("strict_placement"), placement),
-            "preemption": (events.get("mode"), want.preemption.value),
-            "class_order": (events.get("class_order"), want.class_order.value),
-            "protean_keep_alive_s": (partitions.get("keep_alive_s"), want.protean_keep_alive_s)}
+            "preemption": (events.get("mode"), want.reef.preemption.value),
+            "class_order": (events.get("class_order"), want.reef.class_order.value),
+            "protean_keep_alive_s": (partitions.get("keep_alive_s"), want.protean.protean_keep_alive_s)}
     if placement == "eta":
-        seen["protean_wait_for_free"] = (partitions.get("wait_for_free"), want.protean_wait_for_free)
-        seen["protean_be_max_wait_s"] = (partitions.get("be_max_wait_s"), want.protean_be_max_wait_s)
+        seen["protean_wait_for_free"] = (partitions.get("wait_for_free"), want.protean.protean_wait_for_free)
+        seen["protean_be_max_wait_s"] = (partitions.get("be_max_wait_s"), want.protean.protean_be_max_wait_s)
     out += [f"{scheme}: {name} is {got!r}, not {wanted!r}" for name, (got, wanted) in seen.items() if got != wanted]
     parts = partitions.get("partitions") or []
     cores = sorted((len(p["cpus"]) for p in parts), reverse=True)
     if geometry and cores != sorted(geometry, reverse=True):
         out.append(f"{scheme}: partitions of {cores} cores, not {sorted(geometry, reverse=True)}")
-    if want.partitioning.value == "colocate" and len(parts) != 1:
+    if want.protean.partitioning.value == "colocate" and len(parts) != 1:
         out.append(f"{scheme}: colocate shares every core in one partition, the server has {len(parts)}")
     ids = {int(p["id"]) for p in parts}
     starts = [e for e in events.get("events", []) if e["kind"] == "start"]
@@ -114,6 +114,6 @@ def settings_problems(scheme: str, overrides: Mapping[str, Any], partitions: Any
         elsewhere = sum(1 for e in starts if e.get("cls") == "rt" and e.get("partition") != largest)
         if elsewhere:
             out.append(f"{scheme}: {elsewhere} strict batches ran off the largest partition {largest}")
-    if want.preemption.value == "seq" and _concurrency(events.get("events", [])) > 1:
+    if want.reef.preemption.value == "seq" and _concurrency(events.get("events", [])) > 1:
         out.append(f"{scheme}: preemption seq, yet {_concurrency(events.get('events', []))} batches ran at once")
     return out

@@ -34,7 +34,7 @@ from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.cluster.policy.cost import CostLedger
 from splitserve.cluster.policy.sim import ClusterSim, Workload
 from splitserve.cluster.pools import Market, ProcurementPolicy
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 
 NAME = "cluster-check"
 SUMMARY = "The cluster simulator against a real local Ray cluster on one seeded trace: both columns and the differences."

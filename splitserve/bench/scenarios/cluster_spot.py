@@ -25,7 +25,7 @@ from splitserve.bench.scenarios.base import Context, ScenarioOutput, fmt, md_tab
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.cluster.policy.sim import Workload, simulate
 from splitserve.cluster.pools import ProcurementPolicy
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 
 NAME = "cluster-spot"
 SUMMARY = "PROTEAN Fig. 9: normalised cost vs strict SLO compliance per procurement scheme and P_rev (simulated)."

@@ -105,7 +105,8 @@ def run(ctx: Context) -> ScenarioOutput:
     from splitserve.bench.transports import close_sync, open_sync
     from splitserve.cluster.actors.local import LocalCluster
     from splitserve.cluster.actors.node_server import NodeSpec
-    from splitserve.config import ClusterConfig, env_cache_dir
+    from splitserve.cluster.config import ClusterConfig
+    from splitserve.config import env_cache_dir
     from splitserve.models.catalog import zoo_entry
 
     p: Params = ctx.params  # type: ignore[assignment]

@@ -52,7 +52,7 @@ from splitserve.cluster.policy.dispatch import NodeState
 from splitserve.cluster.policy.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.policy.revocation import RevocationEmulator, doomed_step, replacement_due
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError, UnknownModel
 from splitserve.slo import SloOutcome
 

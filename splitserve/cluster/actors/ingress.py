@@ -37,7 +37,8 @@ from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE
 from splitserve.cluster.actors.node_server import die_with_parent
 from splitserve.cluster.gateway import upcall
 from splitserve.cluster.gateway.modelspec import ModelSpec
-from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ServerConfig
 from splitserve.errors import InternalError, SplitServeError
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class Gateway:
                 ours.close()
                 raise
         # one thread per process: it ends when that process's end of the pair closes
-        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().max_upload_bytes),
+        threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().frontends.max_upload_bytes),
                          name="gateway-upcalls", daemon=True).start()
         line = self.proc.stdout.readline()
         if not line:

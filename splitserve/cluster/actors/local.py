@@ -21,7 +21,7 @@ from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE, Con
 from splitserve.cluster.actors.ingress import GATEWAY_NAME, GatewayActor
 from splitserve.cluster.actors.node_server import NodeSpec
 from splitserve.cluster.actors.provider import PROVIDER_NAME, provider_actor
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InternalError
 
 log = logging.getLogger(__name__)

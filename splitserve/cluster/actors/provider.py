@@ -27,7 +27,7 @@ import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.pools import Market, NodeProviderKind
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, NotFound, Refused, ResourcesUnavailable
 
 log = logging.getLogger(__name__)

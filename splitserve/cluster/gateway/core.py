@@ -44,7 +44,7 @@ from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.policy.health import Health, HealthTracker
 from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import (
     BadFrame, ModelNotReady, PayloadTooLarge, QueueFull, SplitServeError, UnknownModel, error_for_status,
 )

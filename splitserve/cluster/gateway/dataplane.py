@@ -45,7 +45,8 @@ from splitserve.cluster.gateway.metrics import GatewayMetrics
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.cluster.gateway.upcall import TOKEN_ENV, Failed, UnregisterCall, UpcallClient
 from splitserve.cluster.policy.dispatch import NodeState
-from splitserve.config import ClusterConfig, ServerConfig
+from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ServerConfig
 from splitserve.errors import InternalError, InvalidInput, ModelNotReady, SplitServeError, Unauthorized, UnknownModel
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import v2
@@ -212,7 +213,7 @@ class GatewayRegistrar:
 
 def front_ends(core: GatewayCore, config: ServerConfig, registrar: ModelRegistrar | None = None) -> list[FrontEnd]:
     """The decoded front ends over ``core`` that ``config`` turns on: HTTP on
-    ``config.http_port`` and gRPC on ``config.grpc_port`` (None: off; 0: any free port), on
+    ``config.frontends.http_port`` and gRPC on ``config.frontends.grpc_port`` (None: off; 0: any free port), on
     ``config.host``, with the node's settings (codec pool, body limits, gRPC stream bound,
     grace). They share one codec pool, so its bound on bodies in hand holds for both, as on
     a node. Of management, both serve the repository calls through ``registrar`` when given
@@ -222,13 +223,13 @@ def front_ends(core: GatewayCore, config: ServerConfig, registrar: ModelRegistra
     ``/metrics``: the gateway's own series and every node's (``cluster/gateway/metrics.py``)."""
     serving = GatewayServing(core)
     codec = CodecPool.from_config(config)
-    shm = SystemSharedMemory(config.shm_max_regions, config.shm_max_bytes)
+    shm = SystemSharedMemory(config.frontends.shm_max_regions, config.frontends.shm_max_bytes)
     out: list[FrontEnd] = []
-    if config.http_port is not None:
+    if config.frontends.http_port is not None:
         metrics = GatewayMetrics(core)
         out.append(HttpFrontEnd(inference_app(serving, serving, codec, config, shm, metrics=metrics.text,
                                               registrar=registrar), config))
-    if config.grpc_port is not None:
+    if config.frontends.grpc_port is not None:
         servicer = (InferenceServicer(serving, serving, codec, config, shm) if registrar is None
                     else RepositoryServicer(serving, serving, codec, config, shm, registrar))
         out.append(GrpcFrontEnd(servicer, config))
@@ -245,7 +246,7 @@ async def run(host: str, port: int, http_port: int | None, grpc_port: int | None
     bound: dict[str, Any] = {"host": host, "port": await core.serve(host, port), "http_port": None,
                              "grpc_port": None}
     scfg = ServerConfig.from_env(host=host, http_port=http_port, grpc_port=grpc_port)
-    upcalls = None if upcall_sock is None else UpcallClient(upcall_sock, scfg.max_upload_bytes,
+    upcalls = None if upcall_sock is None else UpcallClient(upcall_sock, scfg.frontends.max_upload_bytes,
                                                              cfg.registration_timeout_s)
     registrar = GatewayRegistrar(core, upcalls, token, cfg.registration_timeout_s)
     started: list[FrontEnd] = []
@@ -264,7 +265,7 @@ async def run(host: str, port: int, http_port: int | None, grpc_port: int | None
                 print(json.dumps(core.stats()), flush=True)
     finally:
         for fe in reversed(started):
-            await fe.stop(scfg.stop_grace_s)
+            await fe.stop(scfg.frontends.stop_grace_s)
         if upcalls is not None:
             upcalls.close()
         await core.close()

@@ -31,7 +31,7 @@ from splitserve.cluster.pools import Market, ProcurementPolicy
 from splitserve.errors import InternalError, InvalidInput
 
 if TYPE_CHECKING:
-    from splitserve.config import ClusterConfig
+    from splitserve.cluster.config import ClusterConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from splitserve.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from splitserve.config import ClusterConfig
+    from splitserve.cluster.config import ClusterConfig
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outco
 from splitserve.cluster.policy.procurement import Action, Cancel, Launch, Procurement
 from splitserve.cluster.policy.revocation import Notice, RevocationEmulator, doomed_step, replacement_due
 from splitserve.cluster.pools import Market
-from splitserve.config import ClusterConfig
+from splitserve.cluster.config import ClusterConfig
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import RequestClass
 from splitserve.slo import SloOutcome, slo_outcome
