@@ -79,8 +79,6 @@ def profile(
 ) -> None:
     """Measure L[threads, batch], per-segment times and per-batch memory; store them for Packrat,
     REEF and PROTEAN. With --colocate, measure co-location slowdowns and fit FBRs instead."""
-    import os
-
     from rich.progress import Progress
 
     from splitserve.placement.profiler import default_batches, profile_model, save_profile
@@ -123,8 +121,6 @@ def profile(
 def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: int | None,
                         data_dir: Path | None, budget_s: float, omp_wait_policy: str | None) -> None:
     """``profile MODEL --colocate OTHER...``: measure, store, fit, print."""
-    import os
-
     from splitserve.placement.profiler import ColocationRun, fit_stored_fbr, profile_colocation, save_colocation
 
     cores = cores or len(os.sched_getaffinity(0))
