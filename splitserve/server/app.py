@@ -55,8 +55,10 @@ from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.partitions import PartitionManager
 from splitserve.server.protean_profiles import ProteanProfiles
-from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
-from splitserve.server.runtime import ModelRuntime
+from splitserve.server.ports import (
+    FrontEnd, InferOutcome, InstanceWorker, ModelPort, ModelState, RuntimeEnv, WorkerFactory,
+)
+from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
@@ -107,13 +109,15 @@ class Server:
         self.monitor = InferenceMonitor(self.metrics, stage_trace=config.fast_stage_trace)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
-        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
+        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name].placements)
         # PROTEAN's partitions, per-batch placement, autoscaler and geometry controller (partitioning set)
         self.partitions: PartitionManager | None = None
         if config.partitioning is not Partitioning.NONE:
-            self.partitions = PartitionManager(config, self.resources, self.applier, lambda: self.runtimes.values(),
+            self.partitions = PartitionManager(config, self.resources, self.applier,
+                                               lambda: [rt.placements for rt in self.runtimes.values()],
                                                lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.preemption, config.coordinator_events,
+        self.coordinator = Coordinator(lambda: [rt.dispatch for rt in self.runtimes.values()], config.preemption,
+                                       config.coordinator_events,
                                        class_order=config.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
@@ -389,9 +393,11 @@ class Server:
 
     # -- ServingAPI: the shared request path for decoded front ends --------------------------
 
-    def model_state(self, name: str) -> str:
+    def model_state(self, name: str) -> ModelState:
         rt = self.runtimes.get(name)
-        return rt.state if rt is not None else ("unloaded" if name in self.records else "unknown")
+        if rt is not None:
+            return rt.state
+        return ModelState.UNLOADED if name in self.records else ModelState.UNKNOWN
 
     def model_ready(self, name: str) -> bool:
         """Whether a call to ``name`` would be served without an explicit load: it is enabled
@@ -405,7 +411,8 @@ class Server:
         """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
         ready, or evicted on purpose (it takes calls and loads on the next); other models
         load on first use, so they do not count."""
-        return not self.stopping and all(self.model_state(m) in ("ready", "evicted") for m in self.config.load)
+        return not self.stopping and all(self.model_state(m) in (ModelState.READY, ModelState.EVICTED)
+                                          for m in self.config.load)
 
     def stage_trace(self) -> dict[str, Any]:
         stages = self.monitor.stages

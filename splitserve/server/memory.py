@@ -62,10 +62,10 @@ class MemoryManager:
         self.cache.request(model.name, self.clock(), rt_waiting)
         self._plan()
 
-    def touch(self, model: ResidentModel, now: float) -> None:
-        self.cache.touch(model.name, now)
+    def touch(self, name: str, now: float) -> None:
+        self.cache.touch(name, now)
 
-    def batch_done(self, model: ResidentModel) -> None:
+    def batch_done(self, name: str) -> None:
         if self.cache.load_queue():  # a load may wait for a victim that was busy
             self._plan()
 

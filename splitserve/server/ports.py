@@ -77,6 +77,7 @@ class ModelState(StrEnum):
     FAILED = "failed"
     STOPPING = "stopping"
     EVICTED = "evicted"
+    UNKNOWN = "unknown"  # no model of that name is registered (``ServingAPI.model_state`` only)
 
 
 @dataclass
@@ -224,8 +225,8 @@ class InferenceAPI(Protocol):
 class ServingAPI(InferenceAPI, Protocol):
     """What HTTP and gRPC need from the node to serve (management is ``ModelManager``)."""
 
-    def model_state(self, name: str) -> str:
-        """``ModelState`` of a registered model, ``unloaded`` before its first use, or ``unknown``."""
+    def model_state(self, name: str) -> ModelState:
+        """The state of a registered model (UNLOADED before its first use), else UNKNOWN."""
 
     def metrics_text(self) -> bytes:
         """Prometheus text exposition, gauges refreshed now."""
@@ -608,11 +609,12 @@ class ResidencyBroker(Protocol):
     def request(self, model: ResidentModel, rt_waiting: bool) -> None:
         """Calls wait for ``model``, which holds nothing: load it when it fits (perhaps now)."""
 
-    def touch(self, model: ResidentModel, now: float) -> None:
-        """A batch of ``model`` began (Rafiqi's "begins classification")."""
+    def touch(self, name: str, now: float) -> None:
+        """A batch of model ``name`` began (Rafiqi's "begins classification")."""
 
-    def batch_done(self, model: ResidentModel) -> None:
-        """A batch of ``model`` ended: a victim that was busy may be free now."""
+    def batch_done(self, name: str) -> None:
+        """Batches of model ``name`` ended (or its placement change did): a victim that was
+        busy may be free now."""
 
     def loaded(self, model: ResidentModel, nbytes: int) -> None:
         """``model`` serves, holding ``nbytes`` (again after every LOADED, as measured)."""

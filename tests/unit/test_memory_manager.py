@@ -92,7 +92,7 @@ def test_a_victim_is_evicted_before_the_waiting_model_loads_and_the_events_say_s
     a, b = FakeModel("a", mm, size=10), FakeModel("b", mm, size=10)
     mm.request(a, False)
     a.finish_load()
-    mm.touch(a, 5.0)
+    mm.touch(a.name, 5.0)
     mm.request(b, False)
     assert a.calls == ["load", "release"] and b.calls == []  # b waits for a's bytes
     a.finish_eviction()
@@ -114,7 +114,7 @@ def test_a_busy_victim_is_evicted_when_its_batch_ends():
     mm.request(b, False)
     assert a.calls == ["load"]  # nothing to do until a's batch ends
     a.busy = False
-    mm.batch_done(a)
+    mm.batch_done(a.name)
     assert a.calls == ["load", "release"]
 
 
