@@ -56,7 +56,7 @@ from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.partitions import PartitionManager
 from splitserve.server.protean_profiles import ProteanProfiles
 from splitserve.server.ports import (
-    FrontEnd, InferOutcome, InstanceWorker, ModelPort, ModelState, RuntimeEnv, WorkerFactory,
+    FrontEnd, InferOutcome, InstanceWorker, MemoryFootprint, ModelPort, ModelState, RuntimeEnv, WorkerFactory,
 )
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
@@ -121,6 +121,8 @@ class Server:
                                        class_order=config.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
+        # per model not built yet: its stored footprint and profile, read off the loop
+        self._stored: dict[str, tuple[MemoryFootprint, ModelProfile | None]] = {}
         self.by_func: dict[int, str] = {}
         self.intake = Intake(config)  # requests still arriving on the fast path
         self.frontends: list[FrontEnd] = []
@@ -181,13 +183,17 @@ class Server:
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
             self.remember(rec)
+        # What a model's runtime reads from disk (its measured footprint, its stored profile),
+        # read here, off the loop, so that a model's first call builds its runtime without I/O.
+        self._stored = await asyncio.to_thread(lambda: {name: self._read_stored(rec)
+                                                         for name, rec in self.records.items()})
         if cfg.http_port is not None or cfg.grpc_port is not None:
             await asyncio.to_thread(self.management.ensure_token)
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
             self.ports.update(await fe.start())
         for name in cfg.load:
-            await self.runtime(name).wait_ready()
+            await (await self.prepare(name)).wait_ready()
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
 
@@ -215,6 +221,10 @@ class Server:
 
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)
+
+    def _read_stored(self, rec: ModelRecord) -> tuple[MemoryFootprint, ModelProfile | None]:
+        """What ``rec``'s runtime reads from disk (SQLite, a weights file's header): off the loop only."""
+        return self.footprints.footprint(rec), self._profile(rec.name)
 
     def _write_server_file(self) -> None:
         info = {"pid": os.getpid(), "host": self.config.host, **self.ports}
@@ -346,6 +356,7 @@ class Server:
 
     def forget(self, name: str) -> None:
         """Drop a model from the name and func_id maps (its runtime must be gone)."""
+        self._stored.pop(name, None)
         rec = self.records.pop(name, None)
         if rec is not None and self.by_func.get(rec.func_id) == name:
             del self.by_func[rec.func_id]
@@ -360,8 +371,18 @@ class Server:
         rec = self.records.get(name)
         if rec is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
-        rt = self.runtimes[name] = ModelRuntime(self.env, rec)
+        stored = self._stored.pop(name, None)
+        if stored is None:  # not read at start-up or by ``prepare``: read now (never on the fast path)
+            log.warning("model %s: its runtime reads its stored footprint and profile on the loop", name)
+            stored = self._read_stored(rec)
+        rt = self.runtimes[name] = ModelRuntime(self.env, rec, *stored)
         return rt
+
+    async def prepare(self, name: str) -> ModelRuntime:
+        """The runtime of a registered model, built after reading what it needs off the loop."""
+        if name not in self.runtimes and name not in self._stored and (rec := self.records.get(name)) is not None:
+            self._stored[name] = await asyncio.to_thread(self._read_stored, rec)
+        return self.runtime(name)
 
     def loaded(self, name: str) -> ModelRuntime | None:
         return self.runtimes.get(name)

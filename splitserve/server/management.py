@@ -372,7 +372,7 @@ class ModelManager:
             rec = await asyncio.to_thread(self._commit, cfg, tmp)
             self.models.remember(rec)
             try:
-                await self.models.runtime(rec.name).wait_ready()
+                await (await self.models.prepare(rec.name)).wait_ready()
             except (SplitServeError, TimeoutError) as e:
                 await self._roll_back(rec.name)
                 msg = e.message if isinstance(e, SplitServeError) else f"model {rec.name!r} did not load in time"

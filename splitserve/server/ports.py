@@ -763,6 +763,9 @@ class ModelDirectory(Protocol):
     def runtime(self, name: str) -> ManagedModel:
         """The served model (created on first use; workers start lazily). Raises UnknownModel."""
 
+    async def prepare(self, name: str) -> ManagedModel:
+        """``runtime(name)``, with what it reads from disk read off the loop first."""
+
     def loaded(self, name: str) -> ManagedModel | None:
         """The served model if it was created, else None (never creates one)."""
 

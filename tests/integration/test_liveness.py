@@ -63,7 +63,8 @@ def test_a_preempted_batch_on_an_instance_being_retired_is_resumed_and_the_switc
         await until(lambda: any(s.suspended for s in rt.sched.instances.values()) and gates.held(2))
         (old,) = rt.sched.serving()
         # The node's applier replaces the instance by a new one (fresh CPUs from the placer).
-        switch = asyncio.ensure_future(server.applier.apply(lambda: {"gate": rt.core.placer.resize(server.resources, [], 1)}))
+        switch = asyncio.ensure_future(
+            server.applier.apply(lambda: {"gate": rt.core.placer.resize(server.resources, [], 1)}))
         await until(lambda: rt.sched.instances[old].draining)
         gates.open(2)  # the RT batch ends; the retired instance still holds the BE batch
         await switch

@@ -25,7 +25,8 @@ DISPATCH = {"instance_views", "rt_waiting", "start_batches", "preempt", "clear_p
 RESIDENCY = {"charge", "pinned", "holds_memory", "begin_load", "release_residency", "refuse_load"}
 PLACEMENT = {"add_standby", "until_ready", "switch", "retire", "changed", "placed_now", "waiting_requests",
              "resize", "placements_on"}
-WORKER_OWNER = {"on_ready", "on_done", "on_failed", "on_loaded", "on_load_failed", "on_unloaded", "on_direct", "on_exit"}
+WORKER_OWNER = {"on_ready", "on_done", "on_failed", "on_loaded", "on_load_failed", "on_unloaded", "on_direct",
+                "on_exit"}
 
 
 def _members(obj: object) -> set[str]:

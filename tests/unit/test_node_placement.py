@@ -157,7 +157,8 @@ def test_two_packrat_models_and_a_fixed_model_get_disjoint_cpus(tmp_path):
         assert all(len(p["instances"]) == (2 if p["owner"].startswith("pk") else 1) for p in snap["partitions"])
         # What the coordinator sees of an instance is what the resource manager recorded.
         views = [v for rt in models for v in rt.dispatch.instance_views(lambda i, b: False)]
-        assert sorted(tuple(sorted(v.cpus)) for v in views) == sorted(tuple(sorted(p)) for ps in pins.values() for p in ps)
+        assert sorted(tuple(sorted(v.cpus)) for v in views) == sorted(
+            tuple(sorted(p)) for ps in pins.values() for p in ps)
     finally:
         node.close()
 

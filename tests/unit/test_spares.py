@@ -172,6 +172,7 @@ def test_a_runtime_measures_its_model_once_keeps_the_measure_and_takes_back_the_
     worker.unloaded()  # gives its process back to the pool, which keeps it (its memory came back)
     assert worker.owner is h.pool and h.pool.spares == 1 and h.rt.describe()["pids"] == [None]
     h.call(2, bytes(4))  # loads again: into the same process, without measuring again
-    assert h.workers == [worker] and worker.owner is h.rt.instances and len(worker.loads) == 2 and not worker.loads[1].measure
+    assert h.workers == [worker] and worker.owner is h.rt.instances
+    assert len(worker.loads) == 2 and not worker.loads[1].measure
     worker.loaded(nbytes=4096)
     assert h.rt.footprint == MemoryFootprint(4096, 7 * MIB, measured=True) and len(h.footprints.saved) == 1

@@ -32,7 +32,7 @@ class ModelCore:
     """One model's identity and state, shared by its parts (all on the node's loop).
 
     ``footprint`` and ``profile`` were read off the loop before the model was built
-    (``runtime.build_runtime``)."""
+    (``app.Server.prepare``)."""
 
     def __init__(self, env: RuntimeEnv, record: ModelRecord, footprint: MemoryFootprint,
                  profile: ModelProfile | None) -> None:

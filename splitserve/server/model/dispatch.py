@@ -104,7 +104,8 @@ class Dispatch:
             core.env.memory.batch_done(self.name)
         now = time.perf_counter()
         for req in self.sched.expire(now):
-            self.answer(req.handle, DeadlineMissed(f"deadline passed after {1e3 * (now - req.arrival):.1f} ms in queue"))
+            waited = 1e3 * (now - req.arrival)
+            self.answer(req.handle, DeadlineMissed(f"deadline passed after {waited:.1f} ms in queue"))
         if core.running:  # stopping: nothing new starts
             for batch in core.env.node.schedule(self, now):
                 self._start(batch, now)

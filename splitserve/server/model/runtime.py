@@ -6,13 +6,12 @@ handed only the piece they drive: the coordinator ``dispatch``, the memory manag
 ``residency``, the placement applier and the partition manager ``placements``; the worker
 handles report to ``instances``. The parts (``server/model/``) share one ``ModelCore``.
 
-A runtime is built by ``build_runtime``, which reads what it needs from disk (the stored
-profile, the measured footprint) off the loop first.
+What a runtime reads from disk (the stored profile, the measured footprint) its node reads
+off the loop and hands to it (``app.Server.prepare``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict
 from typing import Any
@@ -40,8 +39,8 @@ class ModelRuntime:
 
     def __init__(self, env: RuntimeEnv, record: ModelRecord, footprint: MemoryFootprint | None = None,
                  profile: ModelProfile | None = None) -> None:
-        """``footprint`` and ``profile`` as ``build_runtime`` read them (None footprint: read
-        now, on the caller's thread: only tests and tools that own their loop do that)."""
+        """``footprint`` and ``profile`` as the node read them off the loop (None footprint:
+        read both now, on the caller's thread, as tests that own their loop do)."""
         if footprint is None:
             footprint = env.footprints.footprint(record)
             profile = env.profile(record.name)
@@ -226,9 +225,3 @@ class ModelRuntime:
         """Release the shared memory (after unload)."""
         self.queues.close()
 
-
-async def build_runtime(env: RuntimeEnv, record: ModelRecord) -> ModelRuntime:
-    """A model's runtime, built on the loop once its stored footprint and profile (SQLite
-    and a weights file's header) were read off it."""
-    footprint, profile = await asyncio.to_thread(lambda: (env.footprints.footprint(record), env.profile(record.name)))
-    return ModelRuntime(env, record, footprint, profile)
