@@ -30,6 +30,8 @@ import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
+from splitserve.memory.footprints import MemoryFootprint, RegistryFootprints
+from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.gpus import MigDriver
 from splitserve.placement.partition import Partitioning
@@ -43,21 +45,18 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
-from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
 from splitserve.server.gpus import GpuInventory
 from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
-from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.server.partitions import PartitionManager
 from splitserve.server.protean_profiles import ProteanProfiles
-from splitserve.server.ports import (
-    FrontEnd, InferOutcome, InstanceWorker, MemoryFootprint, ModelPort, ModelState, RuntimeEnv, WorkerFactory,
-)
+from splitserve.server.model.env import InstanceWorker, RuntimeEnv, WorkerFactory
+from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, ModelState
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.udp import UdpListener

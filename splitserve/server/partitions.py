@@ -28,7 +28,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.config import ServerConfig
 from splitserve.placement.autoscale import InstanceAutoscaler
@@ -44,11 +44,68 @@ from splitserve.placement.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import Chosen, PartitionedModel, ProteanProfileSource, PlacementChanger
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.applier import PlacementChanger
+from splitserve.server.coordinator import Chosen
 
 log = logging.getLogger(__name__)
 
 NODE_OWNER = "node"  # the owner of the node's partitions in the ResourceManager
+
+
+class ProteanProfileSource(Protocol):
+    """What PROTEAN's deciders read of the node's stored profiles (``protean_profiles.ProteanProfiles``,
+    over the registry): the slowdown model's solo times and FBRs and Algorithm 1's batch
+    memory. Built once by the root; read on the loop (each model's profiles are read once,
+    then kept until ``forget``). None means "not profiled here": never a made-up number."""
+
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` takes alone on a partition of ``cores`` cores
+        (the stored L[cores, batch]); None without a profile with that many threads."""
+
+    def fbr(self, model: str) -> float | None:
+        """The model's fitted FBR; None when never fitted or unidentified."""
+
+    def footprint(self, model: str, batch: int) -> int | None:
+        """Bytes a batch of ``batch`` takes: the per-batch footprint, else the private bytes
+        the model's load measured (``kind="memory"``), else None."""
+
+    def forget(self, model: str | None = None) -> None:
+        """Read ``model``'s (every model's: None) profiles again on next use, e.g. after
+        ``splitserve profile`` stored new ones."""
+
+
+class PartitionedModel(Protocol):
+    """One model as the node's partition manager drives it (``server.model.placement.ModelPlacement``,
+    a model's ``placements``): its
+    autoscaler reads the pending work and sets the instance count; a geometry change moves
+    its instances onto new partitions through the node's applier."""
+
+    name: str
+    footprint: MemoryFootprint  # measured at its first load (private bytes: one instance's own, at max batch)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    @property
+    def dispatch_max_batch(self) -> int: ...
+
+    def placed_now(self) -> bool:
+        """It holds instances (loaded or loading): autoscaling and geometry changes apply to it."""
+
+    def waiting_requests(self, cls: RequestClass | None = None) -> int:
+        """Requests waiting for a batch (of ``cls``, or of every class)."""
+
+    async def resize(self, instances: int) -> None:
+        """Serve with ``instances`` instances (the placer spreads them over the partitions)."""
+
+    def placements_on(self, partitions: Sequence[NodePartition]) -> list[InstancePlacement]:
+        """As many instances as serve now, on ``partitions`` (``NodePartition``s of a new
+        geometry); takes the model's places on them from the ``ResourceManager``."""
+
+    def kick(self) -> None:
+        """Run a scheduling pass soon (a strict batch waiting for a partition is due to be
+        decided again)."""
 
 
 def protean_settings(config: ServerConfig) -> ProteanSettings:

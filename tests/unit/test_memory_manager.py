@@ -1,4 +1,4 @@
-"""``server.memory.MemoryManager`` with fake models and a fake clock: it grants loads,
+"""``memory.manager.MemoryManager`` with fake models and a fake clock: it grants loads,
 starts evictions, logs events, and never loops when a model reports back at once."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.config import ServerConfig
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import MemoryFootprint
+from splitserve.memory.footprints import MemoryFootprint
 
 
 @dataclass

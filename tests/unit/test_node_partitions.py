@@ -35,7 +35,7 @@ from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.metrics import Metrics
 from splitserve.server.partitions import NODE_OWNER, PartitionManager
-from splitserve.server.ports import MemoryFootprint
+from splitserve.memory.footprints import MemoryFootprint
 
 RT, BE = RequestClass.RT, RequestClass.BE
 GB = 1 << 30

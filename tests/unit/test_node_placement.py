@@ -23,9 +23,10 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
-from splitserve.server.ports import ModelState, RuntimeEnv
+from splitserve.server.model.env import RuntimeEnv
+from splitserve.server.ports import ModelState
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg
 from splitserve.worker.spares import SparePool

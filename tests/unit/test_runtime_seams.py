@@ -26,9 +26,12 @@ from splitserve.registry import ModelRecord
 from splitserve.scheduler.request import Batch
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
-from splitserve.server.ports import MemoryFootprint, ModelState, RuntimeEnv, ScheduledModel
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.coordinator import ScheduledModel
+from splitserve.server.model.env import RuntimeEnv
+from splitserve.server.ports import ModelState
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency

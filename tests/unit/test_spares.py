@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from splitserve.config import ServerConfig
-from splitserve.server.ports import MemoryFootprint
+from splitserve.memory.footprints import MemoryFootprint
 from splitserve.worker.messages import LoadedMsg
 from splitserve.worker.pool import Residency
 from splitserve.worker.spares import SparePool

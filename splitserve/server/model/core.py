@@ -20,7 +20,9 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.scheduler.model_scheduler import ModelScheduler
 from splitserve.scheduler.policy import make_policy
-from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState, ModelStats, RuntimeEnv
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.model.env import InstanceWorker, RuntimeEnv
+from splitserve.server.ports import ModelState, ModelStats
 from splitserve.tensorqueue import ring_slots
 
 log = logging.getLogger(__name__)

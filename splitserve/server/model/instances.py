@@ -26,7 +26,9 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
 from splitserve.server.model.queues import ModelQueues
-from splitserve.server.ports import InstanceWorker, MemoryFootprint, ModelState
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.model.env import InstanceWorker
+from splitserve.server.ports import ModelState
 from splitserve.worker.counters import DirectCounts
 from splitserve.worker.messages import DoneMsg, LoadedMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency

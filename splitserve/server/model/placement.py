@@ -16,13 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from splitserve.errors import InvalidInput, ModelNotReady
+from splitserve.memory.footprints import MemoryFootprint
 from splitserve.placement.partition import InstancePlacement, NodePartition
 from splitserve.placement.placer import PartitionPlacer
 from splitserve.protocol.header import RequestClass
 from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
 from splitserve.server.model.instances import Instances
-from splitserve.server.ports import MemoryFootprint
 
 log = logging.getLogger(__name__)
 

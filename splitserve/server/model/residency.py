@@ -1,7 +1,7 @@
 """A model's residency: load, unload and evict its weights, as the memory manager grants.
 
 This is the piece of a model the node's memory manager drives (``ResidentModel``, declared
-in ``server/memory.py``... see ``memory.manager``). A model asks for residency before any
+next to it in ``memory/manager.py``). A model asks for residency before any
 load and loads when granted; ``evict`` releases the weights of every instance and the next
 call loads them again, while the model's identity (queues, scheduler, statistics, queued
 calls) stays untouched.
@@ -20,7 +20,8 @@ from splitserve.scheduler.model_scheduler import Residency as InstanceResidency
 from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
 from splitserve.server.model.instances import Instances
-from splitserve.server.ports import MemoryFootprint, ModelState
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.ports import ModelState
 from splitserve.worker.pool import Residency as WorkerResidency
 
 log = logging.getLogger(__name__)

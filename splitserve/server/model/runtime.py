@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from splitserve.errors import InvalidInput
+from splitserve.memory.footprints import MemoryFootprint
 from splitserve.modelconfig import BatchingConfig, ModelConfig
 from splitserve.placement.profiler import ModelProfile
 from splitserve.protocol.header import RequestClass
@@ -30,7 +31,8 @@ from splitserve.server.model.placement import ModelPlacement
 from splitserve.server.model.queues import ModelQueues
 from splitserve.server.model.residency import ModelResidency
 from splitserve.server.monitor import Call
-from splitserve.server.ports import MemoryFootprint, ModelState, ModelStats, RuntimeEnv
+from splitserve.server.model.env import RuntimeEnv
+from splitserve.server.ports import ModelState, ModelStats
 from splitserve.worker.counters import DirectCounts
 
 

@@ -21,14 +21,74 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.config import ServerConfig
 from splitserve.memory.cache import HOLDING, Residency, ResidencyCache
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import ResidentModel
+from splitserve.memory.footprints import MemoryFootprint
 
 log = logging.getLogger(__name__)
+
+
+class ResidentModel(Protocol):
+    """One model as the memory manager drives it (a model's ``residency``,
+    ``server.model.residency.ModelResidency``)."""
+
+    name: str
+    enabled: bool  # False after an operator's unload: it waits for no load
+    keep_resident: bool  # never chosen as a victim
+    footprint: MemoryFootprint  # what its last load measured (or nothing yet)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    def charge(self) -> int:
+        """Bytes a residency of it takes now (weights once, private bytes per instance; 0 when unknown)."""
+
+    def pinned(self) -> bool:
+        """Not evictable now: a batch runs or is suspended on it, or its placement is changing."""
+
+    def holds_memory(self) -> bool:
+        """Its weights are resident, loading, or being released."""
+
+    def begin_load(self) -> None:
+        """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or ``load_failed``."""
+
+    def release_residency(self) -> bool:
+        """Start releasing its weights (calls keep queueing); ends in the broker's ``released``.
+        False if nothing was resident or loading, or it is being released already."""
+
+    def refuse_load(self, reason: str) -> None:
+        """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
+
+
+class ResidencyBroker(Protocol):
+    """The node's memory manager (``memory.MemoryManager``) as a runtime calls it: it asks
+    for residency before any load, reports batch starts (the LRU clock) and ends, and every
+    change of what it holds. Without a budget every request is granted at once."""
+
+    def request(self, model: ResidentModel, rt_waiting: bool) -> None:
+        """Calls wait for ``model``, which holds nothing: load it when it fits (perhaps now)."""
+
+    def touch(self, name: str, now: float) -> None:
+        """A batch of model ``name`` began (Rafiqi's "begins classification")."""
+
+    def batch_done(self, name: str) -> None:
+        """Batches of model ``name`` ended (or its placement change did): a victim that was
+        busy may be free now."""
+
+    def loaded(self, model: ResidentModel, nbytes: int) -> None:
+        """``model`` serves, holding ``nbytes`` (again after every LOADED, as measured)."""
+
+    def evicting(self, model: ResidentModel) -> None:
+        """``model`` began releasing its weights (the manager's choice or an operator's evict)."""
+
+    def released(self, model: ResidentModel) -> None:
+        """``model`` holds nothing any more (evicted, unloaded, or its load was abandoned)."""
+
+    def load_failed(self, model: ResidentModel, reason: str) -> None:
+        """``model``'s load failed; its waiting calls were answered."""
 
 
 class MemoryManager:
