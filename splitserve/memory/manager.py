@@ -1,11 +1,17 @@
 """The node's memory manager: applies ``memory.cache.ResidencyCache``'s decisions.
 
-One per node, built by the composition root and handed to every runtime as its
-``ports.ResidencyBroker``. It runs on the node's loop (every call is a loop callback, so
-there are no locks): a runtime asks it for residency before any load, and it starts the
-evictions and loads the cache decides, re-planning after every request for a model that
-is not resident, every load and eviction that ends, and every batch that ends while a load
-waits (a victim that was busy may be free then). It logs ``load_start``, ``load_done``,
+One per node, built by the composition root and handed to every model's residency as its
+``ResidencyBroker``. It runs on the node's loop (every call is a loop callback, so there
+are no locks): a model asks it for residency before any load, and it starts the evictions
+and loads the cache decides, re-planning after every request for a model that is not
+resident, every load and eviction that ends, and every batch that ends while a load waits
+(a victim that was busy may be free then).
+
+Calls go one way. A model reports to the manager through ``ResidencyBroker``; what a model
+has to report while it carries out one of the manager's commands (``begin_load``,
+``release_residency``, ``refuse_load``: a load that fails to place, an eviction with
+nothing left to release) it returns with the command as ``Report``s, which the manager
+applies and then plans again; it never calls back into a manager that is planning. It logs ``load_start``, ``load_done``,
 ``evict_start`` and ``evict_done`` into the coordinator's event log and keeps the memory
 metrics. Without a budget (``memory_budget_bytes`` and ``max_resident_models`` unset) it
 grants every request at once, as the node did before it had a manager, and logs nothing.
@@ -21,6 +27,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from splitserve.config import ServerConfig
@@ -29,6 +38,27 @@ from splitserve.server.metrics import Metrics
 from splitserve.memory.footprints import MemoryFootprint
 
 log = logging.getLogger(__name__)
+
+
+class ReportKind(StrEnum):
+    """What a model reports to its broker (each one a ``ResidencyBroker`` method)."""
+
+    REQUEST = "request"
+    LOADED = "loaded"
+    EVICTING = "evicting"
+    RELEASED = "released"
+    LOAD_FAILED = "load_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One report a model made while it carried out a command of the manager: returned with
+    the command, so the model never calls back into the manager that commanded it."""
+
+    kind: ReportKind
+    rt_waiting: bool = False  # REQUEST: real-time calls wait for it
+    nbytes: int = 0  # LOADED: what it holds
+    reason: str = ""  # LOAD_FAILED: why
 
 
 class ResidentModel(Protocol):
@@ -52,19 +82,21 @@ class ResidentModel(Protocol):
     def holds_memory(self) -> bool:
         """Its weights are resident, loading, or being released."""
 
-    def begin_load(self) -> None:
-        """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or ``load_failed``."""
+    def begin_load(self) -> Sequence[Report]:
+        """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or
+        ``load_failed`` (now: among the reports it returns)."""
 
-    def release_residency(self) -> bool:
+    def release_residency(self) -> Sequence[Report]:
         """Start releasing its weights (calls keep queueing); ends in the broker's ``released``.
-        False if nothing was resident or loading, or it is being released already."""
+        Empty if nothing was resident or loading, or it is being released already; else
+        EVICTING first (and RELEASED when nothing was left to release)."""
 
-    def refuse_load(self, reason: str) -> None:
+    def refuse_load(self, reason: str) -> Sequence[Report]:
         """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
 
 
 class ResidencyBroker(Protocol):
-    """The node's memory manager (``memory.MemoryManager``) as a runtime calls it: it asks
+    """The node's memory manager (``MemoryManager``) as a model's residency calls it: it asks
     for residency before any load, reports batch starts (the LRU clock) and ends, and every
     change of what it holds. Without a budget every request is granted at once."""
 
@@ -110,16 +142,13 @@ class MemoryManager:
         self.models: dict[str, ResidentModel] = {}
         self._load_began: dict[str, float] = {}
         self.last_load_ms: dict[str, float] = {}
-        self._planning = False
-        self._again = False
         if config.memory_budget_bytes is not None:
             metrics.memory_budget.set(config.memory_budget_bytes)
 
     # -- ResidencyBroker ---------------------------------------------------------------------
 
     def request(self, model: ResidentModel, rt_waiting: bool) -> None:
-        self.models[model.name] = model
-        self.cache.request(model.name, self.clock(), rt_waiting)
+        self._apply(model, Report(ReportKind.REQUEST, rt_waiting=rt_waiting))
         self._plan()
 
     def touch(self, name: str, now: float) -> None:
@@ -130,6 +159,41 @@ class MemoryManager:
             self._plan()
 
     def loaded(self, model: ResidentModel, nbytes: int) -> None:
+        self._apply(model, Report(ReportKind.LOADED, nbytes=nbytes))
+        self._plan()  # what it measured may exceed what it reserved
+
+    def evicting(self, model: ResidentModel) -> None:
+        self._apply(model, Report(ReportKind.EVICTING))
+
+    def released(self, model: ResidentModel) -> None:
+        self._apply(model, Report(ReportKind.RELEASED))
+        self._plan()
+
+    def load_failed(self, model: ResidentModel, reason: str) -> None:
+        self._apply(model, Report(ReportKind.LOAD_FAILED, reason=reason))
+        self._plan()
+
+    # -- what the reports change -----------------------------------------------------------------
+
+    def _apply(self, model: ResidentModel, report: Report) -> None:
+        kind = report.kind
+        if kind is ReportKind.REQUEST:
+            self.models[model.name] = model
+            self.cache.request(model.name, self.clock(), report.rt_waiting)
+        elif kind is ReportKind.LOADED:
+            self._loaded(model, report.nbytes)
+        elif kind is ReportKind.EVICTING:
+            self.models[model.name] = model
+            self.cache.evicting(model.name)
+            self._event("evict_start", model.name)
+        elif kind is ReportKind.RELEASED:
+            self._released(model)
+        else:
+            self.cache.failed(model.name, report.reason)
+            self._load_began.pop(model.name, None)
+            self.metrics.model_resident_bytes.labels(model.name).set(0)
+
+    def _loaded(self, model: ResidentModel, nbytes: int) -> None:
         self.models[model.name] = model
         e = self.cache.entry(model.name)
         first = e.residency is Residency.LOADING
@@ -145,14 +209,8 @@ class MemoryManager:
             self._event("load_done", model.name)
             log.info("memory: %s resident (%d bytes; %d of %s reserved)", model.name, nbytes, self.cache.reserved,
                      self.config.memory_budget_bytes)
-        self._plan()  # what it measured may exceed what it reserved
 
-    def evicting(self, model: ResidentModel) -> None:
-        self.models[model.name] = model
-        self.cache.evicting(model.name)
-        self._event("evict_start", model.name)
-
-    def released(self, model: ResidentModel) -> None:
+    def _released(self, model: ResidentModel) -> None:
         e = self.cache.entry(model.name)
         was = e.residency
         self.cache.released(model.name, disabled=not model.enabled)
@@ -161,13 +219,6 @@ class MemoryManager:
         if was is Residency.EVICTING:
             self.metrics.model_evictions.labels(model.name).inc()
             self._event("evict_done", model.name)
-        self._plan()
-
-    def load_failed(self, model: ResidentModel, reason: str) -> None:
-        self.cache.failed(model.name, reason)
-        self._load_began.pop(model.name, None)
-        self.metrics.model_resident_bytes.labels(model.name).set(0)
-        self._plan()
 
     # -- the node's other parts ----------------------------------------------------------------
 
@@ -223,21 +274,19 @@ class MemoryManager:
             self._note(kind, name)
 
     def _plan(self) -> None:
-        """Plan and carry the plan out; a runtime that reports back at once (a load that fails
-        to place, an eviction with nothing left to release) makes it plan again afterwards."""
-        if self._planning:
-            self._again = True
-            return
-        self._planning = True
-        try:
-            self._again = True
-            while self._again:
-                self._again = False
-                self._plan_once()
-        finally:
-            self._planning = False
+        """Plan and carry the plan out, again while the models' answers changed something (a
+        load that failed to place, an eviction with nothing left to release)."""
+        while self._plan_once():
+            pass
 
-    def _plan_once(self) -> None:
+    def _answered(self, model: ResidentModel, reports: Sequence[Report]) -> bool:
+        """Apply what ``model`` reported while it carried out a command; True if that calls
+        for another plan."""
+        for report in reports:
+            self._apply(model, report)
+        return any(r.kind is not ReportKind.EVICTING for r in reports)
+
+    def _plan_once(self) -> bool:
         cache = self.cache
         for name, m in self.models.items():
             e = cache.entry(name)
@@ -246,16 +295,20 @@ class MemoryManager:
                 e.charge = m.charge()
         busy = {n for n, m in self.models.items() if m.pinned()}
         plan = cache.plan(self.clock(), busy)
+        again = False
         for name in plan.evict:
             m = self.models[name]
             log.info("memory: evicting %s (least recently used) to make room", name)
-            if not m.release_residency() and not m.holds_memory():
-                self.released(m)  # it held nothing after all
+            reports = m.release_residency()
+            if not reports and not m.holds_memory():
+                reports = [Report(ReportKind.RELEASED)]  # it held nothing after all
+            again = self._answered(m, reports) or again
         for name, why in plan.refuse.items():
             log.warning("memory: %s", why)
-            self.models[name].refuse_load(why)
+            again = self._answered(self.models[name], self.models[name].refuse_load(why)) or again
         for name in plan.load:
             m = self.models[name]
             self._load_began[name] = self.clock()
             self._event("load_start", name)
-            m.begin_load()
+            again = self._answered(m, m.begin_load()) or again
+        return again

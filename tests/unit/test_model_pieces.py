@@ -101,3 +101,40 @@ def test_a_batch_that_ends_tells_the_coordinator_once_and_the_memory_manager_at_
     assert told == []  # not from inside the worker's report
     h.loop.run()
     assert told == ["double"] and h.rt.queues.rings[BE].in_use == 0
+
+
+def test_the_memory_manager_is_never_called_back_while_it_plans(h):
+    """A load that fails to place, an eviction with nothing left to release: what the model
+    reports while it carries out the manager's command comes back with the command."""
+    memory = h.rt.core.env.memory
+    planning = []
+    plan_once = memory._plan_once
+
+    def watched() -> bool:
+        planning.append(True)
+        try:
+            return plan_once()
+        finally:
+            planning.pop()
+
+    memory._plan_once = watched  # type: ignore[method-assign]
+    for name in ("request", "loaded", "evicting", "released", "load_failed", "batch_done", "touch"):
+        report = getattr(memory, name)
+
+        def guarded(*args, _report=report, _name=name):
+            assert not planning, f"{_name} called back into the manager from inside its plan"
+            return _report(*args)
+
+        setattr(memory, name, guarded)
+    residency = h.rt.residency
+    grant = residency._begin_load
+
+    def granted_too_late() -> None:  # an operator's unload came first: the model holds nothing and says so
+        h.rt.core.enabled = False
+        grant()
+
+    residency._begin_load = granted_too_late  # type: ignore[method-assign]
+    h.call(1, bytes(4))
+    (answer,) = h.sink.answers
+    assert answer[1].status.name == "MODEL_NOT_READY" and h.workers == []
+    assert memory.status()["reserved_bytes"] == 0 and memory.status()["models"]["double"]["residency"] != "LOADING"

@@ -369,7 +369,7 @@ def test_evict_unloads_after_the_running_batch_and_calls_that_wait_load_it_again
     (worker,) = h.workers
     worker.up()
     h.loop.run()
-    assert h.rt.residency.release_residency()
+    assert h.rt.residency.begin_eviction()
     assert h.rt.state is ModelState.EVICTED and h.rt.describe()["residency"] == ["unloading"]
     assert worker.unloads == 0  # its batch runs on: the UNLOAD waits for it
     h.call(2, bytes([3, 3, 3, 3]))  # taken and queued, not refused, and no load starts mid-unload
@@ -400,7 +400,7 @@ def test_a_batch_suspended_when_its_model_is_evicted_goes_back_to_the_queue_and_
     (msg,) = worker.sent
     h.rt.dispatch.preempt(0, msg.batch_id)
     h.rt.instances.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
-    assert h.rt.residency.release_residency()
+    assert h.rt.residency.begin_eviction()
     # the restore point dies with the binding: the batch is handed back before the UNLOAD
     assert worker.unloads == 1 and h.node.calls[-1] == ("finished", "double", msg.batch_id, False)
     assert h.rt.sched.waiting() == 1 and h.sink.answers == []
@@ -426,7 +426,7 @@ def test_evicting_a_model_mid_load_kills_the_loading_worker_and_a_waiting_call_l
     h.call(1, bytes([2, 2, 2, 2]))
     (first,) = h.workers
     first.start()  # its LOAD is under way
-    assert h.rt.residency.release_residency()
+    assert h.rt.residency.begin_eviction()
     assert not first.alive and "evicted while loading" in first.killed_for
     # nothing was resident: the eviction ends at once, and the waiting call loads the model
     assert h.rt.stats.evictions == 1 and h.rt.state is ModelState.LOADING and len(h.workers) == 2

@@ -168,7 +168,7 @@ def test_a_runtime_measures_its_model_once_keeps_the_measure_and_takes_back_the_
     assert h.footprints.saved == [("double", MemoryFootprint(4096, 7 * MIB, measured=True), 2.0)]
     h.loop.run()
     h.run_batch(worker)
-    assert h.rt.residency.release_residency()
+    assert h.rt.residency.begin_eviction()
     worker.unloaded()  # gives its process back to the pool, which keeps it (its memory came back)
     assert worker.owner is h.pool and h.pool.spares == 1 and h.rt.describe()["pids"] == [None]
     h.call(2, bytes(4))  # loads again: into the same process, without measuring again

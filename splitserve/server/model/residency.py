@@ -5,6 +5,10 @@ next to it in ``memory/manager.py``). A model asks for residency before any
 load and loads when granted; ``evict`` releases the weights of every instance and the next
 call loads them again, while the model's identity (queues, scheduler, statistics, queued
 calls) stays untouched.
+
+What it tells the memory manager while carrying out one of the manager's commands
+(``begin_load``, ``release_residency``, ``refuse_load``) it returns with the command as
+``Report``s instead of calling the manager back; at any other time it reports at once.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from splitserve.errors import ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
 from splitserve.memory.weights import drop_page_cache, weights_file
@@ -21,6 +26,7 @@ from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
 from splitserve.server.model.instances import Instances
 from splitserve.memory.footprints import MemoryFootprint
+from splitserve.memory.manager import Report, ReportKind
 from splitserve.server.ports import ModelState
 from splitserve.worker.pool import Residency as WorkerResidency
 
@@ -39,6 +45,47 @@ class ModelResidency:
         self._evicting = False
         self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
         self._asked = False  # residency requested from the node's memory manager, not granted yet
+        self._held: list[Report] | None = None  # reports made while a command of the manager runs
+
+    # -- talking to the memory manager ---------------------------------------------------------
+
+    def _report(self, report: Report) -> None:
+        """Tell the memory manager now, or, inside one of its commands, with the command's answer."""
+        if self._held is not None:
+            self._held.append(report)
+            return
+        broker, kind = self.core.env.memory, report.kind
+        if kind is ReportKind.REQUEST:
+            broker.request(self, report.rt_waiting)
+        elif kind is ReportKind.LOADED:
+            broker.loaded(self, report.nbytes)
+        elif kind is ReportKind.EVICTING:
+            broker.evicting(self)
+        elif kind is ReportKind.RELEASED:
+            broker.released(self)
+        else:
+            broker.load_failed(self, report.reason)
+
+    def _command(self, run: Callable[[], object]) -> list[Report]:
+        """Carry out a command of the memory manager; what it reported meanwhile."""
+        self._held = []
+        try:
+            run()
+            return self._held
+        finally:
+            self._held = None
+
+    def begin_load(self) -> list[Report]:
+        """The manager's grant: load now (``ResidentModel``)."""
+        return self._command(self._begin_load)
+
+    def release_residency(self) -> list[Report]:
+        """The manager's choice of a victim: release the weights (``ResidentModel``)."""
+        return self._command(self.begin_eviction)
+
+    def refuse_load(self, reason: str) -> list[Report]:
+        """The manager's refusal: the model can never fit (``ResidentModel``)."""
+        return self._command(lambda: self._refuse(reason))
 
     # -- what the memory manager reads -------------------------------------------------------
 
@@ -88,13 +135,14 @@ class ModelResidency:
         if not self._asked:
             self._asked = True
             core.ready_event.clear()
-        core.env.memory.request(self, core.sched.waiting(RequestClass.RT) > 0)
+        self._report(Report(ReportKind.REQUEST, rt_waiting=core.sched.waiting(RequestClass.RT) > 0))
 
-    def begin_load(self) -> None:
+    def _begin_load(self) -> None:
         core = self.core
         if not self._asked or not core.enabled or core.env.stopping() or self.holds_memory():
             self._asked = False
-            core.env.memory.released(self)  # granted too late: it holds nothing, the reservation goes back
+            # granted too late: it holds nothing, the reservation goes back
+            self._report(Report(ReportKind.RELEASED))
             return
         self._asked = False
         core.state, core.error = ModelState.LOADING, None
@@ -107,7 +155,7 @@ class ModelResidency:
                 return
         self.instances.start_missing()
 
-    def refuse_load(self, reason: str) -> None:
+    def _refuse(self, reason: str) -> None:
         self._asked = False
         self.fail(reason)
 
@@ -133,7 +181,7 @@ class ModelResidency:
         if core.state is ModelState.READY and all(core.sched.instances[i].ready for i in core.sched.serving()):
             core.ready_event.set()  # a load returns when every instance is up
         if core.state is ModelState.READY:
-            core.env.memory.loaded(self, self.charge())
+            self._report(Report(ReportKind.LOADED, nbytes=self.charge()))
 
     async def wait_ready(self) -> None:
         """Load the model (an explicit load retries a FAILED one at once) and wait until it
@@ -167,7 +215,7 @@ class ModelResidency:
         self.instances.kill_all(f"model {self.name!r} failed to load")
         core.ready_event.set()
         self.dispatch.fail_waiting(ModelNotReady(f"model {self.name!r} failed to load: {reason}"))
-        core.env.memory.load_failed(self, reason)
+        self._report(Report(ReportKind.LOAD_FAILED, reason=reason))
 
     async def load(self) -> None:
         """An explicit load (management): serve again after a user's unload, retry a FAILED
@@ -214,7 +262,7 @@ class ModelResidency:
         core.state = ModelState.UNLOADED
         self._asked = False
         core.ready_event.set()  # a load that was waiting ends (not ready)
-        core.env.memory.released(self)
+        self._report(Report(ReportKind.RELEASED))
         d.kick()
 
     async def evict(self, deadline: float | None = None) -> bool:
@@ -230,7 +278,7 @@ class ModelResidency:
         goes back to the node's pool of spares (or exits; see ``worker.spares``)."""
         core = self.core
         async with self._evict_lock:
-            if not self.release_residency():
+            if not self.begin_eviction():
                 return False
             if deadline is None:
                 deadline = time.perf_counter() + core.settings.drain_timeout_s
@@ -243,7 +291,7 @@ class ModelResidency:
                 await core.until(lambda: not self._evicting, time.perf_counter() + core.settings.stop_timeout_s)
             return True
 
-    def release_residency(self) -> bool:
+    def begin_eviction(self) -> bool:
         """Begin an eviction (``evict`` waits for it): the model turns EVICTED, workers still
         starting or loading are killed, resident instances turn UNLOADING (no new batches)
         and release their weights as soon as their batch is done. False if nothing is
@@ -253,7 +301,7 @@ class ModelResidency:
             return False
         core.state, self._evicting = ModelState.EVICTED, True
         core.ready_event.set()  # a load that was waiting ends: the model is not resident
-        core.env.memory.evicting(self)
+        self._report(Report(ReportKind.EVICTING))
         for i, st in list(core.sched.instances.items()):  # a kill may report the exit at once
             handle = core.workers.get(i)
             if handle is None:
@@ -298,7 +346,7 @@ class ModelResidency:
             path = weights_file(core.config, core.record.path, core.settings.cache_path)
             if path is not None:  # off the loop: the kernel may write back or walk many pages
                 core.loop.run_in_executor(None, drop_page_cache, path)
-        core.env.memory.released(self)
+        self._report(Report(ReportKind.RELEASED))
         self.dispatch.kick()
         if core.sched.waiting():
             self.ensure_started()
