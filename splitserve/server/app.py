@@ -1,9 +1,11 @@
 """The node's composition root: ``Server`` builds every part of a splitserve node, hands
-each one only the interface (``server/ports.py``) it needs, and starts and stops them.
+each one only the interface it needs (declared next to the part that drives it, or in
+``server/ports.py``), and starts and stops them.
 
 Nothing below this module imports it. The parts: the fast-path transports and the HTTP
 and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
-``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
+``ModelRuntime`` per model (``server/model/``: created on first use, given a ``RuntimeEnv``
+and what it reads from disk, read off the loop), the
 ``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
 CPUs) with the ``PlacementApplier`` that carries out changes of placement, the
 ``MemoryManager`` (the runtimes' ``ResidencyBroker``: which models hold memory), the

@@ -78,7 +78,7 @@ class PlacementApplier:
         self._lock = asyncio.Lock()
 
     async def apply(self, decide: Callable[[], Wanted]) -> dict[str, dict[str, Any]]:
-        """See ``ports.PlacementChanger.apply``."""
+        """See ``PlacementChanger.apply``."""
         async with self._lock:
             rm = self.resources
             wanted = decide()

@@ -291,7 +291,7 @@ class PartitionManager:
 
     def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
                node: Sequence[InstanceView]) -> Chosen | None:
-        """See ``ports.BatchPlacement.choose``."""
+        """See ``coordinator.BatchPlacement.choose``."""
         parts = self._parts
         ids = {p.id for p in parts}
         where = {v.instance: v.partition for v in node if v.model == model}
