@@ -373,7 +373,7 @@ class Server:
         if rec is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
         stored = self._stored.pop(name, None)
-        if stored is None:  # not read at start-up or by ``prepare``: read now (never on the fast path)
+        if stored is None:  # neither start-up nor ``prepare`` read it (a call raced a registration): read now
             log.warning("model %s: its runtime reads its stored footprint and profile on the loop", name)
             stored = self._read_stored(rec)
         rt = self.runtimes[name] = ModelRuntime(self.env, rec, *stored)
@@ -382,7 +382,9 @@ class Server:
     async def prepare(self, name: str) -> ModelRuntime:
         """The runtime of a registered model, built after reading what it needs off the loop."""
         if name not in self.runtimes and name not in self._stored and (rec := self.records.get(name)) is not None:
-            self._stored[name] = await asyncio.to_thread(self._read_stored, rec)
+            stored = await asyncio.to_thread(self._read_stored, rec)
+            if name not in self.runtimes and self.records.get(name) is rec:  # no call built it meanwhile
+                self._stored[name] = stored
         return self.runtime(name)
 
     def loaded(self, name: str) -> ModelRuntime | None:
