@@ -6,7 +6,7 @@ its latest batch began (Rafiqi's "begins classification": the LRU clock) and whe
 ``keep_resident``; and the load queue (requests for models that are not resident, with
 whether real-time work waits and since when). ``plan(now, busy)`` returns what to do now:
 evictions to start and loads to start. It never does I/O and takes the clock and the
-caller's facts (which models are busy) as arguments; ``server.memory.MemoryManager``
+caller's facts (which models are busy) as arguments; ``memory.manager.MemoryManager``
 carries its decisions out and reports back (``loaded``, ``evicted``, ``failed``).
 
 The rules (Rafiqi §3.4, with the decisions of ``notes/rafiqi.md`` Q5-Q7):

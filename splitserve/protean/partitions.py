@@ -14,8 +14,8 @@ It carves the worker cores into partitions at start (``Carved`` partitions of th
 Every change of placement it makes (an autoscaler's resize, a geometry change from the
 controller or an operator) goes through the node's one applier (``PlacementChanger``), so
 the old instances drain while the new ones serve and no request is lost or answered twice.
-The deciders are pure (``distributor``, ``reconfig``, ``instance_autoscale``,
-``node_partitions``); this module reads the node, calls them on timers and
+The deciders are pure (``placement.protean``, ``placement.autoscale``,
+``placement.node_partitions``); this module reads the node, calls them on timers and
 applies what they say.
 """
 
@@ -28,33 +28,86 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.config import ServerConfig
-from splitserve.placement.partition import Carved, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list
-from splitserve.placement.resources import ResourceManager
-from splitserve.protean.distributor import Job, JobDistributor, Slot
-from splitserve.protean.geometry import Geometry, carve
 from splitserve.protean.instance_autoscale import InstanceAutoscaler
 from splitserve.protean.node_partitions import (
-    BatchChooser,
-    initial_layout,
-    parse_geometry,
-    slice_cpus,
-    slots_of,
-    split_memory,
-    worker_cpus,
+    BatchChooser, initial_layout, parse_geometry, slice_cpus, slots_of, split_memory, worker_cpus,
 )
+from splitserve.placement.partition import (
+    Carved, InstancePlacement, NodePartition, OnPartition, Partitioning, StrictPlacement, cpu_list,
+)
+from splitserve.protean.distributor import Job, JobDistributor, Slot
+from splitserve.protean.geometry import Geometry, carve
 from splitserve.protean.reconfig import GeometryController, ProteanSettings, derive_thresholds
+from splitserve.placement.resources import ResourceManager
 from splitserve.protean.slowdown import SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import Chosen, PartitionedModel, PlacementChanger, ProteanProfileSource
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.applier import PlacementChanger
+from splitserve.server.coordinator import Chosen
 
 log = logging.getLogger(__name__)
 
 NODE_OWNER = "node"  # the owner of the node's partitions in the ResourceManager
+
+
+class ProteanProfileSource(Protocol):
+    """What PROTEAN's deciders read of the node's stored profiles (``protean_profiles.ProteanProfiles``,
+    over the registry): the slowdown model's solo times and FBRs and Algorithm 1's batch
+    memory. Built once by the root; read on the loop (each model's profiles are read once,
+    then kept until ``forget``). None means "not profiled here": never a made-up number."""
+
+    def solo(self, model: str, cores: int, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` takes alone on a partition of ``cores`` cores
+        (the stored L[cores, batch]); None without a profile with that many threads."""
+
+    def fbr(self, model: str) -> float | None:
+        """The model's fitted FBR; None when never fitted or unidentified."""
+
+    def footprint(self, model: str, batch: int) -> int | None:
+        """Bytes a batch of ``batch`` takes: the per-batch footprint, else the private bytes
+        the model's load measured (``kind="memory"``), else None."""
+
+    def forget(self, model: str | None = None) -> None:
+        """Read ``model``'s (every model's: None) profiles again on next use, e.g. after
+        ``splitserve profile`` stored new ones."""
+
+
+class PartitionedModel(Protocol):
+    """One model as the node's partition manager drives it (``server.model.placement.ModelPlacement``,
+    a model's ``placements``): its
+    autoscaler reads the pending work and sets the instance count; a geometry change moves
+    its instances onto new partitions through the node's applier."""
+
+    name: str
+    footprint: MemoryFootprint  # measured at its first load (private bytes: one instance's own, at max batch)
+
+    @property
+    def instance_count(self) -> int: ...
+
+    @property
+    def dispatch_max_batch(self) -> int: ...
+
+    def placed_now(self) -> bool:
+        """It holds instances (loaded or loading): autoscaling and geometry changes apply to it."""
+
+    def waiting_requests(self, cls: RequestClass | None = None) -> int:
+        """Requests waiting for a batch (of ``cls``, or of every class)."""
+
+    async def resize(self, instances: int) -> None:
+        """Serve with ``instances`` instances (the placer spreads them over the partitions)."""
+
+    def placements_on(self, partitions: Sequence[NodePartition]) -> list[InstancePlacement]:
+        """As many instances as serve now, on ``partitions`` (``NodePartition``s of a new
+        geometry); takes the model's places on them from the ``ResourceManager``."""
+
+    def kick(self) -> None:
+        """Run a scheduling pass soon (a strict batch waiting for a partition is due to be
+        decided again)."""
 
 
 def protean_settings(config: ServerConfig) -> ProteanSettings:
@@ -240,7 +293,7 @@ class PartitionManager:
 
     def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
                node: Sequence[InstanceView]) -> Chosen | None:
-        """See ``ports.BatchPlacement.choose``."""
+        """See ``coordinator.BatchPlacement.choose``."""
         parts = self._parts
         ids = {p.id for p in parts}
         where = {v.instance: v.partition for v in node if v.model == model}

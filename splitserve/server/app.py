@@ -1,9 +1,11 @@
 """The node's composition root: ``Server`` builds every part of a splitserve node, hands
-each one only the interface (``server/ports.py``) it needs, and starts and stops them.
+each one only the interface it needs (declared next to the part that drives it, or in
+``server/ports.py``), and starts and stops them.
 
 Nothing below this module imports it. The parts: the fast-path transports and the HTTP
 and gRPC front ends (each a ``FrontEnd``), the intake and the monitor, one
-``ModelRuntime`` per model (created on first use, given a ``RuntimeEnv``), the
+``ModelRuntime`` per model (``server/model/``: created on first use, given a ``RuntimeEnv``
+and what it reads from disk, read off the loop), the
 ``Coordinator`` (the runtimes' ``NodeScheduler``), the node's one ``ResourceManager`` (its
 CPUs) with the ``PlacementApplier`` that carries out changes of placement, the
 ``MemoryManager`` (the runtimes' ``ResidencyBroker``: which models hold memory), the
@@ -30,6 +32,8 @@ import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
+from splitserve.memory.footprints import MemoryFootprint, RegistryFootprints
+from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.gpus import MigDriver
 from splitserve.placement.partition import Partitioning
@@ -43,20 +47,19 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
-from splitserve.server.footprints import RegistryFootprints
 from splitserve.server.frontends import CodecPool
 from splitserve.server.gpus import GpuInventory
 from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
-from splitserve.server.memory import MemoryManager
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
 from splitserve.protean.partitions import PartitionManager
 from splitserve.protean.profiles import ProteanProfiles
-from splitserve.server.ports import FrontEnd, InferOutcome, InstanceWorker, ModelPort, RuntimeEnv, WorkerFactory
-from splitserve.server.runtime import ModelRuntime
+from splitserve.server.model.env import InstanceWorker, RuntimeEnv, WorkerFactory
+from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, ModelState
+from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
@@ -107,17 +110,20 @@ class Server:
         self.monitor = InferenceMonitor(self.metrics, stage_trace=config.transports.fast_stage_trace)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
-        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name])
+        self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name].placements)
         # PROTEAN's partitions, per-batch placement, autoscaler and geometry controller (partitioning set)
         self.partitions: PartitionManager | None = None
         if config.protean.partitioning is not Partitioning.NONE:
-            self.partitions = PartitionManager(config, self.resources, self.applier, lambda: self.runtimes.values(),
+            self.partitions = PartitionManager(config, self.resources, self.applier,
+                                               lambda: [rt.placements for rt in self.runtimes.values()],
                                                lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
-        self.coordinator = Coordinator(lambda: self.runtimes.values(), config.reef.preemption,
+        self.coordinator = Coordinator(lambda: [rt.dispatch for rt in self.runtimes.values()], config.reef.preemption,
                                        config.batching.coordinator_events,
                                        class_order=config.reef.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
+        # per model not built yet: its stored footprint and profile, read off the loop
+        self._stored: dict[str, tuple[MemoryFootprint, ModelProfile | None]] = {}
         self.by_func: dict[int, str] = {}
         self.intake = Intake(config.transports)  # requests still arriving on the fast path
         self.frontends: list[FrontEnd] = []
@@ -178,13 +184,17 @@ class Server:
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
             self.remember(rec)
+        # What a model's runtime reads from disk (its measured footprint, its stored profile),
+        # read here, off the loop, so that a model's first call builds its runtime without I/O.
+        self._stored = await asyncio.to_thread(lambda: {name: self._read_stored(rec)
+                                                         for name, rec in self.records.items()})
         if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             await asyncio.to_thread(self.management.ensure_token)
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
             self.ports.update(await fe.start())
         for name in cfg.load:
-            await self.runtime(name).wait_ready()
+            await (await self.prepare(name)).wait_ready()
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
 
@@ -212,6 +222,10 @@ class Server:
 
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)
+
+    def _read_stored(self, rec: ModelRecord) -> tuple[MemoryFootprint, ModelProfile | None]:
+        """What ``rec``'s runtime reads from disk (SQLite, a weights file's header): off the loop only."""
+        return self.footprints.footprint(rec), self._profile(rec.name)
 
     def _write_server_file(self) -> None:
         info = {"pid": os.getpid(), "host": self.config.host, **self.ports}
@@ -343,6 +357,7 @@ class Server:
 
     def forget(self, name: str) -> None:
         """Drop a model from the name and func_id maps (its runtime must be gone)."""
+        self._stored.pop(name, None)
         rec = self.records.pop(name, None)
         if rec is not None and self.by_func.get(rec.func_id) == name:
             del self.by_func[rec.func_id]
@@ -357,8 +372,20 @@ class Server:
         rec = self.records.get(name)
         if rec is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
-        rt = self.runtimes[name] = ModelRuntime(self.env, rec)
+        stored = self._stored.pop(name, None)
+        if stored is None:  # neither start-up nor ``prepare`` read it (a call raced a registration): read now
+            log.warning("model %s: its runtime reads its stored footprint and profile on the loop", name)
+            stored = self._read_stored(rec)
+        rt = self.runtimes[name] = ModelRuntime(self.env, rec, *stored)
         return rt
+
+    async def prepare(self, name: str) -> ModelRuntime:
+        """The runtime of a registered model, built after reading what it needs off the loop."""
+        if name not in self.runtimes and name not in self._stored and (rec := self.records.get(name)) is not None:
+            stored = await asyncio.to_thread(self._read_stored, rec)
+            if name not in self.runtimes and self.records.get(name) is rec:  # no call built it meanwhile
+                self._stored[name] = stored
+        return self.runtime(name)
 
     def loaded(self, name: str) -> ModelRuntime | None:
         return self.runtimes.get(name)
@@ -390,9 +417,11 @@ class Server:
 
     # -- ServingAPI: the shared request path for decoded front ends --------------------------
 
-    def model_state(self, name: str) -> str:
+    def model_state(self, name: str) -> ModelState:
         rt = self.runtimes.get(name)
-        return rt.state if rt is not None else ("unloaded" if name in self.records else "unknown")
+        if rt is not None:
+            return rt.state
+        return ModelState.UNLOADED if name in self.records else ModelState.UNKNOWN
 
     def model_ready(self, name: str) -> bool:
         """Whether a call to ``name`` would be served without an explicit load: it is enabled
@@ -406,7 +435,8 @@ class Server:
         """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
         ready, or evicted on purpose (it takes calls and loads on the next); other models
         load on first use, so they do not count."""
-        return not self.stopping and all(self.model_state(m) in ("ready", "evicted") for m in self.config.load)
+        return not self.stopping and all(self.model_state(m) in (ModelState.READY, ModelState.EVICTED)
+                                          for m in self.config.load)
 
     def stage_trace(self) -> dict[str, Any]:
         stages = self.monitor.stages

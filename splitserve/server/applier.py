@@ -14,14 +14,53 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
+from splitserve.placement.partition import InstancePlacement
 from splitserve.placement.plans import Wanted, Wave, plan_change
 from splitserve.placement.resources import ResourceManager
-from splitserve.server.ports import PlacedModel
 
 log = logging.getLogger(__name__)
+
+
+class PlacedModel(Protocol):
+    """One model as the node's placement applier drives it through a change (start the new
+    set as standby, switch, drain the old). A model's
+    ``placements`` (``server.model.placement.ModelPlacement``) implements it."""
+
+    name: str
+
+    def add_standby(self, placements: Sequence[InstancePlacement]) -> list[int]:
+        """Add instances at ``placements`` (placed with the node's ``ResourceManager``), not yet
+        dispatched to, and start their workers if the model runs; their ids. All or none."""
+
+    async def until_ready(self, instances: Sequence[int]) -> None:
+        """Until those instances are up (at once if the model is not running); ModelNotReady
+        when one gave up starting. Bounded by the worker start timeouts."""
+
+    def switch(self, activate: Sequence[int], retire: Sequence[int], final: bool) -> None:
+        """Dispatch to ``activate`` and no longer to ``retire``. On the ``final`` switch the
+        model's placement decider settles on what serves (Packrat's aggregation target)."""
+
+    async def retire(self, instances: Sequence[int]) -> None:
+        """Drain those instances (each gets drain_timeout_s), stop their workers and unplace them."""
+
+    def changed(self, record: Mapping[str, Any]) -> None:
+        """The change ended (``record["ok"]`` says whether it was made): remember it, and let
+        the decider settle on what serves now."""
+
+
+class PlacementChanger(Protocol):
+    """The node's one applier of placement changes (``applier.PlacementApplier``), called by a
+    runtime's resize and repack (and later by node-wide deciders such as PROTEAN)."""
+
+    async def apply(self, decide: Callable[[], Wanted]) -> dict[str, dict[str, Any]]:
+        """Under the node-wide placement lock: ``decide()`` says what the models it names should
+        run (it may allocate partitions for new instances), then the change is carried out.
+        Returns a record per model changed. Raises ResourcesUnavailable when the change cannot
+        be made without double-booking a CPU or a pause in service (nothing changed then), and
+        ModelNotReady when new instances did not start (what served still serves)."""
 
 
 class PlacementApplier:
@@ -39,7 +78,7 @@ class PlacementApplier:
         self._lock = asyncio.Lock()
 
     async def apply(self, decide: Callable[[], Wanted]) -> dict[str, dict[str, Any]]:
-        """See ``ports.PlacementChanger.apply``."""
+        """See ``PlacementChanger.apply``."""
         async with self._lock:
             rm = self.resources
             wanted = decide()

@@ -16,16 +16,115 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
-from splitserve.server.ports import BatchPlacement, Chosen, Event, ScheduledModel
 from splitserve.worker.messages import DIRECT_BATCH
 
 RT, BE = RequestClass.RT, RequestClass.BE
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One step in the life of a batch, on the server's perf_counter clock."""
+
+    t: float
+    kind: str  # start | resume | preempt | preempted | done | failed; load_start | load_done | evict_start | evict_done
+    model: str
+    instance: int
+    batch: int
+    cls: str
+    segment: int = 0  # preempted: the restore point; resume: where it resumes
+    latency_ns: int = 0  # preempted: flag raised -> worker stopped
+    partition: int = -1  # the node partition the instance sits on (-1: none, or not an instance's event)
+    tag: float | None = None  # the batch's ``Batch.tag``: its partition's tag when placed (None: not by tags)
+
+
+class ScheduledModel(Protocol):
+    """One model as the coordinator sees it: a model's ``dispatch``
+    (``server.model.dispatch.Dispatch``), which calls the coordinator (``NodeScheduler``)
+    from its scheduling pass; the coordinator answers with these calls."""
+
+    name: str
+
+    def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
+        """Each instance: CPUs, what it runs, when that should end. ``preempt_raised(instance,
+        batch_id)`` says whether the coordinator has already asked that batch to stop."""
+
+    def rt_waiting(self) -> int:
+        """Real-time requests waiting for a batch."""
+
+    def start_batches(self, now: float, classes: Sequence[RequestClass],
+                      may_start: Callable[[int, RequestClass], bool] | None,
+                      pick: Callable[[RequestClass, int, Sequence[int]], int | None] | None = None) -> list[Batch]:
+        """Take the batches that may start now (only ``classes``, only where ``may_start``);
+        ``pick(cls, batch_size, idle_ids)`` chooses the instance of each batch (None: it waits)."""
+
+    def preempt(self, instance: int, batch_id: int) -> Batch | None:
+        """Ask ``batch_id`` on ``instance`` to stop at its next segment boundary; the batch,
+        or None if that instance runs no worker."""
+
+    def clear_preempt(self, instance: int, batch_id: int) -> None:
+        """Lower the instance's preemption flag for ``batch_id`` (it finished first), or for
+        ``DIRECT_BATCH`` let its worker's direct best-effort batches go; either leaves the other."""
+
+    def pad(self, deadlines: Mapping[int, float]) -> None:
+        """Padding deadlines (perf_counter seconds) per instance; an instance left out, or
+        0.0, runs without one."""
+
+    def kick(self) -> None:
+        """Run a scheduling pass soon (something elsewhere on the node changed)."""
+
+    def direct_activity(self) -> tuple[bool, bool, bool]:
+        """(real-time work, best-effort work, a direct real-time batch running) of the model
+        now, through the front end or on its workers' direct paths (``fast_direct``)."""
+
+    def set_direct_bell(self, on: bool) -> None:
+        """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """``BatchPlacement.choose``'s answer: the instance that takes the batch, and its
+    partition's tag at that decision (None: the placement policy does not use tags)."""
+
+    instance: int
+    tag: float | None = None
+
+
+class BatchPlacement(Protocol):
+    """The node's per-batch choice of a partition (``partitions.PartitionManager``), called by
+    the coordinator for every batch a model could start."""
+
+    def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
+               node: Sequence[InstanceView]) -> Chosen | None:
+        """Which of ``model``'s ``idle`` instances takes a batch of ``batch_size`` of ``cls``
+        (its partition chosen under ``strict_placement``), given the whole node; None: the
+        batch waits (best effort that fits no partition, or rt whose partition is busy)."""
+
+
+class NodeScheduler(Protocol):
+    """Node-wide scheduling (``coordinator.Coordinator``), called by every runtime."""
+
+    def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
+        """The batches ``model`` may start now; may preempt or pad other models' work."""
+
+    def started(self, model: ScheduledModel, batch: Batch) -> None:
+        """``batch`` (new, or resuming) was sent to its worker."""
+
+    def finished(self, model: ScheduledModel, instance: int, batch: Batch, ok: bool) -> None:
+        """``batch`` ended: done, failed, or handed back to the queue."""
+
+    def preempted(self, model: ScheduledModel, instance: int, batch: Batch, restore: int, latency_ns: int) -> None:
+        """``batch`` stopped at segment ``restore`` and waits, suspended, on ``instance``."""
+
+    def direct_changed(self) -> None:
+        """A worker's direct real-time work began or ended (its doorbell): look at the node again."""
 
 
 def _never(instance: int, batch_id: int) -> bool:

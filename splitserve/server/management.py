@@ -40,7 +40,7 @@ from splitserve.protocol import v2
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
-    EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelStats, PartitionControl,
+    EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelState, ModelStats, PartitionControl,
 )
 from splitserve.worker.counters import DirectCounts
 
@@ -49,8 +49,12 @@ log = logging.getLogger(__name__)
 TOKEN_FILE = "token"
 UPLOAD_DIR = ".uploads"  # beside the repository (same file system, so rename is atomic)
 # runtime state -> v2 repository extension state
-_STATES = {"ready": "READY", "loading": "LOADING", "stopping": "UNLOADING",
-           "failed": "UNAVAILABLE", "unloaded": "UNAVAILABLE", "evicted": "UNAVAILABLE"}
+_STATES = {ModelState.READY: "READY", ModelState.LOADING: "LOADING", ModelState.STOPPING: "UNLOADING",
+           ModelState.FAILED: "UNAVAILABLE", ModelState.UNLOADED: "UNAVAILABLE", ModelState.EVICTED: "UNAVAILABLE"}
+# runtime state -> the index's reason (Triton's state names, with the residency as /v2/memory names it)
+_REASONS = {ModelState.EVICTED: "EVICTED (loads on next request)",
+            ModelState.UNLOADED: "EVICTED (not loaded yet; loads on first use)",
+            ModelState.LOADING: "LOADING", ModelState.READY: "RESIDENT"}
 
 
 # -- security ----------------------------------------------------------------------------
@@ -368,7 +372,7 @@ class ModelManager:
             rec = await asyncio.to_thread(self._commit, cfg, tmp)
             self.models.remember(rec)
             try:
-                await self.models.runtime(rec.name).wait_ready()
+                await (await self.models.prepare(rec.name)).wait_ready()
             except (SplitServeError, TimeoutError) as e:
                 await self._roll_back(rec.name)
                 msg = e.message if isinstance(e, SplitServeError) else f"model {rec.name!r} did not load in time"
@@ -426,11 +430,11 @@ class ModelManager:
             rt = self.models.loaded(name)
             return rt is not None and await rt.evict()
 
-    def state(self, name: str) -> str:
-        """The model's state: ``ModelState`` once served, ``unloaded`` before its first use."""
+    def state(self, name: str) -> ModelState:
+        """The model's state once served, UNLOADED before its first use."""
         self.record(name)
         rt = self.models.loaded(name)
-        return rt.state if rt is not None else "unloaded"
+        return rt.state if rt is not None else ModelState.UNLOADED
 
     async def set_instances(self, name: str, instances: Any) -> None:
         """Scale the model to ``instances`` worker processes without dropping requests."""
@@ -470,18 +474,10 @@ class ModelManager:
             # Triton's state names, with the residency (as /v2/memory names it) as the reason.
             if rt is not None and not rt.enabled:
                 reason = "UNLOADED"
-            elif state == "failed":
+            elif state is ModelState.FAILED:
                 reason = f"FAILED: {(rt.error if rt is not None else None) or 'failed to load'}"
-            elif state == "evicted":
-                reason = "EVICTED (loads on next request)"
-            elif state == "unloaded":
-                reason = "EVICTED (not loaded yet; loads on first use)"
-            elif state == "loading":
-                reason = "LOADING"
-            elif state == "ready":
-                reason = "RESIDENT"
             else:
-                reason = ""
+                reason = _REASONS.get(state, "")
             out.append({"name": name, "version": str(rec.version), "state": v2, "reason": reason})
         return out
 

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import ServerConfig
-from splitserve.errors import BadSize, InvalidInput, UnknownModel, WorkerFailed
+from splitserve.errors import InvalidInput, UnknownModel, WorkerFailed
 from splitserve.modelconfig import ArtifactConfig, ModelConfig
 from splitserve.protocol.header import RequestClass
 from splitserve.server.intake import Intake
+from splitserve.server.model.queues import ModelQueues
 from splitserve.server.monitor import Call, InferenceMonitor
 from splitserve.tensorqueue import SlotRing, TensorQueue, ring_slots
 from splitserve.types import TensorSpec
@@ -139,18 +140,15 @@ class FuzzRuntime:
         self.default_class = RequestClass.RT if config.default_class == "rt" else RequestClass.BE
         sizes = [t.nbytes for t in config.inputs + config.outputs]
         self.nslots = ring_slots(sizes, 4 * config.max_batch_size)
-        self.tqs = {c: ([TensorQueue(t.nbytes, self.nslots, name=f"fuzz-{self.name}-in") for t in config.inputs],
-                        [TensorQueue(t.nbytes, self.nslots, name=f"fuzz-{self.name}-out") for t in config.outputs])
-                    for c in CLASSES}
-        self.shadows = {c: [_Shadow(q) for q in self.tqs[c][0]] for c in CLASSES}
-        self.rings: dict[RequestClass, SlotRing] = {}
+        self.queues = ModelQueues(config, self.nslots, f"fuzz-{self.name}")  # the server's own rings and queues
+        self.shadows = {c: [_Shadow(q) for q in self.queues.tqs[c][0]] for c in CLASSES}
         self.held: dict[RequestClass, tuple[int, int]] = {}
 
     def reset(self, start: int, free: int | None) -> None:
         """A fresh case: rings start at ``start``; all but ``free`` slots are taken by someone
         else (None: none are)."""
         for c in CLASSES:
-            ring = self.rings[c] = SlotRing(self.nslots)
+            ring = self.queues.rings[c] = SlotRing(self.nslots)
             ring.head = ring.tail = start % self.nslots
             hold = 0 if free is None else max(0, self.nslots - free)
             self.held[c] = (ring.alloc(hold) if hold else ring.head, hold)
@@ -161,7 +159,7 @@ class FuzzRuntime:
         """Give back the slots ``reset`` took for someone else (the ring's tail waits on them)."""
         for c, (seq, n) in self.held.items():
             if n:
-                self.rings[c].release(seq, n)
+                self.queues.release(c, seq, n)
         self.held = {c: (0, 0) for c in CLASSES}
 
     def check_memory(self, where: str) -> None:
@@ -172,22 +170,20 @@ class FuzzRuntime:
     # -- what the transports call -------------------------------------------------
 
     def alloc(self, cls: RequestClass, count: int) -> int:
-        if count > self.config.max_batch_size:
-            raise BadSize(f"{count} samples exceed max_batch_size {self.config.max_batch_size} of {self.name!r}")
-        seq = self.rings[cls].alloc(count)
+        seq = self.queues.alloc(cls, count)
         for sh in self.shadows[cls]:
             sh.check("before a request was received into its slots", seq, count)
             sh.mark_loose(seq, count)
         return seq
 
     def input_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
-        return [q.view(seq, count) for q in self.tqs[cls][0]]
+        return self.queues.input_views(cls, seq, count)
 
     def output_views(self, cls: RequestClass, seq: int, count: int) -> list[memoryview]:
-        return [q.view(seq, count) for q in self.tqs[cls][1]]
+        return self.queues.output_views(cls, seq, count)
 
     def plan_room(self, cls: RequestClass, count: int, movable: dict[int, int]) -> list[int] | None:
-        return self.rings[cls].plan_room(count, movable)
+        return self.queues.plan_room(cls, count, movable)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "func_id": self.func_id}
@@ -195,7 +191,7 @@ class FuzzRuntime:
     def release(self, call: Call) -> None:
         for sh in self.shadows[call.cls]:
             sh.settle(call.seq, call.count)  # an abandoned call's partial bytes stay put too
-        self.rings[call.cls].release(call.seq, call.count)
+        self.queues.release(call.cls, call.seq, call.count)
 
     def submit(self, call: Call) -> None:
         call.rx_complete()
@@ -237,9 +233,7 @@ class FuzzServer:
 
     def close(self) -> None:
         for rt in self.runtimes.values():
-            for ins, outs in rt.tqs.values():
-                for q in ins + outs:
-                    q.close()
+            rt.queues.close()
 
     # -- FastPathHost ------------------------------------------------------------------
 
@@ -308,8 +302,8 @@ class FuzzServer:
         """Slots still allocated per model and class, once the ones held on purpose are given back."""
         for rt in self.runtimes.values():
             rt.release_held()
-        return {f"{rt.name}/{c.name}": rt.rings[c].in_use for rt in self.runtimes.values() for c in CLASSES
-                if rt.rings[c].in_use}
+        return {f"{rt.name}/{c.name}": rt.queues.rings[c].in_use for rt in self.runtimes.values() for c in CLASSES
+                if rt.queues.rings[c].in_use}
 
 
 class LoopHarness:

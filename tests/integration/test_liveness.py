@@ -62,7 +62,8 @@ def test_a_preempted_batch_on_an_instance_being_retired_is_resumed_and_the_switc
         await until(lambda: any(s.suspended for s in rt.sched.instances.values()) and gates.held(2))
         (old,) = rt.sched.serving()
         # The node's applier replaces the instance by a new one (fresh CPUs from the placer).
-        switch = asyncio.ensure_future(server.applier.apply(lambda: {"gate": rt.placer.resize(server.resources, [], 1)}))
+        switch = asyncio.ensure_future(
+            server.applier.apply(lambda: {"gate": rt.core.placer.resize(server.resources, [], 1)}))
         await until(lambda: rt.sched.instances[old].draining)
         gates.open(2)  # the RT batch ends; the retired instance still holds the BE batch
         await switch
@@ -83,7 +84,7 @@ def test_a_report_for_another_batch_drops_nothing_and_a_missing_worker_fails_its
         await until(lambda: gates.held(1))
         (i,) = rt.sched.serving()
         running = rt.sched.instances[i].running
-        rt.on_done(i, DoneMsg(Msg.DONE, running.batch_id + 1000, 0, 2, 0))  # a report for no such batch
+        rt.instances.on_done(i, DoneMsg(Msg.DONE, running.batch_id + 1000, 0, 2, 0))  # a report for no such batch
         assert rt.sched.instances[i].running is running and not held.done()
         # The next batch is dispatched to an instance whose worker handle is missing.
         handle = rt.workers.pop(i)
@@ -128,8 +129,8 @@ def test_a_model_whose_load_failed_is_failed_and_refuses_calls_at_once(tmp_path)
     async def scenario(server):
         rt = server.runtime("broken")
         loads = []
-        real_spawn = rt._spawn
-        rt._spawn = lambda i: (loads.append(i), real_spawn(i))
+        real_spawn = rt.instances.spawn
+        rt.instances.spawn = lambda i: (loads.append(i), real_spawn(i))
         errors = []
         for _ in range(3):  # the first starts the load; the others find the model FAILED
             with pytest.raises(ModelNotReady) as e:
@@ -138,7 +139,7 @@ def test_a_model_whose_load_failed_is_failed_and_refuses_calls_at_once(tmp_path)
         errors += await asyncio.to_thread(over_the_fast_path, f"tcp://127.0.0.1:{server.ports['fast_port']}")
         state, index = server.model_state("broken"), server.management.repository_index()
         refused_loads = len(loads)
-        rt._retry_at = time.perf_counter()  # as if load_retry_s had passed: the next request retries
+        rt.core.retry_at = time.perf_counter()  # as if load_retry_s had passed: the next request retries
         with pytest.raises(ModelNotReady, match="failed to load"):
             await server.infer("broken", [x])
         with pytest.raises(ModelNotReady, match="failed to load"):
@@ -163,13 +164,13 @@ def test_a_worker_not_ready_in_time_is_restarted_then_the_model_fails(tmp_path):
     async def scenario(server):
         pids = []
         rt = server.runtime("gate")
-        real_spawn = rt._spawn
+        real_spawn = rt.instances.spawn
 
         def spawn(i: int) -> None:
             real_spawn(i)
             pids.append(rt.workers[i].pid)
 
-        rt._spawn = spawn
+        rt.instances.spawn = spawn
         with pytest.raises(ModelNotReady) as e:
             await server.infer("gate", key(1))
         with pytest.raises(ModelNotReady, match="worker_start_timeout_s"):

@@ -15,7 +15,7 @@ MB = 1 << 20
 
 
 class Node:
-    """Drives a cache the way ``server.memory.MemoryManager`` does, with instant loads and
+    """Drives a cache the way ``memory.manager.MemoryManager`` does, with instant loads and
     evictions: a fake clock, and the plan carried out at once."""
 
     def __init__(self, cache: ResidencyCache, sizes: dict[str, int] | None = None) -> None:

@@ -1,14 +1,15 @@
-"""``server.memory.MemoryManager`` with fake models and a fake clock: it grants loads,
-starts evictions, logs events, and never loops when a model reports back at once."""
+"""``memory.manager.MemoryManager`` with fake models and a fake clock: it grants loads,
+starts evictions, logs events, and takes what a model reports while carrying out one of its
+commands with the command's answer (a model never calls back into the manager that commanded it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from splitserve.config import ServerConfig
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager, Report, ReportKind
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import MemoryFootprint
+from splitserve.memory.footprints import MemoryFootprint
 
 
 @dataclass
@@ -38,20 +39,21 @@ class FakeModel:
     def holds_memory(self) -> bool:
         return self.state != "cold"
 
-    def begin_load(self) -> None:
+    def begin_load(self) -> list[Report]:
         self.calls.append("load")
         self.state = "loading"
+        return []
 
-    def release_residency(self) -> bool:
+    def release_residency(self) -> list[Report]:
         self.calls.append("release")
         if self.state in ("cold", "evicting"):
-            return False
+            return []
         self.state = "evicting"
-        self.manager.evicting(self)
-        return True
+        return [Report(ReportKind.EVICTING)]  # with the command's answer, never a call back
 
-    def refuse_load(self, reason: str) -> None:
+    def refuse_load(self, reason: str) -> list[Report]:
         self.calls.append(f"refused: {reason}")
+        return []
 
     # the test's side: the worker reports
     def finish_load(self) -> None:
@@ -92,7 +94,7 @@ def test_a_victim_is_evicted_before_the_waiting_model_loads_and_the_events_say_s
     a, b = FakeModel("a", mm, size=10), FakeModel("b", mm, size=10)
     mm.request(a, False)
     a.finish_load()
-    mm.touch(a, 5.0)
+    mm.touch(a.name, 5.0)
     mm.request(b, False)
     assert a.calls == ["load", "release"] and b.calls == []  # b waits for a's bytes
     a.finish_eviction()
@@ -114,7 +116,7 @@ def test_a_busy_victim_is_evicted_when_its_batch_ends():
     mm.request(b, False)
     assert a.calls == ["load"]  # nothing to do until a's batch ends
     a.busy = False
-    mm.batch_done(a)
+    mm.batch_done(a.name)
     assert a.calls == ["load", "release"]
 
 
@@ -122,9 +124,9 @@ def test_a_grant_the_model_no_longer_wants_is_given_back_without_looping():
     mm, _ = manager(max_resident_models=1)
     a = FakeModel("a", mm)
 
-    def refuse() -> None:  # e.g. unloaded meanwhile: it reports that it holds nothing, at once
+    def refuse() -> list[Report]:  # e.g. unloaded meanwhile: it holds nothing, and says so with its answer
         a.calls.append("load")
-        mm.released(a)
+        return [Report(ReportKind.RELEASED)]
 
     a.begin_load = refuse  # type: ignore[method-assign]
     mm.request(a, False)
@@ -139,3 +141,18 @@ def test_a_model_that_can_never_fit_is_refused_with_both_numbers():
     (refusal,) = big.calls
     assert refusal.startswith("refused") and "120" in refusal and "100" in refusal
     assert mm.status()["models"]["big"]["residency"] == "FAILED"
+
+
+def test_a_failed_load_answered_with_the_command_is_planned_again_without_a_call_back():
+    mm, events = manager(max_resident_models=1)
+    a, b = FakeModel("a", mm, size=10), FakeModel("b", mm, size=10)
+
+    def fails() -> list[Report]:  # e.g. its CPUs are taken: it fails at once, and says so with its answer
+        a.calls.append("load")
+        return [Report(ReportKind.LOAD_FAILED, reason="no CPUs")]
+
+    a.begin_load = fails  # type: ignore[method-assign]
+    mm.request(a, False)
+    mm.request(b, False)  # a's failure gave its place back: b loads
+    assert a.calls == ["load"] and b.calls == ["load"]
+    assert mm.status()["models"]["a"]["residency"] == "FAILED" and mm.status()["loading"] == ["b"]

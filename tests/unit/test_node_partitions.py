@@ -14,32 +14,19 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, ResourcesUnavailable
 from splitserve.modelconfig import ModelConfig
-from splitserve.placement.packrat import PlacementKind
+from splitserve.protean.node_partitions import (
+    BatchChooser, default_static, initial_layout, parse_geometry, split_memory, worker_cpus,
+)
 from splitserve.placement.partition import (
-    Carved,
-    Cpus,
-    ExactCpus,
-    InstancePlacement,
-    NodePartition,
-    OnPartition,
-    Partitioning,
-    SharedCpus,
+    Carved, Cpus, ExactCpus, InstancePlacement, NodePartition, OnPartition, Partitioning, SharedCpus,
     StrictPlacement,
 )
 from splitserve.placement.placer import PartitionPlacer, make_placer, spread
-from splitserve.placement.resources import ResourceManager
-from splitserve.placement.topology import Core
+from splitserve.placement.packrat import PlacementKind
 from splitserve.protean.distributor import Job, JobDistributor, Slot
-from splitserve.protean.node_partitions import (
-    BatchChooser,
-    default_static,
-    initial_layout,
-    parse_geometry,
-    split_memory,
-    worker_cpus,
-)
-from splitserve.protean.partitions import NODE_OWNER, PartitionManager
+from splitserve.placement.resources import ResourceManager
 from splitserve.protean.slowdown import SlowdownModel
+from splitserve.placement.topology import Core
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.model_scheduler import ModelScheduler, Residency
 from splitserve.scheduler.policy import WorkConserving
@@ -47,7 +34,8 @@ from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.metrics import Metrics
-from splitserve.server.ports import MemoryFootprint
+from splitserve.protean.partitions import NODE_OWNER, PartitionManager
+from splitserve.memory.footprints import MemoryFootprint
 
 RT, BE = RequestClass.RT, RequestClass.BE
 GB = 1 << 30

@@ -23,10 +23,11 @@ from splitserve.protocol.header import RequestClass
 from splitserve.registry import ModelRecord
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
-from splitserve.server.ports import ModelState, RuntimeEnv
-from splitserve.server.runtime import ModelRuntime
+from splitserve.server.model.env import RuntimeEnv
+from splitserve.server.ports import ModelState
+from splitserve.server.model.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg
 from splitserve.worker.spares import SparePool
 from tests.unit.test_runtime_seams import FakeLoop, FakeWorker, NoFootprints, RecordingNode, Sink
@@ -83,11 +84,11 @@ class AutoWorker(FakeWorker):
         return self.alive
 
     def _done(self, msg: RunMsg) -> None:
-        rt = self.owner
+        owner = self.owner  # the model's instances (its workers' WorkerOwner) and their queues
         cls = RequestClass(msg.cls)
-        x = bytes(rt.input_views(cls, msg.seq, msg.count)[0])
-        rt.output_views(cls, msg.seq, msg.count)[0][:] = bytes((2 * b) % 256 for b in x)
-        rt.on_done(self.instance, DoneMsg(Msg.DONE, msg.batch_id, 1000, 1, 0))
+        x = bytes(owner.queues.input_views(cls, msg.seq, msg.count)[0])
+        owner.queues.output_views(cls, msg.seq, msg.count)[0][:] = bytes((2 * b) % 256 for b in x)
+        owner.on_done(self.instance, DoneMsg(Msg.DONE, msg.batch_id, 1000, 1, 0))
 
 
 class Node:
@@ -96,7 +97,7 @@ class Node:
     def __init__(self, tmp_path: Path, cpus: int, loop: Any, **settings: Any) -> None:
         self.rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(cpus)])
         self.runtimes: dict[str, ModelRuntime] = {}
-        self.applier = PlacementApplier(self.rm, lambda name: self.runtimes[name])
+        self.applier = PlacementApplier(self.rm, lambda name: self.runtimes[name].placements)
         self.workers: list[FakeWorker] = []
         self.monitor = InferenceMonitor()
         self.sink = Sink()
@@ -144,7 +145,7 @@ def test_two_packrat_models_and_a_fixed_model_get_disjoint_cpus(tmp_path):
         models = [node.model(packrat("pk_a", 2)), node.model(packrat("pk_b", 2)),
                   node.model(config("fixed", instances=2))]
         for rt in models:
-            rt.ensure_started()
+            rt.residency.ensure_started()
             assert rt.state is ModelState.LOADING, rt.error
         pins = {rt.name: node.pins(rt) for rt in models}
         assert [len(p) for p in pins.values()] == [2, 2, 2]  # Packrat's thin instances, two fixed ones
@@ -156,8 +157,9 @@ def test_two_packrat_models_and_a_fixed_model_get_disjoint_cpus(tmp_path):
             ("fixed", "1 shared CPUs"), ("fixed", "1 shared CPUs")]
         assert all(len(p["instances"]) == (2 if p["owner"].startswith("pk") else 1) for p in snap["partitions"])
         # What the coordinator sees of an instance is what the resource manager recorded.
-        views = [v for rt in models for v in rt.instance_views(lambda i, b: False)]
-        assert sorted(tuple(sorted(v.cpus)) for v in views) == sorted(tuple(sorted(p)) for ps in pins.values() for p in ps)
+        views = [v for rt in models for v in rt.dispatch.instance_views(lambda i, b: False)]
+        assert sorted(tuple(sorted(v.cpus)) for v in views) == sorted(
+            tuple(sorted(p)) for ps in pins.values() for p in ps)
     finally:
         node.close()
 
@@ -166,8 +168,8 @@ def test_a_load_the_node_cannot_meet_is_refused_naming_what_is_in_use(tmp_path):
     node = Node(tmp_path, 2, FakeLoop())
     try:
         a, b = node.model(packrat("pk_a", 1)), node.model(packrat("pk_b", 1))
-        a.ensure_started()
-        b.ensure_started()
+        a.residency.ensure_started()
+        b.residency.ensure_started()
         late = node.model(config("late"))
         call = node.call(late, bytes(4))  # the first call loads it: no CPU is left
         assert late.state is ModelState.FAILED
@@ -176,7 +178,7 @@ def test_a_load_the_node_cannot_meet_is_refused_naming_what_is_in_use(tmp_path):
         for text in (late.error, str(answer[1])):
             assert "'late' asks for 1 shared CPUs" in text and "'pk_a' holds 0" in text and "'pk_b' holds 1" in text
         assert [p.owner for p in node.rm.partitions()] == ["pk_a", "pk_b"]  # the refused load holds nothing
-        assert node.monitor.in_flight == 0 and late.rings[BE].in_use == 0
+        assert node.monitor.in_flight == 0 and late.queues.rings[BE].in_use == 0
     finally:
         node.close()
 
@@ -192,11 +194,11 @@ def test_a_change_across_two_models_at_once_answers_every_request(tmp_path):
         # Packrat repacks to B=4 (its two instances switch one at a time inside its budget)
         # while the fixed model grows to two instances, in one change of the node.
         records = await node.applier.apply(lambda: {
-            "pk": pk.placer.plan_for(4),
-            "fixed": fixed.placer.resize(node.rm, fixed._serving_placements(), 2),
+            "pk": pk.core.placer.plan_for(4),
+            "fixed": fixed.core.placer.resize(node.rm, fixed.core.serving_placements(), 2),
         })
         calls += [node.call(rt, bytes([7, 7, 7, 7])) for rt in (pk, fixed) for _ in range(3)]
-        await pk._until(lambda: node.monitor.in_flight == 0, float("inf"))
+        await pk.core.until(lambda: node.monitor.in_flight == 0, float("inf"))
         return node, calls, [records["pk"], records["fixed"], pk.placement(), fixed.placement()]
 
     node, calls, (rec_pk, rec_fixed, pk_view, fixed_view) = asyncio.run(scenario())
@@ -220,8 +222,8 @@ def test_configured_cpus_are_shared_only_when_both_models_ask(tmp_path, share):
     try:
         first = node.model(config("first", cpus=[0], share_cpus=share))
         second = node.model(config("second", cpus=[0, 1], share_cpus=share))
-        first.ensure_started()
-        second.ensure_started()
+        first.residency.ensure_started()
+        second.residency.ensure_started()
         if share:
             assert second.state is ModelState.LOADING and node.pins(second) == [frozenset({0})]
         else:

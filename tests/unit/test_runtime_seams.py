@@ -26,10 +26,13 @@ from splitserve.registry import ModelRecord
 from splitserve.scheduler.request import Batch
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.metrics import Metrics
-from splitserve.server.memory import MemoryManager
+from splitserve.memory.manager import MemoryManager
 from splitserve.server.monitor import Call, InferenceMonitor
-from splitserve.server.ports import MemoryFootprint, ModelState, RuntimeEnv, ScheduledModel
-from splitserve.server.runtime import ModelRuntime
+from splitserve.memory.footprints import MemoryFootprint
+from splitserve.server.coordinator import ScheduledModel
+from splitserve.server.model.env import RuntimeEnv
+from splitserve.server.ports import ModelState
+from splitserve.server.model.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency
 from splitserve.worker.spares import SparePool
@@ -229,7 +232,7 @@ class Harness:
         self.footprints = NoFootprints()
         env = RuntimeEnv(loop=self.loop, config=cfg,  # type: ignore[arg-type]
                          node=self.node, metrics=metrics, resources=rm,
-                         placements=PlacementApplier(rm, lambda name: self.rt), profile=lambda name: profile,
+                         placements=PlacementApplier(rm, lambda name: self.rt.placements), profile=lambda name: profile,
                          stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
                          footprints=self.footprints, memory=MemoryManager(cfg, metrics))
         self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config))
@@ -237,7 +240,7 @@ class Harness:
     @property
     def workers(self) -> list[FakeWorker]:
         """The processes the runtime took, in the order they were started."""
-        return [w for w in self.started if w.owner is self.rt]
+        return [w for w in self.started if w.owner is self.rt.instances]
 
     def call(self, req_id: int, payload: bytes, cls: RequestClass = BE, slo: float | None = None) -> Call:
         seq = self.rt.alloc(cls, 1)
@@ -251,7 +254,7 @@ class Harness:
         msg = worker.sent[-1]
         x = bytes(self.rt.input_views(BE, msg.seq, msg.count)[0])
         self.rt.output_views(BE, msg.seq, msg.count)[0][:] = bytes((2 * b) % 256 for b in x)
-        self.rt.on_done(worker.instance, DoneMsg(Msg.DONE, msg.batch_id, 1000, 3, 0))
+        self.rt.instances.on_done(worker.instance, DoneMsg(Msg.DONE, msg.batch_id, 1000, 3, 0))
         return msg
 
     def close(self) -> None:
@@ -277,7 +280,7 @@ def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_ba
     msg = h.run_batch(worker)
     assert h.sink.answers == [(1, bytes([2, 4, 6, 8]))]
     assert h.node.calls == [("started", "double", msg.batch_id), ("finished", "double", msg.batch_id, True)]
-    assert h.monitor.in_flight == 0 and h.rt.rings[BE].in_use == 0
+    assert h.monitor.in_flight == 0 and h.rt.queues.rings[BE].in_use == 0
     assert h.rt.stats.success == 1 and h.rt.describe()["pids"] == [worker.pid]
 
 
@@ -303,11 +306,11 @@ def test_a_preempted_batch_is_suspended_reported_to_the_node_and_resumed(h):
     worker.up()
     h.loop.run()
     (msg,) = worker.sent
-    assert h.rt.preempt(0, msg.batch_id) is not None and worker.flag.raised_for == msg.batch_id
-    h.rt.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
+    assert h.rt.dispatch.preempt(0, msg.batch_id) is not None and worker.flag.raised_for == msg.batch_id
+    h.rt.instances.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
     assert worker.flag.raised_for == 0 and h.rt.stats.preemptions == 1
     assert h.node.calls[-1] == ("preempted", "double", msg.batch_id, 2, 700)
-    assert h.rt.instance_views(lambda i, b: False)[0].suspended
+    assert h.rt.dispatch.instance_views(lambda i, b: False)[0].suspended
     h.loop.run()  # the runtime's next pass resumes it on its own instance, from segment 2
     assert worker.sent[-1].batch_id == msg.batch_id and worker.sent[-1].resume_segment == 2
     h.run_batch(worker)
@@ -320,7 +323,7 @@ def test_a_done_report_for_another_batch_costs_the_running_batch_nothing(h):
     worker.up()
     h.loop.run()
     (msg,) = worker.sent
-    h.rt.on_done(0, DoneMsg(Msg.DONE, msg.batch_id + 99, 0, 3, 0))
+    h.rt.instances.on_done(0, DoneMsg(Msg.DONE, msg.batch_id + 99, 0, 3, 0))
     assert h.sink.answers == [] and h.monitor.in_flight == 1
     h.run_batch(worker)
     assert [a[0] for a in h.sink.answers] == [1]
@@ -332,12 +335,12 @@ def test_the_view_of_a_running_batch_says_when_it_should_end(h):
     (worker,) = h.workers
     worker.up()
     h.loop.run()
-    (view,) = h.rt.instance_views(lambda i, b: False)
+    (view,) = h.rt.dispatch.instance_views(lambda i, b: False)
     batch = h.rt.sched.instances[view.instance].running
     assert view.running_batch == batch.batch_id and view.running_cls is BE
     assert view.expected_end == (batch.created if batch.started is None else batch.started)  # nothing measured yet
     h.run_batch(worker)
-    (view,) = h.rt.instance_views(lambda i, b: False)
+    (view,) = h.rt.dispatch.instance_views(lambda i, b: False)
     assert view.running_batch == 0 and view.expected_end is None
 
 
@@ -351,7 +354,7 @@ def test_a_worker_is_sent_batches_only_once_its_load_is_answered(h):
     (bind,) = worker.loads  # READY is answered with a LOAD of the model's queues
     assert bind.model["name"] == "double" and sorted(bind.queues) == ["0", "1"]
     h.loop.run()
-    assert worker.sent == [] and not h.rt.instance_views(lambda i, b: False)[0].ready
+    assert worker.sent == [] and not h.rt.dispatch.instance_views(lambda i, b: False)[0].ready
     assert h.rt.describe()["residency"] == ["loading"]
     worker.loaded(nbytes=4096)
     h.loop.run()
@@ -366,7 +369,7 @@ def test_evict_unloads_after_the_running_batch_and_calls_that_wait_load_it_again
     (worker,) = h.workers
     worker.up()
     h.loop.run()
-    assert h.rt.release_residency()
+    assert h.rt.residency.begin_eviction()
     assert h.rt.state is ModelState.EVICTED and h.rt.describe()["residency"] == ["unloading"]
     assert worker.unloads == 0  # its batch runs on: the UNLOAD waits for it
     h.call(2, bytes([3, 3, 3, 3]))  # taken and queued, not refused, and no load starts mid-unload
@@ -395,9 +398,9 @@ def test_a_batch_suspended_when_its_model_is_evicted_goes_back_to_the_queue_and_
     worker.up()
     h.loop.run()
     (msg,) = worker.sent
-    h.rt.preempt(0, msg.batch_id)
-    h.rt.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
-    assert h.rt.release_residency()
+    h.rt.dispatch.preempt(0, msg.batch_id)
+    h.rt.instances.on_done(0, DoneMsg(Msg.PREEMPTED, msg.batch_id, 10, 2, 0, preempt_ns=700))
+    assert h.rt.residency.begin_eviction()
     # the restore point dies with the binding: the batch is handed back before the UNLOAD
     assert worker.unloads == 1 and h.node.calls[-1] == ("finished", "double", msg.batch_id, False)
     assert h.rt.sched.waiting() == 1 and h.sink.answers == []
@@ -423,7 +426,7 @@ def test_evicting_a_model_mid_load_kills_the_loading_worker_and_a_waiting_call_l
     h.call(1, bytes([2, 2, 2, 2]))
     (first,) = h.workers
     first.start()  # its LOAD is under way
-    assert h.rt.release_residency()
+    assert h.rt.residency.begin_eviction()
     assert not first.alive and "evicted while loading" in first.killed_for
     # nothing was resident: the eviction ends at once, and the waiting call loads the model
     assert h.rt.stats.evictions == 1 and h.rt.state is ModelState.LOADING and len(h.workers) == 2
@@ -439,7 +442,7 @@ def test_a_load_that_is_not_answered_in_time_kills_the_worker_and_counts_as_a_fa
     (worker,) = h.workers
     worker.start()
     ((timeout, check, args),) = [t for t in h.loop.later if getattr(t[1], "__name__", "") == "_load_timed_out"]
-    assert timeout == h.rt.settings.workers.worker_start_timeout_s
+    assert timeout == h.rt.core.settings.workers.worker_start_timeout_s
     check(*args)
     assert not worker.alive and "did not load the model" in worker.killed_for
     assert h.sink.answers == []  # a start that failed is retried after a backoff; the call waits

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from splitserve.config import ServerConfig
-from splitserve.server.ports import MemoryFootprint
+from splitserve.memory.footprints import MemoryFootprint
 from splitserve.worker.messages import LoadedMsg
 from splitserve.worker.pool import Residency
 from splitserve.worker.spares import SparePool
@@ -162,15 +162,17 @@ def test_a_runtime_measures_its_model_once_keeps_the_measure_and_takes_back_the_
     (bind,) = worker.loads
     assert bind.measure  # nothing known yet: the first load measures
     worker.residency = Residency.BOUND
-    h.rt.on_loaded(0, LoadedMsg(worker.binding or 0, "double", 4096, 2_000_000, 3, "cpu", private_bytes=7 * MIB))
+    h.rt.instances.on_loaded(0, LoadedMsg(worker.binding or 0, "double", 4096, 2_000_000, 3, "cpu",
+                                         private_bytes=7 * MIB))
     assert h.rt.footprint == MemoryFootprint(4096, 7 * MIB, measured=True)
     assert h.footprints.saved == [("double", MemoryFootprint(4096, 7 * MIB, measured=True), 2.0)]
     h.loop.run()
     h.run_batch(worker)
-    assert h.rt.release_residency()
+    assert h.rt.residency.begin_eviction()
     worker.unloaded()  # gives its process back to the pool, which keeps it (its memory came back)
     assert worker.owner is h.pool and h.pool.spares == 1 and h.rt.describe()["pids"] == [None]
     h.call(2, bytes(4))  # loads again: into the same process, without measuring again
-    assert h.workers == [worker] and worker.owner is h.rt and len(worker.loads) == 2 and not worker.loads[1].measure
+    assert h.workers == [worker] and worker.owner is h.rt.instances
+    assert len(worker.loads) == 2 and not worker.loads[1].measure
     worker.loaded(nbytes=4096)
     assert h.rt.footprint == MemoryFootprint(4096, 7 * MIB, measured=True) and len(h.footprints.saved) == 1

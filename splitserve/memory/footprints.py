@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from splitserve.errors import InvalidInput
 from splitserve.memory.weights import header_bytes, weights_file
@@ -20,11 +22,38 @@ from splitserve.modelconfig import ArtifactKind
 from splitserve.models.catalog import zoo_entry
 from splitserve.placement.profiler import machine_id
 from splitserve.registry import ModelRecord, Registry
-from splitserve.server.ports import MemoryFootprint
 
 log = logging.getLogger(__name__)
 
 KIND = "memory"  # the profiles' kind
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFootprint:
+    """What one residency of a model takes in the node's memory: its weights once (mapped
+    from one file, so its instances share them) plus what each instance adds on top
+    (activations at the largest batch, the runtime's own allocations)."""
+
+    weights_bytes: int = 0
+    private_bytes: int = 0  # per instance
+    measured: bool = False  # False: from the weights file's header (or nothing known yet), not a LOADED report
+
+    def charge(self, instances: int) -> int:
+        """Bytes a residency with ``instances`` instances holds."""
+        return self.weights_bytes + self.private_bytes * instances
+
+
+class FootprintStore(Protocol):
+    """What a model's residency takes, kept across restarts (``footprints.RegistryFootprints``,
+    over the registry's ``kind="memory"`` profiles). A runtime reads its model's when it is
+    built and saves every new measurement."""
+
+    def footprint(self, record: ModelRecord) -> MemoryFootprint:
+        """The stored measurement for this version of the model, else its weights file's
+        header bytes (private bytes unknown: 0), else nothing known (0, 0)."""
+
+    def save(self, record: ModelRecord, footprint: MemoryFootprint, load_ms: float) -> None:
+        """Persist a measured footprint and load time (off the loop; returns at once)."""
 
 
 @functools.cache
