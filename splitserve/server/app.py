@@ -32,7 +32,7 @@ import numpy as np
 
 from splitserve.config import ServerConfig
 from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
-from splitserve.memory.footprints import MemoryFootprint, RegistryFootprints
+from splitserve.memory.footprints import RegistryFootprints
 from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.gpus import MigDriver
@@ -44,6 +44,7 @@ from splitserve.protocol.header import RequestClass
 from splitserve.protocol.requests import call_class
 from splitserve.registry import ModelRecord, Registry, private_dir
 from splitserve.scheduler.priority import PriorityMode
+from splitserve.server.blocking import OffLoop
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.fastpath import StreamListener
@@ -122,8 +123,8 @@ class Server:
                                        class_order=config.reef.class_order, placement=self.partitions,
                                        partition_of=self.partitions.partition_of if self.partitions else None)
         self.records: dict[str, ModelRecord] = {}
-        # per model not built yet: its stored footprint and profile, read off the loop
-        self._stored: dict[str, tuple[MemoryFootprint, ModelProfile | None]] = {}
+        # per model not built yet: its stored profile, read off the loop
+        self._profiles: dict[str, ModelProfile | None] = {}
         self.by_func: dict[int, str] = {}
         self.intake = Intake(config.transports)  # requests still arriving on the fast path
         self.frontends: list[FrontEnd] = []
@@ -172,9 +173,10 @@ class Server:
         self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
-                              resources=self.resources, placements=self.applier, profile=self._profile,
+                              resources=self.resources, placements=self.applier,
                               stopping=lambda: self.stopping, workers=self.pool,
-                              footprints=self.footprints, memory=self.memory, partitions=self.partitions)
+                              footprints=self.footprints, memory=self.memory, off_loop=OffLoop(self.loop),
+                              partitions=self.partitions)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
                                        self.partitions, self.gpus)
         self.gpus.start()
@@ -183,18 +185,14 @@ class Server:
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
-            self.remember(rec)
-        # What a model's runtime reads from disk (its measured footprint, its stored profile),
-        # read here, off the loop, so that a model's first call builds its runtime without I/O.
-        self._stored = await asyncio.to_thread(lambda: {name: self._read_stored(rec)
-                                                         for name, rec in self.records.items()})
+            await self.remember(rec)
         if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             await asyncio.to_thread(self.management.ensure_token)
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
             self.ports.update(await fe.start())
         for name in cfg.load:
-            await (await self.prepare(name)).wait_ready()
+            await self.runtime(name).wait_ready()
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
 
@@ -223,9 +221,6 @@ class Server:
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)
 
-    def _read_stored(self, rec: ModelRecord) -> tuple[MemoryFootprint, ModelProfile | None]:
-        """What ``rec``'s runtime reads from disk (SQLite, a weights file's header): off the loop only."""
-        return self.footprints.footprint(rec), self._profile(rec.name)
 
     def _write_server_file(self) -> None:
         info = {"pid": os.getpid(), "host": self.config.host, **self.ports}
@@ -350,14 +345,17 @@ class Server:
 
     # -- the node's models (ModelDirectory) ----------------------------------------------
 
-    def remember(self, rec: ModelRecord) -> None:
-        """Make a (newly registered) model known to every front end."""
+    async def remember(self, rec: ModelRecord) -> None:
+        """Make a (newly registered) model known to every front end, once its stored profile
+        is read off the loop: its first call then builds its runtime without I/O."""
+        profile = await asyncio.to_thread(self._profile, rec.name)
+        self._profiles[rec.name] = profile
         self.records[rec.name] = rec
         self.by_func[rec.func_id] = rec.name
 
     def forget(self, name: str) -> None:
         """Drop a model from the name and func_id maps (its runtime must be gone)."""
-        self._stored.pop(name, None)
+        self._profiles.pop(name, None)
         rec = self.records.pop(name, None)
         if rec is not None and self.by_func.get(rec.func_id) == name:
             del self.by_func[rec.func_id]
@@ -372,20 +370,8 @@ class Server:
         rec = self.records.get(name)
         if rec is None:
             raise UnknownModel(f"unknown model {name!r}; known models: {', '.join(sorted(self.records)) or 'none'}")
-        stored = self._stored.pop(name, None)
-        if stored is None:  # neither start-up nor ``prepare`` read it (a call raced a registration): read now
-            log.warning("model %s: its runtime reads its stored footprint and profile on the loop", name)
-            stored = self._read_stored(rec)
-        rt = self.runtimes[name] = ModelRuntime(self.env, rec, *stored)
+        rt = self.runtimes[name] = ModelRuntime(self.env, rec, self._profiles.get(name))
         return rt
-
-    async def prepare(self, name: str) -> ModelRuntime:
-        """The runtime of a registered model, built after reading what it needs off the loop."""
-        if name not in self.runtimes and name not in self._stored and (rec := self.records.get(name)) is not None:
-            stored = await asyncio.to_thread(self._read_stored, rec)
-            if name not in self.runtimes and self.records.get(name) is rec:  # no call built it meanwhile
-                self._stored[name] = stored
-        return self.runtime(name)
 
     def loaded(self, name: str) -> ModelRuntime | None:
         return self.runtimes.get(name)

@@ -370,9 +370,9 @@ class ModelManager:
                 raise InvalidInput(f"model {cfg.name!r} already exists; unregister it first "
                                    f"(DELETE /v2/repository/models/{cfg.name})")
             rec = await asyncio.to_thread(self._commit, cfg, tmp)
-            self.models.remember(rec)
+            await self.models.remember(rec)
             try:
-                await (await self.models.prepare(rec.name)).wait_ready()
+                await self.models.runtime(rec.name).wait_ready()
             except (SplitServeError, TimeoutError) as e:
                 await self._roll_back(rec.name)
                 msg = e.message if isinstance(e, SplitServeError) else f"model {rec.name!r} did not load in time"

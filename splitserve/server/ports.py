@@ -376,14 +376,12 @@ class ModelDirectory(Protocol):
     def runtime(self, name: str) -> ManagedModel:
         """The served model (created on first use; workers start lazily). Raises UnknownModel."""
 
-    async def prepare(self, name: str) -> ManagedModel:
-        """``runtime(name)``, with what it reads from disk read off the loop first."""
-
     def loaded(self, name: str) -> ManagedModel | None:
         """The served model if it was created, else None (never creates one)."""
 
-    def remember(self, rec: ModelRecord) -> None:
-        """Make a newly registered model known to every front end."""
+    async def remember(self, rec: ModelRecord) -> None:
+        """Make a newly registered model known to every front end (its stored profile read
+        off the loop first)."""
 
     async def drop(self, name: str) -> None:
         """Stop the model for good (unregister): unload, free its queues, forget it."""

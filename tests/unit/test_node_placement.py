@@ -30,7 +30,7 @@ from splitserve.server.ports import ModelState
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.worker.messages import DoneMsg, Msg, RunMsg
 from splitserve.worker.spares import SparePool
-from tests.unit.test_runtime_seams import FakeLoop, FakeWorker, NoFootprints, RecordingNode, Sink
+from tests.unit.test_runtime_seams import FakeLoop, FakeWorker, NoFootprints, RecordingNode, Sink, inline
 
 BE = RequestClass.BE
 
@@ -107,9 +107,9 @@ class Node:
         self.env = RuntimeEnv(
             loop=loop, config=config,  # type: ignore[arg-type]
             node=RecordingNode(), metrics=metrics, resources=self.rm, placements=self.applier,
-            profile=lambda name: profile(name) if name.startswith("pk") else None, stopping=lambda: False,
+            stopping=lambda: False,
             workers=SparePool(ServerConfig.of(data_dir=tmp_path, spare_workers=0), loop, self._start_worker),
-            footprints=NoFootprints(), memory=MemoryManager(config, metrics))
+            footprints=NoFootprints(), memory=MemoryManager(config, metrics), off_loop=inline)
         self._ids = 0
 
     def _start_worker(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:
@@ -118,8 +118,9 @@ class Node:
         return w
 
     def model(self, cfg: ModelConfig) -> ModelRuntime:
-        rt = self.runtimes[cfg.name] = ModelRuntime(self.env, ModelRecord(cfg.name, len(self.runtimes) + 1, 1, "test",
-                                                                          None, cfg))
+        record = ModelRecord(cfg.name, len(self.runtimes) + 1, 1, "test", None, cfg)
+        stored = profile(cfg.name) if cfg.name.startswith("pk") else None
+        rt = self.runtimes[cfg.name] = ModelRuntime(self.env, record, stored)
         return rt
 
     def call(self, rt: ModelRuntime, payload: bytes) -> Call:

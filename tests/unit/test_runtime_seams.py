@@ -160,6 +160,11 @@ class FakeWorker:
         self.die()
 
 
+def inline(fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
+    """``RuntimeEnv.off_loop`` in a test: the sync work runs at once, on the caller's thread."""
+    done(fn())
+
+
 class NoFootprints:
     """A ``FootprintStore`` that knows nothing and keeps what it is told."""
 
@@ -213,7 +218,9 @@ MODEL = ModelConfig.from_dict({
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, config: ModelConfig = MODEL, profile: ModelProfile | None = None) -> None:
+    def __init__(self, tmp_path: Path, config: ModelConfig = MODEL, profile: ModelProfile | None = None,
+                 off_loop: Callable[[Callable[[], Any], Callable[[Any], None]], None] = inline,
+                 footprints: NoFootprints | None = None) -> None:
         self.loop = FakeLoop()
         self.node = RecordingNode()
         self.started: list[FakeWorker] = []  # every process started, spares of the pool included
@@ -229,13 +236,13 @@ class Harness:
         cfg = ServerConfig.of(data_dir=tmp_path, queue_slots=8)
         metrics = Metrics()
         self.pool = SparePool(cfg, self.loop, start_worker)  # type: ignore[arg-type]
-        self.footprints = NoFootprints()
+        self.footprints = footprints or NoFootprints()
         env = RuntimeEnv(loop=self.loop, config=cfg,  # type: ignore[arg-type]
                          node=self.node, metrics=metrics, resources=rm,
-                         placements=PlacementApplier(rm, lambda name: self.rt.placements), profile=lambda name: profile,
+                         placements=PlacementApplier(rm, lambda name: self.rt.placements),
                          stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
-                         footprints=self.footprints, memory=MemoryManager(cfg, metrics))
-        self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config))
+                         footprints=self.footprints, memory=MemoryManager(cfg, metrics), off_loop=off_loop)
+        self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config), profile)
 
     @property
     def workers(self) -> list[FakeWorker]:
@@ -282,6 +289,45 @@ def test_a_call_is_answered_through_the_worker_seam_and_the_node_hears_of_its_ba
     assert h.node.calls == [("started", "double", msg.batch_id), ("finished", "double", msg.batch_id, True)]
     assert h.monitor.in_flight == 0 and h.rt.queues.rings[BE].in_use == 0
     assert h.rt.stats.success == 1 and h.rt.describe()["pids"] == [worker.pid]
+
+
+class StoredFootprints(NoFootprints):
+    """A footprint store that knows one measured size and counts its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def footprint(self, record: ModelRecord) -> MemoryFootprint:
+        self.reads += 1
+        return MemoryFootprint(4096, 1024, measured=True)
+
+
+def test_the_first_call_asks_for_memory_once_its_footprint_is_read_off_the_loop(tmp_path):
+    pending: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+    stored = StoredFootprints()
+    h = Harness(tmp_path, off_loop=lambda fn, done: pending.append((fn, done)), footprints=stored)
+    try:
+        h.call(1, bytes([1, 2, 3, 4]))
+        h.call(2, bytes([5, 6, 7, 8]))
+        # the read is handed off, once, and nothing loads before it comes back
+        assert len(pending) == 1 and h.workers == [] and h.rt.state is ModelState.UNLOADED
+        assert stored.reads == 0  # not read on the caller's (the loop's) thread
+        fn, done = pending.pop()
+        done(fn())  # as the executor's thread and then the loop would
+        assert stored.reads == 1 and h.rt.core.footprint == MemoryFootprint(4096, 1024, measured=True)
+        assert h.rt.state is ModelState.LOADING and len(h.workers) == 1
+        (worker,) = h.workers
+        worker.up()
+        h.loop.run()
+        h.run_batch(worker)
+        h.loop.run()
+        h.run_batch(worker)
+        assert sorted(req for req, _ in h.sink.answers) == [1, 2]  # the waiting calls are served
+        h.call(3, bytes(4))
+        assert pending == []  # known from then on: no second read
+    finally:
+        h.close()
 
 
 def test_a_worker_that_dies_mid_batch_fails_its_calls_and_is_restarted_later(h):

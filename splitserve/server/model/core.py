@@ -33,11 +33,10 @@ RUNNING = (ModelState.LOADING, ModelState.READY)
 class ModelCore:
     """One model's identity and state, shared by its parts (all on the node's loop).
 
-    ``footprint`` and ``profile`` were read off the loop before the model was built
-    (``app.Server.prepare``)."""
+    ``profile`` was read off the loop before the model was built (``app.Server.prepare``);
+    ``footprint`` is read off the loop by the residency before its first request."""
 
-    def __init__(self, env: RuntimeEnv, record: ModelRecord, footprint: MemoryFootprint,
-                 profile: ModelProfile | None) -> None:
+    def __init__(self, env: RuntimeEnv, record: ModelRecord, profile: ModelProfile | None) -> None:
         self.env = env
         self.settings = env.config
         self.loop = env.loop
@@ -56,9 +55,9 @@ class ModelCore:
         # (from a load until its unload gives them back).
         self.workers: dict[int, InstanceWorker] = {}
         # What a residency of this model takes, for the node's memory budget: stored from an
-        # earlier run, else the weights file's header; updated by every LOADED, so the next
-        # load is charged what the last one measured.
-        self.footprint = footprint
+        # earlier run, else the weights file's header (read before the first request for
+        # residency); updated by every LOADED, so the next load is charged what the last measured.
+        self.footprint = MemoryFootprint()
         # One stored profile feeds Packrat's optimizer and the workers' padding budgets.
         self.profile = profile
         self.placer = make_placer(self.name, cfg, self.settings.packrat.placement, profile.latency if profile else None,

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from splitserve.config import ServerConfig
 from splitserve.memory.footprints import FootprintStore
 from splitserve.memory.manager import ResidencyBroker
 from splitserve.placement.partition import PartitionSource
-from splitserve.placement.profiler import ModelProfile
 from splitserve.placement.resources import ResourceManager
 from splitserve.server.applier import PlacementChanger
 from splitserve.server.coordinator import NodeScheduler
@@ -122,9 +121,11 @@ class RuntimeEnv:
     metrics: Metrics
     resources: ResourceManager  # the node's CPUs: the model's partitions and where its instances sit
     placements: PlacementChanger  # the node's one applier of placement changes (resize, repack)
-    profile: Callable[[str], ModelProfile | None]  # a model's stored profile (Packrat, padding budgets)
     stopping: Callable[[], bool]  # the node is shutting down: nothing new starts
     workers: WorkerPool  # the processes of instances: taken at a load, given back after an unload
     footprints: FootprintStore  # measured sizes of models, kept across restarts
     memory: ResidencyBroker  # grants residency: every load goes through it
+    # Sync work a model needs (its footprint: SQLite, a weights file's header) run off the loop;
+    # ``off_loop(fn, done)`` calls ``done(fn())`` back on the loop (``blocking.OffLoop``).
+    off_loop: Callable[[Callable[[], Any], Callable[[Any], None]], None]
     partitions: PartitionSource | None = None  # the node's partitions (None: partitioning none)

@@ -46,6 +46,9 @@ class ModelResidency:
         self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
         self._asked = False  # residency requested from the node's memory manager, not granted yet
         self._held: list[Report] | None = None  # reports made while a command of the manager runs
+        # The footprint (what residency is charged) is read off the loop before the first request.
+        self._footprint_known = False
+        self._reading = False
 
     # -- talking to the memory manager ---------------------------------------------------------
 
@@ -135,7 +138,33 @@ class ModelResidency:
         if not self._asked:
             self._asked = True
             core.ready_event.clear()
+        if not self._footprint_known:  # the request waits for what it will be charged
+            if not self._reading:
+                self._reading = True
+                core.env.off_loop(self._read_footprint, self._footprint_read)
+            return
         self._report(Report(ReportKind.REQUEST, rt_waiting=core.sched.waiting(RequestClass.RT) > 0))
+
+    def _read_footprint(self) -> MemoryFootprint:
+        """Off the loop: the stored measurement, else the weights file's header, else unknown."""
+        core = self.core
+        try:
+            return core.env.footprints.footprint(core.record)
+        except Exception:  # a size is not known: its first LOADED measures it
+            log.exception("model %s: could not read its stored footprint", self.name)
+            return MemoryFootprint()
+
+    def _footprint_read(self, footprint: MemoryFootprint) -> None:
+        """Back on the loop: ask for residency now, if still wanted; else wake the waiters."""
+        core = self.core
+        self._reading = False
+        if not self._footprint_known:  # a LOADED's measurement (never before this) wins
+            core.footprint, self._footprint_known = footprint, True
+        if self._asked:
+            self._asked = False
+            self.ensure_started()
+            if not self._asked and not core.running:  # nothing asked (stopping, unloaded, evicting)
+                core.ready_event.set()  # wait_ready sees the state
 
     def _begin_load(self) -> None:
         core = self.core

@@ -6,8 +6,9 @@ handed only the piece they drive: the coordinator ``dispatch``, the memory manag
 ``residency``, the placement applier and the partition manager ``placements``; the worker
 handles report to ``instances``. The parts (``server/model/``) share one ``ModelCore``.
 
-What a runtime reads from disk (the stored profile, the measured footprint) its node reads
-off the loop and hands to it (``app.Server.prepare``).
+A runtime does no I/O on the loop: its node reads the stored profile off the loop before
+building it (``app.Server.prepare``, and at start-up), and its residency reads the model's
+footprint through ``RuntimeEnv.off_loop`` before asking for memory.
 """
 
 from __future__ import annotations
@@ -39,14 +40,9 @@ from splitserve.worker.counters import DirectCounts
 class ModelRuntime:
     """One model as served: queues per class, a scheduler, one worker per instance."""
 
-    def __init__(self, env: RuntimeEnv, record: ModelRecord, footprint: MemoryFootprint | None = None,
-                 profile: ModelProfile | None = None) -> None:
-        """``footprint`` and ``profile`` as the node read them off the loop (None footprint:
-        read both now, on the caller's thread, as tests that own their loop do)."""
-        if footprint is None:
-            footprint = env.footprints.footprint(record)
-            profile = env.profile(record.name)
-        self.core = core = ModelCore(env, record, footprint, profile)
+    def __init__(self, env: RuntimeEnv, record: ModelRecord, profile: ModelProfile | None = None) -> None:
+        """``profile``: the model's stored profile, as the node read it off the loop."""
+        self.core = core = ModelCore(env, record, profile)
         self.name = core.name
         self.func_id = core.func_id
         self.record = record
