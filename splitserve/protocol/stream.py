@@ -1,6 +1,6 @@
 """The frame state machine of a fast-path stream connection, shared by the front end's
 connections (``server/fastpath.py``) and a worker's direct connections
-(``worker/direct.py``): the 64-byte header accumulated with its frame's first-byte time,
+(``worker/direct_conn.py``): the 64-byte header accumulated with its frame's first-byte time,
 a receive with its error and end-of-stream handling, a refused frame's payload read and
 thrown away before its error is answered, a frame that cannot be parsed answered and the
 connection closed, and the gather write that copies aside what the kernel does not take.

@@ -11,7 +11,7 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.worker.counters import DirectCounts, WorkerCounters, Word
-from splitserve.worker.direct import _Call
+from splitserve.worker.direct_conn import _Call
 from splitserve.worker.preempt_flag import PreemptFlag
 
 VECADD = ModelConfig.from_dict({"name": "vecadd1k", "artifact": {"kind": "zoo", "arch": "vecadd1k"}})
