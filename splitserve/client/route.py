@@ -43,6 +43,8 @@ class _Route:
     __slots__ = ("info", "plain", "streams", "turns", "due_at", "stale")
 
     def __init__(self, info: ModelInfo, streams: list[Any], due_at: float) -> None:
+        # ``streams``: the client's own connections to the workers (``stream._Stream`` or
+        # ``aio._AsyncConn``), typed loosely so that routing imports neither client
         self.info = info
         self.plain = RequestPacker(info.func_id, *_PLAIN_FIELDS)  # the header of a call that names no class
         # replaced, never changed in place, so a caller picks from it without the client's lock

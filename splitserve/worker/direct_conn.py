@@ -22,7 +22,7 @@ from splitserve.worker.counters import WorkerCounters, Word
 from splitserve.worker.poller import READABLE, WRITABLE, Poller
 from splitserve.worker.spec import DirectSpec
 
-log = logging.getLogger("splitserve.worker.direct")  # the endpoint's one logger, as before connections moved here
+log = logging.getLogger(__name__)
 
 _WAIT = FIRST_OWN_STATE  # a call's header is read; it waits for rows in its class's batch
 _RT, _BE = RequestClass.RT, RequestClass.BE  # looked up per call: an enum's attribute costs more than a global

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from splitserve.config import ServerConfig
 from splitserve.server import http_schema as doc
 from splitserve.server.frontends import CodecPool
-from splitserve.server.http.base import _new_app
+from splitserve.server.http.base import new_app
 from splitserve.server.http.frontend import HttpFrontEnd
 from splitserve.server.http.inference import classify_routes, inference_routes
 from splitserve.server.http.management import management_routes, model_config_routes, statistics_routes
@@ -42,7 +42,7 @@ def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, co
                   registrar: ModelRegistrar | None = None) -> FastAPI:
     """An app of ``inference_routes``, ``repository_routes`` through ``registrar`` when given,
     and ``/metrics`` from ``metrics`` when given (a cluster gateway's: no other management)."""
-    app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
+    app = new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
                    [doc.InferRequestBody] + ([doc.IndexRequest] if registrar is not None else []))
     app.include_router(inference_routes(api, catalog, codec, config, shm, extensions))
     if registrar is not None:
@@ -57,7 +57,7 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     """The FastAPI app of one node: the inference routes through ``api`` and ``manager``,
     tensors in shared memory through ``shm``, everything else through ``manager``; ``codec``
     decodes and encodes large bodies off the loop. Routes are matched in the order included."""
-    app = _new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
+    app = new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
                    [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
                     doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
 

@@ -22,10 +22,10 @@ from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.server.ports import ModelRegistrar, ModelSignature
 
-log = logging.getLogger(__package__)  # the one logger of the HTTP front end, as before its split
+log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
     """The protocol's error object; ``status`` (splitserve's status name) is an addition that
     lets clients rebuild the exact error class."""
     body = {"error": message}
@@ -34,7 +34,7 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _limited(receive: Callable[[], Awaitable[dict]], limit: int, what: str) -> Callable[[], Awaitable[dict]]:
+def limited_receive(receive: Callable[[], Awaitable[dict]], limit: int, what: str) -> Callable[[], Awaitable[dict]]:
     """An ASGI receive that counts body bytes and stops at ``limit`` (chunked bodies too)."""
     seen = 0
 
@@ -50,7 +50,7 @@ def _limited(receive: Callable[[], Awaitable[dict]], limit: int, what: str) -> C
     return counted
 
 
-def _content_length(request: Request, limit: int, what: str) -> int | None:
+def content_length(request: Request, limit: int, what: str) -> int | None:
     """The declared body size (None when chunked), refused at once when over ``limit``."""
     length = request.headers.get("content-length")
     if length is None:
@@ -64,14 +64,15 @@ def _content_length(request: Request, limit: int, what: str) -> int | None:
     return n
 
 
-def _bounded(request: Request, limit: int, what: str) -> Request:
+def bounded(request: Request, limit: int, what: str) -> Request:
     """The same request, refused before it is read when it is (or becomes) too large."""
-    _content_length(request, limit, what)
-    return Request(request.scope, _limited(request.receive, limit, what))
+    content_length(request, limit, what)
+    return Request(request.scope, limited_receive(request.receive, limit, what))
 
 
-async def _body(request: Request, limit: int, what: str) -> bytes:
-    req = _bounded(request, limit, what)
+async def read_body(request: Request, limit: int, what: str) -> bytes:
+    """The whole body, refused once it passes ``limit`` (``what`` names the limit)."""
+    req = bounded(request, limit, what)
     chunks: list[bytes] = []
     stream: AsyncIterator[bytes] = req.stream()
     async for chunk in stream:
@@ -79,7 +80,8 @@ async def _body(request: Request, limit: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-def _parse_json(body: bytes, default: Any = None) -> Any:
+def parse_json(body: bytes, default: Any = None) -> Any:
+    """``body`` parsed as JSON, ``default`` when it is empty."""
     if not body.strip():
         return default
     try:
@@ -88,22 +90,22 @@ def _parse_json(body: bytes, default: Any = None) -> Any:
         raise InvalidInput(f"the request body is not valid JSON: {e}") from None
 
 
-async def _json(request: Request, limit: int, default: Any = None) -> Any:
+async def read_json(request: Request, limit: int, default: Any = None) -> Any:
     """A small JSON body (management calls), parsed on the loop."""
-    return _parse_json(await _body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
+    return parse_json(await read_body(request, limit, "SPLITSERVE_MANAGEMENT_BODY_BYTES"), default)
 
 
-def _infer_limit(config: ServerConfig, cfg: ModelSignature) -> int:
+def infer_limit(config: ServerConfig, cfg: ModelSignature) -> int:
+    """The largest infer body a model takes: its largest batch as JSON."""
     return v2.infer_body_limit(cfg.inputs, cfg.max_batch_size, config.json_chars_per_value)
 
 
-
-def _authorize(registrar: ModelRegistrar, request: Request) -> None:
+def authorize(registrar: ModelRegistrar, request: Request) -> None:
     """Refuse a call whose ``Authorization`` header does not carry the management token."""
     registrar.check_token(request.headers.get("authorization"))
 
 
-def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) -> dict[str, Any]:
+def route_doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """Route arguments that document the answers: ``ok`` (a model, or a ``responses`` entry)
     for 200, ErrorBody for ``codes`` and 500, and ``alt`` statuses with a body of their own."""
     ok_entry = {"model": ok} if isinstance(ok, type) else ok
@@ -111,7 +113,7 @@ def _doc(ok: Any, *codes: int, alt: dict[int, Any] | None = None, **extra: Any) 
     return {"response_model": None, "responses": {200: ok_entry, **doc.errors(*codes), **own}, **extra}
 
 
-def _new_app(description: str, request_models: list[type[BaseModel]]) -> FastAPI:
+def new_app(description: str, request_models: list[type[BaseModel]]) -> FastAPI:
     """An app whose errors are the protocol's error object (handlers keep no per-request
     state on the app)."""
     app = FastAPI(title="splitserve", version=__version__, description=description)
@@ -121,21 +123,21 @@ def _new_app(description: str, request_models: list[type[BaseModel]]) -> FastAPI
 
     @app.exception_handler(SplitServeError)
     async def _splitserve_error(request: Request, e: SplitServeError) -> JSONResponse:
-        return _error(e.http_status, e.message, e.status.name)
+        return error_response(e.http_status, e.message, e.status.name)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
+        return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+        return error_response(400, "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         # A bug: the details stay in the server log, the client gets a reference to them.
         ref = secrets.token_hex(6)
         log.exception("HTTP %s %s failed (reference %s)", request.method, request.url.path, ref)
-        return _error(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
+        return error_response(500, f"internal error (reference {ref} in the server log)", "INTERNAL")
 
     return app

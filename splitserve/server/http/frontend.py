@@ -14,7 +14,7 @@ from splitserve.protocol.sockets import tcp_listener
 from splitserve.server.frontends import EmbeddedUvicorn
 from splitserve.server.ports import FrontEnd
 
-log = logging.getLogger(__package__)  # the one logger of the HTTP front end, as before its split
+log = logging.getLogger(__name__)
 
 
 class HttpFrontEnd(FrontEnd):

@@ -17,7 +17,7 @@ from splitserve.errors import BadSize, InvalidInput
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.server.frontends import CodecPool
-from splitserve.server.http.base import _body, _content_length, _doc, _infer_limit, _parse_json
+from splitserve.server.http.base import content_length, infer_limit, parse_json, read_body, route_doc
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI, ModelCatalog, ModelSignature, SharedMemoryRegions
 from splitserve.server.shm import input_tensor, output_views, write_outputs
@@ -54,16 +54,16 @@ def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
 
     # -- health and metadata ------------------------------------------------------------
 
-    @router.get("/v2", tags=["health"], **_doc(doc.ServerMetadata))
+    @router.get("/v2", tags=["health"], **route_doc(doc.ServerMetadata))
     async def server_metadata() -> dict:
         """Server metadata: name, version, extensions."""
         return {"name": "splitserve", "version": __version__, "extensions": list(extensions)}
 
-    @router.get("/v2/health/live", tags=["health"], **_doc(doc.Live))
+    @router.get("/v2/health/live", tags=["health"], **route_doc(doc.Live))
     async def live() -> dict:
         return {"live": True}
 
-    @router.get("/v2/health/ready", tags=["health"], **_doc(doc.Ready, alt={503: doc.Ready}))
+    @router.get("/v2/health/ready", tags=["health"], **route_doc(doc.Ready, alt={503: doc.Ready}))
     async def ready() -> JSONResponse:
         """Ready once the start-up models are loaded, until the server stops (others load on first use)."""
         ok = api.ready()
@@ -78,16 +78,16 @@ def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
         catalog.version(name, version)
         return catalog.model_metadata(name)
 
-    ready_doc = _doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
+    ready_doc = route_doc(doc.ModelReady, 404, alt={400: doc.ModelReady})
     router.get("/v2/models/{name}/ready", tags=["health"], summary="Model ready (200) or not (400)",
                **ready_doc)(model_ready)
     router.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], summary="Model version ready",
                **ready_doc)(model_ready)
 
     router.get("/v2/models/{name}", tags=["metadata"], summary="Model metadata",
-               **_doc(doc.ModelMetadata, 404))(metadata)
+               **route_doc(doc.ModelMetadata, 404))(metadata)
     router.get("/v2/models/{name}/versions/{version}", tags=["metadata"], summary="Model version metadata",
-               **_doc(doc.ModelMetadata, 404))(metadata)
+               **route_doc(doc.ModelMetadata, 404))(metadata)
 
     # -- inference ----------------------------------------------------------------------
 
@@ -101,11 +101,11 @@ def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
         """
         ver = catalog.version(name, version)
         cfg = catalog.model_config(name)
-        limit = _infer_limit(config, cfg)
+        limit = infer_limit(config, cfg)
         what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
                 "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
-        async with codec.admit(_content_length(request, limit, what)):
-            body = await _body(request, limit, what)
+        async with codec.admit(content_length(request, limit, what)):
+            body = await read_body(request, limit, what)
             req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
                                                      request.headers.get(v2.HEADER_LENGTH), shm)
         out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
@@ -118,7 +118,7 @@ def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
             return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
         return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
 
-    infer_doc = _doc(
+    infer_doc = route_doc(
         {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
                         "Inference-Header-Content-Length bytes and the tensor bytes",
          "content": {v2.JSON_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/InferResponseBody"}},
@@ -142,21 +142,20 @@ def classify_routes(api: InferenceAPI, manager: ModelManager, codec: CodecPool, 
     small_limit = config.management_body_bytes
 
 
-    @router.post("/classify", tags=["inference"], **_doc(doc.ClassifyResponse, 400, 404, 413, 429, 503, 504,
-                                                         openapi_extra=doc.body(doc.ClassifyRequest, {
-                                                             "model": "mydigits", "input": [[[0.0] * 8] * 8],
-                                                             "top_k": 3})))
+    @router.post("/classify", tags=["inference"], **route_doc(
+        doc.ClassifyResponse, 400, 404, 413, 429, 503, 504, openapi_extra=doc.body(doc.ClassifyRequest, {
+            "model": "mydigits", "input": [[[0.0] * 8] * 8], "top_k": 3})))
     async def classify(request: Request) -> dict:
         """Top-k labels and softmax scores of a model registered with a labels file.
 
         ``input`` is one sample or a batch as nested lists, or ``{"b64": ...}`` with the raw
         little-endian bytes of one or more samples. Single-input models only.
         """
-        limit = max((_infer_limit(config, r.config) for r in manager.records.values()), default=small_limit)
+        limit = max((infer_limit(config, r.config) for r in manager.records.values()), default=small_limit)
         what = "the largest infer body limit of any model"
-        async with codec.admit(_content_length(request, limit, what)):
-            body = await _body(request, limit, what)
-            doc = await codec.run(len(body), _parse_json, body)
+        async with codec.admit(content_length(request, limit, what)):
+            body = await read_body(request, limit, what)
+            doc = await codec.run(len(body), parse_json, body)
         if not isinstance(doc, dict) or not isinstance(doc.get("model"), str) or "input" not in doc:
             raise InvalidInput('the body must be {"model": NAME, "input": ..., "top_k": K}')
         name = doc["model"]

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Request
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.server import http_schema as doc
-from splitserve.server.http.base import _authorize, _doc, _json
+from splitserve.server.http.base import authorize, read_json, route_doc
 from splitserve.server.management import ModelManager
 
-NATIVE_CONFIG_DOC = _doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
+NATIVE_CONFIG_DOC = route_doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
 
 
 def _native_config(manager: ModelManager, name: str, version: str | None) -> dict:
@@ -26,7 +26,7 @@ def statistics_routes(manager: ModelManager) -> APIRouter:
     the inference routes, which would read ``stats`` as a model name."""
     router = APIRouter()
 
-    @router.get("/v2/models/stats", tags=["statistics"], **_doc(doc.Statistics))
+    @router.get("/v2/models/stats", tags=["statistics"], **route_doc(doc.Statistics))
     async def all_stats() -> dict:
         """Statistics of every model (Triton statistics extension)."""
         return manager.model_statistics()
@@ -46,9 +46,9 @@ def model_config_routes(manager: ModelManager) -> APIRouter:
         return manager.model_statistics(name)
 
     router.get("/v2/models/{name}/stats", tags=["statistics"], summary="Model statistics",
-               **_doc(doc.Statistics, 404))(stats)
+               **route_doc(doc.Statistics, 404))(stats)
     router.get("/v2/models/{name}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics",
-               **_doc(doc.Statistics, 404))(stats)
+               **route_doc(doc.Statistics, 404))(stats)
 
     async def model_config(name: str, version: str | None = None) -> dict:
         version_of(name, version)
@@ -57,8 +57,8 @@ def model_config_routes(manager: ModelManager) -> APIRouter:
     async def native_config(name: str, version: str | None = None) -> dict:
         return _native_config(manager, name, version)
 
-    config_doc = _doc({"description": "Triton's model configuration (model_config.proto as JSON); splitserve's own "
-                                      "settings are its parameters"}, 404)
+    config_doc = route_doc({"description": "Triton's model configuration (model_config.proto as JSON); "
+                                           "splitserve's own settings are its parameters"}, 404)
     router.get("/v2/models/{name}/config", tags=["metadata"], summary="Model configuration (Triton's schema)",
                **config_doc)(model_config)
     router.get("/v2/models/{name}/versions/{version}/config", tags=["metadata"],
@@ -77,45 +77,45 @@ def management_routes(manager: ModelManager, config: ServerConfig) -> APIRouter:
     small_limit = config.management_body_bytes
     version_of = manager.version
 
-    @router.post("/v2/repository/models/{name}/load", tags=["repository"], **_doc(
+    @router.post("/v2/repository/models/{name}/load", tags=["repository"], **route_doc(
         doc.ModelState, 400, 401, 404, 503, openapi_extra=doc.body(doc.LoadRequest, {"parameters": {
             "keep_resident": True}}, required=False)))
     async def load(name: str, request: Request) -> dict:
         """Start the model's workers and wait until it is ready (needs the token). The
         optional body's ``parameters.keep_resident`` (bool) sets whether the memory manager
         may evict it."""
-        _authorize(manager, request)
-        body = await _json(request, config.management_body_bytes, {})
+        authorize(manager, request)
+        body = await read_json(request, config.management_body_bytes, {})
         params = body.get("parameters") if isinstance(body, dict) else body
         if params is not None and not isinstance(params, dict):
             raise InvalidInput(f"the body must be an object whose parameters are an object, got {body!r}")
         await manager.load(name, keep_resident=(params or {}).get("keep_resident"))
         return {"name": name, "state": "READY"}
 
-    @router.post("/v2/repository/models/{name}/unload", tags=["repository"], **_doc(doc.ModelState, 401, 404))
+    @router.post("/v2/repository/models/{name}/unload", tags=["repository"], **route_doc(doc.ModelState, 401, 404))
     async def unload(name: str, request: Request) -> dict:
         """Stop the model's workers; requests get 503 until it is loaded again (needs the token)."""
-        _authorize(manager, request)
+        authorize(manager, request)
         await manager.unload(name)
         return {"name": name, "state": "UNAVAILABLE"}
 
-    @router.post("/v2/repository/models/{name}/evict", tags=["repository"], **_doc(doc.Evicted, 401, 404))
+    @router.post("/v2/repository/models/{name}/evict", tags=["repository"], **route_doc(doc.Evicted, 401, 404))
     async def evict(name: str, request: Request) -> dict:
         """splitserve extension: release the model's weights but keep serving it (needs the
         token). It stays registered with its func_id; calls are still taken, they queue,
         and the first one loads it again."""
-        _authorize(manager, request)
+        authorize(manager, request)
         evicted = await manager.evict(name)
         return {"name": name, "evicted": evicted, "state": manager.state(name)}
 
-    @router.post("/v2/repository/models/{name}/config", tags=["repository"], **_doc(
+    @router.post("/v2/repository/models/{name}/config", tags=["repository"], **route_doc(
         NATIVE_CONFIG_DOC["responses"][200], 400, 401, 404, 413, 503, openapi_extra=doc.body(doc.ConfigChange, {
             "instances": 2, "batching": {"policy": "timeout", "max_delay_ms": 2.0, "preferred_batch": 8},
             "max_batch_size": 16})))
     async def configure(name: str, request: Request) -> dict:
         """Change instances and batching at run time without dropping requests (needs the token)."""
-        _authorize(manager, request)
-        doc = await _json(request, small_limit)
+        authorize(manager, request)
+        doc = await read_json(request, small_limit)
         if not isinstance(doc, dict) or not doc:
             raise InvalidInput('the body must be a JSON object, e.g. {"instances": 2}')
         unknown = set(doc) - {"instances", "batching", "max_batch_size"}

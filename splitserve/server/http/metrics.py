@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from splitserve.server.http.base import _doc
+from splitserve.server.http.base import route_doc
 
 
 def metrics_route(text: Callable[[], Awaitable[str]]) -> APIRouter:
@@ -18,7 +18,7 @@ def metrics_route(text: Callable[[], Awaitable[str]]) -> APIRouter:
     exposition = {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}
 
     @router.get("/metrics", tags=["metrics"],
-                **_doc({"description": "Prometheus text exposition", "content": exposition}))
+                **route_doc({"description": "Prometheus text exposition", "content": exposition}))
     async def metrics() -> Response:
         """Prometheus metrics, per model and class."""
         return Response(await text(), media_type=CONTENT_TYPE_LATEST)

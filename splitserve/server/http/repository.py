@@ -13,7 +13,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import check_model_name
 from splitserve.server import http_schema as doc
-from splitserve.server.http.base import _authorize, _bounded, _doc, _json
+from splitserve.server.http.base import authorize, bounded, read_json, route_doc
 from splitserve.server.ports import ModelRegistrar
 
 
@@ -39,11 +39,11 @@ def repository_routes(registrar: ModelRegistrar, config: ServerConfig) -> APIRou
     upload_limit = config.max_upload_bytes
     small_limit = config.management_body_bytes
 
-    @router.post("/v2/repository/index", tags=["repository"], **_doc(
+    @router.post("/v2/repository/index", tags=["repository"], **route_doc(
         {"model": list[doc.IndexEntry]}, 400, 413, openapi_extra=doc.body(doc.IndexRequest, required=False)))
     async def repository_index(request: Request) -> list:
         """Every model and its state; body ``{"ready": true}`` lists ready models only."""
-        doc = await _json(request, small_limit, {}) or {}
+        doc = await read_json(request, small_limit, {}) or {}
         if not isinstance(doc, dict):
             raise InvalidInput("the body must be a JSON object")
         ready = doc.get("ready", False)
@@ -52,7 +52,7 @@ def repository_routes(registrar: ModelRegistrar, config: ServerConfig) -> APIRou
         return registrar.repository_index(ready)
 
     @router.post("/v2/repository/models/{name}/register", tags=["repository"],
-                 **_doc(doc.Registered, 400, 401, 413, 507), openapi_extra={"requestBody": {
+                 **route_doc(doc.Registered, 400, 401, 413, 507), openapi_extra={"requestBody": {
         "required": True, "content": {"multipart/form-data": {"schema": {
             "type": "object", "required": ["config"],
             "properties": {"config": {"type": "string", "format": "binary", "description": "config.toml"},
@@ -63,9 +63,9 @@ def repository_routes(registrar: ModelRegistrar, config: ServerConfig) -> APIRou
     async def register(name: str, request: Request) -> dict:
         """Register a model: upload config.toml, its artifact and labels; it is loaded before
         the call returns, or the registration is rolled back (needs the token)."""
-        _authorize(registrar, request)
+        authorize(registrar, request)
         check_model_name(name)
-        req = _bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
+        req = bounded(request, upload_limit, "SPLITSERVE_MAX_UPLOAD_BYTES")
         async with req.form(max_files=3, max_fields=3, max_part_size=upload_limit) as form:
             unknown = set(form.keys()) - {"config", "artifact", "labels"}
             if unknown:
@@ -85,10 +85,10 @@ def repository_routes(registrar: ModelRegistrar, config: ServerConfig) -> APIRou
         rec = await registrar.register(config_toml, artifact, labels)
         return {"name": rec.name, "func_id": rec.func_id, "version": str(rec.version), "state": "READY"}
 
-    @router.delete("/v2/repository/models/{name}", tags=["repository"], **_doc(doc.Deleted, 400, 401, 404))
+    @router.delete("/v2/repository/models/{name}", tags=["repository"], **route_doc(doc.Deleted, 400, 401, 404))
     async def unregister(name: str, request: Request) -> dict:
         """Unload and delete a model registered at run time (needs the token)."""
-        _authorize(registrar, request)
+        authorize(registrar, request)
         await registrar.unregister(check_model_name(name))
         return {"name": name, "deleted": True}
 
