@@ -36,7 +36,7 @@ import socket
 import numpy as np
 
 from splitserve.client.common import Endpoint
-from splitserve.client.fastpath import Client
+from splitserve.client import Client
 from splitserve.launcher import start_server
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind
 
@@ -72,9 +72,9 @@ def _wires() -> dict[str, dict[str, Any]]:
     client that has one)."""
     if "compiled" not in inspect.signature(Client).parameters:
         return {"": {}}
-    from splitserve.client import fastpath
+    from splitserve.client import stream
 
-    return {**({", C wire": {"compiled": True}} if fastpath._fastwire is not None else {}),
+    return {**({", C wire": {"compiled": True}} if stream._fastwire is not None else {}),
             ", Python wire": {"compiled": False}}
 
 

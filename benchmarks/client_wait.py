@@ -36,7 +36,7 @@ import numpy as np
 from splitserve.bench.echo import EchoClient, EchoProcess
 from splitserve.bench.inputs import as_call_arg, make_inputs
 from splitserve.client.common import Endpoint
-from splitserve.client.fastpath import Client
+from splitserve.client import Client
 from splitserve.launcher import start_server
 from splitserve.models.catalog import zoo_entry
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind

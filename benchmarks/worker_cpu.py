@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.client.common import Endpoint
-from splitserve.client.fastpath import Client
+from splitserve.client import Client
 from splitserve.launcher import start_server
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind
 

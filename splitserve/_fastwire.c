@@ -1,4 +1,4 @@
-/* The sync fast-path client's wire I/O, compiled (splitserve/client/fastpath.py, _CStream).
+/* The sync fast-path client's wire I/O, compiled (splitserve/client/stream.py, _CStream).
 
    ``Wire(capacity)`` is the receive buffer of one connected blocking stream socket, whose
    fd each method is given (the caller's socket object owns and closes it, so a closed

@@ -47,7 +47,7 @@ def _median_time(fn: Callable[[], Any], reps: int) -> float:
 def _fast_path(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], x: Sequence[np.ndarray],
                y: Sequence[np.ndarray], reps: int) -> CodecTiming:
     from splitserve.client.common import ModelInfo, decode_outputs, encode_inputs
-    from splitserve.client.fastpath import _request_header
+    from splitserve.client.frames import _request_header
 
     info = ModelInfo("m", 1, tuple(inputs), tuple(outputs), 1)
     arg = x[0] if len(x) == 1 else tuple(x)

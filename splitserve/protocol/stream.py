@@ -1,6 +1,6 @@
 """How a server reads fast-path frames from a stream: the frame state machine of a
 non-blocking connection, shared by the front end's connections (``server/fastpath.py``)
-and a worker's direct connections (``worker/direct.py``), and ``read_frame`` for an
+and a worker's direct connections (``worker/direct_conn.py``), and ``read_frame`` for an
 asyncio stream (the cluster gateway's clients and node links).
 
 The state machine: the 64-byte header accumulated with its frame's first-byte time,

@@ -26,7 +26,7 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from splitserve.client.fastpath import connect  # noqa: E402
+from splitserve.client import connect  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import attach, stop_actors, wait_serving  # noqa: E402
 from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402

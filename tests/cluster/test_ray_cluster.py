@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
-from splitserve.client.fastpath import connect  # noqa: E402
+from splitserve.client import connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402

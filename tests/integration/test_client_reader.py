@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from splitserve.client import fastpath
-from splitserve.client.fastpath import _RX_BYTES, Client, _CStream, _Stream
+from splitserve.client import stream as client_stream
+from splitserve.client.frames import _RX_BYTES
+from splitserve.client.stream import Client, _CStream, _Stream
 from splitserve.errors import BadFrame, InvalidInput, Status
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
 from splitserve.protocol.sockets import bound_waits
@@ -44,11 +45,11 @@ class Wire:
 
 @pytest.fixture(params=["c", "python", "c-polls", "python-polls"])
 def wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Wire:
-    if request.param.startswith("c") and fastpath._fastwire is None:
+    if request.param.startswith("c") and client_stream._fastwire is None:
         pytest.skip("splitserve._fastwire is not built (no C compiler or Python headers at install)")
     polls = request.param.endswith("polls")
     if polls:  # the host's load must not decide whether these tests poll
-        monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: True)
+        monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: True)
     # 50 ms: long enough that answers the peers send at once come while the call polls
     return Wire(request.param.startswith("c"), 50_000.0 if polls else 0.0)
 
@@ -475,7 +476,7 @@ def test_a_polling_call_takes_an_answer_that_comes_while_it_polls_or_after_and_i
     """An answer there while the call polls is taken at once; one that comes after the
     poll is read by the blocking wait; a peer that closes during the poll is a closed
     connection; a poll longer than the timeout waits only the timeout."""
-    if compiled and fastpath._fastwire is None:
+    if compiled and client_stream._fastwire is None:
         pytest.skip("splitserve._fastwire is not built")
     wire = Wire(compiled, 0.0)
     ours, peer = socket.socketpair()
@@ -507,7 +508,7 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
     few calls (its waits teach its policy); no call polls while the host has a task
     waiting for a CPU; a negative budget is refused."""
     free = [True]
-    monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: free[0])
+    monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: free[0])
     listener = socket.create_server(("127.0.0.1", 0))
     polls: list[float] = []
 

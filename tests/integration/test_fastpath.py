@@ -542,10 +542,10 @@ def test_direct_calls_under_a_worker_kill_get_one_answer_each_and_the_client_fol
     dead worker; then each client follows the restarted worker's endpoint of its kind.
     Meanwhile a client that polls for its answers makes solo calls on the Unix endpoint
     throughout: each gets its own result or WORKER_FAILED, none hangs."""
-    from splitserve.client import fastpath
+    from splitserve.client import stream as client_stream
     from tests.helpers import start_server
 
-    monkeypatch.setattr(fastpath.HostLoad, "cpu_free", lambda self, now_ns: True)  # it polls, however busy the host
+    monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: True)  # it polls, however busy the host
     s = start_server(tmp_path / "kill-direct", "--load", "lenet", env=direct_env())
     try:
         xs = np.random.default_rng(5).integers(0, 255, (64, 1, 28, 28), dtype=np.uint8)

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import tritonclient.grpc as tgrpc
 
-from splitserve.client.fastpath import connect
+from splitserve.client import connect
 from splitserve.protocol import grpc_api as pb
 from tests.gateway_front import CLUSTER_FID, through_gateway
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 
-from splitserve.client.fastpath import connect
+from splitserve.client import connect
 from tests.gateway_front import CLUSTER_FID, through_gateway
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from splitserve.client.common import encode_inputs
-from splitserve.client.fastpath import Client
+from splitserve.client import Client
 from splitserve.client.grpc import GrpcClient, infer_request
 from splitserve.client.http import HttpClient
 from splitserve.errors import DeadlineMissed

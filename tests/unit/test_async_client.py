@@ -1,4 +1,4 @@
-"""``AsyncClient`` (splitserve/client/fastpath.py) against in-memory connections: answers in
+"""``AsyncClient`` (splitserve/client/aio.py) against in-memory connections: answers in
 any split over reads, timeouts on a fake clock, direct connections that close, back-pressure.
 
 The client opens its connections through ``_open_async``; here that gives each one a fake
@@ -15,9 +15,10 @@ import json
 import numpy as np
 import pytest
 
-from splitserve.client import fastpath
+from splitserve.client import aio
+from splitserve.client.aio import AsyncClient
 from splitserve.client.common import Endpoint
-from splitserve.client.fastpath import _RX_BYTES, AsyncClient
+from splitserve.client.frames import _RX_BYTES
 from splitserve.errors import QueueFull, Status
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
@@ -118,7 +119,7 @@ def answer_of(h: Header, n: int) -> bytes:
 def run(scenario, monkeypatch) -> None:
     loop = FakeClockLoop()
     net = FakeNet(loop)
-    monkeypatch.setattr(fastpath, "_open_async", net.open)
+    monkeypatch.setattr(aio, "_open_async", net.open)
     try:
         loop.run_until_complete(scenario(loop, net))
     finally:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.client.common import ModelInfo, decode_outputs, encode_inputs
-from splitserve.client.fastpath import _request_fields
+from splitserve.client.frames import _request_fields
 from splitserve.client.grpc import infer_request
 from splitserve.client.http import _infer_body
 from splitserve.errors import InvalidInput

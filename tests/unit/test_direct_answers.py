@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.worker.counters import WorkerCounters
-from splitserve.worker.direct import _IN_FLIGHT, DirectServer, _Call
+from splitserve.worker.direct import _IN_FLIGHT, DirectServer
+from splitserve.worker.direct_conn import _Call
 from splitserve.worker.poller import Poller
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import DirectSpec

@@ -11,7 +11,7 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.worker.counters import DirectCounts, WorkerCounters, Word
-from splitserve.worker.direct import _Call
+from splitserve.worker.direct_conn import _Call
 from splitserve.worker.preempt_flag import PreemptFlag
 
 VECADD = ModelConfig.from_dict({"name": "vecadd1k", "artifact": {"kind": "zoo", "arch": "vecadd1k"}})
@@ -147,7 +147,7 @@ def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_insta
     """Under load a reloaded model's second instance may serve after the client's lookup: a route
     holding one of two instances' connections must be looked up again (it stayed at one forever)."""
     from splitserve.client.common import ModelInfo
-    from splitserve.client.fastpath import _lookup_interval, _Route
+    from splitserve.client.route import _lookup_interval, _Route
 
     info = ModelInfo("twin", 1, (), (), 1, {"instances": 2, "direct": ["a", "b"]})
 
@@ -171,7 +171,7 @@ def test_a_direct_client_follows_the_endpoints_of_its_front_ends_kind_at_the_hos
     client's calls through the front end, never on Unix paths that may name another
     server's sockets on the client's own machine."""
     from splitserve.client.common import Endpoint, ModelInfo
-    from splitserve.client.fastpath import _direct_urls
+    from splitserve.client.route import _direct_urls
 
     both = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"],
                                           "direct_tcp": ["tcp://0.0.0.0:41000", "tcp://[::]:41001"]})

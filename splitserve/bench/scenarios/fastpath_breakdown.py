@@ -33,7 +33,7 @@ from splitserve.bench.timing import gc_paused
 from splitserve.bench.transports import Target, close_sync, open_sync
 from splitserve.bench.validate import Expected
 from splitserve.client.common import encode_inputs
-from splitserve.client.fastpath import _request_header, _result
+from splitserve.client.frames import _request_header, _result
 from splitserve.protocol.header import unpack_header
 
 NAME = "fastpath-breakdown"
@@ -73,7 +73,7 @@ class Params(BaseParams):
 
 class _Stamped:
     """A blocking fast-path call with the client's stamps: the same encode, header and
-    decode as ``client.fastpath.Client``, on a socket of its own."""
+    decode as ``client.stream.Client``, on a socket of its own."""
 
     def __init__(self, url: str, info: Any) -> None:
         scheme, _, rest = url.partition("://")
