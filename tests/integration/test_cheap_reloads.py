@@ -16,6 +16,8 @@ import torch
 
 from splitserve.config import WorkerSection
 from splitserve.models.zoo import build_zoo_model
+from splitserve.placement.profiler import machine_id
+from splitserve.registry import Registry
 from tests.inproc import quiet_config, run_server, until, write_model
 from tests.integration.test_worker_residency import Queues, Recorder, load, run_and_check, start, unload, zoo
 
@@ -87,18 +89,30 @@ def test_a_models_measured_size_survives_a_restart_and_is_not_measured_again(tmp
 
     async def measure(server):
         rt = server.runtime("m")
-        assert not rt.footprint.measured and rt.footprint.weights_bytes > 0  # from the architecture, before any load
+        # from the architecture (no weights file yet), read off the loop before the first load
+        before = await asyncio.to_thread(server.footprints.footprint, server.records["m"])
+        assert not before.measured and before.weights_bytes > 0
         await server.infer("m", x)
         return rt.footprint
 
     async def restarted(server):
         rt = server.runtime("m")
+        await server.infer("m", x)
         return rt.footprint, rt.stats.loads
+
+    def stored() -> dict:
+        registry = Registry(cfg.data_dir)
+        try:
+            return registry.load_profile("m", machine_id(), "memory")
+        finally:
+            registry.close()
 
     measured = run_server(cfg, lambda s: asyncio.wait_for(measure(s), BOUND_S))
     assert measured.measured and measured.weights_bytes > 0
+    first = stored()
     footprint, loads = run_server(cfg, lambda s: asyncio.wait_for(restarted(s), BOUND_S))
-    assert footprint == measured and loads == 0  # known before any load of the second server
+    # the second server's load took the stored size and did not measure (nor store) it again
+    assert loads == 1 and footprint == measured and stored() == first
 
 
 def thread_cpus(pid: int) -> list[set[int]]:
