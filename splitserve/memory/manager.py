@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from splitserve.config import ServerConfig
+from splitserve.config import MemorySection
 from splitserve.memory.cache import HOLDING, Residency, ResidencyCache
 from splitserve.server.metrics import Metrics
 from splitserve.memory.footprints import MemoryFootprint
@@ -129,12 +129,12 @@ class MemoryManager:
     ``note(kind, model)`` appends to the coordinator's event log; ``spares()`` counts the
     node's idle worker processes; ``clock`` is perf_counter seconds, the LRU's clock."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics, note: Callable[[str, str], None] = lambda k, m: None,
+    def __init__(self, config: MemorySection, metrics: Metrics, note: Callable[[str, str], None] = lambda k, m: None,
                  spares: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
-        self.managed = config.memory.managed
-        loads = config.memory.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
-        self.cache = ResidencyCache(config.memory.memory_budget_bytes, config.memory.max_resident_models, loads)
+        self.managed = config.managed
+        loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
+        self.cache = ResidencyCache(config.memory_budget_bytes, config.max_resident_models, loads)
         self.metrics = metrics
         self._note = note
         self.spares = spares
@@ -142,8 +142,8 @@ class MemoryManager:
         self.models: dict[str, ResidentModel] = {}
         self._load_began: dict[str, float] = {}
         self.last_load_ms: dict[str, float] = {}
-        if config.memory.memory_budget_bytes is not None:
-            metrics.memory_budget.set(config.memory.memory_budget_bytes)
+        if config.memory_budget_bytes is not None:
+            metrics.memory_budget.set(config.memory_budget_bytes)
 
     # -- ResidencyBroker ---------------------------------------------------------------------
 
@@ -208,7 +208,7 @@ class MemoryManager:
             self.metrics.model_loads.labels(model.name).inc()
             self._event("load_done", model.name)
             log.info("memory: %s resident (%d bytes; %d of %s reserved)", model.name, nbytes, self.cache.reserved,
-                     self.config.memory.memory_budget_bytes)
+                     self.config.memory_budget_bytes)
 
     def _released(self, model: ResidentModel) -> None:
         e = self.cache.entry(model.name)
@@ -256,8 +256,8 @@ class MemoryManager:
                 "last_used_s_ago": None if e.last_used is None else max(0.0, now - e.last_used),
             }
         return {
-            "budget_bytes": self.config.memory.memory_budget_bytes, "max_resident_models": self.config.memory.max_resident_models,
-            "max_concurrent_loads": self.config.memory.max_concurrent_loads, "reserved_bytes": cache.reserved,
+            "budget_bytes": self.config.memory_budget_bytes, "max_resident_models": self.config.max_resident_models,
+            "max_concurrent_loads": self.config.max_concurrent_loads, "reserved_bytes": cache.reserved,
             "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
             "lru": cache.lru(),
             "loading": sorted(n for n, e in cache.entries.items() if e.residency is Residency.LOADING),

@@ -136,7 +136,7 @@ class Server:
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._direct_watch: asyncio.TimerHandle | None = None
-        self.memory = MemoryManager(config, self.metrics, self.coordinator.note, self._spares)
+        self.memory = MemoryManager(config.memory, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.frontends.shm_max_regions, config.frontends.shm_max_bytes)
         # the node's GPUs and MIG slices, read-only (GET /v2/partitions' gpus)

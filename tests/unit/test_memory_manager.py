@@ -77,7 +77,7 @@ class Clock:
 def manager(**settings) -> tuple[MemoryManager, list[tuple[str, str]]]:
     events: list[tuple[str, str]] = []
     config = ServerConfig.of(**settings)
-    return MemoryManager(config, Metrics(), lambda kind, model: events.append((kind, model)), clock=Clock()), events
+    return MemoryManager(config.memory, Metrics(), lambda kind, model: events.append((kind, model)), clock=Clock()), events
 
 
 def test_without_a_budget_every_request_loads_at_once_and_nothing_is_logged():

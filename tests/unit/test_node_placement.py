@@ -109,7 +109,7 @@ class Node:
             node=RecordingNode(), metrics=metrics, resources=self.rm, placements=self.applier,
             stopping=lambda: False,
             workers=SparePool(ServerConfig.of(data_dir=tmp_path, spare_workers=0), loop, self._start_worker),
-            footprints=NoFootprints(), memory=MemoryManager(config, metrics), off_loop=inline)
+            footprints=NoFootprints(), memory=MemoryManager(config.memory, metrics), off_loop=inline)
         self._ids = 0
 
     def _start_worker(self, owner: Any, instance: int, make_spec: Any, loop: Any) -> FakeWorker:

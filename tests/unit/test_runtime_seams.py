@@ -241,7 +241,7 @@ class Harness:
                          node=self.node, metrics=metrics, resources=rm,
                          placements=PlacementApplier(rm, lambda name: self.rt.placements),
                          stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
-                         footprints=self.footprints, memory=MemoryManager(cfg, metrics), off_loop=off_loop)
+                         footprints=self.footprints, memory=MemoryManager(cfg.memory, metrics), off_loop=off_loop)
         self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config), profile)
 
     @property
