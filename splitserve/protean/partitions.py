@@ -56,7 +56,7 @@ NODE_OWNER = "node"  # the owner of the node's partitions in the ResourceManager
 
 
 class ProteanProfileSource(Protocol):
-    """What PROTEAN's deciders read of the node's stored profiles (``protean_profiles.ProteanProfiles``,
+    """What PROTEAN's deciders read of the node's stored profiles (``protean.profiles.ProteanProfiles``,
     over the registry): the slowdown model's solo times and FBRs and Algorithm 1's batch
     memory. Built once by the root; read on the loop (each model's profiles are read once,
     then kept until ``forget``). None means "not profiled here": never a made-up number."""

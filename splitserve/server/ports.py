@@ -20,7 +20,7 @@ model (``server/model/``): the coordinator's ``ScheduledModel`` and ``NodeSchedu
 (``server/coordinator.py``), the memory manager's ``ResidentModel`` and ``ResidencyBroker``
 (``memory/manager.py``), the placement applier's ``PlacedModel`` and ``PlacementChanger``
 (``server/applier.py``), the partition manager's ``PartitionedModel``
-(``server/partitions.py``); what a model needs from its node and its workers is
+(``protean/partitions.py``); what a model needs from its node and its workers is
 ``server/model/env.py``'s ``RuntimeEnv`` and ``InstanceWorker``.
 
 These are also the interfaces a remote node implements: a cluster gateway forwards to a
