@@ -101,11 +101,11 @@ class ModelRuntime:
 
     @property
     def instance_count(self) -> int:
-        return len(self.core.sched.serving())
+        return self.placements.instance_count
 
     @property
     def dispatch_max_batch(self) -> int:
-        return self.core.sched.max_batch
+        return self.placements.dispatch_max_batch
 
     # -- ModelPort (transports) ----------------------------------------------------------------
 
