@@ -126,6 +126,31 @@ def test_reef_rt_preempts_be_of_the_same_model_and_be_resumes_correctly(tmp_path
     assert rt_out.outputs[0].ravel().tolist() == [RT_KEY]
 
 
+def test_reef_a_preempted_segmented_batch_resumes_from_its_restore_point_with_the_right_numbers(tmp_path):
+    """The server-level check of restore: a real segmented model's best-effort batch (8
+    images through resnet152, far longer than a segment) is stopped by a real-time call sent
+    as soon as the batch starts, resumes where it stopped, and answers what an uninterrupted
+    run gives; so does the real-time call."""
+
+    async def scenario(server):
+        be = asyncio.ensure_future(server.infer("resnet152", [image("resnet152", 8)], cls="be"))
+        await until("the best-effort batch starts", lambda: ("start", "be") in kinds(server.coordinator.events))
+        rt = await server.infer("resnet152", [image("resnet152", 1, seed=1)], cls="rt")
+        return list(server.coordinator.events), await be, rt
+
+    events, be_out, rt_out = run_server(tmp_path, "reef", scenario)
+    preempted = [e for e in events if e.kind == "preempted" and e.cls == "be"]
+    resumed = [e for e in events if e.kind == "resume" and e.cls == "be"]
+    assert preempted and [e.segment for e in resumed] == [e.segment for e in preempted], kinds(events)
+    assert all(0 < e.segment < 16 for e in preempted)  # stopped between segments, not before or after
+    with torch.inference_mode():
+        model = build_zoo_model("resnet152")
+        (want_be,) = model(torch.from_numpy(image("resnet152", 8)))
+        (want_rt,) = model(torch.from_numpy(image("resnet152", 1, seed=1)))
+    np.testing.assert_allclose(be_out.outputs[0], want_be.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rt_out.outputs[0], want_rt.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_reef_rt_of_another_model_starts_at_once_and_be_on_its_cpus_stops_at_a_boundary(tmp_path):
     rt_running = seen("start", "rt")
     events, be_out, rt_out = run_gated(tmp_path, "reef", be_then_rt(
