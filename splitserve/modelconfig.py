@@ -193,9 +193,10 @@ class ModelConfig:
             raise InvalidInput("segment_capacity must be between 1 and 64")
         if self.default_class not in ("rt", "be"):
             raise InvalidInput(f"default_class {self.default_class!r}: use 'rt' or 'be'")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise InvalidInput(f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
+        from splitserve.placement.devices import parse_device
         from splitserve.placement.packrat import PackratConfig
+
+        parse_device(self.device)  # refuse "cuda:x", "gpu" early
 
         PackratConfig.parse(self.placement, self.max_batch_size)  # refuse a bad [placement] early
 

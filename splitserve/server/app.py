@@ -35,6 +35,7 @@ from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
 from splitserve.memory.footprints import RegistryFootprints
 from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
+from splitserve.placement.devices import DeviceAssigner
 from splitserve.placement.gpus import MigDriver
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
@@ -176,7 +177,7 @@ class Server:
                               resources=self.resources, placements=self.applier,
                               stopping=lambda: self.stopping, workers=self.pool,
                               footprints=self.footprints, memory=self.memory, off_loop=OffLoop(self.loop),
-                              partitions=self.partitions)
+                              partitions=self.partitions, devices=DeviceAssigner(self.gpus.current))
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
                                        self.partitions, self.gpus)
         self.gpus.start()

@@ -52,6 +52,14 @@ class GpuInventory:
             listing = GpuListing(reason=f"no GPUs (listing failed: {e})")
         self.listing, self.read_at = listing, self.clock()
 
+    def current(self) -> GpuListing:
+        """The listing to hand GPUs out from (``placement.devices.DeviceAssigner``): the last
+        one read, or, when a GPU model binds before the first read landed, one read now (on
+        the caller's thread: once, at start, and only on a node serving a GPU model)."""
+        if self.listing is None:
+            self.listing, self.read_at = self.read(), self.clock()
+        return self.listing
+
     def snapshot(self) -> dict[str, Any]:
         """The listing (``mig.GpuListing.to_dict``) with ``age_s``; a stale one starts a re-read."""
         if self.listing is None or self.read_at is None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.models.loader import load_artifact
+from splitserve.placement.devices import WORKER_DEVICE
 from splitserve.models.segmented import SegmentedModel
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
@@ -118,7 +119,8 @@ class Binding:
         self._pinned: list[TensorQueue] = []
         try:
             self.cfg = ModelConfig.from_dict(spec.model)
-            self.device = torch.device(self.cfg.device)
+            # with a partition of its own, the worker's only GPU is cuda:0 whatever the config's index
+            self.device = torch.device(WORKER_DEVICE if spec.visible_devices else self.cfg.device)
             self.segment_capacity = spec.segment_capacity
             # (segment, batch size) -> EWMA of its time in ns, measured as batches run;
             # seeded from the stored profile when the server has one.

@@ -32,6 +32,7 @@ from splitserve.spin import HostLoad, SpinPolicy
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
+from splitserve.worker.gpu_env import claim_visible
 from splitserve.worker.poller import Poller
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
@@ -122,6 +123,7 @@ class Worker:
                                f"(binding {self.bound.ident}); UNLOAD it first")
         try:
             _place(msg.bind.cpus, msg.bind.threads)
+            claim_visible(msg.bind.visible_devices, torch.cuda.is_initialized)  # GPU device path
         except BaseException:
             _close_all(msg.bind.fds())
             raise

@@ -68,6 +68,9 @@ class BindSpec:
     # took (LOADED's private_bytes): asked only while the model's size is not yet known.
     measure: bool = False
     direct: DirectSpec | None = None  # also serve fast-path frames on an endpoint of its own
+    # The one GPU partition the worker may see (``placement.devices``): a GPU-… or MIG-… UUID,
+    # set as CUDA_VISIBLE_DEVICES before the worker first touches CUDA; None for a CPU model.
+    visible_devices: str | None = None
 
     def fds(self) -> list[int]:
         """Every queue fd, class by class (in key order), inputs before outputs."""

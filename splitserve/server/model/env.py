@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from splitserve.config import ServerConfig
 from splitserve.memory.footprints import FootprintStore
 from splitserve.memory.manager import ResidencyBroker
+from splitserve.placement.devices import DeviceAssigner
 from splitserve.placement.partition import PartitionSource
 from splitserve.placement.resources import ResourceManager
 from splitserve.server.applier import PlacementChanger
@@ -129,3 +130,4 @@ class RuntimeEnv:
     # ``off_loop(fn, done)`` calls ``done(fn())`` back on the loop (``blocking.OffLoop``).
     off_loop: Callable[[Callable[[], Any], Callable[[Any], None]], None]
     partitions: PartitionSource | None = None  # the node's partitions (None: partitioning none)
+    devices: DeviceAssigner | None = None  # the node's GPU partitions per instance (None: no GPU models)

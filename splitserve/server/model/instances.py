@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.errors import ModelNotReady, WorkerFailed
+from splitserve.errors import InvalidInput, ModelNotReady, WorkerFailed
 from splitserve.placement.partition import InstancePlacement
 from splitserve.scheduler.model_scheduler import Residency
 from splitserve.scheduler.priority import PriorityMode
@@ -84,6 +84,8 @@ class Instances:
         """Instance ``iid`` is gone: unplace it and drop what was kept of it."""
         self.core.sched.remove(iid)
         self.core.resources.unplace(self.name, iid)
+        if self.core.env.devices is not None:
+            self.core.env.devices.release(self.name, iid)
         for d in (self.workers, self._backoff, self.start_failures, self._weights):
             d.pop(iid, None)
         self._weights_changed()
@@ -157,7 +159,19 @@ class Instances:
         return BindSpec(
             core.config.to_dict(), str(core.record.path) if core.record.path else None, self.queues.fds(),
             core.config.capacity, segments, cpus=sorted(placed.cpus), threads=placed.threads,
-            measure=not core.footprint.measured, direct=self._direct_spec(i))
+            measure=not core.footprint.measured, direct=self._direct_spec(i), visible_devices=self._gpu(i))
+
+    def _gpu(self, i: int) -> str | None:
+        """Instance ``i``'s GPU partition (``CUDA_VISIBLE_DEVICES``), None on the CPU;
+        InvalidInput when the node has no GPU the model's ``device`` names."""
+        devices = self.core.env.devices
+        if not self.core.config.device.startswith("cuda"):
+            return None
+        if devices is None:
+            raise InvalidInput(f"model {self.name!r} asks for device {self.core.config.device!r}, "
+                               "but this node hands out no GPUs")
+        got = devices.assign(self.name, i, self.core.config.device)
+        return None if got is None else got.visible_devices
 
     def _direct_spec(self, i: int) -> DirectSpec | None:
         """Instance ``i``'s direct endpoint, with the front end's stream limits (None: off)."""
@@ -179,7 +193,12 @@ class Instances:
         handle = self.workers[i]
         if core.settings.transports.fast_direct:
             handle.counters.set_admit(core.settings.transports.direct_admit)
-        if not handle.send_load(self.bind_spec(i)):
+        try:
+            spec = self.bind_spec(i)
+        except InvalidInput as e:  # no GPU for it here: the model cannot load, and says why
+            self._fail(str(e))
+            return
+        if not handle.send_load(spec):
             return  # gone: its exit is handled as any other
         core.sched.set_residency(i, Residency.LOADING)
         timeout = core.settings.workers.worker_start_timeout_s

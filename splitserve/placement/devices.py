@@ -1,0 +1,131 @@
+"""Which GPU a model's worker gets: a model's ``device`` ("cpu", "cuda", "cuda:N") read
+strictly, and the node's GPU partitions handed out per instance.
+
+A GPU partition is what one worker may see: a whole GPU whose MIG mode is off, or one MIG
+device of a GPU where MIG is on (a GPU with MIG on is never handed out whole: CUDA cannot
+run on it, only on its MIG devices). The node lists them through NVML
+(``placement.gpus.read_gpus``, read-only) and each worker is started on exactly one, by its
+UUID in ``CUDA_VISIBLE_DEVICES``: inside the worker that partition is ``cuda:0``, whatever
+its index on the node, and no other GPU of the node is visible to it.
+
+``DeviceAssigner`` is the decider (no I/O: the listing is passed in): ``cuda:N`` is the
+node's N-th partition in NVML order (GPU index, then MIG device), ``cuda`` is the partition
+holding the fewest instances now (lowest first on a tie), so a model's instances spread
+over the node's GPUs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from splitserve.errors import InvalidInput
+from splitserve.placement.mig import GpuListing
+
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d{1,3}))?")
+# In the worker the one visible partition is always device 0.
+WORKER_DEVICE = "cuda:0"
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """A model's ``device`` field: ``kind`` "cpu" or "cuda", and a partition index (None: any)."""
+
+    kind: str
+    index: int | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+def parse_device(text: str) -> DeviceRequest:
+    """``cpu``, ``cuda`` or ``cuda:N``; InvalidInput naming the forms for anything else
+    (``cuda:x``, ``cpu:1``, ``gpu``)."""
+    m = _DEVICE.fullmatch(text)
+    if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
+        raise InvalidInput(f"device {text!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    return DeviceRequest(m.group(1), None if m.group(2) is None else int(m.group(2)))
+
+
+@dataclass(frozen=True)
+class GpuPartition:
+    """What one worker may be given: a whole GPU (MIG off) or one MIG device."""
+
+    uuid: str  # what CUDA_VISIBLE_DEVICES takes: GPU-… or MIG-…
+    gpu: int  # the physical GPU's NVML index
+    name: str  # "NVIDIA H200" or "NVIDIA A100 … MIG 3g.20gb"
+    mem_bytes: int
+
+
+def partitions_of(listing: GpuListing) -> tuple[GpuPartition, ...]:
+    """The listing's partitions in NVML order: a GPU with MIG on gives its MIG devices, one
+    with MIG off (or without MIG) gives itself."""
+    out: list[GpuPartition] = []
+    for g in listing.gpus:
+        if g.mig:
+            out += [GpuPartition(s.uuid, g.index, f"{g.name} MIG {s.profile}", s.mem_bytes) for s in g.slices]
+        else:
+            out.append(GpuPartition(g.uuid, g.index, g.name, g.mem_bytes))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DeviceAssignment:
+    """Where an instance runs: the partition, and the device its worker uses (``cuda:0``)."""
+
+    partition: GpuPartition
+    torch_device: str = WORKER_DEVICE
+
+    @property
+    def visible_devices(self) -> str:
+        """``CUDA_VISIBLE_DEVICES`` for the worker: only this partition."""
+        return self.partition.uuid
+
+
+class DeviceAssigner:
+    """Hands each GPU instance a partition of the node (see the module doc).
+
+    ``listing`` returns the node's current GPU listing (``server.gpus.GpuInventory.current``);
+    assignments last until ``release``; ``assign`` of an instance that holds one returns it
+    again, so a worker restarted for the same instance lands on the same GPU."""
+
+    def __init__(self, listing: Callable[[], GpuListing]) -> None:
+        self.listing = listing
+        self._held: dict[tuple[str, int], GpuPartition] = {}
+
+    def assign(self, owner: str, instance: int, device: str) -> DeviceAssignment | None:
+        """The partition for instance ``instance`` of model ``owner`` on ``device`` (None for
+        "cpu"); InvalidInput when the node has no such GPU, saying which it has or why none."""
+        req = parse_device(device)
+        if not req.cuda:
+            return None
+        held = self._held.get((owner, instance))
+        if held is not None:
+            return DeviceAssignment(held)
+        listing = self.listing()
+        parts = partitions_of(listing)
+        if not parts:
+            raise InvalidInput(f"model {owner!r} asks for device {device!r}, but this node has "
+                               f"{listing.reason or 'no GPUs'}")
+        if req.index is not None:
+            if req.index >= len(parts):
+                names = ", ".join(f"cuda:{k} ({p.name})" for k, p in enumerate(parts))
+                raise InvalidInput(f"model {owner!r} asks for device {device!r}; this node has {names}")
+            chosen = parts[req.index]
+        else:
+            load = Counter(p.uuid for p in self._held.values())
+            chosen = min(parts, key=lambda p: load[p.uuid])  # min keeps the first of equals: NVML order
+        self._held[(owner, instance)] = chosen
+        return DeviceAssignment(chosen)
+
+    def release(self, owner: str, instance: int | None = None) -> None:
+        """Forget one instance's partition, or (``instance`` None) all of ``owner``'s."""
+        for key in [k for k in self._held if k[0] == owner and instance in (None, k[1])]:
+            del self._held[key]
+
+    def held(self) -> dict[str, int]:
+        """Instances per partition UUID now (for listings)."""
+        return dict(Counter(p.uuid for p in self._held.values()))
