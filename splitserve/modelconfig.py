@@ -165,6 +165,9 @@ class ModelConfig:
     # REEF's device-queue capacity c: segments launched ahead of the one known finished
     # (None: 4 on a GPU, where launches are asynchronous; 1 on the CPU, where they are not).
     segment_capacity: int | None = None
+    # CUDA graphs on a GPU, captured per batch size at load and replayed (``worker/launch.py``
+    # ``graph_sizes``): "auto" for a small model, "on" whatever its size, "off".
+    cuda_graphs: str = "auto"
     # Fixed placement: pin this model's instances to these CPUs (instance i takes the next
     # ``threads`` of them, wrapping). Empty: spread over the node round-robin.
     cpus: tuple[int, ...] = ()
@@ -191,6 +194,8 @@ class ModelConfig:
             raise InvalidInput(f"model {self.name!r}: share_cpus needs cpus (the CPUs to share)")
         if self.segment_capacity is not None and not 1 <= self.segment_capacity <= 64:
             raise InvalidInput("segment_capacity must be between 1 and 64")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise InvalidInput(f"cuda_graphs {self.cuda_graphs!r}: use 'auto', 'on' or 'off'")
         if self.default_class not in ("rt", "be"):
             raise InvalidInput(f"default_class {self.default_class!r}: use 'rt' or 'be'")
         from splitserve.placement.devices import parse_device

@@ -126,6 +126,11 @@ class DeviceAssigner:
         for key in [k for k in self._held if k[0] == owner and instance in (None, k[1])]:
             del self._held[key]
 
+    def held_by(self, owner: str, instance: int) -> str | None:
+        """The UUID of the partition instance ``instance`` of ``owner`` holds (None: none)."""
+        p = self._held.get((owner, instance))
+        return None if p is None else p.uuid
+
     def held(self) -> dict[str, int]:
         """Instances per partition UUID now (for listings)."""
         return dict(Counter(p.uuid for p in self._held.values()))

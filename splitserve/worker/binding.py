@@ -1,5 +1,6 @@
 """One model bound to a worker: its tensor queues mapped once, its weights loaded, and
-what running its batches needs (restore points, measured segment times, a CUDA stream).
+what running its batches needs (restore points, measured segment times, on a GPU its
+batch path: ``worker/cuda.py``).
 
 A binding is made from a ``BindSpec``, at start or by a LOAD, and owns the queue fds it
 was given. ``close`` (an UNLOAD, or a load that failed half way) releases all of it and
@@ -29,6 +30,8 @@ from splitserve.placement.devices import WORKER_DEVICE
 from splitserve.models.segmented import SegmentedModel
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
+from splitserve.worker.cuda import CudaDevice, GpuPath, capture_graphs, pin_queue, unpin_queue
+from splitserve.worker.launch import graph_sizes
 from splitserve.worker.spec import BindSpec
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,7 @@ def _map(specs: Sequence[TensorSpec], fds: list[int], nslots: int) -> list[Tenso
 class Binding:
     """A model resident in this worker (build it with the spec; ``close`` releases it)."""
 
-    def __init__(self, ident: int, spec: BindSpec, cache_dir: Path) -> None:
+    def __init__(self, ident: int, spec: BindSpec, cache_dir: Path, segment_time_weight: float = 0.25) -> None:
         """Map the queues and the weights (from the artifact's file); with ``spec.measure``,
         run one batch of zeros at max_batch_size and keep what the load and that batch
         added to the anonymous memory as ``private_bytes``. On any failure, release what
@@ -115,7 +118,7 @@ class Binding:
         self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
         self.model: SegmentedModel | None = None
         self.restore: dict[int, Restore] = {}
-        self.stream: torch.cuda.Stream | None = None
+        self.gpu: GpuPath | None = None  # the GPU batch path (None on the CPU)
         self._pinned: list[TensorQueue] = []
         try:
             self.cfg = ModelConfig.from_dict(spec.model)
@@ -135,12 +138,17 @@ class Binding:
             self.model.eval().to(self.device)
             self.nbytes = model_bytes(self.model)
             if self.device.type == "cuda":
-                self.stream = torch.cuda.Stream(device=self.device, priority=0)
+                self.gpu = GpuPath(CudaDevice(self.device), self.segment_capacity, self.segment_times,
+                                   segment_time_weight)
                 self._pin_queues()
             self.load_ns = time.perf_counter_ns() - t0
             if spec.measure:
                 self._warm_up()
                 self.private_bytes = max(0, rss_anon() - anon0)
+            if self.gpu is not None:
+                capture_graphs(self.gpu, self.model, graph_sizes(self.cfg.cuda_graphs, self.nbytes,
+                                                                 self.cfg.max_batch_size),
+                               self._zeros, self.device)
         except BaseException:
             self.close()
             raise
@@ -149,27 +157,33 @@ class Binding:
         """One batch of zeros at max_batch_size: the activations and scratch memory the
         largest batch needs are allocated once, so the memory measured after it includes them."""
         assert self.model is not None
-        n = self.cfg.max_batch_size
-        xs = tuple(torch.from_numpy(np.zeros((n, *t.shape), t.dtype)).to(self.device) for t in self.cfg.inputs)
         with torch.inference_mode():
-            self.model(*xs)
-        if self.stream is not None:
+            self.model(*self._zeros(self.cfg.max_batch_size))
+        if self.gpu is not None:
             torch.cuda.synchronize(self.device)
 
-    def _pin_queues(self) -> None:
-        """Register the queues' shared memory as pinned so one H2D copy moves a batch.
+    def _zeros(self, n: int) -> tuple[torch.Tensor, ...]:
+        """A batch of ``n`` zero samples of every input, on the model's device."""
+        return tuple(torch.from_numpy(np.zeros((n, *t.shape), t.dtype)).to(self.device) for t in self.cfg.inputs)
 
-        Pinning is an optimisation: if the driver refuses the double mapping, the worker
-        still works with pageable copies, and says so."""
+    @property
+    def pinned_queues(self) -> int:
+        """Queues page-locked for DMA (0 on the CPU, or where the driver refused)."""
+        return len(self._pinned)
+
+    def _pin_queues(self) -> None:
+        """Page-lock the queues' shared memory (``cuda.pin_queue``: the whole double mapping,
+        in one registration) so a batch's one copy each way is an asynchronous DMA.
+
+        If the driver refuses, the worker still copies once per batch, from pageable
+        memory, and says so (``pinned_queues`` in the model's statistics shows it too)."""
         cudart = torch.cuda.cudart()
         for ins, outs in self.queues.values():
             for tq in ins + outs:
-                err = cudart.cudaHostRegister(tq.base, 2 * tq.size, 0)
-                if int(getattr(err, "value", err)) != 0:
-                    log.warning("could not pin a %d B tensor queue (cuda error %s); using pageable copies",
-                                tq.size, err)
-                else:
+                if pin_queue(cudart, tq.base, tq.size):
                     self._pinned.append(tq)
+                else:
+                    log.warning("could not pin a %d B tensor queue; its copies are pageable", tq.size)
 
     def close(self) -> None:
         """Release the weights, restore points, queue mappings and fds, and return the
@@ -177,15 +191,14 @@ class Binding:
         system (glibc keeps it otherwise; on CUDA, torch's cache keeps device memory)."""
         self.restore.clear()
         self.model = None
-        if self.stream is not None:
-            self.stream.synchronize()
-            self.stream = None
+        if self.gpu is not None:
+            torch.cuda.synchronize(self.device)  # nothing may still read the queues or the graphs
+            self.gpu = None
         if self._pinned:
             cudart = torch.cuda.cudart()
             for tq in self._pinned:
-                err = cudart.cudaHostUnregister(tq.base)
-                if int(getattr(err, "value", err)) != 0:
-                    log.warning("could not unpin a %d B tensor queue (cuda error %s)", tq.size, err)
+                if not unpin_queue(cudart, tq.base):
+                    log.warning("could not unpin a %d B tensor queue", tq.size)
             self._pinned.clear()
         gc.collect()  # tensors over the rings must be gone before they are unmapped
         for ins, outs in self.queues.values():

@@ -26,6 +26,7 @@ from typing import Protocol
 from splitserve.worker.messages import (START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
                                         UnloadedMsg, unpack_ready)
 from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.gpu_counters import GpuCopies, read_copies
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import BindSpec, WorkerSpec
 
@@ -117,6 +118,10 @@ class WorkerHandle:
     def ready(self) -> bool:
         """The process is up with a model bound: a RUN would be served."""
         return self.alive and self.residency is Residency.BOUND
+
+    def gpu_copies(self) -> tuple[GpuCopies, int, int]:
+        """What its GPU path copied, its page-locked queues and CUDA graph sizes (``gpu_counters``)."""
+        return read_copies(self.flag.page)
 
     def send_run(self, msg: RunMsg) -> bool:
         """Send a batch descriptor; False if the worker is gone (its exit is being handled)."""

@@ -32,6 +32,8 @@ from splitserve.spin import HostLoad, SpinPolicy
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer
+from splitserve.worker.cuda import fatal_cuda_error
+from splitserve.worker.gpu_counters import write_copies
 from splitserve.worker.gpu_env import claim_visible
 from splitserve.worker.poller import Poller
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
@@ -103,6 +105,7 @@ class Worker:
         # load it asks first
         self.spin = SpinPolicy(0)
         self.host = HostLoad()
+        self.exiting = False  # a fatal CUDA error: answer, then exit (``cuda.fatal_cuda_error``)
 
     @property
     def model(self) -> SegmentedModel:
@@ -127,7 +130,9 @@ class Worker:
         except BaseException:
             _close_all(msg.bind.fds())
             raise
-        self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir)
+        self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir, self.spec.segment_time_weight)
+        if b.gpu is not None:  # the page counts this binding's copies from zero
+            self._publish_gpu(b)
         if msg.bind.direct is not None:
             self.spin = SpinPolicy(msg.bind.direct.spin_us * 1000)
             self.poller = Poller()
@@ -164,8 +169,8 @@ class Worker:
             torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
             for tq, spec in zip(ins, b.cfg.inputs)
         )
-        if b.device.type != "cpu":
-            xs = tuple(x.to(b.device, non_blocking=True) for x in xs)
+        if b.gpu is not None:  # GPU path: one copy per input on the batch's stream
+            xs = b.gpu.inputs(RequestClass(msg.cls), xs)
         return xs
 
     def _ring(self) -> None:
@@ -194,33 +199,27 @@ class Worker:
         deadline (0: none)."""
         return bool(deadline) and time.monotonic_ns() + b.segment_times.get((i, count), 0) > deadline
 
-    def _segments(self, b: Binding, model: SegmentedModel, acts: tuple, first: int, count: int,
+    def _segments(self, b: Binding, model: SegmentedModel, cls: RequestClass, acts: tuple, first: int, count: int,
                   stop: "Callable[[int], bool] | None") -> tuple[int | None, tuple]:
         """Run segments from ``first`` (inside inference mode) until the end or until ``stop(i)``
         says to stop before segment i (None: a batch that never stops): (i, or None at the
         end; the activations there).
 
-        At most ``segment_capacity`` segments are launched ahead of the one known to be
-        finished (REEF-N's bounded device queue). On the CPU every launch completes before
-        the next check, so the restore point is exactly the boundary where it stopped; on a
-        CUDA stream the launched segments finish before the restore point is taken."""
-        launched: list = []  # CUDA events of segments launched but maybe unfinished
+        On the CPU every segment completes before the next check, so the restore point is
+        exactly the boundary where it stopped and its time is the segment's real time. A GPU
+        binding runs its own path (``worker/cuda.py``: launches ahead, GPU-timed)."""
+        if b.gpu is not None:  # GPU path
+            return b.gpu.segments(model, cls, acts, first, count, stop)
         for i in range(first, model.num_segments):
             if stop is not None and stop(i):
-                self._sync(launched)
                 return i, acts
             s0 = time.monotonic_ns()
-            if b.stream is not None:
-                acts = self._launch(b, model, i, acts, launched)
-            else:  # synchronous: this is the segment's real time
-                acts = model.run_segment(i, acts)
-                key = (i, count)
-                dt = time.monotonic_ns() - s0
-                old = b.segment_times.get(key)
-                weight = self.spec.segment_time_weight
-                b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
-        if launched:
-            self._sync(launched)
+            acts = model.run_segment(i, acts)
+            key = (i, count)
+            dt = time.monotonic_ns() - s0
+            old = b.segment_times.get(key)
+            weight = self.spec.segment_time_weight
+            b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
         return None, acts
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
@@ -231,10 +230,16 @@ class Worker:
         b = self._binding(0)
         model = b.model
         assert model is not None
-        if b.device.type != "cpu" and first == 0:
-            acts = tuple(x.to(b.device, non_blocking=True) for x in acts)
         stop = (lambda i: self._direct_stops(i, count)) if cls == RequestClass.BE else None
-        return self._segments(b, model, acts, first, count, stop)
+        if b.gpu is None:
+            return self._segments(b, model, cls, acts, first, count, stop)
+        if first == 0:  # GPU path: in, run, and out to host rows the direct path writes from
+            acts = b.gpu.inputs(cls, acts)
+        stopped, acts = self._segments(b, model, cls, acts, first, count, stop)
+        if stopped is None:
+            acts = b.gpu.to_host(cls, acts, count)
+        self._publish_gpu(b)
+        return stopped, acts
 
     def _direct_stops(self, i: int, count: int) -> bool:
         """A direct best-effort batch of ``count`` may not start segment ``i`` now: the front end
@@ -256,7 +261,7 @@ class Worker:
             first, acts = 0, self._inputs(b, msg)
         n = model.num_segments
         with self.inference:
-            stopped, acts = self._segments(b, model, acts, first, msg.count,
+            stopped, acts = self._segments(b, model, RequestClass(msg.cls), acts, first, msg.count,
                                            lambda i: self._should_stop(b, msg, i, first, msg.count))
             if stopped is not None:
                 stop_ns = time.monotonic_ns()
@@ -265,27 +270,20 @@ class Worker:
                 return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, stopped - first, first,
                                max(0, stop_ns - raised), t0)
             _, outs = b.queues[msg.cls]
-            for tq, spec, y in zip(outs, b.cfg.outputs, acts):
-                dst = torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
-                dst.copy_(y.reshape(dst.shape))
+            dsts = tuple(torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
+                         for tq, spec in zip(outs, b.cfg.outputs))
+            if b.gpu is not None:  # GPU path: one copy per output into the pinned slots
+                b.gpu.outputs(RequestClass(msg.cls), acts, dsts)
+                self._publish_gpu(b)
+            else:
+                for dst, y in zip(dsts, acts):
+                    dst.copy_(y.reshape(dst.shape))
         return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first, start_ns=t0)
 
-    def _launch(self, b: Binding, model: SegmentedModel, i: int, acts: tuple, launched: list) -> tuple:
-        """Launch segment ``i`` on the binding's CUDA stream; its event joins ``launched``."""
-        assert b.stream is not None
-        with torch.cuda.stream(b.stream):
-            out = model.run_segment(i, acts)
-            ev = torch.cuda.Event()
-            ev.record(b.stream)
-        launched.append(ev)
-        while len(launched) > b.segment_capacity:
-            launched.pop(0).synchronize()
-        return out
-
-    def _sync(self, launched: list) -> None:
-        for ev in launched:
-            ev.synchronize()
-        launched.clear()
+    def _publish_gpu(self, b: Binding) -> None:
+        """The GPU path's copy counts into the page, for the model's statistics."""
+        assert b.gpu is not None
+        write_copies(self.flag.page, b.gpu.copies, b.pinned_queues, len(b.gpu.graphs))
 
     def serve(self) -> None:
         """Serve the control socket and, while a model with a direct endpoint is bound, its
@@ -344,7 +342,7 @@ class Worker:
         n, anc, flags, _ = self.ctrl.recvmsg_into(self._bufs, self._ancsize)
         if n >= RUN.size and self._buf[0] == Msg.RUN and not anc and not flags & _CUT:  # serving: keep it short
             self.ctrl.send(self._answer_run(RunMsg.unpack(self._buf)))
-            return True
+            return not self.exiting
         fds = _received_fds(anc) if anc else []
         if n == 0 and not fds:
             return False
@@ -369,7 +367,7 @@ class Worker:
                 log.error("unknown control message kind %d (%d B)", kind, n)
                 reply = FailedMsg(kind, 0, f"unknown control message kind {kind}").pack()
         self.ctrl.send(reply)
-        return True
+        return not self.exiting
 
     def _answer_run(self, msg: RunMsg) -> bytes:
         try:
@@ -379,6 +377,9 @@ class Worker:
             return FailedMsg(Msg.RUN, msg.batch_id, _describe(e)).pack()
         except Exception as e:  # a model error fails this batch, not the worker
             log.exception("batch %d failed", msg.batch_id)
+            if fatal_cuda_error(e):  # GPU path: this process's CUDA context is gone; a fresh one serves
+                self.exiting = True
+                log.error("a CUDA error left this worker's context unusable: it exits after answering")
             return FailedMsg(Msg.RUN, msg.batch_id, _describe(e)).pack()
 
     def _answer_load(self, data: memoryview, fds: list[int]) -> bytes:

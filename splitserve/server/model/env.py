@@ -23,6 +23,7 @@ from splitserve.server.applier import PlacementChanger
 from splitserve.server.coordinator import NodeScheduler
 from splitserve.server.metrics import Metrics
 from splitserve.worker.counters import DirectCounts
+from splitserve.worker.gpu_counters import GpuCopies
 from splitserve.worker.messages import RunMsg
 from splitserve.worker.pool import Residency, WorkerOwner
 from splitserve.worker.spec import BindSpec, WorkerSpec
@@ -86,6 +87,10 @@ class InstanceWorker(Protocol):
 
     def adopt(self, owner: WorkerOwner, instance: int) -> None:
         """Report to ``owner`` as ``instance`` from now on (only while bound to nothing)."""
+
+    def gpu_copies(self) -> tuple[GpuCopies, int, int]:
+        """What its GPU path copied, its page-locked queues and CUDA graph sizes (its page;
+        read for GPU models only)."""
 
 
 class WorkerPool(Protocol):

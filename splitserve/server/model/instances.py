@@ -25,6 +25,7 @@ from splitserve.scheduler.model_scheduler import Residency
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
+from splitserve.server.model.gpu_stats import GpuStats
 from splitserve.server.model.queues import ModelQueues
 from splitserve.memory.footprints import MemoryFootprint
 from splitserve.server.model.env import InstanceWorker
@@ -61,6 +62,8 @@ class Instances:
         # Direct calls (ServerConfig.transports.fast_direct) counted by workers this model no longer
         # holds; the live ones are read from their pages.
         self._direct_past = DirectCounts()
+        # a GPU model's copy counts and partitions (None on the CPU)
+        self.gpu = GpuStats() if core.config.device.startswith("cuda") else None
         # instance -> the port of its worker's TCP direct endpoint (from LOADED; the OS picks it)
         self._direct_tcp_ports: dict[int, int] = {}
 
@@ -255,6 +258,15 @@ class Instances:
         self.core.env.metrics.count_direct_slo(self.name, total.slo())
         return total
 
+    def gpu_stats(self) -> dict | None:
+        """A GPU model's partitions and copies (``gpu_stats.GpuStats``); None on the CPU."""
+        if self.gpu is None:
+            return None
+        devices = self.core.env.devices
+        serving = self.core.sched.serving()
+        parts = [devices.held_by(self.name, i) if devices is not None else None for i in serving]
+        return self.gpu.snapshot([self.workers[i] for i in serving if i in self.workers], parts)
+
     def _harvest_direct(self, instance: int, handle: InstanceWorker) -> None:
         """A worker leaves this model (unloaded or gone): keep what its page counted; its
         TCP endpoint is gone."""
@@ -309,6 +321,8 @@ class Instances:
         handle = self.workers.pop(instance, None)
         if handle is not None:
             self._harvest_direct(instance, handle)
+            if self.gpu is not None:
+                self.gpu.harvest(handle)
             self.core.env.workers.give_back(handle, msg.rss_anon)
         if instance not in self.core.sched.instances:
             return
@@ -336,6 +350,8 @@ class Instances:
         if self.workers.get(instance) is handle:
             del self.workers[instance]
             self._harvest_direct(instance, handle)
+            if self.gpu is not None:
+                self.gpu.harvest(handle)
             self._worker_gone(instance, handle)
             self._evict_progress()
         self.dispatch.kick()

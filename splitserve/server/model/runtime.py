@@ -162,6 +162,8 @@ class ModelRuntime:
             # key of its own: clients that know only ``direct`` keep using the Unix ones)
             "direct_tcp": inst.direct_tcp_endpoints(),
             "direct_counts": inst.direct_counts().to_dict(),
+            # a GPU model's partitions and copies per batch (None on the CPU)
+            "gpu": inst.gpu_stats(),
         }
 
     # -- ManagedModel (management) ---------------------------------------------------------------
