@@ -214,6 +214,8 @@ class GpuPath:
                     if chain is not None:
                         acts = tuple(a.clone() for a in acts)
                     return i, acts
+                while len(window) >= bound:  # room for one more on the device
+                    self._retire(window.pop(0), count)
                 start = dev.event()
                 if chain is not None:
                     chain[i].graph.replay()
@@ -221,8 +223,6 @@ class GpuPath:
                 else:
                     acts = model.run_segment(i, acts)
                 window.append((i, start, dev.event()))
-                while len(window) > bound:
-                    self._retire(window.pop(0), count)
             self._drain(window, count)
         if chain is not None:
             self.copies.graph_batches += 1
