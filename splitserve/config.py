@@ -357,9 +357,13 @@ class GpuSection(_Section):
     gpu_admin: bool = False  # let splitserve change MIG geometries (nvidia-smi): only on machines you administer; off, it prints the plan
     gpu_command_timeout_s: float = 120.0  # each nvidia-smi command of an applied MIG plan may run this long
     gpu_listing_max_age_s: float = 30.0  # GET /v2/partitions' GPU listing is read again (off the loop) once this old
+    zoo_device: str = "cpu"  # device of the built-in zoo models: cpu, cuda (a GPU per instance, least used first) or cuda:N
 
     def checked(self) -> None:
+        from splitserve.placement.devices import parse_device
+
         _positive(self, ("gpu_command_timeout_s", "gpu_listing_max_age_s"))
+        parse_device(self.zoo_device)
 
 
 @dataclass(frozen=True)

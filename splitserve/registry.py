@@ -59,12 +59,12 @@ class ModelRecord:
     config: ModelConfig
 
 
-def builtin_configs() -> list[ModelConfig]:
-    """A config for every built-in zoo architecture: the built-in model repository."""
+def builtin_configs(device: str = "cpu") -> list[ModelConfig]:
+    """A config for every built-in zoo architecture, on ``device``: the built-in model repository."""
     from splitserve.models.catalog import ZOO
 
     return [
-        ModelConfig.from_dict({"name": name, "artifact": {"kind": "zoo", "arch": name}})
+        ModelConfig.from_dict({"name": name, "device": device, "artifact": {"kind": "zoo", "arch": name}})
         for name in sorted(ZOO) if ZOO[name].builtin
     ]
 
@@ -146,9 +146,10 @@ class Registry:
                 raise
         return ModelRecord(config.name, fid, config.version, source, path, config)
 
-    def sync(self, extra_repository: Path | None = None) -> list[ModelRecord]:
-        """Bring the registry in line with the built-in zoo and the repositories on disk."""
-        for cfg in builtin_configs():
+    def sync(self, extra_repository: Path | None = None, zoo_device: str = "cpu") -> list[ModelRecord]:
+        """Bring the registry in line with the built-in zoo (on ``zoo_device``) and the
+        repositories on disk."""
+        for cfg in builtin_configs(zoo_device):
             existing = self.find(cfg.name)
             if existing is None or existing.source == "builtin":
                 self.upsert(cfg, "builtin", None)

@@ -61,6 +61,8 @@ def serve(
         None, help="Partition of each rt batch (auto: eta under protean, balanced otherwise)."),
     fast_direct: bool = typer.Option(
         None, help="Workers also take fast-path frames on their own Unix sockets (LOOKUP names them)."),
+    zoo_device: Optional[str] = typer.Option(
+        None, help="Device of the built-in zoo models: cpu, cuda (a GPU per instance) or cuda:N."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
@@ -68,7 +70,7 @@ def serve(
                  log_level=log_level.upper() if log_level else None, max_resident_models=max_resident_models,
                  memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None,
                  class_order=class_order, partitioning=partitioning, geometry=geometry,
-                 strict_placement=strict_placement, fast_direct=fast_direct)
+                 strict_placement=strict_placement, fast_direct=fast_direct, zoo_device=zoo_device)
     cfg = ServerConfig.from_env(
         host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
         data_dir=data_dir or default_data_dir(), load=tuple(load),

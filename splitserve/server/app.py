@@ -185,7 +185,7 @@ class Server:
             self.partitions.start(self.loop)
         # uploads that a crash left half-written are never resumed
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
-        for rec in await asyncio.to_thread(self.registry.sync, cfg.repository):
+        for rec in await asyncio.to_thread(self.registry.sync, cfg.repository, cfg.gpu.zoo_device):
             await self.remember(rec)
         if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             await asyncio.to_thread(self.management.ensure_token)

@@ -112,3 +112,20 @@ def test_the_worker_claims_its_partition_before_cuda_starts_and_refuses_another_
     with pytest.raises(InvalidInput, match="cannot switch to GPU-b"):
         claim_visible("GPU-b", lambda: True, env)
     assert env == {VAR: "GPU-a"}
+
+
+def test_the_built_in_zoo_is_served_on_the_node_s_zoo_device(tmp_path):
+    from splitserve.config import ServerConfig
+    from splitserve.registry import Registry
+
+    assert ServerConfig.of(zoo_device="cuda").checked().gpu.zoo_device == "cuda"
+    with pytest.raises(InvalidInput, match="cuda:N"):
+        ServerConfig.of(zoo_device="gpu0").checked()
+    reg = Registry(tmp_path)
+    try:
+        reg.sync(None, "cuda")
+        assert reg.find("resnet18").config.device == "cuda"
+        reg.sync(None)  # a restart on the CPU serves them there again
+        assert reg.find("resnet18").config.device == "cpu"
+    finally:
+        reg.close()

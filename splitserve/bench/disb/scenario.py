@@ -91,6 +91,7 @@ class Params(BaseParams):
     pairs: tuple[str, ...] = ("vgg19:resnet152", "resnet152:densenet201", "densenet201:inception_v3",
                               "inception_v3:distilbert", "distilbert:vgg19")  # RT:BE, reef, Fig. 16
     pair_duration_s: float = 10.0
+    cuda_graphs: str = "auto"  # on a GPU (--device cuda): CUDA graphs per batch size, auto | on | off
     pair_cpu: int = 1  # the BE model's CPU in the padded layout
 
     def __post_init__(self) -> None:
@@ -274,13 +275,13 @@ def run(ctx: Context) -> ScenarioOutput:
                          f"usable here (usable: {usable}); only the shared layout was run")
     pads = {f"{be}_pad": be for _, be in pairs} if pad_ok else {}
     gen_cpus = [c for c in usable if c not in p.cpus]
-    cfg = {"instances": 1, "threads": 1, "default_class": "rt"}
+    cfg = {"instances": 1, "threads": 1, "default_class": "rt", "cuda_graphs": p.cuda_graphs}
     repo = write_repository(ctx.results.path / "repository", {
         **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m}}
            for m in loaded},
         **{n: {**cfg, "cpus": [p.pair_cpu], "share_cpus": True, "artifact": {"kind": "zoo", "arch": a}}
            for n, a in pads.items()},
-    })
+    }, p.device)
     schemes = [s for s in SCHEMES if s in p.schemes]
     if pairs and "reef" not in schemes:
         schemes.append("reef-pairs")  # a reef server for the pairs alone

@@ -51,6 +51,7 @@ class Params:
     transports: tuple[str, ...] = ()
     seed: int = 0  # inputs and arrival schedules
     validate_samples: int = 3  # inputs checked per model and transport before timing
+    device: str = "cpu"  # where the served models compute: cpu, cuda or cuda:N (the node hands each instance a GPU)
 
     @classmethod
     def quick(cls) -> Params:
@@ -231,6 +232,8 @@ class Context:
         data_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
         self._tmp.append(data_dir)
         args = [a for m in load for a in ("--load", m)]
+        if self.params.device != "cpu":
+            args += ["--zoo-device", self.params.device]
         if repository is not None:
             args += ["--repository", str(repository)]
         with self.task(f"starting a server with {', '.join(load) or 'no models'}", 1):
@@ -329,8 +332,9 @@ class Context:
         return usable + [t for t in transports if t in BASELINES]
 
 
-def write_repository(root: Path, variants: Mapping[str, dict[str, Any]]) -> Path:
-    """A model repository: ``root/<name>/config.toml`` for each variant's config dict.
+def write_repository(root: Path, variants: Mapping[str, dict[str, Any]], device: str = "cpu") -> Path:
+    """A model repository: ``root/<name>/config.toml`` for each variant's config dict, each
+    on ``device`` unless its dict names one.
 
     Values are written as TOML: strings, numbers, booleans and lists of them, at the top
     level and in one-level tables (``artifact``, ``batching``, ``placement``).
@@ -347,6 +351,8 @@ def write_repository(root: Path, variants: Mapping[str, dict[str, Any]]) -> Path
 
     root.mkdir(parents=True, exist_ok=True)
     for name, cfg in variants.items():
+        if device != "cpu":
+            cfg = {"device": device, **cfg}
         lines = [f'name = "{name}"']
         tables = {k: v for k, v in cfg.items() if isinstance(v, Mapping)}
         lines += [f"{k} = {value(v)}" for k, v in cfg.items() if not isinstance(v, Mapping)]

@@ -112,7 +112,7 @@ def prepare_repository(ctx: Context, models: Sequence[str], max_batch: int, poli
                        quantum_ms: float = 10.0, threshold_cap: int = 128) -> Path:
     """Write the variants' repository into the results folder; note how to serve it for --url."""
     repo = write_repository(ctx.results.path / "repository",
-                            variants(models, max_batch, policies, quantum_ms, threshold_cap))
+                            variants(models, max_batch, policies, quantum_ms, threshold_cap), ctx.params.device)
     if ctx.urls:
         ctx.notes.append(f"measured a running server: it must serve the variants in {repo} "
                          f"(start it with `splitserve serve --repository {repo}`)")
