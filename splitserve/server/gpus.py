@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from splitserve.placement.mig import GpuListing
 
 log = logging.getLogger(__name__)
+
+
+def mps_active(environ: Mapping[str, str] = os.environ) -> bool:
+    """An administrator runs CUDA MPS on this node: its control daemon's pipe is there
+    (``CUDA_MPS_PIPE_DIRECTORY``, else ``/tmp/nvidia-mps``). Detected and reported only:
+    splitserve never starts, stops or configures MPS (``docs/gpu.md``)."""
+    return (Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control").exists()
 
 
 class GpuInventory:
@@ -33,6 +42,7 @@ class GpuInventory:
         self.max_age_s = max_age_s
         self.clock = clock
         self.listing: GpuListing | None = None  # None until the first read lands
+        self.mps: bool | None = None  # CUDA MPS runs here (``mps_active``), read with the listing
         self.read_at: float | None = None
         self._task: asyncio.Task | None = None
 
@@ -50,6 +60,7 @@ class GpuInventory:
         except Exception as e:  # a listing that fails says why instead of breaking /v2/partitions
             log.warning("GPU listing failed: %s", e)
             listing = GpuListing(reason=f"no GPUs (listing failed: {e})")
+        self.mps = await asyncio.to_thread(mps_active)
         self.listing, self.read_at = listing, self.clock()
 
     def current(self) -> GpuListing:
@@ -67,7 +78,7 @@ class GpuInventory:
         age = self.clock() - self.read_at
         if age > self.max_age_s:
             self._refresh()
-        return {**self.listing.to_dict(), "age_s": age}
+        return {**self.listing.to_dict(), "mps": self.mps, "age_s": age}
 
     async def stop(self) -> None:
         """Wait for a read under way (NVML calls cannot be interrupted; they end on their own)."""

@@ -371,7 +371,7 @@ def test_partitions_lists_the_nodes_gpus_read_only_on_any_node(tmp_path):
         body = await asyncio.to_thread(_get, url)
         assert body["partitioning"] == "none" and body["partitions"] == []
         gpus = body["gpus"]
-        assert set(gpus) == {"gpus", "reason", "age_s"}
+        assert set(gpus) == {"gpus", "reason", "mps", "age_s"} and gpus["mps"] in (True, False)
         if not _has_driver():
             assert gpus["gpus"] == [] and gpus["reason"].startswith("no GPUs (NVML not available: ")
         else:

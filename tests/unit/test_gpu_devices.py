@@ -129,3 +129,43 @@ def test_the_built_in_zoo_is_served_on_the_node_s_zoo_device(tmp_path):
         assert reg.find("resnet18").config.device == "cpu"
     finally:
         reg.close()
+
+
+def test_each_gpu_instance_is_bound_to_its_own_partition_through_its_load(tmp_path):
+    """The runtime's LOAD carries the partition the node handed the instance (its worker's
+    CUDA_VISIBLE_DEVICES), and the model's description lists them."""
+    from tests.unit.test_runtime_seams import MODEL, Harness
+
+    cfg = ModelConfig.from_dict({**MODEL.to_dict(), "device": "cuda", "instances": 2})
+    h = Harness(tmp_path, cfg, devices=DeviceAssigner(lambda: node(h200("GPU-a"), h200("GPU-b"))))
+    try:
+        h.call(1, bytes([1, 2, 3, 4]))
+        for w in h.workers:
+            w.up()
+        assert sorted(w.loads[0].visible_devices for w in h.workers) == ["GPU-a", "GPU-b"]
+        gpu = h.rt.describe()["gpu"]
+        assert sorted(gpu["partitions"]) == ["GPU-a", "GPU-b"] and gpu["copies"]["batches"] == 0
+    finally:
+        h.close()
+
+
+def test_a_cpu_model_gets_no_partition_and_no_gpu_section(tmp_path):
+    from tests.unit.test_runtime_seams import Harness
+
+    h = Harness(tmp_path, devices=DeviceAssigner(lambda: node(h200("GPU-a"))))
+    try:
+        h.call(1, bytes([1, 2, 3, 4]))
+        (w,) = h.workers
+        w.up()
+        assert w.loads[0].visible_devices is None and h.rt.describe()["gpu"] is None
+    finally:
+        h.close()
+
+
+def test_mps_is_detected_by_its_control_pipe_and_never_started(tmp_path):
+    from splitserve.server.gpus import mps_active
+
+    assert not mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    (tmp_path / "control").touch()  # what nvidia-cuda-mps-control -d leaves there
+    assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    assert list(tmp_path.iterdir()) == [tmp_path / "control"]  # nothing else was made

@@ -17,6 +17,7 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import SplitServeError
 from splitserve.modelconfig import ModelConfig
+from splitserve.placement.devices import DeviceAssigner
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.profiler import ModelProfile
 from splitserve.placement.resources import ResourceManager
@@ -33,6 +34,7 @@ from splitserve.server.coordinator import ScheduledModel
 from splitserve.server.model.env import RuntimeEnv
 from splitserve.server.ports import ModelState
 from splitserve.server.model.runtime import ModelRuntime
+from splitserve.worker.gpu_counters import GpuCopies
 from splitserve.worker.messages import DoneMsg, LoadedMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.pool import Residency
 from splitserve.worker.spares import SparePool
@@ -123,6 +125,9 @@ class FakeWorker:
 
     def adopt(self, owner: Any, instance: int) -> None:
         self.owner, self.instance = owner, instance
+
+    def gpu_copies(self) -> tuple[GpuCopies, int, int]:
+        return GpuCopies(), 0, 0  # its GPU path copied nothing: the test runs no batch on a device
 
     def start(self) -> None:
         self.started, self.residency = True, Residency.UNBOUND
@@ -220,7 +225,7 @@ MODEL = ModelConfig.from_dict({
 class Harness:
     def __init__(self, tmp_path: Path, config: ModelConfig = MODEL, profile: ModelProfile | None = None,
                  off_loop: Callable[[Callable[[], Any], Callable[[Any], None]], None] = inline,
-                 footprints: NoFootprints | None = None) -> None:
+                 footprints: NoFootprints | None = None, devices: DeviceAssigner | None = None) -> None:
         self.loop = FakeLoop()
         self.node = RecordingNode()
         self.started: list[FakeWorker] = []  # every process started, spares of the pool included
@@ -241,7 +246,8 @@ class Harness:
                          node=self.node, metrics=metrics, resources=rm,
                          placements=PlacementApplier(rm, lambda name: self.rt.placements),
                          stopping=lambda: False, workers=self.pool,  # type: ignore[arg-type]
-                         footprints=self.footprints, memory=MemoryManager(cfg.memory, metrics), off_loop=off_loop)
+                         footprints=self.footprints, memory=MemoryManager(cfg.memory, metrics), off_loop=off_loop,
+                         devices=devices)
         self.rt = ModelRuntime(env, ModelRecord(config.name, 7, 1, "test", None, config), profile)
 
     @property
