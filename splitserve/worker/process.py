@@ -233,11 +233,15 @@ class Worker:
         stop = (lambda i: self._direct_stops(i, count)) if cls == RequestClass.BE else None
         if b.gpu is None:
             return self._segments(b, model, cls, acts, first, count, stop)
-        if first == 0:  # GPU path: in, run, and out to host rows the direct path writes from
-            acts = b.gpu.inputs(cls, acts)
-        stopped, acts = self._segments(b, model, cls, acts, first, count, stop)
-        if stopped is None:
-            acts = b.gpu.to_host(cls, acts, count)
+        try:  # GPU path: in, run, and out to host rows the direct path writes from
+            if first == 0:
+                acts = b.gpu.inputs(cls, acts)
+            stopped, acts = self._segments(b, model, cls, acts, first, count, stop)
+            if stopped is None:
+                acts = b.gpu.to_host(cls, acts, count)
+        except Exception as e:
+            self.exiting = fatal_cuda_error(e)  # the direct path answers the batch; the loop then ends
+            raise
         self._publish_gpu(b)
         return stopped, acts
 
@@ -298,9 +302,9 @@ class Worker:
                 direct = self.direct
                 if direct is not None:
                     with self.inference:
-                        while not self.turn(direct):
+                        while not self.turn(direct) and not self.exiting:
                             pass
-                if not self.step():  # with no direct endpoint, blocks on the control socket
+                if self.exiting or not self.step():  # with no direct endpoint, blocks on the control socket
                     return
         finally:
             self._close_direct()
