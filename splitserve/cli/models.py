@@ -285,11 +285,13 @@ def _managed(fn: "Any") -> None:
 def models_register(
     model_dir: Path = typer.Argument(..., help="Directory with config.toml, the artifact and optional labels.txt."),
     url: str = _URL, token: Optional[str] = _TOKEN, data_dir: Path = typer.Option(None, help=DATA_DIR_HELP),
+    device: Optional[str] = typer.Option(None, help="Serve it on this device whatever its config.toml says: "
+                                                    "cpu, cuda (a GPU per instance) or cuda:N."),
 ) -> None:
     """Upload a model directory to a running server; returns once the model is loaded."""
     def run() -> None:
         with _management(url, token, data_dir) as c:
-            r = c.register(model_dir)
+            r = c.register(model_dir, device=device)
         console.print(f"registered {r['name']} (func_id {r['func_id']}, version {r['version']})", highlight=False)
     _managed(run)
 

@@ -8,6 +8,7 @@ and asks for JSON). The server's timings come back in the response ``parameters`
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -96,14 +97,30 @@ def _infer_result(info: ModelInfo, r: httpx.Response, batched: bool) -> InferRes
     return InferResult(outs, int(p.get("queue_us", 0)), int(p.get("compute_us", 0)), int(p.get("total_us", 0)))
 
 
-def _register_files(model_dir: Path) -> tuple[str, dict[str, tuple[str, bytes, str]]]:
-    """The model name and multipart files of a model directory (config.toml, artifact, labels)."""
+def with_device(text: str, device: str) -> str:
+    """config.toml's ``text`` with its top-level ``device`` set to ``device`` (``register``'s
+    override): a ``device`` line before the first table is replaced, else one is added."""
+    lines = text.splitlines()
+    tables = next((k for k, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+    kept = [line for k, line in enumerate(lines)
+            if k >= tables or line.split("=", 1)[0].strip() != "device" or "=" not in line]
+    out = f"device = {json.dumps(device)}\n" + "\n".join(kept) + "\n"
+    if tomllib.loads(out).get("device") != device:
+        raise InvalidInput(f"device {device!r} could not be written into config.toml")
+    return out
+
+
+def _register_files(model_dir: Path, device: str | None = None) -> tuple[str, dict[str, tuple[str, bytes, str]]]:
+    """The model name and multipart files of a model directory (config.toml, artifact, labels);
+    ``device``: serve it there whatever its config.toml says."""
     model_dir = Path(model_dir)
     cfg_file = model_dir / "config.toml"
     if not cfg_file.is_file():
         raise InvalidInput(f"{model_dir} has no config.toml")
     text = cfg_file.read_text()
     try:
+        if device is not None:
+            text = with_device(text, device)
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InvalidInput(f"{cfg_file} is not valid TOML: {e}") from None
@@ -217,9 +234,10 @@ class HttpClient:
     # -- management (token) -----------------------------------------------------------
 
     def register(self, model_dir: "str | Path", token: str | None = None,
-                 timeout: float = REGISTER_TIMEOUT_S) -> dict:
-        """Upload a model directory (config.toml, its artifact, labels.txt); returns when loaded."""
-        name, files = _register_files(Path(model_dir))
+                 timeout: float = REGISTER_TIMEOUT_S, device: str | None = None) -> dict:
+        """Upload a model directory (config.toml, its artifact, labels.txt); returns when loaded.
+        ``device`` (cpu, cuda, cuda:N) overrides its config's."""
+        name, files = _register_files(Path(model_dir), device)
         r = self.http.post(f"/v2/repository/models/{_m(name)}/register", files=files,
                            headers=_auth(token or self.token), timeout=timeout)
         _raise_for(r)
@@ -296,8 +314,8 @@ class AsyncHttpClient:
         return (await self.infer_result(model, x, **kw)).value()
 
     async def register(self, model_dir: "str | Path", token: str | None = None,
-                       timeout: float = REGISTER_TIMEOUT_S) -> dict:
-        name, files = _register_files(Path(model_dir))
+                       timeout: float = REGISTER_TIMEOUT_S, device: str | None = None) -> dict:
+        name, files = _register_files(Path(model_dir), device)
         r = await self.http.post(f"/v2/repository/models/{_m(name)}/register", files=files,
                                  headers=_auth(token or self.token), timeout=timeout)
         _raise_for(r)

@@ -1,7 +1,7 @@
 """A model asking for a GPU on a node whose NVML lists none (this machine, or any without the
 driver) is answered, call after call, with MODEL_NOT_READY saying why, and the node keeps
-serving its CPU models; on a GPU node the same path hands the worker its partition
-(``tests/gpu``)."""
+serving its CPU models; a registration with ``--device`` says the same. On a GPU node the same
+path hands the worker its partition (``tests/gpu``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from splitserve.cli import app
 from splitserve.errors import ModelNotReady
 from tests.inproc import quiet_config, run_server, write_model
 
@@ -38,3 +40,18 @@ def test_a_cuda_model_on_a_node_without_gpus_fails_its_load_and_says_why(tmp_pat
     assert all("failed to load" in e and "device 'cuda:0'" in e and "no GPUs" in e for e in errors), errors
     assert str(state).lower().endswith("failed")
     assert shape[0] == 1
+
+
+def test_models_register_device_serves_the_upload_on_that_device_and_says_why_it_cannot(
+        server_factory, tmp_path):
+    """``splitserve models register DIR --device cuda`` overrides the directory's config: on a
+    node without GPUs the registration's load fails, naming the device and the reason."""
+    s = server_factory(http=True)
+    model = write_model(tmp_path / "elsewhere", "vec_gpu", "vecadd1k")
+    before = (model / "config.toml").read_text()
+    result = CliRunner().invoke(app, ["models", "register", str(model), "--url", s.http, "--data-dir",
+                                      str(s.data_dir), "--device", "cuda"])
+    assert result.exit_code != 0
+    assert "device 'cuda'" in result.output and "no GPUs" in result.output, result.output
+    assert (model / "config.toml").read_text() == before  # the directory is left as it was
+

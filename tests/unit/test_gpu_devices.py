@@ -5,9 +5,11 @@ instance, and the worker's CUDA_VISIBLE_DEVICES claim."""
 from __future__ import annotations
 
 import asyncio
+import tomllib
 
 import pytest
 
+from splitserve.client.http import with_device
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ModelConfig
 from splitserve.placement.devices import DeviceAssigner, DeviceRequest, parse_device, partitions_of
@@ -169,3 +171,11 @@ def test_mps_is_detected_by_its_control_pipe_and_never_started(tmp_path):
     (tmp_path / "control").touch()  # what nvidia-cuda-mps-control -d leaves there
     assert mps_active({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
     assert list(tmp_path.iterdir()) == [tmp_path / "control"]  # nothing else was made
+
+
+def test_the_device_override_replaces_a_top_level_device_line_only():
+    text = 'name = "m"\ndevice = "cpu"\n[artifact]\nkind = "zoo"\narch = "lenet"\ndevice = "x"\n'
+    out = with_device(text, "cuda:1")
+    assert tomllib.loads(out)["device"] == "cuda:1"
+    assert tomllib.loads(out)["artifact"] == {"kind": "zoo", "arch": "lenet", "device": "x"}
+    assert tomllib.loads(with_device('name = "m"\n', "cuda"))["device"] == "cuda"
