@@ -95,6 +95,7 @@ class DeviceAssigner:
     def __init__(self, listing: Callable[[], GpuListing]) -> None:
         self.listing = listing
         self._held: dict[tuple[str, int], GpuPartition] = {}
+        self._tokens: dict[str, int] = {}  # partition UUID -> its claim token (see ``claim``)
 
     def assign(self, owner: str, instance: int, device: str) -> DeviceAssignment | None:
         """The partition for instance ``instance`` of model ``owner`` on ``device`` (None for
@@ -130,6 +131,18 @@ class DeviceAssigner:
         """The UUID of the partition instance ``instance`` of ``owner`` holds (None: none)."""
         p = self._held.get((owner, instance))
         return None if p is None else p.uuid
+
+    def claim(self, owner: str, instance: int) -> frozenset[int]:
+        """What instance ``instance`` of ``owner`` runs on besides its CPUs, in the node's
+        REEF view (``scheduler.priority.InstanceView.cpus``): its GPU partition as one
+        negative number, the same for every instance on that partition, so instances
+        sharing a GPU interfere there as instances sharing a CPU do (real-time work on one
+        preempts best-effort work on the other instead of padding beside it). Empty when
+        it holds none."""
+        p = self._held.get((owner, instance))
+        if p is None:
+            return frozenset()
+        return frozenset((self._tokens.setdefault(p.uuid, -1 - len(self._tokens)),))
 
     def held(self) -> dict[str, int]:
         """Instances per partition UUID now (for listings)."""

@@ -179,3 +179,25 @@ def test_the_device_override_replaces_a_top_level_device_line_only():
     assert tomllib.loads(out)["device"] == "cuda:1"
     assert tomllib.loads(out)["artifact"] == {"kind": "zoo", "arch": "lenet", "device": "x"}
     assert tomllib.loads(with_device('name = "m"\n', "cuda"))["device"] == "cuda"
+
+
+def test_instances_on_one_gpu_interfere_in_the_reef_view_whatever_their_cpus():
+    """Real-time work on one GPU instance preempts best-effort work on another instance of the
+    same GPU, although their CPUs are disjoint; on another GPU it pads beside it."""
+    from splitserve.protocol.header import RequestClass
+    from splitserve.scheduler.priority import InstanceView, PriorityMode, decide
+
+    d = DeviceAssigner(lambda: node(h200("GPU-a"), h200("GPU-b")))
+    d.assign("rt", 0, "cuda:0")
+    d.assign("be", 0, "cuda:0")
+    d.assign("other", 0, "cuda:1")
+    assert d.claim("rt", 0) == d.claim("be", 0) != d.claim("other", 0)
+    assert d.claim("rt", 0) <= frozenset(range(-8, 0)) and d.claim("nobody", 0) == frozenset()
+
+    def view(model: str, cpu: int, cls: RequestClass, batch: int) -> InstanceView:
+        return InstanceView(model, 0, frozenset({cpu}) | d.claim(model, 0), True, cls, batch, expected_end=1.0)
+
+    out = decide(PriorityMode.REEF, [view("rt", 0, RequestClass.RT, 1), view("be", 1, RequestClass.BE, 2),
+                                     view("other", 2, RequestClass.BE, 3)])
+    assert out.preempt == [("be", 0, 2)]
+    assert ("other", 0) in out.padding_deadline

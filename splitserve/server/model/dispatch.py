@@ -283,7 +283,7 @@ class Dispatch:
                     running_cls = RequestClass.RT if d.rt_running else RequestClass.BE
                     running_batch = DIRECT_BATCH
             out.append(InstanceView(
-                model=self.name, instance=i, cpus=core.resources.instance_cpus(self.name, i),
+                model=self.name, instance=i, cpus=core.resources.instance_cpus(self.name, i) | self._gpu_claim(i),
                 ready=st.ready, running_cls=running_cls, running_batch=running_batch,
                 preempt_raised=bool(running_batch) and preempt_raised(i, running_batch),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
@@ -292,6 +292,12 @@ class Dispatch:
                 started=began, rt_due=rt_due,
             ))
         return out
+
+    def _gpu_claim(self, i: int) -> frozenset[int]:
+        """Instance ``i``'s GPU partition in the REEF view (``DeviceAssigner.claim``): shared
+        with another instance, real-time work on one preempts best-effort work on the other."""
+        devices = self.core.env.devices
+        return devices.claim(self.name, i) if devices is not None else frozenset()
 
     def rt_waiting(self) -> int:
         return self.sched.waiting(RequestClass.RT)
