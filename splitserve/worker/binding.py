@@ -26,8 +26,8 @@ from torch import nn
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.models.loader import load_artifact
-from splitserve.placement.devices import WORKER_DEVICE
 from splitserve.models.segmented import SegmentedModel
+from splitserve.placement.devices import WORKER_DEVICE
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
 from splitserve.worker.cuda import CudaDevice, GpuPath, capture_graphs, pin_queue, unpin_queue
@@ -105,10 +105,11 @@ def _map(specs: Sequence[TensorSpec], fds: list[int], nslots: int) -> list[Tenso
 class Binding:
     """A model resident in this worker (build it with the spec; ``close`` releases it)."""
 
-    def __init__(self, ident: int, spec: BindSpec, cache_dir: Path, segment_time_weight: float = 0.25) -> None:
+    def __init__(self, ident: int, spec: BindSpec, cache_dir: Path, segment_time_weight: float) -> None:
         """Map the queues and the weights (from the artifact's file); with ``spec.measure``,
         run one batch of zeros at max_batch_size and keep what the load and that batch
-        added to the anonymous memory as ``private_bytes``. On any failure, release what
+        added to the anonymous memory as ``private_bytes``. ``segment_time_weight``: the newest
+        sample's weight in the segment-time estimates (``ReefSection``). On any failure, release what
         was taken (the fds included) and raise."""
         t0 = time.perf_counter_ns()
         anon0 = rss_anon()
@@ -176,7 +177,7 @@ class Binding:
         in one registration) so a batch's one copy each way is an asynchronous DMA.
 
         If the driver refuses, the worker still copies once per batch, from pageable
-        memory, and says so (``pinned_queues`` in the model's statistics shows it too)."""
+        memory, and says so (``pinned_queues`` in the model's description, ``gpu``, shows it too)."""
         cudart = torch.cuda.cudart()
         for ins, outs in self.queues.values():
             for tq in ins + outs:

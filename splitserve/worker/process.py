@@ -35,6 +35,7 @@ from splitserve.worker.direct import DirectServer
 from splitserve.worker.cuda import fatal_cuda_error
 from splitserve.worker.gpu_counters import write_copies
 from splitserve.worker.gpu_env import claim_visible
+from splitserve.worker.launch import ewma
 from splitserve.worker.poller import Poller
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
@@ -216,10 +217,7 @@ class Worker:
             s0 = time.monotonic_ns()
             acts = model.run_segment(i, acts)
             key = (i, count)
-            dt = time.monotonic_ns() - s0
-            old = b.segment_times.get(key)
-            weight = self.spec.segment_time_weight
-            b.segment_times[key] = dt if old is None else old + int(weight * (dt - old))
+            b.segment_times[key] = ewma(b.segment_times.get(key), time.monotonic_ns() - s0, self.spec.segment_time_weight)
         return None, acts
 
     def run_direct(self, cls: RequestClass, acts: tuple, first: int, count: int) -> tuple[int | None, tuple]:
