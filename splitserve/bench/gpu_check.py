@@ -35,7 +35,7 @@ class Step:
 STEPS = (
     Step("tests/gpu", 130),
     Step("rpc-tax (GPU compute)", 75, "rpc-tax",
-         {"models": "resnet18_imagenet,resnet50_imagenet,bert_tiny", "transports": "tcp,direct,grpc,local,echo",
+         {"models": "resnet18_imagenet,resnet50_imagenet,bert_tiny", "transports": "tcp,direct,grpc,echo",
           "requests": "200", "warmup": "20"}),
     Step("batching resnet50 ImageNet, 32 clients", 60, "batching",
          {"models": "resnet50_imagenet", "transports": "tcp", "clients": "32", "policies": "none,work_conserving",
