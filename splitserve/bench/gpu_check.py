@@ -33,8 +33,8 @@ class Step:
 
 
 STEPS = (
-    Step("tests/gpu", 130),
-    Step("rpc-tax (GPU compute)", 75, "rpc-tax",
+    Step("tests/gpu", 110),
+    Step("rpc-tax (GPU compute)", 65, "rpc-tax",
          {"models": "resnet18_imagenet,resnet50_imagenet,bert_tiny", "transports": "tcp,direct,grpc,echo",
           "requests": "200", "warmup": "20"}),
     Step("batching resnet50 ImageNet, 32 clients", 60, "batching",
@@ -44,6 +44,8 @@ STEPS = (
                                             "pairs": "", "duration_s": "8"}),
     Step("DISB C, graphs on", 55, "disb", {"workloads": "C", "schemes": "rt-only,reef", "cuda_graphs": "on",
                                            "pairs": "", "duration_s": "8"}),
+    Step("DISB C, no launch-ahead", 55, "disb", {"workloads": "C", "schemes": "reef", "cuda_graphs": "off",
+                                                 "segment_capacity": "1", "pairs": "", "duration_s": "8"}),
     Step("packrat (CPUs)", 75, "packrat", {}),
 )
 # Steps on the GPU; packrat is measured on the machine's CPUs, as the paper's.

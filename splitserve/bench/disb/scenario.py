@@ -92,6 +92,9 @@ class Params(BaseParams):
                               "inception_v3:distilbert", "distilbert:vgg19")  # RT:BE, reef, Fig. 16
     pair_duration_s: float = 10.0
     cuda_graphs: str = "auto"  # on a GPU (--device cuda): CUDA graphs per batch size, auto | on | off
+    # segments launched ahead at most (0: each model's default, 4 on a GPU); 1 is no launch
+    # ahead, against which a GPU run measures what the bounded launch-ahead gives
+    segment_capacity: int = 0
     pair_cpu: int = 1  # the BE model's CPU in the padded layout
 
     def __post_init__(self) -> None:
@@ -275,7 +278,8 @@ def run(ctx: Context) -> ScenarioOutput:
                          f"usable here (usable: {usable}); only the shared layout was run")
     pads = {f"{be}_pad": be for _, be in pairs} if pad_ok else {}
     gen_cpus = [c for c in usable if c not in p.cpus]
-    cfg = {"instances": 1, "threads": 1, "default_class": "rt", "cuda_graphs": p.cuda_graphs}
+    cfg = {"instances": 1, "threads": 1, "default_class": "rt", "cuda_graphs": p.cuda_graphs,
+           **({"segment_capacity": p.segment_capacity} if p.segment_capacity else {})}
     repo = write_repository(ctx.results.path / "repository", {
         **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m}}
            for m in loaded},
