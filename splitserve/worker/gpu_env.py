@@ -5,7 +5,9 @@ comes with the LOAD (``BindSpec.visible_devices``), not with the process. CUDA r
 ``CUDA_VISIBLE_DEVICES`` once, when the process first initialises it; setting it at the
 LOAD is therefore exact for a process that has not touched CUDA yet, and a process that
 has (it served a GPU model before) can only serve the same partition again: a LOAD naming
-another is refused, and the node starts a fresh process for it.
+another is refused, and the node starts a fresh process for it. This holds only while nothing
+in a worker touches CUDA before its first LOAD, ``torch.cuda.is_available()`` included: it
+starts the driver, which reads the variable then.
 """
 
 from __future__ import annotations
