@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 
 from splitserve.server.app import Server
 from splitserve.server.tracing import TRACE_DIR
-from tests.inproc import quiet_config, server_in_thread
+from tests.inproc import quiet_config, server_in_thread, write_model
 from tests.integration.test_triton_compat import inputs_for, samples
 
 MODEL = "vecadd1k"
@@ -53,7 +53,8 @@ class Node:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("triton-ext")
-    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL,),
+    write_model(base / "repo", "idle", "vecadd1k")  # registered, never loaded
+    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL,), repository=base / "repo",
                           allow_code_artifacts=True).replaced(http_port=0, grpc_port=0)
     with server_in_thread(config, "triton-ext-server") as server:
         n = Node(server, base / "data")
@@ -91,6 +92,17 @@ def _calls(node: Node, client: Any, module: Any, n: int) -> float:
         waited += time.perf_counter() - t0
         np.testing.assert_allclose(out, arrays["a"] + arrays["b"], rtol=1e-6)
     return waited
+
+
+# -- readiness, as docs/coming-from-triton.md states it ------------------------------------------
+
+def test_a_model_not_loaded_yet_is_ready_and_one_unloaded_is_not(node: Node) -> None:
+    assert node.http.is_server_ready() and node.grpc.is_server_ready()
+    assert node.http.is_model_ready("idle") and node.grpc.is_model_ready("idle")  # loads on its first call
+    node.grpc.unload_model("idle", headers=node.auth)
+    assert not node.http.is_model_ready("idle") and not node.grpc.is_model_ready("idle")
+    node.http.load_model("idle", headers=node.auth)
+    assert node.http.is_model_ready("idle") and node.server.model_state("idle").value == "ready"
 
 
 # -- statistics --------------------------------------------------------------------------------
