@@ -97,7 +97,6 @@ class ModelStats:
     inference_count: int = 0  # samples
     execution_count: int = 0  # batches
     queue_ns: int = 0
-    compute_ns: int = 0  # the workers' batch runs, each counted once
     # Successful calls, each with its batch's times (as Triton counts them): input copy,
     # model, output copy, measured in the worker.
     compute_input_ns: int = 0

@@ -1,12 +1,17 @@
-"""The pure parts of Triton's trace, logging and model-loading extensions: which calls the
-trace settings pick, how log switches map onto a level, and how Triton's model
-configuration becomes splitserve's."""
+"""The parts of Triton's trace, logging and model-loading extensions below the front ends:
+which calls the trace settings pick, a span's export to a real OTLP/HTTP collector on
+loopback, how log switches map onto a level, and how Triton's model configuration becomes
+splitserve's."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,7 @@ from splitserve.protocol.triton_config import from_triton_config
 from splitserve.server.log_settings import LogSettings
 from splitserve.server.registration import registration
 from splitserve.server.trace_settings import TraceSampler
+from splitserve.server.tracing import TRACE_DIR, CallTracer
 
 
 def _picked(sampler: TraceSampler, model: str, calls: int) -> list[int]:
@@ -118,3 +124,57 @@ def test_a_registration_from_triton_json_is_a_valid_config_toml() -> None:
 def test_what_a_triton_config_asks_that_splitserve_does_not_do_is_refused(doc: dict, field: str) -> None:
     with pytest.raises(InvalidInput, match=repr(field).replace(".", r"\.")):
         from_triton_config(doc, "m", {"1/model.pt": b"ts"})
+
+
+@dataclass
+class _Stamps:
+    """A call's stamps as the monitor keeps them (``tracing.TracedCall``), in perf_counter seconds."""
+
+    req_id: int = 7
+    count: int = 2
+    t_first: float = 10.0
+    t_rx: float = 10.001
+    t_dispatch: float = 10.002
+    t_start_w: float = 10.003
+    t_work: float = 10.010
+    t_tx: float = 0.0
+    compute_ns: int = 5_000_000
+    input_ns: int = 100_000
+    output_ns: int = 200_000
+
+
+class _Collector(BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector on loopback that keeps what it is sent."""
+
+    got: list[tuple[str, str, bytes]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).got.append((self.path, self.headers["Content-Type"], body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_traced_calls_are_exported_over_otlp_when_an_endpoint_is_set(tmp_path: Path) -> None:
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    try:
+        tracer = CallTracer(tmp_path, f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
+        tracer.sampler.update({"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+        tracer.closed("m", _Stamps(), None)
+        tracer.close()  # exports what is held
+    finally:
+        collector.shutdown()
+        collector.server_close()
+        thread.join()
+    [(path, ctype, body)] = _Collector.got
+    assert path == "/v1/traces" and ctype == "application/x-protobuf"
+    for word in (b"InferRequest", b"REQUEST_START", b"QUEUE_START", b"COMPUTE_END", b"splitserve"):
+        assert word in body
+    assert not (tmp_path / TRACE_DIR).exists()  # no trace file was asked for
