@@ -199,6 +199,7 @@ _SECTION_ENV = [
     ("frontends", "http_port", "-1", None),
     ("frontends", "codec_threads", "3", 3),
     ("frontends", "shm_max_regions", "8", 8),
+    ("frontends", "otlp_endpoint", "http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/traces"),
     ("workers", "worker_start_timeout_s", "30", 30.0),
     ("workers", "worker_omp_wait_policy", "passive", "passive"),
     ("gpu", "gpu_admin", "true", True),
@@ -218,8 +219,8 @@ def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypa
 def test_the_table_covers_every_section_and_no_field_is_in_two():
     assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
     names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == 90
-    assert len(ServerConfig.field_names()) == 96
+    assert len(names) == len(set(names)) == 91
+    assert len(ServerConfig.field_names()) == 97
 
 
 def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():
