@@ -317,7 +317,9 @@ class LogSetting(BaseModel):
 
 
 class LoadRequest(BaseModel):
-    """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget."""
+    """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget;
+    ``parameters.config`` (Triton's model configuration in JSON, or config.toml) with
+    ``file:<path>`` parameters (base64) registers the model first."""
 
     parameters: dict[str, Any] | None = None
 
