@@ -31,12 +31,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tritonclient.utils import InferenceServerException
 
+from splitserve import Client
 from splitserve.server.app import Server
 from splitserve.server.tracing import TRACE_DIR
 from tests.inproc import quiet_config, server_in_thread, write_model
 from tests.integration.test_triton_compat import inputs_for, samples
 
 MODEL = "vecadd1k"
+STAGED = 64  # fast-path calls whose stamps the server keeps (GET /v2/debug/stages)
 EVENTS = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START",
           "COMPUTE_END", "REQUEST_END"]
 
@@ -55,7 +57,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("triton-ext")
     write_model(base / "repo", "idle", "vecadd1k")  # registered, never loaded
     config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL,), repository=base / "repo",
-                          allow_code_artifacts=True).replaced(http_port=0, grpc_port=0)
+                          allow_code_artifacts=True,
+                          fast_stage_trace=STAGED).replaced(http_port=0, grpc_port=0, fast_port=0)
     with server_in_thread(config, "triton-ext-server") as server:
         n = Node(server, base / "data")
         yield n
@@ -144,6 +147,31 @@ def test_statistics_measure_and_add_up(node: Node, module: Any) -> None:
         for key in ("compute_input", "compute_infer", "compute_output"):
             assert _count(b[key]) >= 1 and _ns(b[key]) > 0, (b, key)
     assert sum(_count(b["compute_infer"]) for b in s["batch_stats"]) == int(s["execution_count"])
+
+
+def test_statistics_add_up_to_each_calls_duration_less_the_measured_gaps(node: Node) -> None:
+    """Over the fast path the server keeps each call's stamps, so the gaps the statistics leave
+    out (receive, hand-off to the worker, the worker's DONE back, the answer) are measured: a
+    call's duration is exactly its queue wait, its batch's worker times and those gaps."""
+    before = node.http.get_inference_statistics(MODEL)["model_stats"][0]["inference_stats"]
+    with Client(f"tcp://127.0.0.1:{node.server.ports['fast_port']}") as c:
+        ids = []
+        for i in range(8):
+            call = c.submit(MODEL, samples(MODEL, 1 + i % 3))
+            call.result(60)
+            ids.append(call.req_id)
+    after = node.http.get_inference_statistics(MODEL)["model_stats"][0]["inference_stats"]
+    staged = {r["req_id"]: r for r in node.server.stage_trace()["calls"] if r["model"] == MODEL}
+    calls = [staged[i] for i in ids]
+    gaps_ns = sum(((r["t_rx"] - r["t_ready"]) + (r["t_start_w"] - r["t_dispatch"])
+                   + (r["t_work"] - r["t_start_w"] - r["compute_ns"] / 1e9)) * 1e9 for r in calls)
+    delta = {k: _ns(after[k]) - _ns(before[k]) for k in after}
+    assert _count(after["success"]) - _count(before["success"]) == len(calls)
+    parts = sum(delta[k] for k in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert min(delta[k] for k in ("queue", "compute_input", "compute_infer", "compute_output")) > 0
+    assert gaps_ns > 0
+    # each duration and queue wait is rounded to whole ns once: a few ns a call at most
+    assert abs(delta["success"] - parts - gaps_ns) <= 4 * len(calls), (delta, gaps_ns)
 
 
 # -- trace extension -----------------------------------------------------------------------------
