@@ -110,7 +110,8 @@ class CallTracer:
         self.sampler = TraceSampler()
         self.provider = TracerProvider(resource=Resource.create({"service.name": "splitserve",
                                                                  "service.version": __version__}))
-        self.provider.add_span_processor(BatchSpanProcessor(TraceFiles(data_dir / TRACE_DIR)))
+        self._trace_dir = data_dir / TRACE_DIR
+        self._files: BatchSpanProcessor | None = None  # added with the first span bound for a trace file
         if otlp_endpoint:
             self.provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(otlp_endpoint)))
             log.info("traced calls are exported over OTLP to %s", otlp_endpoint)
@@ -126,6 +127,9 @@ class CallTracer:
         settings = self.sampler.sample(model)
         if settings is None:
             return
+        if settings.file and self._files is None:  # its export thread starts only when a file is asked for
+            self._files = BatchSpanProcessor(TraceFiles(self._trace_dir))
+            self.provider.add_span_processor(self._files)
         start, end = call.t_first, call.t_tx or call.t_work
         span = self._tracer.start_span("InferRequest", start_time=self._ns(start), attributes={
             "model_name": model, "request_id": call.req_id, "batch_size": call.count,
