@@ -321,6 +321,7 @@ class FrontendSection(_Section):
     grpc_stream_max_in_flight: int = 64  # unanswered calls per ModelStreamInfer stream; reading pauses at the cap
     shm_max_regions: int = 64  # client shared-memory regions registered at once; more are refused
     shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
+    otlp_endpoint: str = ""  # OTLP/HTTP collector for traced calls' spans (http://host:4318/v1/traces); "": none
 
     def checked(self) -> None:
         if self.codec_threads < 1 or self.codec_max_pending < 1 or self.json_chars_per_value < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,43 @@ def run_server(config: ServerConfig, scenario: Callable[[Server], Awaitable[Any]
             await server.stop()
 
     return asyncio.run(main())
+
+
+@contextmanager
+def server_in_thread(config: ServerConfig, name: str = "inproc-server") -> Iterator[Server]:
+    """A started Server for ``config`` on its own loop in a thread (so that blocking clients
+    can call it from the test's thread); stopped, and its errors raised, on exit."""
+    up, stop = threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        server = Server(config)
+        try:
+            await server.start()
+            box["server"] = server
+            up.set()
+            await asyncio.to_thread(stop.wait)
+        finally:
+            await server.stop()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported below
+            box["error"] = e
+        finally:
+            up.set()
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    up.wait(300)
+    try:
+        assert "server" in box, f"the server did not start: {box.get('error')!r}"
+        yield box["server"]
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
 
 
 def quiet_config(data_dir: Path, **kw: Any) -> ServerConfig:

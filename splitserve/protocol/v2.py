@@ -255,6 +255,19 @@ class InferRequest:
         return ms_parameter(self.parameters, "slo_ms")
 
 
+# Triton's per-call parameters of its sequence batcher, which splitserve does not have.
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def refuse_sequence(params: Mapping[str, Any]) -> None:
+    """``params`` (a call's, HTTP and gRPC alike), refused if they name a sequence: each
+    call is served on its own, so a sequence's state would be silently lost."""
+    given = [k for k in SEQUENCE_PARAMETERS if k in params]
+    if given:
+        raise InvalidInput(f"parameter(s) {', '.join(given)} are refused: splitserve has no sequence batcher and "
+                           "keeps no state between calls (stateless models only); send the call without them")
+
+
 def ms_parameter(params: Mapping[str, Any], name: str) -> float | None:
     """A request's ``deadline_ms`` or ``slo_ms`` parameter (HTTP and gRPC alike) in seconds;
     None when absent.
@@ -311,7 +324,9 @@ def parse_infer_request(body: "bytes | bytearray | memoryview", header_length: "
         raise InvalidInput(f"the request body is not valid JSON: {e}") from None
     if not isinstance(doc, Mapping):
         raise InvalidInput("the request body must be a JSON object")
-    req = InferRequest(id=str(doc.get("id", "")), parameters=_params(doc, "request"))
+    params = _params(doc, "request")
+    refuse_sequence(params)
+    req = InferRequest(id=str(doc.get("id", "")), parameters=params)
     req.binary_output = bool(req.parameters.get("binary_data_output", False))
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:

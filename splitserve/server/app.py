@@ -54,6 +54,7 @@ from splitserve.server.gpus import GpuInventory
 from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
 from splitserve.server.intake import Intake
+from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
@@ -63,6 +64,7 @@ from splitserve.server.model.env import InstanceWorker, RuntimeEnv, WorkerFactor
 from splitserve.server.ports import FrontEnd, InferOutcome, ModelPort, ModelState
 from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
+from splitserve.server.tracing import CallTracer
 from splitserve.server.udp import UdpListener
 from splitserve.worker.pool import WorkerHandle
 from splitserve.worker.spares import SparePool
@@ -109,7 +111,11 @@ class Server:
     def __init__(self, config: ServerConfig, start_worker: WorkerFactory | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.monitor = InferenceMonitor(self.metrics, stage_trace=config.transports.fast_stage_trace)
+        # Triton's trace extension (off until a trace setting turns it on) and logging extension
+        self.tracer = CallTracer(config.data_dir, config.frontends.otlp_endpoint)
+        self.logs = LogSettings(logging.getLogger("splitserve"))
+        self.monitor = InferenceMonitor(self.metrics, stage_trace=config.transports.fast_stage_trace,
+                                        traced=self.tracer.closed)
         self.runtimes: dict[str, ModelRuntime] = {}
         self.resources = ResourceManager(read_topology())  # the one owner of the node's CPUs
         self.applier = PlacementApplier(self.resources, lambda name: self.runtimes[name].placements)
@@ -210,9 +216,11 @@ class Server:
         if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
             self._codec = CodecPool.from_config(cfg)
             if cfg.frontends.http_port is not None:
-                out.append(HttpFrontEnd(create_app(self, self.management, self._codec, cfg, self.shm), cfg))
+                out.append(HttpFrontEnd(create_app(self, self.management, self._codec, cfg, self.shm,
+                                                   self.tracer.sampler, self.logs), cfg))
             if cfg.frontends.grpc_port is not None:
-                out.append(GrpcFrontEnd(NodeServicer(self, self.management, self._codec, cfg, self.shm), cfg))
+                out.append(GrpcFrontEnd(NodeServicer(self, self.management, self._codec, cfg, self.shm,
+                                                     self.tracer.sampler, self.logs), cfg))
         return out
 
     def _spares(self) -> int:
@@ -296,6 +304,7 @@ class Server:
             self._watchdog.cancel()
         if self._direct_watch is not None:
             self._direct_watch.cancel()
+        await asyncio.to_thread(self.tracer.close)  # the spans held are exported, trace files written
         if hasattr(self, "registry"):
             await self.footprints.flush()
             await asyncio.to_thread(self.registry.close)
@@ -383,6 +392,7 @@ class Server:
             await rt.unload(disable=True)
             rt.close()
         self.memory.forget(name)
+        self.tracer.sampler.forget(name)
         self.forget(name)
 
     # -- FastPathHost ------------------------------------------------------------------

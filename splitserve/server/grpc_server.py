@@ -36,25 +36,28 @@ from google.protobuf.message import DecodeError
 from splitserve import __version__
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, ModelNotReady, NotFound, PayloadTooLarge, SplitServeError, UnknownModel
-from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import grpc_api as pb
 from splitserve.protocol.grpc_codec import (
     CONTENTS_FIELD, STATUS_KEY, fill_contents, param_value, params_dict, set_param, tensor_from_contents,
 )
 from splitserve.protocol.header import RequestClass
 from splitserve.protocol.v2 import (
-    SHM_REGION, infer_body_limit, ms_parameter, model_inputs, shm_ref, tensor_from_bytes, tensor_to_bytes,
+    SHM_REGION, infer_body_limit, ms_parameter, model_inputs, refuse_sequence, shm_ref, tensor_from_bytes,
+    tensor_to_bytes,
 )
 from splitserve.server.frontends import CodecPool
+from splitserve.server.log_settings import LogSettings
+from splitserve.server.registration import FILE_PREFIX, registration
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import (
     FrontEnd, InferenceAPI, ModelCatalog, ModelRegistrar, ModelSignature, ServingAPI, SharedMemoryRegions,
 )
 from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
+from splitserve.server.trace_settings import TraceSampler
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ("model_repository", "statistics", "model_configuration", "system_shared_memory")
+EXTENSIONS = ("model_repository", "statistics", "model_configuration", "system_shared_memory", "trace", "logging")
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -103,6 +106,7 @@ class CallOptions(NamedTuple):
 
 
 def _call_options(params: dict[str, Any]) -> CallOptions:
+    refuse_sequence(params)
     try:
         cls = RequestClass.parse(params.get("class"))
     except InvalidInput as e:
@@ -332,33 +336,21 @@ class InferenceServicer:
             reader.cancel()
 
 
-def _registration(model_name: str, params: dict[str, Any]) -> tuple[str, bytes | None, str | None] | None:
-    """What a ``RepositoryModelLoad``'s parameters register, Triton's way: "config" (the
-    model's config.toml) with at most one "file:<name>" (bytes: its artifact) and "labels";
-    None when there is no "config" (a load of a model already registered)."""
-    config_toml = params.get("config")
-    if config_toml is None:
-        return None
-    if not isinstance(config_toml, str):
-        raise InvalidInput("parameter 'config' must be a string holding the model's config.toml")
-    files = [v for k, v in params.items() if k.startswith("file:")]
-    if len(files) > 1:
-        raise InvalidInput("give at most one 'file:<name>' parameter: the model's artifact")
-    if files and not isinstance(files[0], bytes):
-        raise InvalidInput("a 'file:<name>' parameter must hold bytes")
-    labels = params.get("labels")
-    if labels is not None and not isinstance(labels, str):
-        raise InvalidInput("parameter 'labels' must be a string, one label per line")
-    declared = ModelConfig.from_toml(config_toml).name
-    if model_name and model_name != declared:
-        raise InvalidInput(f"config.toml names the model {declared!r}, but model_name is {model_name!r}")
-    return config_toml, files[0] if files else None, labels
+def _files(params: dict[str, Any]) -> dict[str, bytes]:
+    """The load's ``file:<path>`` parameters, by path: bytes, as Triton's clients send them."""
+    out = {}
+    for key, value in params.items():
+        if key.startswith(FILE_PREFIX):
+            if not isinstance(value, bytes):
+                raise InvalidInput(f"parameter {key!r} must hold bytes (bytes_param)")
+            out[key[len(FILE_PREFIX):]] = value
+    return out
 
 
 class RepositoryServicer(InferenceServicer):
     """The inference half and the repository calls that a ``ModelRegistrar`` serves (as HTTP's
     ``repository_routes``): ``RepositoryIndex``, and ``RepositoryModelLoad`` registering a
-    model from its parameters (``_registration``). A cluster gateway serves it as it is
+    model from its parameters (``server.registration``). A cluster gateway serves it as it is
     (``cluster/gateway/dataplane.py``): the cluster serves every model it has on its nodes, so a load
     of a model it has only checks that it serves; ``NodeServicer`` loads on the node instead.
     ``RepositoryModelUnload`` is the node's alone: a Triton unload keeps the model registered,
@@ -380,15 +372,15 @@ class RepositoryServicer(InferenceServicer):
     @_rpc
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: Any) -> pb.RepositoryModelLoadResponse:
-        """Load a model; parameters "config" (TOML) register it first, with a "file:<name>"
-        (bytes) parameter as its artifact and "labels" (needs the token, metadata
-        ``authorization: Bearer <token>``)."""
+        """Load a model; a "config" parameter (Triton's JSON or splitserve's TOML) registers
+        it first, with its files as "file:<path>" (bytes) parameters and "labels" (needs the
+        token, metadata ``authorization: Bearer <token>``)."""
         self.registrar.check_token(_authorization(context))
         params = {k: param_value(v) for k, v in request.parameters.items()}
         name = request.model_name
-        registration = _registration(name, params)
-        if registration is not None:
-            name = (await self.registrar.register(*registration)).name
+        asked = registration(name, params, _files(params))
+        if asked is not None:
+            name = (await self.registrar.register(*asked)).name
         await self._load(name, params)
         return pb.RepositoryModelLoadResponse()
 
@@ -414,9 +406,48 @@ class NodeServicer(RepositoryServicer):
     manager and the node's shared-memory regions."""
 
     def __init__(self, api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-                 shm: SharedMemoryRegions) -> None:
+                 shm: SharedMemoryRegions, traces: TraceSampler, logs: LogSettings) -> None:
         super().__init__(api, manager, codec, config, shm, manager, EXTENSIONS)
         self.manager = manager
+        self.traces = traces
+        self.logs = logs
+
+    # -- trace and logging extensions ------------------------------------------------------
+
+    @_rpc
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        """The trace settings of the node or of ``model_name``; settings sent change them
+        first (needs the token). A setting with no value goes back to its default."""
+        model = request.model_name or None
+        if model is not None:
+            self.manager.record(model)
+        if request.settings:
+            self.manager.check_token(_authorization(context))
+            changes = {k: (None if not v.value else v.value[0] if k != "trace_level" else list(v.value))
+                       for k, v in request.settings.items()}
+            out = self.traces.update(changes, model)
+            log.info("trace settings%s: %s", f" of model {model}" if model else "", out)
+        else:
+            out = self.traces.settings(model)
+        resp = pb.TraceSettingResponse()
+        for k, v in out.items():
+            resp.settings[k].value.extend(v if isinstance(v, list) else [v])
+        return resp
+
+    @_rpc
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        """The node's log settings; settings sent change them first (needs the token)."""
+        if request.settings:
+            self.manager.check_token(_authorization(context))
+            out = self.logs.update({k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+                                    for k, v in request.settings.items()})
+        else:
+            out = self.logs.settings()
+        resp = pb.LogSettingsResponse()
+        for k, v in out.items():
+            field = "bool_param" if isinstance(v, bool) else "uint32_param" if isinstance(v, int) else "string_param"
+            setattr(resp.settings[k], field, v)
+        return resp
 
     # -- model configuration ----------------------------------------------------------------
 

@@ -293,8 +293,33 @@ class GeometryChange(BaseModel):
     geometry: str = Field(pattern=r"^\s*[1-9][0-9]*(\s*,\s*[1-9][0-9]*)*\s*$")
 
 
+class TraceSetting(BaseModel):
+    """Triton's trace settings (trace extension). A POST sends the keys it changes; null
+    gives a key back its default (for a model: the node's setting)."""
+
+    trace_level: list[Literal["OFF", "TIMESTAMPS"]] | None = None
+    trace_rate: str | None = Field(None, description="every n-th call is traced")
+    trace_count: str | None = Field(None, description="traces left (-1: no limit)")
+    log_frequency: str | None = Field(None, description="spans held before the trace file is written (0: at once)")
+    trace_file: str | None = Field(None, description="a file name in the server's trace directory ('': none)")
+    trace_mode: Literal["opentelemetry"] | None = None
+
+
+class LogSetting(BaseModel):
+    """Triton's log settings (logging extension). A POST sends the keys it changes."""
+
+    log_file: str | None = Field(None, description="'' (the server's own log destination; fixed)")
+    log_info: bool | None = None
+    log_warning: bool | None = None
+    log_error: bool | None = None
+    log_verbose_level: int | None = Field(None, ge=0, description="above 0: debug messages too")
+    log_format: Literal["default"] | None = None
+
+
 class LoadRequest(BaseModel):
-    """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget."""
+    """Optional body of a load: ``parameters.keep_resident`` pins the model under a memory budget;
+    ``parameters.config`` (Triton's model configuration in JSON, or config.toml) with
+    ``file:<path>`` parameters (base64) registers the model first."""
 
     parameters: dict[str, Any] | None = None
 

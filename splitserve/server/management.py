@@ -144,8 +144,9 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     st = rt.stats if rt is not None else ModelStats()
     direct = rt.direct_counts() if rt is not None else DirectCounts()  # first: it brings st.slo up to date
-    # Inputs and outputs live in shared-memory tensor queues the worker reads in place, so
-    # there is no separate input/output copy to time: those durations are 0 by design.
+    # Each successful call counts its queue wait and its batch's worker times (input copy,
+    # model, output copy), as Triton counts them; what is left of its duration is the
+    # front end's receive, hand-off and answer.
     return {
         "name": rec.name,
         "version": str(rec.version),
@@ -156,14 +157,14 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
             "success": _duration(st.success, st.request_ns),
             "fail": _duration(st.failure, st.failure_ns),
             "queue": _duration(st.success, st.queue_ns),
-            "compute_input": _duration(st.execution_count, 0),
-            "compute_infer": _duration(st.execution_count, st.compute_ns),
-            "compute_output": _duration(st.execution_count, 0),
+            "compute_input": _duration(st.success, st.compute_input_ns),
+            "compute_infer": _duration(st.success, st.compute_infer_ns),
+            "compute_output": _duration(st.success, st.compute_output_ns),
         },
         "batch_stats": [
-            {"batch_size": size, "compute_input": _duration(n, 0), "compute_infer": _duration(n, 0),
-             "compute_output": _duration(n, 0)}
-            for size, n in sorted(st.batch_sizes.items())
+            {"batch_size": size, "compute_input": _duration(b.count, b.input_ns),
+             "compute_infer": _duration(b.count, b.infer_ns), "compute_output": _duration(b.count, b.output_ns)}
+            for size, b in sorted(st.batches.items())
         ],
         "preemptions": st.preemptions,
         # splitserve addition: what loading the weights cost, and what they take now

@@ -69,7 +69,7 @@ class Call:
 
     __slots__ = ("req_id", "runtime", "cls", "seq", "count", "sink", "state", "deadline", "slo",
                  "t_ready", "t_rx", "t_dispatch", "t_work", "compute_ns", "monitor", "peer", "aside", "replied",
-                 "t_first", "t_start_w", "t_done", "t_tx")
+                 "t_first", "t_start_w", "t_done", "t_tx", "input_ns", "output_ns")
 
     def __init__(self, monitor: "InferenceMonitor", runtime: CallTarget, req_id: int, cls: RequestClass,
                  seq: int, count: int, sink: Sink, deadline: float | None, peer: object = None,
@@ -96,6 +96,8 @@ class Call:
         self.t_first = self.t_ready
         self.t_start_w = self.t_done = self.t_tx = 0.0
         self.compute_ns = 0
+        # The parts of ``compute_ns`` that copied the batch's inputs in and outputs out.
+        self.input_ns = self.output_ns = 0
         # True while the payload arrives in a side buffer: ``seq`` names no slots then.
         self.aside = False
         monitor.opened(self)
@@ -176,14 +178,20 @@ class Call:
         return int((self.monitor.clock() - self.t_ready) * 1e6)
 
 
+# (model, call, its error or None) -> None
+TraceHook = Callable[[str, Call, SplitServeError | None], None]
+
+
 class InferenceMonitor:
     """Knows every open call and counts calls by outcome; ``in_flight`` returns to 0 when
     the server is idle. ``clock`` is the one the calls' times are on (perf_counter)."""
 
     def __init__(self, metrics: Metrics | None = None, clock: Callable[[], float] = time.perf_counter,
-                 stage_trace: int = 0) -> None:
+                 stage_trace: int = 0, traced: TraceHook | None = None) -> None:
         self.metrics = metrics
         self.clock = clock
+        # Told of every answered call (its model, the call, its error): the trace extension's spans.
+        self.traced = traced
         # The stages of the newest ``stage_trace`` successful calls (None: not kept).
         self.stages = StageTrace(stage_trace) if stage_trace else None
         self.outcomes: Counter[str] = Counter()
@@ -212,6 +220,11 @@ class InferenceMonitor:
             self.stages.record(call.runtime.name, call)
         if not abandoned:
             self._count_slo(call, error)
+            if self.traced is not None:
+                try:
+                    self.traced(call.runtime.name, call, error)
+                except Exception:  # a span lost must not cost the call or the loop anything
+                    log.exception("model %s: tracing call %d failed", call.runtime.name, call.req_id)
 
     def _count_slo(self, call: Call, error: SplitServeError | None) -> None:
         """The one place SLO outcomes are counted: every call is answered once, here or by the watchdog."""

@@ -72,6 +72,23 @@ class ModelState(StrEnum):
 
 
 @dataclass
+class BatchTimes:
+    """Batches of one size: how many ran, and their workers' input copy, model and output
+    copy times summed (Triton's ``batch_stats``)."""
+
+    count: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    def add(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.count += 1
+        self.input_ns += input_ns
+        self.infer_ns += infer_ns
+        self.output_ns += output_ns
+
+
+@dataclass
 class ModelStats:
     """Cumulative per-model counters (Open Inference Protocol statistics extension)."""
 
@@ -80,12 +97,16 @@ class ModelStats:
     inference_count: int = 0  # samples
     execution_count: int = 0  # batches
     queue_ns: int = 0
-    compute_ns: int = 0
+    # Successful calls, each with its batch's times (as Triton counts them): input copy,
+    # model, output copy, measured in the worker.
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
     request_ns: int = 0  # successful calls, header to answer
     failure_ns: int = 0  # failed calls, header to answer
     preemptions: int = 0
     last_inference_ms: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)
+    batches: dict[int, BatchTimes] = field(default_factory=dict)  # by batch size
     loads: int = 0  # instances that loaded the weights (LOADED)
     load_ns: int = 0  # their load times, as the workers measured them
     evictions: int = 0  # completed evictions (every instance released its weights)

@@ -38,8 +38,8 @@ DIRECT_BATCH = 0xFFFFFFFF
 
 # kind, cls, resume_segment, batch_id, seq, count
 RUN = struct.Struct("<BBHIQI")
-# kind, status, pad, batch_id, compute_ns, segments_run, first_segment, preempt_ns, start_ns
-DONE = struct.Struct("<BBHIQHHQQ")
+# kind, status, pad, batch_id, compute_ns, segments_run, first_segment, preempt_ns, start_ns, input_ns, output_ns
+DONE = struct.Struct("<BBHIQHHQQQQ")
 # kind, op, pad, id: the head of every message with a text or JSON body. ``op`` is the kind
 # of the request a FAILED answers; ``id`` a batch id (RUN) or a binding id (LOAD, LOADED).
 HEAD = struct.Struct("<BBxxI")
@@ -78,6 +78,9 @@ class DoneMsg:
     is the time from the preemption flag being raised to the worker stopping. ``start_ns``
     is when the worker began the batch (``perf_counter_ns``: CLOCK_MONOTONIC, the front
     end's clock too), so the front end can tell the hand-off from the way back.
+    ``input_ns`` and ``output_ns`` are the parts of ``compute_ns`` spent taking the inputs
+    from their queue slots (onto the model's device) and writing the outputs into theirs
+    (Triton's ``compute_input`` and ``compute_output``; the rest is ``compute_infer``).
     """
 
     kind: int
@@ -87,15 +90,22 @@ class DoneMsg:
     first_segment: int
     preempt_ns: int = 0
     start_ns: int = 0
+    input_ns: int = 0
+    output_ns: int = 0
+
+    @property
+    def infer_ns(self) -> int:
+        """The model's own part of the run (``compute_ns`` less the input and output copies)."""
+        return max(0, self.compute_ns - self.input_ns - self.output_ns)
 
     def pack(self) -> bytes:
         return DONE.pack(self.kind, 0, 0, self.batch_id, self.compute_ns, self.segments_run,
-                         self.first_segment, self.preempt_ns, self.start_ns)
+                         self.first_segment, self.preempt_ns, self.start_ns, self.input_ns, self.output_ns)
 
     @classmethod
     def unpack(cls, b: bytes) -> "DoneMsg":
-        kind, _s, _p, bid, ns, run, first, pns, start = DONE.unpack_from(b)
-        return cls(kind, bid, ns, run, first, pns, start)
+        kind, _s, _p, bid, ns, run, first, pns, start, ins, outs = DONE.unpack_from(b)
+        return cls(kind, bid, ns, run, first, pns, start, ins, outs)
 
 
 def _pack_json(kind: Msg, ident: int, body: Any, op: int = 0) -> bytes:

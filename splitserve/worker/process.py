@@ -261,6 +261,7 @@ class Worker:
             first, acts = saved.segment, saved.acts
         else:  # segments are idempotent: without a saved point, start over from the inputs
             first, acts = 0, self._inputs(b, msg)
+        input_ns = time.perf_counter_ns() - t0  # Triton's compute_input (a device copy is queued, not waited for)
         n = model.num_segments
         with self.inference:
             stopped, acts = self._segments(b, model, RequestClass(msg.cls), acts, first, msg.count,
@@ -270,7 +271,8 @@ class Worker:
                 b.restore[msg.batch_id] = Restore(stopped, acts)
                 raised = self.flag.raised_at_ns() if self.flag.target() == msg.batch_id else stop_ns
                 return DoneMsg(Msg.PREEMPTED, msg.batch_id, time.perf_counter_ns() - t0, stopped - first, first,
-                               max(0, stop_ns - raised), t0)
+                               max(0, stop_ns - raised), t0, input_ns)
+            t_out = time.perf_counter_ns()
             _, outs = b.queues[msg.cls]
             dsts = tuple(torch.from_numpy(tq.array(msg.seq, msg.count, spec.dtype, spec.shape))
                          for tq, spec in zip(outs, b.cfg.outputs))
@@ -280,7 +282,9 @@ class Worker:
             else:
                 for dst, y in zip(dsts, acts):
                     dst.copy_(y.reshape(dst.shape))
-        return DoneMsg(Msg.DONE, msg.batch_id, time.perf_counter_ns() - t0, n - first, first, start_ns=t0)
+        t_end = time.perf_counter_ns()
+        return DoneMsg(Msg.DONE, msg.batch_id, t_end - t0, n - first, first, start_ns=t0, input_ns=input_ns,
+                       output_ns=t_end - t_out)
 
     def _publish_gpu(self, b: Binding) -> None:
         """The GPU path's copy counts into the page, for the model's statistics."""

@@ -21,7 +21,6 @@ import queue
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import tomllib
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from tritonclient.utils import InferenceServerException
 
 from splitserve.models.gate import Gates
 from splitserve.server.app import Server
-from tests.inproc import quiet_config, write_model
+from tests.inproc import quiet_config, server_in_thread, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_LIMIT = 4  # the server's grpc_stream_max_in_flight: the stream test sends many more
@@ -52,6 +51,7 @@ class Node:
     grpc: str
     token: str
     gates: Gates
+    server: Server
 
 
 @pytest.fixture(scope="module")
@@ -63,38 +63,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     config = quiet_config(base / "data", cache_dir=base / "cache", repository=base / "repo",
                           load=("lenet", "vecadd1k"),
                           grpc_stream_max_in_flight=STREAM_LIMIT).replaced(http_port=0, grpc_port=0)
-    up, stop = threading.Event(), threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        server = Server(config)
-        try:
-            await server.start()
-            box["ports"] = server.ports
-            up.set()
-            await asyncio.to_thread(stop.wait)
-        finally:
-            await server.stop()
-
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # reported by the fixture
-            box["error"] = e
-        finally:
-            up.set()
-
-    thread = threading.Thread(target=run, name="triton-compat-server")
-    thread.start()
-    up.wait(300)
-    try:
-        assert "ports" in box, f"the server did not start: {box.get('error')!r}"
-        yield Node(f"127.0.0.1:{box['ports']['http_port']}", f"127.0.0.1:{box['ports']['grpc_port']}",
-                   (base / "data" / "token").read_text().strip(), Gates(base / "cache"))
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive() and "error" not in box, box.get("error")
+    with server_in_thread(config, "triton-compat-server") as server:
+        yield Node(f"127.0.0.1:{server.ports['http_port']}", f"127.0.0.1:{server.ports['grpc_port']}",
+                   (base / "data" / "token").read_text().strip(), Gates(base / "cache"), server)
 
 
 @pytest.fixture(scope="module")

@@ -199,6 +199,7 @@ _SECTION_ENV = [
     ("frontends", "http_port", "-1", None),
     ("frontends", "codec_threads", "3", 3),
     ("frontends", "shm_max_regions", "8", 8),
+    ("frontends", "otlp_endpoint", "http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/traces"),
     ("workers", "worker_start_timeout_s", "30", 30.0),
     ("workers", "worker_omp_wait_policy", "passive", "passive"),
     ("gpu", "gpu_admin", "true", True),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.worker.messages import (MAX_LOAD_FDS, MAX_MESSAGE_BYTES, FailedMsg, LoadedMsg, LoadMsg, Msg,
+from splitserve.worker.messages import (MAX_LOAD_FDS, MAX_MESSAGE_BYTES, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg,
                                         UnloadedMsg, pack_ready, unpack_ready)
 from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
 
@@ -76,3 +76,10 @@ def test_a_worker_spec_names_only_its_process_and_its_own_fds():
     spec = WorkerSpec(ctrl_fd=5, flag_fd=6, cache_dir="/c", log_level="INFO", segment_time_weight=0.25)
     assert spec.fds() == [5, 6]
     assert WorkerSpec.from_json(spec.to_json()) == spec
+
+
+def test_done_carries_the_batchs_input_and_output_copy_times():
+    sent = DoneMsg(Msg.DONE, 9, 5_000, 3, 0, start_ns=123, input_ns=400, output_ns=600)
+    got = DoneMsg.unpack(sent.pack())
+    assert got == sent and got.infer_ns == 4_000
+    assert DoneMsg(Msg.DONE, 9, 100, 1, 0, input_ns=80, output_ns=80).infer_ns == 0  # never negative

@@ -27,13 +27,17 @@ from splitserve.server.http.management import management_routes, model_config_ro
 from splitserve.server.http.metrics import metrics_route
 from splitserve.server.http.placement import placement_routes
 from splitserve.server.http.repository import repository_routes
+from splitserve.server.http.settings import settings_routes
 from splitserve.server.http.shared_memory import shared_memory_routes
+from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI, ModelCatalog, ModelRegistrar, ServingAPI, SharedMemoryRegions
+from splitserve.server.trace_settings import TraceSampler
 
 __all__ = ["EXTENSIONS", "HttpFrontEnd", "create_app", "inference_app", "inference_routes", "repository_routes"]
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration", "system_shared_memory"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "model_configuration", "system_shared_memory",
+              "trace", "logging"]
 
 
 def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
@@ -53,18 +57,20 @@ def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, co
 
 
 def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config: ServerConfig,
-               shm: SharedMemoryRegions) -> FastAPI:
+               shm: SharedMemoryRegions, traces: TraceSampler, logs: LogSettings) -> FastAPI:
     """The FastAPI app of one node: the inference routes through ``api`` and ``manager``,
-    tensors in shared memory through ``shm``, everything else through ``manager``; ``codec``
-    decodes and encodes large bodies off the loop. Routes are matched in the order included."""
+    tensors in shared memory through ``shm``, trace and log settings through ``traces`` and
+    ``logs``, everything else through ``manager``; ``codec`` decodes and encodes large bodies
+    off the loop. Routes are matched in the order included."""
     app = new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
                    [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
-                    doc.LoadRequest, doc.ShmRegister, doc.GeometryChange])
+                    doc.LoadRequest, doc.ShmRegister, doc.GeometryChange, doc.TraceSetting, doc.LogSetting])
 
     async def metrics_text() -> str:
         return api.metrics_text()
 
     for router in (statistics_routes(manager),  # before the inference routes' /v2/models/{name}
+                   settings_routes(manager, traces, logs, config),
                    inference_routes(api, manager, codec, config, shm, EXTENSIONS),
                    model_config_routes(manager),
                    classify_routes(api, manager, codec, config),

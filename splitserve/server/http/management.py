@@ -3,13 +3,17 @@ and load, unload, evict and reconfigure through its ``ModelManager``."""
 
 from __future__ import annotations
 
+import base64
+
 from fastapi import APIRouter, Request
 
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
+from splitserve.modelconfig import check_model_name
 from splitserve.server import http_schema as doc
 from splitserve.server.http.base import authorize, read_json, route_doc
 from splitserve.server.management import ModelManager
+from splitserve.server.registration import FILE_PREFIX, registration
 
 NATIVE_CONFIG_DOC = route_doc({"description": "The model's config.toml as JSON, with its state and serving shape"}, 404)
 
@@ -71,10 +75,24 @@ def model_config_routes(manager: ModelManager) -> APIRouter:
     return router
 
 
+def _files(params: dict) -> dict[str, bytes]:
+    """A load's ``file:<path>`` parameters, by path: base64 text, as Triton's HTTP clients send them."""
+    out = {}
+    for key, value in params.items():
+        if key.startswith(FILE_PREFIX):
+            try:
+                out[key[len(FILE_PREFIX):]] = base64.b64decode(value, validate=True)
+            except (TypeError, ValueError):
+                raise InvalidInput(f"parameter {key!r} must be the file's content in base64") from None
+    return out
+
+
 def management_routes(manager: ModelManager, config: ServerConfig) -> APIRouter:
     """Load, unload, evict and reconfigure a node's models at run time (each needs the token)."""
     router = APIRouter()
     small_limit = config.frontends.management_body_bytes
+    # a load may carry the model's files, base64 (4 characters for 3 bytes), in its JSON
+    load_limit = config.frontends.max_upload_bytes * 4 // 3 + small_limit
     version_of = manager.version
 
     @router.post("/v2/repository/models/{name}/load", tags=["repository"], **route_doc(
@@ -83,13 +101,19 @@ def management_routes(manager: ModelManager, config: ServerConfig) -> APIRouter:
     async def load(name: str, request: Request) -> dict:
         """Start the model's workers and wait until it is ready (needs the token). The
         optional body's ``parameters.keep_resident`` (bool) sets whether the memory manager
-        may evict it."""
+        may evict it; ``parameters.config`` (Triton's model configuration in JSON, or
+        config.toml) with the model's files as ``file:<path>`` (base64) registers it first,
+        as Triton's clients load a model they send."""
         authorize(manager, request)
-        body = await read_json(request, config.frontends.management_body_bytes, {})
+        body = await read_json(request, load_limit, {})
         params = body.get("parameters") if isinstance(body, dict) else body
         if params is not None and not isinstance(params, dict):
             raise InvalidInput(f"the body must be an object whose parameters are an object, got {body!r}")
-        await manager.load(name, keep_resident=(params or {}).get("keep_resident"))
+        params = params or {}
+        asked = registration(check_model_name(name), params, _files(params))
+        if asked is not None:
+            await manager.register(*asked)
+        await manager.load(name, keep_resident=params.get("keep_resident"))
         return {"name": name, "state": "READY"}
 
     @router.post("/v2/repository/models/{name}/unload", tags=["repository"], **route_doc(doc.ModelState, 401, 404))

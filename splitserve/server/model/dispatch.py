@@ -19,7 +19,7 @@ from splitserve.scheduler.priority import InstanceView
 from splitserve.scheduler.request import Batch, QueuedRequest
 from splitserve.server.model.core import ModelCore
 from splitserve.server.monitor import Call
-from splitserve.server.ports import ModelState
+from splitserve.server.ports import BatchTimes, ModelState
 from splitserve.worker.messages import DIRECT_BATCH, DoneMsg, Msg, RunMsg
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,13 @@ class Dispatch:
         st = core.stats
         st.execution_count += 1
         core.env.metrics.executions.labels(self.name).inc()
-        st.compute_ns += msg.compute_ns
-        st.batch_sizes[batch.count] = st.batch_sizes.get(batch.count, 0) + 1
+        st.batches.setdefault(batch.count, BatchTimes()).add(msg.input_ns, msg.infer_ns, msg.output_ns)
         st.last_inference_ms = int(time.time() * 1000)
         t_done, t_start_w = time.perf_counter(), msg.start_ns / 1e9
         for r in batch.requests:
             call = r.handle
             call.compute_ns, call.t_done, call.t_start_w = msg.compute_ns, t_done, t_start_w
+            call.input_ns, call.output_ns = msg.input_ns, msg.output_ns
         self.answer_batch(batch, None)
         self._unload_when_idle(instance)
 
@@ -236,6 +236,9 @@ class Dispatch:
             st.success += 1
             st.inference_count += call.count
             st.queue_ns += int(max(0.0, call.t_dispatch - call.t_rx) * 1e9)
+            st.compute_input_ns += call.input_ns
+            st.compute_infer_ns += max(0, call.compute_ns - call.input_ns - call.output_ns)
+            st.compute_output_ns += call.output_ns
         else:
             st.failure += 1
         try:
