@@ -13,8 +13,10 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 from splitserve.errors import NotFound, SplitServeError, UnknownModel
+from splitserve.server import http_schema as doc
 from splitserve.server.management import ModelManager
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,21 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "BadRequestException", 401: "InvalidKeyException", 404: "ModelNotFoundException",
           409: "ConflictStatusException", 413: "BadRequestException", 429: "ServiceUnavailableException",
           503: "ServiceUnavailableException", 504: "RequestTimeoutException", 507: "InsufficientStorageException"}
+
+
+class TorchServeError(BaseModel):
+    """TorchServe's error body."""
+
+    code: int
+    type: str
+    message: str
+
+
+def ts_doc(ok: str, *codes: int) -> dict[str, Any]:
+    """Route arguments documenting a 200 (``ok`` describes it) and TorchServe errors of
+    ``codes`` (and 500)."""
+    errors = {c: {**e, "model": TorchServeError} for c, e in doc.errors(*codes).items()}
+    return {"response_model": None, "tags": ["torchserve"], "responses": {200: {"description": ok}, **errors}}
 
 
 def ts_error(status: int, message: str) -> JSONResponse:

@@ -25,7 +25,7 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.protocol import v2
 from splitserve.server.frontends import CodecPool
 from splitserve.server.http.base import bounded, content_length, infer_limit, parse_json, read_body
-from splitserve.server.http.torchserve.base import TorchServeRoute, check_version, known
+from splitserve.server.http.torchserve.base import TorchServeRoute, check_version, known, ts_doc
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI
 
@@ -89,7 +89,7 @@ def torchserve_inference_routes(api: InferenceAPI, manager: ModelManager, codec:
     """TorchServe's inference API through ``api``, models from ``manager``."""
     router = APIRouter(route_class=TorchServeRoute)
 
-    @router.get("/ping", tags=["torchserve"])
+    @router.get("/ping", **ts_doc("Healthy", 500))
     async def ping() -> JSONResponse:
         """TorchServe's health check: 200 Healthy while the node serves, else 500 Unhealthy."""
         ok = api.ready()
@@ -112,7 +112,9 @@ def torchserve_inference_routes(api: InferenceAPI, manager: ModelManager, codec:
         out = await api.infer(model_name, [x], cls, None)
         return _answer(cfg, out.outputs)
 
-    router.post("/predictions/{model_name}", tags=["torchserve"], summary="TorchServe prediction")(predict)
-    router.post("/predictions/{model_name}/{model_version}", tags=["torchserve"],
-                summary="TorchServe prediction of a model version")(predict)
+    answer = ts_doc("image_classifier: the top 5 as {name: score}; base_handler: the output as a JSON array",
+                    400, 404, 413, 429, 503, 504)
+    router.post("/predictions/{model_name}", summary="TorchServe prediction", **answer)(predict)
+    router.post("/predictions/{model_name}/{model_version}", summary="TorchServe prediction of a model version",
+                **answer)(predict)
     return router

@@ -24,7 +24,7 @@ from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput, NotFound, PayloadTooLarge
 from splitserve.models.mar import serve_archive
 from splitserve.server.http.base import authorize
-from splitserve.server.http.torchserve.base import TorchServeRoute, check_version, known, ts_version
+from splitserve.server.http.torchserve.base import TorchServeRoute, check_version, known, ts_doc, ts_version
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import ModelState
 
@@ -91,7 +91,8 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
     fe = config.frontends
     store = config.model_store_path
 
-    @router.post("/models", tags=["torchserve"])
+    @router.post("/models", **ts_doc("{\"status\": \"Model ... registered with N initial workers\"}",
+                                     400, 401, 404, 413, 503, 507))
     async def register(request: Request) -> dict:
         """Register the .mar ``url`` names and load it before answering."""
         authorize(manager, request)
@@ -120,7 +121,7 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
         return {"status": f'Model "{rec.name}" Version: {served.archive.version} registered with '
                           f"{served.workers} initial workers"}
 
-    @router.get("/models", tags=["torchserve"])
+    @router.get("/models", **ts_doc("{\"models\": [{\"modelName\", \"modelUrl\"}], \"nextPageToken\"}", 400, 401))
     async def list_models(request: Request, limit: int = 100, next_page_token: int = 0) -> dict:
         """Every model, ``limit`` at a time from ``next_page_token``."""
         authorize(manager, request)
@@ -141,8 +142,9 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
         check_version(manager, model_name, model_version)
         return [_describe(manager, model_name)]
 
-    router.get("/models/{model_name}", tags=["torchserve"])(describe)
-    router.get("/models/{model_name}/{model_version}", tags=["torchserve"])(describe)
+    described = ts_doc("[the model's description]", 400, 401, 404)
+    router.get("/models/{model_name}", **described)(describe)
+    router.get("/models/{model_name}/{model_version}", **described)(describe)
 
     async def scale(model_name: str, request: Request, model_version: str | None = None) -> dict:
         """Scale to ``min_worker`` instances (0: unload); loads an unloaded model first."""
@@ -164,10 +166,12 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
             await manager.set_instances(model_name, workers)
         return {"status": f"Workers scaled to {workers} for model: {model_name}"}
 
-    router.put("/models/{model_name}", tags=["torchserve"])(scale)
-    router.put("/models/{model_name}/{model_version}", tags=["torchserve"])(scale)
+    scaled = ts_doc("{\"status\": \"Workers scaled to N for model: NAME\"}", 400, 401, 404, 503)
+    router.put("/models/{model_name}", **scaled)(scale)
+    router.put("/models/{model_name}/{model_version}", **scaled)(scale)
 
-    @router.put("/models/{model_name}/{model_version}/set-default", tags=["torchserve"])
+    @router.put("/models/{model_name}/{model_version}/set-default",
+                **ts_doc("{\"status\": \"Default version successfully updated ...\"}", 400, 401, 404))
     async def set_default(model_name: str, model_version: str, request: Request) -> dict:
         """The one version splitserve serves is the default; another is not found."""
         authorize(manager, request)
@@ -183,6 +187,7 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
         await manager.unregister(model_name)
         return {"status": f'Model "{model_name}" Version: {version} unregistered'}
 
-    router.delete("/models/{model_name}", tags=["torchserve"])(unregister)
-    router.delete("/models/{model_name}/{model_version}", tags=["torchserve"])(unregister)
+    deleted = ts_doc("{\"status\": \"Model NAME Version: V unregistered\"}", 400, 401, 404)
+    router.delete("/models/{model_name}", **deleted)(unregister)
+    router.delete("/models/{model_name}/{model_version}", **deleted)(unregister)
     return router
