@@ -14,9 +14,10 @@ An archive is a zip with ``MAR-INF/MANIFEST.json`` (``model.modelName``,
   ``module:function``) is TorchServe code, which splitserve does not run.
 
 The archive's ``configFile`` (TorchServe's ``model-config.yaml``) gives ``batchSize``,
-``maxBatchDelay`` and ``minWorkers``; a ``base_handler`` model's tensors, which a
-TorchScript file does not declare, come from its ``splitserve`` key (``inputs`` and
-``outputs`` as in config.toml). Nothing in an archive is unpickled."""
+``maxBatchDelay`` and ``minWorkers``; its ``splitserve`` key what is splitserve's own: a
+``base_handler`` model's tensors, which a TorchScript file does not declare (``inputs``
+and ``outputs`` as in config.toml), and an image_classifier's ``max_input_bytes`` (the
+largest image it takes, default 1 MiB: the size of its input row in the tensor queues). Nothing in an archive is unpickled."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def read_mar(data: bytes, limit: int, handler: str | None = None) -> MarArchive:
         serialized = model.get("serializedFile")
         if not serialized:
             raise InvalidInput(f"{MANIFEST} names no serializedFile (the model's weights); it says {model}")
-        _member(z, serialized, limit)  # there, and within the limit
+        if not _member(z, serialized, limit):
+            raise InvalidInput(f"the archive's serializedFile {serialized!r} is empty")
         model_file = model.get("modelFile") or None
         if model_file is not None:
             _member(z, model_file, limit)
@@ -188,8 +190,11 @@ def serve_archive(data: bytes, limit: int, *, name: str | None, source: str, han
         "handler": {"name": mar.handler, "index_to_name": mar.index_to_name, "archive": source,
                     "archive_version": mar.version},
     }
+    ours = s.get("splitserve") if isinstance(s.get("splitserve"), dict) else {}
+    if "max_input_bytes" in ours:
+        doc["handler"]["max_input_bytes"] = ours["max_input_bytes"]
     if mar.handler == BASE_HANDLER:
-        tensors = s.get("splitserve") if isinstance(s.get("splitserve"), dict) else {}
+        tensors = ours
         if "inputs" not in tensors or "outputs" not in tensors:
             raise InvalidInput(f"{source}: a base_handler model's tensors are not in a TorchScript file; declare them "
                                "in the archive's model-config.yaml (--config-file) under splitserve: inputs: and "
