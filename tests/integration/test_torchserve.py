@@ -5,6 +5,8 @@ model run here with TorchServe's preprocessing written out independently."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import inspect
 import io
 import json
@@ -73,11 +75,15 @@ def torchserve_preprocess(data: bytes) -> torch.Tensor:
     return (x - mean) / std
 
 
-def archive(tmp: Path, store: Path, name: str, *, eager: bool = False, handler: str = "image_classifier") -> Path:
+def archive(tmp: Path, store: Path, name: str, *, eager: bool = False, handler: str = "image_classifier",
+            config_yaml: str | None = None) -> Path:
     model = tiny_cnn()
     (tmp / "index_to_name.json").write_text(json.dumps(NAMES))
     args = [ARCHIVER, "--model-name", name, "--version", "1.0", "--handler", handler,
             "--extra-files", str(tmp / "index_to_name.json"), "--export-path", str(store), "--force"]
+    if config_yaml is not None:
+        (tmp / "model-config.yaml").write_text(config_yaml)
+        args += ["--config-file", str(tmp / "model-config.yaml")]
     if eager:
         (tmp / "model.py").write_text(MODEL_PY)
         torch.save(model.state_dict(), tmp / "weights.pth")
@@ -211,18 +217,47 @@ def test_unregister(ts, tmp_path):
     ts_error(mgmt.get("/models/gone"), 404, "gone")
 
 
-def test_eager_archive_served_with_allow_code_artifacts(tmp_path):
-    store = tmp_path / "store"
+BASE_YAML = """batchSize: 2
+splitserve:
+  inputs: [{name: x, datatype: FP32, shape: [3, 224, 224]}]
+  outputs: [{name: y, datatype: FP32, shape: [10]}]
+"""
+
+
+class ArchiveServer(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # the test's output stays the test's
+        pass
+
+
+def test_eager_and_remote_archives_served_with_their_flags(tmp_path):
+    store, remote = tmp_path / "store", tmp_path / "remote"
     store.mkdir()
+    remote.mkdir()
     archive(tmp_path, store, "eager", eager=True)
-    s = start_server(tmp_path / "data", "--model-store", str(store), "--allow-code-artifacts", http=True)
+    archive(tmp_path, remote, "base", handler="base_handler", config_yaml=BASE_YAML)
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(ArchiveServer, directory=str(remote)))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    s = start_server(tmp_path / "data", "--model-store", str(store), "--allow-code-artifacts",
+                     "--ts-allow-remote-urls", http=True)
     try:
         auth = {"Authorization": f"Bearer {(tmp_path / 'data' / 'token').read_text().strip()}"}
-        with httpx.Client(base_url=s.http, timeout=120) as h:
-            r = h.post("/models", params={"url": "eager.mar"}, headers=auth)
+        with httpx.Client(base_url=s.http, timeout=120, headers=auth) as h:
+            r = h.post("/models", params={"url": "eager.mar"})
             assert r.status_code == 200, r.text
             image = png(4)
-            got = h.post("/predictions/eager", content=image).json()
-            assert same(got, expected(image))
+            assert same(h.post("/predictions/eager", content=image).json(), expected(image))
+            url = f"http://127.0.0.1:{files.server_address[1]}"
+            ts_error(h.post("/models", params={"url": f"{url}/absent.mar"}), 400, "HTTP 404")
+            r = h.post("/models", params={"url": f"{url}/base.mar"})
+            assert r.status_code == 200, r.text
+            x = torchserve_preprocess(image)
+            with torch.inference_mode():
+                want = tiny_cnn()(x[None])[0].numpy()
+            got = h.post("/predictions/base", json=x.tolist()).json()
+            assert np.allclose(got, want, atol=1e-4)
+            ts_error(h.post("/predictions/base", json=[[1.0, 2.0]]), 400, "shape [3, 224, 224]")
+            ts_error(h.post("/predictions/base", content=b"{not json"), 400, "not valid JSON")
     finally:
+        files.shutdown()
+        files.server_close()
         assert s.stop() == 0
