@@ -13,7 +13,7 @@ from splitserve.errors import InvalidInput
 from splitserve.types import TensorSpec
 
 __all__ = ["BASE_HANDLER", "HANDLERS", "IMAGE_CLASSIFIER", "LENGTH_BYTES", "TOP_K", "check_handler", "encode_image",
-           "handler_tensors"]
+           "handler_tensors", "row_bytes"]
 
 IMAGE_CLASSIFIER = "image_classifier"
 BASE_HANDLER = "base_handler"
@@ -21,6 +21,7 @@ HANDLERS = (IMAGE_CLASSIFIER, BASE_HANDLER)
 TOP_K = 5
 LENGTH_BYTES = 4  # the uint32 byte count in front of an encoded image
 DEFAULT_MAX_INPUT_BYTES = 1 << 20
+PAGE = 4096
 MANIFEST = "MAR-INF/MANIFEST.json"  # a TorchServe archive's manifest
 
 
@@ -42,11 +43,18 @@ def check_handler(handler: Mapping[str, Any]) -> dict[str, Any]:
     return h
 
 
+def row_bytes(max_input_bytes: int) -> int:
+    """The image_classifier's input row: the byte count and the largest image, rounded up to
+    whole pages, so a tensor-queue ring of it needs no more slots than asked (a ring's slots
+    must end on a page boundary together)."""
+    return -(-(LENGTH_BYTES + max_input_bytes) // PAGE) * PAGE
+
+
 def handler_tensors(handler: Mapping[str, Any]) -> tuple[list[TensorSpec], list[TensorSpec]] | None:
     """The inputs and outputs a model is served with under ``handler`` (None: its own)."""
     if handler.get("name") != IMAGE_CLASSIFIER:
         return None
-    return ([TensorSpec("data", "UINT8", (LENGTH_BYTES + int(handler["max_input_bytes"]),))],
+    return ([TensorSpec("data", "UINT8", (row_bytes(int(handler["max_input_bytes"])),))],
             [TensorSpec("scores", "FP32", (TOP_K,)), TensorSpec("classes", "INT64", (TOP_K,))])
 
 
@@ -54,7 +62,7 @@ def encode_image(data: bytes, max_input_bytes: int) -> np.ndarray:
     """One image's bytes as the image_classifier's ``data`` row; InvalidInput when too large."""
     if len(data) > max_input_bytes:
         raise InvalidInput(f"the image is {len(data)} bytes; this model takes at most {max_input_bytes}")
-    row = np.zeros(LENGTH_BYTES + max_input_bytes, np.uint8)
+    row = np.zeros(row_bytes(max_input_bytes), np.uint8)
     row[:LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(LENGTH_BYTES, "little"), np.uint8)
     row[LENGTH_BYTES:LENGTH_BYTES + len(data)] = np.frombuffer(data, np.uint8)
     return row

@@ -6,9 +6,9 @@ A model config's ``[handler]`` table names one (``name``; ``models/handler_spec.
 it and gives the tensors its model is served with); ``with_handler`` wraps a loaded model in
 its parts:
 
-- ``image_classifier``: input ``data``, UINT8 ``[4 + max_input_bytes]``: a little-endian
-  uint32 byte count and then the encoded image (PNG, JPEG, anything Pillow reads), zero
-  padded; TorchServe's preprocessing (resize the short side to 256, centre crop 224,
+- ``image_classifier``: input ``data``, UINT8 ``[4 + max_input_bytes]`` rounded up to
+  4 KiB: a little-endian uint32 byte count and then the encoded image (PNG, JPEG, anything
+  Pillow reads), zero padded; TorchServe's preprocessing (resize the short side to 256, centre crop 224,
   ImageNet normalisation); output the softmax's top 5 as ``scores`` (FP32 ``[5]``) and
   ``classes`` (INT64 ``[5]``), class -1 where the model has fewer than 5 classes. A row
   whose image cannot be decoded runs as NaN and answers NaN scores and class -1 everywhere,

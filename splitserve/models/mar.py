@@ -39,6 +39,7 @@ __all__ = ["MarArchive", "ServedArchive", "read_mar", "serve_archive"]
 INDEX_TO_NAME = "index_to_name.json"
 TORCHSCRIPT_FILE = "model.pt"
 EAGER_FILE = "model.mar"
+IMAGE_QUEUE_SLOTS = 32
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,10 @@ def serve_archive(data: bytes, limit: int, *, name: str | None, source: str, han
                                "in the archive's model-config.yaml (--config-file) under splitserve: inputs: and "
                                "outputs: (name, datatype, shape), or use --handler image_classifier")
         doc["inputs"], doc["outputs"] = tensors["inputs"], tensors["outputs"]
+    else:
+        # an image_classifier's input row is max_input_bytes (1 MiB): a ring of the default 256
+        # slots would map 256 MiB per class; calls waiting past these many answer 503 instead
+        doc["queue_slots"] = max(IMAGE_QUEUE_SLOTS, 4 * batch)
     config_toml = tomli_w.dumps(doc)
     config = ModelConfig.from_toml(config_toml)
     if mar.eager:

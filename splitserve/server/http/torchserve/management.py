@@ -29,6 +29,7 @@ from splitserve.server.management import ModelManager
 from splitserve.server.ports import ModelState
 
 REMOTE = ("http://", "https://")
+DOWNLOAD_TIMEOUT_S = 120.0  # the whole download of a remote archive
 
 
 def _read_store(store: Path, url: str, limit: int) -> bytes:
@@ -45,12 +46,13 @@ def _read_store(store: Path, url: str, limit: int) -> bytes:
     return path.read_bytes()
 
 
-async def _download(url: str, limit: int, timeout_s: float) -> bytes:
-    """The archive at an http(s) ``url``, refused past ``limit`` bytes."""
+async def _download(url: str, limit: int) -> bytes:
+    """The archive at an http(s) ``url``, refused past ``limit`` bytes or ``DOWNLOAD_TIMEOUT_S``."""
     chunks: list[bytes] = []
     seen = 0
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
+        async with asyncio.timeout(DOWNLOAD_TIMEOUT_S), \
+                httpx.AsyncClient(timeout=DOWNLOAD_TIMEOUT_S, follow_redirects=True) as client:
             async with client.stream("GET", url) as response:
                 if response.status_code != 200:
                     raise InvalidInput(f"downloading {url} answered HTTP {response.status_code}")
@@ -61,6 +63,8 @@ async def _download(url: str, limit: int, timeout_s: float) -> bytes:
                     chunks.append(chunk)
     except httpx.HTTPError as e:
         raise InvalidInput(f"could not download {url}: {e}") from None
+    except TimeoutError:
+        raise InvalidInput(f"downloading {url} took over {DOWNLOAD_TIMEOUT_S:.0f} s") from None
     return b"".join(chunks)
 
 
@@ -104,7 +108,7 @@ def torchserve_management_routes(manager: ModelManager, config: ServerConfig) ->
             if not fe.ts_allow_remote_urls:
                 raise InvalidInput(f"url {url!r} is remote; this server registers archives from its model store "
                                    f"({store}) only, unless started with --ts-allow-remote-urls")
-            data, source, from_store = await _download(url, fe.max_upload_bytes, fe.stop_grace_s * 6), url, False
+            data, source, from_store = await _download(url, fe.max_upload_bytes), url, False
         elif "://" in url:
             raise InvalidInput(f"url {url!r}: name a .mar in the model store, or an http(s) URL")
         else:
