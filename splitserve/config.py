@@ -322,6 +322,11 @@ class FrontendSection(_Section):
     shm_max_regions: int = 64  # client shared-memory regions registered at once; more are refused
     shm_max_bytes: int = 16 << 30  # bytes of all registered regions together (each is mapped); past it a register is refused
     otlp_endpoint: str = ""  # OTLP/HTTP collector for traced calls' spans (http://host:4318/v1/traces); "": none
+    # TorchServe's APIs are on http_port too; these also serve them on TorchServe's own ports (None: off)
+    ts_inference_port: int | None = None  # TorchServe's inference API (theirs: 8080)
+    ts_management_port: int | None = None  # TorchServe's management API (theirs: 8081)
+    model_store: Path | None = None  # .mar archives POST /models may name (None: data_dir/model-store)
+    ts_allow_remote_urls: bool = False  # POST /models may download a .mar from an http(s) URL
 
     def checked(self) -> None:
         if self.codec_threads < 1 or self.codec_max_pending < 1 or self.json_chars_per_value < 1:
@@ -476,6 +481,11 @@ class ServerConfig:
         if policy is OmpWaitPolicy.AUTO:
             return "PASSIVE" if self.protean.partitioning is not Partitioning.NONE else None
         return policy.value.upper()
+
+    @property
+    def model_store_path(self) -> Path:
+        """Where the .mar archives TorchServe's ``POST /models`` names are."""
+        return self.frontends.model_store or self.data_dir / "model-store"
 
     @property
     def unix_socket(self) -> Path:

@@ -48,6 +48,7 @@ from typing import Any
 
 from splitserve.errors import InvalidInput
 from splitserve.models.catalog import zoo_entry
+from splitserve.models.handler_spec import check_handler, handler_tensors
 from splitserve.scheduler.policy import BatchingConfig
 from splitserve.types import Choice, TensorSpec
 
@@ -65,11 +66,12 @@ class ArtifactKind(Choice, what="artifact.kind",
     SAFETENSORS = "safetensors"  # a zoo architecture with weights from a file
     TORCHSCRIPT = "torchscript"
     EXPORT = "export"  # a torch.export .pt2 archive
+    EAGER = "eager"  # a TorchServe .mar of a model file (Python) and its state dict
 
     @property
     def runs_code(self) -> bool:
         """Loading it runs code from the file: uploads of it need --allow-code-artifacts."""
-        return self in (ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT)
+        return self in (ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT, ArtifactKind.EAGER)
 
     @property
     def zoo_arch(self) -> bool:
@@ -175,9 +177,12 @@ class ModelConfig:
     # and BE models on one CPU set); without it, a CPU another model holds refuses the load.
     share_cpus: bool = False
     labels: tuple[str, ...] = ()
+    # TorchServe's pre- and post-processing run around the model (``models/handlers.py``)
+    handler: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
+        object.__setattr__(self, "handler", check_handler(self.handler))
         if not self.inputs or not self.outputs:
             raise InvalidInput(f"model {self.name!r} needs at least one input and one output")
         for group in (self.inputs, self.outputs):
@@ -263,6 +268,9 @@ class ModelConfig:
             inputs = inputs if inputs is not None else [t.to_dict() for t in entry.inputs]
             outputs = outputs if outputs is not None else [t.to_dict() for t in entry.outputs]
             d.setdefault("max_batch_size", entry.max_batch)
+        served = handler_tensors(check_handler(d.get("handler") or {}))
+        if served is not None:
+            inputs, outputs = [t.to_dict() for t in served[0]], [t.to_dict() for t in served[1]]
         if inputs is None or outputs is None:
             raise InvalidInput(f"model {d.get('name')!r}: inputs and outputs must be declared")
         try:

@@ -63,6 +63,14 @@ def serve(
         None, help="Workers also take fast-path frames on their own Unix sockets (LOOKUP names them)."),
     zoo_device: Optional[str] = typer.Option(
         None, help="Device of the built-in zoo models: cpu, cuda (a GPU per instance) or cuda:N."),
+    ts_inference_port: Optional[int] = typer.Option(
+        None, help="Also serve TorchServe's inference API on this port (theirs is 8080; default: off)."),
+    ts_management_port: Optional[int] = typer.Option(
+        None, help="Also serve TorchServe's management API on this port (theirs is 8081; default: off)."),
+    model_store: Optional[Path] = typer.Option(
+        None, help="Where the .mar archives TorchServe's POST /models names are (default: DATA_DIR/model-store)."),
+    ts_allow_remote_urls: bool = typer.Option(
+        None, help="TorchServe's POST /models may download a .mar from an http(s) URL."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,
@@ -70,7 +78,9 @@ def serve(
                  log_level=log_level.upper() if log_level else None, max_resident_models=max_resident_models,
                  memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None,
                  class_order=class_order, partitioning=partitioning, geometry=geometry,
-                 strict_placement=strict_placement, fast_direct=fast_direct, zoo_device=zoo_device)
+                 strict_placement=strict_placement, fast_direct=fast_direct, zoo_device=zoo_device,
+                 ts_inference_port=ts_inference_port, ts_management_port=ts_management_port, model_store=model_store,
+                 ts_allow_remote_urls=ts_allow_remote_urls)
     cfg = ServerConfig.from_env(
         host=host, fast_port=fast_port, udp_port=udp_port, http_port=http_port, grpc_port=grpc_port,
         data_dir=data_dir or default_data_dir(), load=tuple(load),

@@ -1,8 +1,9 @@
 """Load a model artifact into a SegmentedModel.
 
 Artifact kinds: ``zoo`` (a built-in architecture with seeded weights), ``safetensors``
-(a zoo architecture with weights from a file), ``torchscript`` and ``export``
-(``torch.export`` ``.pt2`` archives). Pickle files (``torch.save``) are refused: no kind
+(a zoo architecture with weights from a file), ``torchscript``, ``export``
+(``torch.export`` ``.pt2`` archives) and ``eager`` (a TorchServe ``.mar`` of a model file and
+its state dict). Pickle files (``torch.save``) are refused: no kind
 reads them, because unpickling runs arbitrary code.
 
 Only ``zoo`` and ``safetensors`` are safe for files from untrusted sources. TorchScript
@@ -13,8 +14,13 @@ why the server refuses uploads of those kinds unless started with
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import pickle
+import types
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -22,6 +28,7 @@ from torch import nn
 
 from splitserve.errors import InvalidInput
 from splitserve.modelconfig import ArtifactKind
+from splitserve.models.handler_spec import MANIFEST
 from splitserve.models.segmented import SegmentedModel, load_safetensors, save_safetensors
 from splitserve.models.zoo import build_zoo_model, load_zoo_model, zoo_skeleton
 
@@ -67,6 +74,33 @@ def _load_export(path: Path) -> SegmentedModel:
     return SegmentedModel([program.module()])
 
 
+def _load_eager(path: Path) -> SegmentedModel:
+    """A TorchServe eager archive: the one ``nn.Module`` class its model file defines, built
+    with no arguments, with the state dict of its serialized file (read ``weights_only``:
+    tensors, never pickled objects). Importing the model file runs its code, which is why
+    the kind ``runs_code``."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            model = json.loads(z.read(MANIFEST))["model"]
+            source = z.read(model["modelFile"]).decode()
+            weights = z.read(model["serializedFile"])
+    except (zipfile.BadZipFile, KeyError, ValueError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{path} is not an eager .mar archive: {e}") from None
+    module = types.ModuleType(Path(model["modelFile"]).stem)
+    exec(compile(source, model["modelFile"], "exec"), module.__dict__)
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == module.__name__]
+    if len(classes) != 1:
+        raise InvalidInput(f"{model['modelFile']} must define exactly one nn.Module class, found "
+                           f"{[c.__name__ for c in classes]}")
+    net = classes[0]()
+    try:
+        net.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
+    except (RuntimeError, pickle.UnpicklingError) as e:
+        raise InvalidInput(f"{model['serializedFile']} is not a state dict of {classes[0].__name__}: {e}") from None
+    return SegmentedModel([net.eval()])
+
+
 def load_artifact(kind: ArtifactKind | str, path: Path | None, arch: str | None, seed: int = 0,
                   cache_dir: Path | None = None) -> SegmentedModel:
     """Load the model an artifact describes, in eval mode.
@@ -92,4 +126,6 @@ def load_artifact(kind: ArtifactKind | str, path: Path | None, arch: str | None,
         return model.eval()
     if kind is ArtifactKind.TORCHSCRIPT:
         return _load_torchscript(file)
+    if kind is ArtifactKind.EAGER:
+        return _load_eager(file)
     return _load_export(file)

@@ -53,6 +53,7 @@ from splitserve.server.frontends import CodecPool
 from splitserve.server.gpus import GpuInventory
 from splitserve.server.grpc_server import GrpcFrontEnd, NodeServicer
 from splitserve.server.http import HttpFrontEnd, create_app
+from splitserve.server.http.torchserve import torchserve_inference_app, torchserve_management_app
 from splitserve.server.intake import Intake
 from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
@@ -193,7 +194,8 @@ class Server:
         await asyncio.to_thread(shutil.rmtree, cfg.data_dir / UPLOAD_DIR, True)
         for rec in await asyncio.to_thread(self.registry.sync, cfg.repository, cfg.gpu.zoo_device):
             await self.remember(rec)
-        if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None:
+        if cfg.frontends.http_port is not None or cfg.frontends.grpc_port is not None \
+                or cfg.frontends.ts_management_port is not None:
             await asyncio.to_thread(self.management.ensure_token)
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
@@ -221,6 +223,13 @@ class Server:
             if cfg.frontends.grpc_port is not None:
                 out.append(GrpcFrontEnd(NodeServicer(self, self.management, self._codec, cfg, self.shm,
                                                      self.tracer.sampler, self.logs), cfg))
+        if cfg.frontends.ts_inference_port is not None:
+            self._codec = self._codec or CodecPool.from_config(cfg)
+            out.append(HttpFrontEnd(torchserve_inference_app(self, self.management, self._codec, cfg), cfg,
+                                    cfg.frontends.ts_inference_port, "ts_inference_port"))
+        if cfg.frontends.ts_management_port is not None:
+            out.append(HttpFrontEnd(torchserve_management_app(self.management, cfg), cfg,
+                                    cfg.frontends.ts_management_port, "ts_management_port"))
         return out
 
     def _spares(self) -> int:

@@ -294,10 +294,13 @@ class ModelManager:
         raise InsufficientStorage(f"the server has no storage left for the model ({reason}); nothing was "
                                   "registered, retry once space is freed")
 
-    def _prepare(self, config_toml: str, artifact: bytes | None, labels: str | None) -> tuple[ModelConfig, Path]:
+    def _prepare(self, config_toml: str, artifact: bytes | None, labels: str | None,
+                 from_model_store: bool = False) -> tuple[ModelConfig, Path]:
         """Validate and write the model's files into a fresh directory beside the repository."""
         cfg = ModelConfig.from_toml(config_toml)
-        if cfg.artifact.kind.runs_code and not self.config.frontends.allow_code_artifacts:
+        # TorchScript the operator put in the model store is theirs, as a repository's is
+        operators = from_model_store and cfg.artifact.kind is ArtifactKind.TORCHSCRIPT
+        if cfg.artifact.kind.runs_code and not self.config.frontends.allow_code_artifacts and not operators:
             raise InvalidInput(f"artifact.kind {cfg.artifact.kind!r} can run code on the server, so this server refuses "
                                "uploads of it; upload safetensors weights of a zoo architecture, or start the server "
                                "with --allow-code-artifacts (SPLITSERVE_ALLOW_CODE_ARTIFACTS=1) if every token holder "
@@ -358,13 +361,16 @@ class ModelManager:
             reg.remove(name)
         shutil.rmtree(reg.model_dir(name), ignore_errors=True)
 
-    async def register(self, config_toml: str, artifact: bytes | None, labels: str | None) -> ModelRecord:
+    async def register(self, config_toml: str, artifact: bytes | None, labels: str | None,
+                       from_model_store: bool = False) -> ModelRecord:
         """Validate, persist (repository + registry) and load a model; undo it all on failure.
+        ``from_model_store``: the artifact is a TorchScript file of an archive in the
+        operator's model store, not the caller's upload.
 
         A model that fails to load is unregistered again and InvalidInput carries the
         worker's message.
         """
-        cfg, tmp = await asyncio.to_thread(self._prepare, config_toml, artifact, labels)
+        cfg, tmp = await asyncio.to_thread(self._prepare, config_toml, artifact, labels, from_model_store)
         async with self._lock:
             if cfg.name in self.models.records:
                 await asyncio.to_thread(shutil.rmtree, tmp, True)

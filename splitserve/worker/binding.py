@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from splitserve.modelconfig import ModelConfig
+from splitserve.models.handlers import with_handler
 from splitserve.models.loader import load_artifact
 from splitserve.models.segmented import SegmentedModel
 from splitserve.placement.devices import WORKER_DEVICE
@@ -135,6 +136,7 @@ class Binding:
             art = self.cfg.artifact
             path = Path(spec.model_dir) / art.file if (spec.model_dir and art.file) else None
             self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=cache_dir)
+            self.model = with_handler(self.model, self.cfg.handler)  # TorchServe's pre/post-processing segments
             _page_in(self.model)
             self.model.eval().to(self.device)
             self.nbytes = model_bytes(self.model)

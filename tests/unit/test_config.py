@@ -82,8 +82,9 @@ def test_artifact_kinds_round_trip_and_an_unknown_one_is_refused(tmp_path):
         # configs travel as JSON (registry rows, worker specs) and come back as the same kind
         again = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
         assert again == cfg and again.artifact.kind is kind
-    assert {k for k in ArtifactKind if k.runs_code} == {ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT}
-    valid = "zoo, safetensors, torchscript, export"
+    assert {k for k in ArtifactKind if k.runs_code} == {ArtifactKind.TORCHSCRIPT, ArtifactKind.EXPORT,
+                                                         ArtifactKind.EAGER}
+    valid = "zoo, safetensors, torchscript, export, eager"
     with pytest.raises(InvalidInput, match=_refused("artifact.kind", "'pickle'", valid, "torch.save")):
         ArtifactConfig(kind="pickle", file="m.pt")
     with pytest.raises(InvalidInput, match=_refused("'pickle'", valid)):
@@ -220,8 +221,8 @@ def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypa
 def test_the_table_covers_every_section_and_no_field_is_in_two():
     assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
     names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == 91
-    assert len(ServerConfig.field_names()) == 97
+    assert len(names) == len(set(names)) == 96
+    assert len(ServerConfig.field_names()) == 102
 
 
 def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():

@@ -83,6 +83,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
                      "trace of strict and best-effort lenet calls with emulated revocations through both, nodes per "
                      "market, notices, evictions, lost and answered requests, normalised cost, strict SLO compliance "
                      "and nodes over time side by side.", "splitserve.bench.scenarios.cluster_check"),
+        ScenarioInfo("torchserve", "TorchServe's /predictions against /v2 infer for the same model (a .mar with the "
+                     "image_classifier handler, and one with base_handler): single-client p50/p99 and their ratio.",
+                     "splitserve.bench.scenarios.torchserve"),
     )
 }
 

@@ -1,6 +1,6 @@
 """The HTTP front end: Open Inference Protocol v2 (KServe v2 / Triton) with the binary
-tensor data, model repository and statistics extensions, model management, ``/classify``
-and Prometheus ``/metrics``.
+tensor data, model repository and statistics extensions, model management, ``/classify``,
+TorchServe's inference and management APIs (``torchserve/``) and Prometheus ``/metrics``.
 
 The app runs on the node's own event loop (``HttpFrontEnd`` serves it with uvicorn), so
 every handler is ``async`` and calls the node directly: the ``ServingAPI`` for inference,
@@ -29,6 +29,7 @@ from splitserve.server.http.placement import placement_routes
 from splitserve.server.http.repository import repository_routes
 from splitserve.server.http.settings import settings_routes
 from splitserve.server.http.shared_memory import shared_memory_routes
+from splitserve.server.http.torchserve import torchserve_inference_routes, torchserve_management_routes
 from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI, ModelCatalog, ModelRegistrar, ServingAPI, SharedMemoryRegions
@@ -78,6 +79,8 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
                    repository_routes(manager, config),
                    management_routes(manager, config),
                    placement_routes(api, manager, config),
+                   torchserve_inference_routes(api, manager, codec, config),
+                   torchserve_management_routes(manager, config),
                    metrics_route(metrics_text)):
         app.include_router(router)
     return app
