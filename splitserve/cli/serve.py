@@ -60,7 +60,9 @@ def serve(
     strict_placement: Optional[StrictPlacement] = typer.Option(
         None, help="Partition of each rt batch (auto: eta under protean, balanced otherwise)."),
     fast_direct: bool = typer.Option(
-        None, help="Workers also take fast-path frames on their own Unix sockets (LOOKUP names them)."),
+        None, "--fast-direct/--no-fast-direct",
+        help="Workers take fast-path frames on their own Unix and TCP endpoints (LOOKUP names them; "
+             "on by default). --no-fast-direct: every call through the front end."),
 ) -> None:
     """Start the server: fast path (TCP, Unix, UDP), HTTP and gRPC, on embedded defaults."""
     given = dict(unix_path=unix_path, repository=repository, queue_slots=queue_slots, preemption=preemption,

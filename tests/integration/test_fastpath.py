@@ -466,7 +466,7 @@ def test_queue_full_is_refused_not_buffered(tmp_path):
 
     s = start_server(tmp_path / "small", "--load", "lenet", "--queue-slots", "8")
     try:
-        with Client(s.tcp) as c:
+        with Client(s.tcp, direct=False) as c:  # the front end's rings
             # lenet's ring rounds up to 512 slots; overfill it with big multi-sample calls
             calls = [c.submit("lenet", np.zeros((32, 1, 28, 28), np.uint8)) for _ in range(40)]
             outcomes = []
