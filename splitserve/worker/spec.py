@@ -43,6 +43,10 @@ class DirectSpec:
     spin_us: int = 0
     # ServerConfig.transports.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
     compiled: bool = True
+    # The instance's batch (Packrat's per-instance b; 0: the model's max_batch_size) and, for a
+    # Packrat model, its aggregation timeout (``worker/direct_batching.py``)
+    batch: int = 0
+    aggregate_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,35 @@ def test_packrats_estimator_observes_direct_arrivals(tmp_path):
 
     ewma, front_end_calls = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     assert ewma >= 0 and front_end_calls == 0  # every observation came from a direct arrival
+
+
+def test_a_direct_batch_starts_as_the_models_timeout_policy_says(tmp_path):
+    """``timeout`` batching, preferred 4, a delay no test reaches: three direct calls wait
+    in the worker (no batch runs), the fourth starts one batch of all four."""
+    repo = tmp_path / "repo"
+    (repo / "lenet_t").mkdir(parents=True)
+    (repo / "lenet_t" / "config.toml").write_text(
+        'name = "lenet_t"\nmax_batch_size = 8\n[batching]\npolicy = "timeout"\nmax_delay_ms = 60000.0\n'
+        'preferred_batch = 4\n[artifact]\nkind = "zoo"\narch = "lenet"\n')
+    cfg = quiet_config(tmp_path / "data", repository=repo, load=("lenet_t",), unix_path=tmp_path / "fast.sock")
+    xs = np.random.default_rng(3).integers(0, 256, (4, 1, 28, 28), dtype=np.uint8)
+    want = reference(xs)
+
+    async def scenario(server):
+        rt = server.runtime("lenet_t")
+        async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
+            await ac.lookup("lenet_t")
+            assert ac.direct_endpoints("lenet_t") == 1
+            first = [asyncio.ensure_future(ac.infer("lenet_t", xs[j])) for j in range(3)]
+            await until(lambda: rt.direct_counts().received == 3)
+            held = rt.direct_counts()
+            pending = not any(f.done() for f in first)
+            last = await ac.infer("lenet_t", xs[3])
+            got = [await f for f in first] + [last]
+        return held, pending, got, rt.direct_counts()
+
+    held, pending, got, after = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert held.batches == 0 and held.in_flight_rt + held.in_flight_be == 3 and pending
+    assert after.batches == 1 and after.samples == 4 and after.answered == 4
+    for j, y in enumerate(got):
+        np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
