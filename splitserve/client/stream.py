@@ -231,6 +231,10 @@ class _CStream(_Stream):
         return self.wire.sent
 
 
+# How long a blocking call polls for its answer before it sleeps, by default (µs; ``Client(poll_us=...)``)
+DEFAULT_POLL_US = 1000.0
+
+
 class Client:
     """Synchronous fast-path client for ``tcp://host:port`` or ``unix:///path``.
 
@@ -269,7 +273,7 @@ class Client:
 
     def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0, compiled: bool | None = None,
-                 poll_us: float = 1000.0) -> None:
+                 poll_us: float = DEFAULT_POLL_US) -> None:
         if compiled and _fastwire is None:
             raise InvalidInput("compiled=True, but splitserve._fastwire is not built: "
                                "reinstall with a C compiler and Python's headers, or pass compiled=None")
