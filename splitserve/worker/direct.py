@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve.errors import (DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
+from splitserve.errors import (DeadlineMissed, DuplicateRequest, InternalError, Refused, SplitServeError,
                                UnknownModel, WorkerFailed)
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into
@@ -133,6 +133,7 @@ class DirectServer:
         # A best-effort batch stopped at a segment boundary (padding deadline): its calls,
         # samples, the segment to resume at and the activations there.
         self.suspended: tuple[list[_Call], int, int, tuple] | None = None
+        self.expire_ns = 0  # the suspended batch's calls are answered INTERNAL from here (the watchdog)
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
         self.paused: set[_Conn] = set()  # connections paused by their bounds: a batch's end looks at them again
         self.stage_bytes = spec.stage_bytes
@@ -291,11 +292,32 @@ class DirectServer:
         loop the cost is one comparison, not one per connection)."""
         if now_ns < self.sweep_at_ns:
             return
+        if self.suspended is not None and now_ns >= self.expire_ns:
+            self._expire_suspended(now_ns)
         limit_ns = int(self.spec.frame_timeout_s * 1e9)
         for conn in [c for c in self.conns if c.frame_t0_ns]:
             conn.expire(now_ns)
         self.sweep_at_ns = min((c.frame_t0_ns for c in self.conns if c.frame_t0_ns and not c.closed),
                                default=now_ns) + limit_ns
+        if self.suspended is not None:
+            self.sweep_at_ns = min(self.sweep_at_ns, self.expire_ns)
+
+    def _expire_suspended(self, now_ns: int) -> None:
+        """The watchdog (``max_call_age_s``): a best-effort batch held at a boundary since
+        its oldest call arrived that long ago is not resumed; each of its calls is answered
+        INTERNAL once, as the front end's watchdog answers a call nothing answered, and its
+        rows are free for the calls waiting for them."""
+        calls, _, _, _ = self.suspended  # type: ignore[misc]
+        self.suspended = None
+        age_s = (now_ns - min(c.t_rx_ns for c in calls)) / 1e9
+        error = InternalError(f"no answer after {age_s:.0f} s (the server's max_call_age_s): its best-effort "
+                              "batch was held that long for real-time work")
+        for c in calls:
+            if c.conn.closed:
+                self._drop(c)
+            else:
+                self._answer_error(c, error)
+        self._rows_free(_BE)
 
     def _has_ready(self, cls: RequestClass) -> bool:
         return self.complete[cls] > 0 or bool(self.aside_done[cls])
@@ -415,6 +437,8 @@ class DirectServer:
             if not resuming or stopped > first:
                 self.counters.add(Word.PREEMPTED)
             self.suspended = (calls, n, stopped, acts)
+            self.expire_ns = min(c.t_rx_ns for c in calls) + int(self.spec.max_call_age_s * 1e9)
+            self.sweep_at_ns = min(self.sweep_at_ns, self.expire_ns)
             return
         t2 = time.monotonic_ns()
         if self.lane is not None:

@@ -47,6 +47,9 @@ class DirectSpec:
     # Packrat model, its aggregation timeout (``worker/direct_batching.py``)
     batch: int = 0
     aggregate_s: float | None = None
+    # ServerConfig.batching.max_call_age_s: a best-effort batch held (suspended) this long
+    # after its oldest call arrived is answered INTERNAL, as the front end's watchdog does
+    max_call_age_s: float = 600.0
 
 
 @dataclass(frozen=True)
