@@ -298,7 +298,7 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
     try:
         for k in (9001, 9002, 9003, 9004, 9005):
             gates.close(k)
-        with Client(s.tcp, direct=True) as c, Client(s.tcp) as front:
+        with Client(s.tcp) as c, Client(s.tcp, direct=False) as front:
 
             def until(what, done):
                 deadline = time.monotonic() + 60
