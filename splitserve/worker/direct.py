@@ -328,7 +328,9 @@ class DirectServer:
         the real-time work claimed."""
         if self.suspended is not None:
             _, n, stopped, _ = self.suspended
-            return self._has_ready(_RT) or not self.stops(stopped, n)
+            if self.gate is not None:
+                self.wake_at_s = None
+            return self._has_due(_RT) or not self.stops(stopped, n)
         complete, aside = self.complete, self.aside_done
         if self.gate is None:
             return bool(complete[_RT] or complete[_BE] or aside[_RT] or aside[_BE])
