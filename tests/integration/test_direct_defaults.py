@@ -209,3 +209,42 @@ def test_a_direct_batch_starts_as_the_models_timeout_policy_says(tmp_path):
     assert after.batches == 1 and after.samples == 4 and after.answered == 4
     for j, y in enumerate(got):
         np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_whose_worker_holds_a_direct_call_is_not_evicted_under_it(tmp_path):
+    """Room for one model. A direct call holds the resident model's worker (at a gate); a
+    call for another model waits for the room instead of evicting it mid-call; once the
+    direct call is answered (by its worker, once) the other model loads."""
+    from splitserve.models.gate import Gates
+    from tests.inproc import write_model
+
+    repo = tmp_path / "repo"
+    write_model(repo, "gate", "gate")
+    (other,) = lenet_copies(repo, 1)
+    gates = Gates(tmp_path / "cache")
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache", max_resident_models=1,
+                       load=("gate",), unix_path=tmp_path / "fast.sock")
+    xs = np.zeros((1, 1, 28, 28), np.uint8)
+
+    async def scenario(server):
+        gates.close(5)
+        async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
+            await ac.lookup("gate")
+            assert ac.direct_endpoints("gate") == 1
+            held = asyncio.ensure_future(ac.infer("gate", np.array([5], np.int64)))
+            await until(lambda: gates.held(5))
+            waiting = asyncio.ensure_future(server.infer(other, [xs]))
+            await until(lambda: server.memory.status()["load_queue"] == [other])
+            residency = server.memory.status()["models"]["gate"]["residency"]
+            gates.open(5)
+            answer = await held
+            await waiting  # the load that waited for the room: told once the direct call ended
+        return residency, answer, server.runtime("gate").direct_counts(), server.memory.status()
+
+    try:
+        residency, answer, counts, status = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    finally:
+        gates.open_all()
+    assert residency != "EVICTED" and answer.ravel().tolist() == [5]
+    assert counts.received == counts.answered == 1  # answered by its worker, not re-sent after an eviction
+    assert status["models"]["gate"]["residency"] == "EVICTED" and status["lru"] == [other]

@@ -55,6 +55,7 @@ class Dispatch:
         # Per instance: its worker handle and its page's RECEIVED count at the node's last
         # look (``direct_use``), to tell the direct calls that arrived since
         self._direct_seen: dict[int, tuple[object, int]] = {}
+        self._direct_held = 0  # calls its workers held at that look
 
     # -- calls in ---------------------------------------------------------------------------
 
@@ -352,8 +353,9 @@ class Dispatch:
         submit and batch start. The memory manager's LRU clock is touched; Packrat's
         estimator observes the depth they found (calls the workers hold plus those queued
         here), once per arrival up to ``_DIRECT_OBSERVATIONS``; a ready model's placement
-        decider may propose a repack. A page counts per binding: a new handle, or a count
-        below the last, counts from zero."""
+        decider may propose a repack. Once the workers hold no direct call any more, the
+        memory manager hears that its batches ended (a load may wait for it as a victim).
+        A page counts per binding: a new handle, or a count below the last, counts from zero."""
         core = self.core
         arrived = held = 0
         seen: dict[int, tuple[object, int]] = {}
@@ -364,6 +366,9 @@ class Dispatch:
             seen[i] = (h, d.received)
             held += d.in_flight_rt + d.in_flight_be
         self._direct_seen = seen
+        if self._direct_held and not held:
+            core.env.memory.batch_done(self.name)  # no longer pinned by direct calls
+        self._direct_held = held
         if not arrived:
             return
         core.env.memory.touch(self.name, now)
