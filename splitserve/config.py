@@ -156,15 +156,15 @@ class TransportSection(_Section):
     udp_rcvbuf: int = 8 << 20  # SO_RCVBUF of the UDP socket: room for bursts of segments
     udp_response_cache_bytes: int = 64 << 20  # bytes of answered UDP requests remembered for retransmits
     fast_stage_trace: int = 0  # fast-path calls whose per-stage timestamps GET /v2/debug/stages keeps (0: none kept)
-    fast_direct: bool = False  # bound workers also listen for fast-path frames on a Unix socket of their own, and TCP (direct_tcp); LOOKUP names them
+    fast_direct: bool = True  # bound workers also listen for fast-path frames on a Unix socket of their own, and TCP (direct_tcp); LOOKUP names them (off: every call through the front end)
     direct_max_connections: int = 64  # direct connections per worker; one more is told so and closed
     direct_admit: int = 4096  # calls a worker may hold from its direct connections; past it they are not read
     direct_suspend_poll_s: float = 0.001  # how often a worker looks whether its suspended direct BE batch may resume
-    direct_poll_s: float = 0.005  # how often the node reads its workers' pages for REEF (turns their doorbells on and off)
+    direct_poll_s: float = 0.005  # how often the node reads its workers' pages: direct use (LRU, Packrat's estimator), REEF's doorbells
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
     direct_compiled: bool = True  # _directlane.c, where built: one-call reads taken, outputs copied, answers packed and sent
-    direct_spin_us: int = 0  # poll this long while calls come this close and no task waits for a CPU (0: never; splitserve/spin.py): for workers whose cores are their own
+    direct_spin_us: int = 200  # poll this long while calls come this close and no task waits for a CPU (0: never; splitserve/spin.py)
 
     def checked(self) -> None:
         if not 1024 <= self.udp_segment <= 65507 - 64:

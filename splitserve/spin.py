@@ -13,11 +13,14 @@ someone else is waiting for. So a side polls only
   its budget: a loop whose calls come seldom, or a client whose answers take longer than
   the budget, stops polling after a few misses and starts again once they come close; and
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
-  at most the online CPUs, read at most every ``LOAD_PERIOD_NS``; ``BUSY_READS`` reads in a
-  row must find one waiting): a polling side never takes the core of a worker, a client or
-  a front end on the same host for long. One read is a moment: a kernel thread or a short
-  task seen runnable once is not a busy host, and one such read stopped every poll for a
-  whole period (on the 2-vCPU VM, 20 % of a lenet client's calls in one run slept for it).
+  at most the CPUs this process may use). The count is the scheduler's instantaneous
+  ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
+  ``LOAD_PERIOD_NS`` (50 µs) while the host is free, also *during* a poll (``Poller.wait``),
+  so a poll stops within about two periods of a task starting to wait: ``BUSY_READS`` reads
+  in a row must find one waiting (a kernel thread or a short task seen runnable once is a
+  moment, not a busy host). A busy verdict holds for ``BUSY_HOLD_NS`` before the host is
+  read again: on a host whose cores are taken, a side that looked again at every wait would
+  spend two reads' worth of polling per call finding the same thing.
 
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
@@ -31,8 +34,9 @@ import os
 
 _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls bring the poll back
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
-LOAD_PERIOD_NS = 100_000_000  # how often HostLoad reads /proc/loadavg
+LOAD_PERIOD_NS = 50_000  # how often HostLoad reads /proc/loadavg while the host is free
 BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the host counts as busy
+BUSY_HOLD_NS = 20_000_000  # how long a busy verdict holds before the host is read again
 
 
 class SpinPolicy:
@@ -70,22 +74,37 @@ def cpu_free(loadavg: str, cpus: int) -> bool:
 class HostLoad:
     """Whether the host has a CPU free, read from ``/proc/loadavg`` at most every
     ``LOAD_PERIOD_NS``: not while the last ``BUSY_READS`` reads each found a task waiting
-    for one (never where the file cannot be read)."""
+    for one, nor for ``BUSY_HOLD_NS`` after (never where the file cannot be read)."""
 
     def __init__(self, path: str = "/proc/loadavg") -> None:
         self.path = path
-        self.cpus = os.cpu_count() or 1
-        self.read_at_ns = 0
+        try:  # the CPUs this process may run on (a container's cpuset), not the machine's
+            self.cpus = len(os.sched_getaffinity(0)) or 1
+        except OSError:
+            self.cpus = os.cpu_count() or 1
+        self.read_at_ns = -LOAD_PERIOD_NS  # the first ask reads
         self.busy_reads = 0  # reads in a row that found a task waiting
         self.free = False
+        self._fd = -1  # opened at the first read, kept: one pread per look, no open or close
+
+    def _read(self) -> str:
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.pread(self._fd, 128, 0).decode("ascii", "replace")
 
     def cpu_free(self, now_ns: int) -> bool:
         if now_ns - self.read_at_ns >= LOAD_PERIOD_NS:
-            self.read_at_ns = now_ns
             try:
-                with open(self.path) as f:
-                    self.busy_reads = 0 if cpu_free(f.read(), self.cpus) else self.busy_reads + 1
+                busy = not cpu_free(self._read(), self.cpus)
             except OSError:
-                self.busy_reads = BUSY_READS
+                busy, self.busy_reads = True, BUSY_READS
+            self.busy_reads = self.busy_reads + 1 if busy else 0
             self.free = self.busy_reads < BUSY_READS
+            # busy: not read again for the hold (one period is already in read_at_ns's step)
+            self.read_at_ns = now_ns + (0 if self.free else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

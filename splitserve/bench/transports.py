@@ -106,14 +106,14 @@ def _import_client(module: str, what: str) -> Any:
 
 def _classes(transport: str) -> tuple[type | None, type | None, dict[str, Any]]:
     """(sync class, async class, keywords every ``infer_result`` call passes) for ``transport``."""
-    if transport in ("tcp", "unix"):
+    if transport in ("tcp", "unix"):  # the front end: the clients' opt-out of the direct path
+        from splitserve.client import AsyncClient, Client
+
+        return functools.partial(Client, direct=False), functools.partial(AsyncClient, direct=False), {}
+    if transport in DIRECT:  # the clients' default
         from splitserve.client import AsyncClient, Client
 
         return Client, AsyncClient, {}
-    if transport in DIRECT:
-        from splitserve.client import AsyncClient, Client
-
-        return functools.partial(Client, direct=True), functools.partial(AsyncClient, direct=True), {}
     if transport == "udp":
         from splitserve.client import UdpClient
 

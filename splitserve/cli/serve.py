@@ -60,7 +60,9 @@ def serve(
     strict_placement: Optional[StrictPlacement] = typer.Option(
         None, help="Partition of each rt batch (auto: eta under protean, balanced otherwise)."),
     fast_direct: bool = typer.Option(
-        None, help="Workers also take fast-path frames on their own Unix sockets (LOOKUP names them)."),
+        None, "--fast-direct/--no-fast-direct",
+        help="Workers take fast-path frames on their own Unix and TCP endpoints (LOOKUP names them; "
+             "on by default). --no-fast-direct: every call through the front end."),
     zoo_device: Optional[str] = typer.Option(
         None, help="Device of the built-in zoo models: cpu, cuda (a GPU per instance) or cuda:N."),
     ts_inference_port: Optional[int] = typer.Option(

@@ -188,14 +188,15 @@ async def _open_async(ep: Endpoint, protocol: Callable[[], _AsyncConn]) -> _Asyn
 class AsyncClient:
     """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight.
 
-    ``direct=True`` follows the workers' direct endpoints as ``Client`` does (one
-    connection per instance, calls in turn; a closed one's unanswered calls are re-sent
-    through the front end and the model is looked up again). Every call ends exactly once:
+    It follows the workers' direct endpoints where the server offers them, as ``Client``
+    does (one connection per instance, calls in turn; a closed or unreachable one's calls
+    go through the front end and the model is looked up again); ``direct=False`` sends
+    every call through the front end. Every call ends exactly once:
     with its result, its error, ``TimeoutError`` after ``timeout`` seconds (a later answer
     is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
     the client closed."""
 
-    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = False,
+    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)

@@ -231,26 +231,32 @@ class _CStream(_Stream):
         return self.wire.sent
 
 
+# How long a blocking call polls for its answer before it sleeps, by default (µs; ``Client(poll_us=...)``)
+DEFAULT_POLL_US = 1000.0
+
+
 class Client:
     """Synchronous fast-path client for ``tcp://host:port`` or ``unix:///path``.
 
     Thread-safe. The thread that waits for an answer reads the socket itself (whoever
     waits first reads for everyone), so a single caller pays no thread hand-off.
 
-    ``direct=True`` sends calls straight to the worker processes that run the model when
-    the server offers it (``ServerConfig.transports.fast_direct``; its LOOKUP names their endpoints):
-    one connection per instance, calls spread over them in turn; lookups stay with the
-    front end. A ``unix://`` client connects to the workers' Unix sockets, a ``tcp://`` one
-    to their TCP ports (so a client on another machine goes direct too). A direct connection that closes (its worker was unloaded, evicted, restarted
-    or died, or refused the connection) costs no call: the calls it had not answered are
-    re-sent through the front end (inference has no side effects, so a call whose answer
-    was lost is run again), and the model is looked up again before its next call, then at
-    most every ``direct_retry_s`` while the client holds fewer connections than the model
-    has instances (and every ten such intervals regardless); an endpoint whose connection
+    Calls go straight to the worker processes that run the model wherever the server
+    offers it (``ServerConfig.transports.fast_direct``, on by default; its LOOKUP names their
+    endpoints): one connection per instance, calls spread over them in turn; lookups stay
+    with the front end. A ``unix://`` client connects to the workers' Unix sockets, a
+    ``tcp://`` one to their TCP ports (so a client on another machine goes direct too). A
+    direct connection that closes (its worker was unloaded, evicted, restarted or died, or
+    refused the connection) costs no call: the calls it had not answered are re-sent
+    through the front end (inference has no side effects, so a call whose answer was lost
+    is run again), and the model is looked up again before its next call, then at most
+    every ``direct_retry_s`` while the client holds fewer connections than the model has
+    instances (and every ten such intervals regardless); an endpoint whose connection
     closed is not connected to again for ``direct_retry_s``. An endpoint that does not take
     the connection within ``direct_connect_s`` (e.g. a firewall that lets the front end's
-    port through and drops the rest) is skipped the same way. Without direct endpoints (an
-    old server, or the direct path off) every call goes through the front end as before.
+    port through and drops the rest) or refuses it is skipped the same way. Without direct
+    endpoints (an old server, or the direct path off) every call goes through the front
+    end. ``direct=False`` sends every call through the front end.
 
     A call made while no other is in flight on its connection sends and reads its answer
     on the calling thread with no pending-call record; one started meanwhile on another
@@ -258,16 +264,16 @@ class Client:
     (``splitserve._fastwire``) where it was built (None, the default) or required (True),
     or the pure-Python one (False); both send, frame, check and time out alike.
 
-    ``poll_us`` (default 0: never) lets such a call poll for its answer for up to that
-    long before it sleeps, while its connection's recent answers came within it and the
-    host has no task waiting for a CPU (``splitserve/spin.py``): it spends the caller's
-    core while the model runs to save the wake-up after it (on a VM whose idle vCPU
-    halts, 70-80 µs a call), for callers whose core is their own.
+    ``poll_us`` (default 1000; 0: never) lets such a call poll for its answer for up to
+    that long before it sleeps, while its connection's recent answers came within it and
+    the host has no task waiting for a CPU (``splitserve/spin.py``): it spends the caller's
+    core while the model runs to save the wake-up after it (on a VM whose idle vCPU halts,
+    70-80 µs a call), and gives the core back as soon as another task wants one.
     """
 
-    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = False,
+    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0, compiled: bool | None = None,
-                 poll_us: float = 0.0) -> None:
+                 poll_us: float = DEFAULT_POLL_US) -> None:
         if compiled and _fastwire is None:
             raise InvalidInput("compiled=True, but splitserve._fastwire is not built: "
                                "reinstall with a C compiler and Python's headers, or pass compiled=None")
@@ -366,6 +372,8 @@ class Client:
             self._front.sock.close()
             for st in self._direct_streams:
                 st.sock.close()
+            if self._load is not None:
+                self._load.close()
 
     def __enter__(self) -> "Client":
         return self

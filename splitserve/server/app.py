@@ -167,8 +167,8 @@ class Server:
         private_dir(cfg.data_dir)
         if cfg.transports.fast_direct:
             private_dir(cfg.direct_dir)
-            if cfg.reef.preemption is PriorityMode.REEF:  # REEF across the direct path: the workers' pages
-                self._direct_watch = self.loop.call_later(cfg.transports.direct_poll_s, self._watch_direct)
+            # the workers' pages: direct use (memory manager, Packrat) and REEF across the direct path
+            self._direct_watch = self.loop.call_later(cfg.transports.direct_poll_s, self._watch_direct)
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,10 @@ class ScheduledModel(Protocol):
         """(real-time work, best-effort work, a direct real-time batch running) of the model
         now, through the front end or on its workers' direct paths (``fast_direct``)."""
 
+    def direct_use(self, now: float) -> None:
+        """Count the direct calls its workers took since the last look as its use (the
+        memory manager's LRU, Packrat's estimator)."""
+
     def set_direct_bell(self, on: bool) -> None:
         """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
 
@@ -284,9 +288,15 @@ class Coordinator:
         self._kick_all()
 
     def watch_direct(self) -> None:
-        """The node's look at its workers' pages (every ``direct_poll_s``): ring on direct
-        real-time batches while both classes are about, and notice a direct real-time batch
-        that began or ended without ringing (before the bell was on)."""
+        """The node's look at its workers' pages (every ``direct_poll_s``): the direct calls
+        since the last look are their models' use; under REEF, ring on direct real-time
+        batches while both classes are about, and notice a direct real-time batch that began
+        or ended without ringing (before the bell was on)."""
+        now = self.clock()
+        for m in self.models():
+            m.direct_use(now)
+        if self.mode is not PriorityMode.REEF:
+            return
         rt = be = running = False
         for m in self.models():
             r, b, x = m.direct_activity()

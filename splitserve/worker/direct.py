@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve.errors import (DeadlineMissed, DuplicateRequest, Refused, SplitServeError,
+from splitserve.errors import (DeadlineMissed, DuplicateRequest, InternalError, Refused, SplitServeError,
                                UnknownModel, WorkerFailed)
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, pack_response_into
@@ -61,6 +61,7 @@ from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.slo import slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
+from splitserve.worker.direct_batching import BatchGate, direct_policy
 from splitserve.worker.direct_conn import _BE, _RT, _WAIT, _Call, _Conn
 from splitserve.worker.poller import Poller
 from splitserve.worker.spec import DirectSpec
@@ -93,7 +94,12 @@ class DirectServer:
         self.cfg = cfg
         self.counters = counters
         self.poller = poller
-        self.max_batch = cfg.max_batch_size
+        # the instance's batch: Packrat's b where it places the model, else max_batch_size
+        self.max_batch = min(spec.batch, cfg.max_batch_size) if spec.batch else cfg.max_batch_size
+        # when a batch starts (the model's batching policy; None: at once, work-conserving)
+        policy = direct_policy(cfg, self.max_batch, spec.aggregate_s)
+        self.gate = BatchGate(policy, self.max_batch) if policy is not None else None
+        self.wake_at_s: float | None = None  # the gate's next look, while it holds a batch back
         self.default_cls = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self.class_of: dict[int, RequestClass] = {}  # a header's class -> the class its call runs in
         self.sizes = [t.nbytes for t in cfg.inputs]
@@ -127,6 +133,7 @@ class DirectServer:
         # A best-effort batch stopped at a segment boundary (padding deadline): its calls,
         # samples, the segment to resume at and the activations there.
         self.suspended: tuple[list[_Call], int, int, tuple] | None = None
+        self.expire_ns = 0  # the suspended batch's calls are answered INTERNAL from here (the watchdog)
         self.conns: set[_Conn] = set()  # from every listener: one limit covers both kinds
         self.paused: set[_Conn] = set()  # connections paused by their bounds: a batch's end looks at them again
         self.stage_bytes = spec.stage_bytes
@@ -272,7 +279,11 @@ class DirectServer:
             return self.spec.suspend_poll_s
         if not self.conns:
             return None
-        return max(0.0, (self.sweep_at_ns - time.monotonic_ns()) / 1e9) + 1e-3
+        now_ns = time.monotonic_ns()
+        wait = max(0.0, (self.sweep_at_ns - now_ns) / 1e9) + 1e-3
+        if self.wake_at_s is not None:  # the batching policy looks again then
+            wait = min(wait, max(0.0, self.wake_at_s - now_ns / 1e9))
+        return wait
 
     def sweep(self, now_ns: int) -> None:
         """Close connections whose frame has been incomplete too long. It looks at them only
@@ -281,11 +292,32 @@ class DirectServer:
         loop the cost is one comparison, not one per connection)."""
         if now_ns < self.sweep_at_ns:
             return
+        if self.suspended is not None and now_ns >= self.expire_ns:
+            self._expire_suspended(now_ns)
         limit_ns = int(self.spec.frame_timeout_s * 1e9)
         for conn in [c for c in self.conns if c.frame_t0_ns]:
             conn.expire(now_ns)
         self.sweep_at_ns = min((c.frame_t0_ns for c in self.conns if c.frame_t0_ns and not c.closed),
                                default=now_ns) + limit_ns
+        if self.suspended is not None:
+            self.sweep_at_ns = min(self.sweep_at_ns, self.expire_ns)
+
+    def _expire_suspended(self, now_ns: int) -> None:
+        """The watchdog (``max_call_age_s``): a best-effort batch held at a boundary since
+        its oldest call arrived that long ago is not resumed; each of its calls is answered
+        INTERNAL once, as the front end's watchdog answers a call nothing answered, and its
+        rows are free for the calls waiting for them."""
+        calls, _, _, _ = self.suspended  # type: ignore[misc]
+        self.suspended = None
+        age_s = (now_ns - min(c.t_rx_ns for c in calls)) / 1e9
+        error = InternalError(f"no answer after {age_s:.0f} s (the server's max_call_age_s): its best-effort "
+                              "batch was held that long for real-time work")
+        for c in calls:
+            if c.conn.closed:
+                self._drop(c)
+            else:
+                self._answer_error(c, error)
+        self._rows_free(_BE)
 
     def _has_ready(self, cls: RequestClass) -> bool:
         return self.complete[cls] > 0 or bool(self.aside_done[cls])
@@ -296,23 +328,46 @@ class DirectServer:
         the real-time work claimed."""
         if self.suspended is not None:
             _, n, stopped, _ = self.suspended
-            return self._has_ready(_RT) or not self.stops(stopped, n)
+            if self.gate is not None:
+                self.wake_at_s = None
+            return self._has_due(_RT) or not self.stops(stopped, n)
         complete, aside = self.complete, self.aside_done
-        return bool(complete[_RT] or complete[_BE] or aside[_RT] or aside[_BE])
+        if self.gate is None:
+            return bool(complete[_RT] or complete[_BE] or aside[_RT] or aside[_BE])
+        self.wake_at_s = None  # each look sets its own (the loop asks ``timeout`` after this)
+        return self._due(_RT) or self._due(_BE)
+
+    def _has_due(self, cls: RequestClass) -> bool:
+        return self._has_ready(cls) if self.gate is None else self._due(cls)
+
+    def _due(self, cls: RequestClass) -> bool:
+        """The batching policy starts ``cls``'s batch now (calls finished aside waited a
+        whole batch already: they start it at once). Else ``wake_at_s`` is its next look."""
+        if self.aside_done[cls]:
+            return True
+        if not self.complete[cls]:
+            return False
+        gate, now_s = self.gate, time.monotonic_ns() / 1e9
+        placed = self.placed[cls]
+        gate.arrivals(cls, placed, now_s)  # type: ignore[union-attr]
+        due, wake = gate.due(cls, [c for c in placed if c.got == c.total], now_s)  # type: ignore[union-attr]
+        if not due and wake is not None:
+            self.wake_at_s = wake if self.wake_at_s is None else min(self.wake_at_s, wake)
+        return due
 
     def run_one(self, run: SegmentRunner) -> None:
         """Run one batch: a suspended best-effort batch's next segments, else the oldest
         class with calls ready, real-time first."""
         if self.suspended is not None:
             calls, n, first, acts = self.suspended
-            if self._has_ready(_RT):
+            if self._has_due(_RT):
                 self._run(_RT, run)
                 return
             self.suspended = None
             self._finish(_BE, calls, n, first, acts, run, resuming=True)
             return
         for cls in _CLASSES:
-            if self._has_ready(cls):
+            if self._has_due(cls):
                 self._run(cls, run)
                 return
 
@@ -384,6 +439,8 @@ class DirectServer:
             if not resuming or stopped > first:
                 self.counters.add(Word.PREEMPTED)
             self.suspended = (calls, n, stopped, acts)
+            self.expire_ns = min(c.t_rx_ns for c in calls) + int(self.spec.max_call_age_s * 1e9)
+            self.sweep_at_ns = min(self.sweep_at_ns, self.expire_ns)
             return
         t2 = time.monotonic_ns()
         if self.lane is not None:
@@ -452,6 +509,8 @@ class DirectServer:
     def _rows_free(self, cls: RequestClass) -> None:
         """The class's batch ran: its rows are free; connections that waited get theirs,
         paused ones look at their bounds again."""
+        if self.gate is not None:
+            self.gate.rows_freed(cls, self.next_row[cls])
         self.next_row[cls] = 0
         self.placed[cls] = []
         self.complete[cls] = 0

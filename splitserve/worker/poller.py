@@ -45,23 +45,28 @@ class Poller:
             del self.handlers[fd]
             self.ep.unregister(fd)
 
-    def wait(self, timeout: float | None, spin_ns: int) -> list[tuple[int, int]]:
+    def wait(self, timeout: float | None, spin_ns: int,
+             cpu_free: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
         """The events of the next ``timeout`` seconds (None: until one comes): polled for
-        without sleeping for the first ``spin_ns``, then waited for in ``epoll_wait``."""
+        without sleeping for the first ``spin_ns``, then waited for in ``epoll_wait``. The
+        poll ends early once ``cpu_free(now_ns)`` says a task waits for a CPU (it is asked
+        at every try; ``spin.HostLoad`` reads the host at most every 50 µs)."""
         if timeout is not None:
             spin_ns = min(spin_ns, int(timeout * 1e9))
         if spin_ns:
             poll, clock, give_way = self.ep.poll, time.monotonic_ns, os.sched_yield
-            end = clock() + spin_ns
+            start = clock()
+            end = now = start + spin_ns
             while True:
                 events = poll(0)
-                if events or clock() >= end:
+                now = clock()
+                if events or now >= end or (cpu_free is not None and not cpu_free(now)):
                     break
                 give_way()
             if events:
                 return events
             if timeout is not None:
-                timeout -= spin_ns / 1e9
+                timeout = max(0.0, timeout - (now - start) / 1e9)
         return self.ep.poll(timeout)
 
     def close(self) -> None:

@@ -320,11 +320,12 @@ class Worker:
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
         if direct.ready():
             events = poller.ep.poll(0)
-        elif not self.spin.budget_ns:  # polling off (the default): no clock or host load read per turn
+        elif not self.spin.budget_ns:  # polling off: no clock or host load read per turn
             events = poller.ep.poll(direct.timeout())
         else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
             t0 = time.monotonic_ns()
-            events = poller.wait(direct.timeout(), self.spin.window_ns(self.host.cpu_free(t0)))
+            host_free = self.host.cpu_free
+            events = poller.wait(direct.timeout(), self.spin.window_ns(host_free(t0)), host_free)
             self.spin.observe(time.monotonic_ns() - t0)
         for fd, mask in events:
             if fd == ctrl_fd:

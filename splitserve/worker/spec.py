@@ -43,6 +43,13 @@ class DirectSpec:
     spin_us: int = 0
     # ServerConfig.transports.direct_compiled: ``_directlane`` takes one-call reads and writes answers, where built
     compiled: bool = True
+    # The instance's batch (Packrat's per-instance b; 0: the model's max_batch_size) and, for a
+    # Packrat model, its aggregation timeout (``worker/direct_batching.py``)
+    batch: int = 0
+    aggregate_s: float | None = None
+    # ServerConfig.batching.max_call_age_s: a best-effort batch held (suspended) this long
+    # after its oldest call arrived is answered INTERNAL, as the front end's watchdog does
+    max_call_age_s: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,7 @@ def test_queue_full_is_refused_not_buffered(tmp_path):
 
     s = start_server(tmp_path / "small", "--load", "lenet", "--queue-slots", "8")
     try:
-        with Client(s.tcp) as c:
+        with Client(s.tcp, direct=False) as c:  # the front end's rings
             # lenet's ring rounds up to 512 slots; overfill it with big multi-sample calls
             calls = [c.submit("lenet", np.zeros((32, 1, 28, 28), np.uint8)) for _ in range(40)]
             outcomes = []
@@ -492,7 +492,7 @@ def test_worker_killed_mid_batch_fails_its_calls_and_comes_back(tmp_path):
     s = start_server(tmp_path / "kill", "--repository", str(tmp_path / "repo"), "--load", "gate",
                      cache_dir=tmp_path / "cache")
     try:
-        with Client(s.tcp) as c:
+        with Client(s.tcp, direct=False) as c:  # the front end's answer (a direct call is re-sent instead)
             pid = c.lookup("gate").extra["pids"][0]
             gates.close(7020)
             held = c.submit("gate", np.full((4, 1), 7020, np.int64))
@@ -602,7 +602,7 @@ def test_stage_stamps_of_a_call_are_in_order_across_processes(server):
     from splitserve.bench.ownserver import get_json
     from splitserve.server.stages import STAMPS
 
-    with Client(server.tcp) as c:
+    with Client(server.tcp, direct=False) as c:  # the front end's stages
         rid = c.submit("vecadd1k", {"a": np.ones(1024, np.float32), "b": np.ones(1024, np.float32)}).req_id
         c.infer_result("vecadd1k", {"a": np.ones(1024, np.float32), "b": np.ones(1024, np.float32)})
     trace = get_json(f"{server.http}/v2/debug/stages")

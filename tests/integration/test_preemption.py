@@ -298,7 +298,7 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
     try:
         for k in (9001, 9002, 9003, 9004, 9005):
             gates.close(k)
-        with Client(s.tcp, direct=True) as c, Client(s.tcp) as front:
+        with Client(s.tcp) as c, Client(s.tcp, direct=False) as front:
 
             def until(what, done):
                 deadline = time.monotonic() + 60
@@ -345,6 +345,54 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
             assert rt2.result(timeout=60).value().ravel().tolist() == [9005]
             assert be.result(timeout=60).value().ravel().tolist() == [9001]
             assert fe.result(timeout=60).value().ravel().tolist() == [9003]
+    finally:
+        gates.open_all()
+        s.stop()
+
+
+def test_a_direct_best_effort_batch_held_past_max_call_age_is_answered_internal_once(tmp_path):
+    """The watchdog on the direct path: a best-effort batch that a worker took directly and
+    REEF holds at its boundary for a real-time batch that never ends is answered INTERNAL
+    once max_call_age_s has passed since its call arrived; the real-time call, once it
+    ends, gets its result."""
+    from splitserve import Client
+    from splitserve.bench.ownserver import get_json
+    from splitserve.errors import InternalError
+    from tests.helpers import start_server
+
+    for name, cls in (("gate_be", "be"), ("gate_rt", "rt")):
+        write_model(tmp_path / "repo", name, "gate", f'cpus = [0]\nshare_cpus = true\ndefault_class = "{cls}"')
+    gates = Gates(tmp_path / "cache")
+    s = start_server(tmp_path / "data", "--repository", str(tmp_path / "repo"), "--load", "gate_be", "--load",
+                     "gate_rt", cache_dir=tmp_path / "cache", http=True,
+                     env={**os.environ, "SPLITSERVE_MAX_CALL_AGE_S": "1.0"})
+    try:
+        gates.close(9011)
+        gates.close(9012)
+        with Client(s.tcp) as c:  # direct: the defaults
+
+            def until(what, done):
+                deadline = time.monotonic() + 60
+                while not done():
+                    assert time.monotonic() < deadline, f"never: {what}"
+                    time.sleep(0.01)
+
+            be = c.submit("gate_be", np.array([9011], np.int64))
+            until("the best-effort sample is at its gate", lambda: gates.held(9011))
+            rt = c.submit("gate_rt", np.array([9012], np.int64))
+            until("the real-time sample is at its gate", lambda: gates.held(9012))
+            assert c.direct_endpoints("gate_be") == c.direct_endpoints("gate_rt") == 1
+            until("the coordinator preempts the direct best-effort batch",
+                  lambda: any(e["kind"] == "preempt" and e["model"] == "gate_be"
+                              for e in get_json(f"{s.http}/v2/scheduler/events")["events"]))
+            gates.open(9011)  # segment 0 ends; the boundary holds it while the real-time batch runs
+            with pytest.raises(InternalError, match="max_call_age_s"):
+                be.result(timeout=60)
+            gates.open(9012)
+            assert rt.result(timeout=60).value().ravel().tolist() == [9012]
+            (stats,) = get_json(f"{s.http}/v2/models/gate_be/stats")["model_stats"]
+            assert stats["direct"]["failed"] == 1 and stats["direct"]["answered"] == 0
+            assert stats["direct"]["in_flight_be"] == 0
     finally:
         gates.open_all()
         s.stop()

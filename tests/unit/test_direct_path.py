@@ -196,6 +196,6 @@ def test_the_tcp_endpoint_is_only_where_the_fast_path_listens_on_tcp_and_its_por
     assert ServerConfig.of(fast_direct=True, fast_port=None).direct_tcp_host is None
     assert ServerConfig.of(fast_direct=True, direct_tcp=False).direct_tcp_host is None
     assert "direct endpoints on TCP" in exposure_warning(ServerConfig.of(host="0.0.0.0", fast_direct=True))
-    assert "direct endpoints" not in exposure_warning(ServerConfig.of(host="0.0.0.0"))
+    assert "direct endpoints" not in exposure_warning(ServerConfig.of(host="0.0.0.0", fast_direct=False))
     msg = LoadedMsg(3, "m", 10, 20, 1, "cpu", None, 41000)
     assert LoadedMsg.unpack(msg.pack()) == msg

@@ -21,7 +21,7 @@ from tests.unit.test_runtime_seams import BE, Harness
 
 # What each part drives (its seam's members) and members of the other pieces it must not reach.
 DISPATCH = {"instance_views", "rt_waiting", "start_batches", "preempt", "clear_preempt", "pad", "kick",
-            "direct_activity", "set_direct_bell"}
+            "direct_activity", "set_direct_bell", "direct_use"}
 RESIDENCY = {"charge", "pinned", "holds_memory", "begin_load", "release_residency", "refuse_load"}
 PLACEMENT = {"add_standby", "until_ready", "switch", "retire", "changed", "placed_now", "waiting_requests",
              "resize", "placements_on"}

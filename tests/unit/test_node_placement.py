@@ -102,7 +102,7 @@ class Node:
         self.monitor = InferenceMonitor()
         self.sink = Sink()
         self.loop = loop
-        config = ServerConfig.of(data_dir=tmp_path, queue_slots=32, **settings)
+        config = ServerConfig.of(data_dir=tmp_path, queue_slots=32, **{"fast_direct": False, **settings})  # fake workers have no pages
         metrics = Metrics()
         self.env = RuntimeEnv(
             loop=loop, config=config,  # type: ignore[arg-type]

@@ -238,7 +238,7 @@ class Harness:
             return w
 
         rm = ResourceManager([Core(cpu=c, core=c, socket=0) for c in range(2)])
-        cfg = ServerConfig.of(data_dir=tmp_path, queue_slots=8)
+        cfg = ServerConfig.of(data_dir=tmp_path, queue_slots=8, fast_direct=False)  # fake workers have no pages
         metrics = Metrics()
         self.pool = SparePool(cfg, self.loop, start_worker)  # type: ignore[arg-type]
         self.footprints = footprints or NoFootprints()

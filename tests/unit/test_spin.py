@@ -12,7 +12,7 @@ import pytest
 from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.worker.poller import Poller
-from splitserve.spin import BUSY_READS, LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
+from splitserve.spin import BUSY_HOLD_NS, BUSY_READS, LOAD_PERIOD_NS, HostLoad, SpinPolicy, cpu_free
 
 US = 1000
 
@@ -56,24 +56,60 @@ def test_a_cpu_is_free_while_the_runnable_tasks_are_at_most_the_cpus():
     assert not cpu_free("garbage", cpus=2)
 
 
-def test_host_load_reads_the_file_at_most_once_a_period_and_is_busy_after_reads_in_a_row_find_a_task_waiting(
-        tmp_path):
+def test_host_load_reads_the_file_at_most_once_a_period_is_busy_after_reads_in_a_row_and_holds_that(tmp_path):
     f = tmp_path / "loadavg"
     f.write_text("0.1 0.1 0.1 1/100 5\n")
     load = HostLoad(str(f))
     load.cpus = 2
-    assert load.cpu_free(LOAD_PERIOD_NS)
+    assert load.cpu_free(0)
     f.write_text("9.0 9.0 9.0 9/100 5\n")
-    assert load.cpu_free(LOAD_PERIOD_NS + 1)  # not read again yet
+    assert load.cpu_free(LOAD_PERIOD_NS - 1)  # not read again yet
     assert BUSY_READS == 2
-    assert load.cpu_free(2 * LOAD_PERIOD_NS)  # one read that finds a task waiting is a moment
-    assert not load.cpu_free(3 * LOAD_PERIOD_NS)  # two in a row: busy
-    assert not load.cpu_free(4 * LOAD_PERIOD_NS)
+    assert load.cpu_free(LOAD_PERIOD_NS)  # one read that finds a task waiting is a moment
+    assert not load.cpu_free(2 * LOAD_PERIOD_NS)  # two in a row: busy
     f.write_text("0.1 0.1 0.1 2/100 5\n")
-    assert load.cpu_free(5 * LOAD_PERIOD_NS)  # free again at the first read that finds none waiting
+    # the verdict holds: a host whose cores are taken is not read (and polled on) at every wait
+    assert not load.cpu_free(2 * LOAD_PERIOD_NS + BUSY_HOLD_NS - 1)
+    assert load.cpu_free(2 * LOAD_PERIOD_NS + BUSY_HOLD_NS)  # free again at the first read that finds none waiting
     f.write_text("9.0 9.0 9.0 9/100 5\n")
-    assert load.cpu_free(6 * LOAD_PERIOD_NS)
-    assert not HostLoad(str(tmp_path / "missing")).cpu_free(LOAD_PERIOD_NS)
+    assert load.cpu_free(3 * LOAD_PERIOD_NS + BUSY_HOLD_NS)
+    load.close()
+    assert not HostLoad(str(tmp_path / "missing")).cpu_free(0)
+
+
+def test_the_real_host_load_is_read_through_one_descriptor():
+    load = HostLoad()
+    load.cpu_free(0)
+    fd = load._fd
+    assert fd >= 0
+    load.cpu_free(LOAD_PERIOD_NS)
+    assert load._fd == fd  # read again, not reopened
+    load.close()
+
+
+def test_a_poll_stops_at_the_first_look_that_finds_a_task_waiting_for_a_cpu():
+    a, b = socket.socketpair()
+    poller = Poller()
+    looks: list[int] = []
+    busy = threading.Event()
+
+    def cpu_free(_now_ns: int) -> bool:
+        looks.append(_now_ns)
+        if len(looks) < 3:
+            return True
+        busy.set()
+        return False
+
+    try:
+        poller.register(a.fileno(), select.EPOLLIN, None)
+        # the byte comes only once the host turned busy: a poll that went on would look again
+        threading.Thread(target=lambda: busy.wait(10) and b.send(b"x"), daemon=True).start()
+        assert poller.wait(None, spin_ns=60_000_000_000, cpu_free=cpu_free) == [(a.fileno(), select.EPOLLIN)]
+        assert len(looks) == 3  # it slept in epoll_wait from the look that found the host busy
+    finally:
+        poller.close()
+        a.close()
+        b.close()
 
 
 def test_the_poller_returns_an_event_that_comes_while_it_polls_and_sleeps_after():

@@ -8,12 +8,13 @@ receive-to-reply time minus queue and compute), and the rest: transport and data
 this process (the ideal, like SplitRPC-local) and a plain TCP echo of the same request and
 response sizes (the floor). The tax of a transport is median(E2E - compute).
 
-With ``client_poll_us`` (default 1000; 0: off) each direct path, and the echo, is timed a
-second time by a client that polls for its answer before it sleeps (``Client(poll_us=...)``,
-rows "client polls"): a caller whose core is its own does not pay the wake-up of a thread that
-slept through the model's run (on a VM, its vCPU's too). The gRPC and HTTP clients have no such
-mode; they are timed as they come. The server the benchmark starts has its workers poll for
-their next direct call (``worker_spin_us``, default 200; the server's own default is 0).
+The fast-path clients run on their defaults: the direct paths' go to the workers and poll
+for their answers while a core is free (``Client(poll_us=...)``), the front end's opt out of
+the direct path. With ``client_poll_us`` (default 1000; 0: off) each direct path, and the
+echo, is timed a second time by a client that polls up to that long (rows "client polls"),
+next to an echo that polls the same way. The gRPC and HTTP clients have no such mode; they
+are timed as they come. The server the benchmark starts runs on its defaults, its workers
+polling for their next direct call (``worker_spin_us`` sets ``direct_spin_us``; 0: never).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Params(BaseParams):
     warmup: int = 100  # untimed requests before them
     codec_reps: int = 200  # repetitions when timing the client's encode and decode
     client_poll_us: int = 1000  # the direct paths and the echo timed again by a polling client (0: not)
-    worker_spin_us: int = 200  # the started server's workers poll this long for a direct call (0: sleep at once)
+    worker_spin_us: int | None = None  # the started server's direct_spin_us (None: its default; 0: sleep at once)
 
     @classmethod
     def quick(cls) -> Params:

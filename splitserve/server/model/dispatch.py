@@ -24,6 +24,10 @@ from splitserve.worker.messages import DIRECT_BATCH, DoneMsg, Msg, RunMsg
 
 log = logging.getLogger(__name__)
 
+# Estimator observations one look at the workers' pages makes at most (one per direct
+# arrival since the last look): bounds the look's cost under a flood of small calls
+_DIRECT_OBSERVATIONS = 64
+
 
 class Dispatch:
     """The model's calls from submit to answer (the coordinator's ``ScheduledModel``).
@@ -48,6 +52,10 @@ class Dispatch:
         # Loaded for calls that wait and has not dispatched any of them yet: evicting it now
         # would undo the load before it served anyone (a livelock when models swap fast).
         self.unserved = False
+        # Per instance: its worker handle and its page's RECEIVED count at the node's last
+        # look (``direct_use``), to tell the direct calls that arrived since
+        self._direct_seen: dict[int, tuple[object, int]] = {}
+        self._direct_held = 0  # calls its workers held at that look
 
     # -- calls in ---------------------------------------------------------------------------
 
@@ -347,6 +355,48 @@ class Dispatch:
                 running = running or bool(d.rt_running)
                 rt, be = rt or bool(d.in_flight_rt), be or bool(d.in_flight_be)
         return rt, be, running
+
+    def direct_use(self, now: float) -> None:
+        """The node's look at the workers' pages (every ``direct_poll_s``): direct calls that
+        arrived since the last look are the model's use as front-end calls are at their
+        submit and batch start. The memory manager's LRU clock is touched; Packrat's
+        estimator observes the depth they found (calls the workers hold plus those queued
+        here), once per arrival up to ``_DIRECT_OBSERVATIONS``; a ready model's placement
+        decider may propose a repack. Once the workers hold no direct call any more, the
+        memory manager hears that its batches ended (a load may wait for it as a victim).
+        A page counts per binding: a new handle, or a count below the last, counts from zero."""
+        core = self.core
+        arrived = held = 0
+        seen: dict[int, tuple[object, int]] = {}
+        for i, h in core.workers.items():
+            d = h.counters.snapshot()
+            last_h, last = self._direct_seen.get(i, (None, 0))
+            arrived += d.received - last if last_h is h and d.received >= last else d.received
+            seen[i] = (h, d.received)
+            held += d.in_flight_rt + d.in_flight_be
+        self._direct_seen = seen
+        if self._direct_held and not held:
+            core.env.memory.batch_done(self.name)  # no longer pinned by direct calls
+        self._direct_held = held
+        if not arrived:
+            return
+        core.env.memory.touch(self.name, now)
+        depth = self.sched.waiting() + held
+        for _ in range(min(arrived, _DIRECT_OBSERVATIONS)):
+            core.placer.observe(depth, now)
+        if core.state is ModelState.READY:
+            self._repack(now)
+
+    def direct_held(self) -> int:
+        """Calls its workers hold from direct connections now (accepted, not yet answered;
+        0 with the direct path off)."""
+        total = 0
+        if not self.core.settings.transports.fast_direct:
+            return total
+        for h in self.core.workers.values():
+            d = h.counters.snapshot()
+            total += d.in_flight_rt + d.in_flight_be
+        return total
 
     def set_direct_bell(self, on: bool) -> None:
         for handle in self.core.workers.values():

@@ -22,6 +22,7 @@ from pathlib import Path
 from splitserve.errors import InvalidInput, ModelNotReady, WorkerFailed
 from splitserve.placement.partition import InstancePlacement
 from splitserve.scheduler.model_scheduler import Residency
+from splitserve.scheduler.policy import PackratAggregate
 from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.model.core import ModelCore
 from splitserve.server.model.dispatch import Dispatch
@@ -162,7 +163,8 @@ class Instances:
         return BindSpec(
             core.config.to_dict(), str(core.record.path) if core.record.path else None, self.queues.fds(),
             core.config.capacity, segments, cpus=sorted(placed.cpus), threads=placed.threads,
-            measure=not core.footprint.measured, direct=self._direct_spec(i), visible_devices=self._gpu(i))
+            measure=not core.footprint.measured, direct=self._direct_spec(i, placed.batch),
+            visible_devices=self._gpu(i))
 
     def _gpu(self, i: int) -> str | None:
         """Instance ``i``'s GPU partition (``CUDA_VISIBLE_DEVICES``), None on the CPU;
@@ -176,18 +178,21 @@ class Instances:
         got = devices.assign(self.name, i, self.core.config.device)
         return None if got is None else got.visible_devices
 
-    def _direct_spec(self, i: int) -> DirectSpec | None:
-        """Instance ``i``'s direct endpoint, with the front end's stream limits (None: off)."""
+    def _direct_spec(self, i: int, batch: int) -> DirectSpec | None:
+        """Instance ``i``'s direct endpoint, with the front end's stream limits and the
+        instance's batch (and Packrat's aggregation timeout) (None: off)."""
         s = self.core.settings
         if not s.transports.fast_direct:
             return None
         slo_s = self.core.slo_s
+        policy = self.core.placer.policy()
+        aggregate_s = policy.timeout_s if isinstance(policy, PackratAggregate) else None
         return DirectSpec(
             str(self._direct_path(i)), self.core.func_id, s.transports.direct_max_connections, s.transports.fast_max_in_flight,
             s.transports.fast_out_high_water, s.transports.fast_out_low_water, s.transports.fast_max_pending_out, s.transports.frame_timeout_s,
             s.transports.fast_reads_per_wakeup, s.reef.preemption is PriorityMode.RT_ONLY, s.transports.direct_suspend_poll_s,
             s.transports.direct_stage_bytes, int(slo_s * 1e6) if slo_s else 0, s.direct_tcp_host, s.transports.direct_spin_us,
-            s.transports.direct_compiled)
+            s.transports.direct_compiled, batch, aggregate_s, s.batching.max_call_age_s)
 
     def bind(self, i: int) -> None:
         """LOAD this model into instance ``i``'s worker (up, bound to nothing); the

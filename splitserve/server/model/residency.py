@@ -116,7 +116,8 @@ class ModelResidency:
         d, sched = self.dispatch, self.core.sched
         if d.unserved and not sched.waiting():
             d.unserved = False  # the calls it loaded for are gone (deadlines): nothing to serve first
-        return d.unserved or bool(self.core.reconfiguring) or any(st.busy for st in sched.instances.values())
+        return d.unserved or bool(self.core.reconfiguring) or any(st.busy for st in sched.instances.values()) \
+            or d.direct_held() > 0  # its workers hold direct calls: it is as busy as with a batch
 
     def holds_memory(self) -> bool:
         return self.core.running or self._evicting
