@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.errors import BadFrame, BadSize, DuplicateRequest, SplitServeError
-from splitserve.protocol.header import Header, Kind
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, pack_response_into
 from splitserve.protocol.requests import stream_samples
 from splitserve.protocol.sockets import close_drained, tcp_listener, unix_listener
 from splitserve.protocol.stream import DISCARD, FIRST_OWN_STATE, HEADER, PAYLOAD, FrameStream
@@ -61,6 +61,9 @@ class FastPathConnection(FrameStream):
         self.peer = peer
         self.arrival: Arrival | None = None  # the request whose payload is being read
         self.lookup_buf = bytearray()
+        # An answer's header is packed here: ``send`` copies what the kernel does not take,
+        # so one buffer serves every answer, and no ``Header`` is built per call
+        self.resp_hdr = bytearray(HEADER_SIZE)
         self.in_flight: dict[int, Call] = {}
         self.writing = False
         self.paused = False  # reading stopped by flow control
@@ -196,12 +199,10 @@ class FastPathConnection(FrameStream):
             return
         call.t_tx = time.perf_counter()
         outs = call.runtime.output_views(call.cls, call.seq, call.count)
-        h = Header(
-            Kind.RESPONSE, req_id=call.req_id, func_id=call.runtime.func_id, cls=call.cls,
-            payload_len=sum(len(v) for v in outs), queue_us=call.queue_us,
-            compute_us=call.compute_ns // 1000, total_us=call.total_us,
-        )
-        self.send([h.pack(), *outs])
+        hdr = self.resp_hdr
+        pack_response_into(hdr, 0, call.req_id, call.runtime.func_id, call.cls, sum(map(len, outs)), call.queue_us,
+                           call.compute_ns // 1000, call.total_us)
+        self.send([hdr, *outs])
         self._maybe_resume()
 
     def fail(self, call: Call, error: SplitServeError) -> None:

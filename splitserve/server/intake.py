@@ -94,12 +94,14 @@ class Arrival:
         self._place(views)
 
     def _place(self, views: list[memoryview]) -> None:
-        self._views = [v for v in views if len(v)]
-        self._starts = list(itertools.accumulate((len(v) for v in self._views), initial=0))
+        self._views = vs = [v for v in views if len(v)]
+        self._starts = list(itertools.accumulate(map(len, vs), initial=0))
         self.total = self._starts[-1]
-        if self.got < self.total:
+        if self.got == 0 and vs:  # a new request (the usual case): its first view, no search
+            self._vi, self._target = 0, vs[0]
+        elif self.got < self.total:
             self._vi = bisect.bisect_right(self._starts, self.got) - 1
-            self._target = self._views[self._vi][self.got - self._starts[self._vi]:]
+            self._target = vs[self._vi][self.got - self._starts[self._vi]:]
 
     def target(self) -> memoryview:
         """Stream: where the next payload bytes go."""
