@@ -54,6 +54,11 @@ from splitserve.slo import SloOutcome, slo_outcome
 
 log = logging.getLogger(__name__)
 
+# A node's LOOKUP reply names its workers' direct endpoints, which take that node's func id and
+# bypass the gateway's ledger: a client of the gateway is never handed them (it calls through
+# the gateway, which re-sends on a lost node).
+_NODE_ROUTES = frozenset({"direct", "direct_tcp"})
+
 # Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
 _CONTROL_BIT = 1 << 63
 
@@ -349,7 +354,8 @@ class GatewayCore:
         reply = next((link.lookups[name] for link in self._links.values() if name in link.lookups), None)
         if reply is None:
             raise ModelNotReady(f"model {name!r}: no node serves it yet")
-        return ModelInfo.from_json(json.loads(reply) | {"func_id": fid})
+        described = {k: v for k, v in json.loads(reply).items() if k not in _NODE_ROUTES}
+        return ModelInfo.from_json(described | {"func_id": fid})
 
     def serves(self, name: str | None = None) -> bool:
         """Some node takes work now (for ``name``: one with that model)."""
