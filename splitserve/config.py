@@ -83,8 +83,8 @@ def parse_float(raw: str, what: str) -> float:
 
 
 # Fields whose default is None read their SPLITSERVE_* variable with these parsers.
-_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "max_resident_models": parse_int,
-                     "partition_memory_bytes": parse_bytes, "protean_t_low": parse_float,
+_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "device_budget_bytes": parse_bytes,
+                     "max_resident_models": parse_int, "partition_memory_bytes": parse_bytes, "protean_t_low": parse_float,
                      "protean_t_high": parse_float}
 
 
