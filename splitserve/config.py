@@ -83,8 +83,8 @@ def parse_float(raw: str, what: str) -> float:
 
 
 # Fields whose default is None read their SPLITSERVE_* variable with these parsers.
-_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "max_resident_models": parse_int,
-                     "partition_memory_bytes": parse_bytes, "protean_t_low": parse_float,
+_OPTIONAL_PARSERS = {"memory_budget_bytes": parse_bytes, "device_budget_bytes": parse_bytes,
+                     "max_resident_models": parse_int, "partition_memory_bytes": parse_bytes, "protean_t_low": parse_float,
                      "protean_t_high": parse_float}
 
 
@@ -207,6 +207,7 @@ class MemorySection(_Section):
 
     memory_budget_bytes: int | None = None  # bytes resident models may take (None: no limit, no manager)
     max_resident_models: int | None = None  # models resident at once (None: no limit)
+    device_budget_bytes: int | None = None  # device bytes resident models may take on each GPU / MIG device (None: no limit)
     max_concurrent_loads: int = 1  # models loading at once under a memory manager (Rafiqi: one)
     spare_workers: int = 1  # node-wide idle worker processes (torch imported) that a load binds
     recycle_slack_bytes: int = 32 << 20  # a worker this close to a fresh spare's anonymous RSS after UNLOAD is reused
@@ -215,6 +216,8 @@ class MemorySection(_Section):
     def checked(self) -> None:
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise InvalidInput("memory_budget_bytes must be at least 1 byte (leave it unset for no limit)")
+        if self.device_budget_bytes is not None and self.device_budget_bytes < 1:
+            raise InvalidInput("device_budget_bytes must be at least 1 byte (leave it unset for no limit)")
         if self.max_resident_models is not None and self.max_resident_models < 1:
             raise InvalidInput("max_resident_models must be at least 1 (leave it unset for no limit)")
         if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
@@ -223,8 +226,9 @@ class MemorySection(_Section):
 
     @property
     def managed(self) -> bool:
-        """Whether a memory manager decides residency (a byte budget or a model count is set)."""
-        return self.memory_budget_bytes is not None or self.max_resident_models is not None
+        """Whether a memory manager decides residency (a byte budget, a device budget or a model count is set)."""
+        return (self.memory_budget_bytes is not None or self.max_resident_models is not None
+                or self.device_budget_bytes is not None)
 
 
 @dataclass(frozen=True)

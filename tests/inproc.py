@@ -24,8 +24,9 @@ from splitserve.worker.spec import BindSpec, QueueFds, WorkerSpec
 
 
 @contextmanager
-def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterator[tuple[Worker, PreemptFlag, list[TensorQueue], list[TensorQueue]]]:
-    """A Worker for ``cfg`` built here (best-effort queues only), with its flag and queues."""
+def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1, measure: bool = False) -> Iterator[tuple[Worker, PreemptFlag, list[TensorQueue], list[TensorQueue]]]:
+    """A Worker for ``cfg`` built here (best-effort queues only), with its flag and queues;
+    ``measure``: the LOAD asks for the memory measure (``BindSpec.measure``)."""
     n = ring_slots([t.nbytes for t in cfg.inputs + cfg.outputs], 8)
     ins = [TensorQueue(t.nbytes, n) for t in cfg.inputs]
     outs = [TensorQueue(t.nbytes, n) for t in cfg.outputs]
@@ -37,7 +38,7 @@ def inproc_worker(cfg: ModelConfig, cache_dir: Path, threads: int = 1) -> Iterat
     # the binding owns the fds it is given: it gets copies, the queues here keep theirs
     queues = QueueFds(n, [os.dup(q.fd) for q in ins], [os.dup(q.fd) for q in outs])
     w.load(LoadMsg(1, BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): queues}, cfg.capacity,
-                               cpus=sorted(os.sched_getaffinity(0)), threads=threads)))
+                               cpus=sorted(os.sched_getaffinity(0)), threads=threads, measure=measure)))
     try:
         yield w, flag, ins, outs
     finally:

@@ -20,12 +20,18 @@ The rules (Rafiqi §3.4, with the decisions of ``notes/rafiqi.md`` Q5-Q7):
   ``keep_resident``, not busy (a running or suspended batch, a reconfiguration);
 * a model that cannot fit even with every other evictable model gone is refused, with a
   message naming its bytes and what the budget leaves it; when room can come only from
-  models that are busy now, nothing happens until the caller plans again (a batch ended).
+  models that are busy now, nothing happens until the caller plans again (a batch ended);
+* device memory is a budget of its own per GPU partition (a whole GPU or a MIG device,
+  by UUID), never mixed with host bytes: a model's ``device_charge`` names what it holds on
+  each partition (every instance's copy: a GPU instance holds its own weights), and a
+  victim is taken, still in LRU order, only if it frees something that is short (host
+  bytes, a model slot, or bytes on a partition the load needs), so a load on one GPU never
+  evicts a model that holds nothing there when only that GPU is full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -51,7 +57,8 @@ class Entry:
     """One model as the cache sees it."""
 
     name: str
-    charge: int = 0  # bytes it holds (or would hold once loaded)
+    charge: int = 0  # host bytes it holds (or would hold once loaded)
+    device_charge: dict[str, int] = field(default_factory=dict)  # partition UUID -> device bytes, all instances
     residency: Residency = Residency.EVICTED
     keep_resident: bool = False
     last_used: float | None = None  # start of its latest batch (or of its load)
@@ -78,8 +85,10 @@ class Plan:
 class ResidencyCache:
     """The memory manager's state and decisions; see the module docstring."""
 
-    def __init__(self, budget: int | None, max_resident: int | None, max_loads: int = 1) -> None:
+    def __init__(self, budget: int | None, max_resident: int | None, max_loads: int = 1,
+                 device_budget: int | None = None) -> None:
         self.budget = budget
+        self.device_budget = device_budget  # bytes per GPU partition (None: device memory unbudgeted)
         self.max_resident = max_resident
         self.max_loads = max_loads
         self.entries: dict[str, Entry] = {}
@@ -113,13 +122,16 @@ class ResidencyCache:
         """A batch of ``name`` began: it becomes the most recently used."""
         self.entry(name).last_used = now
 
-    def loaded(self, name: str, charge: int) -> None:
-        """The load ended well; ``charge`` is what it measured (it replaces the reservation,
-        which may leave the cache over budget until ``plan`` evicts the difference)."""
+    def loaded(self, name: str, charge: int, device_charge: Mapping[str, int] | None = None) -> None:
+        """The load ended well; ``charge`` (host bytes) and ``device_charge`` (per partition;
+        None: as reserved) are what it measured: they replace the reservation, which may leave
+        the cache over budget until ``plan`` evicts the difference."""
         e = self.entry(name)
         if e.residency is Residency.LOADING:
             e.loads += 1
         e.residency, e.charge, e.reason = Residency.RESIDENT, charge, None
+        if device_charge is not None:
+            e.device_charge = dict(device_charge)
 
     def evicting(self, name: str) -> None:
         """An eviction began elsewhere (an operator's evict): its bytes count until ``released``."""
@@ -151,8 +163,16 @@ class ResidencyCache:
 
     @property
     def reserved(self) -> int:
-        """Bytes resident, loading and evicting models hold or will hold."""
+        """Host bytes resident, loading and evicting models hold or will hold."""
         return sum(e.charge for e in self.holding())
+
+    def device_reserved(self) -> dict[str, int]:
+        """Device bytes per partition that resident, loading and evicting models hold or will hold."""
+        out: dict[str, int] = {}
+        for e in self.holding():
+            for dev, n in e.device_charge.items():
+                out[dev] = out.get(dev, 0) + n
+        return out
 
     def lru(self) -> list[str]:
         """Resident models, least recently used first."""
@@ -174,7 +194,7 @@ class ResidencyCache:
         budget = self.budget if self.budget is not None else float("inf")
         max_resident = self.max_resident if self.max_resident is not None else float("inf")
         # A load may measure more than it reserved: give back the difference first.
-        self._make_room(0, 0, budget, max_resident, busy, out)
+        self._make_room({}, budget, max_resident, busy, out)
         loading = sum(1 for e in self.entries.values() if e.residency is Residency.LOADING)
         for name in self.load_queue():
             if loading >= self.max_loads:
@@ -182,15 +202,12 @@ class ResidencyCache:
             e = self.entries[name]
             if e.residency is Residency.EVICTING:
                 continue  # loads again once its eviction ends
-            kept = sum(k.charge for k in self.holding() if k.keep_resident and k.name != name)
-            if e.charge > budget - kept:
-                why = (f"model {name!r} needs {e.charge} bytes but the memory budget of {self.budget} bytes leaves it "
-                       f"{max(0, self.budget - kept) if self.budget is not None else 0} (keep_resident models hold "
-                       f"{kept})")
+            why = self._never_fits(e, budget)
+            if why is not None:
                 self.failed(name, why)
                 out.refuse[name] = why
                 continue
-            if not self._make_room(e.charge, 1, budget, max_resident, busy, out):
+            if not self._make_room(_holds(e), budget, max_resident, busy, out):
                 break  # wait for victims to release, or for a busy model to end its batch
             e.residency, e.reason, e.last_used = Residency.LOADING, None, now
             e.wanted_since, e.rt_waiting = None, False
@@ -198,31 +215,90 @@ class ResidencyCache:
             loading += 1
         return out
 
-    def _make_room(self, need: int, models: int, budget: float, max_resident: float, busy: Collection[str],
+    def _never_fits(self, e: Entry, budget: float) -> str | None:
+        """Why ``e`` cannot fit even with every evictable model gone (None: it can)."""
+        kept = [k for k in self.holding() if k.keep_resident and k.name != e.name]
+        host_kept = sum(k.charge for k in kept)
+        if e.charge > budget - host_kept:
+            return (f"model {e.name!r} needs {e.charge} bytes but the memory budget of {self.budget} bytes leaves it "
+                    f"{max(0, self.budget - host_kept) if self.budget is not None else 0} (keep_resident models hold "
+                    f"{host_kept})")
+        if self.device_budget is None:
+            return None
+        for dev, need in sorted(e.device_charge.items()):
+            dev_kept = sum(k.device_charge.get(dev, 0) for k in kept)
+            if need > self.device_budget - dev_kept:
+                return (f"model {e.name!r} needs {need} bytes of device memory on {dev} but the device budget of "
+                        f"{self.device_budget} bytes leaves it {max(0, self.device_budget - dev_kept)} "
+                        f"(keep_resident models hold {dev_kept} there)")
+        return None
+
+    def _room(self, holding: list[Entry], budget: float, max_resident: float) -> dict[str, float]:
+        """What is free now: host bytes, model slots, and device bytes per partition."""
+        room: dict[str, float] = {_BYTES: budget - sum(e.charge for e in holding), _MODELS: max_resident - len(holding)}
+        device_budget = self.device_budget if self.device_budget is not None else float("inf")
+        for e in holding:
+            for dev in e.device_charge:
+                room.setdefault(_device(dev), device_budget)
+        for e in holding:
+            for dev, n in e.device_charge.items():
+                room[_device(dev)] -= n
+        return room
+
+    def _make_room(self, want: Mapping[str, int], budget: float, max_resident: float, busy: Collection[str],
                    out: Plan) -> bool:
-        """Whether ``need`` more bytes and ``models`` more models fit now; if not, start
-        evicting LRU victims that make them fit (False until they have released)."""
+        """Whether ``want`` (``_holds`` of a load; empty: nothing more) fits now; if not, start
+        evicting LRU victims that make it fit (False until they have released). A victim is
+        taken only if it frees something that is short."""
         holding = list(self.holding())
-        free = budget - sum(e.charge for e in holding)
-        slots = max_resident - len(holding)
-        if free >= need and slots >= models:
+        room = self._room(holding, budget, max_resident)
+        device_budget = self.device_budget if self.device_budget is not None else float("inf")
+        for key in want:
+            room.setdefault(key, device_budget)  # a partition nothing holds yet
+
+        def short() -> list[str]:
+            return [k for k, free in room.items() if free < want.get(k, 0)]
+
+        if not short():
             return True
-        evicting = [e for e in holding if e.residency is Residency.EVICTING]
-        free += sum(e.charge for e in evicting)
-        slots += len(evicting)
+        for e in holding:
+            if e.residency is Residency.EVICTING:
+                _add(room, _holds(e))
         victims = []
         for e in sorted((e for e in holding if e.residency is Residency.RESIDENT and not e.keep_resident
                          and e.name not in busy), key=_age):
-            if free >= need and slots >= models:
+            lacking = short()
+            if not lacking:
                 break
+            held = _holds(e)
+            if not any(held.get(k, 0) > 0 for k in lacking):
+                continue  # it frees nothing that is short (it holds nothing on the full GPU)
             victims.append(e)
-            free += e.charge
-            slots += 1
-        if free >= need and slots >= models:
+            _add(room, held)
+        if not short():
             for v in victims:
                 v.residency = Residency.EVICTING
                 out.evict.append(v.name)
         return False
+
+
+_BYTES, _MODELS = "bytes", "models"
+
+
+def _device(uuid: str) -> str:
+    return f"device:{uuid}"
+
+
+def _holds(e: Entry) -> dict[str, int]:
+    """What ``e`` holds (or will hold) in each resource ``_room`` counts."""
+    held = {_BYTES: e.charge, _MODELS: 1}
+    held.update((_device(dev), n) for dev, n in e.device_charge.items())
+    return held
+
+
+def _add(room: dict[str, float], held: Mapping[str, int]) -> None:
+    for k, n in held.items():
+        room[k] = room.get(k, 0) + n
 
 
 def _age(e: Entry) -> tuple[float, str]:

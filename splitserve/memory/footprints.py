@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,10 +38,21 @@ class MemoryFootprint:
     weights_bytes: int = 0
     private_bytes: int = 0  # per instance
     measured: bool = False  # False: from the weights file's header (or nothing known yet), not a LOADED report
+    # Device bytes one GPU instance holds (its own copy of the weights, activations and the
+    # caching allocator's slack: ``worker.device_memory``); 0 on the CPU or before a GPU load.
+    device_bytes: int = 0
 
     def charge(self, instances: int) -> int:
-        """Bytes a residency with ``instances`` instances holds."""
+        """Host bytes a residency with ``instances`` instances holds."""
         return self.weights_bytes + self.private_bytes * instances
+
+    def device_charge(self, per_partition: Mapping[str, int]) -> dict[str, int]:
+        """Device bytes per partition UUID, given how many instances each holds: every
+        instance's copy counts (a CUDA context cannot map another's weights). Empty while no
+        device size is known."""
+        if not self.device_bytes:
+            return {}
+        return {dev: self.device_bytes * n for dev, n in per_partition.items() if n}
 
 
 class FootprintStore(Protocol):
@@ -79,7 +91,8 @@ class RegistryFootprints:
     def footprint(self, record: ModelRecord) -> MemoryFootprint:
         stored = self.registry.load_profile(record.name, self.machine, KIND)
         if stored is not None and stored.get("version") == record.version:
-            return MemoryFootprint(int(stored["weights_bytes"]), int(stored["private_bytes"]), measured=True)
+            return MemoryFootprint(int(stored["weights_bytes"]), int(stored["private_bytes"]), measured=True,
+                                   device_bytes=int(stored.get("device_bytes", 0)))
         path = weights_file(record.config, record.path, self.cache_dir)
         if path is not None and path.is_file():
             try:
@@ -94,7 +107,7 @@ class RegistryFootprints:
 
     def save(self, record: ModelRecord, footprint: MemoryFootprint, load_ms: float) -> None:
         data = {"version": record.version, "weights_bytes": footprint.weights_bytes,
-                "private_bytes": footprint.private_bytes, "load_ms": load_ms}
+                "private_bytes": footprint.private_bytes, "device_bytes": footprint.device_bytes, "load_ms": load_ms}
         write = asyncio.ensure_future(asyncio.to_thread(self.registry.save_profile, record.name, self.machine, KIND,
                                                         data))
         self._writes.add(write)

@@ -76,6 +76,10 @@ class ResidentModel(Protocol):
     def charge(self) -> int:
         """Bytes a residency of it takes now (weights once, private bytes per instance; 0 when unknown)."""
 
+    def device_charge(self) -> dict[str, int]:
+        """Device bytes per GPU partition UUID a residency of it takes now (each instance's
+        copy; empty on the CPU or while its device size is unknown)."""
+
     def pinned(self) -> bool:
         """Not evictable now: a batch runs or is suspended on it, or its placement is changing."""
 
@@ -134,7 +138,8 @@ class MemoryManager:
         self.config = config
         self.managed = config.managed
         loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
-        self.cache = ResidencyCache(config.memory_budget_bytes, config.max_resident_models, loads)
+        self.cache = ResidencyCache(config.memory_budget_bytes, config.max_resident_models, loads,
+                                    config.device_budget_bytes)
         self.metrics = metrics
         self._note = note
         self.spares = spares
@@ -197,7 +202,7 @@ class MemoryManager:
         self.models[model.name] = model
         e = self.cache.entry(model.name)
         first = e.residency is Residency.LOADING
-        self.cache.loaded(model.name, nbytes)
+        self.cache.loaded(model.name, nbytes, model.device_charge())
         self.metrics.model_resident_bytes.labels(model.name).set(nbytes)
         if first:
             began = self._load_began.pop(model.name, None)
@@ -249,6 +254,8 @@ class MemoryManager:
                 "weights_bytes": footprint.weights_bytes if footprint is not None else 0,
                 "private_bytes": footprint.private_bytes if footprint is not None else 0,
                 "reserved_bytes": e.charge if e.residency in HOLDING else 0,
+                "device_bytes": footprint.device_bytes if footprint is not None else 0,
+                "device_reserved_bytes": dict(e.device_charge) if e.residency in HOLDING else {},
                 "instances": m.instance_count if m is not None else 0,
                 "loads": e.loads, "evictions": e.evictions,
                 "last_load_ms": self.last_load_ms.get(name),
@@ -258,6 +265,7 @@ class MemoryManager:
         return {
             "budget_bytes": self.config.memory_budget_bytes, "max_resident_models": self.config.max_resident_models,
             "max_concurrent_loads": self.config.max_concurrent_loads, "reserved_bytes": cache.reserved,
+            "device_budget_bytes": self.config.device_budget_bytes, "device_reserved_bytes": cache.device_reserved(),
             "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
             "lru": cache.lru(),
             "loading": sorted(n for n, e in cache.entries.items() if e.residency is Residency.LOADING),
@@ -292,7 +300,7 @@ class MemoryManager:
             e = cache.entry(name)
             e.keep_resident = m.keep_resident
             if e.residency not in HOLDING:
-                e.charge = m.charge()
+                e.charge, e.device_charge = m.charge(), m.device_charge()
         busy = {n for n, m in self.models.items() if m.pinned()}
         plan = cache.plan(self.clock(), busy)
         again = False

@@ -106,6 +106,26 @@ class DeviceAssigner:
         held = self._held.get((owner, instance))
         if held is not None:
             return DeviceAssignment(held)
+        chosen = self._choose(owner, device, req)
+        self._held[(owner, instance)] = chosen
+        return DeviceAssignment(chosen)
+
+    def expected(self, owner: str, instance: int, device: str) -> str | None:
+        """The UUID of the partition ``assign`` would hand this instance now, without taking
+        it (what the memory manager charges a load before its workers bind); None on the
+        CPU or when the node has no such GPU (its load will fail and say why)."""
+        req = parse_device(device)
+        if not req.cuda:
+            return None
+        held = self._held.get((owner, instance))
+        if held is not None:
+            return held.uuid
+        try:
+            return self._choose(owner, device, req).uuid
+        except InvalidInput:
+            return None
+
+    def _choose(self, owner: str, device: str, req: DeviceRequest) -> GpuPartition:
         listing = self.listing()
         parts = partitions_of(listing)
         if not parts:
@@ -119,8 +139,7 @@ class DeviceAssigner:
         else:
             load = Counter(p.uuid for p in self._held.values())
             chosen = min(parts, key=lambda p: load[p.uuid])  # min keeps the first of equals: NVML order
-        self._held[(owner, instance)] = chosen
-        return DeviceAssignment(chosen)
+        return chosen
 
     def release(self, owner: str, instance: int | None = None) -> None:
         """Forget one instance's partition, or (``instance`` None) all of ``owner``'s."""

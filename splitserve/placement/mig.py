@@ -341,3 +341,23 @@ def _keep(by_gi: dict[int, list[MigSlice]], wanted: Sequence[MigProfile],
                       for c in range(start, start + size))
     missing = _missing(wanted, [by_name[by_gi[g][0].profile] for g in kept])
     return kept if _place(missing, taken) is not None else set()
+
+
+def plan_node_geometry(listing: GpuListing, units: Sequence[int]) -> tuple[list[MigPlan], list[str]]:
+    """Algorithm 2's geometry (PROTEAN's partition sizes in "g" units, e.g. (4, 2, 1)) as the
+    MIG plans that would give every MIG-capable GPU of the node that layout, and why each
+    other GPU has none (no MIG, no profiles known, a geometry it cannot hold). Pure: the
+    plans are carried out (or, without the administrator's flag, only logged) by
+    ``placement.gpus.MigDriver.apply``."""
+    text = ",".join(f"{u}g" for u in sorted(units, reverse=True))
+    plans: list[MigPlan] = []
+    skipped: list[str] = []
+    for gpu in listing.gpus:
+        if gpu.mig is None:
+            skipped.append(f"GPU {gpu.index} ({gpu.name}) does not support MIG")
+            continue
+        try:
+            plans.append(plan_geometry(gpu, text))
+        except InvalidInput as e:
+            skipped.append(str(e))
+    return plans, skipped

@@ -132,7 +132,8 @@ class PartitionManager:
     def __init__(self, config: ServerConfig, resources: ResourceManager, changer: PlacementChanger,
                  models: Callable[[], Iterable[PartitionedModel]], view: Callable[[], list[InstanceView]],
                  metrics: Metrics, total_mem: int, profiles: ProteanProfileSource | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 mig_geometry: Callable[[Sequence[int]], object] | None = None) -> None:
         self.config = config
         self.partitioning = config.protean.partitioning
         self.warm = config.protean.partition_warm_instances
@@ -144,6 +145,8 @@ class PartitionManager:
         self.total_mem = total_mem
         self.profiles = profiles
         self.clock = clock
+        # the controller's geometry on the node's MIG GPUs (``server.mig_geometry``; blocking: run off the loop)
+        self.mig_geometry = mig_geometry
         self.cpus = worker_cpus(sorted(resources.cpus))
         layout = initial_layout(config.protean.partitioning, config.protean.geometry, self.cpus)
         self.geometry: Geometry | None = layout.geometry  # PROTEAN's units, None for a static layout
@@ -477,6 +480,8 @@ class PartitionManager:
         before = self.controller.current[group]
         try:
             await self._reconfigure(carve(geometry, self.cpus, self.unit), "controller", geometry)
+            if self.mig_geometry is not None and self.geometry == geometry:
+                await asyncio.to_thread(self.mig_geometry, geometry.units)
         finally:  # a change that failed leaves the old geometry in force
             self.controller.applied(group, geometry if self.geometry == geometry else before)
 

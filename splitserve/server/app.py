@@ -37,6 +37,7 @@ from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
 from splitserve.placement.devices import DeviceAssigner
 from splitserve.placement.gpus import MigDriver
+from splitserve.server.mig_geometry import MigGeometry
 from splitserve.placement.partition import Partitioning
 from splitserve.placement.profiler import ModelProfile, load_profile
 from splitserve.placement.resources import ResourceManager
@@ -125,7 +126,10 @@ class Server:
         if config.protean.partitioning is not Partitioning.NONE:
             self.partitions = PartitionManager(config, self.resources, self.applier,
                                                lambda: [rt.placements for rt in self.runtimes.values()],
-                                               lambda: self.coordinator.view(), self.metrics, _partition_memory(config))
+                                               lambda: self.coordinator.view(), self.metrics, _partition_memory(config),
+                                               mig_geometry=MigGeometry(MigDriver(
+                                                   admin=config.gpu.gpu_admin,
+                                                   timeout_s=config.gpu.gpu_command_timeout_s)))
         self.coordinator = Coordinator(lambda: [rt.dispatch for rt in self.runtimes.values()], config.reef.preemption,
                                        config.batching.coordinator_events,
                                        class_order=config.reef.class_order, placement=self.partitions,

@@ -339,6 +339,8 @@ class ModelMemory(BaseModel):
     last_load_ms: float | None
     keep_resident: bool
     last_used_s_ago: float | None
+    device_bytes: int  # per GPU instance, measured at its load (0 on the CPU)
+    device_reserved_bytes: dict[str, int]  # GPU partition UUID -> bytes held there, every instance's copy
 
 
 class Memory(BaseModel):
@@ -356,6 +358,8 @@ class Memory(BaseModel):
     loads: int
     evictions: int
     models: dict[str, ModelMemory]
+    device_budget_bytes: int | None  # per GPU partition (None: device memory unbudgeted)
+    device_reserved_bytes: dict[str, int]  # GPU partition UUID -> bytes reserved there
 
 
 class Stages(BaseModel):

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open's namespace)
 
-CUDA_UNSUPPORTED = ("CUDA shared memory is not supported: this splitserve server runs models on CPUs and has no "
-                    "GPU; use system shared memory (/v2/systemsharedmemory) instead")
+CUDA_UNSUPPORTED = ("CUDA shared memory is not supported by splitserve yet (GPU models take their inputs from host "
+                    "memory); use system shared memory (/v2/systemsharedmemory) instead")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from splitserve.models.segmented import SegmentedModel
 from splitserve.placement.devices import WORKER_DEVICE
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
+from splitserve.worker.device_memory import DeviceMemoryUse, TorchAllocator, load_charge
 from splitserve.worker.cuda import CudaDevice, GpuPath, capture_graphs, pin_queue, unpin_queue
 from splitserve.worker.launch import graph_sizes
 from splitserve.worker.spec import BindSpec
@@ -115,6 +116,8 @@ class Binding:
         t0 = time.perf_counter_ns()
         anon0 = rss_anon()
         self.private_bytes: int | None = None
+        self.device_bytes: int | None = None  # measured on a GPU with spec.measure (``worker.device_memory``)
+        self.device_slack_bytes = 0
         self.ident = ident
         self._fds = spec.fds()
         self.queues: dict[int, tuple[list[TensorQueue], list[TensorQueue]]] = {}
@@ -135,6 +138,7 @@ class Binding:
                                          _map(self.cfg.outputs, q.outputs, q.nslots))
             art = self.cfg.artifact
             path = Path(spec.model_dir) / art.file if (spec.model_dir and art.file) else None
+            device0 = DeviceMemoryUse.now(TorchAllocator(self.device)) if self.device.type == "cuda" else None
             self.model = load_artifact(art.kind, path, art.arch, seed=art.seed, cache_dir=cache_dir)
             self.model = with_handler(self.model, self.cfg.handler)  # TorchServe's pre/post-processing segments
             _page_in(self.model)
@@ -152,6 +156,9 @@ class Binding:
                 capture_graphs(self.gpu, self.model, graph_sizes(self.cfg.cuda_graphs, self.nbytes,
                                                                  self.cfg.max_batch_size),
                                self._zeros, self.device)
+            if device0 is not None and spec.measure:  # weights, warm-up activations, graph pools, allocator slack
+                self.device_bytes, self.device_slack_bytes = load_charge(
+                    device0, DeviceMemoryUse.now(TorchAllocator(self.device)))
         except BaseException:
             self.close()
             raise

@@ -167,12 +167,16 @@ class LoadedMsg:
     # The port of the binding's TCP direct endpoint, which the worker's OS picked (None:
     # it has none; ``DirectSpec.tcp_host``).
     direct_tcp_port: int | None = None
+    # Device bytes the load holds on its GPU, the caching allocator's slack included
+    # (``worker.device_memory``); None on the CPU or when the LOAD did not ask for the measure.
+    device_bytes: int | None = None
 
     def pack(self) -> bytes:
         return _pack_json(Msg.LOADED, self.binding, {"model": self.model, "nbytes": self.nbytes,
                                                       "load_ns": self.load_ns, "segments": self.segments,
                                                       "device": self.device, "private_bytes": self.private_bytes,
-                                                      "direct_tcp_port": self.direct_tcp_port})
+                                                      "direct_tcp_port": self.direct_tcp_port,
+                                                      "device_bytes": self.device_bytes})
 
     @classmethod
     def unpack(cls, b: bytes | bytearray) -> "LoadedMsg":

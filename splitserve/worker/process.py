@@ -162,7 +162,8 @@ class Worker:
     @staticmethod
     def _loaded(b: Binding, direct: DirectServer | None) -> LoadedMsg:
         return LoadedMsg(b.ident, b.cfg.name, b.nbytes, b.load_ns, b.model.num_segments,  # type: ignore[union-attr]
-                         str(b.device), b.private_bytes, direct.tcp_port if direct is not None else None)
+                         str(b.device), b.private_bytes, direct.tcp_port if direct is not None else None,
+                         b.device_bytes)
 
     def _inputs(self, b: Binding, msg: RunMsg) -> tuple:
         ins, _ = b.queues[msg.cls]

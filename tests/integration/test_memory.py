@@ -297,7 +297,9 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     assert status["models"][names[0]]["keep_resident"] and status["models"][names[0]]["evictions"] == 0
     assert all(ready)  # every copy is ready (served without an explicit load), resident or not
     assert set(status) == {"budget_bytes", "max_resident_models", "max_concurrent_loads", "reserved_bytes",
-                           "resident_bytes", "lru", "loading", "load_queue", "spares", "loads", "evictions", "models"}
+                           "resident_bytes", "lru", "loading", "load_queue", "spares", "loads", "evictions", "models",
+                           "device_budget_bytes", "device_reserved_bytes"}
+    assert status["device_reserved_bytes"] == {}  # CPU models hold no device memory
     assert set(names) <= set(status["models"]) and set(status["models"][names[0]]) == {
         "residency", "reason", "weights_bytes", "private_bytes", "reserved_bytes", "instances", "loads", "evictions",
-        "last_load_ms", "keep_resident", "last_used_s_ago"}
+        "last_load_ms", "keep_resident", "last_used_s_ago", "device_bytes", "device_reserved_bytes"}

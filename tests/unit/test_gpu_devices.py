@@ -76,6 +76,17 @@ def test_cuda_spreads_instances_over_the_least_held_partition_and_an_index_names
     assert d.held() == {"GPU-b": 1}
 
 
+def test_expected_names_the_partition_assign_would_give_without_taking_it():
+    d = DeviceAssigner(lambda: node(h200("GPU-a"), a100_mig("GPU-b")))
+    assert d.expected("m", 0, "cpu") is None
+    assert d.expected("m", 0, "cuda:9") is None  # its load fails and says why; nothing to charge
+    mig = d.expected("m", 0, "cuda:2")
+    assert mig is not None and mig.startswith("MIG-") and d.held() == {}
+    d.assign("n", 0, "cuda")
+    assert d.expected("m", 0, "cuda") != "GPU-a"  # the least-held partition, as assign would choose
+    assert d.expected("n", 0, "cuda") == "GPU-a"  # an instance that holds one keeps it
+
+
 def test_an_index_past_the_partitions_or_a_node_without_gpus_says_what_there_is():
     d = DeviceAssigner(lambda: node(h200("GPU-a")))
     with pytest.raises(InvalidInput, match=r"cuda:3.*this node has cuda:0 \(NVIDIA H200\)"):

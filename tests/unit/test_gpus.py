@@ -274,3 +274,23 @@ def test_the_inventory_answers_from_its_listing_and_reads_again_off_the_loop_whe
         assert len(reads) == 2 and inv.snapshot()["age_s"] == 0.0
 
     asyncio.run(scenario())
+
+
+def test_algorithm_2s_geometry_is_planned_on_every_mig_gpu_and_other_gpus_say_why_not():
+    from splitserve.placement.mig import plan_node_geometry
+
+    listing = listed(a100_421(), FakeGpu("NVIDIA H200", 141 * GIB, None, (), [], "GPU-h"))
+    plans, skipped = plan_node_geometry(listing, (3, 4))  # Algorithm 2's fallback (4g, 3g)
+    (plan,) = plans
+    assert plan.gpu == 0 and plan.target == ("4g.20gb", "3g.20gb") and plan.kept == (1,)
+    assert argv(plan)[-1] == "nvidia-smi mig -i 0 -cgi 3g.20gb -C"
+    assert skipped == ["GPU 1 (NVIDIA H200) does not support MIG"]
+    plans, skipped = plan_node_geometry(listing, (4, 2, 1))  # what the A100 has already: nothing to run
+    assert argv(plans[0]) == [] and "already has geometry" in plans[0].notes[0]
+
+
+def test_a_geometry_a_gpu_cannot_place_is_skipped_with_the_reason():
+    from splitserve.placement.mig import plan_node_geometry
+
+    plans, skipped = plan_node_geometry(listed(a100()), (3, 3, 1))  # counts allow it; memory slices do not
+    assert plans == [] and len(skipped) == 1 and "3g" in skipped[0]

@@ -30,7 +30,14 @@ def test_the_budget_and_the_model_count_come_from_their_environment_names(monkey
     assert cfg.memory.managed
 
 
-@pytest.mark.parametrize("bad", [{"memory_budget_bytes": 0}, {"max_resident_models": 0}, {"max_concurrent_loads": 0}])
+def test_a_device_budget_alone_makes_a_manager(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_DEVICE_BUDGET_BYTES", "20GiB")
+    memory = ServerConfig.from_env().memory
+    assert memory.device_budget_bytes == 20 << 30 and memory.memory_budget_bytes is None and memory.managed
+
+
+@pytest.mark.parametrize("bad", [{"memory_budget_bytes": 0}, {"max_resident_models": 0}, {"max_concurrent_loads": 0},
+                                 {"device_budget_bytes": 0}])
 def test_limits_below_one_are_refused(bad):
     with pytest.raises(InvalidInput):
         ServerConfig.from_env(**bad)

@@ -25,6 +25,7 @@ class FakeModel:
     state: str = "cold"  # cold | loading | resident | evicting
     calls: list[str] = field(default_factory=list)
     instance_count: int = 1
+    device: dict[str, int] = field(default_factory=dict)  # partition UUID -> device bytes
 
     @property
     def footprint(self) -> MemoryFootprint:
@@ -32,6 +33,9 @@ class FakeModel:
 
     def charge(self) -> int:
         return self.size
+
+    def device_charge(self) -> dict[str, int]:
+        return dict(self.device)
 
     def pinned(self) -> bool:
         return self.busy
@@ -156,3 +160,23 @@ def test_a_failed_load_answered_with_the_command_is_planned_again_without_a_call
     mm.request(b, False)  # a's failure gave its place back: b loads
     assert a.calls == ["load"] and b.calls == ["load"]
     assert mm.status()["models"]["a"]["residency"] == "FAILED" and mm.status()["loading"] == ["b"]
+
+
+def test_a_device_budget_alone_makes_a_manager_that_evicts_per_gpu_and_reports_device_bytes():
+    mm, events = manager(device_budget_bytes=100)
+    a = FakeModel("a", mm, device={"GPU-0": 60})
+    b = FakeModel("b", mm, device={"GPU-1": 60})
+    c = FakeModel("c", mm, device={"GPU-0": 60})
+    for m in (a, b):
+        mm.request(m, False)
+        m.finish_load()
+    mm.request(c, False)
+    assert a.calls == ["load", "release"] and b.calls == ["load"]  # b holds nothing on GPU-0
+    a.finish_eviction()
+    assert c.calls == ["load"]
+    c.finish_load()
+    status = mm.status()
+    assert status["device_budget_bytes"] == 100
+    assert status["device_reserved_bytes"] == {"GPU-0": 60, "GPU-1": 60}
+    assert status["models"]["c"]["device_reserved_bytes"] == {"GPU-0": 60}
+    assert ("evict_done", "a") in events

@@ -35,6 +35,9 @@ from splitserve.scheduler.request import QueuedRequest
 from splitserve.server.coordinator import Coordinator
 from splitserve.server.metrics import Metrics
 from splitserve.protean.partitions import NODE_OWNER, PartitionManager
+from splitserve.placement.gpus import MigDriver
+from splitserve.server.mig_geometry import MigGeometry
+from tests.fake_nvml import A100, GIB, FakeGpu, FakeInstance, FakeNvml
 from splitserve.memory.footprints import MemoryFootprint
 
 RT, BE = RequestClass.RT, RequestClass.BE
@@ -578,8 +581,14 @@ def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mis
     models: dict[str, Model] = {}
     cfg = ServerConfig.of(partitioning="protean", preemption="concurrent")
     holder: dict[str, Coordinator] = {}
+    # the node's MIG GPU: an A100 in (4g, 2g, 1g); no --gpu-admin, so the plan is only made and logged
+    a100 = FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GIB, (1, 1), A100,
+                   [FakeInstance(1, 5, (0, 4), {0: 4}), FakeInstance(5, 14, (4, 2), {0: 2}),
+                    FakeInstance(13, 19, (6, 1), {0: 1})], "GPU-a")
+    ran: list[list[str]] = []
+    mig = MigGeometry(MigDriver(FakeNvml([a100]), admin=False, run=lambda argv, **_: ran.append(argv)))
     pm = PartitionManager(cfg, ResourceManager(cores(8)), Changer(), lambda: models.values(),
-                          lambda: holder["c"].view(), Metrics(), 7 * GB, clock=lambda: 0.0)
+                          lambda: holder["c"].view(), Metrics(), 7 * GB, clock=lambda: 0.0, mig_geometry=mig)
     holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm)
     assert [p.cores for p in pm.current()] == [4, 2, 1] and pm.controller is not None
     models["be"] = Model("be", [])
@@ -598,6 +607,8 @@ def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mis
     assert pm.geometry is not None and pm.geometry.units == (4, 3)
     assert pm.controller.current[0].units == (4, 3)
     assert sorted(c for p in pm.current() for c in p.cpus) == list(range(1, 8))  # CPU 0 stays the front end's
+    (applied,) = mig.last  # the same geometry planned on the MIG GPU, after the cores were re-carved
+    assert applied.dry_run and applied.plan.target == ("4g.20gb", "3g.20gb") and ran == []
 
 
 def test_workers_of_a_partitioned_node_wait_passively_unless_told_otherwise():

@@ -65,6 +65,8 @@ def test_answers_round_trip():
     assert LoadedMsg.unpack(loaded.pack()) == loaded
     measured = LoadedMsg(3, "lenet", 246_000, 1_500_000, 3, "cpu", private_bytes=5 << 20)
     assert LoadedMsg.unpack(measured.pack()) == measured
+    on_gpu = LoadedMsg(3, "resnet50", 102 << 20, 1_500_000, 5, "cuda:0", private_bytes=1 << 20, device_bytes=300 << 20)
+    assert LoadedMsg.unpack(on_gpu.pack()) == on_gpu
     assert UnloadedMsg.unpack(UnloadedMsg(3, 150 << 20).pack()) == UnloadedMsg(3, 150 << 20)
     assert UnloadedMsg.unpack(UnloadedMsg(None).pack()) == UnloadedMsg(None)
     failed = FailedMsg(Msg.LOAD, 3, "InvalidInput: not a safetensors file ✗")

@@ -298,7 +298,8 @@ class Instances:
         if msg.private_bytes is None:
             core.footprint = replace(core.footprint, weights_bytes=msg.nbytes)
         else:  # measured: kept across restarts
-            core.footprint = MemoryFootprint(msg.nbytes, msg.private_bytes, measured=True)
+            core.footprint = MemoryFootprint(msg.nbytes, msg.private_bytes, measured=True,
+                                             device_bytes=msg.device_bytes or 0)
             core.env.footprints.save(core.record, core.footprint, msg.load_ns / 1e6)
         core.stats.loads += 1
         core.stats.load_ns += msg.load_ns

@@ -112,6 +112,18 @@ class ModelResidency:
         core = self.core
         return core.footprint.charge(self.instance_count or core.placer.instances or core.config.instances)
 
+    def device_charge(self) -> dict[str, int]:
+        core = self.core
+        devices = core.env.devices
+        if devices is None or not core.footprint.device_bytes:
+            return {}
+        per: dict[str, int] = {}
+        for i in range(self.instance_count or core.placer.instances or core.config.instances):
+            uuid = devices.expected(self.name, i, core.config.device)
+            if uuid is not None:
+                per[uuid] = per.get(uuid, 0) + 1
+        return core.footprint.device_charge(per)
+
     def pinned(self) -> bool:
         d, sched = self.dispatch, self.core.sched
         if d.unserved and not sched.waiting():
