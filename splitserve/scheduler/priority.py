@@ -9,6 +9,12 @@ Modes (REEF §3.1 and the §7.1 baselines):
   on claimed CPUs are preempted at their next segment boundary and resumed later from
   their restore point; BE work on other CPUs goes on beside it (padding) only while each
   of its segments ends before the RT work is expected to finish (rule 1, adapted).
+- ``idle``: REEF's preemption done by the kernel. Best-effort instances (models whose
+  default class is ``be``) run on the same cores as real-time ones with every worker
+  thread under ``SCHED_IDLE`` (``worker/sched_class.py``) and passive OpenMP pools, so a
+  runnable real-time thread takes the core at once, mid-segment, and the best-effort
+  thread resumes with its state intact. Nothing is flagged, padded or restored: the node
+  lets everything start, as in ``concurrent``.
 - ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork);
   under ``ClassOrder.ARRIVAL`` the model whose oldest waiting request came first, whatever
   its class, takes the node (Molecule's time sharing).
@@ -29,6 +35,7 @@ class PriorityMode(Choice, what="preemption mode"):
     """How RT and BE work share the node (the modes above); ``ServerConfig.reef.preemption``."""
 
     REEF = "reef"
+    IDLE = "idle"
     SEQ = "seq"
     CONCURRENT = "concurrent"
     RT_ONLY = "rt-only"
@@ -91,7 +98,7 @@ def decide(mode: PriorityMode, node: list[InstanceView], order: ClassOrder = Cla
     """What each instance may do now under ``mode`` (``order`` matters only to ``seq``)."""
     d = Decision()
     keys = [(v.model, v.instance) for v in node]
-    if mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY):
+    if mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY, PriorityMode.IDLE):
         d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
         return d
     if mode is PriorityMode.SEQ and order is ClassOrder.ARRIVAL:
