@@ -35,8 +35,9 @@ def test_parse_names_every_mode_and_refuses_others():
         PriorityMode.parse("fifo")
 
 
-@pytest.mark.parametrize("mode", [PriorityMode.CONCURRENT, PriorityMode.RT_ONLY])
-def test_concurrent_and_rt_only_let_everything_run_side_by_side(mode):
+@pytest.mark.parametrize("mode", [PriorityMode.CONCURRENT, PriorityMode.RT_ONLY, PriorityMode.IDLE])
+def test_concurrent_rt_only_and_idle_let_everything_run_side_by_side(mode):
+    # idle: the kernel, not the node, puts rt first (best-effort workers under SCHED_IDLE)
     node = [inst("a", 0, {0}, running=RT, batch=1, end=5.0, rt_waiting=3),
             inst("b", 0, {0}, running=BE, batch=2),
             inst("b", 1, {1}, suspended=True)]

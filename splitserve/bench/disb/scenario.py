@@ -289,13 +289,19 @@ def run(ctx: Context) -> ScenarioOutput:
     gen_cpus = [c for c in usable if c not in p.cpus]
     cfg = {"instances": 1, "threads": 1, "default_class": "rt", "cuda_graphs": p.cuda_graphs,
            **({"segment_capacity": p.segment_capacity} if p.segment_capacity else {})}
-    be_only = best_effort_models(specs)
-    repo = write_repository(ctx.results.path / "repository", {
-        **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m},
-               **({"default_class": "be"} if m in be_only else {})} for m in loaded},
+    models_cfg = {
+        **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m}}
+           for m in loaded},
         **{n: {**cfg, "cpus": [p.pair_cpu], "share_cpus": True, "artifact": {"kind": "zoo", "arch": a}}
            for n, a in pads.items()},
-    }, p.device)
+    }
+    repo = write_repository(ctx.results.path / "repository", models_cfg, p.device)
+    # idle demotes the workers of be models: its own repository, where the models only
+    # best-effort tasks call default to be (elsewhere a call naming no class stays rt)
+    be_only = best_effort_models(specs)
+    idle_repo = write_repository(ctx.results.path / "repository-idle", {
+        m: {**c, "default_class": "be"} if m in be_only else c for m, c in models_cfg.items()},
+        p.device) if "idle" in p.schemes else repo
     schemes = [s for s in SCHEMES if s in p.schemes]
     if pairs and "reef" not in schemes:
         schemes.append("reef-pairs")  # a reef server for the pairs alone
@@ -310,7 +316,7 @@ def run(ctx: Context) -> ScenarioOutput:
         models = dict(loaded) if scheme != "reef-pairs" else {}
         if mode == "reef":
             models.update({rt: rt for rt, _ in pairs} | {be: be for _, be in pairs} | pads)
-        args = ["--repository", str(repo), "--preemption", mode] + [a for m in models for a in ("--load", m)]
+        args = ["--repository", str(idle_repo if mode == "idle" else repo), "--preemption", mode] + [a for m in models for a in ("--load", m)]
         with own_server(ctx, scheme, args) as server:
             target = Target(server.urls)
             ctx.validate(target, {m: Expected(a) for m, a in models.items()}, p.transports[:1])
