@@ -68,7 +68,7 @@ from splitserve.bench.validate import Expected
 from splitserve.errors import InvalidInput
 
 NAME = "disb"
-SUMMARY = "DISB workloads A-E and REAL under rt-only, seq, concurrent and reef: RT latency, throughput, " \
+SUMMARY = "DISB workloads A-E and REAL under rt-only, seq, concurrent, reef and idle: RT latency, throughput, " \
           "preemption latency, restore overhead, padding pairs (REEF Fig. 11/12/15b/16)."
 TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
 SCHEMES: tuple[str, ...] = report.SCHEMES
