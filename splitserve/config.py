@@ -290,7 +290,7 @@ class ReefSection(_Section):
     """How real-time and best-effort work share the node (REEF's preemption, the class order)
     and the running estimates REEF's expected end is built from."""
 
-    preemption: PriorityMode = PriorityMode.REEF  # how RT and BE work share the node: reef | seq | concurrent | rt-only
+    preemption: PriorityMode = PriorityMode.REEF  # how RT and BE work share the node: reef | idle | seq | concurrent | rt-only
     rt_policy: RtPolicy = RtPolicy.FIFO  # order among waiting real-time requests: fifo | edf (earliest deadline first)
     class_order: ClassOrder = ClassOrder.PRIORITY  # who goes first: priority (rt, then be) | arrival (oldest, any class)
     batch_time_weight: float = 0.25  # weight of the newest sample in a model's batch-time EWMA (REEF's expected end)
@@ -482,8 +482,9 @@ class ServerConfig:
     def omp_wait_policy(self) -> str | None:
         """``OMP_WAIT_POLICY`` for the node's workers (None: OpenMP's default)."""
         policy = self.workers.worker_omp_wait_policy
-        if policy is OmpWaitPolicy.AUTO:
-            return "PASSIVE" if self.protean.partitioning is not Partitioning.NONE else None
+        if policy is OmpWaitPolicy.AUTO:  # idle: a spinning best-effort pool would hold its core
+            passive = self.protean.partitioning is not Partitioning.NONE or self.reef.preemption is PriorityMode.IDLE
+            return "PASSIVE" if passive else None
         return policy.value.upper()
 
     @property

@@ -9,6 +9,13 @@ Modes (REEF §3.1 and the §7.1 baselines):
   on claimed CPUs are preempted at their next segment boundary and resumed later from
   their restore point; BE work on other CPUs goes on beside it (padding) only while each
   of its segments ends before the RT work is expected to finish (rule 1, adapted).
+- ``idle``: REEF's preemption done by the kernel. Best-effort instances (models whose
+  default class is ``be``) run on the same cores as real-time ones with every worker
+  thread under ``SCHED_IDLE`` (``worker/sched_class.py``) and passive OpenMP pools, so a
+  runnable real-time thread takes the core at once, mid-segment, and the best-effort
+  thread resumes with its state intact. Nothing is flagged, padded or restored: the node
+  lets everything start, as in ``concurrent``; a model that takes both classes on one
+  instance has its BE batch preempted at a segment boundary for its own RT work, as in ``reef``.
 - ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork);
   under ``ClassOrder.ARRIVAL`` the model whose oldest waiting request came first, whatever
   its class, takes the node (Molecule's time sharing).
@@ -29,6 +36,7 @@ class PriorityMode(Choice, what="preemption mode"):
     """How RT and BE work share the node (the modes above); ``ServerConfig.reef.preemption``."""
 
     REEF = "reef"
+    IDLE = "idle"
     SEQ = "seq"
     CONCURRENT = "concurrent"
     RT_ONLY = "rt-only"
@@ -63,27 +71,35 @@ class Decision:
     rt_mode: bool = False
 
 
-def rt_claims(node: list[InstanceView]) -> frozenset[int]:
-    """CPUs that RT work runs on now or is about to: instances running RT, plus for each
-    model with RT waiting and no idle instance, the instance it will preempt."""
-    claimed: set[int] = set()
+def _rt_targets(node: list[InstanceView]) -> list[InstanceView]:
+    """For each model with RT waiting, the instance its RT work will take: its first idle
+    ready instance, else the BE batch already being preempted, else its first BE batch."""
     by_model: dict[str, list[InstanceView]] = {}
     for v in node:
         if v.ready:
             by_model.setdefault(v.model, []).append(v)
-        if v.running_cls == RequestClass.RT:
-            claimed |= v.cpus
+    targets = []
     for views in by_model.values():
         if not views[0].rt_waiting:
             continue
         idle = [v for v in views if v.running_cls is None]
-        if idle:
-            claimed |= idle[0].cpus
-            continue
         be = [v for v in views if v.running_cls == RequestClass.BE]
-        if be:  # the one already being preempted, else the first
-            target = next((v for v in be if v.preempt_raised), be[0])
-            claimed |= target.cpus
+        if idle:
+            targets.append(idle[0])
+        elif be:
+            targets.append(next((v for v in be if v.preempt_raised), be[0]))
+    return targets
+
+
+def rt_claims(node: list[InstanceView]) -> frozenset[int]:
+    """CPUs that RT work runs on now or is about to: instances running RT, plus for each
+    model with RT waiting and no idle instance, the instance it will preempt."""
+    claimed: set[int] = set()
+    for v in node:
+        if v.running_cls == RequestClass.RT:
+            claimed |= v.cpus
+    for v in _rt_targets(node):
+        claimed |= v.cpus
     return frozenset(claimed)
 
 
@@ -93,6 +109,14 @@ def decide(mode: PriorityMode, node: list[InstanceView], order: ClassOrder = Cla
     keys = [(v.model, v.instance) for v in node]
     if mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY):
         d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
+        return d
+    if mode is PriorityMode.IDLE:
+        # The kernel puts RT first across instances (BE workers under SCHED_IDLE); only a
+        # model taking both classes on one instance has its BE batch stopped at a segment
+        # boundary for its own RT work: no scheduler can take a worker from itself.
+        d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
+        d.preempt = [(v.model, v.instance, v.running_batch) for v in _rt_targets(node)
+                     if v.running_cls == RequestClass.BE and not v.preempt_raised]
         return d
     if mode is PriorityMode.SEQ and order is ClassOrder.ARRIVAL:
         waiting = [v for v in node if v.ready and v.oldest_waiting is not None]

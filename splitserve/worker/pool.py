@@ -83,6 +83,8 @@ class WorkerHandle:
         env.setdefault("OMP_NUM_THREADS", "1")  # one thread until a LOAD places it
         if omp_wait_policy is not None:  # OpenMP reads it when torch loads it: before any LOAD
             env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
+            if omp_wait_policy == "PASSIVE":  # Intel's OpenMP spins for KMP_BLOCKTIME whatever the policy
+                env.setdefault("KMP_BLOCKTIME", "0")
         # Its own process group: a terminal's Ctrl-C reaches the server, which drains the
         # workers, instead of failing every batch at once (the worker also ignores SIGINT).
         self.proc = subprocess.Popen(

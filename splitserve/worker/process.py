@@ -39,6 +39,7 @@ from splitserve.worker.launch import ewma
 from splitserve.worker.poller import Poller
 from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
+from splitserve.worker.sched_class import set_idle
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
 
@@ -126,6 +127,7 @@ class Worker:
             raise InvalidInput(f"worker {os.getpid()} is bound to model {self.bound.cfg.name!r} "
                                f"(binding {self.bound.ident}); UNLOAD it first")
         try:
+            set_idle(msg.bind.idle)  # before _place: pool threads it starts inherit the class
             _place(msg.bind.cpus, msg.bind.threads)
             claim_visible(msg.bind.visible_devices, torch.cuda.is_initialized)  # GPU device path
         except BaseException:

@@ -78,6 +78,9 @@ class BindSpec:
     # The one GPU partition the worker may see (``placement.devices``): a GPU-… or MIG-… UUID,
     # set as CUDA_VISIBLE_DEVICES before the worker first touches CUDA; None for a CPU model.
     visible_devices: str | None = None
+    # Preemption idle and a best-effort model: every thread of the worker under SCHED_IDLE
+    # (``worker/sched_class.py``); False puts a reused worker's threads back to normal.
+    idle: bool = False
 
     def fds(self) -> list[int]:
         """Every queue fd, class by class (in key order), inputs before outputs."""

@@ -114,8 +114,9 @@ def seen(kind, cls):
     return lambda server: (kind, cls) in kinds(server.coordinator.events)
 
 
-def test_reef_rt_preempts_be_of_the_same_model_and_be_resumes_correctly(tmp_path):
-    events, be_out, rt_out = run_gated(tmp_path, "reef", be_then_rt("gate_be", seen("preempt", "be")))
+@pytest.mark.parametrize("mode", ["reef", "idle"])  # idle: no scheduler can take a worker from itself
+def test_reef_rt_preempts_be_of_the_same_model_and_be_resumes_correctly(tmp_path, mode):
+    events, be_out, rt_out = run_gated(tmp_path, mode, be_then_rt("gate_be", seen("preempt", "be")))
     seq = kinds(events)
     assert seq == [("start", "be"), ("preempt", "be"), ("preempted", "be"), ("start", "rt"), ("done", "rt"),
                    ("resume", "be"), ("done", "be")], seq

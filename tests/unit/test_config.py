@@ -39,10 +39,10 @@ def test_preemption_modes_round_trip_and_an_unknown_one_is_refused(monkeypatch):
         assert ServerConfig.of(preemption=mode.value).reef.preemption is mode
         monkeypatch.setenv("SPLITSERVE_PREEMPTION", mode.value)
         assert ServerConfig.from_env().reef.preemption is mode
-    with pytest.raises(InvalidInput, match=_refused("preemption", "'lifo'", "reef, seq, concurrent, rt-only")):
+    with pytest.raises(InvalidInput, match=_refused("preemption", "'lifo'", "reef, idle, seq, concurrent, rt-only")):
         ServerConfig.of(preemption="lifo")
     monkeypatch.setenv("SPLITSERVE_PREEMPTION", "REEF")
-    with pytest.raises(InvalidInput, match=_refused("SPLITSERVE_PREEMPTION", "'REEF'", "reef, seq, concurrent, rt-only")):
+    with pytest.raises(InvalidInput, match=_refused("SPLITSERVE_PREEMPTION", "'REEF'", "reef, idle, seq, concurrent, rt-only")):
         ServerConfig.from_env()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from splitserve.bench.disb import workload
+from splitserve.bench.disb import scenario, workload
 from splitserve.errors import InvalidInput
 
 
@@ -202,3 +202,10 @@ def test_real_scaled_far_down_leaves_out_silent_chains() -> None:
     w = workload.builtin("REAL", duration=1.0, rate_scale=0.2)  # chains below 1 frame/s never fire
     models = {t.client.model_name for t in w.tasks if t.cls == "rt"}
     assert models == {"resnet152", "inception_v3"}
+
+
+def test_best_effort_models_are_those_no_real_time_task_calls() -> None:
+    # C: vgg19 takes both classes, so it stays rt; D's models all take rt work
+    assert scenario.best_effort_models([workload.WorkloadSpec("C", builtin="C")]) == {
+        "resnet152", "densenet201", "inception_v3", "distilbert"}
+    assert scenario.best_effort_models([workload.WorkloadSpec("D", builtin="D")]) == set()

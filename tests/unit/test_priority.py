@@ -229,3 +229,16 @@ def test_seq_allows_no_start_while_anything_runs_and_rt_before_be(node):
     elif any(v.rt_waiting for v in node):
         assert allowed == {RT}
     assert d.preempt == [] and d.padding_deadline == {}
+
+
+def test_idle_lets_everything_start_and_preempts_only_a_be_batch_blocking_rt_of_its_own_model():
+    # the kernel puts rt first across instances: b's BE batch on a's CPU runs on; c's own
+    # RT call waits for c's only instance, whose BE batch is stopped at a boundary, once
+    node = [inst("a", 0, {0}, running=RT, batch=1, end=5.0, rt_waiting=1),
+            inst("b", 0, {0}, running=BE, batch=2),
+            inst("c", 0, {0}, running=BE, batch=3, rt_waiting=1)]
+    d = decide(PriorityMode.IDLE, node)
+    assert d.may_start == {("a", 0): BOTH, ("b", 0): BOTH, ("c", 0): BOTH}
+    assert d.preempt == [("c", 0, 3)] and d.padding_deadline == {}
+    node[2] = inst("c", 0, {0}, running=BE, batch=3, rt_waiting=1, raised=True)
+    assert decide(PriorityMode.IDLE, node).preempt == []

@@ -1,4 +1,4 @@
-"""``splitserve bench disb``: REEF's DISB workloads under four RT/BE preemption schemes.
+"""``splitserve bench disb``: REEF's DISB workloads under five RT/BE preemption schemes.
 
 - ``workload``: DISB's JSON workload files, the published workloads A-E and REAL, and their
   arrival schedules;

@@ -11,8 +11,8 @@ import numpy as np
 from splitserve.bench.disb.workload import WorkloadSpec
 from splitserve.bench.scenarios.base import fmt, md_table
 
-SCHEMES: tuple[str, ...] = ("rt-only", "seq", "concurrent", "reef")
-COLOURS = {"rt-only": "#7f7f7f", "seq": "#ff7f0e", "concurrent": "#2ca02c", "reef": "#2b7bba"}
+SCHEMES: tuple[str, ...] = ("rt-only", "seq", "concurrent", "reef", "idle")
+COLOURS = {"rt-only": "#7f7f7f", "seq": "#ff7f0e", "concurrent": "#2ca02c", "reef": "#2b7bba", "idle": "#9467bd"}
 
 
 class Setup(Protocol):

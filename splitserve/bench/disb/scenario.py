@@ -1,6 +1,6 @@
-"""disb: REEF's DISB workloads under four preemption schemes (REEF §7, Fig. 11, 12, 15b, 16).
+"""disb: REEF's DISB workloads under five preemption schemes (REEF §7, Fig. 11, 12, 15b, 16).
 
-Each scheme (``rt-only``, ``seq``, ``concurrent``, ``reef``) gets its own server, started with
+Each scheme (``rt-only``, ``seq``, ``concurrent``, ``reef``, ``idle``) gets its own server, started with
 ``--preemption SCHEME`` and every DISB model loaded. On a CPU node the models must contend for
 the same cores for preemption to matter, so every model runs one instance with one thread,
 pinned to the same CPU set (``cpus``, default CPU 0). The load generator runs in two separate
@@ -68,7 +68,7 @@ from splitserve.bench.validate import Expected
 from splitserve.errors import InvalidInput
 
 NAME = "disb"
-SUMMARY = "DISB workloads A-E and REAL under rt-only, seq, concurrent and reef: RT latency, throughput, " \
+SUMMARY = "DISB workloads A-E and REAL under rt-only, seq, concurrent, reef and idle: RT latency, throughput, " \
           "preemption latency, restore overhead, padding pairs (REEF Fig. 11/12/15b/16)."
 TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
 SCHEMES: tuple[str, ...] = report.SCHEMES
@@ -138,6 +138,15 @@ def resolve_workloads(p: Params, quick: bool = False) -> list[WorkloadSpec]:
 def workload_models(spec: WorkloadSpec) -> set[str]:
     w = spec.workload or builtin(spec.builtin or "A", 1.0)
     return {t.client.model_name for t in w.tasks}
+
+
+def best_effort_models(specs: Sequence[WorkloadSpec]) -> set[str]:
+    """Models only best-effort tasks call: their default class is ``be``, which under
+    preemption ``idle`` puts their workers under SCHED_IDLE (every call names its class,
+    so no other scheme sees the difference)."""
+    tasks = [t for s in specs for t in (s.workload or builtin(s.builtin or "A", 1.0)).tasks]
+    rt = {t.client.model_name for t in tasks if t.cls == "rt"}
+    return {t.client.model_name for t in tasks if t.cls == "be"} - rt
 
 
 def _task_rate(t: Task, duration: float) -> float | None:
@@ -280,12 +289,19 @@ def run(ctx: Context) -> ScenarioOutput:
     gen_cpus = [c for c in usable if c not in p.cpus]
     cfg = {"instances": 1, "threads": 1, "default_class": "rt", "cuda_graphs": p.cuda_graphs,
            **({"segment_capacity": p.segment_capacity} if p.segment_capacity else {})}
-    repo = write_repository(ctx.results.path / "repository", {
+    models_cfg = {
         **{m: {**cfg, "cpus": list(p.cpus), "share_cpus": True, "artifact": {"kind": "zoo", "arch": m}}
            for m in loaded},
         **{n: {**cfg, "cpus": [p.pair_cpu], "share_cpus": True, "artifact": {"kind": "zoo", "arch": a}}
            for n, a in pads.items()},
-    }, p.device)
+    }
+    repo = write_repository(ctx.results.path / "repository", models_cfg, p.device)
+    # idle demotes the workers of be models: its own repository, where the models only
+    # best-effort tasks call default to be (elsewhere a call naming no class stays rt)
+    be_only = best_effort_models(specs)
+    idle_repo = write_repository(ctx.results.path / "repository-idle", {
+        m: {**c, "default_class": "be"} if m in be_only else c for m, c in models_cfg.items()},
+        p.device) if "idle" in p.schemes else repo
     schemes = [s for s in SCHEMES if s in p.schemes]
     if pairs and "reef" not in schemes:
         schemes.append("reef-pairs")  # a reef server for the pairs alone
@@ -300,7 +316,7 @@ def run(ctx: Context) -> ScenarioOutput:
         models = dict(loaded) if scheme != "reef-pairs" else {}
         if mode == "reef":
             models.update({rt: rt for rt, _ in pairs} | {be: be for _, be in pairs} | pads)
-        args = ["--repository", str(repo), "--preemption", mode] + [a for m in models for a in ("--load", m)]
+        args = ["--repository", str(idle_repo if mode == "idle" else repo), "--preemption", mode] + [a for m in models for a in ("--load", m)]
         with own_server(ctx, scheme, args) as server:
             target = Target(server.urls)
             ctx.validate(target, {m: Expected(a) for m, a in models.items()}, p.transports[:1])

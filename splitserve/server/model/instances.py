@@ -164,7 +164,8 @@ class Instances:
             core.config.to_dict(), str(core.record.path) if core.record.path else None, self.queues.fds(),
             core.config.capacity, segments, cpus=sorted(placed.cpus), threads=placed.threads,
             measure=not core.footprint.measured, direct=self._direct_spec(i, placed.batch),
-            visible_devices=self._gpu(i))
+            visible_devices=self._gpu(i),
+            idle=core.settings.reef.preemption is PriorityMode.IDLE and core.config.default_class == "be")
 
     def _gpu(self, i: int) -> str | None:
         """Instance ``i``'s GPU partition (``CUDA_VISIBLE_DEVICES``), None on the CPU;

@@ -1,0 +1,77 @@
+"""Preemption ``idle``: best-effort workers under SCHED_IDLE, read back from the OS, and
+real-time work that never waits for a best-effort batch on the same core."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+
+from splitserve.models.gate import Gates
+from tests.inproc import quiet_config, run_server, until, write_model
+from tests.integration.test_preemption import BE_KEY, RT_KEY, kinds
+
+
+def policies(pid: int) -> dict[int, int]:
+    """The scheduling policy of every thread of process ``pid``, from the OS."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getscheduler(int(tid))
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def gated(tmp_path, scenario):
+    """``gate_be`` (a best-effort model) and ``gate_rt`` (a real-time one) on CPU 0, under idle."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gate_be", "gate", 'cpus = [0]\nshare_cpus = true\ndefault_class = "be"')
+    write_model(repo, "gate_rt", "gate", 'cpus = [0]\nshare_cpus = true\ndefault_class = "rt"')
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache",
+                       load=("gate_be", "gate_rt"), preemption="idle")
+    gates = Gates(tmp_path / "cache")
+    try:
+        return run_server(cfg, lambda server: scenario(server, gates))
+    finally:
+        gates.open_all()
+
+
+def test_idle_demotes_every_thread_of_best_effort_workers_and_leaves_real_time_ones(tmp_path):
+    async def scenario(server, gates):
+        before = {m: [policies(h.pid) for h in server.runtime(m).workers.values()] for m in ("gate_be", "gate_rt")}
+        # a batch each: pool threads started while serving inherit their worker's class
+        await server.infer("gate_be", [np.array([[1]], np.int64)], cls="be")
+        await server.infer("gate_rt", [np.array([[2]], np.int64)], cls="rt")
+        after = {m: [policies(h.pid) for h in server.runtime(m).workers.values()] for m in ("gate_be", "gate_rt")}
+        return before, after
+
+    before, after = gated(tmp_path, scenario)
+    for seen in (before, after):
+        assert seen["gate_be"] and seen["gate_rt"]
+        for threads in seen["gate_be"]:
+            assert threads and set(threads.values()) == {os.SCHED_IDLE}, threads
+        for threads in seen["gate_rt"]:
+            assert threads and set(threads.values()) == {os.SCHED_OTHER}, threads
+
+
+def test_idle_a_real_time_call_under_a_best_effort_flood_completes_while_best_effort_still_runs(tmp_path):
+    async def scenario(server, gates):
+        gates.close(BE_KEY)
+        flood = [asyncio.ensure_future(server.infer("gate_be", [np.array([[BE_KEY]], np.int64)], cls="be"))
+                 for _ in range(8)]
+        await asyncio.wait_for(until(lambda: gates.held(BE_KEY)), 60)
+        rt = await server.infer("gate_rt", [np.array([[RT_KEY]], np.int64)], cls="rt")
+        still_held = gates.held(BE_KEY)  # the best-effort batch is mid-run on the same core
+        gates.open(BE_KEY)
+        be = await asyncio.gather(*flood)
+        return list(server.coordinator.events), rt, be, still_held
+
+    events, rt, be, still_held = gated(tmp_path, scenario)
+    assert still_held
+    assert rt.outputs  # answered
+    assert len(be) == 8 and all(r.outputs for r in be)
+    seq = kinds(events)
+    assert seq.index(("done", "rt")) < seq.index(("done", "be"))
+    assert not any(k in ("preempt", "preempted") for k, _ in seq)
