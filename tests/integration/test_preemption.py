@@ -82,6 +82,14 @@ async def until(what, done):
         await asyncio.sleep(0.002)
 
 
+def wait_until(what, done):
+    """``until`` for a test's own thread: polls ``done`` for up to 60 s, then fails naming ``what``."""
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
 def be_then_rt(rt_model, release_be, release_rt=None):
     """A best-effort batch on ``gate_be``, held at its gate (so provably mid-run) when a
     real-time request for ``rt_model`` arrives. The BE batch is let go once
@@ -241,16 +249,11 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
         gates.close(9002)
         with Client(s.tcp, direct=True) as c:
 
-            def until(what, done):
-                deadline = time.monotonic() + 60
-                while not done():
-                    assert time.monotonic() < deadline, f"never: {what}"
-                    time.sleep(0.01)
 
             be = c.submit("gate_be", np.array([9001], np.int64))
-            until("the best-effort sample is at its gate", lambda: gates.held(9001))
+            wait_until("the best-effort sample is at its gate", lambda: gates.held(9001))
             rt = c.submit("gate_rt", np.array([9002], np.int64))
-            until("the real-time sample is at its gate", lambda: gates.held(9002))
+            wait_until("the real-time sample is at its gate", lambda: gates.held(9002))
             assert c.direct_endpoints("gate_be") == c.direct_endpoints("gate_rt") == 1
 
             def events():
@@ -260,10 +263,10 @@ def test_reef_a_direct_rt_call_holds_direct_be_work_on_its_cpus_at_a_boundary(tm
                 with raw(s) as r:  # a fresh lookup: its direct counters now
                     return describe(r, model)["direct_counts"]
 
-            until("the coordinator preempts the direct best-effort batch",
+            wait_until("the coordinator preempts the direct best-effort batch",
                   lambda: any(e["kind"] == "preempt" and e["model"] == "gate_be" for e in events()))
             gates.open(9001)  # segment 0 ends; the boundary holds it while the real-time batch runs
-            until("the best-effort batch stops at its boundary", lambda: counts("gate_be")["preempted"] == 1)
+            wait_until("the best-effort batch stops at its boundary", lambda: counts("gate_be")["preempted"] == 1)
             assert counts("gate_be")["answered"] == 0  # held while the real-time sample is
             gates.open(9002)
             assert rt.result(timeout=60).value().ravel().tolist() == [9002]
@@ -301,11 +304,6 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
             gates.close(k)
         with Client(s.tcp) as c, Client(s.tcp, direct=False) as front:
 
-            def until(what, done):
-                deadline = time.monotonic() + 60
-                while not done():
-                    assert time.monotonic() < deadline, f"never: {what}"
-                    time.sleep(0.01)
 
             def events(kind):
                 return [e for e in get_json(f"{s.http}/v2/scheduler/events")["events"]
@@ -316,23 +314,23 @@ def test_reef_a_front_end_preemption_does_not_release_a_held_direct_batch_on_the
                     return describe(r, "gate_be")["direct_counts"]
 
             be = c.submit("gate_be", np.array([9001], np.int64))
-            until("the direct best-effort sample is at its gate", lambda: gates.held(9001))
+            wait_until("the direct best-effort sample is at its gate", lambda: gates.held(9001))
             rt = c.submit("gate_rt", np.array([9002], np.int64))
-            until("the coordinator holds the direct best-effort batch", lambda: events("preempt"))
+            wait_until("the coordinator holds the direct best-effort batch", lambda: events("preempt"))
             other = c.submit("gate_x", np.array([9004], np.int64))  # real-time work on CPU 1, running on
-            until("the real-time sample on CPU 1 is at its gate", lambda: gates.held(9004))
+            wait_until("the real-time sample on CPU 1 is at its gate", lambda: gates.held(9004))
             gates.open(9001)
-            until("the direct batch stops at its boundary", lambda: counts()["preempted"] == 1)
+            wait_until("the direct batch stops at its boundary", lambda: counts()["preempted"] == 1)
             gates.open(9002)
             assert rt.result(timeout=60).value().ravel().tolist() == [9002]
             # CPU 0 is free of real-time work: the same worker takes a front-end best-effort batch...
             fe = front.submit("gate_be", np.array([9003], np.int64), cls="be")
-            until("the front-end batch is at its gate", lambda: gates.held(9003))
+            wait_until("the front-end batch is at its gate", lambda: gates.held(9003))
             rt2 = c.submit("gate_rt", np.array([9005], np.int64))  # ...which real-time work on CPU 0 preempts
-            until("the front end preempts its batch",
+            wait_until("the front end preempts its batch",
                   lambda: any(e["batch"] != DIRECT_BATCH for e in events("preempt")))
             gates.open(9003)
-            until("the front-end batch stops at its boundary", lambda: events("preempted"))
+            wait_until("the front-end batch stops at its boundary", lambda: events("preempted"))
             # One round trip through the worker's loop: it has done whatever it does after
             # stopping the front-end batch (resuming the direct batch, if it may).
             d, fid = stream(s, "direct", "gate_be")
@@ -372,18 +370,13 @@ def test_a_direct_best_effort_batch_held_past_max_call_age_is_answered_internal_
         gates.close(9012)
         with Client(s.tcp) as c:  # direct: the defaults
 
-            def until(what, done):
-                deadline = time.monotonic() + 60
-                while not done():
-                    assert time.monotonic() < deadline, f"never: {what}"
-                    time.sleep(0.01)
 
             be = c.submit("gate_be", np.array([9011], np.int64))
-            until("the best-effort sample is at its gate", lambda: gates.held(9011))
+            wait_until("the best-effort sample is at its gate", lambda: gates.held(9011))
             rt = c.submit("gate_rt", np.array([9012], np.int64))
-            until("the real-time sample is at its gate", lambda: gates.held(9012))
+            wait_until("the real-time sample is at its gate", lambda: gates.held(9012))
             assert c.direct_endpoints("gate_be") == c.direct_endpoints("gate_rt") == 1
-            until("the coordinator preempts the direct best-effort batch",
+            wait_until("the coordinator preempts the direct best-effort batch",
                   lambda: any(e["kind"] == "preempt" and e["model"] == "gate_be"
                               for e in get_json(f"{s.http}/v2/scheduler/events")["events"]))
             gates.open(9011)  # segment 0 ends; the boundary holds it while the real-time batch runs
