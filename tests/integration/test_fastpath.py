@@ -275,7 +275,7 @@ def test_duplicate_req_id_in_flight_is_refused(gated, path):
 def test_deadline_missed_over_tcp_while_the_only_instance_is_held(gated):
     server, gates = gated
     gates.close(7010)
-    with Client(server.tcp) as c:
+    with Client(server.tcp, direct=False) as c:  # the front end's queue, which times a held call's deadline
         held = c.submit("gate", np.full((8, 1), 7010, np.int64))  # a full batch: nothing can join it
         late = c.submit("gate", np.array([7011], np.int64), deadline_ms=50)
         with pytest.raises(DeadlineMissed, match="deadline passed"):

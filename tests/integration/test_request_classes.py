@@ -53,7 +53,7 @@ def test_late_rt_is_served_and_missed_a_deadline_is_dropped_and_arrival_order_se
     s = server_factory("--repository", str(tmp_path / "repo"), "--load", "gate", "--preemption", "concurrent",
                        "--class-order", "arrival", http=True, cache_dir=tmp_path / "cache")
     try:
-        with Client(s.tcp) as c, HttpClient(s.http) as h:
+        with Client(s.tcp, direct=False) as c, HttpClient(s.http) as h:  # the scheduler's classes
             gates.close(1)
             holder = c.submit("gate", key(1), cls="be")  # holds the only instance mid-run
             with httpx.Client(base_url=s.http, timeout=30) as web:
@@ -65,6 +65,7 @@ def test_late_rt_is_served_and_missed_a_deadline_is_dropped_and_arrival_order_se
                 late_rt = c.submit("gate", key(3), cls="rt", slo_ms=1)  # cannot be met: the instance is held
                 with pytest.raises(DeadlineMissed):  # answered while the gate still holds key 1
                     c.infer_result("gate", key(4), cls="rt", deadline_ms=50)
+                assert gates.held(1)
                 gates.open(1)
                 assert int(holder.result().value()[0, 0]) == 1
                 assert int(early_be.result().value()[0, 0]) == 2
