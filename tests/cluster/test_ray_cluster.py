@@ -29,14 +29,17 @@ from splitserve.client import connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402
-from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402
+from splitserve.cluster.actors.controller import NAMESPACE  # noqa: E402
+from splitserve.cluster.actors.node_server import NodeSpec, node_server_name  # noqa: E402
 from splitserve.cluster.gateway.modelspec import ModelSpec  # noqa: E402
 from splitserve.cluster.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.node_settings import node_env  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402
 
 NODES = 3
+NODE_BUDGET = "16GiB"
 WINDOW = 4  # pipelined calls per client
 IMAGE = bytes(784)
 
@@ -70,8 +73,10 @@ def cluster() -> Iterator[LocalCluster]:
     cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, notice_min_s=90, notice_max_s=90,
                                  drain_lead_s=6, drain_margin_s=3,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
-    local = LocalCluster(cfg, str(root), NodeSpec(token="cluster-test-token", cache_dir=str(CACHE),
-                                                  tmp_root=str(root)), gateway_http_port=0)
+    # every node runs with the node settings `cluster up` takes (a budget no test's models reach)
+    spec = NodeSpec(token="cluster-test-token", cache_dir=str(CACHE), tmp_root=str(root),
+                    env=node_env({"memory_budget_bytes": NODE_BUDGET}))
+    local = LocalCluster(cfg, str(root), spec, gateway_http_port=0)
     try:
         local.start(timeout_s=240)
         yield local
@@ -204,6 +209,15 @@ def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster, 
     _until("every node answered", lambda: set(_gateway(cluster)["answers_by_node"]) >= node_ids, 120)
     load.finish()
     assert sum(load.answers.values()) > 0
+
+
+def test_the_node_settings_given_to_the_cluster_reach_every_node_server(cluster: LocalCluster) -> None:
+    nodes = [n["node"] for n in _status(cluster)["nodes"]]
+    assert len(nodes) == NODES
+    for node in nodes:
+        ep = ray.get(raycompat.named_actor(node_server_name(node), NAMESPACE).endpoint.remote())
+        memory = httpx.get(f"http://{ep.host}:{ep.http_port}/v2/memory", timeout=30).json()
+        assert memory["budget_bytes"] == 16 << 30, node
 
 
 def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster: LocalCluster) -> None:
