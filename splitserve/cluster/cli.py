@@ -3,7 +3,9 @@
 ``up`` without ``--address`` runs a whole cluster on this machine (a Ray head on 127.0.0.1
 and ``--nodes`` serving raylets) in the foreground until Ctrl-C or ``cluster down``; with
 ``--address`` it puts the splitserve actors on an existing Ray cluster and returns, and
-nodes come from that cluster's autoscaler (``--provider``; docs/cluster.md). The
+nodes come from that cluster: the machines that joined it with a ``splitserve_node``, and its
+autoscaler's (``--provider``; docs/cluster.md, "Run on N machines"); a head with token
+authentication is joined with the token Ray finds (``raycompat.join``). The
 gateway serves the fast path on ``--gateway-port``, HTTP (Open Inference Protocol v2) on
 ``--gateway-http-port`` and gRPC (the same protocol's GRPCInferenceService) on
 ``--gateway-grpc-port``: clients use the same URLs and clients as for one node. The
@@ -77,8 +79,10 @@ def up(
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
     provider: Optional[NodeProviderKind] = typer.Option(
-        None, help="Where nodes come from: local (raylets on the head's machine) or autoscaler (Ray's, node types "
-                   "per market); auto, the default (SPLITSERVE_CLUSTER_PROVIDER): autoscaler with --address, else local."),
+        None, help="Where nodes come from: local (raylets on the head's machine) or autoscaler (the Ray cluster's: "
+                   "machines that joined with a splitserve_node, market from their splitserve.io/market label, else "
+                   "on-demand; and Ray's autoscaler v2's, node types per market); auto, the default "
+                   "(SPLITSERVE_CLUSTER_PROVIDER): autoscaler with --address, else local."),
     node_config: Optional[Path] = typer.Option(
         None, help="A TOML file of `serve` settings every node runs with (by name, at the top or under their "
                    "section's table); the node flags below override it.", rich_help_panel=NODE_PANEL),
@@ -108,9 +112,7 @@ def up(
     spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
                     tmp_root=tempfile.gettempdir(), env=env)
     if address is not None:
-        if address.startswith("127."):
-            raycompat.use_loopback()
-        ray.init(address=address, logging_level=logging.WARNING)
+        _join(address, logging_level=logging.WARNING)
         h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
@@ -137,10 +139,17 @@ def _connect(address: Optional[str], data_dir: Optional[Path]) -> dict:
     addr = address or doc.get("address")
     if addr is None:
         raise typer.BadParameter("no cluster here: give --address or run `splitserve cluster up` first")
-    if addr.startswith("127."):
-        raycompat.use_loopback()
-    ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False)
+    _join(addr, logging_level=logging.WARNING, log_to_driver=False)
     return doc
+
+
+def _join(address: str, **init_options: object) -> None:
+    """Connect to the Ray cluster at ``address`` (its token found as Ray keeps it), or say why not."""
+    try:
+        raycompat.join(address, **init_options)
+    except ConnectionError as e:
+        console.print(f"[red]cannot join the Ray cluster at {address}:[/] {e}", highlight=False)
+        raise typer.Exit(1) from None
 
 
 @cluster_app.command()
