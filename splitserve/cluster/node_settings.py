@@ -73,3 +73,9 @@ def node_env(settings: Mapping[str, Any]) -> dict[str, str]:
     env = settings_env(settings)
     ServerConfig.from_env(environ=env)  # refuses what a node would refuse, with the setting's name
     return env
+
+
+def resident_room(env: Mapping[str, str]) -> int | None:
+    """The models a node with the node settings ``env`` keeps resident at once (its
+    ``max_resident_models``; None: no limit), as its server reads it."""
+    return ServerConfig.from_env(environ=env).memory.max_resident_models
