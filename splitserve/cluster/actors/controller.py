@@ -255,9 +255,10 @@ class Controller:
         await self._check_started(n)
 
     async def register(self, spec: ModelSpec) -> int:
-        """Register ``spec`` on every node with a server; returns its cluster func id. The
-        registry holds it from the start, so a node that joins meanwhile, or later, gets it
-        when it joins; a node that refuses it rolls the registration back."""
+        """Register ``spec`` on the nodes the plan gives it (``model_min_nodes`` until demand
+        asks for more); returns its cluster func id. The registry holds it from the start, so
+        a node that joins meanwhile, or later, gets it when its share has it; a node that
+        refuses it rolls the registration back."""
         await self._started()
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
@@ -279,7 +280,8 @@ class Controller:
                 self._publish()
                 raise r
         self._publish()
-        log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid, len(ready))
+        log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid,
+                 sum(spec.name in n.models for n in ready))
         return fid
 
     async def unregister(self, name: str) -> None:
@@ -615,7 +617,8 @@ class Controller:
         self._spawn(self._retire_when_idle(n))
 
     async def _retire_when_idle(self, n: _Node) -> None:
-        """Scale-in: the node leaves once the gateway holds nothing on it (bounded by the margin)."""
+        """Scale-in: the node leaves once the nodes that stay hold its models, then once the
+        gateway holds nothing on it (bounded by the margin)."""
         until = self.clock() + self.cfg.node_start_timeout_s
         while n.models - {m for o in self._staying() for m in o.models} and self.clock() < until:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
