@@ -545,3 +545,34 @@ def test_a_node_scaled_in_serves_on_until_the_nodes_that_stay_hold_its_models(mo
             task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_copy_demand_no_longer_asks_for_leaves_the_routes_before_it_is_unloaded() -> None:
+    """Three nodes hold ``lenet`` while its demand asked for them; with none held and no
+    keep-alive, the plan keeps ``model_min_nodes`` (2) copies: the third node's copy leaves
+    the routes, and only then is it unloaded there (the gateway sends it no new work)."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        cfg = ClusterConfig(min_nodes=3, max_nodes=3, model_min_nodes=2, keep_alive_s=0, spot_return_s=0)
+        ctl = _running(cfg, None, now)
+        unloads: list[tuple[str, list[str], bool]] = []
+        for name in ("a", "b", "c"):
+            server = FakeNodeServer(name)
+
+            async def unload(names: list[str], name: str = name) -> None:
+                routed = any(name == r.node and "lenet" in r.models for r in ctl._routes.nodes)
+                unloads.append((name, names, routed))
+
+            server.unload_models = _Method(unload)
+            ctl.nodes[name] = _Node(name, Market.ON_DEMAND, None, server, endpoint=_endpoint(name),
+                                    state=NodeState.ACTIVE, models=frozenset({"lenet"}))
+        await ctl.routes(-1, {"held": 0, "held_by_model": {}})
+        ctl._autoscale(now[0])
+        await _settle()
+        assert unloads == [("c", ["lenet"], False)]  # out of the routes first
+        assert [n for n in ("a", "b", "c") if "lenet" in ctl.nodes[n].models] == ["a", "b"]
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
