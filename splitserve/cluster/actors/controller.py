@@ -364,7 +364,7 @@ class Controller:
         self.cfg = cfg.checked()
         self.store.save_settings(_settings(cfg))
         self.autoscaler = _autoscaler(cfg)
-        self.shares = ModelShares(cfg, self.node_spec.env, self._shares_view)
+        self.shares.configure(cfg)
         self._next_autoscale = 0.0
         log.info("autoscaling: %d to %d nodes, %d requests per node, keep-alive %.1f s", cfg.min_nodes,
                  cfg.max_nodes, cfg.requests_per_node, cfg.keep_alive_s)

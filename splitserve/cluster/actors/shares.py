@@ -30,6 +30,13 @@ class ModelShares:
         self.room = resident_room(node_env)
         self.view = view
 
+    def configure(self, cfg: ClusterConfig) -> None:
+        """Take ``cfg``'s placement settings at run time; the counts placement keeps (and their
+        keep-alive) carry on, so a change does not unload what demand asked for a moment ago."""
+        self.placement.requests_per_node = cfg.requests_per_node
+        self.placement.min_nodes = cfg.model_min_nodes
+        self.placement.keep_alive_s = cfg.keep_alive_s
+
     def plan(self) -> dict[str, frozenset[str]]:
         """Node -> its share, for the nodes with a server and no end coming (a doomed or
         retiring node holds what it has until it goes: its models get copies elsewhere)."""
