@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,9 +36,9 @@ class OmpWaitPolicy(Choice, what="OpenMP wait policy"):
     PASSIVE = "passive"
 
 
-def env_setting(name: str, default: Any, kind: type) -> Any:
+def env_setting(name: str, default: Any, kind: type, environ: Mapping[str, str] = os.environ) -> Any:
     """``SPLITSERVE_<NAME>`` parsed as ``kind``, or ``default`` where it is unset or empty."""
-    raw = os.environ.get(f"SPLITSERVE_{name.upper()}")
+    raw = environ.get(f"SPLITSERVE_{name.upper()}")
     if raw is None or raw == "":
         return default
     if issubclass(kind, Choice):
@@ -51,11 +51,17 @@ def env_setting(name: str, default: Any, kind: type) -> Any:
         raise InvalidInput(f"SPLITSERVE_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def env_optional(name: str, parse: Callable[[str, str], Any]) -> Any:
+def env_optional(name: str, parse: Callable[[str, str], Any], environ: Mapping[str, str] = os.environ) -> Any:
     """``SPLITSERVE_<NAME>`` read by ``parse``, or None where it is unset or empty (a
     setting whose default is None)."""
-    raw = os.environ.get(f"SPLITSERVE_{name.upper()}")
+    raw = environ.get(f"SPLITSERVE_{name.upper()}")
     return parse(raw, f"SPLITSERVE_{name.upper()}") if raw else None
+
+
+def settings_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """The ``SPLITSERVE_*`` variables that set ``values`` (settings by field name) on a server
+    started with them: ``from_env`` reads each back through its own parser."""
+    return {f"SPLITSERVE_{name.upper()}": str(value) for name, value in values.items()}
 
 
 def parse_bytes(raw: "str | int", what: str) -> int:
@@ -445,9 +451,10 @@ class ServerConfig:
         return replace(self, **node)
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "ServerConfig":
-        """Defaults, then SPLITSERVE_* variables, then explicit overrides (CLI flags), each by
-        its field's name whatever its section.
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides: Any) -> "ServerConfig":
+        """Defaults, then SPLITSERVE_* variables (of ``environ``: the process's own unless
+        given, e.g. the environment a cluster gives its nodes), then explicit overrides (CLI
+        flags), each by its field's name whatever its section.
 
         Every override given is applied, ``None`` included (a port of ``None`` is off);
         callers leave out what the user did not set."""
@@ -455,14 +462,14 @@ class ServerConfig:
         for f in _all_fields():
             current = f.default
             if isinstance(current, (bool, int, float, str)) and not isinstance(current, tuple):
-                values[f.name] = env_setting(f.name, current, type(current))
+                values[f.name] = env_setting(f.name, current, type(current), environ)
         for name, parse in _OPTIONAL_PARSERS.items():
-            if (value := env_optional(name, parse)) is not None:
+            if (value := env_optional(name, parse, environ)) is not None:
                 values[name] = value
         values.update(overrides)
         # protean isolates rt work by partition instead of preempting it: concurrent unless
         # the user chose a preemption mode (a flag or SPLITSERVE_PREEMPTION)
-        chosen = "preemption" in overrides or bool(os.environ.get("SPLITSERVE_PREEMPTION"))
+        chosen = "preemption" in overrides or bool(environ.get("SPLITSERVE_PREEMPTION"))
         if not chosen and Partitioning.parse(values.get("partitioning", Partitioning.NONE)) is Partitioning.PROTEAN:
             values["preemption"] = PriorityMode.CONCURRENT
         return cls.of(**values).checked()
@@ -520,3 +527,10 @@ def _all_fields() -> list[Any]:
     """Every tunable's dataclass field: the node-wide ones, then each section's."""
     node = [f for f in fields(ServerConfig) if f.name not in ServerConfig.SECTIONS]
     return node + [f for kind in ServerConfig.SECTIONS.values() for f in fields(kind)]
+
+
+def env_fields() -> frozenset[str]:
+    """The settings a ``SPLITSERVE_*`` variable sets (``from_env`` reads no other: paths,
+    lists and ports that default to off are flags only)."""
+    scalar = {f.name for f in _all_fields() if isinstance(f.default, (bool, int, float, str))}
+    return frozenset(scalar | _OPTIONAL_PARSERS.keys())

@@ -3,7 +3,9 @@
 ``up`` without ``--address`` runs a whole cluster on this machine (a Ray head on 127.0.0.1
 and ``--nodes`` serving raylets) in the foreground until Ctrl-C or ``cluster down``; with
 ``--address`` it puts the splitserve actors on an existing Ray cluster and returns, and
-nodes come from that cluster's autoscaler (``--provider``; docs/cluster.md). The
+nodes come from that cluster: the machines that joined it with a ``splitserve_node``, and its
+autoscaler's (``--provider``; docs/cluster.md, "Run on N machines"); a head with token
+authentication is joined with the token Ray finds (``raycompat.join``). The
 gateway serves the fast path on ``--gateway-port``, HTTP (Open Inference Protocol v2) on
 ``--gateway-http-port`` and gRPC (the same protocol's GRPCInferenceService) on
 ``--gateway-grpc-port``: clients use the same URLs and clients as for one node. The
@@ -12,6 +14,8 @@ management token is ``DATA_DIR/token``, given to every node.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import logging
 import os
@@ -19,7 +23,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 import typer
@@ -28,16 +32,31 @@ from rich.table import Table
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.local import LocalCluster, attach, find, stop_actors
+from splitserve.cli.serve import serve
 from splitserve.cluster.actors.node_server import NodeSpec
+from splitserve.cluster.node_settings import node_env, read_node_config
 from splitserve.cluster.pools import NodeProviderKind
 from splitserve.cluster.config import ClusterConfig
 from splitserve.config import default_data_dir, env_cache_dir
+from splitserve.errors import InvalidInput
+from splitserve.placement.partition import Partitioning
+from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.management import TOKEN_FILE, ensure_token_file
 
 cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Many nodes behind one gateway, on Ray (needs the cluster extra).")
 console = Console()
 STATE_FILE = "cluster.json"
+
+
+NODE_PANEL = "Node settings (every node, as `serve` takes them)"
+
+
+def _serve_option(name: str) -> Any:
+    """``serve``'s own option ``name`` (its flag and help), in the node settings' panel."""
+    option = copy.copy(inspect.signature(serve).parameters[name].default)
+    option.rich_help_panel = NODE_PANEL
+    return option
 
 
 def _data_dir(data_dir: Optional[Path]) -> Path:
@@ -60,11 +79,28 @@ def up(
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
     provider: Optional[NodeProviderKind] = typer.Option(
-        None, help="Where nodes come from: local (raylets on the head's machine) or autoscaler (Ray's, node types "
-                   "per market); auto, the default (SPLITSERVE_CLUSTER_PROVIDER): autoscaler with --address, else local."),
+        None, help="Where nodes come from: local (raylets on the head's machine) or autoscaler (the Ray cluster's: "
+                   "machines that joined with a splitserve_node, market from their splitserve.io/market label, else "
+                   "on-demand; and Ray's autoscaler v2's, node types per market); auto, the default "
+                   "(SPLITSERVE_CLUSTER_PROVIDER): autoscaler with --address, else local."),
+    node_config: Optional[Path] = typer.Option(
+        None, help="A TOML file of `serve` settings every node runs with (by name, at the top or under their "
+                   "section's table); the node flags below override it.", rich_help_panel=NODE_PANEL),
+    memory_budget: Optional[str] = _serve_option("memory_budget"),
+    max_resident_models: Optional[int] = _serve_option("max_resident_models"),
+    partitioning: Optional[Partitioning] = _serve_option("partitioning"),
+    preemption: Optional[PriorityMode] = _serve_option("preemption"),
+    fast_direct: Optional[bool] = _serve_option("fast_direct"),
 ) -> None:
     """Start a cluster (local: head + NODES raylets on 127.0.0.1) and its gateway."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    flags = dict(memory_budget_bytes=memory_budget, max_resident_models=max_resident_models,
+                 partitioning=partitioning, preemption=preemption, fast_direct=fast_direct)
+    try:
+        env = node_env({**(read_node_config(node_config) if node_config else {}),
+                        **{k: v for k, v in flags.items() if v is not None}})
+    except InvalidInput as e:
+        raise typer.BadParameter(str(e)) from None
     d = _data_dir(data_dir)
     chosen = {} if provider is None else {"provider": provider}
     cfg = ClusterConfig.from_env(min_nodes=nodes, max_nodes=max(nodes, ClusterConfig.from_env().max_nodes), **chosen)
@@ -74,11 +110,9 @@ def up(
     grpc_port = None if gateway_grpc_port < 0 else gateway_grpc_port
     cache = env_cache_dir()
     spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
-                    tmp_root=tempfile.gettempdir())
+                    tmp_root=tempfile.gettempdir(), env=env)
     if address is not None:
-        if address.startswith("127."):
-            raycompat.use_loopback()
-        ray.init(address=address, logging_level=logging.WARNING)
+        _join(address, logging_level=logging.WARNING)
         h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
@@ -105,10 +139,17 @@ def _connect(address: Optional[str], data_dir: Optional[Path]) -> dict:
     addr = address or doc.get("address")
     if addr is None:
         raise typer.BadParameter("no cluster here: give --address or run `splitserve cluster up` first")
-    if addr.startswith("127."):
-        raycompat.use_loopback()
-    ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False)
+    _join(addr, logging_level=logging.WARNING, log_to_driver=False)
     return doc
+
+
+def _join(address: str, **init_options: object) -> None:
+    """Connect to the Ray cluster at ``address`` (its token found as Ray keeps it), or say why not."""
+    try:
+        raycompat.join(address, **init_options)
+    except ConnectionError as e:
+        console.print(f"[red]cannot join the Ray cluster at {address}:[/] {e}", highlight=False)
+        raise typer.Exit(1) from None
 
 
 @cluster_app.command()

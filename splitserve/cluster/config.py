@@ -50,7 +50,8 @@ class ClusterConfig:
     ping_misses: int = 3  # missed pings that make a node DEAD (one makes it SUSPECT: no new work)
     # autoscaling (PROTEAN §4.2 at cluster level)
     keep_alive_s: float = 600.0  # surplus nodes retire only after this long of continuous surplus (paper: ~10 min)
-    requests_per_node: int = 32  # queued and running requests one node should carry; more asks for nodes
+    requests_per_node: int = 32  # requests (queued, running) per node; more ask for nodes, and a model's for copies
+    model_min_nodes: int = 2  # nodes each model is loaded on however idle (fewer nodes: all): one lost leaves it served
     slo_target: float = 0.99  # strict SLO compliance below this asks for one more node
     autoscale_interval_s: float = 1.0  # how often the autoscaler and procurement look at the cluster
     # the Ray half (c-ray): gateway, node servers, controller
@@ -77,7 +78,7 @@ class ClusterConfig:
     controller_recover_timeout_s: float = 10.0  # a restarted controller publishes routes without nodes not back by then
     routes_poll_timeout_s: float = 30.0  # the gateway's wait for one routes call (a controller restarting), then again
     # c-reg: models registered and unregistered at the gateway
-    registration_timeout_s: float = 270.0  # a registration at the gateway (every node loads the model) waits this long
+    registration_timeout_s: float = 270.0  # a registration at the gateway (its nodes load the model) waits this long
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -118,7 +119,7 @@ class ClusterConfig:
             if not getattr(self, name) > 0:
                 raise InvalidInput(f"{name} must be positive")
         for name in ("node_window", "two_choices_above", "max_attempts", "ledger_capacity", "ping_misses",
-                     "requests_per_node", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes",
+                     "requests_per_node", "model_min_nodes", "gateway_client_in_flight", "gateway_held_bytes", "gateway_routes_bytes",
                      "metrics_scrape_bytes", "dispatch_prefer_below"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name} must be at least 1")

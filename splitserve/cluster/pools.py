@@ -23,7 +23,7 @@ class NodeProviderKind(Choice, what="provider"):
 
     AUTO = "auto"  # local on a cluster `cluster up` starts itself; autoscaler on one it joins (--address)
     LOCAL = "local"  # raylets started on the head's machine (development, tests)
-    AUTOSCALER = "autoscaler"  # Ray's own autoscaler: node types per market in the cluster's YAML
+    AUTOSCALER = "autoscaler"  # the Ray cluster's own nodes: machines joined by hand, and Ray's autoscaler's (v2)
 
     def resolve(self, joined: bool) -> "NodeProviderKind":
         """The provider to build: ``auto`` becomes ``autoscaler`` on a cluster someone else

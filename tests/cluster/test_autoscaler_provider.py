@@ -3,13 +3,16 @@
 One head on 127.0.0.1 started with ``ray start --head --autoscaling-config`` and a config
 written here (``ray.cluster_utils.AutoscalingCluster`` cannot be used: the 2.60 wheel lacks
 its example.yaml and it runs ``ray stop --force``, docs/cluster.md), node types per market
-as a user writes them, torn down by the PIDs of the processes under its own temp dir.
+as a user writes them, torn down by the PIDs of the processes under its own temp dir. The
+head checks tokens (Ray's token authentication), so every test here runs as a user's
+cluster does; a machine joined by hand serves beside the autoscaler's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +28,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
+from ray._raylet import Config  # noqa: E402
 
 from splitserve.client import connect  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
@@ -91,12 +95,18 @@ def _kill_under(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[dict]:
+    """The head as users run it: Ray's token authentication on (its nodes get the token from
+    its environment); this driver is given only the token, as a user gives it, and joins
+    through ``raycompat.join``, which turns token authentication on."""
     root = Path(tempfile.mkdtemp(prefix="ssas-"))
     port = _free_port()
+    token = secrets.token_hex(16)
     (root / "autoscaler.json").write_text(json.dumps(_config(port)))
-    env = {**os.environ, **raycompat.LOOPBACK_ENV, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", raycompat.AUTH_MODE_ENV: "token",
+           raycompat.TOKEN_ENV: token, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
            "RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_ID, "RAY_USAGE_STATS_ENABLED": "0"}
     t0 = time.monotonic()
+    given = pytest.MonkeyPatch()
     try:
         # every port the head would take by default is a free one: other clusters may run beside it
         subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
@@ -106,17 +116,41 @@ def head() -> Iterator[dict]:
                         f"--dashboard-agent-listen-port={_free_port()}"],
                        env=env, check=True, capture_output=True, timeout=120)
         started = time.monotonic() - t0
-        raycompat.use_loopback()
-        ray.init(address=f"127.0.0.1:{port}", logging_level="WARNING", log_to_driver=False)
+        given.delenv(raycompat.AUTH_MODE_ENV, raising=False)  # a loopback cluster before may have turned it off
+        given.setenv(raycompat.TOKEN_ENV, token)
+        raycompat.join(f"127.0.0.1:{port}", logging_level="WARNING", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "head_start_s": started}
     finally:
         ray.shutdown()
+        given.undo()
+        Config.initialize("")  # this process's Ray reads its authentication mode from the environment again
         _kill_under(root)
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _node(node_id: str) -> raycompat.RayNode:
     return next(n for n in raycompat.nodes() if n.node_id == node_id)
+
+
+def test_a_machine_joined_by_hand_serves_at_once_as_on_demand_and_stays_when_released(head):
+    """A machine that joined with a ``splitserve_node`` and no market label (here a raylet
+    this driver starts, with the token it was given) is taken at once, as on-demand, without
+    asking Ray's autoscaler; retired, it stays in the Ray cluster. First in the module: no
+    node of the autoscaler's is there yet to be taken instead."""
+    machine = raycompat.start_worker_node(head["address"], 1, {})
+    provider = AutoscalerProviderActor.remote(head["address"], 120.0, 60.0)
+    try:
+        node_id = raycompat.node_id_of(machine)
+        t0 = time.monotonic()
+        assert ray.get(provider.launch.remote("on-demand")) == node_id
+        took_s = time.monotonic() - t0
+        assert ray.get(provider.markets.remote()) == {node_id: "on-demand"}
+        ray.get(provider.terminate.remote(node_id))
+        assert _node(node_id).alive
+        print(f"\nthe joined machine was taken in {took_s:.2f} s")
+    finally:
+        ray.kill(provider)
+        raycompat.stop_worker_node(machine, graceful=True)
 
 
 def test_nodes_of_each_market_come_from_rays_autoscaler_and_leave_on_terminate(head):
@@ -161,3 +195,4 @@ def test_the_controller_serves_through_the_gateway_from_a_node_rays_autoscaler_g
             assert c.infer("lenet", np.zeros((1, 28, 28), np.uint8)).shape == (10,)
     finally:
         stop_actors(h)
+

@@ -29,14 +29,17 @@ from splitserve.client import connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402
-from splitserve.cluster.actors.node_server import NodeSpec  # noqa: E402
+from splitserve.cluster.actors.controller import NAMESPACE  # noqa: E402
+from splitserve.cluster.actors.node_server import NodeSpec, node_server_name  # noqa: E402
 from splitserve.cluster.gateway.modelspec import ModelSpec  # noqa: E402
 from splitserve.cluster.config import ClusterConfig  # noqa: E402
+from splitserve.cluster.node_settings import node_env  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402
 
 NODES = 3
+NODE_BUDGET = "16GiB"
 WINDOW = 4  # pipelined calls per client
 IMAGE = bytes(784)
 
@@ -67,11 +70,15 @@ def cluster() -> Iterator[LocalCluster]:
     root = Path(tempfile.mkdtemp(prefix="ssray-"))
     # a 90 s notice (providers give 30-120 s): a node starts in ~17 s on 2 cores, but ~45 s while
     # another test module runs beside this one; the spot test stretches its notice to the boots it saw
+    # 8 clients' 32 calls in flight ask for a model on every node (8 per node), none for the
+    # first two (model_min_nodes) while idle
     cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, notice_min_s=90, notice_max_s=90,
-                                 drain_lead_s=6, drain_margin_s=3,
+                                 drain_lead_s=6, drain_margin_s=3, requests_per_node=8, model_min_nodes=2,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
-    local = LocalCluster(cfg, str(root), NodeSpec(token="cluster-test-token", cache_dir=str(CACHE),
-                                                  tmp_root=str(root)), gateway_http_port=0)
+    # every node runs with the node settings `cluster up` takes (a budget no test's models reach)
+    spec = NodeSpec(token="cluster-test-token", cache_dir=str(CACHE), tmp_root=str(root),
+                    env=node_env({"memory_budget_bytes": NODE_BUDGET}))
+    local = LocalCluster(cfg, str(root), spec, gateway_http_port=0)
     try:
         local.start(timeout_s=240)
         yield local
@@ -103,6 +110,12 @@ def _until(what: str, check, timeout_s: float = 180.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not reached in {timeout_s} s: {what}")
         time.sleep(0.2)
+
+
+def _routed_everywhere(c: LocalCluster, model: str, nodes: set[str]) -> bool:
+    """Every node in ``nodes`` holds ``model`` (the controller's plan) and the gateway sends it there."""
+    held = {n["node"] for n in _status(c)["nodes"] if model in n["models"]}
+    return nodes <= held and all(model in _gateway(c)["models"].get(n, ()) for n in nodes)
 
 
 def _lookup(port: int, name: str) -> int:
@@ -185,7 +198,10 @@ class Load:
         assert all(np.allclose(x, logits[0], atol=1e-5) for x in logits), "nodes disagree on the model's output"
 
 
-def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_model_registered_once_is_placed_by_demand_and_answers_from_every_node_under_load(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """Registered, the model loads on ``model_min_nodes`` of the 3 nodes (nothing asks for
+    more); 8 clients' load asks for all 3, and every node answers it."""
     port = cluster.handles.gateway_port
     model = tmp_path / "lenet_cluster"
     model.mkdir()
@@ -194,7 +210,7 @@ def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster, 
     with HttpClient(f"http://127.0.0.1:{cluster.handles.gateway_http_port}", token="cluster-test-token") as c:
         assert c.register(model)["name"] == "lenet_cluster"
     status = _status(cluster)
-    assert all("lenet_cluster" in n["models"] for n in status["nodes"])
+    assert sum("lenet_cluster" in n["models"] for n in status["nodes"]) == 2
     node_ids = {n["node"] for n in status["nodes"]}
     assert len(node_ids) == NODES  # one node server per serving node
     fid = _lookup(port, "lenet_cluster")
@@ -204,6 +220,16 @@ def test_a_model_registered_once_answers_from_every_node(cluster: LocalCluster, 
     _until("every node answered", lambda: set(_gateway(cluster)["answers_by_node"]) >= node_ids, 120)
     load.finish()
     assert sum(load.answers.values()) > 0
+    assert all("lenet_cluster" in n["models"] for n in _status(cluster)["nodes"])
+
+
+def test_the_node_settings_given_to_the_cluster_reach_every_node_server(cluster: LocalCluster) -> None:
+    nodes = [n["node"] for n in _status(cluster)["nodes"]]
+    assert len(nodes) == NODES
+    for node in nodes:
+        ep = ray.get(raycompat.named_actor(node_server_name(node), NAMESPACE).endpoint.remote())
+        memory = httpx.get(f"http://{ep.host}:{ep.http_port}/v2/memory", timeout=30).json()
+        assert memory["budget_bytes"] == 16 << 30, node
 
 
 def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster: LocalCluster) -> None:
@@ -226,7 +252,7 @@ def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster
     after = _status(cluster)
     assert {n["node"] for n in after["nodes"] if n["state"] == "active"} == nodes == set(_gateway(cluster)["links"])
     assert after["models"] == before["models"]
-    assert all(set(before["models"]) <= set(n["models"]) for n in after["nodes"])
+    assert {m for n in after["nodes"] for m in n["models"]} == set(before["models"])  # every model still placed
     bill = {r["node"]: r for r in after["bill"]}
     assert all(bill[n]["ended_at"] is None and bill[n]["ready_at"] is not None for n in nodes)
 
@@ -259,7 +285,11 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     port = cluster.handles.gateway_port
     before = {n["node"] for n in _status(cluster)["nodes"]}
     load = Load(port, _lookup(port, "lenet")).start()
-    _until("load on every node", lambda: set(_gateway(cluster)["answers_by_node"]) >= before)
+    # lenet idles on two nodes; the load asks for all three, so the victim holds some
+    _until("lenet routed to every node", lambda: _routed_everywhere(cluster, "lenet", before))
+    answered = dict(_gateway(cluster)["answers_by_node"])
+    _until("load on every node", lambda: all(_gateway(cluster)["answers_by_node"].get(n, 0) > answered.get(n, 0)
+                                             for n in before))
     victim = sorted(before)[0]
     resent = _gateway(cluster)["resent"]
     ray.get(cluster.handles.provider.evict.remote(victim))

@@ -1,5 +1,7 @@
 """``AutoscalerProvider``'s bookkeeping over a fake Ray (no cluster): what it asks Ray's
-autoscaler for, which node a launch claims, a launch that gets none, and a terminate."""
+autoscaler for, which node a launch claims, a launch that gets none, and a terminate; on a
+cluster without an autoscaler, the machines that joined by hand, and no wait for a spot node
+that cannot come."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import pytest
 
 from splitserve.cluster.actors import provider as prov
 from splitserve.cluster.actors import raycompat
-from splitserve.cluster.pools import NodeProviderKind
-from splitserve.errors import InvalidInput, Refused, ResourcesUnavailable
+from splitserve.cluster.pools import Market, NodeProviderKind
+from splitserve.errors import Refused, ResourcesUnavailable
 
 
 class FakeRay:
@@ -23,9 +25,10 @@ class FakeRay:
         self.busy = 0  # drains the next node refuses as not idle
         self.on_sleep = lambda: None
 
-    def join(self, node_id: str, market: str) -> None:
-        self.table[node_id] = raycompat.RayNode(node_id, True, {raycompat.MARKET_LABEL: market},
-                                                {raycompat.NODE_RESOURCE: 1.0})
+    def join(self, node_id: str, market: str | None) -> None:
+        """A node with one ``splitserve_node`` joins, labelled with ``market`` (None: unlabelled)."""
+        labels = {} if market is None else {raycompat.MARKET_LABEL: market}
+        self.table[node_id] = raycompat.RayNode(node_id, True, labels, {raycompat.NODE_RESOURCE: 1.0})
 
     def die(self, node_id: str) -> None:
         n = self.table[node_id]
@@ -47,7 +50,8 @@ class FakeRay:
 @pytest.fixture
 def fake(monkeypatch) -> FakeRay:
     f = FakeRay()
-    monkeypatch.setattr(raycompat, "autoscaler_v2", lambda: True)
+    f.autoscaled = True
+    monkeypatch.setattr(raycompat, "autoscaler_adds_nodes", lambda: f.autoscaled)
     monkeypatch.setattr(raycompat, "nodes", lambda: list(f.table.values()))
     monkeypatch.setattr(raycompat, "request_nodes", lambda wanted: f.requests.append(dict(wanted)))
     monkeypatch.setattr(raycompat, "drain_idle", f.drain_idle)
@@ -74,7 +78,7 @@ def test_each_launch_raises_the_markets_total_and_claims_a_node_no_other_launch_
 def test_a_launch_no_node_answers_in_time_is_withdrawn_and_fails_as_resources_unavailable(fake):
     p = _provider(fake, launch_timeout_s=2.0)
     fake.join("o1", "on-demand")  # another market's node does not count
-    with pytest.raises(ResourcesUnavailable, match="no spot node within 2 s"):
+    with pytest.raises(ResourcesUnavailable, match="no spot node joined within 2 s"):
         p.launch("spot")
     assert fake.requests == [{"spot": 1}, {}]  # withdrawn, so no node turns up unclaimed later
     assert fake.now <= 2.0 + prov._POLL_S
@@ -82,9 +86,9 @@ def test_a_launch_no_node_answers_in_time_is_withdrawn_and_fails_as_resources_un
 
 def test_terminate_lowers_the_request_and_drains_the_node_until_ray_lets_it_go(fake):
     p = _provider(fake)
-    fake.join("s1", "spot")
-    fake.join("s2", "spot")
+    fake.on_sleep = lambda: fake.join("s1", "spot")
     p.launch("spot")
+    fake.on_sleep = lambda: fake.join("s2", "spot")
     p.launch("spot")
     fake.busy = 2  # the node server's last processes are still exiting
     p.terminate("s1")
@@ -95,21 +99,66 @@ def test_terminate_lowers_the_request_and_drains_the_node_until_ray_lets_it_go(f
 
 def test_a_node_that_died_is_not_asked_for_again(fake):
     p = _provider(fake)
-    fake.join("s1", "spot")
+    fake.on_sleep = lambda: fake.join("s1", "spot")
     p.launch("spot")
     fake.die("s1")  # evicted by the cloud: the controller orders its replacement itself
-    fake.join("o1", "on-demand")
+    fake.on_sleep = lambda: fake.join("o1", "on-demand")
     p.launch("on-demand")
     assert fake.requests[-1] == {"on-demand": 1}
     assert p.markets() == {"o1": "on-demand"}
 
 
-def test_autoscaler_v1_and_evict_are_refused_with_reasons(fake, monkeypatch):
+def test_evict_is_refused_with_its_reason(fake):
     with pytest.raises(Refused, match="PREEMPTION drain"):
         _provider(fake).evict("s1")
-    monkeypatch.setattr(raycompat, "autoscaler_v2", lambda: False)
-    with pytest.raises(InvalidInput, match="autoscaler v2"):
-        _provider(fake)
+
+
+def test_a_launch_claims_a_joined_node_at_once_and_waits_or_asks_only_where_one_can_come():
+    OD, SPOT = Market.ON_DEMAND, Market.SPOT
+    assert prov.launch_step(SPOT, {SPOT, OD}, autoscaled=False) is prov.LaunchStep.CLAIM
+    assert prov.launch_step(OD, {OD}, autoscaled=True) is prov.LaunchStep.CLAIM
+    assert prov.launch_step(SPOT, {OD}, autoscaled=True) is prov.LaunchStep.ASK
+    assert prov.launch_step(SPOT, {OD}, autoscaled=False) is prov.LaunchStep.REFUSE
+    assert prov.launch_step(OD, set(), autoscaled=False) is prov.LaunchStep.WAIT
+
+
+def test_a_joined_nodes_market_is_its_label_and_on_demand_without_one():
+    assert prov.market_of({raycompat.MARKET_LABEL: "spot"}) is Market.SPOT
+    assert prov.market_of({"ray.io/node-id": "x"}) is Market.ON_DEMAND
+    assert prov.market_of({raycompat.MARKET_LABEL: "preemptible"}) is None  # no market of ours: not used
+
+
+def test_a_node_there_before_the_launch_is_taken_without_asking_and_released_not_drained(fake):
+    p = _provider(fake)
+    fake.join("m1", None)  # joined by hand, unlabelled: on-demand
+    assert p.launch("on-demand") == "m1"
+    assert fake.requests == [] and fake.now == 0.0
+    p.terminate("m1")
+    assert fake.drains == [] and fake.table["m1"].alive
+
+
+def test_without_an_autoscaler_the_machines_that_joined_serve_and_no_spot_launch_waits(fake):
+    fake.autoscaled = False
+    p = _provider(fake, launch_timeout_s=30.0)
+    fake.join("m1", None)  # `ray start --resources='{"splitserve_node": 1}'`, no label
+    fake.join("x1", "preemptible")
+    with pytest.raises(ResourcesUnavailable, match="no spot node can come"):
+        p.launch("spot")
+    assert p.launch("on-demand") == "m1"
+    assert fake.now == 0.0  # neither waited
+    fake.on_sleep = lambda: fake.join("m2", None)  # a second machine joins a while later
+    assert p.launch("on-demand") == "m2"
+    fake.join("s1", "spot")
+    assert p.launch("spot") == "s1"
+    assert fake.requests == []  # nothing asked of an autoscaler there is not
+    p.terminate("m1")  # released: the machine stays in the Ray cluster, for the next launch
+    assert fake.drains == [] and fake.table["m1"].alive
+    assert p.launch("on-demand") == "m1"
+    fake.die("m2")
+    fake.on_sleep = lambda: None
+    with pytest.raises(ResourcesUnavailable, match="no on-demand node joined within 30 s"):
+        p.launch("on-demand")  # m2 is gone and x1 is no on-demand node
+    assert p.markets() == {"m1": "on-demand", "s1": "spot"}
 
 
 def test_auto_means_the_autoscaler_only_on_a_cluster_someone_else_runs():

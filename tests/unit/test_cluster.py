@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from splitserve.cluster.policy.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
 from splitserve.cluster.policy.cost import CostLedger
-from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView, place
+from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.policy.health import Health, HealthTracker
 from splitserve.cluster.policy.ledger import Deliver, Drop, Ledger, Resend
 from splitserve.cluster.policy.procurement import Cancel, Launch, Procurement
@@ -85,16 +85,6 @@ def test_power_of_two_choices_above_the_threshold_is_seeded():
     many = {Dispatcher(99, 8, random.Random(s), 99).choose("m", BE, nodes, load) for s in range(40)}
     assert len(many) > 1 and "s11" not in many  # the busiest node never wins a comparison
 
-
-def test_placement_follows_demand():
-    held = place({"hot": 9.0, "cold": 1.0, "idle": 0.0}, ["n1", "n2", "n3", "n4"], models_per_node=1)
-    assert sum("hot" in m for m in held.values()) == 3
-    assert sum("cold" in m for m in held.values()) == 1
-    assert not any("idle" in m for m in held.values())
-    assert place({"a": 1.0}, ["n1", "n2"], 2) == place({"a": 1.0}, ["n1", "n2"], 2)
-
-
-# -- health ------------------------------------------------------------------------------
 
 def test_a_silent_node_is_out_of_dispatch_and_then_dead_within_its_bound():
     h = HealthTracker(ping_interval_s=1.0, misses=3)

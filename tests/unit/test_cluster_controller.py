@@ -508,3 +508,71 @@ def test_a_restarted_controller_keeps_the_settings_configure_changed_and_the_cou
         assert third.cfg == started and third.procurement.fallbacks == 0 and third.revocation.notices == 0
 
     asyncio.run(scenario())
+
+
+def test_a_node_scaled_in_serves_on_until_the_nodes_that_stay_hold_its_models(monkeypatch) -> None:
+    """Placement by demand left ``lenet`` on one node only; scaling that node in, the plan
+    without it puts ``lenet`` on the node that stays, and the leaving node keeps taking work
+    until that load is done: the model never has no node."""
+    from splitserve.cluster.actors import controller as controller_module
+
+    monkeypatch.setattr(controller_module.ray, "kill", lambda *a, **kw: None)
+
+    async def scenario() -> None:
+        now = [100.0]
+        provider = _HeldProvider()
+        cfg = ClusterConfig(min_nodes=1, max_nodes=2, model_min_nodes=1, reconcile_interval_s=0.01, spot_return_s=0)
+        ctl = _running(cfg, provider, now)
+        servers = {name: _StartingServer(name) for name in ("leaving", "staying")}
+        for name, models in (("leaving", {"lenet"}), ("staying", set())):
+            ctl.nodes[name] = _Node(name, Market.ON_DEMAND, None, servers[name], endpoint=_endpoint(name),
+                                    state=NodeState.ACTIVE, models=frozenset(models))
+            ctl.cost.requested(name, "on-demand", Market.ON_DEMAND, 1.0, now[0])
+            ctl.cost.ready(name, now[0])
+        gate = servers["staying"].hold = asyncio.Event()
+        ctl._drain_out(ctl.nodes["leaving"])
+        ctl._autoscale(now[0])  # the plan without the leaving node: lenet to the one that stays
+        await asyncio.sleep(0.05)
+        assert ctl.nodes["leaving"].state is NodeState.ACTIVE and provider.terminated == []
+        gate.set()
+        for _ in range(500):
+            if provider.terminated:
+                break
+            await asyncio.sleep(0.01)
+        assert provider.terminated == ["leaving"] and "leaving" not in ctl.nodes
+        assert ctl.nodes["staying"].models == {"lenet"} and servers["staying"].warm == {"lenet"}
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_demand_no_longer_asks_for_leaves_the_routes_before_it_is_unloaded() -> None:
+    """Three nodes hold ``lenet`` while its demand asked for them; with none held and no
+    keep-alive, the plan keeps ``model_min_nodes`` (2) copies: the third node's copy leaves
+    the routes, and only then is it unloaded there (the gateway sends it no new work)."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        cfg = ClusterConfig(min_nodes=3, max_nodes=3, model_min_nodes=2, keep_alive_s=0, spot_return_s=0)
+        ctl = _running(cfg, None, now)
+        unloads: list[tuple[str, list[str], bool]] = []
+        for name in ("a", "b", "c"):
+            server = FakeNodeServer(name)
+
+            async def unload(names: list[str], name: str = name) -> None:
+                routed = any(name == r.node and "lenet" in r.models for r in ctl._routes.nodes)
+                unloads.append((name, names, routed))
+
+            server.unload_models = _Method(unload)
+            ctl.nodes[name] = _Node(name, Market.ON_DEMAND, None, server, endpoint=_endpoint(name),
+                                    state=NodeState.ACTIVE, models=frozenset({"lenet"}))
+        await ctl.routes(-1, {"held": 0, "held_by_model": {}})
+        ctl._autoscale(now[0])
+        await _settle()
+        assert unloads == [("c", ["lenet"], False)]  # out of the routes first
+        assert [n for n in ("a", "b", "c") if "lenet" in ctl.nodes[n].models] == ["a", "b"]
+        for task in list(ctl._tasks):
+            task.cancel()
+
+    asyncio.run(scenario())

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from splitserve.config import ServerConfig
+from splitserve.config import ServerConfig, settings_env
 
 # scheme -> ServerConfig field -> value (PROTEAN §5 baselines; see docs/protean-bench.md)
 SCHEMES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
@@ -53,7 +53,7 @@ def check_schemes(names: Sequence[str]) -> tuple[str, ...]:
 def server_env(overrides: Mapping[str, Any]) -> dict[str, str]:
     """The ``SPLITSERVE_*`` variables that set ``overrides`` on a server (every ServerConfig
     field reads its own), so a scheme needs no flag of its own."""
-    return {f"SPLITSERVE_{name.upper()}": str(value) for name, value in overrides.items()}
+    return settings_env(overrides)
 
 
 def expected_config(overrides: Mapping[str, Any]) -> ServerConfig:

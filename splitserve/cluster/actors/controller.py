@@ -1,7 +1,8 @@
 """The cluster controller: one detached, named Ray actor on the head (docs/cluster.md §2.7).
 
-It owns the cluster's model registry (a model registered once is registered on every node,
-now and later), the node table and the reconciliation loop. Every ``reconcile_interval_s``
+It owns the cluster's model registry (a model registered once is loaded on the nodes its
+demand asks for, at least ``model_min_nodes``: ``actors/shares.py``), the node table and the
+reconciliation loop. Every ``reconcile_interval_s``
 it reads Ray's node table and draining nodes, and:
 
 - a node Ray lists as dead leaves the table (billed to now, an eviction unless the cluster
@@ -43,6 +44,7 @@ import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.node_server import NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.actors.shares import ModelShares, reshare
 from splitserve.cluster.actors.store import STORE_FILE, ControllerStore
 from splitserve.cluster.gateway.core import NodeRoute, Routes
 from splitserve.cluster.gateway.modelspec import ModelSpec
@@ -158,6 +160,9 @@ class Controller:
         self.cost = CostLedger(cfg.bill_records) if bill is None else CostLedger.from_state(bill)
         self._saved_bill = bill
         self.autoscaler = _autoscaler(cfg)
+        # placement's view of the cluster: the clock, the nodes, the registry, the gateway's demand
+        self._shares_view = lambda: (self.clock(), self.nodes.values(), self.registry.ids, self._gateway)
+        self.shares = ModelShares(cfg, node_spec.env, self._shares_view)
         self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
         self._saved_counters = self.store.counters()
@@ -250,9 +255,10 @@ class Controller:
         await self._check_started(n)
 
     async def register(self, spec: ModelSpec) -> int:
-        """Register ``spec`` on every node with a server; returns its cluster func id. The
-        registry holds it from the start, so a node that joins meanwhile, or later, gets it
-        when it joins; a node that refuses it rolls the registration back."""
+        """Register ``spec`` on the nodes the plan gives it (``model_min_nodes`` until demand
+        asks for more); returns its cluster func id. The registry holds it from the start, so
+        a node that joins meanwhile, or later, gets it when its share has it; a node that
+        refuses it rolls the registration back."""
         await self._started()
         if spec.name in self.registry.ids:
             raise InvalidInput(f"model {spec.name!r} is already registered in the cluster")
@@ -274,7 +280,8 @@ class Controller:
                 self._publish()
                 raise r
         self._publish()
-        log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid, len(ready))
+        log.info("registered %s in the cluster (func id %d) on %d nodes", spec.name, fid,
+                 sum(spec.name in n.models for n in ready))
         return fid
 
     async def unregister(self, name: str) -> None:
@@ -313,11 +320,11 @@ class Controller:
                 n.models = n.models - {name}
 
     async def _give_models(self, n: _Node) -> None:
-        """Register and load on ``n`` every model the registry holds that it lacks, again until
-        it lacks none: a model registered while a call is out goes in the next one. Whoever
-        calls it (a node joining, a registration), the node ends with the whole registry."""
+        """Register and load on ``n`` every model of its share (``shares.of``) that it lacks, again
+        until it lacks none: a model registered while a call is out goes in the next one.
+        Whoever calls it (a node joining, a registration, a new plan), the node ends with its share."""
         async with n.giving:
-            while missing := sorted(self.registry.ids.keys() - n.models):
+            while missing := sorted(self.shares.of(n) - n.models):
                 specs = [spec for name in missing if (spec := self.registry.specs[name]) is not None]
                 await n.server.ensure_models.remote(specs, tuple(missing))
                 n.models = n.models | (set(missing) & self.registry.ids.keys())
@@ -357,6 +364,7 @@ class Controller:
         self.cfg = cfg.checked()
         self.store.save_settings(_settings(cfg))
         self.autoscaler = _autoscaler(cfg)
+        self.shares.configure(cfg)
         self._next_autoscale = 0.0
         log.info("autoscaling: %d to %d nodes, %d requests per node, keep-alive %.1f s", cfg.min_nodes,
                  cfg.max_nodes, cfg.requests_per_node, cfg.keep_alive_s)
@@ -489,10 +497,14 @@ class Controller:
         # the dearest first: on-demand before spot
         for n in sorted(self._staying(), key=lambda n: n.market is Market.SPOT)[:max(0, surplus)]:
             log.info("scale-in: draining node %s (%s)", n.node_id[:12], n.market)
-            self._drain_out(n, now)
+            self._drain_out(n)
         self._act(self.procurement.tick(now), now)
         self._act(self.procurement.swap(now, {n.node_id: n.ready_at for n in self._staying()
                                               if n.market is Market.ON_DEMAND}), now)
+        plan = self.shares.plan()
+        for n in self._staying():  # each serving node to its share of the models, one move at a time
+            if not n.giving.locked() and plan.get(n.node_id) != n.models:
+                self._spawn(reshare(n, self._give_models, self.shares.of, self._publish))
 
     def _act(self, actions: list[Action], now: float) -> None:
         for a in actions:
@@ -568,7 +580,7 @@ class Controller:
         if replaced is not None and replaced in self._staying():
             log.info("node %s (%s) is replaced by spot node %s", replaced.node_id[:12], replaced.market,
                      n.node_id[:12])
-            self._drain_out(replaced, now)
+            self._drain_out(replaced)
 
     def _noticed(self, n: _Node, deadline: float, now: float) -> None:
         n.deadline = deadline
@@ -597,14 +609,20 @@ class Controller:
     def _idle(self, n: _Node) -> bool:
         return int(self._gateway.get("in_flight", {}).get(n.node_id, 0)) == 0
 
-    def _drain_out(self, n: _Node, now: float) -> None:
-        """Scale-in or a swap: ``n`` takes no new work and is retired once idle."""
-        self._set_state(n, NodeState.DRAINING, now)
+    def _drain_out(self, n: _Node) -> None:
+        """Scale-in or a swap: ``n`` leaves the plan at once, serves on until the nodes that stay
+        hold its models (bounded by ``node_start_timeout_s``), then takes no new work and is
+        retired once idle: a model it alone held is never left without a node."""
         n.retiring = True
         self._spawn(self._retire_when_idle(n))
 
     async def _retire_when_idle(self, n: _Node) -> None:
-        """Scale-in: the node leaves once the gateway holds nothing on it (bounded by the margin)."""
+        """Scale-in: the node leaves once the nodes that stay hold its models, then once the
+        gateway holds nothing on it (bounded by the margin)."""
+        until = self.clock() + self.cfg.node_start_timeout_s
+        while n.models - {m for o in self._staying() for m in o.models} and self.clock() < until:
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+        self._set_state(n, NodeState.DRAINING, self.clock())
         until = self.clock() + max(self.cfg.drain_margin_s, self.cfg.reconcile_interval_s * 4)
         while not self._idle(n) and self.clock() < until:
             await asyncio.sleep(self.cfg.reconcile_interval_s)

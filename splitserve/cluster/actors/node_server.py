@@ -3,9 +3,10 @@
 The actor keeps Ray's threads and GIL out of the data path: it starts ``python -m splitserve
 serve`` bound to the node's address with an ephemeral fast-path port, reads the child's
 ``server.json`` for the ports, and answers small control calls from the controller
-(``endpoint``, ``ensure_models``, ``remove_models``, ``stats``, ``stop``). Requests never pass through it. The
-child gets SIGKILL when the actor's process dies, however it dies (``PR_SET_PDEATHSIG``:
-Ray kills an actor's children on a clean exit only), and its workers follow their server.
+(``endpoint``, ``ensure_models``, ``unload_models``, ``remove_models``, ``stats``, ``stop``).
+Requests never pass through it. The child gets SIGKILL when the actor's process dies,
+however it dies (``PR_SET_PDEATHSIG``: Ray kills an actor's children on a clean exit only),
+and its workers follow their server.
 The cluster's management token is written into the child's data directory before it
 starts, so one token works on every node.
 """
@@ -144,6 +145,15 @@ class NodeServer:
                 if r.status_code not in (200, 404):
                     raise _http_error(r)
                 self._registered.discard(name)
+
+    def unload_models(self, names: list[str]) -> None:
+        """Unload ``names`` on this node, keeping them registered (placement moved them away;
+        ``ensure_models`` loads them again). A model it does not have is skipped."""
+        with self._management() as http:
+            for name in names:
+                r = http.post(f"/v2/repository/models/{name}/unload")
+                if r.status_code not in (200, 404):
+                    raise _http_error(r)
 
     def _management(self) -> httpx.Client:
         """An HTTP client for the child's management calls, with the cluster's token."""

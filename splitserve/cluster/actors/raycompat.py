@@ -98,6 +98,22 @@ def autoscaler_v2() -> bool:
     return is_autoscaler_v2(fetch_from_server=True)
 
 
+def autoscaler_adds_nodes() -> bool:
+    """Whether Ray's autoscaler may add a node with a ``splitserve_node`` to the cluster this
+    process is connected to: autoscaler v2 (v1, the default of a head started by hand, drops
+    the market labels of requests), unless the node types it published to the GCS (not every
+    deployment publishes them: Ray's own monitor in 2.60 does not) have none with one and room
+    to grow. Without it, the cluster's nodes are the machines that join it."""
+    from ray._private.state import state
+
+    if not autoscaler_v2():
+        return False
+    config = state.get_cluster_config()
+    return config is None or any(
+        g.resources.get(NODE_RESOURCE, 0) >= 1 and (g.max_count == -1 or g.max_count > 0)
+        for g in config.node_group_configs)
+
+
 def request_nodes(wanted: Mapping[str, int]) -> None:
     """Ask Ray's autoscaler for ``wanted[market]`` nodes with one ``splitserve_node`` each
     and the market label. The request replaces the previous one (``request_resources``): the
@@ -200,6 +216,43 @@ def kill_node_tree(node: Any) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+
+
+# Where Ray 2.60 looks for the token of a head with token authentication (its C++
+# AuthenticationTokenLoader): the variable, else the file the second names, else the third.
+TOKEN_ENV, TOKEN_PATH_ENV, TOKEN_FILE = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def token_hint(sending: bool) -> str:
+    """What to check when a Ray cluster did not let this process in: the token it lacks, or
+    the one it sent (``sending``)."""
+    if sending:
+        return (f"this machine sent the token Ray found ({TOKEN_ENV}, {TOKEN_PATH_ENV} or {TOKEN_FILE}): if the head "
+                "checks tokens, check it is the head's (`ray get-auth-token` on the head prints it)")
+    return (f"if the head checks tokens (Ray's token authentication), give this machine the head's token: "
+            f"{TOKEN_ENV}=<token>, or the token in {TOKEN_FILE} (or the file {TOKEN_PATH_ENV} names); "
+            "`ray get-auth-token` on the head prints it")
+
+
+def join(address: str, **init_options: Any) -> None:
+    """Connect this driver to the Ray cluster at ``address`` that someone else runs. On a
+    loopback address the address stays as given (not rewritten to eth0's). Token
+    authentication is turned on where Ray finds a token (``TOKEN_ENV``, ``TOKEN_PATH_ENV``,
+    ``TOKEN_FILE``) and ``RAY_AUTH_MODE`` does not say otherwise: Ray does that by itself for
+    a cluster it finds on this machine, never for an address it is given, and a head that
+    checks no token ignores one. A refused connection names what to check."""
+    from ray._private import ray_constants
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    if address.startswith("127."):
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    sending = maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        ray.init(address=address, **init_options)
+    except ConnectionError as e:
+        raise ConnectionError(f"{e}; {token_hint(sending)}") from None
 
 
 def use_loopback() -> None:

@@ -537,6 +537,7 @@ class GatewayCore:
                 "accepted": self.accepted, "answered": dict(self.answered), "refused": dict(self.refused),
                 "waits": self.waits, "slo": {str(o): n for o, n in self.strict_slo.items()},
                 "answers_by_node": dict(self.answers_by_node), "links": sorted(self._links),
+                "held_by_model": dict(Counter(e.model for e in self.ledger)),  # each model's demand (placement)
                 "models": {n: sorted(link.func_ids) for n, link in self._links.items()}}
 
     def health_states(self) -> dict[str, Health]:

@@ -1,14 +1,13 @@
-"""Which node serves a request, and which nodes hold which model (docs/cluster.md §2.5).
+"""Which node serves a request (docs/cluster.md §2.5); which nodes hold which model is
+``placement.py``'s.
 
 Pure: the routing table and the in-flight counts come in, a node id goes out; the only
 randomness is the ``random.Random`` passed in (power of two choices), so a seed fixes
-every choice. The gateway calls ``Dispatcher.choose`` per request and on every re-send;
-the controller calls ``place`` when demand or the node set changes.
+every choice. The gateway calls ``Dispatcher.choose`` per request and on every re-send.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,30 +90,3 @@ class Dispatcher:
             group = self._rng.sample(group, 2)
         return min(group, key=lambda n: (in_flight.get(n.node, 0) / n.capacity, n.node)).node
 
-
-def place(demand: Mapping[str, float], nodes: Sequence[str], models_per_node: int) -> dict[str, frozenset[str]]:
-    """Which models each node holds, by demand: every model with demand gets nodes in
-    proportion to its share (at least one, at most all), each node holds at most
-    ``models_per_node`` models, and the busiest models are placed first.
-
-    Deterministic for the same input (nodes in the order given), so a re-plan with an
-    unchanged demand moves nothing. A model with no demand is placed nowhere (it loads on
-    its first request through ``ModelNotReady`` and a re-plan)."""
-    if models_per_node < 1:
-        raise InvalidInput(f"models_per_node must be at least 1, got {models_per_node}")
-    held: dict[str, set[str]] = {n: set() for n in nodes}
-    wanted = {m: d for m, d in demand.items() if d > 0}
-    total = sum(wanted.values())
-    if not nodes or total <= 0:
-        return {n: frozenset(s) for n, s in held.items()}
-    slots = len(nodes) * models_per_node
-    for model in sorted(wanted, key=lambda m: (-wanted[m], m)):
-        count = min(len(nodes), max(1, math.floor(slots * wanted[model] / total)))
-        # the least loaded nodes first, so models spread before they stack
-        for node in sorted(nodes, key=lambda n: (len(held[n]), nodes.index(n))):
-            if count == 0:
-                break
-            if len(held[node]) < models_per_node:
-                held[node].add(model)
-                count -= 1
-    return {n: frozenset(s) for n, s in held.items()}
