@@ -10,10 +10,6 @@ where namespaces cannot be made (not root, no ``ip``).
 
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +24,7 @@ from splitserve.client import connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.policy.reach import ADVERTISE_LABEL  # noqa: E402
-from tests.cluster import netns  # noqa: E402
+from splitserve.bench import netns  # noqa: E402
 from tests.cluster.clients import Load, lookup, until  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402
 
@@ -39,33 +35,9 @@ ON_DEMAND = {raycompat.MARKET_LABEL: "on-demand"}
 
 
 @dataclass
-class Driver:
-    """The Ray driver on the head's host (``netns_driver``): status and gateway stats on ask."""
-
-    proc: subprocess.Popen
-    gateway_port: int = 0
-    http_port: int = 0
-
-    def _line(self, timeout_s: float) -> dict[str, Any]:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"the driver said nothing within {timeout_s} s (exit {self.proc.poll()})")
-        return json.loads(line)
-
-    def ask(self, what: str) -> dict[str, Any]:
-        self.proc.stdin.write(what + "\n")
-        self.proc.stdin.flush()
-        return self._line(90)
-
-    def nodes(self, state: str | None = None) -> dict[str, dict]:
-        return {n["node"]: n for n in self.ask("status")["nodes"] if state is None or n["state"] == state}
-
-
-@dataclass
 class MultiHost:
     hosts: netns.Hosts
-    driver: Driver
+    driver: netns.Driver
     far: str  # the node id of the host whose advertised address nobody has
 
     def host(self, name: str) -> netns.Host:
@@ -89,26 +61,17 @@ def mh() -> Iterator[MultiHost]:
         address = hosts.ray_head(head)
         hosts.ray_worker(a, address, ON_DEMAND)
         hosts.ray_worker(far, address, {**ON_DEMAND, ADVERTISE_LABEL: hosts.unused_ip()})
-        proc = hosts.spawn(head, [sys.executable, "-m", "tests.cluster.netns_driver", address, head.ip, "2", TOKEN,
-                                  str(CACHE)])
-        driver = Driver(proc)
-        ports = driver._line(120)
-        driver.gateway_port, driver.http_port = ports["gateway_port"], ports["http_port"]
+        driver = netns.Driver(hosts, head, address, 2, TOKEN, str(CACHE))
         # both claimed: a serves, far is reported; b joins as the machine that replaces far
         until("a serving and far reported unreachable", lambda: sorted(
             n["state"] for n in driver.nodes().values()) == ["active", "unreachable"], 180)
         (far_id,) = driver.nodes("unreachable")
         hosts.ray_worker(hosts.add("b"), address, ON_DEMAND)
-        until("two nodes serving", lambda: len(driver.nodes("active")) == 2, 180)
+        driver.wait_active(2, 180)
         yield MultiHost(hosts, driver, far_id)
     finally:
         if driver is not None:
-            driver.proc.stdin.close()  # the driver stops the splitserve actors
-            try:
-                driver.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                driver.proc.kill()
-            driver.proc.stdout.close()
+            driver.close()
         hosts.close()
 
 

@@ -1,4 +1,5 @@
-"""Hosts as Linux network namespaces on a bridge the test makes (the multi-host tier).
+"""Hosts as Linux network namespaces on a bridge made for the run (the multi-host test tier
+and ``bench cluster-tax -p netns=true``).
 
 Each "host" is a network namespace with one veth leg on a private bridge and one address in
 a private /24 of 10.231.0.0/16; nothing else is routed, so every packet the tier sends stays
@@ -6,8 +7,8 @@ on that bridge. Names carry a tag with the creating process's pid (``ssmh<pid he
 within Linux's 15 bytes for links), so a run cleans up what an earlier run that died left
 behind (its pid is gone) and never touches a run still going. ``close`` kills every process
 in the namespaces (Ray's daemons, node servers, workers), then removes the links,
-namespaces and temp dir; it runs from the fixture's finalizer and, should the test process
-end before that, at exit.
+namespaces and temp dir; it runs from the caller's finally (the tests' fixture) and, should the
+process end before that, at exit.
 
 Ray: ``ray start`` inside each namespace, the head with no CPUs and a ``splitserve_head``
 resource, each worker with one ``splitserve_node`` resource and a market label, as a user
@@ -22,6 +23,7 @@ import atexit
 import contextlib
 import ctypes
 import json
+import select
 import os
 import shutil
 import signal
@@ -36,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.cluster.actors import raycompat
-from tests.helpers import ROOT
 
 PREFIX = "ssmh"  # every name: ssmh<pid hex>-<what>
 RAY_PORT = 6379
@@ -206,7 +207,7 @@ class Hosts:
 
     def spawn(self, h: Host, args: list[str]) -> subprocess.Popen:
         with open(self.root / f"{h.name}.log", "ab") as log:
-            return subprocess.Popen(["ip", "netns", "exec", h.ns, *args], env=self.env(), cwd=ROOT,
+            return subprocess.Popen(["ip", "netns", "exec", h.ns, *args], env=self.env(),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
 
     def _ray(self, h: Host, *args: str) -> None:
@@ -243,3 +244,57 @@ class Hosts:
             _ip("netns", "del", h.ns, check=False)
         _ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Driver:
+    """The Ray driver on the head's host (``splitserve.bench.netns_driver``): it puts the
+    splitserve actors on the cluster at ``address``, then answers status and gateway-stats
+    asks; ``close`` stops the actors."""
+
+    def __init__(self, hosts: Hosts, head: Host, address: str, nodes: int, token: str, cache_dir: str,
+                 timeout_s: float = 120.0, models: tuple[str, ...] = ("lenet",)) -> None:
+        self.proc = hosts.spawn(head, [sys.executable, "-m", "splitserve.bench.netns_driver", address, head.ip,
+                                       str(nodes), token, cache_dir, ",".join(models)])
+        try:
+            ports = self._line(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.gateway_port: int = ports["gateway_port"]
+        self.http_port: int = ports["http_port"]
+
+    def _line(self, timeout_s: float) -> dict[str, Any]:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the driver said nothing within {timeout_s:g} s (exit {self.proc.poll()})")
+        return json.loads(line)
+
+    def ask(self, what: str, timeout_s: float = 90.0) -> dict[str, Any]:
+        """``status`` (the controller's) or ``gateway`` (the gateway's stats)."""
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout_s)
+
+    def nodes(self, state: str | None = None) -> dict[str, dict]:
+        """The controller's nodes by id (only those in ``state``, if given)."""
+        return {n["node"]: n for n in self.ask("status")["nodes"] if state is None or n["state"] == state}
+
+    def wait_active(self, count: int, timeout_s: float) -> dict[str, dict]:
+        """Block until ``count`` nodes serve; returns them."""
+        deadline = time.monotonic() + timeout_s
+        while len(active := self.nodes("active")) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{count} nodes were not serving within {timeout_s:g} s: {self.nodes()}")
+            time.sleep(0.5)
+        return active
+
+    def close(self) -> None:
+        """Stop the splitserve actors (the driver does on its stdin's end), then the driver."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
