@@ -23,8 +23,8 @@ import atexit
 import contextlib
 import ctypes
 import json
-import select
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from splitserve.cluster.actors import raycompat
 
@@ -244,6 +246,21 @@ class Hosts:
             _ip("netns", "del", h.ns, check=False)
         _ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """What of this run is still there (namespaces, links, processes, the temp dir): none after ``close``."""
+        names = [(line.split() or [""])[0] for line in _ip("netns", "list", check=False).stdout.splitlines()]
+        names += [line.split(":")[1].strip().split("@")[0] for line in
+                  _ip("-o", "link", "show", check=False).stdout.splitlines() if ":" in line]
+        left = [n for n in names if n.startswith(f"{self.tag}-")]
+        left += [f"pid {p.pid}" for p in psutil.process_iter() if _mentions(p, str(self.root))]
+        return left + ([str(self.root)] if self.root.exists() else [])
+
+
+def _mentions(p: psutil.Process, text: str) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(text in arg for arg in p.cmdline())
+    return False
 
 
 class Driver:

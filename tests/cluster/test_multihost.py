@@ -73,6 +73,7 @@ def mh() -> Iterator[MultiHost]:
         if driver is not None:
             driver.close()
         hosts.close()
+    assert hosts.leftovers() == []
 
 
 def test_a_node_advertising_an_address_nobody_has_is_reported_with_the_reason_and_not_used(mh: MultiHost) -> None:
