@@ -229,6 +229,11 @@ class Hosts:
         self._ray(h, "--address", head, "--num-cpus", "1",
                   "--resources", json.dumps({raycompat.NODE_RESOURCE: 1}), "--labels", json.dumps(dict(labels)))
 
+    def cut(self, h: Host) -> None:
+        """The host's link goes down: its processes live on, and nothing reaches them or comes
+        back (no FIN, no RST: peers learn it from timeouts)."""
+        _ip("link", "set", h.veth, "down")
+
     def kill(self, h: Host) -> None:
         """The host dies: every process on it gets SIGKILL at once."""
         _kill_all(h.ns)

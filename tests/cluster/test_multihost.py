@@ -132,3 +132,21 @@ def test_a_host_killed_under_load_loses_no_call_and_a_new_host_replaces_it(mh: M
     assert victim not in mh.driver.nodes()
     # 8 clients keep 32 calls in flight over both hosts: the kill caught some on the victim
     assert mh.driver.ask("gateway")["resent"] > resent
+
+
+def test_a_host_whose_link_is_cut_under_load_loses_no_call_and_a_new_host_replaces_it(mh: MultiHost) -> None:
+    """No connection ends here: the gateway learns of the loss from its missed pings and Ray
+    from its health checks."""
+    before = mh.driver.nodes("active")
+    fid = mh.on_clients(lambda: lookup(mh.driver.gateway_port, "lenet", host=mh.host("head").ip))
+    load = mh.load(fid).start()
+    until("load on both hosts", lambda: set(mh.driver.ask("gateway")["answers_by_node"]) >= set(before), 60)
+    resent = mh.driver.ask("gateway")["resent"]
+    victim = next(n for n, v in before.items() if v["endpoint"].startswith(mh.host("b").ip + ":"))
+    mh.hosts.cut(mh.host("b"))
+    mh.hosts.ray_worker(mh.hosts.add("d"), f"{mh.host('head').ip}:{netns.RAY_PORT}", ON_DEMAND)
+    until("the victim out of the gateway's links", lambda: victim not in mh.driver.ask("gateway")["links"], 30)
+    until("a new host serving", lambda: sum(n not in before for n in mh.driver.nodes("active")) == 1, 180)
+    load.finish()
+    assert victim not in mh.driver.nodes("active")
+    assert mh.driver.ask("gateway")["resent"] > resent
