@@ -4,8 +4,9 @@ One cluster for the module: a Ray head (and the splitserve controller and gatewa
 ``head``, serving Ray workers joined as a user joins machines (``ray start --address`` with
 one ``splitserve_node`` resource and a market label) on hosts ``a`` and ``b``, and clients on
 host ``clients``; every address is on the bridge. Host ``far`` joins too, advertising an
-address on the bridge that no host has: it is reported unreachable and never used. Skipped
-where namespaces cannot be made (not root, no ``ip``).
+address on the bridge that no host has: it is reported unreachable and never used. Later,
+host ``a`` is killed and host ``b``'s link cut under load, and hosts ``c`` and ``d`` join to
+replace them. Skipped where namespaces cannot be made (not root, no ``ip``).
 """
 
 from __future__ import annotations

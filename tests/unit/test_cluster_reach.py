@@ -4,6 +4,7 @@ cannot reach one (the pure part; the probe itself against real loopback sockets)
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -66,3 +67,12 @@ def test_the_probe_tells_a_listening_port_from_a_closed_one() -> None:
         far = NodeEndpoint("n", "127.0.0.1", open_port, 0, 1, node_ip="10.0.0.7")
         assert "another host" in asyncio.run(check(far))
         assert asyncio.run(check(NodeEndpoint("n", "127.0.0.1", open_port, 0, 1, node_ip="10.0.0.1"))) is None
+
+
+def test_only_the_names_of_a_run_whose_process_is_gone_are_stale() -> None:
+    from splitserve.bench.netns import PREFIX, _stale
+
+    assert not _stale(f"{PREFIX}{os.getpid():x}-head")  # this run's
+    assert not _stale(f"{PREFIX}{os.getpid():x}-v3")
+    assert _stale(f"{PREFIX}{2**22 + 1:x}-br")  # above Linux's pid_max ceiling: no such process
+    assert not _stale("ssmhzz-head")  # not one of ours
