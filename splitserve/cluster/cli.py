@@ -75,7 +75,11 @@ def up(
                                                      "(0: any free port; -1: no HTTP)."),
     gateway_grpc_port: int = typer.Option(8001, help="The gateway's gRPC port, Open Inference Protocol v2 "
                                                      "(0: any free port; -1: no gRPC)."),
-    node_host: str = typer.Option("127.0.0.1", help="Address each node server binds."),
+    node_host: Optional[str] = typer.Option(None, help="Address every node server binds (default: each node's "
+                                                       "Ray address; a node's splitserve.io/bind-address label wins)."),
+    node_advertise: Optional[str] = typer.Option(None, help="Address every node server advertises to the gateway "
+                                                            "(default: each node's Ray address; a node's "
+                                                            "splitserve.io/advertise-address label wins)."),
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
     provider: Optional[NodeProviderKind] = typer.Option(
@@ -109,8 +113,8 @@ def up(
     http_port = None if gateway_http_port < 0 else gateway_http_port
     grpc_port = None if gateway_grpc_port < 0 else gateway_grpc_port
     cache = env_cache_dir()
-    spec = NodeSpec(host=node_host, token=ensure_token_file(d / TOKEN_FILE), cache_dir=str(cache) if cache else None,
-                    tmp_root=tempfile.gettempdir(), env=env)
+    spec = NodeSpec(host=node_host, advertise=node_advertise, token=ensure_token_file(d / TOKEN_FILE),
+                    cache_dir=str(cache) if cache else None, tmp_root=tempfile.gettempdir(), env=env)
     if address is not None:
         _join(address, logging_level=logging.WARNING)
         h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
@@ -167,7 +171,8 @@ def status(
         return
     t = Table("node", "market", "state", "models", "in flight", "endpoint")
     for n in st["nodes"]:
-        t.add_row(n["node"][:12], n["market"], n["state"], ",".join(n["models"]), str(n["in_flight"]),
+        state = f"{n['state']}: {n['reason']}" if n.get("reason") else n["state"]
+        t.add_row(n["node"][:12], n["market"], state, ",".join(n["models"]), str(n["in_flight"]),
                   n["endpoint"] or "-")
     console.print(t)
     gw = st["gateway"]

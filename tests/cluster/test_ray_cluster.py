@@ -35,13 +35,15 @@ from splitserve.cluster.gateway.modelspec import ModelSpec  # noqa: E402
 from splitserve.cluster.config import ClusterConfig  # noqa: E402
 from splitserve.cluster.node_settings import node_env  # noqa: E402
 from splitserve.models.gate import Gates  # noqa: E402
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header  # noqa: E402
+from splitserve.protocol.header import Header, Kind  # noqa: E402
+from tests.cluster.clients import Load  # noqa: E402
+from tests.cluster.clients import lookup as _lookup  # noqa: E402
+from tests.cluster.clients import read_frame as _read  # noqa: E402
+from tests.cluster.clients import until as _until  # noqa: E402
 from tests.helpers import CACHE  # noqa: E402
 
 NODES = 3
 NODE_BUDGET = "16GiB"
-WINDOW = 4  # pipelined calls per client
-IMAGE = bytes(784)
 
 
 def test_a_ray_temp_dir_too_long_for_its_unix_sockets_is_refused_before_anything_starts():
@@ -104,98 +106,10 @@ def _fast_path_reference(c: LocalCluster) -> tuple[np.ndarray, np.ndarray, int]:
     return x, want, _gateway(c)["delivered"]
 
 
-def _until(what: str, check, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not reached in {timeout_s} s: {what}")
-        time.sleep(0.2)
-
-
 def _routed_everywhere(c: LocalCluster, model: str, nodes: set[str]) -> bool:
     """Every node in ``nodes`` holds ``model`` (the controller's plan) and the gateway sends it there."""
     held = {n["node"] for n in _status(c)["nodes"] if model in n["models"]}
     return nodes <= held and all(model in _gateway(c)["models"].get(n, ()) for n in nodes)
-
-
-def _lookup(port: int, name: str) -> int:
-    """The model's cluster func id, once the routes that name it reached the gateway."""
-    found: list[int] = []
-
-    def ask() -> bool:
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(Header(Kind.LOOKUP, req_id=1, payload_len=len(name)).pack() + name.encode())
-            h, _ = _read(s)
-        found.extend([h.func_id] if h.kind == Kind.LOOKUP_REPLY else [])
-        return bool(found)
-
-    _until(f"the gateway knows {name}", ask, 30)
-    return found[0]
-
-
-def _read(s: socket.socket) -> tuple[Header, bytes]:
-    def exact(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("gateway closed the connection")
-            buf += chunk
-        return bytes(buf)
-
-    h = unpack_header(exact(HEADER_SIZE))
-    return h, exact(h.payload_len) if h.payload_len else b""
-
-
-@dataclass
-class Load:
-    """8 clients sending pipelined lenet calls until stopped; the client-side ledger."""
-
-    port: int
-    func_id: int
-    stop: threading.Event = field(default_factory=threading.Event)
-    sent: Counter = field(default_factory=Counter)
-    answers: Counter = field(default_factory=Counter)
-    outputs: set = field(default_factory=set)
-    errors: list = field(default_factory=list)
-    threads: list = field(default_factory=list)
-
-    def start(self, clients: int = 8) -> "Load":
-        for i in range(clients):
-            t = threading.Thread(target=self._client, args=(i,), daemon=True)
-            t.start()
-            self.threads.append(t)
-        return self
-
-    def _client(self, i: int) -> None:
-        with socket.create_connection(("127.0.0.1", self.port)) as s:
-            s.settimeout(60)
-            ids = iter(range(i << 32, (i + 1) << 32))
-            while not self.stop.is_set():
-                batch = [next(ids) for _ in range(WINDOW)]
-                for rid in batch:
-                    s.sendall(Header(Kind.REQUEST, req_id=rid, func_id=self.func_id, payload_len=784).pack() + IMAGE)
-                    self.sent[rid] += 1
-                left = set(batch)
-                while left:
-                    h, payload = _read(s)
-                    self.answers[h.req_id] += 1
-                    left.discard(h.req_id)
-                    if h.kind == Kind.RESPONSE:
-                        self.outputs.add(payload)
-                    else:
-                        self.errors.append((h.status, payload.decode(errors="replace")))
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in self.threads), "a client never got all its answers"
-        assert self.answers == self.sent, "some request was answered twice or never"
-        assert self.errors == []
-        # the same logits from every node and batch size (batched float sums differ in the last bits)
-        logits = [np.frombuffer(o, np.float32) for o in self.outputs]
-        assert all(np.allclose(x, logits[0], atol=1e-5) for x in logits), "nodes disagree on the model's output"
 
 
 def test_a_model_registered_once_is_placed_by_demand_and_answers_from_every_node_under_load(

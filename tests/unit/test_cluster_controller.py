@@ -56,13 +56,18 @@ def _endpoint(node: str) -> NodeEndpoint:
     return NodeEndpoint(node, "127.0.0.1", 1, 2, 3)
 
 
+async def _reachable(endpoint: NodeEndpoint) -> str | None:
+    return None
+
+
 def _controller(cfg: ClusterConfig, provider: Any, now: list[float], store: ControllerStore | None = None,
-                servers: dict[str, Any] | None = None) -> Controller:
+                servers: dict[str, Any] | None = None, reach: Any = _reachable) -> Controller:
     """A controller on a fake clock with no Ray: its store in memory unless given, its node
-    servers found in ``servers`` by name."""
+    servers found in ``servers`` by name, every node reachable unless ``reach`` says otherwise."""
     found = servers if servers is not None else {}
     return Controller(cfg, NodeSpec(), provider=provider, builtin_models=["lenet"], clock=lambda: now[0],
-                      address="127.0.0.1:1", store=store or ControllerStore(":memory:"), find_server=found.get)
+                      address="127.0.0.1:1", store=store or ControllerStore(":memory:"), find_server=found.get,
+                      reach=reach)
 
 
 def _running(cfg: ClusterConfig, provider: Any, now: list[float]) -> Controller:
@@ -574,5 +579,40 @@ def test_a_copy_demand_no_longer_asks_for_leaves_the_routes_before_it_is_unloade
         assert [n for n in ("a", "b", "c") if "lenet" in ctl.nodes[n].models] == ["a", "b"]
         for task in list(ctl._tasks):
             task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_the_head_cannot_reach_is_reported_kept_out_of_the_routes_and_taken_once_it_answers() -> None:
+    """A node server that came up advertising an address the head cannot reach: ``status``
+    shows it unreachable with the reason and counts it nowhere as active, the gateway is
+    given no route to it, and the next round's check lets it serve once it answers."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        answers: list[str | None] = ["TCP connect failed: No route to host"]
+
+        async def reach(endpoint: NodeEndpoint) -> str | None:
+            return answers[0]
+
+        ctl = _controller(ClusterConfig(), None, now, reach=reach)
+        ctl._recovered.set()
+        ctl._loop_task = asyncio.get_running_loop().create_future()
+        server = FakeNodeServer("far")
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        node = ctl.nodes["far"] = _Node("far", Market.ON_DEMAND, None, server, starting=started)
+        ctl.cost.requested("far", "on-demand", Market.ON_DEMAND, 1.0, now[0])
+        started.set_result(_endpoint("far"))
+        await ctl._check_started(node)
+        (shown,) = (await ctl.status())["nodes"]
+        assert shown["state"] == "unreachable" and shown["reason"] == answers[0]
+        assert node.state is NodeState.STARTING and server.warm == set()  # no models loaded on it
+        assert ctl._routes.nodes == ()
+        assert node.starting is not None and node.starting.done()  # checked again next round
+        answers[0] = None
+        await ctl._check_started(node)
+        (shown,) = (await ctl.status())["nodes"]
+        assert shown["state"] == "active" and shown["reason"] is None
+        assert [r.node for r in ctl._routes.nodes] == ["far"]
 
     asyncio.run(scenario())

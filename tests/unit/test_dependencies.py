@@ -24,7 +24,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # the Ray half of cluster mode: imported only by `splitserve cluster` and Ray's own processes
 RAY_HALF = [*sorted((PACKAGE / "cluster" / "actors").glob("*.py")), PACKAGE / "cluster" / "cli.py"]
 # benchmarks of a live Ray cluster: they need the cluster extra besides the bench one
-CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py", BENCH / "scenarios" / "cluster_check.py"]
+CLUSTER_BENCH = [BENCH / "scenarios" / "cluster_tax.py", BENCH / "scenarios" / "cluster_check.py",
+                 BENCH / "netns.py", BENCH / "netns_driver.py"]
 
 
 def _norm(name: str) -> str:

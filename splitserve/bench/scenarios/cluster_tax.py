@@ -9,6 +9,11 @@ closed-loop connections through the gateway, then as many straight to the node, 
 separate generator process: p50, p99 and req/s of each and their ratios. With more than
 one node the gateway spreads the loaded run over all of them while the direct run uses one,
 so compare the loaded ratios at ``nodes = 1``. Ray is never on the path of a call.
+
+``-p netns=true`` runs it across hosts: the Ray head (with the gateway), each serving node
+and the clients each in a Linux network namespace on a bridge made for the run
+(``bench/netns.py``; needs root and ``ip``), so every call crosses a veth pair and a bridge
+as it would cross a LAN: the gateway's tax over a node's own, from another host.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Params(BaseParams):
     duration_s: float = 5.0
     warmup_s: float = 0.5
     start_timeout_s: float = 240.0
+    netns: bool = False  # head, nodes and clients each on their own host (network namespaces; root)
 
     @classmethod
     def quick(cls) -> Params:
@@ -102,7 +108,6 @@ def run(ctx: Context) -> ScenarioOutput:
                            "(pip install -e '.[cluster]', which scripts/setup.sh does)") from e
 
     from splitserve.bench.inputs import as_call_arg, make_inputs
-    from splitserve.bench.transports import close_sync, open_sync
     from splitserve.cluster.actors.local import LocalCluster
     from splitserve.cluster.actors.node_server import NodeSpec
     from splitserve.cluster.config import ClusterConfig
@@ -112,6 +117,9 @@ def run(ctx: Context) -> ScenarioOutput:
     p: Params = ctx.params  # type: ignore[assignment]
     p.check()
     model = p.models[0]
+    arg = as_call_arg(make_inputs(zoo_entry(model).inputs, 1, p.seed)[0])
+    if p.netns:
+        return _across_hosts(ctx, p, model, arg)
     cfg = ClusterConfig.from_env(min_nodes=p.nodes, max_nodes=p.nodes)
     cache = env_cache_dir()
     root = tempfile.mkdtemp(prefix="ssray-")
@@ -123,28 +131,71 @@ def run(ctx: Context) -> ScenarioOutput:
         status = ray.get(h.controller.status.remote())
         node = status["nodes"][0]
         urls = {"gateway": f"tcp://127.0.0.1:{h.gateway_port}", "direct": f"tcp://{node['endpoint']}"}
-        arg = as_call_arg(make_inputs(zoo_entry(model).inputs, 1, p.seed)[0])
         with ctx.task("single client, alternating; then closed loops", 3) as advance:
-            clients = {path: open_sync("tcp", url) for path, url in urls.items()}
-            try:
-                seq = _alternate(clients["gateway"], clients["direct"], model, arg, p.requests, p.warmup)
-            finally:
-                for c in clients.values():
-                    close_sync(c)
-            advance(1)
-            loaded = {}
-            for path, url in urls.items():
-                loaded[path] = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections,
-                                               p.duration_s, warmup_s=p.warmup_s).summary(warmup_s=p.warmup_s)
-                advance(1)
+            seq, loaded = _measure(p, urls, model, arg, advance)
         gw_stats = ray.get(h.gateway.stats.remote())
     finally:
         local.stop()
-    result = {"model": model, "nodes": p.nodes, "urls": urls, "direct_node": node["node"],
-              "sequential": compare(seq["gateway"], seq["direct"]),
-              "loaded": {"connections": p.connections, **compare_loaded(loaded["gateway"], loaded["direct"])},
-              "gateway": {k: gw_stats.get(k) for k in ("delivered", "resent", "dropped", "answers_by_node")}}
-    return _output(p, result, seq)
+    return _output(p, _result(p, model, urls, node, seq, loaded, gw_stats), seq)
+
+
+def _across_hosts(ctx: Context, p: Params, model: str, arg: Any) -> ScenarioOutput:
+    """The same measurement with the head, each node and the clients on hosts of their own."""
+    from splitserve.bench import netns
+    from splitserve.config import env_cache_dir
+
+    why = netns.unavailable()
+    if why is not None:
+        raise RuntimeError(f"-p netns=true needs network namespaces: {why}")
+    hosts = netns.Hosts()
+    driver = None
+    try:
+        with ctx.task(f"starting hosts: a Ray head and {p.nodes} serving node(s), each in a network namespace", 1):
+            head, clients = hosts.add("head"), hosts.add("clients")
+            address = hosts.ray_head(head)
+            for i in range(p.nodes):
+                hosts.ray_worker(hosts.add(f"n{i}"), address, {netns.raycompat.MARKET_LABEL: "on-demand"})
+            driver = netns.Driver(hosts, head, address, p.nodes, "cluster-tax", str(env_cache_dir() or ""),
+                                  p.start_timeout_s, (model,))
+            node = next(iter(driver.wait_active(p.nodes, p.start_timeout_s).values()))
+        urls = {"gateway": f"tcp://{head.ip}:{driver.gateway_port}", "direct": f"tcp://{node['endpoint']}"}
+        with ctx.task("from the clients' host: single client, alternating; then closed loops", 3) as advance:
+            seq, loaded = netns.run_in(clients.ns, lambda: _measure(p, urls, model, arg, advance),
+                                       timeout_s=p.duration_s * 2 + p.requests + 600)
+        gw_stats = driver.ask("gateway")
+    finally:
+        if driver is not None:
+            driver.close()
+        hosts.close()
+    return _output(p, _result(p, model, urls, node, seq, loaded, gw_stats), seq)
+
+
+def _measure(p: Params, urls: dict[str, str], model: str, arg: Any,
+             advance: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Single client alternating between the paths, then a closed loop on each."""
+    from splitserve.bench.transports import close_sync, open_sync
+
+    clients = {path: open_sync("tcp", url) for path, url in urls.items()}
+    try:
+        seq = _alternate(clients["gateway"], clients["direct"], model, arg, p.requests, p.warmup)
+    finally:
+        for c in clients.values():
+            close_sync(c)
+    advance(1)
+    loaded = {}
+    for path, url in urls.items():
+        loaded[path] = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections,
+                                       p.duration_s, warmup_s=p.warmup_s).summary(warmup_s=p.warmup_s)
+        advance(1)
+    return seq, loaded
+
+
+def _result(p: Params, model: str, urls: dict[str, str], node: dict, seq: dict[str, np.ndarray],
+            loaded: dict[str, Any], gw_stats: dict) -> dict[str, Any]:
+    return {"model": model, "nodes": p.nodes, "netns": p.netns, "urls": urls, "direct_node": node["node"],
+            "sequential": compare(seq["gateway"], seq["direct"]),
+            "loaded": {"connections": p.connections, **compare_loaded(loaded["gateway"], loaded["direct"])},
+            "gateway": {k: gw_stats.get(k) for k in ("delivered", "resent", "dropped", "answers_by_node")}}
 
 
 def _output(p: Params, r: dict[str, Any], seq: dict[str, np.ndarray]) -> ScenarioOutput:
@@ -154,7 +205,8 @@ def _output(p: Params, r: dict[str, Any], seq: dict[str, np.ndarray]) -> Scenari
     load_rows = [(path, fmt(ld[path]["p50_ms"], 3), fmt(ld[path]["p99_ms"], 3), fmt(ld[path]["rps"], 0),
                   ld[path]["errors"]) for path in PATHS]
     report = [report_intro(__doc__), "",
-              f"{r['model']}, {r['nodes']} node(s); direct = node {r['direct_node'][:12]}.", "",
+              f"{r['model']}, {r['nodes']} node(s){', each host a network namespace' if r['netns'] else ''}; "
+              f"direct = node {r['direct_node'][:12]}.", "",
               f"## Single client ({p.requests} calls per path)", "",
               md_table(("path", "p50 µs", "p99 µs", "mean µs"), seq_rows), "",
               f"Gateway adds {fmt(s['added_p50_us'])} µs at p50 ({fmt(s['ratio_p50'], 2)}x) and "

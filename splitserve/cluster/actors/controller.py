@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.node_server import NodeEndpoint, NodeServerActor, NodeSpec, node_server_name
+from splitserve.cluster.actors.model_registry import ModelRegistry
+from splitserve.cluster.actors.probe import Reachability
 from splitserve.cluster.actors.shares import ModelShares, reshare
 from splitserve.cluster.actors.store import STORE_FILE, ControllerStore
 from splitserve.cluster.gateway.core import NodeRoute, Routes
@@ -87,33 +89,8 @@ class _Node:
     ready_at: float = 0.0  # when it began serving
     models: frozenset[str] = frozenset()  # the registry's models this node was given (and loaded)
     retiring: bool = False  # scale-in or notice: the cluster ends it
+    unreachable: str | None = None  # why its advertised address does not answer the controller (None: it does)
     giving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one _give_models at a time
-
-
-@dataclass
-class _Registry:
-    """The cluster's models: a func id each (the cluster's own, not any node's) and the spec a
-    node registers (None: built in everywhere)."""
-
-    ids: dict[str, int] = field(default_factory=dict)
-    specs: dict[str, ModelSpec | None] = field(default_factory=dict)
-    # ids are never given twice: a client that kept an unregistered model's id must not reach another model
-    last_id: int = 0
-    removing: set[str] = field(default_factory=set)  # unregistered, still being removed from nodes
-
-    def add(self, name: str, spec: ModelSpec | None, func_id: int | None = None) -> int:
-        """Add ``name`` (with ``func_id``: as stored by an earlier controller) and return its id."""
-        if name not in self.ids:
-            if func_id is None:
-                func_id = max(self.last_id, max(self.ids.values(), default=0)) + 1
-            self.last_id = max(self.last_id, func_id)
-            self.ids[name] = func_id
-            self.specs[name] = spec
-        return self.ids[name]
-
-    def remove(self, name: str) -> None:
-        self.ids.pop(name, None)
-        self.specs.pop(name, None)
 
 
 def _settings(cfg: ClusterConfig) -> dict[str, Any]:
@@ -137,10 +114,12 @@ class Controller:
     def __init__(self, cfg: ClusterConfig, node_spec: NodeSpec, provider: Any, builtin_models: list[str],
                  clock: Callable[[], float] = time.time, address: str | None = None,
                  store: ControllerStore | None = None,
-                 find_server: Callable[[str], Any | None] | None = None) -> None:
+                 find_server: Callable[[str], Any | None] | None = None,
+                 reach: Callable[[NodeEndpoint], Awaitable[str | None]] | None = None) -> None:
         """``store``: where the models and the bill outlive this actor (default: a file in the
         head's Ray session directory); ``find_server``: a node server's live actor by its
-        name (default: Ray's named actors), for ``_recover``."""
+        name (default: Ray's named actors), for ``_recover``; ``reach``: why a node's endpoint
+        is unreachable from here, or None (default: ``probe.Reachability`` from this node)."""
         self.node_spec = node_spec
         self.provider = provider
         self.clock = clock
@@ -149,7 +128,7 @@ class Controller:
         # Ray restarts the actor with the settings the cluster started with: configure's changes are stored
         self.cfg = cfg = _with_settings(cfg, self.store.settings())
         self._find_server = find_server or (lambda name: raycompat.named_actor(name, NAMESPACE))
-        self.registry = _Registry(last_id=self.store.last_func_id())
+        self.registry = ModelRegistry(last_id=self.store.last_func_id())
         for name, fid, spec in self.store.models():
             self.registry.add(name, spec, fid)
         for name in builtin_models:
@@ -185,6 +164,7 @@ class Controller:
         self._loop_task: asyncio.Task | None = None
         self._recovered = asyncio.Event()  # set once _recover is done: the calls wait for it
         self._checking_servers = False
+        self._reach = reach or Reachability(raycompat.current_node_ip())
 
     # -- the API (called through Ray) --------------------------------------------------------
 
@@ -377,7 +357,8 @@ class Controller:
         return {
             "target": self._target,
             "slo_window": self._last_window | {"scale_ups": self.autoscaler.slo_scale_ups},
-            "nodes": [{"node": n.node_id, "market": str(n.market), "state": str(n.state),
+            "nodes": [{"node": n.node_id, "market": str(n.market),
+                       "state": "unreachable" if n.unreachable else str(n.state), "reason": n.unreachable,
                        "models": sorted(n.models), "in_flight": in_flight.get(n.node_id, 0),
                        "deadline": n.deadline, "endpoint": None if n.endpoint is None else
                        f"{n.endpoint.host}:{n.endpoint.fast_port}"} for n in self.nodes.values()],
@@ -553,6 +534,8 @@ class Controller:
         starting, n.starting = n.starting, None
         try:
             n.endpoint = starting.result()
+            if not await self._reachable(n, starting):
+                return
             await self._give_models(n)
         except (ray.exceptions.RayError, SplitServeError) as e:
             log.warning("node %s did not start its server: %s", n.node_id[:12], e)
@@ -581,6 +564,23 @@ class Controller:
             log.info("node %s (%s) is replaced by spot node %s", replaced.node_id[:12], replaced.market,
                      n.node_id[:12])
             self._drain_out(replaced)
+
+    async def _reachable(self, n: _Node, started: asyncio.Future) -> bool:
+        """Whether the gateway reaches ``n`` where it advertises. One it cannot stays out of the
+        routes and active count, ``status`` says why, its order opens again, and the next round
+        checks again (``started`` stays its endpoint)."""
+        reason = await self._reach(n.endpoint)
+        if reason is None and n.unreachable is not None:
+            log.info("node %s answers at %s:%d now", n.node_id[:12], n.endpoint.host, n.endpoint.fast_port)
+        elif reason is not None and n.unreachable is None:
+            log.warning("node %s is unreachable: %s", n.node_id[:12], reason)
+        n.unreachable = reason
+        if reason is None:
+            return True
+        n.starting, order, n.order = started, n.order, None
+        if order is not None:
+            self._act(self.procurement.failed(order, self.clock()), self.clock())
+        return False
 
     def _noticed(self, n: _Node, deadline: float, now: float) -> None:
         n.deadline = deadline

@@ -8,7 +8,9 @@ Requests never pass through it. The child gets SIGKILL when the actor's process 
 however it dies (``PR_SET_PDEATHSIG``: Ray kills an actor's children on a clean exit only),
 and its workers follow their server.
 The cluster's management token is written into the child's data directory before it
-starts, so one token works on every node.
+starts, so one token works on every node. The child binds, and the node advertises, the
+address Ray knows the node by unless its Ray node's labels or the cluster's ``NodeSpec``
+say otherwise (``policy/reach.node_addresses``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.gateway.modelspec import ModelSpec
+from splitserve.cluster.policy.reach import local_address, node_addresses
 from splitserve.errors import InternalError, SplitServeError, Status, error_for_status
 from splitserve.launcher import stop_process
 
@@ -45,17 +48,19 @@ class NodeEndpoint:
     """Where a node server's fast path listens."""
 
     node_id: str
-    host: str
+    host: str  # the advertised address: what the gateway connects to
     fast_port: int
     http_port: int
     pid: int
+    node_ip: str = ""  # the address Ray knows the node by (where the server runs)
 
 
 @dataclass(frozen=True)
 class NodeSpec:
     """How to start one node's server."""
 
-    host: str = "127.0.0.1"
+    host: str | None = None  # the address every node binds (None: each node's Ray address)
+    advertise: str | None = None  # the address every node advertises (None: each node's Ray address)
     token: str = ""  # the cluster's management token
     cache_dir: str | None = None  # weights cache shared by the nodes of one machine
     tmp_root: str | None = None  # where the node's data dir goes (short: Unix socket paths)
@@ -74,6 +79,8 @@ class NodeServer:
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec
         self.node_id = raycompat.current_node_id()
+        self.node_ip = raycompat.current_node_ip()
+        self.addresses = node_addresses(self.node_ip, raycompat.current_node_labels(), spec.host, spec.advertise)
         self.data_dir = Path(tempfile.mkdtemp(prefix="ssn-", dir=spec.tmp_root))
         token_file = self.data_dir / "token"
         token_file.write_text(spec.token + "\n")
@@ -81,14 +88,14 @@ class NodeServer:
         env = {**os.environ, **spec.env}
         if spec.cache_dir:
             env["SPLITSERVE_CACHE_DIR"] = spec.cache_dir
-        cmd = [sys.executable, "-m", "splitserve", "serve", "--host", spec.host, "--fast-port", "0",
+        cmd = [sys.executable, "-m", "splitserve", "serve", "--host", self.addresses.bind, "--fast-port", "0",
                "--udp-port", "-1", "--http-port", "0", "--grpc-port", "-1", "--data-dir", str(self.data_dir)]
         self.child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "server.log", "ab"))
         self._endpoint = self._wait_started()
         self._registered: set[str] = set()
-        log.info("node %s: splitserve serve pid %d on %s:%d", self.node_id[:12], self.child.pid, spec.host,
-                 self._endpoint.fast_port)
+        log.info("node %s: splitserve serve pid %d on %s:%d, advertised as %s", self.node_id[:12], self.child.pid,
+                 self.addresses.bind, self._endpoint.fast_port, self.addresses.advertise)
 
     def _wait_started(self) -> NodeEndpoint:
         info_file = self.data_dir / "server.json"
@@ -100,8 +107,8 @@ class NodeServer:
             if info_file.exists():
                 info = json.loads(info_file.read_text())
                 if info.get("pid") == self.child.pid:
-                    return NodeEndpoint(self.node_id, info["host"], int(info["fast_port"]), int(info["http_port"]),
-                                        self.child.pid)
+                    return NodeEndpoint(self.node_id, self.addresses.advertise, int(info["fast_port"]),
+                                        int(info["http_port"]), self.child.pid, self.node_ip)
             time.sleep(_POLL_S)
         self.stop()
         raise InternalError(f"splitserve serve did not start within {self.spec.start_timeout_s} s on node "
@@ -157,7 +164,9 @@ class NodeServer:
 
     def _management(self) -> httpx.Client:
         """An HTTP client for the child's management calls, with the cluster's token."""
-        return httpx.Client(base_url=f"http://{self._endpoint.host}:{self._endpoint.http_port}",
+        host = local_address(self.addresses.bind)
+        host = f"[{host}]" if ":" in host else host
+        return httpx.Client(base_url=f"http://{host}:{self._endpoint.http_port}",
                             headers={"Authorization": f"Bearer {self.spec.token}"}, timeout=self.spec.start_timeout_s)
 
     def stats(self) -> dict:

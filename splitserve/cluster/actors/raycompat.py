@@ -134,6 +134,16 @@ def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def current_node_ip() -> str:
+    """The address Ray knows this process's node by (the raylet's ``--node-ip-address``)."""
+    return ray.util.get_node_ip_address()
+
+
+def current_node_labels() -> dict[str, str]:
+    """This process's node's labels (``ray start --labels``, and Ray's own ``ray.io/*``)."""
+    return dict(ray.get_runtime_context().get_node_labels())
+
+
 def session_dir() -> str:
     """This process's Ray session directory (on the head for the controller): it lives as
     long as the Ray cluster, unlike the actor's working directory."""
