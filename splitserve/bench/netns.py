@@ -197,7 +197,10 @@ class Hosts:
         return f"{self.subnet}.200"
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(self.root), "RAY_USAGE_STATS_ENABLED": "0",
+        """The hosts' processes' environment: this one's without the loopback settings a local
+        cluster in this process may have put there (they would refuse every worker's join)."""
+        inherited = {k: v for k, v in os.environ.items() if k not in raycompat.LOOPBACK_ENV}
+        return {**inherited, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(self.root), "RAY_USAGE_STATS_ENABLED": "0",
                 "RAY_enable_autoscaler_v2": "1", "TMPDIR": str(self.root)}
 
     def run(self, h: Host, args: list[str], timeout_s: float = _STEP_TIMEOUT_S) -> str:

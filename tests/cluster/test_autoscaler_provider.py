@@ -116,7 +116,10 @@ def head() -> Iterator[dict]:
                         f"--dashboard-agent-listen-port={_free_port()}"],
                        env=env, check=True, capture_output=True, timeout=120)
         started = time.monotonic() - t0
-        given.delenv(raycompat.AUTH_MODE_ENV, raising=False)  # a loopback cluster before may have turned it off
+        # unset (a loopback cluster before may have turned it off), so that join turns it on; the
+        # setenv first records what was there, so that undo also removes the "token" join sets
+        given.setenv(raycompat.AUTH_MODE_ENV, "")
+        given.delenv(raycompat.AUTH_MODE_ENV)
         given.setenv(raycompat.TOKEN_ENV, token)
         raycompat.join(f"127.0.0.1:{port}", logging_level="WARNING", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "head_start_s": started}

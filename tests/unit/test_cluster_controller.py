@@ -616,3 +616,17 @@ def test_a_node_the_head_cannot_reach_is_reported_kept_out_of_the_routes_and_tak
         assert [r.node for r in ctl._routes.nodes] == ["far"]
 
     asyncio.run(scenario())
+
+
+def test_a_node_the_head_cannot_reach_gets_no_share_of_the_models() -> None:
+    """Placement plans over the nodes the head reaches: with two nodes up and one of them
+    unreachable, ``model_min_nodes`` = 2 puts every model on the one that answers, none on
+    the other (whose copies no route could use)."""
+    from splitserve.cluster.actors.shares import ModelShares
+
+    nodes = [_Node(name, Market.ON_DEMAND, None, FakeNodeServer(name), endpoint=_endpoint(name))
+             for name in ("near", "far")]
+    nodes[1].unreachable = "TCP connect failed: No route to host"
+    shares = ModelShares(ClusterConfig(model_min_nodes=2), {}, lambda: (100.0, nodes, ["lenet", "mlp"], {}))
+    assert shares.plan() == {"near": frozenset({"lenet", "mlp"})}
+    assert shares.of(nodes[1]) == frozenset()
