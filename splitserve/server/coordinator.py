@@ -43,6 +43,10 @@ class Event:
     latency_ns: int = 0  # preempted: flag raised -> worker stopped
     partition: int = -1  # the node partition the instance sits on (-1: none, or not an instance's event)
     tag: float | None = None  # the batch's ``Batch.tag``: its partition's tag when placed (None: not by tags)
+    # done, for a batch run whole: when its worker began computing it (server clock), and each of
+    # its requests' arrival -> that moment in µs (the preemption latency, queueing and wake-up included)
+    compute_start: float | None = None
+    waits_us: tuple[int, ...] = ()
 
 
 class ScheduledModel(Protocol):
@@ -267,7 +271,8 @@ class Coordinator:
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
             model.clear_preempt(instance, batch.batch_id)
-        self._log("done" if ok else "failed", model, instance, batch, 0)
+        self._log("done" if ok else "failed", model, instance, batch, 0,
+                  compute_start=batch.compute_start if ok else None)
         # An RT batch ending can end RT mode; in seq mode any end frees the node; on a
         # partitioned node any end may free the partition a waiting RT batch waits for.
         if batch.cls == RT:
@@ -352,7 +357,9 @@ class Coordinator:
         self.events.append(Event(self.clock(), kind, model, -1, 0, ""))
 
     def _log(self, kind: str, model: ScheduledModel, instance: int, batch: Batch, segment: int,
-             latency_ns: int = 0) -> None:
+             latency_ns: int = 0, compute_start: float | None = None) -> None:
         partition = self.partition_of(model.name, instance) if self.partition_of is not None else -1
+        waits = () if compute_start is None else tuple(round((compute_start - r.arrival) * 1e6) for r in batch.requests)
         self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,
-                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition, batch.tag))
+                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition, batch.tag,
+                                 compute_start, waits))

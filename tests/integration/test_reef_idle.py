@@ -75,3 +75,10 @@ def test_idle_a_real_time_call_under_a_best_effort_flood_completes_while_best_ef
     seq = kinds(events)
     assert seq.index(("done", "rt")) < seq.index(("done", "be"))
     assert not any(k in ("preempt", "preempted") for k, _ in seq)
+    # the worker's compute-start stamp: the held best-effort batch began before the real-time
+    # one arrived; the real-time batch began computing after it started and before it was done
+    rt_start, rt_done = (next(e for e in events if e.cls == "rt" and e.kind == k) for k in ("start", "done"))
+    be_done = next(e for e in events if e.cls == "be" and e.kind == "done")
+    assert be_done.compute_start is not None and rt_done.compute_start is not None
+    assert be_done.compute_start < rt_start.t <= rt_done.compute_start <= rt_done.t
+    assert len(rt_done.waits_us) == 1 and 0 <= rt_done.waits_us[0]

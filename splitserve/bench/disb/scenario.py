@@ -41,6 +41,7 @@ from splitserve.bench.disb.run import (
     DisbJob,
     be_batches,
     busy_share,
+    compute_waits,
     dist,
     drive,
     normalised,
@@ -342,6 +343,7 @@ def run(ctx: Context) -> ScenarioOutput:
                         m["preemption"] = preemptions(events)
                         m["be_batches"] = be_batches(events)
                         m["rt_core_share"] = busy_share(events, "rt")
+                        m["rt_start_us"] = dist(compute_waits(events, "rt"))
                         m["rt_requests_scheduled"] = len(arrivals) if arrivals or not job.rt_tasks else None
                         runs[spec.label][scheme] = m
                         advance(1)
@@ -408,6 +410,7 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
                                   for s, m in per.items() if s == "reef"),
         "reef_rt_queue_ms": {w: per["reef"]["rt"]["queue_ms"] for w, per in runs.items() if "reef" in per},
         "seq_rt_queue_ms": {w: per["seq"]["rt"]["queue_ms"] for w, per in runs.items() if "seq" in per},
+        "rt_start_us": {w: {s: m["rt_start_us"] for s, m in per.items()} for w, per in runs.items()},
         "samples": {"reef_preemption_latency_ms": reef_lat[:KEEP]},
     }
     # restore overhead by source: every reef DISB run pooled, and each pair's shared run (one BE

@@ -171,6 +171,8 @@ class Dispatch:
             self.kick()
             return
         self.sched.complete(instance, msg.batch_id)
+        if msg.first_segment == 0:  # run whole: its stamp is when its compute began (for the event log)
+            batch.compute_start = msg.start_ns / 1e9
         self.batch_ended(instance, batch, ok=True)
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
