@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.protocol.header import RequestClass
+from splitserve.scheduler import padding
 from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
@@ -150,8 +151,11 @@ class Coordinator:
     def __init__(self, models: Callable[[], Iterable[ScheduledModel]], mode: PriorityMode,
                  max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter,
                  class_order: ClassOrder = ClassOrder.PRIORITY, placement: BatchPlacement | None = None,
-                 partition_of: Callable[[str, int], int] | None = None) -> None:
+                 partition_of: Callable[[str, int], int] | None = None,
+                 fbr: Callable[[str], float | None] | None = None) -> None:
         self.models = models
+        # under idle: each model's fitted FBR (None: not measured), for padding by interference
+        self.fbr = fbr
         self.mode = mode
         self.class_order = class_order
         self.clock = clock
@@ -223,15 +227,23 @@ class Coordinator:
         if self.mode is PriorityMode.SEQ and self.class_order is ClassOrder.ARRIVAL:
             d = decide(self.mode, self.view(), self.class_order)
             return self._stamp(self._start(model, now, (RT, BE), self._one_batch(d, model)), now)
-        first = decide(self.mode, self.view())
+        first = self._decide(now)
         allowed = self._one_batch(first, model) if self.mode is PriorityMode.SEQ else self._allowed(first, model)
         batches = self._stamp(self._start(model, now, (RT,), allowed), now)
-        d = decide(self.mode, self.view())
+        d = self._decide(now)
         self._preempt(d)
         be = self._stamp(self._start(model, now, (BE,), self._allowed(d, model)), now)
         if self.mode is PriorityMode.REEF:
             self._pad(decide(self.mode, self.view()))
         return batches + be
+
+    def _decide(self, now: float) -> Decision:
+        """The policy's decision; under idle with FBRs known, padded by measured interference."""
+        view = self.view()
+        d = decide(self.mode, view)
+        if self.mode is PriorityMode.IDLE and self.fbr is not None:
+            d = padding.apply(d, padding.pad(view, self.fbr, now))
+        return d
 
     def _start(self, model: ScheduledModel, now: float, classes: tuple[RequestClass, ...],
                may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
