@@ -49,8 +49,9 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
     ``fbr(model)`` is a model's fitted FBR (None: not measured). BE batches already running
     keep their place in the order they started; each idle BE instance is then admitted in the
     node's order while every active RT model's predicted slowdown stays within ``limit``.
-    A model that runs RT work itself is not padded against (its own BE batch is preempted by
-    ``priority.decide``).
+    A model's BE batch on an instance that takes both classes is left to ``priority.decide``,
+    which preempts it for the model's own RT work; one on an instance kept for BE work
+    (``be_instances``) is padded like any other.
     """
     rt_models = {v.model for v in node if v.ready and (v.running_cls == RequestClass.RT or v.rt_waiting)}
     rt_fbr = {m: f for m in rt_models if (f := fbr(m)) is not None}
@@ -66,7 +67,10 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
         return own is None or all(interference([f, *be_load, own]) <= limit * interference([f])
                                   for f in rt_fbr.values())
 
-    running = sorted((v for v in node if v.running_cls == RequestClass.BE and v.model not in rt_models),
+    def padded(v: InstanceView) -> bool:  # a BE instance of an RT model pads beside it too
+        return v.model not in rt_models or v.best_effort
+
+    running = sorted((v for v in node if v.running_cls == RequestClass.BE and padded(v)),
                      key=lambda v: v.started if v.started is not None else now)
     for v in running:
         own = fbr(v.model)
@@ -77,7 +81,7 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
         else:  # about to end: it still shares the bandwidth until it does
             be_load.append(own if own is not None else 0.0)
     for v in node:  # an idle instance counts as if it starts a BE batch
-        if v.ready and v.running_cls is None and v.model not in rt_models:
+        if v.ready and v.running_cls is None and padded(v):
             own = fbr(v.model)
             if fits(v.model):
                 be_load.extend(() if own is None else (own,))

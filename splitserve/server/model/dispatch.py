@@ -302,7 +302,7 @@ class Dispatch:
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
-                started=began, rt_due=rt_due,
+                started=began, rt_due=rt_due, best_effort=st.best_effort,
             ))
         return out
 
