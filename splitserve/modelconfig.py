@@ -8,7 +8,7 @@ fills in inputs and outputs)::
     instances = 1
     threads = 1
     default_class = "be"          # "rt" (real-time / strict) or "be" (best-effort)
-    be_instances = 0              # preemption idle: instances kept for best-effort calls, under SCHED_IDLE
+    be_instances = 0              # preemption idle: of instances, those kept for best-effort calls (SCHED_IDLE)
     [batching]
     policy = "work_conserving"    # "work_conserving" | "timeout" | "none" | "adaptive"
     max_delay_ms = 2.0            # timeout policy: longest wait for a fuller batch
