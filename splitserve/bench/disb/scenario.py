@@ -355,7 +355,8 @@ def run(ctx: Context) -> ScenarioOutput:
                         m["preemption"] = preemptions(events)
                         m["be_batches"] = be_batches(events)
                         m["rt_core_share"] = busy_share(events, "rt")
-                        m["rt_start_us"] = dist(compute_waits(events, "rt"))
+                        waits = compute_waits(events, "rt")
+                        m["rt_start_us"], m["rt_start_samples_us"] = dist(waits), waits[:KEEP]
                         m["rt_requests_scheduled"] = len(arrivals) if arrivals or not job.rt_tasks else None
                         runs[spec.label][scheme] = m
                         advance(1)
