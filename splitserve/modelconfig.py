@@ -8,6 +8,7 @@ fills in inputs and outputs)::
     instances = 1
     threads = 1
     default_class = "be"          # "rt" (real-time / strict) or "be" (best-effort)
+    be_instances = 0              # preemption idle: of instances, those kept for best-effort calls (SCHED_IDLE)
     [batching]
     policy = "work_conserving"    # "work_conserving" | "timeout" | "none" | "adaptive"
     max_delay_ms = 2.0            # timeout policy: longest wait for a fuller batch
@@ -159,6 +160,11 @@ class ModelConfig:
     threads: int = 1
     device: str = "cpu"
     default_class: str = "be"
+    # Under preemption ``idle``, how many of ``instances`` take only best-effort batches, their
+    # workers under SCHED_IDLE, while the others take only real-time ones at normal priority:
+    # a model called in both classes is demoted for its best-effort calls alone. 0: every
+    # instance takes both classes, demoted by ``default_class``.
+    be_instances: int = 0
     queue_slots: int | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -193,6 +199,9 @@ class ModelConfig:
             raise InvalidInput("max_batch_size must be between 1 and 4096")
         if not 1 <= self.instances <= 64 or not 1 <= self.threads <= 256:
             raise InvalidInput("instances must be 1..64 and threads 1..256")
+        if not 0 <= self.be_instances < self.instances:
+            raise InvalidInput(f"model {self.name!r}: be_instances={self.be_instances} must leave at least one of "
+                               f"its {self.instances} instances for real-time calls (0 <= be_instances < instances)")
         if any(c < 0 for c in self.cpus):
             raise InvalidInput(f"cpus {list(self.cpus)}: CPU numbers cannot be negative")
         if self.share_cpus and not self.cpus:

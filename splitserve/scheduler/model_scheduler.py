@@ -62,6 +62,8 @@ class InstanceState:
     standby: bool = False
     # Packrat's b for this instance (None: the model's max batch).
     max_batch: int | None = None
+    # Kept for best-effort batches (the model's ``be_instances``; its worker under SCHED_IDLE under idle).
+    best_effort: bool = False
 
     @property
     def ready(self) -> bool:
@@ -186,11 +188,11 @@ class ModelScheduler:
         may follow the model's speed."""
         self.policy.batch_time(compute_s)
 
-    def add_instance(self, max_batch: int | None = None, standby: bool = False) -> int:
+    def add_instance(self, max_batch: int | None = None, standby: bool = False, best_effort: bool = False) -> int:
         """A new instance (ABSENT until its worker has loaded the weights); returns its id."""
         iid = self._next_instance
         self._next_instance += 1
-        self.instances[iid] = InstanceState(max_batch=max_batch, standby=standby)
+        self.instances[iid] = InstanceState(max_batch=max_batch, standby=standby, best_effort=best_effort)
         return iid
 
     def serving(self) -> list[int]:

@@ -14,7 +14,8 @@ Modes (REEF §3.1 and the §7.1 baselines):
   thread under ``SCHED_IDLE`` (``worker/sched_class.py``) and passive OpenMP pools, so a
   runnable real-time thread takes the core at once, mid-segment, and the best-effort
   thread resumes with its state intact. Nothing is flagged, padded or restored: the node
-  lets everything start, as in ``concurrent``; a model that takes both classes on one
+  lets everything start, as in ``concurrent``; a model with instances kept per class
+  (``be_instances``) sends each class to its own, and a model that takes both classes on one
   instance has its BE batch preempted at a segment boundary for its own RT work, as in ``reef``.
 - ``seq``: one batch at a time on the whole node, RT first, never interrupting (Clockwork);
   under ``ClassOrder.ARRIVAL`` the model whose oldest waiting request came first, whatever
@@ -61,6 +62,7 @@ class InstanceView:
     running_count: int = 0  # samples in the running batch (its memory footprint, for PROTEAN's placement)
     started: float | None = None  # when the running batch started (PROTEAN's wait-for-free predicts its end)
     rt_due: float | None = None  # soft SLO due of the RT request heading its model's next batch (bounds a wait)
+    best_effort: bool = False  # kept for BE batches (its model's be_instances): under idle, never an RT target
 
 
 @dataclass
@@ -76,7 +78,7 @@ def _rt_targets(node: list[InstanceView]) -> list[InstanceView]:
     ready instance, else the BE batch already being preempted, else its first BE batch."""
     by_model: dict[str, list[InstanceView]] = {}
     for v in node:
-        if v.ready:
+        if v.ready and not v.best_effort:
             by_model.setdefault(v.model, []).append(v)
     targets = []
     for views in by_model.values():
@@ -114,7 +116,9 @@ def decide(mode: PriorityMode, node: list[InstanceView], order: ClassOrder = Cla
         # The kernel puts RT first across instances (BE workers under SCHED_IDLE); only a
         # model taking both classes on one instance has its BE batch stopped at a segment
         # boundary for its own RT work: no scheduler can take a worker from itself.
-        d.may_start = {k: {RequestClass.RT, RequestClass.BE} for k in keys}
+        split = {v.model for v in node if v.best_effort}  # models with instances kept per class
+        d.may_start = {(v.model, v.instance): {RequestClass.BE} if v.best_effort else
+                       {RequestClass.RT} if v.model in split else {RequestClass.RT, RequestClass.BE} for v in node}
         d.preempt = [(v.model, v.instance, v.running_batch) for v in _rt_targets(node)
                      if v.running_cls == RequestClass.BE and not v.preempt_raised]
         return d

@@ -46,3 +46,7 @@ class Batch:
     # PROTEAN: its partition's tag (share taken by best-effort work) when the node placed it;
     # None: not placed by tags (no partitions, or a strict placement other than eta)
     tag: float | None = None
+    # When its worker began computing it (the worker's perf_counter, the same monotonic clock as
+    # the server's), for a batch run whole from its first segment; None until it is done. Arrival
+    # -> this is the preemption latency: queueing, dispatch and the worker's wake-up together.
+    compute_start: float | None = None

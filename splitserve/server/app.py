@@ -182,6 +182,8 @@ class Server:
         self.protean_profiles = ProteanProfiles(self.registry)
         if self.partitions is not None:
             self.partitions.profiles = self.protean_profiles
+        if cfg.reef.preemption is PriorityMode.IDLE:  # idle pads best-effort work by the same FBRs
+            self.coordinator.fbr = self.protean_profiles.fbr
         self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,

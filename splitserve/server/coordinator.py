@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.protocol.header import RequestClass
+from splitserve.scheduler import padding
 from splitserve.scheduler.model_scheduler import ClassOrder
 from splitserve.scheduler.priority import Decision, InstanceView, PriorityMode, decide
 from splitserve.scheduler.request import Batch
@@ -43,6 +44,10 @@ class Event:
     latency_ns: int = 0  # preempted: flag raised -> worker stopped
     partition: int = -1  # the node partition the instance sits on (-1: none, or not an instance's event)
     tag: float | None = None  # the batch's ``Batch.tag``: its partition's tag when placed (None: not by tags)
+    # done, for a batch run whole: when its worker began computing it (server clock), and each of
+    # its requests' arrival -> that moment in µs (the preemption latency, queueing and wake-up included)
+    compute_start: float | None = None
+    waits_us: tuple[int, ...] = ()
 
 
 class ScheduledModel(Protocol):
@@ -146,8 +151,11 @@ class Coordinator:
     def __init__(self, models: Callable[[], Iterable[ScheduledModel]], mode: PriorityMode,
                  max_events: int = 200_000, clock: Callable[[], float] = time.perf_counter,
                  class_order: ClassOrder = ClassOrder.PRIORITY, placement: BatchPlacement | None = None,
-                 partition_of: Callable[[str, int], int] | None = None) -> None:
+                 partition_of: Callable[[str, int], int] | None = None,
+                 fbr: Callable[[str], float | None] | None = None) -> None:
         self.models = models
+        # under idle: each model's fitted FBR (None: not measured), for padding by interference
+        self.fbr = fbr
         self.mode = mode
         self.class_order = class_order
         self.clock = clock
@@ -219,15 +227,23 @@ class Coordinator:
         if self.mode is PriorityMode.SEQ and self.class_order is ClassOrder.ARRIVAL:
             d = decide(self.mode, self.view(), self.class_order)
             return self._stamp(self._start(model, now, (RT, BE), self._one_batch(d, model)), now)
-        first = decide(self.mode, self.view())
+        first = self._decide(now)
         allowed = self._one_batch(first, model) if self.mode is PriorityMode.SEQ else self._allowed(first, model)
         batches = self._stamp(self._start(model, now, (RT,), allowed), now)
-        d = decide(self.mode, self.view())
+        d = self._decide(now)
         self._preempt(d)
         be = self._stamp(self._start(model, now, (BE,), self._allowed(d, model)), now)
         if self.mode is PriorityMode.REEF:
             self._pad(decide(self.mode, self.view()))
         return batches + be
+
+    def _decide(self, now: float) -> Decision:
+        """The policy's decision; under idle with FBRs known, padded by measured interference."""
+        view = self.view()
+        d = decide(self.mode, view)
+        if self.mode is PriorityMode.IDLE and self.fbr is not None:
+            d = padding.apply(d, padding.pad(view, self.fbr, now))
+        return d
 
     def _start(self, model: ScheduledModel, now: float, classes: tuple[RequestClass, ...],
                may_start: Callable[[int, RequestClass], bool] | None) -> list[Batch]:
@@ -267,7 +283,8 @@ class Coordinator:
         if key in self._raised:  # it finished before it reached a segment boundary
             self._raised.discard(key)
             model.clear_preempt(instance, batch.batch_id)
-        self._log("done" if ok else "failed", model, instance, batch, 0)
+        self._log("done" if ok else "failed", model, instance, batch, 0,
+                  compute_start=batch.compute_start if ok else None)
         # An RT batch ending can end RT mode; in seq mode any end frees the node; on a
         # partitioned node any end may free the partition a waiting RT batch waits for.
         if batch.cls == RT:
@@ -352,7 +369,9 @@ class Coordinator:
         self.events.append(Event(self.clock(), kind, model, -1, 0, ""))
 
     def _log(self, kind: str, model: ScheduledModel, instance: int, batch: Batch, segment: int,
-             latency_ns: int = 0) -> None:
+             latency_ns: int = 0, compute_start: float | None = None) -> None:
         partition = self.partition_of(model.name, instance) if self.partition_of is not None else -1
+        waits = () if compute_start is None else tuple(round((compute_start - r.arrival) * 1e6) for r in batch.requests)
         self.events.append(Event(self.clock(), kind, model.name, instance, batch.batch_id,
-                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition, batch.tag))
+                                 "rt" if batch.cls == RT else "be", segment, latency_ns, partition, batch.tag,
+                                 compute_start, waits))

@@ -246,3 +246,15 @@ def test_serve_help_groups_its_options_by_config_section():
     memory = out.index(f"─ {PANELS['memory']}")
     assert memory < out.index("--memory-budget") < min(out.index(f"─ {PANELS[s]}", memory + 1) for s in PANELS
                                                        if f"─ {PANELS[s]}" in out[memory + 1:])
+
+
+@pytest.mark.parametrize("instances, be_instances, ok", [(2, 1, True), (1, 0, True), (1, 1, False), (2, -1, False)])
+def test_be_instances_leave_an_instance_for_real_time_calls(instances, be_instances, ok):
+    tensor = {"name": "x", "datatype": "FP32", "shape": [4]}
+    d = {"name": "m", "artifact": {"kind": "zoo", "arch": "lenet"}, "inputs": [tensor], "outputs": [tensor],
+         "instances": instances, "be_instances": be_instances}
+    if ok:
+        assert ModelConfig.from_dict(d).be_instances == be_instances
+    else:
+        with pytest.raises(InvalidInput, match="be_instances"):
+            ModelConfig.from_dict(d)

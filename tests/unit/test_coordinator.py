@@ -414,3 +414,31 @@ def test_a_direct_rt_batch_holds_direct_be_on_its_cpus_only_while_it_runs():
     assert not node.flag("be_same_cpu", 0).held and node.coord._normal_mode()
     node.coord.watch_direct()
     assert not any(m.bell for m in node.models.values())
+
+
+@pytest.mark.parametrize("fbr", [{"a": 0.5, "b": 0.8}, {"a": 0.5, "b": 0.2}, None])
+def test_idle_stops_and_holds_best_effort_work_only_where_measured_interference_breaks_the_limit(fbr):
+    node = Node(PriorityMode.IDLE, {"a": [{0}], "b": [{1}]})
+    node.coord.fbr = fbr.get if fbr else None
+    heavy = fbr is not None and fbr["b"] > 0.5
+    node.enqueue("b", BE)
+    node.schedule("b")
+    node.enqueue("a", RT)
+    assert node.schedule("a") == [(0, "RT")]
+    assert bool([e for e in node.log if e[0] == "preempt"]) == heavy  # 0.5 + 0.8 > 1.05: stopped
+    if heavy:
+        node.preempted("b", 0)
+        assert node.schedule("b") == []  # held while the RT work runs
+        node.finish("a", 0)
+        assert node.schedule("b") == [(0, "BE")]
+
+
+def test_a_done_event_carries_the_workers_compute_start_and_each_requests_wait():
+    node = Node(PriorityMode.IDLE, {"a": [{0}]})
+    node.enqueue("a", RT, 2)
+    node.schedule("a")
+    batch = node.models["a"].sched.instances[0].running
+    batch.compute_start = node.clock.now + 0.002
+    node.finish("a", 0)
+    done = node.coord.events[-1]
+    assert done.kind == "done" and done.compute_start == batch.compute_start and done.waits_us == (2000, 2000)

@@ -209,3 +209,6 @@ def test_best_effort_models_are_those_no_real_time_task_calls() -> None:
     assert scenario.best_effort_models([workload.WorkloadSpec("C", builtin="C")]) == {
         "resnet152", "densenet201", "inception_v3", "distilbert"}
     assert scenario.best_effort_models([workload.WorkloadSpec("D", builtin="D")]) == set()
+    assert scenario.both_class_models([workload.WorkloadSpec("C", builtin="C")]) == {"vgg19"}
+    assert scenario.both_class_models([workload.WorkloadSpec("D", builtin="D")]) == {
+        "resnet152", "densenet201", "inception_v3", "distilbert", "vgg19"}

@@ -13,6 +13,7 @@ from splitserve.bench.disb import workload
 from splitserve.bench.disb.run import (
     be_batches,
     busy_share,
+    compute_waits,
     normalised,
     preemptions,
     restore_overhead,
@@ -106,6 +107,10 @@ def test_preemptions_and_restore_overhead_from_events():
     assert busy_share(events, "rt") == pytest.approx(5 / 75)
     assert busy_share(events + [_ev(0.031, "start", "w", 1, cls="rt"), _ev(0.037, "done", "w", 1, cls="rt")],
                       "rt") == pytest.approx(7 / 75)
+    # arrival -> compute start: the RT requests of done events with the worker's stamp only
+    stamped = [{**_ev(0.035, "done", "v", 2, cls="rt"), "waits_us": [120, 80]},
+               {**_ev(0.036, "done", "r", 4), "waits_us": [5000]}, _ev(0.037, "failed", "v", 3, cls="rt")]
+    assert compute_waits(events + stamped, "rt") == [120.0, 80.0]
 
 
 def _sample(t, lat, cls, ok=True, queue=0.001, compute=0.01):

@@ -242,3 +242,16 @@ def test_idle_lets_everything_start_and_preempts_only_a_be_batch_blocking_rt_of_
     assert d.preempt == [("c", 0, 3)] and d.padding_deadline == {}
     node[2] = inst("c", 0, {0}, running=BE, batch=3, rt_waiting=1, raised=True)
     assert decide(PriorityMode.IDLE, node).preempt == []
+
+
+def test_idle_sends_each_class_to_its_own_instance_of_a_model_with_be_instances():
+    # c's instance 1 is kept for BE work: c's RT call takes instance 0, never preempting it
+    node = [inst("c", 0, {0}, rt_waiting=1),
+            InstanceView("c", 1, frozenset({0}), True, running_cls=BE, running_batch=3, rt_waiting=1,
+                         best_effort=True),
+            inst("b", 0, {0}, running=BE, batch=2)]
+    d = decide(PriorityMode.IDLE, node)
+    assert d.may_start == {("c", 0): {RT}, ("c", 1): {BE}, ("b", 0): BOTH}
+    assert d.preempt == []
+    node[0] = inst("c", 0, {0}, running=RT, batch=4, rt_waiting=1)  # busy: RT still waits for it
+    assert decide(PriorityMode.IDLE, node).preempt == []

@@ -229,6 +229,13 @@ def preemptions(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "padding_resume_ms": dist(gaps)}
 
 
+def compute_waits(events: Sequence[Mapping[str, Any]], cls: str = "rt") -> list[float]:
+    """Each ``cls`` request's arrival -> its compute starting in the worker (µs, from the
+    worker's own stamp in the done events): the preemption latency, queueing, dispatch and the
+    worker's wake-up on a core other work was using together."""
+    return [float(w) for e in events if e["kind"] == "done" and e["cls"] == cls for w in e.get("waits_us", ())]
+
+
 def busy_share(events: Sequence[Mapping[str, Any]], cls: str = "rt") -> float | None:
     """Share of the log's time span during which some ``cls`` batch was running (the union of
     start/resume -> preempted/done/failed intervals): how much of a core that class kept busy

@@ -41,6 +41,7 @@ from splitserve.bench.disb.run import (
     DisbJob,
     be_batches,
     busy_share,
+    compute_waits,
     dist,
     drive,
     normalised,
@@ -140,13 +141,23 @@ def workload_models(spec: WorkloadSpec) -> set[str]:
     return {t.client.model_name for t in w.tasks}
 
 
+def _called(specs: Sequence[WorkloadSpec], cls: str) -> set[str]:
+    """The models tasks of class ``cls`` call."""
+    return {t.client.model_name for s in specs for t in (s.workload or builtin(s.builtin or "A", 1.0)).tasks
+            if t.cls == cls}
+
+
 def best_effort_models(specs: Sequence[WorkloadSpec]) -> set[str]:
     """Models only best-effort tasks call: their default class is ``be``, which under
     preemption ``idle`` puts their workers under SCHED_IDLE (every call names its class,
     so no other scheme sees the difference)."""
-    tasks = [t for s in specs for t in (s.workload or builtin(s.builtin or "A", 1.0)).tasks]
-    rt = {t.client.model_name for t in tasks if t.cls == "rt"}
-    return {t.client.model_name for t in tasks if t.cls == "be"} - rt
+    return _called(specs, "be") - _called(specs, "rt")
+
+
+def both_class_models(specs: Sequence[WorkloadSpec]) -> set[str]:
+    """Models tasks of both classes call: under preemption ``idle`` each gets a second
+    instance kept for its best-effort calls (``be_instances``), under SCHED_IDLE."""
+    return _called(specs, "be") & _called(specs, "rt")
 
 
 def _task_rate(t: Task, duration: float) -> float | None:
@@ -297,10 +308,12 @@ def run(ctx: Context) -> ScenarioOutput:
     }
     repo = write_repository(ctx.results.path / "repository", models_cfg, p.device)
     # idle demotes the workers of be models: its own repository, where the models only
-    # best-effort tasks call default to be (elsewhere a call naming no class stays rt)
-    be_only = best_effort_models(specs)
+    # best-effort tasks call default to be (elsewhere a call naming no class stays rt), and
+    # those both classes call have a second instance for their best-effort calls
+    be_only, both = best_effort_models(specs), both_class_models(specs)
     idle_repo = write_repository(ctx.results.path / "repository-idle", {
-        m: {**c, "default_class": "be"} if m in be_only else c for m, c in models_cfg.items()},
+        m: {**c, "default_class": "be"} if m in be_only else
+        {**c, "instances": 2, "be_instances": 1} if m in both else c for m, c in models_cfg.items()},
         p.device) if "idle" in p.schemes else repo
     schemes = [s for s in SCHEMES if s in p.schemes]
     if pairs and "reef" not in schemes:
@@ -342,6 +355,8 @@ def run(ctx: Context) -> ScenarioOutput:
                         m["preemption"] = preemptions(events)
                         m["be_batches"] = be_batches(events)
                         m["rt_core_share"] = busy_share(events, "rt")
+                        waits = compute_waits(events, "rt")
+                        m["rt_start_us"], m["rt_start_samples_us"] = dist(waits), waits[:KEEP]
                         m["rt_requests_scheduled"] = len(arrivals) if arrivals or not job.rt_tasks else None
                         runs[spec.label][scheme] = m
                         advance(1)
@@ -408,6 +423,7 @@ def _output(p: Params, specs: Sequence[WorkloadSpec], runs: dict[str, dict[str, 
                                   for s, m in per.items() if s == "reef"),
         "reef_rt_queue_ms": {w: per["reef"]["rt"]["queue_ms"] for w, per in runs.items() if "reef" in per},
         "seq_rt_queue_ms": {w: per["seq"]["rt"]["queue_ms"] for w, per in runs.items() if "seq" in per},
+        "rt_start_us": {w: {s: m["rt_start_us"] for s, m in per.items()} for w, per in runs.items()},
         "samples": {"reef_preemption_latency_ms": reef_lat[:KEEP]},
     }
     # restore overhead by source: every reef DISB run pooled, and each pair's shared run (one BE

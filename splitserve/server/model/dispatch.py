@@ -171,6 +171,8 @@ class Dispatch:
             self.kick()
             return
         self.sched.complete(instance, msg.batch_id)
+        if msg.first_segment == 0:  # run whole: its stamp is when its compute began (for the event log)
+            batch.compute_start = msg.start_ns / 1e9
         self.batch_ended(instance, batch, ok=True)
         if msg.first_segment == 0:  # a whole, uninterrupted run: a clean sample of batch time
             old = self._batch_s.get(batch.count)
@@ -300,7 +302,7 @@ class Dispatch:
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
                 suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
-                started=began, rt_due=rt_due,
+                started=began, rt_due=rt_due, best_effort=st.best_effort,
             ))
         return out
 

@@ -74,7 +74,12 @@ class Instances:
         """A new instance at ``placement`` (no worker yet); its id."""
         core = self.core
         batch = placement.batch if core.placer.per_instance_batch else None
-        iid = core.sched.add_instance(max_batch=batch, standby=standby)
+        # under idle, the real-time instances first: a new one is best-effort once those are all there
+        cfg = core.config
+        rt_live = sum(1 for s in core.sched.instances.values() if not s.draining and not s.best_effort)
+        best_effort = core.settings.reef.preemption is PriorityMode.IDLE and cfg.be_instances > 0 and \
+            rt_live >= cfg.instances - cfg.be_instances
+        iid = core.sched.add_instance(max_batch=batch, standby=standby, best_effort=best_effort)
         try:
             core.resources.place(self.name, iid, placement)
         except BaseException:
@@ -165,7 +170,8 @@ class Instances:
             core.config.capacity, segments, cpus=sorted(placed.cpus), threads=placed.threads,
             measure=not core.footprint.measured, direct=self._direct_spec(i, placed.batch),
             visible_devices=self._gpu(i),
-            idle=core.settings.reef.preemption is PriorityMode.IDLE and core.config.default_class == "be")
+            idle=core.settings.reef.preemption is PriorityMode.IDLE and (
+                core.sched.instances[i].best_effort if core.config.be_instances else core.config.default_class == "be"))
 
     def _gpu(self, i: int) -> str | None:
         """Instance ``i``'s GPU partition (``CUDA_VISIBLE_DEVICES``), None on the CPU;
