@@ -307,6 +307,7 @@ class Server:
         if self._codec is not None:
             self._codec.close()
         self.shm.unregister()
+        self.shm.cuda_unregister()
         self.intake.close()
         for rt in runtimes:
             try:
