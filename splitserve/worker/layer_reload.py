@@ -102,8 +102,11 @@ def reload_and_run(model: SegmentedModel, weights: PinnedWeights, lanes: Lanes, 
         for seg in weights.segments:
             for t, h in seg:
                 t.data = torch.empty(h.shape, dtype=h.dtype, device=t.device)
+        allocated = lanes.record()
     events = []
     with lanes.on(lanes.copy):
+        # a block just handed out may still be read by work queued on compute before it
+        lanes.stream_wait(allocated)
         for seg in weights.segments:
             for t, h in seg:
                 lanes.copy_into(t.data, h)

@@ -25,6 +25,7 @@ def test_a_pipelined_reload_from_pinned_memory_answers_as_before() -> None:
         drop_device(weights)
         assert before - torch.cuda.memory_allocated() >= 0.99 * weights.nbytes
         compute = torch.cuda.Stream()
+        compute.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
         got = reload_and_run(model, weights, CudaLanes(torch.device("cuda"), compute), (x,))[0]
         compute.synchronize()
     torch.testing.assert_close(got, want)
