@@ -68,6 +68,12 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
+def ipc_handle(raw: bytes) -> _IpcHandle:
+    """The runtime's ``cudaIpcMemHandle_t`` holding ``raw``'s 64 bytes exactly (the struct's
+    constructor would stop copying at the first zero byte)."""
+    return _IpcHandle.from_buffer_copy(raw)
+
+
 class CudartIpc(CudaIpc):
     """``CudaIpc`` through torch's CUDA runtime library (``libcudart``), loaded on first use."""
 
@@ -102,7 +108,7 @@ class CudartIpc(CudaIpc):
     def open(self, handle: bytes, device_id: int) -> int:
         rt = self._on(device_id)
         address = ctypes.c_void_p()
-        self._check(rt.cudaIpcOpenMemHandle(ctypes.byref(address), _IpcHandle(handle), _LAZY_PEER_ACCESS),
+        self._check(rt.cudaIpcOpenMemHandle(ctypes.byref(address), ipc_handle(handle), _LAZY_PEER_ACCESS),
                     "failed to open CUDA IPC handle", NotFound)
         return address.value or 0
 

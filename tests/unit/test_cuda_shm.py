@@ -15,7 +15,7 @@ import pytest
 from splitserve.errors import InvalidInput, NotFound, Refused
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.v2 import ShmRef
-from splitserve.server.cuda_shm import CudaSharedMemory, CudartIpc, decode_handle
+from splitserve.server.cuda_shm import CudaSharedMemory, CudartIpc, decode_handle, ipc_handle
 from splitserve.server.shm import SystemSharedMemory, input_tensor, output_views, write_outputs
 from tests.fake_cuda_ipc import FakeCudaIpc
 
@@ -125,3 +125,8 @@ def test_the_real_runtime_on_a_node_without_cuda_says_so() -> None:
     with pytest.raises(NotFound, match="needs a CUDA device on the server; this node has none"):
         cuda.register("r", bytes(64), 0, 8)
     assert cuda.status() == []
+
+
+def test_the_handle_reaches_the_runtime_byte_for_byte_zeros_included() -> None:
+    raw = bytes([1, 0, 2, 0, *range(56), 0, 0, 7, 9])
+    assert bytes(ipc_handle(raw)) == raw
