@@ -1,5 +1,5 @@
 """CUDA shared memory on a real GPU: this process is the client (a handle cannot be opened
-in the process that exported it), allocating with torch and exporting with
+in the process that exported it), allocating with ``cudaMalloc`` and exporting with
 ``cudaIpcGetMemHandle``; the server is a child process. lenet and resnet50 take their
 inputs from, and write their outputs to, the client's device memory over HTTP and gRPC,
 and answer as the plain HTTP path does. tritonclient's own CUDA utilities are used too
@@ -31,12 +31,33 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     assert s.stop() == 0
 
 
-def _export(t: torch.Tensor) -> str:
-    """The base64 CUDA IPC handle of ``t``'s allocation (``t`` must start it: offset 0)."""
-    rt = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
-    handle = ctypes.create_string_buffer(64)
-    assert rt.cudaIpcGetMemHandle(handle, ctypes.c_void_p(t.data_ptr())) == 0
-    return base64.b64encode(handle.raw).decode()
+class DeviceBuffer:
+    """A client's own ``cudaMalloc`` allocation (not torch's caching allocator, whose tensors
+    lie at offsets inside larger allocations, which an IPC handle does not carry)."""
+
+    def __init__(self, nbytes: int) -> None:
+        torch.cuda.init()  # torch loads the runtime library and makes the context
+        self.rt = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+        self.ptr, self.nbytes = ctypes.c_void_p(), nbytes
+        assert self.rt.cudaMalloc(ctypes.byref(self.ptr), ctypes.c_size_t(nbytes)) == 0
+
+    def handle(self) -> str:
+        """The base64 CUDA IPC handle, as tritonclient's ``get_raw_handle`` gives it."""
+        raw = ctypes.create_string_buffer(64)
+        assert self.rt.cudaIpcGetMemHandle(raw, self.ptr) == 0
+        return base64.b64encode(raw.raw).decode()
+
+    def write(self, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a)
+        assert self.rt.cudaMemcpy(self.ptr, ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(a.nbytes), 1) == 0
+
+    def read(self, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        assert self.rt.cudaMemcpy(ctypes.c_void_p(out.ctypes.data), self.ptr, ctypes.c_size_t(out.nbytes), 2) == 0
+        return out
+
+    def free(self) -> None:
+        assert self.rt.cudaFree(self.ptr) == 0
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -55,21 +76,22 @@ def test_inputs_and_outputs_in_device_memory_answer_as_plain_http(server: Any, m
     want = plain_client.infer(model, [plain]).as_numpy(out)
     module = thttp if front == "http" else tgrpc
     client = plain_client if front == "http" else tgrpc.InferenceServerClient(server.grpc.removeprefix("grpc://"))
-    dev_in = torch.from_numpy(x).cuda()
-    dev_out = torch.zeros(want.shape, dtype=torch.float32, device="cuda")
-    torch.cuda.synchronize()
-    client.register_cuda_shared_memory(f"{model}-in", _export(dev_in), 0, x.nbytes)
-    client.register_cuda_shared_memory(f"{model}-out", _export(dev_out), 0, want.nbytes)
+    dev_in, dev_out = DeviceBuffer(x.nbytes), DeviceBuffer(want.nbytes)
+    dev_in.write(x)
+    client.register_cuda_shared_memory(f"{model}-in", dev_in.handle(), 0, x.nbytes)
+    client.register_cuda_shared_memory(f"{model}-out", dev_out.handle(), 0, want.nbytes)
     try:
         t = module.InferInput(name, list(x.shape), datatype)
         t.set_shared_memory(f"{model}-in", x.nbytes)
         o = module.InferRequestedOutput(out)
         o.set_shared_memory(f"{model}-out", want.nbytes)
         client.infer(model, [t], outputs=[o])
-        np.testing.assert_allclose(dev_out.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dev_out.read(np.float32, want.shape), want, rtol=1e-5, atol=1e-5)
         assert {r["name"] for r in plain_client.get_cuda_shared_memory_status()} == {f"{model}-in", f"{model}-out"}
     finally:
         client.unregister_cuda_shared_memory()
+        dev_in.free()
+        dev_out.free()
     assert not plain_client.get_cuda_shared_memory_status()
 
 
