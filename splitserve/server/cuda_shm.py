@@ -88,7 +88,11 @@ class CudartIpc(CudaIpc):
 
                 if not torch.cuda.is_available():
                     raise NotFound("CUDA shared memory needs a CUDA device on the server; this node has none")
-                rt = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+                name = f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+                try:
+                    rt = ctypes.CDLL(name)
+                except OSError as e:
+                    raise NotFound(f"CUDA shared memory: the CUDA runtime library {name} did not load ({e})") from None
                 rt.cudaGetErrorString.restype = ctypes.c_char_p
                 rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
                 rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
@@ -154,7 +158,9 @@ class CudaSharedMemory:
         self.ipc = ipc
         self.max_regions = max_regions
         self._regions: dict[str, _DeviceRegion] = {}
-        self._lock = threading.Lock()
+        # re-entrant: a dropped writer's finalizer releases its region, and the collector may
+        # run it inside a section that holds the lock
+        self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
         with self._lock:
