@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from splitserve.errors import InvalidInput
@@ -145,6 +145,10 @@ class DeviceAssigner:
         """Forget one instance's partition, or (``instance`` None) all of ``owner``'s."""
         for key in [k for k in self._held if k[0] == owner and instance in (None, k[1])]:
             del self._held[key]
+
+    def owners_on(self, uuids: Collection[str]) -> set[str]:
+        """The models with an instance on any of the partitions ``uuids``."""
+        return {owner for (owner, _), p in self._held.items() if p.uuid in uuids}
 
     def held_by(self, owner: str, instance: int) -> str | None:
         """The UUID of the partition instance ``instance`` of ``owner`` holds (None: none)."""

@@ -246,12 +246,15 @@ class MigPlan:
     commands: tuple[Command, ...]
     kept: tuple[int, ...] = ()  # GPU instance ids left as they are
     notes: tuple[str, ...] = ()
+    # the partitions (MIG device or whole-GPU UUIDs) the plan takes away: their work must be
+    # drained and their processes gone before it runs
+    destroys: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form."""
         return {"gpu": self.gpu, "gpu_name": self.gpu_name, "target": list(self.target), "kept": list(self.kept),
                 "commands": [{"argv": list(c.argv), "why": c.why} for c in self.commands],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "destroys": list(self.destroys)}
 
 
 def plan_geometry(gpu: Gpu, geometry: str) -> MigPlan:
@@ -282,7 +285,8 @@ def plan_geometry(gpu: Gpu, geometry: str) -> MigPlan:
         commands.append(Command(("nvidia-smi", "-i", i, "-r"),
                                 "reset the GPU so MIG mode takes effect (no process may use it)"))
         notes.append("MIG mode changes need an idle GPU; where the reset is refused, reboot and plan again")
-        return MigPlan(gpu.index, gpu.name, target, (*commands, *_creates(i, wanted)), (), tuple(notes))
+        return MigPlan(gpu.index, gpu.name, target, (*commands, *_creates(i, wanted)), (), tuple(notes),
+                       (gpu.uuid,))  # the reset takes the whole GPU away from its workers
     by_gi = _instances(gpu)
     kept = _keep(by_gi, wanted, by_name)
     missing = _missing(wanted, [by_name[by_gi[g][0].profile] for g in kept])
@@ -299,7 +303,8 @@ def plan_geometry(gpu: Gpu, geometry: str) -> MigPlan:
         notes.append("destroying an instance needs every process on it stopped: drain its workers first")
     if not commands:
         notes.append(f"GPU {gpu.index} already has geometry {_geometry_text(wanted)}")
-    return MigPlan(gpu.index, gpu.name, target, tuple(commands), tuple(sorted(kept)), tuple(notes))
+    destroys = tuple(s.uuid for g in gone for s in sorted(by_gi[g], key=lambda s: s.compute_instance))
+    return MigPlan(gpu.index, gpu.name, target, tuple(commands), tuple(sorted(kept)), tuple(notes), destroys)
 
 
 def _creates(i: str, profiles: Sequence[MigProfile]) -> list[Command]:

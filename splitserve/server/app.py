@@ -129,7 +129,8 @@ class Server:
                                                lambda: self.coordinator.view(), self.metrics, _partition_memory(config),
                                                mig_geometry=MigGeometry(MigDriver(
                                                    admin=config.gpu.gpu_admin,
-                                                   timeout_s=config.gpu.gpu_command_timeout_s)))
+                                                   timeout_s=config.gpu.gpu_command_timeout_s),
+                                                   self._drain_gpu_partitions))
         self.coordinator = Coordinator(lambda: [rt.dispatch for rt in self.runtimes.values()], config.reef.preemption,
                                        config.batching.coordinator_events,
                                        class_order=config.reef.class_order, placement=self.partitions,
@@ -210,6 +211,26 @@ class Server:
             await self.runtime(name).wait_ready()
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
+
+    def _drain_gpu_partitions(self, uuids: frozenset[str]) -> bool:
+        """Unload every model with an instance on the GPU partitions ``uuids`` (their calls
+        answered, their workers stopped, so no process holds a context there) and forget
+        their partitions, so their next load lands on what the GPUs then hold; whether none
+        is left there. Blocking: called off the loop, by the MIG geometry change."""
+        return asyncio.run_coroutine_threadsafe(self._unload_on(uuids), self.loop).result()
+
+    async def _unload_on(self, uuids: frozenset[str]) -> bool:
+        devices = self.env.devices
+        assert devices is not None  # the root always hands the node's partitions out
+        names = [n for n in devices.owners_on(uuids) if n in self.runtimes]
+        if names:
+            log.warning("draining %s off GPU partitions %s before their geometry changes",
+                        ", ".join(names), ", ".join(sorted(uuids)))
+        await asyncio.gather(*(self.runtimes[n].unload(reason="its GPU partition is being re-carved")
+                               for n in names))
+        for n in names:
+            devices.release(n)
+        return not devices.owners_on(uuids)
 
     def _frontends(self) -> list[FrontEnd]:
         """The front ends ``config`` turns on, in start order."""
@@ -309,6 +330,7 @@ class Server:
         if self._codec is not None:
             self._codec.close()
         self.shm.unregister()
+        self.shm.cuda_unregister()
         self.intake.close()
         for rt in runtimes:
             try:

@@ -52,7 +52,7 @@ from splitserve.server.management import ModelManager
 from splitserve.server.ports import (
     FrontEnd, InferenceAPI, ModelCatalog, ModelRegistrar, ModelSignature, ServingAPI, SharedMemoryRegions,
 )
-from splitserve.server.shm import CUDA_UNSUPPORTED, input_tensor, output_views, write_outputs
+from splitserve.server.shm import OutputWriters, input_tensor, output_views, write_outputs
 from splitserve.server.trace_settings import TraceSampler
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class _Decoded:
 
     arrays: list[np.ndarray]
     wanted: list[str]
-    shm_views: dict[str, memoryview]
+    shm_views: OutputWriters
     shm_params: dict[str, Any]
     options: CallOptions
 
@@ -485,7 +485,7 @@ class NodeServicer(RepositoryServicer):
         await self.manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    # -- system shared-memory extension (CUDA's: refused, there is no GPU) ------------------
+    # -- the system and CUDA shared-memory extensions ----------------------------------------
 
     @_rpc
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
@@ -507,9 +507,21 @@ class NodeServicer(RepositoryServicer):
 
     @_rpc
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        raise NotFound(CUDA_UNSUPPORTED)
+        resp = pb.CudaSharedMemoryStatusResponse()
+        for r in self.shm.cuda_status(request.name or None):
+            resp.regions[r.name].CopyFrom(resp.RegionStatus(name=r.name, device_id=r.device_id,
+                                                            byte_size=r.byte_size))
+        return resp
 
-    CudaSharedMemoryRegister = CudaSharedMemoryUnregister = CudaSharedMemoryStatus
+    @_rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.shm.cuda_register(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.shm.cuda_unregister(request.name or None)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 def _add_servicer(srv: grpc.aio.Server, servicer: InferenceServicer) -> None:

@@ -231,6 +231,24 @@ class ShmRegion(BaseModel):
     byte_size: int
 
 
+class CudaHandle(BaseModel):
+    b64: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$", description="the cudaIpcMemHandle_t's 64 bytes, base64")
+
+
+class CudaShmRegister(BaseModel):
+    """CUDA shared-memory extension: a client's device allocation, by its CUDA IPC handle."""
+
+    raw_handle: CudaHandle
+    device_id: int = Field(ge=0, description="the CUDA device the allocation is on")
+    byte_size: int = Field(ge=1, description="the region's length")
+
+
+class CudaShmRegion(BaseModel):
+    name: str
+    device_id: int
+    byte_size: int
+
+
 class IndexEntry(BaseModel):
     name: str
     version: str

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -294,12 +294,22 @@ class RegionStatus:
     byte_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class CudaRegionStatus:
+    """One registered CUDA shared-memory region, as the extension's status reports it."""
+
+    name: str
+    device_id: int  # the client's CUDA device the allocation lives on
+    byte_size: int
+
+
 class SharedMemoryRegions(Protocol):
-    """The node's registered system shared-memory regions (``shm.SystemSharedMemory``, built
-    by the root). HTTP and gRPC call ``register``/``unregister``/``status`` for the
-    extension's calls on the loop, and ``view`` (in codec threads too) for every tensor of
-    an inference call that names a region; the call keeps its views until it is answered, so
-    a region unregistered meanwhile stays mapped until then."""
+    """The node's registered shared-memory regions, system and CUDA (``shm.SystemSharedMemory``,
+    built by the root; one namespace of names for both, as Triton's). HTTP and gRPC call
+    ``register``/``unregister``/``status`` and their ``cuda_`` twins for the extensions' calls
+    on the loop, and ``view``/``writer`` (in codec threads too) for every tensor of an
+    inference call that names a region; the call keeps its views and writers until it is
+    answered, so a region unregistered meanwhile stays mapped (or open) until then."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map ``byte_size`` bytes from ``offset`` of the object ``key`` as region ``name``.
@@ -311,9 +321,23 @@ class SharedMemoryRegions(Protocol):
     def status(self, name: str | None = None) -> list[RegionStatus]:
         """Every region, or the one named (NotFound when it is not registered)."""
 
+    def cuda_register(self, name: str, handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the CUDA IPC ``handle`` of ``byte_size`` bytes on ``device_id`` as region ``name``.
+        Raises InvalidInput (bad handle or name, no CUDA) or Refused (caps)."""
+
+    def cuda_unregister(self, name: str | None = None) -> None:
+        """Forget CUDA region ``name`` (None: every CUDA region); not registered is no error."""
+
+    def cuda_status(self, name: str | None = None) -> list[CudaRegionStatus]:
+        """Every CUDA region, or the one named (NotFound when it is not registered)."""
+
     def view(self, ref: ShmRef, what: str) -> memoryview:
-        """The writable bytes ``ref`` names, checked to lie inside its region; InvalidInput
-        naming ``what`` and the region when it is not registered or ``ref`` runs past it."""
+        """The bytes ``ref`` names (a system region's mapping; a CUDA region's bytes copied to
+        the host), checked to lie inside its region; InvalidInput naming ``what`` and the
+        region when it is not registered or ``ref`` runs past it."""
+
+    def writer(self, ref: ShmRef, what: str) -> Callable[[memoryview], None]:
+        """Checks ``ref`` as ``view`` does; the function that writes an output's bytes there."""
 
 
 # -- partitions and GPUs, as management reads them ---------------------------------------------

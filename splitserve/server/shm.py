@@ -8,7 +8,9 @@ its tensor-queue slot (``Server.infer`` copies the array over the mapping into t
 one copy), and an output is written into its region, its response entry carrying no data.
 
 ``SystemSharedMemory`` is built by the composition root, handed to the HTTP and gRPC front
-ends as a ``ports.SharedMemoryRegions``, and unregisters everything when the node stops.
+ends as a ``ports.SharedMemoryRegions``, and unregisters everything when the node stops. It
+holds the CUDA extension's regions too (``cuda_shm.CudaSharedMemory``): region names are one
+namespace, and a tensor's region is looked up in both.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +29,12 @@ import numpy as np
 
 from splitserve.errors import BadSize, InvalidInput, NotFound, Refused
 from splitserve.protocol.v2 import ShmRef, tensor_from_bytes, tensor_to_bytes, wire_dtype
-from splitserve.server.ports import ModelSignature, RegionStatus, SharedMemoryRegions
+from splitserve.server.cuda_shm import CudaSharedMemory, CudartIpc
+from splitserve.server.ports import CudaRegionStatus, ModelSignature, RegionStatus, SharedMemoryRegions
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open's namespace)
-
-CUDA_UNSUPPORTED = ("CUDA shared memory is not supported by splitserve yet (GPU models take their inputs from host "
-                    "memory); use system shared memory (/v2/systemsharedmemory) instead")
 
 
 @dataclass
@@ -62,7 +62,9 @@ class SystemSharedMemory(SharedMemoryRegions):
     it, until the last such view goes (its bytes no longer count against ``max_bytes`` from
     the unregister on)."""
 
-    def __init__(self, max_regions: int, max_bytes: int, directory: Path = SHM_DIR) -> None:
+    def __init__(self, max_regions: int, max_bytes: int, directory: Path = SHM_DIR,
+                 cuda: CudaSharedMemory | None = None) -> None:
+        self.cuda = cuda if cuda is not None else CudaSharedMemory(CudartIpc(), max_regions)
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.directory = directory
@@ -91,8 +93,8 @@ class SystemSharedMemory(SharedMemoryRegions):
             raise InvalidInput(f"shared-memory region {name!r}: key must be a string")
         path = self._path(key)
         with self._lock:
-            if name in self._regions:
-                raise InvalidInput(f"shared-memory region {name!r} is already registered; unregister it first")
+            if name in self._regions or name in self.cuda:
+                raise InvalidInput(f"shared memory region '{name}' already in manager; unregister it first")
             if len(self._regions) >= self.max_regions:
                 raise Refused(f"{len(self._regions)} shared-memory regions are registered, the most this server "
                               "takes (SPLITSERVE_SHM_MAX_REGIONS); unregister some first")
@@ -123,7 +125,27 @@ class SystemSharedMemory(SharedMemoryRegions):
             raise NotFound(f"no system shared-memory region {name!r} is registered")
         return [region.status]
 
+    def cuda_register(self, name: str, handle: bytes, device_id: int, byte_size: int) -> None:
+        with self._lock:
+            if name in self._regions:
+                raise InvalidInput(f"shared memory region '{name}' already in manager; unregister it first")
+        self.cuda.register(name, handle, device_id, byte_size)
+
+    def cuda_unregister(self, name: str | None = None) -> None:
+        self.cuda.unregister(name)
+
+    def cuda_status(self, name: str | None = None) -> list[CudaRegionStatus]:
+        return self.cuda.status(name)
+
+    def writer(self, ref: ShmRef, what: str) -> Callable[[memoryview], None]:
+        if ref.region in self.cuda:
+            return self.cuda.writer(ref, what)
+        view = self.view(ref, what)
+        return lambda data: view.__setitem__(slice(None), data)
+
     def view(self, ref: ShmRef, what: str) -> memoryview:
+        if ref.region in self.cuda:
+            return self.cuda.read(ref, what)
         with self._lock:
             region = self._regions.get(ref.region)
             if region is None:
@@ -182,9 +204,13 @@ def input_tensor(regions: SharedMemoryRegions, name: str, datatype: str, shape: 
     return tensor_from_bytes(name, datatype, shape, regions.view(ref, f"input {name!r}"))
 
 
+OutputWriters = dict[str, Callable[[memoryview], None]]
+
+
 def output_views(regions: SharedMemoryRegions, cfg: ModelSignature, count: int,
-                 refs: Mapping[str, ShmRef]) -> dict[str, memoryview]:
-    """The regions the outputs of a call of ``count`` samples go to, checked before it runs."""
+                 refs: Mapping[str, ShmRef]) -> OutputWriters:
+    """The writers into the regions the outputs of a call of ``count`` samples go to,
+    checked before it runs."""
     specs = {o.name: o for o in cfg.outputs}
     out = {}
     for name, ref in refs.items():
@@ -195,11 +221,11 @@ def output_views(regions: SharedMemoryRegions, cfg: ModelSignature, count: int,
         if ref.byte_size != want:
             raise BadSize(f"output {name!r}: shared_memory_byte_size {ref.byte_size}, but {count} samples of "
                           f"{spec.datatype}{list(spec.shape)} are {want} bytes")
-        out[name] = regions.view(ref, f"output {name!r}")
+        out[name] = regions.writer(ref, f"output {name!r}")
     return out
 
 
-def write_outputs(views: Mapping[str, memoryview], outputs: Mapping[str, np.ndarray]) -> None:
+def write_outputs(writers: OutputWriters, outputs: Mapping[str, np.ndarray]) -> None:
     """Each output that goes to shared memory, into its region."""
-    for name, view in views.items():
-        view[:] = tensor_to_bytes(outputs[name])
+    for name, write in writers.items():
+        write(memoryview(tensor_to_bytes(outputs[name])))

@@ -14,6 +14,7 @@ memory, management), one function per client flavour where they differ.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import os
@@ -38,6 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from splitserve.models.gate import Gates
 from splitserve.server.app import Server
+from tests.fake_cuda_ipc import FakeCudaIpc
 from tests.inproc import quiet_config, server_in_thread, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -365,8 +367,8 @@ def test_shared_memory_errors(regions: Any, http: thttp.InferenceServerClient,
     for client, code in ((http, "404"), (grpc, "StatusCode.NOT_FOUND")):
         e = _error(lambda: client.get_system_shared_memory_status("nope"))
         assert e.status() == code and "no system shared-memory region 'nope'" in e.message()
-        e = _error(lambda: client.get_cuda_shared_memory_status())
-        assert e.status() == code and "CUDA shared memory is not supported" in e.message()
+        e = _error(lambda: client.get_cuda_shared_memory_status("nope"))
+        assert e.status() == code and "Unable to find cuda shared memory region: 'nope'" in e.message()
     e = _error(lambda: http.register_system_shared_memory("evil", "/../etc/passwd", 8))
     assert e.status() == "400" and "'..'" in e.message()
     key = f"/splitserve-test-small-{os.getpid()}"
@@ -402,6 +404,52 @@ def test_unregistering_a_region_in_use_keeps_the_call_safe(node: Node, regions: 
     result, error = answers.get(timeout=120)
     assert error is None, error
     np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.int64, [1, 1]), key)
+
+
+# -- CUDA shared memory (the device behind its seam: tests/fake_cuda_ipc.py; tests/gpu has a real one) --
+
+@pytest.fixture
+def device(node: Node) -> Iterator[FakeCudaIpc]:
+    cuda = node.server.shm.cuda
+    real, cuda.ipc = cuda.ipc, FakeCudaIpc()
+    yield cuda.ipc
+    cuda.unregister()
+    cuda.ipc = real
+
+
+@pytest.mark.parametrize("module", [thttp, tgrpc], ids=["http", "grpc"])
+def test_cuda_shared_memory_inference_equals_the_normal_path(module: Any, device: FakeCudaIpc,
+                                                             http: thttp.InferenceServerClient,
+                                                             grpc: tgrpc.InferenceServerClient) -> None:
+    client = http if module is thttp else grpc
+    arrays = samples("vecadd1k", 2)
+    a, b = arrays["a"], arrays["b"]
+    inp, out = device.export(a.nbytes + b.nbytes), device.export(a.nbytes)
+    device.memory[inp][:] = a.tobytes() + b.tobytes()
+    client.register_cuda_shared_memory("cin", base64.b64encode(inp).decode(), 0, a.nbytes + b.nbytes)
+    client.register_cuda_shared_memory("cout", base64.b64encode(out).decode(), 0, a.nbytes)
+    inputs = [module.InferInput("a", list(a.shape), "FP32"), module.InferInput("b", list(b.shape), "FP32")]
+    inputs[0].set_shared_memory("cin", a.nbytes)
+    inputs[1].set_shared_memory("cin", b.nbytes, offset=a.nbytes)
+    wanted = module.InferRequestedOutput("sum")
+    wanted.set_shared_memory("cout", a.nbytes)
+    client.infer("vecadd1k", inputs, outputs=[wanted])
+    normal = client.infer("vecadd1k", inputs_for(module, arrays)).as_numpy("sum")
+    np.testing.assert_array_equal(np.frombuffer(device.memory[out], np.float32).reshape(normal.shape), normal)
+    listed = client.get_cuda_shared_memory_status()
+    if module is tgrpc:
+        listed = [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
+                  for r in listed.regions.values()]
+    assert sorted((r["name"], int(r["device_id"]), int(r["byte_size"])) for r in listed) == [
+        ("cin", 0, a.nbytes + b.nbytes), ("cout", 0, a.nbytes)]
+    inputs[1].set_shared_memory("cin", b.nbytes, offset=a.nbytes + 4)  # past the region's end
+    e = _error(lambda: client.infer("vecadd1k", inputs))
+    assert e.status() in ("400", "StatusCode.INVALID_ARGUMENT") and "Invalid offset" in e.message(), e.message()
+    e = _error(lambda: client.register_cuda_shared_memory("bad", base64.b64encode(bytes(64)).decode(), 0, 8))
+    assert e.status() in ("404", "StatusCode.NOT_FOUND") and "failed to open CUDA IPC handle" in e.message()
+    client.unregister_cuda_shared_memory("cin")
+    client.unregister_cuda_shared_memory()
+    assert len(http.get_cuda_shared_memory_status()) == 0 and not device.opened
 
 
 # -- management with the token ----------------------------------------------------------------------

@@ -70,10 +70,11 @@ def test_cuda_spreads_instances_over_the_least_held_partition_and_an_index_names
     pinned = d.assign("n", 0, "cuda:1")
     assert pinned.visible_devices == "GPU-b" and pinned.torch_device == "cuda:0"
     assert d.held() == {"GPU-a": 2, "GPU-b": 2}
+    assert d.owners_on({"GPU-a"}) == {"m"} and d.owners_on({"GPU-b"}) == {"m", "n"}  # what a re-carve drains
     d.release("m", 0)
     assert d.held() == {"GPU-a": 1, "GPU-b": 2}
     d.release("m")
-    assert d.held() == {"GPU-b": 1}
+    assert d.held() == {"GPU-b": 1} and d.owners_on({"GPU-a"}) == set()
 
 
 def test_expected_names_the_partition_assign_would_give_without_taking_it():

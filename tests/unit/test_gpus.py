@@ -110,6 +110,7 @@ def test_plan_turns_mig_on_resets_and_creates_largest_first():
     assert plan.target == ("4g.20gb", "3g.20gb")
     assert argv(plan) == ["nvidia-smi -i 0 -mig 1", "nvidia-smi -i 0 -r",
                           "nvidia-smi mig -i 0 -cgi 4g.20gb,3g.20gb -C"]
+    assert plan.destroys == (g.uuid,)  # the reset takes the whole GPU: its workers are drained first
 
 
 def test_plan_with_mig_pending_only_resets():
@@ -121,6 +122,8 @@ def test_plan_keeps_the_4g_and_replaces_the_small_slices_by_a_3g():
     (g,) = listed(a100_421()).gpus
     plan = plan_geometry(g, "4g.20gb,3g.20gb")
     assert plan.kept == (1,)
+    by_gi = {s.gpu_instance: s.uuid for s in g.slices}
+    assert plan.destroys == (by_gi[5], by_gi[13])  # the 2g and the 1g go: drained first; the 4g's work stays
     assert argv(plan) == [
         "nvidia-smi mig -i 0 -gi 5 -ci 0 -dci", "nvidia-smi mig -i 0 -gi 13 -ci 0 -dci",
         "nvidia-smi mig -i 0 -gi 5 -dgi", "nvidia-smi mig -i 0 -gi 13 -dgi",

@@ -34,15 +34,25 @@ class Recorder:
 
 def test_without_the_admin_flag_the_plan_is_made_and_nothing_runs():
     run = Recorder()
-    (applied,) = MigGeometry(MigDriver(node(), admin=False, run=run))((4, 3))
-    assert applied.dry_run and run.argv == []
+    drained: list[frozenset[str]] = []
+    (applied,) = MigGeometry(MigDriver(node(), admin=False, run=run), lambda u: drained.append(u) or True)((4, 3))
+    assert applied.dry_run and run.argv == [] and drained == []  # nothing is destroyed: nothing to drain
     assert [str(c) for c in applied.plan.commands][-1] == "nvidia-smi mig -i 0 -cgi 3g.20gb -C"
 
 
 def test_with_the_admin_flag_the_commands_run_in_order_and_a_failure_stops_them():
     run = Recorder()
-    (applied,) = MigGeometry(MigDriver(node(), admin=True, run=run))((4, 3))
+    drained: list[frozenset[str]] = []
+    (applied,) = MigGeometry(MigDriver(node(), admin=True, run=run), lambda u: drained.append(u) or True)((4, 3))
     assert applied.ok and [" ".join(a) for a in run.argv] == [str(c) for c in applied.plan.commands]
+    # the slices the plan destroys were drained first
+    assert drained == [frozenset(applied.plan.destroys)] and applied.plan.destroys
     run = Recorder(fail_at=1)
-    (applied,) = MigGeometry(MigDriver(node(), admin=True, run=run))((4, 3))
+    (applied,) = MigGeometry(MigDriver(node(), admin=True, run=run), lambda u: True)((4, 3))
     assert len(run.argv) == 1 and applied.failed is not None and "In use by another client" in applied.failed
+
+
+def test_a_plan_whose_slices_cannot_be_drained_is_not_run():
+    run = Recorder()
+    (applied,) = MigGeometry(MigDriver(node(), admin=True, run=run), lambda u: False)((4, 3))
+    assert run.argv == [] and not applied.ok and "could not be drained; nothing was run" in applied.failed

@@ -586,7 +586,7 @@ def test_the_geometry_controller_re_carves_through_the_applier_on_its_fourth_mis
                    [FakeInstance(1, 5, (0, 4), {0: 4}), FakeInstance(5, 14, (4, 2), {0: 2}),
                     FakeInstance(13, 19, (6, 1), {0: 1})], "GPU-a")
     ran: list[list[str]] = []
-    mig = MigGeometry(MigDriver(FakeNvml([a100]), admin=False, run=lambda argv, **_: ran.append(argv)))
+    mig = MigGeometry(MigDriver(FakeNvml([a100]), admin=False, run=lambda argv, **_: ran.append(argv)), lambda u: True)
     pm = PartitionManager(cfg, ResourceManager(cores(8)), Changer(), lambda: models.values(),
                           lambda: holder["c"].view(), Metrics(), 7 * GB, clock=lambda: 0.0, mig_geometry=mig)
     holder["c"] = Coordinator(lambda: models.values(), PriorityMode.CONCURRENT, placement=pm)

@@ -56,7 +56,7 @@ def test_views_stay_inside_their_region(objects: Path) -> None:
         regions.view(ShmRef("r", 30, 4), "input 'a'")
     with pytest.raises(InvalidInput, match="output 'y': no system shared-memory region 'q' is registered"):
         regions.view(ShmRef("q", 0, 4), "output 'y'")
-    with pytest.raises(InvalidInput, match="already registered"):
+    with pytest.raises(InvalidInput, match="already in manager"):
         regions.register("r", "/obj", 0, 8)
     [status] = regions.status("r")
     assert (status.key, status.offset, status.byte_size) == ("/obj", 16, 32)

@@ -65,7 +65,8 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     off the loop. Routes are matched in the order included."""
     app = new_app("Open Inference Protocol v2 (KServe v2 / Triton), model management and metrics.",
                    [doc.InferRequestBody, doc.ClassifyRequest, doc.IndexRequest, doc.ConfigChange,
-                    doc.LoadRequest, doc.ShmRegister, doc.GeometryChange, doc.TraceSetting, doc.LogSetting])
+                    doc.LoadRequest, doc.ShmRegister, doc.CudaShmRegister, doc.GeometryChange, doc.TraceSetting,
+                    doc.LogSetting])
 
     async def metrics_text() -> str:
         return api.metrics_text()

@@ -20,11 +20,11 @@ from splitserve.server.frontends import CodecPool
 from splitserve.server.http.base import content_length, infer_limit, parse_json, read_body, route_doc
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI, ModelCatalog, ModelSignature, SharedMemoryRegions
-from splitserve.server.shm import input_tensor, output_views, write_outputs
+from splitserve.server.shm import OutputWriters, input_tensor, output_views, write_outputs
 
 
 def _decode_infer(cfg: ModelSignature, body: bytes, header_length: str | None, shm: SharedMemoryRegions
-                  ) -> tuple[v2.InferRequest, list[np.ndarray], dict[str, memoryview]]:
+                  ) -> tuple[v2.InferRequest, list[np.ndarray], OutputWriters]:
     """The request, the model's inputs in declared order (those in shared memory: arrays over
     their regions) and the regions its outputs go to (runs in a codec thread)."""
     req = v2.parse_infer_request(body, header_length)
@@ -35,7 +35,7 @@ def _decode_infer(cfg: ModelSignature, body: bytes, header_length: str | None, s
 
 
 def _encode_infer(model: str, version: str, req: v2.InferRequest, outputs: list[tuple[str, np.ndarray]],
-                  parameters: dict[str, Any], shm_views: dict[str, memoryview]) -> tuple[bytes, int | None]:
+                  parameters: dict[str, Any], shm_views: OutputWriters) -> tuple[bytes, int | None]:
     """The response body and its JSON header length, the outputs that go to shared memory
     written there (runs in a codec thread when large)."""
     write_outputs(shm_views, dict(outputs))

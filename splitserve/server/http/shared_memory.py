@@ -1,5 +1,4 @@
-"""The shared-memory routes: the system shared-memory extension's region registry, and
-CUDA's, refused."""
+"""The shared-memory routes: the system and CUDA shared-memory extensions' region registries."""
 
 from __future__ import annotations
 
@@ -8,16 +7,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from splitserve.config import ServerConfig
-from splitserve.errors import InvalidInput, NotFound
+from splitserve.errors import InvalidInput
 from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.server.http.base import read_json, route_doc
 from splitserve.server.ports import SharedMemoryRegions
-from splitserve.server.shm import CUDA_UNSUPPORTED
+from splitserve.server.cuda_shm import decode_handle
 
 
 def shared_memory_routes(shm: SharedMemoryRegions, config: ServerConfig) -> APIRouter:
-    """The system shared-memory extension through ``shm``; CUDA's is refused (there is no GPU)."""
+    """The system and CUDA shared-memory extensions through ``shm``."""
     router = APIRouter()
     small_limit = config.frontends.management_body_bytes
 
@@ -64,14 +63,48 @@ def shared_memory_routes(shm: SharedMemoryRegions, config: ServerConfig) -> APIR
         shm.unregister(name)
         return {}
 
-    async def cuda_shared_memory(request: Request) -> dict:
-        """CUDA shared memory: not supported (no GPU); always 404."""
-        raise NotFound(CUDA_UNSUPPORTED)
+    def cuda_list(name: str | None) -> list[dict[str, Any]]:
+        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in shm.cuda_status(name)]
 
-    for path in ("/v2/cudasharedmemory/status", "/v2/cudasharedmemory/region/{name}/status"):
-        router.get(path, tags=["shared memory"], **route_doc({"description": "never"}, 404))(cuda_shared_memory)
-    for path in ("/v2/cudasharedmemory/unregister", "/v2/cudasharedmemory/region/{name}/register",
-                 "/v2/cudasharedmemory/region/{name}/unregister"):
-        router.post(path, tags=["shared memory"], **route_doc({"description": "never"}, 404))(cuda_shared_memory)
+    cuda_status_doc = route_doc({"model": list[doc.CudaShmRegion]}, 404)
+
+    @router.get("/v2/cudasharedmemory/status", tags=["shared memory"], **cuda_status_doc)
+    async def cuda_regions_status() -> list:
+        """Every registered CUDA shared-memory region."""
+        return cuda_list(None)
+
+    @router.get("/v2/cudasharedmemory/region/{name}/status", tags=["shared memory"], **cuda_status_doc)
+    async def cuda_region_status(name: str) -> list:
+        """One registered CUDA shared-memory region (404 when it is not registered)."""
+        return cuda_list(name)
+
+    @router.post("/v2/cudasharedmemory/region/{name}/register", tags=["shared memory"],
+                 **route_doc({"description": "Registered"}, 400, 404, 413, 429, openapi_extra=doc.body(
+                     doc.CudaShmRegister, {"raw_handle": {"b64": "<64 bytes, base64>"}, "device_id": 0,
+                                           "byte_size": 602112})))
+    async def cuda_region_register(name: str, request: Request) -> dict:
+        """Register the device allocation a client exported with ``cudaIpcGetMemHandle`` as
+        region ``name``; body ``{"raw_handle": {"b64"}, "device_id", "byte_size"}``."""
+        body = await read_json(request, small_limit)
+        if not isinstance(body, dict) or "byte_size" not in body:
+            raise InvalidInput('the body must be {"raw_handle": {"b64": "..."}, "device_id": 0, "byte_size": N}')
+        shm.cuda_register(name, decode_handle(name, body.get("raw_handle")),
+                          v2.json_number("device_id", body.get("device_id", 0), int),
+                          v2.json_number("byte_size", body["byte_size"], int))
+        return {}
+
+    @router.post("/v2/cudasharedmemory/unregister", tags=["shared memory"],
+                 **route_doc({"description": "Unregistered"}))
+    async def cuda_regions_unregister() -> dict:
+        """Unregister every CUDA region; calls in flight that use one still get their answers."""
+        shm.cuda_unregister(None)
+        return {}
+
+    @router.post("/v2/cudasharedmemory/region/{name}/unregister", tags=["shared memory"],
+                 **route_doc({"description": "Unregistered"}))
+    async def cuda_region_unregister(name: str) -> dict:
+        """Unregister a CUDA region (no error when it is not registered)."""
+        shm.cuda_unregister(name)
+        return {}
 
     return router
