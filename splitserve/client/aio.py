@@ -8,12 +8,13 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
+from splitserve.client.failover import FrontChoice, front_endpoints
 from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result
 from splitserve.client.route import _direct_urls, _lookup_interval, _Route
 from splitserve.errors import InvalidInput, SplitServeError
@@ -194,11 +195,18 @@ class AsyncClient:
     every call through the front end. Every call ends exactly once:
     with its result, its error, ``TimeoutError`` after ``timeout`` seconds (a later answer
     is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
-    the client closed."""
+    the client closed.
 
-    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = True,
+    ``url`` may name several front ends (a list, or URLs separated by commas: a cluster's
+    gateways), used one at a time as ``Client`` uses them: the calls on a lost one end with
+    ``ConnectionError`` and the next call connects to the next front end that takes it."""
+
+    def __init__(self, url: "str | Sequence[str]", timeout: float | None = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
-        self.endpoint = Endpoint.parse(url)
+        self.endpoints = front_endpoints(url)
+        self.endpoint = self.endpoints[0]  # the front end in use
+        self._fronts = FrontChoice(len(self.endpoints), direct_retry_s)
+        self._front_lock: asyncio.Lock | None = None  # one task connects to the next front end
         self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)
         self.direct = direct
         self.direct_retry_s = direct_retry_s
@@ -211,8 +219,39 @@ class AsyncClient:
 
     async def connect(self) -> "AsyncClient":
         self._loop = asyncio.get_running_loop()
-        self._front = await _open_async(self.endpoint, lambda: _AsyncConn(self))
+        self._front_lock = asyncio.Lock()
+        self._front = await self._open_front(fresh=True)
         return self
+
+    async def _open_front(self, fresh: bool = False) -> _AsyncConn:
+        """A connection to the first front end, in ``FrontChoice``'s order, that takes one."""
+        errors = []
+        for i in self._fronts.order(time.monotonic(), fresh=fresh):
+            try:
+                conn = await asyncio.wait_for(_open_async(self.endpoints[i], lambda: _AsyncConn(self)),
+                                              self.direct_connect_s if len(self.endpoints) > 1 else None)
+            except (OSError, TimeoutError) as e:
+                self._fronts.failed(i, time.monotonic())
+                errors.append(f"{self.endpoints[i]}: {e or type(e).__name__}")
+                continue
+            self._fronts.connected(i)
+            self.endpoint = self.endpoints[i]
+            return conn
+        raise ConnectionError(f"no front end took the connection: {'; '.join(errors)}")
+
+    async def _live_front(self) -> _AsyncConn:
+        """The front end's connection, made again to the next front end if it was lost."""
+        front = self._front
+        if front is None:
+            raise ConnectionError("the client is not connected")
+        if not front.dead:
+            return front
+        async with self._front_lock:  # type: ignore[union-attr]
+            if self._front is None:
+                raise ConnectionError("the client is closed")
+            if self._front.dead:
+                self._front = await self._open_front()
+        return self._front
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -275,7 +314,12 @@ class AsyncClient:
     def _connection_lost(self, conn: _AsyncConn, exc: BaseException | None) -> None:
         if conn.model is not None and not conn.lost:
             self._lost(conn)
-        elif conn.pending:
+            return
+        if conn is self._front and not conn.lost:  # the front end went: the next call goes to the next one
+            self._fronts.failed(self.endpoints.index(self.endpoint), time.monotonic())
+            for route in self._routes.values():  # looked up again there
+                route.stale = True
+        if conn.pending:
             conn.fail_all(ConnectionError("the client is closed" if conn.lost and exc is None
                                           else f"connection lost: {exc or 'closed by the server'}"))
 
@@ -307,14 +351,12 @@ class AsyncClient:
     def _fresh(self, model: str) -> _Route | None:
         """``model``'s route when no lookup is due (``_Route.lookup_due``)."""
         route = self._routes.get(model)
-        if route is not None and not (self.direct and route.lookup_due(time.monotonic())):
+        if route is not None and not route.stale and not (self.direct and route.lookup_due(time.monotonic())):
             return route
         return None
 
     async def _look_up(self, model: str) -> _Route:
-        front = self._front
-        if front is None:
-            raise ConnectionError("the client is not connected")
+        front = await self._live_front()
         if front.paused:
             await front.writable(self.timeout)
         body = model.encode()
@@ -357,9 +399,7 @@ class AsyncClient:
         req_id = next(self._ids)
         hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
         streams = route.streams
-        conn = streams[next(route.turns) % len(streams)] if streams else self._front
-        if conn is None:
-            raise ConnectionError("the client is not connected")
+        conn = streams[next(route.turns) % len(streams)] if streams else await self._live_front()
         if conn.paused:  # bounded buffering: wait for the transport to take more
             await conn.writable(self.timeout)
         # flat byte views: from Python 3.12 the transport's writelines keeps memoryviews and counts

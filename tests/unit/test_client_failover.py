@@ -3,11 +3,14 @@ fails over between two real listeners on loopback when the one it uses goes away
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 
 import pytest
 
+from splitserve.client.aio import AsyncClient
 from splitserve.client.common import Endpoint
 from splitserve.client.failover import FrontChoice, front_endpoints
 from splitserve.client.stream import Client
@@ -41,8 +44,14 @@ def test_a_front_end_that_failed_lately_is_tried_last_and_again_after_the_retry_
     assert c.order(11.2) == [0, 1, 2]
 
 
+_MODEL = json.dumps({"name": "m", "func_id": 7, "max_batch_size": 4,
+                     "inputs": [{"name": "x", "datatype": "FP32", "shape": [3]}],
+                     "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}]}).encode()
+
+
 class _Peer:
-    """A front end on loopback that answers PINGs until ``stop``, which closes every connection."""
+    """A front end on loopback that answers PINGs and LOOKUPs until ``stop``, which closes
+    every connection."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -67,8 +76,13 @@ class _Peer:
                 if len(head) < HEADER_SIZE:
                     return
                 h = unpack_header(head)
+                conn.recv(h.payload_len, socket.MSG_WAITALL) if h.payload_len else b""
                 self.pings += 1
-                conn.sendall(Header(Kind.PING, req_id=h.req_id).pack())
+                if h.kind == Kind.LOOKUP:
+                    conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(_MODEL)).pack()
+                                 + _MODEL)
+                else:
+                    conn.sendall(Header(Kind.PING, req_id=h.req_id).pack())
         except OSError:
             return
 
@@ -102,3 +116,18 @@ def test_a_client_none_of_whose_front_ends_take_the_connection_says_so() -> None
     dead.close()
     with pytest.raises(ConnectionError, match="no front end took the connection"):
         Client([url, url], timeout=1.0)
+
+
+def test_an_async_client_moves_to_the_next_front_end_when_its_own_goes_away() -> None:
+    first, second = _Peer(), _Peer()
+
+    async def run() -> None:
+        async with AsyncClient(f"{first.url},{second.url}", timeout=5.0) as c:
+            assert (await c.lookup("m")).func_id == 7 and first.pings == 1
+            first.stop()
+            await c._front.closed  # its connection_lost has run
+            assert (await c.lookup("m")).func_id == 7  # looked up again, at the next front end
+            assert c.endpoint == Endpoint.parse(second.url) and second.pings == 1
+
+    asyncio.run(run())
+    second.stop()
