@@ -56,6 +56,9 @@ def up(
                                                      "(0: any free port; -1: no HTTP)."),
     gateway_grpc_port: int = typer.Option(8001, help="The gateway's gRPC port, Open Inference Protocol v2 "
                                                      "(0: any free port; -1: no gRPC)."),
+    gateways: int = typer.Option(1, min=1, help="Gateways to run, each a process of its own; the i-th (from 0) "
+                                                "serves on each gateway port plus 10*i. Give clients every "
+                                                "fast-path URL: they fail over when theirs goes."),
     node_host: str = typer.Option("127.0.0.1", help="Address each node server binds."),
     data_dir: Optional[Path] = typer.Option(None, help="Token and cluster state (default: ./.splitserve)."),
     model: list[str] = typer.Option(["lenet"], help="Built-in models the cluster serves from the start."),
@@ -79,11 +82,11 @@ def up(
         if address.startswith("127."):
             raycompat.use_loopback()
         ray.init(address=address, logging_level=logging.WARNING)
-        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
+        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True, gateways=gateways)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
     local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port,
-                         grpc_port)
+                         grpc_port, gateways)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -130,8 +133,9 @@ def status(
                   n["endpoint"] or "-")
     console.print(t)
     gw = st["gateway"]
-    console.print(f"gateway {h.urls()}")
-    console.print(f"target {st['target']} nodes; gateway holds {gw.get('held', 0)} requests, delivered "
+    for urls in h.gateway_urls():
+        console.print(f"gateway {urls}")
+    console.print(f"target {st['target']} nodes; gateways hold {gw.get('held', 0)} requests, delivered "
                   f"{gw.get('delivered', 0)}, re-sent {gw.get('resent', 0)}; cost so far "
                   f"${st['cost']['dollars']:.4f} ({st['cost']['evictions']} evictions, {st['fallbacks']} fallbacks)")
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
-from splitserve.client import connect  # noqa: E402
+from splitserve.client import Client, connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402
@@ -71,7 +71,7 @@ def cluster() -> Iterator[LocalCluster]:
                                  drain_lead_s=6, drain_margin_s=3,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
     local = LocalCluster(cfg, str(root), NodeSpec(token="cluster-test-token", cache_dir=str(CACHE),
-                                                  tmp_root=str(root)), gateway_http_port=0)
+                                                  tmp_root=str(root)), gateway_http_port=0, gateways=2)
     try:
         local.start(timeout_s=240)
         yield local
@@ -271,6 +271,52 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     assert _status(cluster)["cost"]["evictions"] >= 1
     # 8 clients keep 32 calls in flight over every node: the kill caught some on the victim
     assert _gateway(cluster)["resent"] > resent
+
+
+def test_a_gateway_killed_under_load_its_clients_move_to_another_and_no_call_is_answered_twice_or_wrong(
+        cluster: LocalCluster) -> None:
+    h = cluster.handles
+    assert len(h.gateway_urls()) == 2  # what `cluster status` lists: each gateway's URLs
+    victim, (host, port, _, _) = h.more_gateways[0]
+    x, want, _ = _fast_path_reference(cluster)
+    urls = [f"tcp://{host}:{port}", f"tcp://127.0.0.1:{h.gateway_port}"]  # the victim first: every client on it
+    stop = threading.Event()
+    killed = threading.Event()
+    outcomes: list[Counter] = [Counter() for _ in range(8)]
+
+    def client(tally: Counter, i: int) -> None:
+        # each client its own image of the three: another's answer would be a wrong one
+        image, answer = x[i % 3 : i % 3 + 1], want[i % 3 : i % 3 + 1]
+        with Client(urls, timeout=60.0) as c:
+            while not stop.is_set():
+                after = killed.is_set()
+                try:
+                    got = c.infer("lenet", image)
+                except ConnectionError:
+                    tally["connection_error"] += 1
+                    continue
+                tally["right" if np.allclose(got, answer, atol=1e-5) else "wrong"] += 1
+                if after:
+                    tally["right_after_kill"] += 1
+                    tally["on_survivor"] += c.endpoint.port == h.gateway_port
+
+    assert not np.allclose(want[0], want[1], atol=1e-5)
+    threads = [threading.Thread(target=client, args=(t, i), daemon=True) for i, t in enumerate(outcomes)]
+    for t in threads:
+        t.start()
+    _until("every client answered by the victim", lambda: all(t["right"] > 0 for t in outcomes), 60)
+    ray.kill(victim, no_restart=True)  # the actor and its data plane (it dies with its parent)
+    h.more_gateways.remove(h.more_gateways[0])  # not stopped again at the module's end
+    killed.set()
+    _until("every client answered by the other gateway",
+           lambda: all(t["on_survivor"] > 0 for t in outcomes), 60)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert sum(t["wrong"] for t in outcomes) == 0
+    # a call in flight on the killed gateway got a clean connection error at most once per client
+    assert all(t["connection_error"] <= 1 for t in outcomes), outcomes
 
 
 # A provider's notice is long against the time it takes to bring up a machine (AWS: 120 s, a VM
