@@ -15,8 +15,8 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
 from splitserve.client.failover import FrontChoice, front_endpoints
-from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result
-from splitserve.client.route import _direct_urls, _lookup_interval, _Route
+from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result, _with_func_id
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
@@ -39,6 +39,7 @@ class _AsyncConn(asyncio.BufferedProtocol):
     def __init__(self, client: "AsyncClient", model: str | None = None, url: str = "") -> None:
         self.client = client
         self.model = model  # a direct connection's model (None: the front end's)
+        self.func_id: int | None = None  # a cluster node's worker: that node's func id (None: the model's)
         self.url = url  # a direct connection's endpoint
         self.pending: dict[int, _AsyncEntry] = {}
         self.transport: asyncio.Transport | None = None
@@ -343,6 +344,8 @@ class AsyncClient:
         for req_id, (fut, decode, parts, deadline) in calls.items():
             if fut.done() or parts is None:
                 continue
+            if conn.func_id is not None and route is not None:  # the node's func id: the cluster's instead
+                parts = _with_func_id(parts, route.info.func_id)
             front.pending[req_id] = (fut, decode, None, deadline)  # its deadline still counts from its first send
             if deadline < front.sweep_at:
                 self._arm(front, deadline)
@@ -366,9 +369,9 @@ class AsyncClient:
         route = self._routes.get(model)
         streams = []
         if self.direct:
-            live = {c.url: c for c in route.streams} if route is not None else {}
-            for url in _direct_urls(self.endpoint, info):
-                conn = live.pop(url, None)
+            live = {(c.url, c.func_id): c for c in route.streams} if route is not None else {}
+            for url, func_id in _direct_targets(self.endpoint, info):
+                conn = live.pop((url, func_id), None)
                 if conn is None:
                     try:
                         conn = await asyncio.wait_for(
@@ -376,6 +379,8 @@ class AsyncClient:
                             self.direct_connect_s)
                     except (OSError, SplitServeError, TimeoutError):
                         continue  # gone since the lookup: the others, or the front end, serve
+                    if func_id != info.func_id:  # a cluster node's worker: its calls carry that node's id
+                        conn.func_id = func_id
                     self._direct_streams.append(conn)
                 streams.append(conn)
         due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
@@ -397,9 +402,9 @@ class AsyncClient:
         info = route.info
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
-        hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
         streams = route.streams
         conn = streams[next(route.turns) % len(streams)] if streams else await self._live_front()
+        hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms, conn.func_id)
         if conn.paused:  # bounded buffering: wait for the transport to take more
             await conn.writable(self.timeout)
         # flat byte views: from Python 3.12 the transport's writelines keeps memoryviews and counts

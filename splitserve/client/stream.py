@@ -16,10 +16,10 @@ import numpy as np
 from splitserve.client.common import Endpoint, InferResult, ModelInfo
 from splitserve.client.failover import FrontChoice, front_endpoints
 from splitserve.client.frames import (_DUPLICATE, _ERROR, _PLAIN_FIELDS, _RX_BYTES, _check, _Fields, _request_fields,
-                                      _result)
-from splitserve.client.route import _direct_urls, _lookup_interval, _Route
+                                      _result, _with_func_id)
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, pack_request, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestPacker, pack_request, unpack_header
 from splitserve.protocol.sockets import bound_waits, recv_polling
 from splitserve.spin import HostLoad, SpinPolicy
 
@@ -90,6 +90,10 @@ class _Stream:
     and ``reading``; only the thread holding the reading turn calls ``read_one``."""
 
     sent = False  # whether the last ``call``'s send went out whole
+    # a cluster node's worker: the func id its calls carry (that node's) and their header's packer;
+    # None: the model's (the front end's, or a single server's worker)
+    func_id: int | None = None
+    plain: RequestPacker | None = None
 
     def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "",
                  poll_ns: int = 0) -> None:
@@ -361,6 +365,8 @@ class Client:
             else:  # another thread's call started meanwhile: read on for both
                 answer = self._read_for(stream, req_id, answer)
         if answer is None:  # a direct connection closed before the answer came
+            if stream.func_id is not None:  # the node's func id: the cluster's instead
+                parts = _with_func_id(parts, info.func_id)
             return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), self._front).result()
         return _result(info, answer[0], answer[1], count, batched)
 
@@ -466,11 +472,12 @@ class Client:
         arrays, nbytes, count, batched = info.codec.frame(x)
         req_id = next(self._ids)
         fields = _request_fields(cls, deadline_ms, slo_ms)
-        hdr = route.plain.pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
-            pack_request(req_id, info.func_id, *fields, nbytes)
-        parts = [hdr, *arrays]
         streams = route.streams
         stream = streams[next(route.turns) % len(streams)] if streams else self._front
+        # a cluster node's worker takes that node's func id (``stream.plain``), any other the model's
+        hdr = (stream.plain or route.plain).pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
+            pack_request(req_id, stream.func_id or info.func_id, *fields, nbytes)
+        parts = [hdr, *arrays]
         return info, req_id, parts, HEADER_SIZE + nbytes, count, batched, stream
 
     def _route(self, model: str) -> _Route:
@@ -481,17 +488,19 @@ class Client:
         req_id = next(self._ids)
         info = self._call(req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
                           lambda h, p: _check(h, p, ModelInfo.from_json), self._live_front()).result()
-        live = {st.url: st for st in route.streams} if route is not None else {}
+        live = {(st.url, st.func_id): st for st in route.streams} if route is not None else {}
         streams = []
         now = time.monotonic()
-        for url in _direct_urls(self.endpoint, info) if self.direct else ():
-            st = live.pop(url, None)
+        for url, func_id in _direct_targets(self.endpoint, info) if self.direct else ():
+            st = live.pop((url, func_id), None)
             if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
                     st = self._stream_type(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s),
                                            self.timeout, model, url, self._poll_ns)
+                    if func_id != info.func_id:  # a cluster node's worker
+                        st.func_id, st.plain = func_id, RequestPacker(func_id, *_PLAIN_FIELDS)
                 except (OSError, SplitServeError):
                     self._mark_lost(url)  # not tried again for direct_retry_s
                     continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
@@ -623,6 +632,7 @@ class Client:
             if route is not None and stream in route.streams:
                 route.streams = [st for st in route.streams if st is not stream]
                 route.stale = True
+            front_id = route.info.func_id if route is not None else None
             self._mark_lost(stream.url)
             for c in calls:
                 c._stream = self._front
@@ -636,6 +646,8 @@ class Client:
         for c in calls:
             parts, c._parts = c._parts, None
             if parts is not None and not c.done():
+                if stream.func_id is not None and front_id is not None:  # the node's func id: the cluster's instead
+                    parts = _with_func_id(parts, front_id)
                 self._front.send(parts)
 
     def _fail_all(self, stream: _Stream, e: BaseException) -> None:

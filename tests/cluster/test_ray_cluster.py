@@ -255,9 +255,63 @@ def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster:
     _until("the gateway's /metrics names every active node", metrics_name_every_active_node, 30)
 
 
+@dataclass
+class DirectLoad:
+    """4 threads calling lenet on one direct client of the gateway (it calls the nodes'
+    workers itself) until stopped: every answer its image's, no call failed."""
+
+    client: Client
+    x: np.ndarray
+    want: np.ndarray
+    stop: threading.Event = field(default_factory=threading.Event)
+    tally: Counter = field(default_factory=Counter)
+    threads: list = field(default_factory=list)
+
+    def start(self) -> "DirectLoad":
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(4)]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _run(self, i: int) -> None:
+        image, answer = self.x[i % 3 : i % 3 + 1], self.want[i % 3 : i % 3 + 1]
+        while not self.stop.is_set():
+            try:
+                got = self.client.infer("lenet", image)
+            except Exception as e:  # counted, and the test fails on it
+                self.tally[f"error {e!r}"] += 1
+                continue
+            self.tally["right" if np.allclose(got, answer, atol=1e-5) else "wrong"] += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in self.threads)
+        assert set(self.tally) == {"right"}, self.tally
+
+
+def test_a_direct_client_of_the_gateway_calls_the_nodes_workers_without_the_gateways_hop(
+        cluster: LocalCluster) -> None:
+    x, want, _ = _fast_path_reference(cluster)
+    with Client(f"tcp://127.0.0.1:{cluster.handles.gateway_port}", timeout=60.0) as c:
+        info = c.lookup("lenet")
+        assert c.direct_endpoints("lenet") >= NODES  # a worker on every node, each with its node's func id
+        assert {n["node"] for n in info.extra["nodes"]} == {n["node"] for n in _status(cluster)["nodes"]
+                                                           if n["state"] == "active"}
+        accepted = _gateway(cluster)["accepted"]
+        for _ in range(3 * NODES):  # in turn over the workers: every node answers
+            np.testing.assert_allclose(c.infer("lenet", x), want, atol=1e-5)
+        assert _gateway(cluster)["accepted"] == accepted  # none went through the gateway
+
+
 def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluster: LocalCluster) -> None:
     port = cluster.handles.gateway_port
     before = {n["node"] for n in _status(cluster)["nodes"]}
+    x, want, _ = _fast_path_reference(cluster)
+    direct = Client(f"tcp://127.0.0.1:{port}", timeout=60.0, direct_retry_s=0.2)
+    assert direct.direct_endpoints("lenet") == 0 and direct.lookup("lenet") and direct.direct_endpoints("lenet") >= NODES
+    beside = DirectLoad(direct, x, want).start()  # a direct client's calls on the victim are re-sent, not lost
     load = Load(port, _lookup(port, "lenet")).start()
     _until("load on every node", lambda: set(_gateway(cluster)["answers_by_node"]) >= before)
     victim = sorted(before)[0]
@@ -267,6 +321,8 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     _until("a replacement serving", lambda: sum(
         n["state"] == "active" and n["node"] not in before for n in _status(cluster)["nodes"]) == 1)
     load.finish()
+    beside.finish()
+    direct.close()
     assert victim not in {n["node"] for n in _status(cluster)["nodes"]}
     assert _status(cluster)["cost"]["evictions"] >= 1
     # 8 clients keep 32 calls in flight over every node: the kill caught some on the victim
@@ -287,7 +343,7 @@ def test_a_gateway_killed_under_load_its_clients_move_to_another_and_no_call_is_
     def client(tally: Counter, i: int) -> None:
         # each client its own image of the three: another's answer would be a wrong one
         image, answer = x[i % 3 : i % 3 + 1], want[i % 3 : i % 3 + 1]
-        with Client(urls, timeout=60.0) as c:
+        with Client(urls, timeout=60.0, direct=False) as c:  # through a gateway: the path under test
             while not stop.is_set():
                 after = killed.is_set()
                 try:
