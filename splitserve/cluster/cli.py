@@ -35,7 +35,7 @@ from splitserve.config import default_data_dir, env_cache_dir
 from splitserve.server.management import TOKEN_FILE, ensure_token_file
 
 cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="Many nodes behind one gateway, on Ray (needs the cluster extra).")
+                          help="Many nodes behind one or more gateways, on Ray (needs the cluster extra).")
 console = Console()
 STATE_FILE = "cluster.json"
 
