@@ -8,14 +8,15 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
-from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result
-from splitserve.client.route import _direct_urls, _lookup_interval, _Route
+from splitserve.client.failover import FrontChoice, front_endpoints
+from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result, _with_func_id
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
@@ -38,6 +39,7 @@ class _AsyncConn(asyncio.BufferedProtocol):
     def __init__(self, client: "AsyncClient", model: str | None = None, url: str = "") -> None:
         self.client = client
         self.model = model  # a direct connection's model (None: the front end's)
+        self.func_id: int | None = None  # a cluster node's worker: that node's func id (None: the model's)
         self.url = url  # a direct connection's endpoint
         self.pending: dict[int, _AsyncEntry] = {}
         self.transport: asyncio.Transport | None = None
@@ -194,11 +196,18 @@ class AsyncClient:
     every call through the front end. Every call ends exactly once:
     with its result, its error, ``TimeoutError`` after ``timeout`` seconds (a later answer
     is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
-    the client closed."""
+    the client closed.
 
-    def __init__(self, url: str, timeout: float | None = 60.0, *, direct: bool = True,
+    ``url`` may name several front ends (a list, or URLs separated by commas: a cluster's
+    gateways), used one at a time as ``Client`` uses them: the calls on a lost one end with
+    ``ConnectionError`` and the next call connects to the next front end that takes it."""
+
+    def __init__(self, url: "str | Sequence[str]", timeout: float | None = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
-        self.endpoint = Endpoint.parse(url)
+        self.endpoints = front_endpoints(url)
+        self.endpoint = self.endpoints[0]  # the front end in use
+        self._fronts = FrontChoice(len(self.endpoints), direct_retry_s)
+        self._front_lock: asyncio.Lock | None = None  # one task connects to the next front end
         self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)
         self.direct = direct
         self.direct_retry_s = direct_retry_s
@@ -211,8 +220,39 @@ class AsyncClient:
 
     async def connect(self) -> "AsyncClient":
         self._loop = asyncio.get_running_loop()
-        self._front = await _open_async(self.endpoint, lambda: _AsyncConn(self))
+        self._front_lock = asyncio.Lock()
+        self._front = await self._open_front(fresh=True)
         return self
+
+    async def _open_front(self, fresh: bool = False) -> _AsyncConn:
+        """A connection to the first front end, in ``FrontChoice``'s order, that takes one."""
+        errors = []
+        for i in self._fronts.order(time.monotonic(), fresh=fresh):
+            try:
+                conn = await asyncio.wait_for(_open_async(self.endpoints[i], lambda: _AsyncConn(self)),
+                                              self.direct_connect_s if len(self.endpoints) > 1 else None)
+            except (OSError, TimeoutError) as e:
+                self._fronts.failed(i, time.monotonic())
+                errors.append(f"{self.endpoints[i]}: {e or type(e).__name__}")
+                continue
+            self._fronts.connected(i)
+            self.endpoint = self.endpoints[i]
+            return conn
+        raise ConnectionError(f"no front end took the connection: {'; '.join(errors)}")
+
+    async def _live_front(self) -> _AsyncConn:
+        """The front end's connection, made again to the next front end if it was lost."""
+        front = self._front
+        if front is None:
+            raise ConnectionError("the client is not connected")
+        if not front.dead:
+            return front
+        async with self._front_lock:  # type: ignore[union-attr]
+            if self._front is None:
+                raise ConnectionError("the client is closed")
+            if self._front.dead:
+                self._front = await self._open_front()
+        return self._front
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -275,7 +315,12 @@ class AsyncClient:
     def _connection_lost(self, conn: _AsyncConn, exc: BaseException | None) -> None:
         if conn.model is not None and not conn.lost:
             self._lost(conn)
-        elif conn.pending:
+            return
+        if conn is self._front and not conn.lost:  # the front end went: the next call goes to the next one
+            self._fronts.failed(self.endpoints.index(self.endpoint), time.monotonic())
+            for route in self._routes.values():  # looked up again there
+                route.stale = True
+        if conn.pending:
             conn.fail_all(ConnectionError("the client is closed" if conn.lost and exc is None
                                           else f"connection lost: {exc or 'closed by the server'}"))
 
@@ -299,6 +344,8 @@ class AsyncClient:
         for req_id, (fut, decode, parts, deadline) in calls.items():
             if fut.done() or parts is None:
                 continue
+            if conn.func_id is not None and route is not None:  # the node's func id: the cluster's instead
+                parts = _with_func_id(parts, route.info.func_id)
             front.pending[req_id] = (fut, decode, None, deadline)  # its deadline still counts from its first send
             if deadline < front.sweep_at:
                 self._arm(front, deadline)
@@ -307,14 +354,12 @@ class AsyncClient:
     def _fresh(self, model: str) -> _Route | None:
         """``model``'s route when no lookup is due (``_Route.lookup_due``)."""
         route = self._routes.get(model)
-        if route is not None and not (self.direct and route.lookup_due(time.monotonic())):
+        if route is not None and not route.stale and not (self.direct and route.lookup_due(time.monotonic())):
             return route
         return None
 
     async def _look_up(self, model: str) -> _Route:
-        front = self._front
-        if front is None:
-            raise ConnectionError("the client is not connected")
+        front = await self._live_front()
         if front.paused:
             await front.writable(self.timeout)
         body = model.encode()
@@ -324,9 +369,9 @@ class AsyncClient:
         route = self._routes.get(model)
         streams = []
         if self.direct:
-            live = {c.url: c for c in route.streams} if route is not None else {}
-            for url in _direct_urls(self.endpoint, info):
-                conn = live.pop(url, None)
+            live = {(c.url, c.func_id): c for c in route.streams} if route is not None else {}
+            for url, func_id in _direct_targets(self.endpoint, info):
+                conn = live.pop((url, func_id), None)
                 if conn is None:
                     try:
                         conn = await asyncio.wait_for(
@@ -334,6 +379,8 @@ class AsyncClient:
                             self.direct_connect_s)
                     except (OSError, SplitServeError, TimeoutError):
                         continue  # gone since the lookup: the others, or the front end, serve
+                    if func_id != info.func_id:  # a cluster node's worker: its calls carry that node's id
+                        conn.func_id = func_id
                     self._direct_streams.append(conn)
                 streams.append(conn)
         due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
@@ -355,11 +402,9 @@ class AsyncClient:
         info = route.info
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
-        hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms)
         streams = route.streams
-        conn = streams[next(route.turns) % len(streams)] if streams else self._front
-        if conn is None:
-            raise ConnectionError("the client is not connected")
+        conn = streams[next(route.turns) % len(streams)] if streams else await self._live_front()
+        hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms, conn.func_id)
         if conn.paused:  # bounded buffering: wait for the transport to take more
             await conn.writable(self.timeout)
         # flat byte views: from Python 3.12 the transport's writelines keeps memoryviews and counts

@@ -8,13 +8,14 @@ Many calls may be in flight on one connection; answers are matched by ``req_id``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from splitserve.client.common import InferResult, ModelInfo, target_ms
 from splitserve.errors import Status, error_for_status
-from splitserve.protocol.header import Header, Kind, RequestClass, pack_request
+from splitserve.protocol.header import Header, Kind, RequestClass, pack_request, unpack_header
 
 
 _RX_BYTES = 64 * 1024  # a client's receive buffer; bigger payloads are read past it
@@ -41,10 +42,17 @@ def _request_fields(cls: Any, deadline_ms: float | None, slo_ms: float | None) -
 
 
 def _request_header(info: ModelInfo, req_id: int, arrays: list[np.ndarray], cls: Any, deadline_ms: float | None,
-                    slo_ms: float | None) -> bytes:
-    """The packed header of a call on a stream (one struct call, no ``Header`` built)."""
-    return pack_request(req_id, info.func_id, *_request_fields(cls, deadline_ms, slo_ms),
+                    slo_ms: float | None, func_id: int | None = None) -> bytes:
+    """The packed header of a call on a stream (one struct call, no ``Header`` built);
+    ``func_id``: a cluster node's for its worker (None: the model's)."""
+    return pack_request(req_id, func_id or info.func_id, *_request_fields(cls, deadline_ms, slo_ms),
                         sum(a.nbytes for a in arrays))
+
+
+def _with_func_id(parts: list, func_id: int) -> list:
+    """A call's frame ``parts`` with ``func_id`` in its header: a call a cluster node's worker
+    did not answer, re-sent through the gateway, which knows the model by the cluster's id."""
+    return [replace(unpack_header(parts[0]), func_id=func_id).pack(), *parts[1:]]
 
 
 def _result(info: ModelInfo, h: "Header | _Fields", payload: bytes, count: int, batched: bool) -> InferResult:

@@ -24,6 +24,16 @@ def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
     return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra.get("direct_tcp", ())]
 
 
+def _direct_targets(front: Endpoint, info: ModelInfo) -> list[tuple[str, int]]:
+    """The direct endpoints a client connects to for ``info``, each with the func id its
+    calls carry there: a cluster's gateway names each node's workers with that node's func
+    id (``nodes``), a node its own workers (``_direct_urls``), which take the model's."""
+    nodes = info.extra.get("nodes")
+    if nodes is not None:
+        return [(url, int(n["func_id"])) for n in nodes for url in n.get("direct_tcp", ())]
+    return [(url, info.func_id) for url in _direct_urls(front, info)]
+
+
 # A direct client looks a model up again at least this many retry intervals apart even when
 # it holds a connection to every instance, to find instances added since (scaling).
 _REFRESH_RETRIES = 10

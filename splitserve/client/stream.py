@@ -8,17 +8,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo
+from splitserve.client.failover import FrontChoice, front_endpoints
 from splitserve.client.frames import (_DUPLICATE, _ERROR, _PLAIN_FIELDS, _RX_BYTES, _check, _Fields, _request_fields,
-                                      _result)
-from splitserve.client.route import _direct_urls, _lookup_interval, _Route
+                                      _result, _with_func_id)
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError
-from splitserve.protocol.header import HEADER_SIZE, Header, Kind, pack_request, unpack_header
+from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestPacker, pack_request, unpack_header
 from splitserve.protocol.sockets import bound_waits, recv_polling
 from splitserve.spin import HostLoad, SpinPolicy
 
@@ -89,6 +90,10 @@ class _Stream:
     and ``reading``; only the thread holding the reading turn calls ``read_one``."""
 
     sent = False  # whether the last ``call``'s send went out whole
+    # a cluster node's worker: the func id its calls carry (that node's) and their header's packer;
+    # None: the model's (the front end's, or a single server's worker)
+    func_id: int | None = None
+    plain: RequestPacker | None = None
 
     def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "",
                  poll_ns: int = 0) -> None:
@@ -269,9 +274,17 @@ class Client:
     the host has no task waiting for a CPU (``splitserve/spin.py``): it spends the caller's
     core while the model runs to save the wake-up after it (on a VM whose idle vCPU halts,
     70-80 µs a call), and gives the core back as soon as another task wants one.
+
+    ``url`` may name several front ends (a list, or URLs separated by commas: a cluster's
+    gateways). The client uses one at a time; when its connection to it is lost, the calls
+    it had not answered fail with ``ConnectionError`` (none is answered twice or with
+    another's answer: answers are matched by request id), and the next call connects to the
+    next front end that takes the connection (``FrontChoice``: those that failed within
+    ``direct_retry_s`` last). A front end that refuses the first connection is skipped the
+    same way; ``ConnectionError`` when none takes it.
     """
 
-    def __init__(self, url: str, timeout: float = 60.0, *, direct: bool = True,
+    def __init__(self, url: "str | Sequence[str]", timeout: float = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0, compiled: bool | None = None,
                  poll_us: float = DEFAULT_POLL_US) -> None:
         if compiled and _fastwire is None:
@@ -281,14 +294,16 @@ class Client:
             raise InvalidInput(f"poll_us must be 0 (never poll) or a number of µs, not {poll_us!r}")
         self._poll_ns = int(poll_us * 1000)
         self._load = HostLoad() if self._poll_ns else None  # read only by callers that may poll
-        self.endpoint = Endpoint.parse(url)
+        self.endpoints = front_endpoints(url)
+        self.endpoint = self.endpoints[0]  # the front end in use
         self.timeout = timeout
         self.direct = direct
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
         self._stream_type = _CStream if _fastwire is not None and compiled is not False else _Stream
-        self._front = self._stream_type(_connect(self.endpoint, timeout), timeout, poll_ns=self._poll_ns)
-        self.sock = self._front.sock
+        self._fronts = FrontChoice(len(self.endpoints), direct_retry_s)
+        self._front_lock = threading.Lock()  # one thread connects to the next front end
+        self._front = self._open_front(fresh=True)
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
         # the hot sections take the plain lock itself: Condition's own ``with`` is Python code
         self._lock = threading.Lock()
@@ -333,6 +348,9 @@ class Client:
                     stream.reading = False
                     if self._waiting:
                         self._cond.notify_all()
+                if stream.model is None and isinstance(e, OSError) and not isinstance(e, TimeoutError):
+                    self._front_lost(stream, e)
+                    raise ConnectionError(f"connection to {self.endpoint} lost: {e}") from e
                 if stream.model is None or not isinstance(e, OSError):
                     raise
                 self._lost(stream, e)
@@ -347,6 +365,8 @@ class Client:
             else:  # another thread's call started meanwhile: read on for both
                 answer = self._read_for(stream, req_id, answer)
         if answer is None:  # a direct connection closed before the answer came
+            if stream.func_id is not None:  # the node's func id: the cluster's instead
+                parts = _with_func_id(parts, info.func_id)
             return self._call(req_id, parts, lambda hh, p: _result(info, hh, p, count, batched), self._front).result()
         return _result(info, answer[0], answer[1], count, batched)
 
@@ -358,7 +378,7 @@ class Client:
     def ping(self) -> float:
         t = time.perf_counter()
         req_id = next(self._ids)
-        self._call(req_id, [Header(Kind.PING, req_id=req_id).pack()], lambda h, p: None, self._front).result()
+        self._call(req_id, [Header(Kind.PING, req_id=req_id).pack()], lambda h, p: None, self._live_front()).result()
         return time.perf_counter() - t
 
     def direct_endpoints(self, model: str) -> int:
@@ -383,6 +403,54 @@ class Client:
 
     # -- internals --------------------------------------------------------------------
 
+    def _open_front(self, fresh: bool = False) -> _Stream:
+        """A connection to the first front end, in ``FrontChoice``'s order, that takes one."""
+        errors = []
+        for i in self._fronts.order(time.monotonic(), fresh=fresh):
+            try:
+                sock = _connect(self.endpoints[i], self.timeout, self.direct_connect_s if len(self.endpoints) > 1 else None)
+            except OSError as e:
+                self._fronts.failed(i, time.monotonic())
+                errors.append(f"{self.endpoints[i]}: {e}")
+                continue
+            self._fronts.connected(i)
+            self.endpoint = self.endpoints[i]
+            self.sock = sock
+            return self._stream_type(sock, self.timeout, poll_ns=self._poll_ns)
+        raise ConnectionError(f"no front end took the connection: {'; '.join(errors)}")
+
+    def _live_front(self) -> _Stream:
+        """The front end's connection, made again to the next front end if it was lost;
+        every model is looked up again there before its next call."""
+        front = self._front
+        if not front.lost:
+            return front
+        with self._front_lock:
+            if self._front.lost:
+                if self.closed:
+                    raise ConnectionError("the client is closed")
+                fresh = self._open_front()
+                with self._lock:
+                    self._front = fresh
+        return self._front
+
+    def _front_lost(self, stream: _Stream, e: BaseException) -> None:
+        """The front end's connection failed with ``e``: every call on it fails with a
+        connection error, and the next call goes to the next front end."""
+        with self._lock:
+            if stream.lost:
+                return
+            stream.lost = True
+            for route in self._routes.values():  # looked up again, at the next front end
+                route.stale = True
+        self._fronts.failed(self.endpoints.index(self.endpoint), time.monotonic())
+        self._fail_all(stream, e)
+        try:  # wakes a thread blocked reading it
+            stream.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        stream.sock.close()
+
     def _polled_call(self, stream: _Stream, parts: list, total: int) -> tuple["Header | _Fields", bytearray]:
         """``stream.call``, polling for the answer as the connection's policy says now; the
         wait it had teaches the policy."""
@@ -398,38 +466,41 @@ class Client:
         """A call's model info, req_id, frame parts and their bytes, sample count, whether
         the caller gave a batch dimension, and the connection it goes on."""
         route = self._routes.get(model)
-        if route is None or self.direct and route.lookup_due(time.monotonic()):
+        if route is None or route.stale or self.direct and route.lookup_due(time.monotonic()):
             route = self._route(model)
         info = route.info
         arrays, nbytes, count, batched = info.codec.frame(x)
         req_id = next(self._ids)
         fields = _request_fields(cls, deadline_ms, slo_ms)
-        hdr = route.plain.pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
-            pack_request(req_id, info.func_id, *fields, nbytes)
-        parts = [hdr, *arrays]
         streams = route.streams
         stream = streams[next(route.turns) % len(streams)] if streams else self._front
+        # a cluster node's worker takes that node's func id (``stream.plain``), any other the model's
+        hdr = (stream.plain or route.plain).pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
+            pack_request(req_id, stream.func_id or info.func_id, *fields, nbytes)
+        parts = [hdr, *arrays]
         return info, req_id, parts, HEADER_SIZE + nbytes, count, batched, stream
 
     def _route(self, model: str) -> _Route:
         route = self._routes.get(model)
-        if route is not None and not (self.direct and route.lookup_due(time.monotonic())):
+        if route is not None and not route.stale and not (self.direct and route.lookup_due(time.monotonic())):
             return route
         body = model.encode()
         req_id = next(self._ids)
         info = self._call(req_id, [Header(Kind.LOOKUP, req_id=req_id, payload_len=len(body)).pack(), body],
-                          lambda h, p: _check(h, p, ModelInfo.from_json), self._front).result()
-        live = {st.url: st for st in route.streams} if route is not None else {}
+                          lambda h, p: _check(h, p, ModelInfo.from_json), self._live_front()).result()
+        live = {(st.url, st.func_id): st for st in route.streams} if route is not None else {}
         streams = []
         now = time.monotonic()
-        for url in _direct_urls(self.endpoint, info) if self.direct else ():
-            st = live.pop(url, None)
+        for url, func_id in _direct_targets(self.endpoint, info) if self.direct else ():
+            st = live.pop((url, func_id), None)
             if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
                     st = self._stream_type(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s),
                                            self.timeout, model, url, self._poll_ns)
+                    if func_id != info.func_id:  # a cluster node's worker
+                        st.func_id, st.plain = func_id, RequestPacker(func_id, *_PLAIN_FIELDS)
                 except (OSError, SplitServeError):
                     self._mark_lost(url)  # not tried again for direct_retry_s
                     continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
@@ -454,7 +525,8 @@ class Client:
             stream.send(parts, total)
         except OSError as e:
             if stream.model is None:
-                raise
+                self._front_lost(stream, e)
+                raise ConnectionError(f"connection to {self.endpoint} lost: {e}") from e
             self._lost(stream, e)  # re-sends it, and any other call on it, through the front end
         return call
 
@@ -521,7 +593,9 @@ class Client:
         direct connection's calls move to the front end (None), else every call on it
         fails and ``e`` is raised."""
         direct = stream.model is not None and isinstance(e, (OSError, SplitServeError))
-        if not direct:
+        if stream.model is None and isinstance(e, OSError) and not isinstance(e, TimeoutError):
+            self._front_lost(stream, e)  # the next call goes to the next front end
+        elif not direct:
             self._fail_all(stream, e)
         with self._lock:
             stream.reading = False
@@ -543,6 +617,10 @@ class Client:
     def _lost(self, stream: _Stream, e: BaseException) -> None:
         """A direct connection closed: its unanswered calls go through the front end, and
         the model is looked up again before its next call."""
+        try:
+            self._live_front()
+        except ConnectionError:
+            pass  # no front end either: the re-sent calls fail with the connection
         with self._cond:
             if stream.lost:
                 return
@@ -554,6 +632,7 @@ class Client:
             if route is not None and stream in route.streams:
                 route.streams = [st for st in route.streams if st is not stream]
                 route.stale = True
+            front_id = route.info.func_id if route is not None else None
             self._mark_lost(stream.url)
             for c in calls:
                 c._stream = self._front
@@ -567,6 +646,8 @@ class Client:
         for c in calls:
             parts, c._parts = c._parts, None
             if parts is not None and not c.done():
+                if stream.func_id is not None and front_id is not None:  # the node's func id: the cluster's instead
+                    parts = _with_func_id(parts, front_id)
                 self._front.send(parts)
 
     def _fail_all(self, stream: _Stream, e: BaseException) -> None:

@@ -44,7 +44,7 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.management import TOKEN_FILE, ensure_token_file
 
 cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="Many nodes behind one gateway, on Ray (needs the cluster extra).")
+                          help="Many nodes behind one or more gateways, on Ray (needs the cluster extra).")
 console = Console()
 STATE_FILE = "cluster.json"
 
@@ -75,6 +75,9 @@ def up(
                                                      "(0: any free port; -1: no HTTP)."),
     gateway_grpc_port: int = typer.Option(8001, help="The gateway's gRPC port, Open Inference Protocol v2 "
                                                      "(0: any free port; -1: no gRPC)."),
+    gateways: int = typer.Option(1, min=1, help="Gateways to run, each a process of its own; the i-th (from 0) "
+                                                "serves on each gateway port plus 10*i. Give clients every "
+                                                "fast-path URL: they fail over when theirs goes."),
     node_host: Optional[str] = typer.Option(None, help="Address every node server binds (default: each node's "
                                                        "Ray address; a node's splitserve.io/bind-address label wins)."),
     node_advertise: Optional[str] = typer.Option(None, help="Address every node server advertises to the gateway "
@@ -117,11 +120,11 @@ def up(
                     cache_dir=str(cache) if cache else None, tmp_root=tempfile.gettempdir(), env=env)
     if address is not None:
         _join(address, logging_level=logging.WARNING)
-        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True)
+        h = attach(cfg, spec, gateway_host, gateway_port, model, http_port, grpc_port, joined=True, gateways=gateways)
         console.print(f"splitserve on Ray at {address}: gateway {h.urls()}")
         return
     local = LocalCluster(cfg, tempfile.mkdtemp(prefix="ssray-"), spec, gateway_port, tuple(model), http_port,
-                         grpc_port)
+                         grpc_port, gateways)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -176,8 +179,9 @@ def status(
                   n["endpoint"] or "-")
     console.print(t)
     gw = st["gateway"]
-    console.print(f"gateway {h.urls()}")
-    console.print(f"target {st['target']} nodes; gateway holds {gw.get('held', 0)} requests, delivered "
+    for urls in h.gateway_urls():
+        console.print(f"gateway {urls}")
+    console.print(f"target {st['target']} nodes; gateways hold {gw.get('held', 0)} requests, delivered "
                   f"{gw.get('delivered', 0)}, re-sent {gw.get('resent', 0)}; cost so far "
                   f"${st['cost']['dollars']:.4f} ({st['cost']['evictions']} evictions, {st['fallbacks']} fallbacks)")
 

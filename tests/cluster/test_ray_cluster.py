@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
-from splitserve.client import connect  # noqa: E402
+from splitserve.client import Client, connect  # noqa: E402
 from splitserve.client.http import HttpClient  # noqa: E402
 from splitserve.cluster.actors import raycompat  # noqa: E402
 from splitserve.cluster.actors.local import LocalCluster, wait_serving  # noqa: E402
@@ -80,7 +80,7 @@ def cluster() -> Iterator[LocalCluster]:
     # every node runs with the node settings `cluster up` takes (a budget no test's models reach)
     spec = NodeSpec(token="cluster-test-token", cache_dir=str(CACHE), tmp_root=str(root),
                     env=node_env({"memory_budget_bytes": NODE_BUDGET}))
-    local = LocalCluster(cfg, str(root), spec, gateway_http_port=0)
+    local = LocalCluster(cfg, str(root), spec, gateway_http_port=0, gateways=2)
     try:
         local.start(timeout_s=240)
         yield local
@@ -195,9 +195,65 @@ def test_v2_over_http_through_the_gateway_answers_as_the_fast_path_does(cluster:
     _until("the gateway's /metrics names every active node", metrics_name_every_active_node, 30)
 
 
+@dataclass
+class DirectLoad:
+    """4 threads calling lenet on one direct client of the gateway (it calls the nodes'
+    workers itself) until stopped: every answer its image's, no call failed."""
+
+    client: Client
+    x: np.ndarray
+    want: np.ndarray
+    stop: threading.Event = field(default_factory=threading.Event)
+    tally: Counter = field(default_factory=Counter)
+    threads: list = field(default_factory=list)
+
+    def start(self) -> "DirectLoad":
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(4)]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _run(self, i: int) -> None:
+        image, answer = self.x[i % 3 : i % 3 + 1], self.want[i % 3 : i % 3 + 1]
+        while not self.stop.is_set():
+            try:
+                got = self.client.infer("lenet", image)
+            except Exception as e:  # counted, and the test fails on it
+                self.tally[f"error {e!r}"] += 1
+                continue
+            self.tally["right" if np.allclose(got, answer, atol=1e-5) else "wrong"] += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in self.threads)
+        assert set(self.tally) == {"right"}, self.tally
+
+
+def test_a_direct_client_of_the_gateway_calls_the_nodes_workers_without_the_gateways_hop(
+        cluster: LocalCluster) -> None:
+    x, want, _ = _fast_path_reference(cluster)
+    with Client(f"tcp://127.0.0.1:{cluster.handles.gateway_port}", timeout=60.0) as c:
+        info = c.lookup("lenet")
+        # the nodes the gateway routes lenet to (placement: at least model_min_nodes, more as demand asked)
+        serving = {n for n, models in _gateway(cluster)["models"].items() if "lenet" in models}
+        assert len(serving) >= 2
+        assert c.direct_endpoints("lenet") >= len(serving)  # a worker on each, each with its node's func id
+        assert {n["node"] for n in info.extra["nodes"]} == serving
+        accepted = _gateway(cluster)["accepted"]
+        for _ in range(3 * NODES):  # in turn over the workers: every node answers
+            np.testing.assert_allclose(c.infer("lenet", x), want, atol=1e-5)
+        assert _gateway(cluster)["accepted"] == accepted  # none went through the gateway
+
+
 def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluster: LocalCluster) -> None:
     port = cluster.handles.gateway_port
     before = {n["node"] for n in _status(cluster)["nodes"]}
+    x, want, _ = _fast_path_reference(cluster)
+    direct = Client(f"tcp://127.0.0.1:{port}", timeout=60.0, direct_retry_s=0.2)
+    assert direct.direct_endpoints("lenet") == 0 and direct.lookup("lenet") and direct.direct_endpoints("lenet") >= 2
+    beside = DirectLoad(direct, x, want).start()  # a direct client's calls on the victim are re-sent, not lost
     load = Load(port, _lookup(port, "lenet")).start()
     # lenet idles on two nodes; the load asks for all three, so the victim holds some
     _until("lenet routed to every node", lambda: _routed_everywhere(cluster, "lenet", before))
@@ -211,10 +267,58 @@ def test_killing_a_node_under_load_loses_nothing_and_the_node_is_replaced(cluste
     _until("a replacement serving", lambda: sum(
         n["state"] == "active" and n["node"] not in before for n in _status(cluster)["nodes"]) == 1)
     load.finish()
+    beside.finish()
+    direct.close()
     assert victim not in {n["node"] for n in _status(cluster)["nodes"]}
     assert _status(cluster)["cost"]["evictions"] >= 1
     # 8 clients keep 32 calls in flight over every node: the kill caught some on the victim
     assert _gateway(cluster)["resent"] > resent
+
+
+def test_a_gateway_killed_under_load_its_clients_move_to_another_and_no_call_is_answered_twice_or_wrong(
+        cluster: LocalCluster) -> None:
+    h = cluster.handles
+    assert len(h.gateway_urls()) == 2  # what `cluster status` lists: each gateway's URLs
+    victim, (host, port, _, _) = h.more_gateways[0]
+    x, want, _ = _fast_path_reference(cluster)
+    urls = [f"tcp://{host}:{port}", f"tcp://127.0.0.1:{h.gateway_port}"]  # the victim first: every client on it
+    stop = threading.Event()
+    killed = threading.Event()
+    outcomes: list[Counter] = [Counter() for _ in range(8)]
+
+    def client(tally: Counter, i: int) -> None:
+        # each client its own image of the three: another's answer would be a wrong one
+        image, answer = x[i % 3 : i % 3 + 1], want[i % 3 : i % 3 + 1]
+        with Client(urls, timeout=60.0, direct=False) as c:  # through a gateway: the path under test
+            while not stop.is_set():
+                after = killed.is_set()
+                try:
+                    got = c.infer("lenet", image)
+                except ConnectionError:
+                    tally["connection_error"] += 1
+                    continue
+                tally["right" if np.allclose(got, answer, atol=1e-5) else "wrong"] += 1
+                if after:
+                    tally["right_after_kill"] += 1
+                    tally["on_survivor"] += c.endpoint.port == h.gateway_port
+
+    assert not np.allclose(want[0], want[1], atol=1e-5)
+    threads = [threading.Thread(target=client, args=(t, i), daemon=True) for i, t in enumerate(outcomes)]
+    for t in threads:
+        t.start()
+    _until("every client answered by the victim", lambda: all(t["right"] > 0 for t in outcomes), 60)
+    ray.kill(victim, no_restart=True)  # the actor and its data plane (it dies with its parent)
+    h.more_gateways.remove(h.more_gateways[0])  # not stopped again at the module's end
+    killed.set()
+    _until("every client answered by the other gateway",
+           lambda: all(t["on_survivor"] > 0 for t in outcomes), 60)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert sum(t["wrong"] for t in outcomes) == 0
+    # a call in flight on the killed gateway got a clean connection error at most once per client
+    assert all(t["connection_error"] <= 1 for t in outcomes), outcomes
 
 
 # A provider's notice is long against the time it takes to bring up a machine (AWS: 120 s, a VM

@@ -14,6 +14,12 @@ so compare the loaded ratios at ``nodes = 1``. Ray is never on the path of a cal
 and the clients each in a Linux network namespace on a bridge made for the run
 (``bench/netns.py``; needs root and ``ip``), so every call crosses a veth pair and a bridge
 as it would cross a LAN: the gateway's tax over a node's own, from another host.
+
+``gateway`` and ``direct`` clients send every call to the gateway's or the node's front end;
+``node-direct`` ones connect to the node and call its workers (a single node's direct path,
+transport ``direct-tcp``), ``gateway-direct`` ones connect to the gateway and call the
+workers its lookup names on each node (the direct path at cluster scale): their ratio to
+``node-direct`` is what the cluster costs a direct client.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ SUMMARY = "The cluster gateway's added latency: lenet over the fast path through
 MODELS: tuple[str, ...] = ("lenet",)
 TRANSPORTS: tuple[str, ...] = ("tcp",)
 BLOCK = 50  # calls per turn when alternating (as fastpath-latency)
-PATHS = ("gateway", "direct")
+PATHS = ("gateway", "direct", "node-direct", "gateway-direct")
+# the direct clients ("node-direct", "gateway-direct") call the workers a lookup names
+_TRANSPORT = {"gateway": "tcp", "direct": "tcp", "node-direct": "direct-tcp", "gateway-direct": "direct-tcp"}
 
 
 @dataclass
@@ -84,20 +92,26 @@ def compare_loaded(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str,
     return {"gateway": g, "direct": d, "ratio": ratio}
 
 
-def _alternate(gw: Any, direct: Any, model: str, arg: Any, n: int, warmup: int) -> dict[str, np.ndarray]:
+def _alternate(clients: dict[str, Any], model: str, arg: Any, n: int, warmup: int) -> dict[str, np.ndarray]:
     for _ in range(warmup):
-        gw.infer_result(model, arg)
-        direct.infer_result(model, arg)
-    out = {path: np.empty(n) for path in PATHS}
+        for client in clients.values():
+            client.infer_result(model, arg)
+    out = {path: np.empty(n) for path in clients}
     clock = time.perf_counter
     with gc_paused():
         for start in range(0, n, BLOCK):
-            for path, client in (("gateway", gw), ("direct", direct)):
+            for path, client in clients.items():
                 for i in range(start, min(n, start + BLOCK)):
                     t0 = clock()
                     client.infer_result(model, arg)
                     out[path][i] = clock() - t0
     return {k: v * 1e6 for k, v in out.items()}
+
+
+def _urls(gateway: str, node_endpoint: str) -> dict[str, str]:
+    """Each path's URL: the gateway's two clients connect to it, the node's two to the node."""
+    node = f"tcp://{node_endpoint}"
+    return {"gateway": gateway, "direct": node, "node-direct": node, "gateway-direct": gateway}
 
 
 def run(ctx: Context) -> ScenarioOutput:
@@ -130,8 +144,8 @@ def run(ctx: Context) -> ScenarioOutput:
             h = local.start(timeout_s=p.start_timeout_s)
         status = ray.get(h.controller.status.remote())
         node = status["nodes"][0]
-        urls = {"gateway": f"tcp://127.0.0.1:{h.gateway_port}", "direct": f"tcp://{node['endpoint']}"}
-        with ctx.task("single client, alternating; then closed loops", 3) as advance:
+        urls = _urls(f"tcp://127.0.0.1:{h.gateway_port}", node["endpoint"])
+        with ctx.task("single client, alternating; then closed loops", 1 + len(PATHS)) as advance:
             seq, loaded = _measure(p, urls, model, arg, advance)
         gw_stats = ray.get(h.gateway.stats.remote())
     finally:
@@ -158,8 +172,9 @@ def _across_hosts(ctx: Context, p: Params, model: str, arg: Any) -> ScenarioOutp
             driver = netns.Driver(hosts, head, address, p.nodes, "cluster-tax", str(env_cache_dir() or ""),
                                   p.start_timeout_s, (model,))
             node = next(iter(driver.wait_active(p.nodes, p.start_timeout_s).values()))
-        urls = {"gateway": f"tcp://{head.ip}:{driver.gateway_port}", "direct": f"tcp://{node['endpoint']}"}
-        with ctx.task("from the clients' host: single client, alternating; then closed loops", 3) as advance:
+        urls = _urls(f"tcp://{head.ip}:{driver.gateway_port}", node["endpoint"])
+        with ctx.task("from the clients' host: single client, alternating; then closed loops",
+                      1 + len(PATHS)) as advance:
             seq, loaded = netns.run_in(clients.ns, lambda: _measure(p, urls, model, arg, advance),
                                        timeout_s=p.duration_s * 2 + p.requests + 600)
         gw_stats = driver.ask("gateway")
@@ -175,16 +190,16 @@ def _measure(p: Params, urls: dict[str, str], model: str, arg: Any,
     """Single client alternating between the paths, then a closed loop on each."""
     from splitserve.bench.transports import close_sync, open_sync
 
-    clients = {path: open_sync("tcp", url) for path, url in urls.items()}
+    clients = {path: open_sync(_TRANSPORT[path], url) for path, url in urls.items()}
     try:
-        seq = _alternate(clients["gateway"], clients["direct"], model, arg, p.requests, p.warmup)
+        seq = _alternate(clients, model, arg, p.requests, p.warmup)
     finally:
         for c in clients.values():
             close_sync(c)
     advance(1)
     loaded = {}
     for path, url in urls.items():
-        loaded[path] = closed_loop_run(workload("tcp", url, model, model, p.seed), p.connections,
+        loaded[path] = closed_loop_run(workload(_TRANSPORT[path], url, model, model, p.seed), p.connections,
                                        p.duration_s, warmup_s=p.warmup_s).summary(warmup_s=p.warmup_s)
         advance(1)
     return seq, loaded
@@ -195,34 +210,47 @@ def _result(p: Params, model: str, urls: dict[str, str], node: dict, seq: dict[s
     return {"model": model, "nodes": p.nodes, "netns": p.netns, "urls": urls, "direct_node": node["node"],
             "sequential": compare(seq["gateway"], seq["direct"]),
             "loaded": {"connections": p.connections, **compare_loaded(loaded["gateway"], loaded["direct"])},
-            "gateway": {k: gw_stats.get(k) for k in ("delivered", "resent", "dropped", "answers_by_node")}}
+            # the same comparisons of the two direct clients: "gateway" the gateway's, "direct" the node's
+            "gateway_direct": {"sequential": compare(seq["gateway-direct"], seq["node-direct"]),
+                               "loaded": compare_loaded(loaded["gateway-direct"], loaded["node-direct"])},
+            "gateway": {k: gw_stats.get(k) for k in ("delivered", "resent", "dropped", "answers_by_node", "accepted")}}
 
 
 def _output(p: Params, r: dict[str, Any], seq: dict[str, np.ndarray]) -> ScenarioOutput:
-    s, ld = r["sequential"], r["loaded"]
-    seq_rows = [(path, fmt(s[f"{path}_us"]["p50"]), fmt(s[f"{path}_us"]["p99"]), fmt(s[f"{path}_us"]["mean"]))
-                for path in PATHS]
-    load_rows = [(path, fmt(ld[path]["p50_ms"], 3), fmt(ld[path]["p99_ms"], 3), fmt(ld[path]["rps"], 0),
-                  ld[path]["errors"]) for path in PATHS]
+    s, ld, gd = r["sequential"], r["loaded"], r["gateway_direct"]
+    # each path's own figures: the front ends' from the first comparison, the direct clients' from the second
+    lat = {"gateway": s["gateway_us"], "direct": s["direct_us"], "node-direct": gd["sequential"]["direct_us"],
+           "gateway-direct": gd["sequential"]["gateway_us"]}
+    runs = {"gateway": ld["gateway"], "direct": ld["direct"], "node-direct": gd["loaded"]["direct"],
+            "gateway-direct": gd["loaded"]["gateway"]}
+    seq_rows = [(path, fmt(lat[path]["p50"]), fmt(lat[path]["p99"]), fmt(lat[path]["mean"])) for path in PATHS]
+    load_rows = [(path, fmt(runs[path]["p50_ms"], 3), fmt(runs[path]["p99_ms"], 3), fmt(runs[path]["rps"], 0),
+                  runs[path]["errors"]) for path in PATHS]
+    gds, gdl = gd["sequential"], gd["loaded"]["ratio"]
     report = [report_intro(__doc__), "",
               f"{r['model']}, {r['nodes']} node(s){', each host a network namespace' if r['netns'] else ''}; "
               f"direct = node {r['direct_node'][:12]}.", "",
               f"## Single client ({p.requests} calls per path)", "",
               md_table(("path", "p50 µs", "p99 µs", "mean µs"), seq_rows), "",
               f"Gateway adds {fmt(s['added_p50_us'])} µs at p50 ({fmt(s['ratio_p50'], 2)}x) and "
-              f"{fmt(s['added_p99_us'])} µs at p99 ({fmt(s['ratio_p99'], 2)}x).", "",
+              f"{fmt(s['added_p99_us'])} µs at p99 ({fmt(s['ratio_p99'], 2)}x). The gateway's direct clients: "
+              f"{fmt(gds['ratio_p50'], 2)}x the node's direct path at p50, {fmt(gds['ratio_p99'], 2)}x at p99.", "",
               f"## {ld['connections']} connections, closed loop, {p.duration_s:g} s each", "",
               md_table(("path", "p50 ms", "p99 ms", "req/s", "errors"), load_rows), "",
               f"Ratios gateway / direct: p50 {fmt(ld['ratio']['p50_ms'], 2)}x, p99 {fmt(ld['ratio']['p99_ms'], 2)}x, "
-              f"req/s {fmt(ld['ratio']['rps'], 2)}x.", ""]
-    notes = [f"{path}: {ld[path]['bottleneck']}" for path in PATHS if ld[path]["bottleneck"]]
+              f"req/s {fmt(ld['ratio']['rps'], 2)}x; gateway-direct / node-direct: p50 {fmt(gdl['p50_ms'], 2)}x, "
+              f"p99 {fmt(gdl['p99_ms'], 2)}x, req/s {fmt(gdl['rps'], 2)}x.", ""]
+    notes = [f"{path}: {runs[path]['bottleneck']}" for path in PATHS if runs[path]["bottleneck"]]
     if notes:
         report += ["The load generator was the bottleneck:", ""] + [f"- {n}" for n in notes] + [""]
     lines = [f"single client: gateway p50 {fmt(s['gateway_us']['p50'])} µs vs direct {fmt(s['direct_us']['p50'])} µs "
              f"(+{fmt(s['added_p50_us'])} µs, {fmt(s['ratio_p50'], 2)}x); p99 {fmt(s['ratio_p99'], 2)}x",
              f"{ld['connections']} connections: p50 {fmt(ld['ratio']['p50_ms'], 2)}x, p99 {fmt(ld['ratio']['p99_ms'], 2)}x, "
-             f"req/s {fmt(ld['ratio']['rps'], 2)}x of direct"]
-    errors = ld["gateway"]["errors"] + ld["direct"]["errors"]
+             f"req/s {fmt(ld['ratio']['rps'], 2)}x of direct",
+             f"gateway's direct clients: p50 {fmt(gds['ratio_p50'], 2)}x of the node's direct path "
+             f"({fmt(gds['gateway_us']['p50'])} vs {fmt(gds['direct_us']['p50'])} µs); {ld['connections']} connections: "
+             f"p50 {fmt(gdl['p50_ms'], 2)}x, req/s {fmt(gdl['rps'], 2)}x"]
+    errors = sum(runs[path]["errors"] for path in PATHS)
     broken = [f"{errors} calls answered with an error"] if errors else []
     return ScenarioOutput(r, "\n".join(report), {"cluster_tax": _plot(seq)}, lines, broken)
 
@@ -232,13 +260,15 @@ def _plot(seq: dict[str, np.ndarray]) -> Any:
 
     fig = Figure(figsize=(5.5, 3.8))
     ax = fig.subplots()
-    for path, colour in (("gateway", "#2b7bba"), ("direct", "#7f7f7f")):
+    for path, colour in (("gateway", "#2b7bba"), ("direct", "#7f7f7f"), ("node-direct", "#1b9e77"),
+                         ("gateway-direct", "#d95f02")):
         xs = np.sort(seq[path])
         ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=path, color=colour)
     ax.set_xscale("log")
     ax.set_xlabel("round trip (µs)")
     ax.set_ylabel("fraction of calls")
-    ax.set_title("lenet over the fast path: through the gateway vs straight to a node", fontsize=9)
+    ax.set_title("lenet over the fast path: through the gateway, a node's direct path, the gateway's direct clients",
+                 fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

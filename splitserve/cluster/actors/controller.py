@@ -49,6 +49,7 @@ from splitserve.cluster.actors.probe import Reachability
 from splitserve.cluster.actors.shares import ModelShares, reshare
 from splitserve.cluster.actors.store import STORE_FILE, ControllerStore
 from splitserve.cluster.gateway.core import NodeRoute, Routes
+from splitserve.cluster.gateway.fleet import GatewayReports
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.cluster.policy.autoscale import ClusterAutoscaler, ClusterLoad, SloWindow
 from splitserve.cluster.policy.cost import CostLedger
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
 _LONG_POLL_S = 1.0
+# a gateway not heard from for this long is gone (it reports at every long poll)
+_GATEWAY_STALE_S = 10 * _LONG_POLL_S
 # Settings whose state outlives one decision (procurement's open orders, the revocation
 # emulator's schedule, the cost ledger's prices): fixed for the cluster's life.
 # The counters a restarted controller carries on (``status`` reports them), by part.
@@ -152,7 +155,8 @@ class Controller:
         # above every version an earlier controller published: the gateway takes this one's tables
         self._routes = Routes(self.store.next_generation() << 32)
         self._changed = asyncio.Event()
-        self._gateway: dict[str, Any] = {}
+        self._gateway: dict[str, Any] = {}  # the gateways' stats, added up
+        self._gateways = GatewayReports(_GATEWAY_STALE_S)
         # Withdrawn launches, by order *and* market: protean's fallback withdraws an order's spot
         # request and asks on-demand under the same order, and only the spot node is unwanted.
         self._cancelled: set[tuple[int, Market]] = set()
@@ -309,20 +313,20 @@ class Controller:
                 await n.server.ensure_models.remote(specs, tuple(missing))
                 n.models = n.models | (set(missing) & self.registry.ids.keys())
 
-    async def routes(self, version: int, gateway_stats: dict | None = None) -> str | None:
+    async def routes(self, version: int, gateway_stats: dict | None = None, gateway: str = "") -> str | None:
         """Long poll: the routing table as JSON once it is newer than ``version`` (None after
         a second without a change, or while a restarted controller still rebuilds its view:
         the gateway serves on its last table). The gateway's stats ride along (the
-        autoscaler's input)."""
+        autoscaler's input), named by ``gateway``: the cluster's gateways' are added up."""
         try:
             await asyncio.wait_for(self._started(), _LONG_POLL_S)
         except TimeoutError:
             return None
         if gateway_stats is not None:
-            if not self._gateway:
-                # a restarted controller: the gateway's counts so far are no window of this one's
-                self._slo_window.take(*_strict_counts(gateway_stats))
-            self._gateway = gateway_stats
+            first = self._gateways.record(gateway, gateway_stats, self.clock())
+            self._gateway = self._gateways.merged(self.clock())
+            if first:  # a restarted controller (or a new gateway): its counts so far are no window of this one's
+                self._slo_window.take(*_strict_counts(self._gateway))
         if self._routes.version <= version:
             self._changed.clear()
             try:
@@ -364,6 +368,7 @@ class Controller:
                        f"{n.endpoint.host}:{n.endpoint.fast_port}"} for n in self.nodes.values()],
             "models": dict(self.registry.ids),
             "gateway": self._gateway,
+            "gateways": self._gateways.names(),
             "cost": self.cost.summary(now),
             "bill": self.cost.to_list(),  # the nodes running and the newest bill_records ended
             "bill_earlier": self.cost.folded(),  # per market: the ended nodes no longer listed

@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 GATEWAY_NAME = "splitserve-gateway"
 
 
+def gateway_name(index: int) -> str:
+    """The Ray name of the cluster's ``index``-th gateway (the first keeps the plain name)."""
+    return GATEWAY_NAME if index == 0 else f"{GATEWAY_NAME}-{index}"
+
+
 def cluster_env(cfg: ClusterConfig) -> dict[str, str]:
     """``cfg`` as the SPLITSERVE_CLUSTER_* variables ``ClusterConfig.from_env`` reads back."""
     return {f"SPLITSERVE_CLUSTER_{f.name.upper()}": str(getattr(cfg, f.name))
@@ -84,8 +89,9 @@ class Gateway:
     """One data-plane process on this (ingress) node."""
 
     def __init__(self, cfg: ClusterConfig, host: str, port: int, controller: Any, http_port: int | None = None,
-                 grpc_port: int | None = None, token: str = "") -> None:
+                 grpc_port: int | None = None, token: str = "", name: str = GATEWAY_NAME) -> None:
         self.cfg = cfg
+        self.name = name  # its stats' name at the controller, which adds up every gateway's
         self.host = host
         self.port = port
         self.http_port = http_port  # None: no HTTP front end
@@ -163,7 +169,7 @@ class Gateway:
         while not self._stopped.is_set():
             try:
                 stats = self.stats()
-                doc = ray.get(self.controller.routes.remote(self._version, stats),
+                doc = ray.get(self.controller.routes.remote(self._version, stats, self.name),
                               timeout=self.cfg.routes_poll_timeout_s)
             except (ray.exceptions.RayError, OSError, ValueError) as e:
                 log.warning("gateway: routes poll failed (%s); serving on routes v%d, asking again", e, self._version)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
-from splitserve.cluster.actors.ingress import GATEWAY_NAME, GatewayActor
+from splitserve.cluster.actors.ingress import GATEWAY_NAME, GatewayActor, gateway_name
 from splitserve.cluster.actors.node_server import NodeSpec
 from splitserve.cluster.actors.provider import PROVIDER_NAME, provider_actor
 from splitserve.cluster.config import ClusterConfig
@@ -27,11 +27,12 @@ from splitserve.errors import InternalError
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+GATEWAY_PORT_STRIDE = 10  # gateway i's ports: the first's plus this times i
 
 
 @dataclass
 class Handles:
-    """The cluster's actors, as a driver holds them."""
+    """The cluster's actors, as a driver holds them (``gateway``: the first gateway)."""
 
     address: str
     controller: Any
@@ -41,42 +42,71 @@ class Handles:
     gateway_port: int
     gateway_http_port: int | None  # None: the gateway serves no HTTP
     gateway_grpc_port: int | None  # None: the gateway serves no gRPC
+    # the other gateways: each actor and its address (host, fast-path, HTTP and gRPC ports)
+    more_gateways: list[tuple[Any, tuple[str, int, int | None, int | None]]] = field(default_factory=list)
+
+    def addresses(self) -> list[tuple[str, int, int | None, int | None]]:
+        """Every gateway's host, fast-path, HTTP and gRPC ports, the first gateway's first."""
+        first = (self.gateway_host, self.gateway_port, self.gateway_http_port, self.gateway_grpc_port)
+        return [first, *(address for _, address in self.more_gateways)]
+
+    def fast_urls(self) -> list[str]:
+        """Every gateway's fast-path URL: give a client all of them (it fails over)."""
+        return [f"tcp://{host}:{port}" for host, port, _, _ in self.addresses()]
+
+    def gateway_urls(self) -> list[str]:
+        """Each gateway's client URLs, one string a gateway: the fast path over TCP, and HTTP
+        and gRPC where it serves them."""
+        return [", ".join([f"tcp://{host}:{port}"] + [f"{scheme}://{host}:{p}" for scheme, p in
+                                                      (("http", http_port), ("grpc", grpc_port)) if p is not None])
+                for host, port, http_port, grpc_port in self.addresses()]
 
     def urls(self) -> str:
-        """The gateway's client URLs: the fast path over TCP, and HTTP and gRPC where it serves them."""
-        urls = [f"tcp://{self.gateway_host}:{self.gateway_port}"]
-        for scheme, port in (("http", self.gateway_http_port), ("grpc", self.gateway_grpc_port)):
-            if port is not None:
-                urls.append(f"{scheme}://{self.gateway_host}:{port}")
-        return ", ".join(urls)
+        """Every gateway's client URLs."""
+        return ", ".join(self.gateway_urls())
 
 
 def attach(cfg: ClusterConfig, node_spec: NodeSpec, gateway_host: str, gateway_port: int,
            models: list[str], gateway_http_port: int | None = None, gateway_grpc_port: int | None = None,
-           joined: bool = False) -> Handles:
-    """Create (or find) the provider, controller and gateway on the cluster this driver is
-    connected to, and start the controller's loop; ``joined``: a cluster someone else runs
-    (``cfg.provider`` ``auto`` then means Ray's autoscaler)."""
+           joined: bool = False, gateways: int = 1) -> Handles:
+    """Create (or find) the provider, controller and ``gateways`` gateways on the cluster
+    this driver is connected to, and start the controller's loop; ``joined``: a cluster
+    someone else runs (``cfg.provider`` ``auto`` then means Ray's autoscaler). Gateway ``i``
+    serves on each given port plus ``GATEWAY_PORT_STRIDE * i`` (0: any free port), so the
+    default ports (8100, 8000, 8001) of one never meet another's."""
     address = raycompat.gcs_address()
     opts = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True)
     provider = provider_actor(cfg, joined, address, name=PROVIDER_NAME, **opts)
     controller = ControllerActor.options(name=CONTROLLER_NAME, **opts).remote(cfg, node_spec, provider, models)
     ray.get(controller.start.remote())
-    gateway = GatewayActor.options(name=GATEWAY_NAME, **opts).remote(cfg, gateway_host, gateway_port, controller,
-                                                                     gateway_http_port, gateway_grpc_port,
-                                                                     token=node_spec.token)
-    return Handles(address, controller, gateway, provider, *ray.get(gateway.address.remote()))
+    actors = []
+    for i in range(gateways):
+        ports = [p if not p else p + GATEWAY_PORT_STRIDE * i for p in (gateway_port, gateway_http_port, gateway_grpc_port)]
+        actors.append(GatewayActor.options(name=gateway_name(i), **opts).remote(
+            cfg, gateway_host, ports[0], controller, ports[1], ports[2], token=node_spec.token, name=gateway_name(i)))
+    return _handles(address, controller, actors, provider)
+
+
+def _handles(address: str, controller: Any, gateways: list[Any], provider: Any) -> Handles:
+    addresses = ray.get([g.address.remote() for g in gateways])
+    return Handles(address, controller, gateways[0], provider, *addresses[0],
+                   more_gateways=list(zip(gateways[1:], addresses[1:])))
 
 
 def find() -> Handles:
     """The actors of the cluster this driver is connected to (``cluster status``/``down``)."""
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-        gateway = ray.get_actor(GATEWAY_NAME, namespace=NAMESPACE)
+        gateways = [ray.get_actor(GATEWAY_NAME, namespace=NAMESPACE)]
         provider = ray.get_actor(PROVIDER_NAME, namespace=NAMESPACE)
     except ValueError as e:
         raise InternalError(f"no splitserve cluster on this Ray cluster: {e}") from None
-    return Handles(raycompat.gcs_address(), controller, gateway, provider, *ray.get(gateway.address.remote()))
+    while True:  # the others, named in turn
+        try:
+            gateways.append(ray.get_actor(gateway_name(len(gateways)), namespace=NAMESPACE))
+        except ValueError:
+            break
+    return _handles(raycompat.gcs_address(), controller, gateways, provider)
 
 
 def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
@@ -94,9 +124,10 @@ def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
 def stop_actors(h: Handles) -> None:
     """Retire every node, then stop the gateway and the provider's nodes (or requests)."""
     ray.get(h.controller.stop_all.remote())
-    ray.get(h.gateway.stop.remote())
+    gateways = [h.gateway, *(g for g, _ in h.more_gateways)]
+    ray.get([g.stop.remote() for g in gateways])
     ray.get(h.provider.shutdown.remote())
-    for actor in (h.gateway, h.controller, h.provider):
+    for actor in (*gateways, h.controller, h.provider):
         ray.kill(actor, no_restart=True)
 
 
@@ -105,8 +136,9 @@ class LocalCluster:
 
     def __init__(self, cfg: ClusterConfig, temp_dir: str, node_spec: NodeSpec, gateway_port: int = 0,
                  models: tuple[str, ...] = ("lenet",), gateway_http_port: int | None = None,
-                 gateway_grpc_port: int | None = 0) -> None:
+                 gateway_grpc_port: int | None = 0, gateways: int = 1) -> None:
         self.cfg = cfg
+        self.gateways = gateways
         self.temp_dir = temp_dir
         self.node_spec = node_spec
         self.gateway_port = gateway_port
@@ -123,7 +155,7 @@ class LocalCluster:
         self.head = raycompat.start_head(self.temp_dir, raycompat.FAST_HEALTH_CHECKS)
         ray.init(address=self.head.address, logging_level=logging.WARNING, log_to_driver=False)
         self.handles = attach(self.cfg, self.node_spec, "127.0.0.1", self.gateway_port, self.models,
-                              self.gateway_http_port, self.gateway_grpc_port)
+                              self.gateway_http_port, self.gateway_grpc_port, gateways=self.gateways)
         wait_serving(self.handles.controller, self.cfg.min_nodes, timeout_s)
         return self.handles
 

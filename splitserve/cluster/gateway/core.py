@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from splitserve.client.common import ModelInfo
+from splitserve.cluster.gateway.direct import direct_routes
 from splitserve.cluster.policy.dispatch import Dispatcher, NodeState, NodeView
 from splitserve.cluster.policy.health import Health, HealthTracker
 from splitserve.cluster.policy.ledger import Deliver, Drop, Entry, Ledger, Outcome, Resend
@@ -55,8 +56,8 @@ from splitserve.slo import SloOutcome, slo_outcome
 log = logging.getLogger(__name__)
 
 # A node's LOOKUP reply names its workers' direct endpoints, which take that node's func id and
-# bypass the gateway's ledger: a client of the gateway is never handed them (it calls through
-# the gateway, which re-sends on a lost node).
+# bind the node's own address: a client of the gateway gets them per node instead (``nodes``,
+# ``direct.direct_routes``), never as the model's own.
 _NODE_ROUTES = frozenset({"direct", "direct_tcp"})
 
 # Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
@@ -297,7 +298,7 @@ class GatewayCore:
             info = self.model_info(payload.decode(errors="replace"))
         except SplitServeError as e:
             return _error(h, e)
-        body = json.dumps(info.extra).encode()
+        body = json.dumps(info.extra | {"nodes": self._direct_routes(info.name)}).encode()
         return [Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=info.func_id, payload_len=len(body)).pack(), body]
 
     def _request(self, conn: _ClientConn, h: Header, payload: bytes) -> None:
@@ -356,6 +357,13 @@ class GatewayCore:
             raise ModelNotReady(f"model {name!r}: no node serves it yet")
         described = {k: v for k, v in json.loads(reply).items() if k not in _NODE_ROUTES}
         return ModelInfo.from_json(described | {"func_id": fid})
+
+    def _direct_routes(self, name: str) -> list[dict]:
+        """``name``'s workers on each active node with a link, for a direct client."""
+        return direct_routes((node, route.host, link.func_ids[name], link.lookups[name])
+                             for node, link in self._links.items()
+                             if name in link.lookups and (route := self._by_node.get(node)) is not None
+                             and route.state is NodeState.ACTIVE)
 
     def serves(self, name: str | None = None) -> bool:
         """Some node takes work now (for ``name``: one with that model)."""
