@@ -1,8 +1,9 @@
 """An in-memory CUDA IPC (``server.cuda_shm.CudaIpc``) that behaves like the runtime on a
 client's allocations: ``export`` makes an allocation and its 64-byte handle (as
 ``cudaIpcGetMemHandle``), ``open`` maps a handle at a fresh device address (an unknown
-handle fails as ``cudaErrorInvalidValue`` would, NotFound as ``CudartIpc`` answers it), copies outside an open mapping fail, and
-``close`` refuses an address it did not open. A test reads and writes the allocations."""
+handle fails as ``cudaErrorInvalidValue`` would, NotFound as ``CudartIpc`` answers it), copies
+outside an open mapping fail, ``extent`` is an allocation's size, and ``close`` refuses an
+address it did not open. A test reads and writes the allocations."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ class FakeCudaIpc:
             if self.opened.pop(address, None) is None:
                 raise InvalidInput("failed to close CUDA IPC handle: invalid argument")
             self.closed.append(address)
+
+    def extent(self, address: int, device_id: int) -> int | None:
+        with self._lock:
+            handle, _ = self.opened[address]
+            return len(self.memory[handle])
 
     def _span(self, address: int, device_id: int, n: int) -> tuple[bytearray, int]:
         with self._lock:

@@ -53,6 +53,11 @@ class CudaIpc(Protocol):
     def close(self, address: int, device_id: int) -> None:
         """Unmap what ``open`` mapped."""
 
+    def extent(self, address: int, device_id: int) -> int | None:
+        """The bytes from ``address`` (as ``open`` gave it) to the end of the allocation it lies
+        in; None where the driver cannot say. Registration checks a region's declared size
+        against it: copies past an allocation's end would touch another one's memory."""
+
     def to_host(self, address: int, device_id: int, dst: memoryview) -> None:
         """Copy ``len(dst)`` bytes from device ``address`` into ``dst``."""
 
@@ -79,6 +84,7 @@ class CudartIpc(CudaIpc):
 
     def __init__(self) -> None:
         self._rt: ctypes.CDLL | None = None
+        self._driver: ctypes.CDLL | None = None
         self._lock = threading.Lock()
 
     def _runtime(self) -> ctypes.CDLL:
@@ -118,6 +124,24 @@ class CudartIpc(CudaIpc):
 
     def close(self, address: int, device_id: int) -> None:
         self._check(self._on(device_id).cudaIpcCloseMemHandle(address), "failed to close CUDA IPC handle")
+
+    def extent(self, address: int, device_id: int) -> int | None:
+        # the runtime API has no call for an allocation's range; the driver's works on the
+        # context the runtime made current (its primary one), where the handle was opened
+        self._on(device_id)
+        with self._lock:
+            if self._driver is None:
+                try:
+                    driver = ctypes.CDLL("libcuda.so.1")
+                except OSError:
+                    return None
+                driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                          ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+                self._driver = driver
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        if self._driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)):
+            return None
+        return base.value + size.value - address
 
     def to_host(self, address: int, device_id: int, dst: memoryview) -> None:
         host = np.frombuffer(dst, np.uint8)
@@ -188,6 +212,11 @@ class CudaSharedMemory:
                 raise Refused(f"{len(self._regions)} cuda shared-memory regions are registered, the most this "
                               "server takes (SPLITSERVE_SHM_MAX_REGIONS); unregister some first")
             address = self.ipc.open(handle, device_id)
+            extent = self.ipc.extent(address, device_id)
+            if extent is not None and byte_size > extent:
+                self.ipc.close(address, device_id)
+                raise InvalidInput(f"cuda shared-memory region {name!r}: byte_size {byte_size} runs past the end of "
+                                   f"the device allocation its handle names ({extent} bytes)")
             self._regions[name] = _DeviceRegion(CudaRegionStatus(name, device_id, byte_size), address)
         log.info("registered cuda shared-memory region %r: %d bytes on device %d", name, byte_size, device_id)
 

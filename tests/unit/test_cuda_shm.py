@@ -49,6 +49,9 @@ def test_registration_and_its_errors(regions: SystemSharedMemory, ipc: FakeCudaI
                                   (0, True, "byte_size must be a non-negative")):
         with pytest.raises(InvalidInput, match=message):
             regions.cuda_register("r", handle, device, size)
+    with pytest.raises(InvalidInput, match="byte_size 65 runs past the end of the device allocation its handle "
+                                           r"names \(64 bytes\)"):
+        regions.cuda_register("r", handle, 0, 65)  # copies would run into another allocation
     assert regions.cuda_status() == [] and not ipc.opened
     regions.cuda_register("r", handle, 1, 64)
     [status] = regions.cuda_status("r")
@@ -67,7 +70,7 @@ def test_registration_and_its_errors(regions: SystemSharedMemory, ipc: FakeCudaI
         regions.cuda_status("q")
     regions.cuda_unregister("never-registered")  # no error, as Triton
     regions.cuda_unregister()
-    assert regions.cuda_status() == [] and not ipc.opened and len(ipc.closed) == 2
+    assert regions.cuda_status() == [] and not ipc.opened and len(ipc.closed) == 3  # the too-short one's too
     assert [r.name for r in regions.status()] == ["sys"]  # the system regions are not touched
 
 
