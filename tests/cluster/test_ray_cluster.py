@@ -236,11 +236,12 @@ def test_a_direct_client_of_the_gateway_calls_the_nodes_workers_without_the_gate
     x, want, _ = _fast_path_reference(cluster)
     with Client(f"tcp://127.0.0.1:{cluster.handles.gateway_port}", timeout=60.0) as c:
         info = c.lookup("lenet")
-        # the nodes the gateway routes lenet to (placement: at least model_min_nodes, more as demand asked)
+        # nodes the gateway routes lenet to (placement: at least model_min_nodes, more as demand
+        # asked), each that lists its workers' endpoints (one whose workers start later does not yet)
         serving = {n for n, models in _gateway(cluster)["models"].items() if "lenet" in models}
-        assert len(serving) >= 2
-        assert c.direct_endpoints("lenet") >= len(serving)  # a worker on each, each with its node's func id
-        assert {n["node"] for n in info.extra["nodes"]} == serving
+        offered = {n["node"] for n in info.extra["nodes"]}
+        assert len(offered) >= 2 and offered <= serving
+        assert c.direct_endpoints("lenet") >= len(offered)  # a worker on each, each with its node's func id
         accepted = _gateway(cluster)["accepted"]
         for _ in range(3 * NODES):  # in turn over the workers: every node answers
             np.testing.assert_allclose(c.infer("lenet", x), want, atol=1e-5)
