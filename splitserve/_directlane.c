@@ -10,8 +10,9 @@
    sample and, per class, its answer rows (``out_rows[class][output]``, where a batch's
    outputs are copied); then the worker's counters (``WorkerCounters.lane_counts``): their
    words (a writable int64 buffer, native order), the page they are copied into at
-   ``offset``, the eight words a batch's answers count, the RECEIVED word and the ADMIT
-   word (the front end's, read in the page).
+   ``offset``, the eight words a batch's answers count, the RECEIVED word, the ADMIT
+   word (the front end's, read in the page) and where in the page the batches are counted
+   by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
         out_high_water)
@@ -66,7 +67,7 @@
        at ``t2_ns``; each call's req_id leaves its
        connection's ``ids``; a call whose connection is closed is dropped (no answer), one
        with an SLO is met or missed by ``slo.slo_outcome``'s rule. They are counted as
-       ``WorkerCounters.answered`` counts them, and the words copied into the page, before
+       ``WorkerCounters.answered`` counts them (the batch's size too), and the words copied into the page, before
        any leaves: a client that has its answer must find it counted. Then they leave: each
        connection's, in the batch's order, in one gather write (``sendmsg``, MSG_DONTWAIT, at
        most IOV_MAX buffers a write) of the headers and the calls' answer rows. What a
@@ -121,6 +122,7 @@ typedef struct {
     Py_ssize_t page_offset;
     Py_ssize_t slot[8];    /* in-flight RT, in-flight BE, answered, busy ns, batches, samples, SLO met, missed */
     Py_ssize_t w_received, w_admit; /* RECEIVED in the words; ADMIT in the page (the front end's) */
+    Py_ssize_t sizes_offset; /* the batches by size in the page: size n's count and ns at 16 * (n - 1) */
     /* ``bind``: where ``intake`` records a call (see there) */
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
     unsigned long long slo_default_us;
@@ -243,9 +245,9 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
                           &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
-                          &slots, &self->w_received, &self->w_admit))
+                          &slots, &self->w_received, &self->w_admit, &self->sizes_offset))
         return -1;
     self->words_held = 1;
     Py_INCREF(page);
@@ -253,7 +255,7 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     self->page_offset = page_offset;
     Py_ssize_t nwords = self->words.len / 8;
     if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
-        self->w_received >= nwords || self->w_admit < nwords) {
+        self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
@@ -413,13 +415,21 @@ static int list_add(PyObject *list, Py_ssize_t i, Py_ssize_t delta) {
     return nv == NULL ? -1 : PyList_SetItem(list, i, nv);
 }
 
-/* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there */
-static int write_words(Lane *self, int64_t *admit) {
+/* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there; a
+   batch of ``size`` rows (0: none) that ran ``ns`` counted by its size first (the page's
+   sizes are their only record: the worker is their one writer) */
+static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns) {
     Py_buffer page;
     if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0)
         return -1;
-    int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len;
+    int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len &&
+             self->sizes_offset + 16 * self->max_batch <= page.len;
     if (ok) {
+        if (size > 0) {
+            int64_t *by_size = (int64_t *)((char *)page.buf + self->sizes_offset) + 2 * (size - 1);
+            by_size[0] += 1;
+            by_size[1] += ns;
+        }
         memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
         if (admit != NULL)
             memcpy(admit, (char *)page.buf + self->page_offset + 8 * self->w_admit, 8);
@@ -464,7 +474,7 @@ static int record(Lane *self, PyObject *conn, PyObject *ids, PyObject *req, cons
     int64_t *w = self->words.buf, admit = 0;
     w[self->w_received] += 1;
     w[self->slot[c]] += 1;
-    if (write_words(self, &admit) < 0)
+    if (write_words(self, &admit, 0, 0) < 0)
         return -1;
     if (PySet_GET_SIZE(ids) >= self->max_in_flight || w[self->slot[0]] + w[self->slot[1]] >= admit)
         return 1;
@@ -845,7 +855,7 @@ static PyObject *lane_finish(Lane *self, PyObject *args) {
     w[self->slot[5]] += n;
     w[self->slot[6]] += counts[2];
     w[self->slot[7]] += counts[3];
-    if (write_words(self, NULL) < 0) {
+    if (write_words(self, NULL, n, t1 - t0) < 0) {
         answers_release(self);
         return NULL;
     }

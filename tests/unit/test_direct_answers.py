@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
-from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.counters import PAGE_BYTES, WorkerCounters
 from splitserve.worker.direct import _IN_FLIGHT, DirectServer
 from splitserve.worker.direct_conn import _Call
 from splitserve.worker.poller import Poller
@@ -139,7 +139,7 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
             d._answer(cls, made, row, T0, T1, T2)
         ids = [set(conn.ids) for conn in ep.conns]
         queued = any(conn.out for conn in ep.conns)
-        return ep.drain(), d.counters.snapshot(), ids, queued
+        return ep.drain(), (d.counters.snapshot(), WorkerCounters(ep.flag.page).batch_sizes()), ids, queued
     finally:
         ep.close()
 
@@ -151,7 +151,7 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     python = _answer(tmp_path, False, batch)
     assert compiled == python
     conns, calls, closed, waiting, _, cls, _ = batch
-    sent, counts, ids, _ = python
+    sent, (counts, by_size), ids, _ = python
     # and what the Python path wrote is each open connection's calls, in order, with their rows
     for j in range(conns):
         data = sent[j]
@@ -174,6 +174,8 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     assert counts.answered == answered and counts.in_flight_rt + counts.in_flight_be == 0
     slo = [s for j, _, _, s in calls if j not in closed and cls == RequestClass.RT]
     assert (counts.slo_met, counts.slo_missed) == (slo.count(1), slo.count(2))
+    # the batch counted by its size (rows), with the time it ran, in the page as by both paths
+    assert by_size == {sum(count for _, _, count, _ in calls): (1, T1 - T0)}
 
 
 @st.composite
@@ -232,7 +234,7 @@ def _lane_rows():
     from splitserve import _directlane
 
     d = {c: [np.zeros((MAX_BATCH, 3), np.float32), np.zeros((MAX_BATCH, 5), np.int16)] for c in (0, 1)}
-    counters = WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE))
+    counters = WorkerCounters(mmap.mmap(-1, PAGE_BYTES))
     lane = _directlane.Lane(1, [8], MAX_BATCH, bytes(256), [[np.zeros(MAX_BATCH * 8, np.uint8)]] * 2, [12, 10],
                             [d[0], d[1]], *counters.lane_counts())
     return lane, d
