@@ -15,13 +15,15 @@
    by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
-        out_high_water)
+        out_high_water, max_calls=0)
        Where ``intake`` records the calls it takes, as ``DirectServer`` keeps them: the
        call record's type (called as ``_Call(conn, req_id, cls, count, total, deadline_us,
        t_rx_ns, slo_us)``), the two classes' objects, and per class (lists indexed by the
        class) the placed calls, the next free row and the count of complete calls; each
        class's row buffers and the inputs' sizes (what ``_Call.place`` sets); the model's
-       SLO for calls that name none; the connection limits of ``_Conn._over_bounds``.
+       SLO for calls that name none; the connection limits of ``_Conn._over_bounds``; the
+       calls a class's batch may hold (0: as many as its rows take; 1 for the batching
+       policy ``none``): a class that holds that many has no room for a call here.
 
    intake(conn, be_open) -> (n, pause) | n
        One read of ``conn`` (a ``_Conn`` with an empty stage, between frames) into its
@@ -126,7 +128,7 @@ typedef struct {
     /* ``bind``: where ``intake`` records a call (see there) */
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
     unsigned long long slo_default_us;
-    Py_ssize_t max_in_flight, out_high_water;
+    Py_ssize_t max_in_flight, out_high_water, max_calls;
     unsigned char *headers; /* max_batch answers' headers */
     Answer *answers;        /* the packed batch's answers (max_batch) */
     Py_ssize_t nanswers;
@@ -382,14 +384,14 @@ static long long int_attr(PyObject *obj, PyObject *name) {
 static PyObject *lane_bind(Lane *self, PyObject *args) {
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes;
     unsigned long long slo_us;
-    Py_ssize_t max_in_flight, out_high_water;
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!Knn", &call_type, &PyTuple_Type, &class_objs, &PyList_Type, &placed,
+    Py_ssize_t max_in_flight, out_high_water, max_calls = 0;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!Knn|n", &call_type, &PyTuple_Type, &class_objs, &PyList_Type, &placed,
                           &PyList_Type, &next_row, &PyList_Type, &complete, &PyList_Type, &flat, &PyList_Type, &sizes,
-                          &slo_us, &max_in_flight, &out_high_water))
+                          &slo_us, &max_in_flight, &out_high_water, &max_calls))
         return NULL;
     if (!self->ready || !PyCallable_Check(call_type) || PyTuple_GET_SIZE(class_objs) != 2 ||
         PyList_GET_SIZE(placed) != 2 || PyList_GET_SIZE(next_row) != 2 || PyList_GET_SIZE(complete) != 2 ||
-        PyList_GET_SIZE(flat) != 2 || max_in_flight < 1) {
+        PyList_GET_SIZE(flat) != 2 || max_in_flight < 1 || max_calls < 0) {
         PyErr_SetString(PyExc_ValueError, "Lane.bind: not initialised, or not two of each per class");
         return NULL;
     }
@@ -403,6 +405,7 @@ static PyObject *lane_bind(Lane *self, PyObject *args) {
     self->slo_default_us = slo_us;
     self->max_in_flight = max_in_flight;
     self->out_high_water = out_high_water;
+    self->max_calls = max_calls;
     Py_RETURN_NONE;
 }
 
@@ -517,6 +520,9 @@ static PyObject *lane_intake(Lane *self, PyObject *args) {
                          be_open ? PyLong_AsSsize_t(PyList_GET_ITEM(self->next_row, 1)) : -1};
     if (PyErr_Occurred())
         goto done;
+    for (int c = 0; c < 2; c++) /* a batch that holds its most calls has no room (the policy ``none``: one) */
+        if (self->max_calls && PyList_GET_SIZE(PyList_GET_ITEM(self->placed, c)) >= self->max_calls)
+            row[c] = -1;
     Taken t;
     if (!take_frame(self, st.buf, n, row, &t)) {
         out = PyLong_FromSsize_t(n);
@@ -867,8 +873,8 @@ static PyMethodDef lane_methods[] = {
      "take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us), or None to leave the bytes "
      "to the Python path."},
     {"bind", (PyCFunction)lane_bind, METH_VARARGS,
-     "bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight, out_high_water): "
-     "where intake records the calls it takes."},
+     "bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight, out_high_water, "
+     "max_calls=0): where intake records the calls it takes (at most max_calls a batch; 0: no cap)."},
     {"intake", (PyCFunction)lane_intake, METH_VARARGS,
      "intake(conn, be_open) -> (n, pause) for a call taken from a read of n bytes, n for bytes left to the frame "
      "state machine, 0 for nothing now, -1 for a closed or failed connection."},

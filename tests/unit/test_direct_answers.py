@@ -37,6 +37,7 @@ CFG = ModelConfig.from_dict({
     "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [300]}, {"name": "z", "datatype": "INT16", "shape": [5]}],
 })
+ONE_CALL = ModelConfig.from_dict({**CFG.to_dict(), "batching": {"policy": "none"}})  # a batch holds one call
 ANSWER = 1200 + 10  # one sample's answer payload: more than a small send buffer takes for a batch
 T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute's end, its answers' stamp (ns)
 
@@ -44,13 +45,13 @@ T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute'
 class _Endpoint:
     """A DirectServer over a real Unix endpoint, its connections accepted, and their clients."""
 
-    def __init__(self, root: Path, compiled: bool, conns: int, max_in_flight: int = 64) -> None:
+    def __init__(self, root: Path, compiled: bool, conns: int, max_in_flight: int = 64, cfg: ModelConfig = CFG) -> None:
         self.flag = PreemptFlag()
         self.counters = WorkerCounters(self.flag.page)
         self.poller = Poller()
         spec = DirectSpec(str(root / f"d{int(compiled)}.sock"), 1, 16, max_in_flight, 1 << 20, 1 << 19, 1 << 24, 5.0,
                           4, False, 0.001, 1 << 16, compiled=compiled)
-        self.server = DirectServer(spec, CFG, self.counters, self.poller, lambda: None, lambda i, n: False)
+        self.server = DirectServer(spec, cfg, self.counters, self.poller, lambda: None, lambda i, n: False)
         assert (self.server.lane is not None) == compiled
         self.clients, self.conns = [], []
         for _ in range(conns):  # one at a time: a Unix client has no name to pair it with its connection by
@@ -186,12 +187,12 @@ def intakes(draw):
         frames.append((draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 255, 7])), count,
                        draw(st.sampled_from([0, 50_000])), draw(st.sampled_from([0, 2_000])),
                        draw(st.sampled_from([0, 1]))))  # req_id, class byte, samples, deadline, SLO, extra byte
-    return frames, draw(st.integers(1, 5)), draw(st.integers(0, 6)), draw(st.booleans())
+    return frames, draw(st.integers(1, 5)), draw(st.integers(0, 6)), draw(st.booleans()), draw(st.booleans())
 
 
 def _intake(root: Path, compiled: bool, case) -> tuple:
-    frames, max_in_flight, admit, suspended = case
-    ep = _Endpoint(root, compiled, 1, max_in_flight)
+    frames, max_in_flight, admit, suspended, one_call = case  # one_call: the batching policy none
+    ep = _Endpoint(root, compiled, 1, max_in_flight, ONE_CALL if one_call else CFG)
     try:
         d, conn, client = ep.server, ep.conns[0], ep.clients[0]
         d.counters.set_admit(admit)
