@@ -6,6 +6,8 @@ only what the front end would."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,21 @@ import pytest
 
 from splitserve import Client
 from splitserve.client.aio import AsyncClient
+from splitserve.errors import Status
 from splitserve.models.gate import Gates
+from splitserve.protocol.header import Header, Kind
 from splitserve.server.app import Server
+from tests.framing import TIMEOUT_S, describe, read_frame
 from tests.inproc import quiet_config, server_in_thread, until, write_model
 from tests.integration.test_triton_compat import samples
 
 MODEL = "vecadd1k"
 BOUND_S = 60.0  # no scenario needs this long; reaching it means something hangs
 GATES = {"gnone": 'policy = "none"', "gwc": 'policy = "work_conserving"'}  # gate models by batching policy
+# Adaptive with a fixed threshold of 2 samples tested every minute: within a test only a
+# full batch (4 samples) is released
+ADAPTIVE = ("vadapt", 'max_batch_size = 4\n[batching]\npolicy = "adaptive"\nquantum_ms = 60000.0\n'
+                      'rule = "fixed"\nthreshold_cap = 2')
 
 
 class Node:
@@ -46,7 +55,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     base = tmp_path_factory.mktemp("direct-server")
     for name, policy in GATES.items():
         write_model(base / "repo", name, "gate", f"[batching]\n{policy}")
-    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL, *GATES), repository=base / "repo",
+    write_model(base / "repo", ADAPTIVE[0], "vecadd1k", ADAPTIVE[1])
+    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL, *GATES, ADAPTIVE[0]),
+                          repository=base / "repo",
                           ).replaced(http_port=0, fast_port=0)
     with server_in_thread(config, "direct-server") as server:
         n = Node(server, base / "data", base / "cache")
@@ -137,3 +148,56 @@ def test_the_policy_none_runs_each_direct_call_alone(node: Node) -> None:
     under work-conserving (the control: the same calls, the same timing) they share a batch."""
     assert _two_behind_a_held_call(node, "gnone") == {1: 3}
     assert _two_behind_a_held_call(node, "gwc") == {1: 1, 2: 1}
+
+
+def test_the_adaptive_policy_holds_direct_calls_until_its_test_releases_them(node: Node) -> None:
+    """Adaptive, its threshold 2 samples and its quantum longer than the test: three direct
+    calls (1, 1 and 2 samples) wait until together they fill the batch (4), then run as
+    one batch; each gets its own rows' answer."""
+    name = ADAPTIVE[0]
+    start = node.stats(name)
+    xs = [samples(MODEL, n) for n in (1, 1, 2)]
+
+    async def scenario() -> list[np.ndarray]:
+        async with AsyncClient(node.url) as ac:
+            first = asyncio.ensure_future(ac.infer(name, xs[0]))
+            # the worker holds the first (work-conserving would run it alone now), then the rest come
+            await until(lambda: node.stats(name)["direct"]["received"] > start["direct"]["received"])
+            return await asyncio.gather(first, *(ac.infer(name, x) for x in xs[1:]))
+
+    got = asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+    for x, y in zip(xs, got):
+        np.testing.assert_allclose(y, x["a"] + x["b"], rtol=1e-6)
+    s = node.stats(name)
+    assert s["direct"]["answered"] - start["direct"]["answered"] == 3
+    assert {k: v - _batches(start).get(k, 0) for k, v in _batches(s).items()} == {4: 1}
+
+
+def test_a_worker_endpoint_takes_only_calls_for_its_model_and_pings(node: Node) -> None:
+    """A worker's direct endpoint serves its bound model (registered and loaded: a worker
+    is bound to nothing else) and nothing of the front end's: its Unix socket is its user's
+    alone (0600), a frame of any other kind (LOOKUP, a kind the protocol lacks) is refused
+    BAD_FRAME, a call for another model UNKNOWN_MODEL, each answered once, and the
+    connection serves on. Management (loads, unloads, settings) is not on this protocol at
+    all: it is HTTP or gRPC at the front end, behind its token."""
+    (url,) = node.server.runtime(MODEL).describe()["direct"]
+    path = urlsplit(url).path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with socket.create_connection(("127.0.0.1", node.server.ports["fast_port"]), timeout=TIMEOUT_S) as front:
+        other = describe(front, "gwc")["func_id"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(TIMEOUT_S)
+        s.connect(path)
+        s.sendall(Header(Kind.LOOKUP, req_id=1, payload_len=len(MODEL)).pack() + MODEL.encode())
+        h, body = read_frame(s)
+        assert h is not None and (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.BAD_FRAME, 1), body
+        s.sendall(Header(Kind.LOOKUP_REPLY, req_id=2).pack())
+        h, body = read_frame(s)
+        assert h is not None and (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.BAD_FRAME, 2), body
+        payload = bytes(8)
+        s.sendall(Header(Kind.REQUEST, req_id=3, func_id=other, payload_len=len(payload)).pack() + payload)
+        h, body = read_frame(s)
+        assert h is not None and (h.kind, h.status, h.req_id) == (Kind.ERROR, Status.UNKNOWN_MODEL, 3), body
+        s.sendall(Header(Kind.PING, req_id=4).pack())
+        h, _ = read_frame(s)
+        assert h is not None and (h.kind, h.req_id) == (Kind.PONG, 4)
