@@ -10,17 +10,20 @@
    sample and, per class, its answer rows (``out_rows[class][output]``, where a batch's
    outputs are copied); then the worker's counters (``WorkerCounters.lane_counts``): their
    words (a writable int64 buffer, native order), the page they are copied into at
-   ``offset``, the eight words a batch's answers count, the RECEIVED word and the ADMIT
-   word (the front end's, read in the page).
+   ``offset``, the eight words a batch's answers count, the RECEIVED word, the ADMIT
+   word (the front end's, read in the page) and where in the page the batches are counted
+   by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
-        out_high_water)
+        out_high_water, max_calls=0)
        Where ``intake`` records the calls it takes, as ``DirectServer`` keeps them: the
        call record's type (called as ``_Call(conn, req_id, cls, count, total, deadline_us,
        t_rx_ns, slo_us)``), the two classes' objects, and per class (lists indexed by the
        class) the placed calls, the next free row and the count of complete calls; each
        class's row buffers and the inputs' sizes (what ``_Call.place`` sets); the model's
-       SLO for calls that name none; the connection limits of ``_Conn._over_bounds``.
+       SLO for calls that name none; the connection limits of ``_Conn._over_bounds``; the
+       calls a class's batch may hold (0: as many as its rows take; 1 for the batching
+       policy ``none``): a class that holds that many has no room for a call here.
 
    intake(conn, be_open) -> (n, pause) | n
        One read of ``conn`` (a ``_Conn`` with an empty stage, between frames) into its
@@ -66,7 +69,7 @@
        at ``t2_ns``; each call's req_id leaves its
        connection's ``ids``; a call whose connection is closed is dropped (no answer), one
        with an SLO is met or missed by ``slo.slo_outcome``'s rule. They are counted as
-       ``WorkerCounters.answered`` counts them, and the words copied into the page, before
+       ``WorkerCounters.answered`` counts them (the batch's size too), and the words copied into the page, before
        any leaves: a client that has its answer must find it counted. Then they leave: each
        connection's, in the batch's order, in one gather write (``sendmsg``, MSG_DONTWAIT, at
        most IOV_MAX buffers a write) of the headers and the calls' answer rows. What a
@@ -121,10 +124,11 @@ typedef struct {
     Py_ssize_t page_offset;
     Py_ssize_t slot[8];    /* in-flight RT, in-flight BE, answered, busy ns, batches, samples, SLO met, missed */
     Py_ssize_t w_received, w_admit; /* RECEIVED in the words; ADMIT in the page (the front end's) */
+    Py_ssize_t sizes_offset; /* the batches by size in the page: size n's count and ns at 16 * (n - 1) */
     /* ``bind``: where ``intake`` records a call (see there) */
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
     unsigned long long slo_default_us;
-    Py_ssize_t max_in_flight, out_high_water;
+    Py_ssize_t max_in_flight, out_high_water, max_calls;
     unsigned char *headers; /* max_batch answers' headers */
     Answer *answers;        /* the packed batch's answers (max_batch) */
     Py_ssize_t nanswers;
@@ -243,9 +247,9 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
                           &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
-                          &slots, &self->w_received, &self->w_admit))
+                          &slots, &self->w_received, &self->w_admit, &self->sizes_offset))
         return -1;
     self->words_held = 1;
     Py_INCREF(page);
@@ -253,7 +257,7 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     self->page_offset = page_offset;
     Py_ssize_t nwords = self->words.len / 8;
     if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
-        self->w_received >= nwords || self->w_admit < nwords) {
+        self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
@@ -380,14 +384,14 @@ static long long int_attr(PyObject *obj, PyObject *name) {
 static PyObject *lane_bind(Lane *self, PyObject *args) {
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes;
     unsigned long long slo_us;
-    Py_ssize_t max_in_flight, out_high_water;
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!Knn", &call_type, &PyTuple_Type, &class_objs, &PyList_Type, &placed,
+    Py_ssize_t max_in_flight, out_high_water, max_calls = 0;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!Knn|n", &call_type, &PyTuple_Type, &class_objs, &PyList_Type, &placed,
                           &PyList_Type, &next_row, &PyList_Type, &complete, &PyList_Type, &flat, &PyList_Type, &sizes,
-                          &slo_us, &max_in_flight, &out_high_water))
+                          &slo_us, &max_in_flight, &out_high_water, &max_calls))
         return NULL;
     if (!self->ready || !PyCallable_Check(call_type) || PyTuple_GET_SIZE(class_objs) != 2 ||
         PyList_GET_SIZE(placed) != 2 || PyList_GET_SIZE(next_row) != 2 || PyList_GET_SIZE(complete) != 2 ||
-        PyList_GET_SIZE(flat) != 2 || max_in_flight < 1) {
+        PyList_GET_SIZE(flat) != 2 || max_in_flight < 1 || max_calls < 0) {
         PyErr_SetString(PyExc_ValueError, "Lane.bind: not initialised, or not two of each per class");
         return NULL;
     }
@@ -401,6 +405,7 @@ static PyObject *lane_bind(Lane *self, PyObject *args) {
     self->slo_default_us = slo_us;
     self->max_in_flight = max_in_flight;
     self->out_high_water = out_high_water;
+    self->max_calls = max_calls;
     Py_RETURN_NONE;
 }
 
@@ -413,13 +418,21 @@ static int list_add(PyObject *list, Py_ssize_t i, Py_ssize_t delta) {
     return nv == NULL ? -1 : PyList_SetItem(list, i, nv);
 }
 
-/* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there */
-static int write_words(Lane *self, int64_t *admit) {
+/* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there; a
+   batch of ``size`` rows (0: none) that ran ``ns`` counted by its size first (the page's
+   sizes are their only record: the worker is their one writer) */
+static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns) {
     Py_buffer page;
     if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0)
         return -1;
-    int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len;
+    int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len &&
+             self->sizes_offset + 16 * self->max_batch <= page.len;
     if (ok) {
+        if (size > 0) {
+            int64_t *by_size = (int64_t *)((char *)page.buf + self->sizes_offset) + 2 * (size - 1);
+            by_size[0] += 1;
+            by_size[1] += ns;
+        }
         memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
         if (admit != NULL)
             memcpy(admit, (char *)page.buf + self->page_offset + 8 * self->w_admit, 8);
@@ -464,7 +477,7 @@ static int record(Lane *self, PyObject *conn, PyObject *ids, PyObject *req, cons
     int64_t *w = self->words.buf, admit = 0;
     w[self->w_received] += 1;
     w[self->slot[c]] += 1;
-    if (write_words(self, &admit) < 0)
+    if (write_words(self, &admit, 0, 0) < 0)
         return -1;
     if (PySet_GET_SIZE(ids) >= self->max_in_flight || w[self->slot[0]] + w[self->slot[1]] >= admit)
         return 1;
@@ -507,6 +520,9 @@ static PyObject *lane_intake(Lane *self, PyObject *args) {
                          be_open ? PyLong_AsSsize_t(PyList_GET_ITEM(self->next_row, 1)) : -1};
     if (PyErr_Occurred())
         goto done;
+    for (int c = 0; c < 2; c++) /* a batch that holds its most calls has no room (the policy ``none``: one) */
+        if (self->max_calls && PyList_GET_SIZE(PyList_GET_ITEM(self->placed, c)) >= self->max_calls)
+            row[c] = -1;
     Taken t;
     if (!take_frame(self, st.buf, n, row, &t)) {
         out = PyLong_FromSsize_t(n);
@@ -845,7 +861,7 @@ static PyObject *lane_finish(Lane *self, PyObject *args) {
     w[self->slot[5]] += n;
     w[self->slot[6]] += counts[2];
     w[self->slot[7]] += counts[3];
-    if (write_words(self, NULL) < 0) {
+    if (write_words(self, NULL, n, t1 - t0) < 0) {
         answers_release(self);
         return NULL;
     }
@@ -857,8 +873,8 @@ static PyMethodDef lane_methods[] = {
      "take(stage, n, rt_row, be_row) -> (req_id, class, count, deadline_us, slo_us), or None to leave the bytes "
      "to the Python path."},
     {"bind", (PyCFunction)lane_bind, METH_VARARGS,
-     "bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight, out_high_water): "
-     "where intake records the calls it takes."},
+     "bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight, out_high_water, "
+     "max_calls=0): where intake records the calls it takes (at most max_calls a batch; 0: no cap)."},
     {"intake", (PyCFunction)lane_intake, METH_VARARGS,
      "intake(conn, be_open) -> (n, pause) for a call taken from a read of n bytes, n for bytes left to the frame "
      "state machine, 0 for nothing now, -1 for a closed or failed connection."},

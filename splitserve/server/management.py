@@ -25,7 +25,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from splitserve.protocol import v2
 from splitserve.protocol.v2 import json_number
 from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
-    EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelState, ModelStats, PartitionControl,
+    BatchTimes, EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelState, ModelStats, PartitionControl,
 )
 from splitserve.worker.counters import DirectCounts
 
@@ -144,6 +144,15 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     st = rt.stats if rt is not None else ModelStats()
     direct = rt.direct_counts() if rt is not None else DirectCounts()  # first: it brings st.slo up to date
+    # Batches and samples count both paths: the front end's, and the workers' direct batches
+    # by size (their pages; a direct batch's time is its model run, counted as compute_infer).
+    batches = {size: replace(b) for size, b in st.batches.items()}
+    direct_samples = 0
+    for size, (n, ns) in (rt.direct_batch_sizes() if rt is not None else {}).items():
+        b = batches.setdefault(size, BatchTimes())
+        b.count += n
+        b.infer_ns += ns
+        direct_samples += size * n
     # Each successful call counts its queue wait and its batch's worker times (input copy,
     # model, output copy), as Triton counts them; what is left of its duration is the
     # front end's receive, hand-off and answer.
@@ -151,8 +160,8 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
         "name": rec.name,
         "version": str(rec.version),
         "last_inference": st.last_inference_ms,
-        "inference_count": st.inference_count,
-        "execution_count": st.execution_count,
+        "inference_count": st.inference_count + direct_samples,
+        "execution_count": sum(b.count for b in batches.values()),
         "inference_stats": {
             "success": _duration(st.success, st.request_ns),
             "fail": _duration(st.failure, st.failure_ns),
@@ -164,7 +173,7 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
         "batch_stats": [
             {"batch_size": size, "compute_input": _duration(b.count, b.input_ns),
              "compute_infer": _duration(b.count, b.infer_ns), "compute_output": _duration(b.count, b.output_ns)}
-            for size, b in sorted(st.batches.items())
+            for size, b in sorted(batches.items())
         ],
         "preemptions": st.preemptions,
         # splitserve addition: what loading the weights cost, and what they take now
@@ -172,8 +181,9 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
                       "weights_bytes": st.weights_bytes},
         # splitserve addition: soft SLOs of its real-time calls (met, missed = served late, dropped = an error)
         "slo": dict(st.slo),
-        # splitserve addition: calls its workers took straight from clients (fast_direct), which
-        # the counts above do not include; read from the workers' pages
+        # splitserve addition: calls its workers took straight from clients (fast_direct), read
+        # from the workers' pages: their batches and samples are in the counts above, their calls
+        # not in inference_stats (a direct call's own duration is the client's to measure)
         "direct": direct.to_dict(),
     }
 

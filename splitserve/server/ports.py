@@ -390,6 +390,9 @@ class ManagedModel(Protocol):
         """The calls its workers took on the direct path (``fast_direct``; zero while off);
         their SLO outcomes are in ``stats.slo`` (and the SLO metric) once this returns."""
 
+    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
+        """The direct batches its workers ran, by size: size -> (batches, ns they ran)."""
+
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""
 

@@ -21,6 +21,13 @@ from splitserve.slo import SloOutcome
 
 # Byte offset of the counters in the page: the preemption flag uses the words before it.
 COUNTERS_OFFSET = 256
+# The direct batches run, by size, past the page's first 4 KiB: for each size n in
+# 1..MAX_SIZES (``max_batch_size``'s bound) two words at 16 * (n - 1), the batches of that
+# size and the ns they ran. The statistics' batch sizes and execution count are read from
+# them alone, so the two always agree (Triton's sum of ``batch_stats`` is its execution count).
+SIZES_OFFSET = 4096
+MAX_SIZES = 4096
+PAGE_BYTES = SIZES_OFFSET + 16 * MAX_SIZES  # the shared page's length (``PreemptFlag``)
 
 
 class Word(IntEnum):
@@ -55,6 +62,7 @@ _RECEIVED, _ANSWERED, _IN_FLIGHT_RT, _IN_FLIGHT_BE, _BUSY_NS, _BATCHES, _SAMPLES
 _U64 = struct.Struct("=q")  # signed: an in-flight word goes down as well as up
 _ZEROS = struct.Struct(f"={int(Word.ADMIT)}q")
 _MINE_BYTES = _ZEROS.size
+_SIZE = struct.Struct("=qq")
 # The words a direct batch's answers count, in the order the compiled lane takes them (``lane_counts``)
 _ANSWER_WORDS = tuple(int(w) for w in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.ANSWERED, Word.BUSY_NS,
                                        Word.BATCHES, Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
@@ -99,11 +107,20 @@ class DirectCounts:
         return asdict(self)
 
 
+def add_sizes(a: dict[int, tuple[int, int]], b: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Two tallies of batches by size (size -> (batches, ns)) summed."""
+    out = dict(a)
+    for size, (n, ns) in b.items():
+        n0, ns0 = out.get(size, (0, 0))
+        out[size] = (n0 + n, ns0 + ns)
+    return out
+
+
 class WorkerCounters:
     """The counters in ``page`` (a worker's preemption page, mapped by both processes)."""
 
     def __init__(self, page: mmap.mmap) -> None:
-        if len(page) < COUNTERS_OFFSET + 8 * _WORDS:
+        if len(page) < PAGE_BYTES:
             raise ValueError(f"a {len(page)} B page has no room for the direct counters")
         # slices and struct, not a view: an exported buffer would keep the page from being unmapped
         self.page = page
@@ -116,6 +133,7 @@ class WorkerCounters:
     def reset(self) -> None:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
         self._bytes[:] = bytes(_MINE_BYTES)
+        self.page[SIZES_OFFSET:PAGE_BYTES] = bytes(PAGE_BYTES - SIZES_OFFSET)
         self._dirty = True
         self.flush()
 
@@ -157,13 +175,18 @@ class WorkerCounters:
         mine[_SLO_MET] += slo_met
         mine[_SLO_MISSED] += slo_missed
         self._dirty = True
+        at = SIZES_OFFSET + 16 * (samples - 1)
+        n, ns = _SIZE.unpack_from(self.page, at)
+        _SIZE.pack_into(self.page, at, n + 1, ns + busy_ns)
         self.flush()
 
     def lane_counts(self) -> tuple:
         """Where the compiled lane (``_directlane.Lane``) counts calls as ``accepted`` and
         batches as ``answered`` do: the words, the page, their offset there, the words a
-        batch's answers count, the RECEIVED word and the ADMIT word (read in the page)."""
-        return self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS, int(Word.RECEIVED), int(Word.ADMIT)
+        batch's answers count, the RECEIVED word, the ADMIT word (read in the page) and
+        where the batches are counted by size."""
+        return (self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS, int(Word.RECEIVED), int(Word.ADMIT),
+                SIZES_OFFSET)
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""
@@ -203,3 +226,8 @@ class WorkerCounters:
 
     def snapshot(self) -> DirectCounts:
         return DirectCounts(*_ZEROS.unpack_from(self.page, COUNTERS_OFFSET))
+
+    def batch_sizes(self) -> dict[int, tuple[int, int]]:
+        """The direct batches run so far by size: size -> (batches, ns they ran)."""
+        words = array("q", self.page[SIZES_OFFSET:PAGE_BYTES])
+        return {i // 2 + 1: (words[i], words[i + 1]) for i in range(0, len(words), 2) if words[i]}

@@ -61,7 +61,7 @@ from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.protocol.sockets import tcp_listener, unix_listener
 from splitserve.slo import slo_outcome
 from splitserve.worker.counters import SLO_WORDS, WorkerCounters, Word
-from splitserve.worker.direct_batching import BatchGate, direct_policy
+from splitserve.worker.direct_batching import BatchGate, direct_policy, max_calls
 from splitserve.worker.direct_conn import _BE, _RT, _WAIT, _Call, _Conn
 from splitserve.worker.poller import Poller
 from splitserve.worker.spec import DirectSpec
@@ -99,6 +99,7 @@ class DirectServer:
         # when a batch starts (the model's batching policy; None: at once, work-conserving)
         policy = direct_policy(cfg, self.max_batch, spec.aggregate_s)
         self.gate = BatchGate(policy, self.max_batch) if policy is not None else None
+        self.max_calls = max_calls(cfg, spec.aggregate_s)  # a batch's calls at most (0: its rows' limit)
         self.wake_at_s: float | None = None  # the gate's next look, while it holds a batch back
         self.default_cls = RequestClass.RT if cfg.default_class == "rt" else RequestClass.BE
         self.class_of: dict[int, RequestClass] = {}  # a header's class -> the class its call runs in
@@ -169,7 +170,7 @@ class DirectServer:
         lane = _directlane.Lane(spec.func_id, self.sizes, self.max_batch, bytes(table), flat, self.out_sizes,
                                 [self.out_rows[c] for c in _CLASSES], *self.counters.lane_counts())
         lane.bind(_Call, _CLASSES, self.placed, self.next_row, self.complete, flat, self.sizes, spec.slo_us,
-                  spec.max_in_flight, spec.out_high_water)
+                  spec.max_in_flight, spec.out_high_water, self.max_calls)
         return lane
 
     @property
@@ -237,7 +238,8 @@ class DirectServer:
     def _give_rows(self, call: _Call) -> bool:
         cls = call.cls
         row = self.next_row[cls]
-        if row + call.count > self.max_batch or (cls == _BE and self.suspended is not None):
+        if row + call.count > self.max_batch or (cls == _BE and self.suspended is not None) or \
+                (self.max_calls and len(self.placed[cls]) >= self.max_calls):
             return False
         call.place(row, self.flat[cls], self.sizes)
         self.next_row[cls] = row + call.count
@@ -383,7 +385,8 @@ class DirectServer:
                 calls.append(c)
         row = self.next_row[cls]
         aside = self.aside_done[cls]
-        while aside and row + aside[0].count <= self.max_batch:
+        cap = self.max_calls or self.max_batch
+        while aside and row + aside[0].count <= self.max_batch and len(calls) < cap:
             c = aside.popleft()
             if c.conn.closed:
                 self._drop(c)

@@ -4,15 +4,16 @@ scheduler applies it, over the calls the endpoint holds.
 A worker's direct calls take rows of its per-class batch as they arrive, so what a batch
 holds is every call placed when it starts, up to the instance's batch (its
 ``max_batch_size``, or Packrat's per-instance ``b``). What the policy decides here is *when*
-it starts: ``work_conserving`` (and ``none``, see below) at once; ``timeout`` once
+it starts: ``work_conserving`` and ``none`` at once; ``timeout`` once
 ``preferred_batch`` samples wait or the oldest waited ``max_delay_ms``; ``adaptive`` at the
 quantum boundary whose test releases the waiting samples (Rafiqi's threshold, fed by the
 direct arrivals); a Packrat instance once its ``b`` samples wait or the oldest waited the
 aggregation ``timeout_ms``. The deciders are ``scheduler/policy.py``'s own, asked with
 the calls as queued requests (rows for slot numbers, arrival on CLOCK_MONOTONIC).
 
-``none`` (one request per batch) is run work-conserving here: the compiled lane places a
-call in the next free rows as it reads it, so one batch holds what arrived meanwhile.
+``none`` (one request per batch) caps what a batch holds instead (``max_calls``): a class
+that holds one call takes no other (the compiled lane declines it, the Python intake keeps
+it waiting for rows) until that call's batch ran, so each call runs alone.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def direct_policy(cfg: ModelConfig, instance_batch: int, packrat_timeout_s: floa
     if cfg.batching.policy in (BatchingPolicyKind.WORK_CONSERVING, BatchingPolicyKind.NONE):
         return None
     return make_policy(cfg.batching)
+
+
+def max_calls(cfg: ModelConfig, packrat_timeout_s: float | None) -> int:
+    """The calls one direct batch holds at most: 1 under the policy ``none``, as the front
+    end's scheduler runs it; 0 (no cap but the rows) otherwise, and where Packrat's
+    per-instance batch aggregates calls whatever the model's policy."""
+    return int(cfg.batching.policy == BatchingPolicyKind.NONE and packrat_timeout_s is None)
 
 
 class BatchGate:

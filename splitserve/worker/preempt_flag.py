@@ -10,7 +10,8 @@ Words (u64, little-endian):
      worker may be preempted, and its flag lowered, while a direct batch stays held.
 
 The worker reads it between segments (REEF's lazy eviction: no signal, no interrupt). The
-rest of the page holds the worker's direct-path counters (``worker/counters.py``).
+rest of the page, and the pages after it, hold the worker's direct-path counters
+(``worker/counters.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import mmap
 import os
 import struct
 import time
+
+from splitserve.worker.counters import PAGE_BYTES
 
 _U64 = struct.Struct("<Q")
 _GATE = struct.Struct("<QQ")  # words 2 and 3: the padding deadline, the direct hold
@@ -29,9 +32,9 @@ class PreemptFlag:
         self.owner = fd is None
         if fd is None:
             fd = os.memfd_create("splitserve-preempt", os.MFD_CLOEXEC)
-            os.ftruncate(fd, mmap.PAGESIZE)
+            os.ftruncate(fd, PAGE_BYTES)
         self.fd = fd
-        self._mm = mmap.mmap(fd, mmap.PAGESIZE)
+        self._mm = mmap.mmap(fd, PAGE_BYTES)
 
     @property
     def page(self) -> mmap.mmap:

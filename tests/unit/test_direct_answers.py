@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
-from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.counters import PAGE_BYTES, WorkerCounters
 from splitserve.worker.direct import _IN_FLIGHT, DirectServer
 from splitserve.worker.direct_conn import _Call
 from splitserve.worker.poller import Poller
@@ -37,6 +37,7 @@ CFG = ModelConfig.from_dict({
     "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [300]}, {"name": "z", "datatype": "INT16", "shape": [5]}],
 })
+ONE_CALL = ModelConfig.from_dict({**CFG.to_dict(), "batching": {"policy": "none"}})  # a batch holds one call
 ANSWER = 1200 + 10  # one sample's answer payload: more than a small send buffer takes for a batch
 T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute's end, its answers' stamp (ns)
 
@@ -44,13 +45,13 @@ T0, T1, T2 = 10_000_000, 10_250_000, 10_260_000  # a batch's start, its compute'
 class _Endpoint:
     """A DirectServer over a real Unix endpoint, its connections accepted, and their clients."""
 
-    def __init__(self, root: Path, compiled: bool, conns: int, max_in_flight: int = 64) -> None:
+    def __init__(self, root: Path, compiled: bool, conns: int, max_in_flight: int = 64, cfg: ModelConfig = CFG) -> None:
         self.flag = PreemptFlag()
         self.counters = WorkerCounters(self.flag.page)
         self.poller = Poller()
         spec = DirectSpec(str(root / f"d{int(compiled)}.sock"), 1, 16, max_in_flight, 1 << 20, 1 << 19, 1 << 24, 5.0,
                           4, False, 0.001, 1 << 16, compiled=compiled)
-        self.server = DirectServer(spec, CFG, self.counters, self.poller, lambda: None, lambda i, n: False)
+        self.server = DirectServer(spec, cfg, self.counters, self.poller, lambda: None, lambda i, n: False)
         assert (self.server.lane is not None) == compiled
         self.clients, self.conns = [], []
         for _ in range(conns):  # one at a time: a Unix client has no name to pair it with its connection by
@@ -139,7 +140,7 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
             d._answer(cls, made, row, T0, T1, T2)
         ids = [set(conn.ids) for conn in ep.conns]
         queued = any(conn.out for conn in ep.conns)
-        return ep.drain(), d.counters.snapshot(), ids, queued
+        return ep.drain(), (d.counters.snapshot(), WorkerCounters(ep.flag.page).batch_sizes()), ids, queued
     finally:
         ep.close()
 
@@ -151,7 +152,7 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     python = _answer(tmp_path, False, batch)
     assert compiled == python
     conns, calls, closed, waiting, _, cls, _ = batch
-    sent, counts, ids, _ = python
+    sent, (counts, by_size), ids, _ = python
     # and what the Python path wrote is each open connection's calls, in order, with their rows
     for j in range(conns):
         data = sent[j]
@@ -174,6 +175,8 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     assert counts.answered == answered and counts.in_flight_rt + counts.in_flight_be == 0
     slo = [s for j, _, _, s in calls if j not in closed and cls == RequestClass.RT]
     assert (counts.slo_met, counts.slo_missed) == (slo.count(1), slo.count(2))
+    # the batch counted by its size (rows), with the time it ran, in the page as by both paths
+    assert by_size == {sum(count for _, _, count, _ in calls): (1, T1 - T0)}
 
 
 @st.composite
@@ -184,12 +187,12 @@ def intakes(draw):
         frames.append((draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 255, 7])), count,
                        draw(st.sampled_from([0, 50_000])), draw(st.sampled_from([0, 2_000])),
                        draw(st.sampled_from([0, 1]))))  # req_id, class byte, samples, deadline, SLO, extra byte
-    return frames, draw(st.integers(1, 5)), draw(st.integers(0, 6)), draw(st.booleans())
+    return frames, draw(st.integers(1, 5)), draw(st.integers(0, 6)), draw(st.booleans()), draw(st.booleans())
 
 
 def _intake(root: Path, compiled: bool, case) -> tuple:
-    frames, max_in_flight, admit, suspended = case
-    ep = _Endpoint(root, compiled, 1, max_in_flight)
+    frames, max_in_flight, admit, suspended, one_call = case  # one_call: the batching policy none
+    ep = _Endpoint(root, compiled, 1, max_in_flight, ONE_CALL if one_call else CFG)
     try:
         d, conn, client = ep.server, ep.conns[0], ep.clients[0]
         d.counters.set_admit(admit)
@@ -232,7 +235,7 @@ def _lane_rows():
     from splitserve import _directlane
 
     d = {c: [np.zeros((MAX_BATCH, 3), np.float32), np.zeros((MAX_BATCH, 5), np.int16)] for c in (0, 1)}
-    counters = WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE))
+    counters = WorkerCounters(mmap.mmap(-1, PAGE_BYTES))
     lane = _directlane.Lane(1, [8], MAX_BATCH, bytes(256), [[np.zeros(MAX_BATCH * 8, np.uint8)]] * 2, [12, 10],
                             [d[0], d[1]], *counters.lane_counts())
     return lane, d

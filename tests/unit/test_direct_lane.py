@@ -16,7 +16,7 @@ from splitserve.errors import SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, RequestClass, unpack_header
 from splitserve.protocol.requests import call_class, stream_samples
 from splitserve.modelconfig import ModelConfig
-from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.counters import PAGE_BYTES, WorkerCounters
 
 _directlane = pytest.importorskip("splitserve._directlane", reason="the compiled intake was not built")
 
@@ -38,7 +38,7 @@ def _out_rows() -> list[list[np.ndarray]]:
 
 
 def _counts() -> tuple:
-    return WorkerCounters(mmap.mmap(-1, mmap.PAGESIZE)).lane_counts()
+    return WorkerCounters(mmap.mmap(-1, PAGE_BYTES)).lane_counts()
 
 
 def _lane(rt_only: bool, default: RequestClass) -> tuple["_directlane.Lane", list[list[np.ndarray]]]:
@@ -143,10 +143,10 @@ def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_sta
                          *_counts())
     with pytest.raises(ValueError, match="one buffer per tensor"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows(), *_counts())
-    words, page, offset, slots, received, admit = _counts()
+    words, page, offset, slots, received, admit, by_size = _counts()
     with pytest.raises(ValueError, match="slot outside"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
-                         (*slots[:7], len(words)), received, admit)
+                         (*slots[:7], len(words)), received, admit, by_size)
     with pytest.raises(ValueError):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows(), *_counts())
     lane, _ = _lane(False, RequestClass.RT)

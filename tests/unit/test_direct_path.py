@@ -10,7 +10,7 @@ from splitserve.errors import BadSegment, BadSize, InvalidInput, Refused
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import Header, Kind, RequestClass
 from splitserve.protocol.requests import call_class, stream_samples
-from splitserve.worker.counters import DirectCounts, WorkerCounters, Word
+from splitserve.worker.counters import DirectCounts, WorkerCounters, Word, add_sizes
 from splitserve.worker.direct_conn import _Call
 from splitserve.worker.preempt_flag import PreemptFlag
 
@@ -116,8 +116,13 @@ def test_counters_count_per_binding_and_keep_the_front_ends_admission_limit():
         assert (snap.received, snap.answered, snap.in_flight_be) == (3, 1, 1) and worker.admit() == 64
         assert snap.finished() == DirectCounts(received=3, answered=1)
         assert (snap + snap).received == 6
+        worker.answered(Word.IN_FLIGHT_BE, 1, 4096, 7)  # the largest batch a model may run
+        worker.answered(Word.IN_FLIGHT_BE, 0, 1, 5)
+        worker.answered(Word.IN_FLIGHT_BE, 0, 1, 6)
+        assert front.batch_sizes() == {1: (2, 11), 4096: (1, 7)}
+        assert add_sizes(front.batch_sizes(), {1: (1, 1), 3: (1, 2)}) == {1: (3, 12), 3: (1, 2), 4096: (1, 7)}
         worker.reset()  # a new binding
-        assert front.snapshot() == DirectCounts() and worker.admit() == 64
+        assert front.snapshot() == DirectCounts() and worker.admit() == 64 and front.batch_sizes() == {}
         flag.raise_for(5)  # the flag's own words are not the counters'
         assert front.snapshot() == DirectCounts() and flag.target() == 5
     finally:

@@ -31,7 +31,7 @@ from splitserve.server.model.queues import ModelQueues
 from splitserve.memory.footprints import MemoryFootprint
 from splitserve.server.model.env import InstanceWorker
 from splitserve.server.ports import ModelState
-from splitserve.worker.counters import DirectCounts
+from splitserve.worker.counters import DirectCounts, add_sizes
 from splitserve.worker.messages import DoneMsg, LoadedMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
 from splitserve.worker.spec import BindSpec, DirectSpec
@@ -63,6 +63,7 @@ class Instances:
         # Direct calls (ServerConfig.transports.fast_direct) counted by workers this model no longer
         # holds; the live ones are read from their pages.
         self._direct_past = DirectCounts()
+        self._direct_sizes_past: dict[int, tuple[int, int]] = {}  # gone workers' direct batches by size
         # a GPU model's copy counts and partitions (None on the CPU)
         self.gpu = GpuStats() if core.config.device.startswith("cuda") else None
         # instance -> the port of its worker's TCP direct endpoint (from LOADED; the OS picks it)
@@ -270,6 +271,15 @@ class Instances:
         self.core.env.metrics.count_direct_slo(self.name, total.slo())
         return total
 
+    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
+        """Direct batches of this model so far by size (size -> (batches, ns they ran)):
+        workers gone, plus the live ones' pages (empty while the direct path is off)."""
+        total = self._direct_sizes_past
+        if self.core.settings.transports.fast_direct:
+            for handle in self.workers.values():
+                total = add_sizes(total, handle.counters.batch_sizes())
+        return total
+
     def gpu_stats(self) -> dict | None:
         """A GPU model's partitions and copies (``gpu_stats.GpuStats``); None on the CPU."""
         if self.gpu is None:
@@ -285,6 +295,7 @@ class Instances:
         self._direct_tcp_ports.pop(instance, None)
         if self.core.settings.transports.fast_direct:
             self._direct_past = self._direct_past + handle.counters.snapshot().finished()
+            self._direct_sizes_past = add_sizes(self._direct_sizes_past, handle.counters.batch_sizes())
 
     # -- WorkerOwner (the worker handles) ----------------------------------------------------
 

@@ -209,6 +209,9 @@ class ModelRuntime:
     def direct_counts(self) -> DirectCounts:
         return self.instances.direct_counts()
 
+    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
+        return self.instances.direct_batch_sizes()
+
     def gauges(self) -> ModelGauges:
         """Live state for the metrics' gauges."""
         core = self.core
