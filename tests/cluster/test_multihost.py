@@ -11,7 +11,7 @@ replace them. Skipped where namespaces cannot be made (not root, no ``ip``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,18 +118,27 @@ def test_a_model_registered_at_run_time_answers_from_every_host(mh: MultiHost, t
                                atol=1e-5)
 
 
-def test_a_host_killed_under_load_loses_no_call_and_a_new_host_replaces_it(mh: MultiHost) -> None:
+def _lose_a_host_under_load(mh: MultiHost, name: str, lose: Callable[[Any], None], joins: str) -> tuple[str, int]:
+    """8 clients' load on both hosts; host ``name`` lost by ``lose`` while host ``joins`` joins
+    the cluster; the load's ledger checked (every call answered once and right) once the
+    victim left the gateway's links and a new host serves. The victim's node id, and the
+    gateway's re-sends before the loss."""
     before = mh.driver.nodes("active")
     fid = mh.on_clients(lambda: lookup(mh.driver.gateway_port, "lenet", host=mh.host("head").ip))
     load = mh.load(fid).start()
     until("load on both hosts", lambda: set(mh.driver.ask("gateway")["answers_by_node"]) >= set(before), 60)
     resent = mh.driver.ask("gateway")["resent"]
-    victim = next(n for n, v in before.items() if v["endpoint"].startswith(mh.host("a").ip + ":"))
-    mh.hosts.kill(mh.host("a"))
-    mh.hosts.ray_worker(mh.hosts.add("c"), f"{mh.host('head').ip}:{netns.RAY_PORT}", ON_DEMAND)
+    victim = next(n for n, v in before.items() if v["endpoint"].startswith(mh.host(name).ip + ":"))
+    lose(mh.host(name))
+    mh.hosts.ray_worker(mh.hosts.add(joins), f"{mh.host('head').ip}:{netns.RAY_PORT}", ON_DEMAND)
     until("the victim out of the gateway's links", lambda: victim not in mh.driver.ask("gateway")["links"], 30)
     until("a new host serving", lambda: sum(n not in before for n in mh.driver.nodes("active")) == 1, 180)
     load.finish()
+    return victim, resent
+
+
+def test_a_host_killed_under_load_loses_no_call_and_a_new_host_replaces_it(mh: MultiHost) -> None:
+    victim, resent = _lose_a_host_under_load(mh, "a", mh.hosts.kill, "c")
     assert victim not in mh.driver.nodes()
     # 8 clients keep 32 calls in flight over both hosts: the kill caught some on the victim
     assert mh.driver.ask("gateway")["resent"] > resent
@@ -138,16 +147,6 @@ def test_a_host_killed_under_load_loses_no_call_and_a_new_host_replaces_it(mh: M
 def test_a_host_whose_link_is_cut_under_load_loses_no_call_and_a_new_host_replaces_it(mh: MultiHost) -> None:
     """No connection ends here: the gateway learns of the loss from its missed pings and Ray
     from its health checks."""
-    before = mh.driver.nodes("active")
-    fid = mh.on_clients(lambda: lookup(mh.driver.gateway_port, "lenet", host=mh.host("head").ip))
-    load = mh.load(fid).start()
-    until("load on both hosts", lambda: set(mh.driver.ask("gateway")["answers_by_node"]) >= set(before), 60)
-    resent = mh.driver.ask("gateway")["resent"]
-    victim = next(n for n, v in before.items() if v["endpoint"].startswith(mh.host("b").ip + ":"))
-    mh.hosts.cut(mh.host("b"))
-    mh.hosts.ray_worker(mh.hosts.add("d"), f"{mh.host('head').ip}:{netns.RAY_PORT}", ON_DEMAND)
-    until("the victim out of the gateway's links", lambda: victim not in mh.driver.ask("gateway")["links"], 30)
-    until("a new host serving", lambda: sum(n not in before for n in mh.driver.nodes("active")) == 1, 180)
-    load.finish()
+    victim, resent = _lose_a_host_under_load(mh, "b", mh.hosts.cut, "d")
     assert victim not in mh.driver.nodes("active")
     assert mh.driver.ask("gateway")["resent"] > resent
