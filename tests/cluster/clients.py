@@ -20,16 +20,43 @@ WINDOW = 4  # pipelined calls per client
 IMAGE = bytes(784)
 
 
+# the loads started and not yet finished, each its stop event and threads: a test that fails
+# midway leaves its load running, which would spoil every later test on the same cluster
+_RUNNING: dict[threading.Event, list[threading.Thread]] = {}
+
+
+def running(stop: threading.Event, threads: list[threading.Thread]) -> None:
+    """Note a started load (``stop`` ends it) until ``finished``."""
+    _RUNNING[stop] = threads
+
+
+def finished(stop: threading.Event) -> None:
+    """The load ``stop`` ends was finished by its test."""
+    _RUNNING.pop(stop, None)
+
+
+def stop_left_running(timeout_s: float = 60.0) -> None:
+    """Stop every load a test left running and wait (bounded) for its threads."""
+    deadline = time.monotonic() + timeout_s
+    while _RUNNING:
+        stop, threads = _RUNNING.popitem()
+        stop.set()
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def _stay() -> None:
     """The default ``enter``: the client stays in the caller's network namespace."""
 
 
-def until(what: str, check: Callable[[], bool], timeout_s: float = 180.0) -> None:
-    """Poll ``check`` every 0.2 s; fail the test after ``timeout_s``."""
+def until(what: str, check: Callable[[], bool], timeout_s: float = 180.0,
+          seen: Callable[[], object] | None = None) -> None:
+    """Poll ``check`` every 0.2 s; fail the test after ``timeout_s``, with what ``seen``
+    returns then (the state that kept ``check`` false)."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
-            pytest.fail(f"not reached in {timeout_s} s: {what}")
+            pytest.fail(f"not reached in {timeout_s} s: {what}" + (f"; seen: {seen()!r}" if seen else ""))
         time.sleep(0.2)
 
 
@@ -83,6 +110,7 @@ class Load:
             t = threading.Thread(target=self._client, args=(i,), daemon=True)
             t.start()
             self.threads.append(t)
+        running(self.stop, self.threads)
         return self
 
     def _client(self, i: int) -> None:
@@ -107,6 +135,7 @@ class Load:
 
     def finish(self) -> None:
         self.stop.set()
+        finished(self.stop)
         for t in self.threads:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in self.threads), "a client never got all its answers"

@@ -191,7 +191,7 @@ def test_the_controller_serves_through_the_gateway_from_a_node_rays_autoscaler_g
     spec = NodeSpec(token="autoscaler-test-token", cache_dir=str(CACHE), tmp_root=tempfile.gettempdir())
     h = attach(cfg, spec, "127.0.0.1", 0, ["lenet"], None, None, joined=True)
     try:
-        status = wait_serving(h.controller, 1, 180)
+        status = wait_serving(h.controller, 1, 180, h.gateways())  # the gateway routes it: a call is served
         [node] = status["nodes"]
         assert node["market"] == "on-demand" and _node(node["node"]).labels[raycompat.MARKET_LABEL] == "on-demand"
         with connect(f"tcp://127.0.0.1:{h.gateway_port}") as c:

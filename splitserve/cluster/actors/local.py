@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -49,6 +50,10 @@ class Handles:
         """Every gateway's host, fast-path, HTTP and gRPC ports, the first gateway's first."""
         first = (self.gateway_host, self.gateway_port, self.gateway_http_port, self.gateway_grpc_port)
         return [first, *(address for _, address in self.more_gateways)]
+
+    def gateways(self) -> list[Any]:
+        """Every gateway's actor, the first gateway's first."""
+        return [self.gateway, *(g for g, _ in self.more_gateways)]
 
     def fast_urls(self) -> list[str]:
         """Every gateway's fast-path URL: give a client all of them (it fails over)."""
@@ -109,22 +114,32 @@ def find() -> Handles:
     return _handles(raycompat.gcs_address(), controller, gateways, provider)
 
 
-def wait_serving(controller: Any, count: int, timeout_s: float) -> dict:
-    """Block until ``count`` nodes are ACTIVE; returns the controller's status."""
+def wait_serving(controller: Any, count: int, timeout_s: float, gateways: Sequence[Any] = ()) -> dict:
+    """Block until ``count`` nodes are ACTIVE and every one of ``gateways`` routes each active
+    node's models there (the routes reach a gateway on its next poll: until then a call it
+    takes is refused as not ready); returns the controller's status."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = ray.get(controller.status.remote())
-        if sum(1 for n in status["nodes"] if n["state"] == "active") >= count:
+        active = {n["node"]: set(n["models"]) for n in status["nodes"] if n["state"] == "active"}
+        if len(active) >= count and all(_routes_to(stats, active) for stats in ray.get([g.stats.remote() for g in gateways])):
             return status
         if time.monotonic() > deadline:
-            raise InternalError(f"{count} nodes were not serving within {timeout_s} s: {status['nodes']}")
+            raise InternalError(f"{count} nodes were not serving through every gateway within {timeout_s} s: "
+                                f"{status['nodes']}")
         time.sleep(_POLL_S)
+
+
+def _routes_to(gateway_stats: dict, active: dict[str, set[str]]) -> bool:
+    """The gateway sends each active node's models there (``active``: node -> its models)."""
+    routed = gateway_stats["models"]
+    return all(models <= set(routed.get(node, ())) for node, models in active.items())
 
 
 def stop_actors(h: Handles) -> None:
     """Retire every node, then stop the gateway and the provider's nodes (or requests)."""
     ray.get(h.controller.stop_all.remote())
-    gateways = [h.gateway, *(g for g, _ in h.more_gateways)]
+    gateways = h.gateways()
     ray.get([g.stop.remote() for g in gateways])
     ray.get(h.provider.shutdown.remote())
     for actor in (*gateways, h.controller, h.provider):
@@ -156,7 +171,7 @@ class LocalCluster:
         ray.init(address=self.head.address, logging_level=logging.WARNING, log_to_driver=False)
         self.handles = attach(self.cfg, self.node_spec, "127.0.0.1", self.gateway_port, self.models,
                               self.gateway_http_port, self.gateway_grpc_port, gateways=self.gateways)
-        wait_serving(self.handles.controller, self.cfg.min_nodes, timeout_s)
+        wait_serving(self.handles.controller, self.cfg.min_nodes, timeout_s, self.handles.gateways())
         return self.handles
 
     def stop(self) -> None:
