@@ -255,3 +255,15 @@ def test_idle_sends_each_class_to_its_own_instance_of_a_model_with_be_instances(
     assert d.preempt == []
     node[0] = inst("c", 0, {0}, running=RT, batch=4, rt_waiting=1)  # busy: RT still waits for it
     assert decide(PriorityMode.IDLE, node).preempt == []
+
+
+def test_idle_gives_both_classes_back_to_the_rt_instances_of_a_model_whose_be_instance_is_gone():
+    # a scale-in drained c's only BE instance: its BE calls go to the RT instances again (at normal
+    # priority, preempted at a segment boundary for their own model's RT work) rather than wait
+    # for an instance that no longer exists
+    node = [inst("c", 0, {0}, running=BE, batch=3, rt_waiting=1), inst("c", 2, {1})]
+    d = decide(PriorityMode.IDLE, node)
+    assert d.may_start == {("c", 0): BOTH, ("c", 2): BOTH}
+    assert d.preempt == []  # c's RT call takes the idle instance 2
+    node[1] = inst("c", 2, {1}, running=RT, batch=1, rt_waiting=1)
+    assert decide(PriorityMode.IDLE, node).preempt == [("c", 0, 3)]
