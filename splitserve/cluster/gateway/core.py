@@ -167,6 +167,7 @@ class _Link:
     writer: asyncio.StreamWriter
     func_ids: dict[str, int] = field(default_factory=dict)  # model -> the node's func id
     lookups: dict[str, bytes] = field(default_factory=dict)  # model -> the node's LOOKUP_REPLY JSON
+    learning: set[str] = field(default_factory=set)  # models a LOOKUP is out for
     pending: dict[int, asyncio.Future] = field(default_factory=dict)  # control id -> reply
 
 
@@ -223,8 +224,13 @@ class GatewayCore:
                 self._link_tasks[route.node] = self._spawn(self._keep_link(route.node))
             link = self._links.get(route.node)
             if link is not None:
+                # a model moved off the node is forgotten there: loaded again later, its workers
+                # (and their direct endpoints) are new ones, learned afresh
+                for model in link.func_ids.keys() - route.models:
+                    del link.func_ids[model]
+                    link.lookups.pop(model, None)
                 for model in route.models - link.func_ids.keys():
-                    self._spawn(self._learn(link, model))
+                    self._learn_once(link, model)
         self._unpark()
         log.info("routes v%d: %s", routes.version,
                  ", ".join(f"{n.node[:12]}={n.state}" for n in routes.nodes) or "no nodes")
@@ -299,6 +305,12 @@ class GatewayCore:
         except SplitServeError as e:
             return _error(h, e)
         body = json.dumps(info.extra | {"nodes": self._direct_routes(info.name)}).encode()
+        # the nodes' workers change under a model's evictions and reloads there: what a client
+        # is told now is asked afresh for its next lookup (a direct client looks up again while
+        # it holds fewer connections than it was offered)
+        for link in self._links.values():
+            if info.name in link.lookups:
+                self._learn_once(link, info.name)
         return [Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=info.func_id, payload_len=len(body)).pack(), body]
 
     def _request(self, conn: _ClientConn, h: Header, payload: bytes) -> None:
@@ -363,7 +375,7 @@ class GatewayCore:
         return direct_routes((node, route.host, link.func_ids[name], link.lookups[name])
                              for node, link in self._links.items()
                              if name in link.lookups and (route := self._by_node.get(node)) is not None
-                             and route.state is NodeState.ACTIVE)
+                             and route.state is NodeState.ACTIVE and name in route.models)
 
     def serves(self, name: str | None = None) -> bool:
         """Some node takes work now (for ``name``: one with that model)."""
@@ -439,7 +451,7 @@ class GatewayCore:
             self._links[node] = link
             self.health.add(node, self.clock())
             for model in route.models:
-                self._spawn(self._learn(link, model))
+                self._learn_once(link, model)
             try:
                 await self._read_link(link, reader)
             finally:
@@ -463,12 +475,23 @@ class GatewayCore:
                     error = error_for_status(h.status, payload.decode(errors="replace"))
                 self._outcome(self.ledger.answered(h.req_id, link.node, now, error), (h, payload))
 
+    def _learn_once(self, link: _Link, model: str) -> None:
+        """``_learn`` ``model`` on ``link`` unless a LOOKUP for it is already out there."""
+        if model not in link.learning:
+            link.learning.add(model)
+            self._spawn(self._learn(link, model))
+
     async def _learn(self, link: _Link, model: str) -> None:
         """LOOKUP ``model`` on ``link``'s node: its func id there, and the reply for clients."""
         try:
             h, payload = await self._control(link, Kind.LOOKUP, model.encode())
         except (TimeoutError, ConnectionError):
             return
+        finally:
+            link.learning.discard(model)
+        route = self._by_node.get(link.node)
+        if route is None or model not in route.models:
+            return  # moved off the node while the LOOKUP was out: not served there now
         if h.kind == Kind.LOOKUP_REPLY:
             link.lookups[model] = payload
             link.func_ids[model] = h.func_id
