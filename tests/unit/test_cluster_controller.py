@@ -488,10 +488,10 @@ def test_unregistering_removes_the_model_from_every_node_the_routes_and_the_stor
     asyncio.run(scenario())
 
 
-def test_a_restarted_controller_keeps_the_settings_configure_changed_and_the_counters_it_reported(tmp_path) -> None:
+def test_a_restarted_controller_keeps_the_settings_configure_changed_the_counters_and_placements_counts(tmp_path) -> None:
     """Ray restarts the controller with the settings the cluster started with: what
-    ``configure`` changed since, and procurement's and the emulator's counters, come back
-    from the store; ``cluster down`` forgets them."""
+    ``configure`` changed since, procurement's and the emulator's counters and placement's
+    counts (with their keep-alive) come back from the store; ``cluster down`` forgets them."""
     store = tmp_path / "controller.sqlite3"
     started = ClusterConfig(min_nodes=1, max_nodes=3, keep_alive_s=600.0)
 
@@ -502,15 +502,21 @@ def test_a_restarted_controller_keeps_the_settings_configure_changed_and_the_cou
         first._loop_task = asyncio.get_running_loop().create_future()
         await first.configure(dataclasses.replace(started, max_nodes=5, keep_alive_s=2.5, provider="local"))
         first.procurement.fallbacks, first.procurement.swaps, first.revocation.notices = 2, 1, 3
+        held = 3 * started.requests_per_node  # demand asks for lenet on 3 nodes
+        assert first.shares.placement.count(now[0], "lenet", held) == 3
         first._save_state()
 
         second = _controller(started, None, now, ControllerStore(store))
         assert (second.cfg.max_nodes, second.cfg.keep_alive_s, second.cfg.provider) == (5, 2.5, "local")
         assert (second.autoscaler.max_nodes, second.autoscaler.keep_alive.keep_alive_s) == (5, 2.5)
         assert (second.procurement.fallbacks, second.procurement.swaps, second.revocation.notices) == (2, 1, 3)
+        # the keep-alive (2.5 s) outlives the restart: idle now, lenet stays on 3 nodes until it ends
+        assert second.shares.placement.count(now[0] + 1, "lenet", held=0) == 3
+        assert second.shares.placement.count(now[0] + 3, "lenet", held=0) == second.cfg.model_min_nodes
         second.store.clear()
         third = _controller(started, None, now, ControllerStore(store))
         assert third.cfg == started and third.procurement.fallbacks == 0 and third.revocation.notices == 0
+        assert third.shares.placement.counts() == {}
 
     asyncio.run(scenario())
 

@@ -145,6 +145,9 @@ class Controller:
         # placement's view of the cluster: the clock, the nodes, the registry, the gateway's demand
         self._shares_view = lambda: (self.clock(), self.nodes.values(), self.registry.ids, self._gateway)
         self.shares = ModelShares(cfg, node_spec.env, self._shares_view)
+        # what demand asked of placement lately: a restart does not unload what the keep-alive holds
+        self._saved_placement = self.store.placement()
+        self.shares.placement.restore(self._saved_placement)
         self.procurement = Procurement.of(cfg)
         self.revocation = RevocationEmulator.of(cfg, clock())
         self._saved_counters = self.store.counters()
@@ -449,7 +452,8 @@ class Controller:
             self._checking_servers = False
 
     def _save_state(self) -> None:
-        """The bill and the counters, where they changed since they were last saved."""
+        """The bill, the counters and placement's counts, where they changed since they were
+        last saved."""
         state = self.cost.to_state()
         if state != self._saved_bill:
             self.store.save_bill(state)
@@ -459,6 +463,10 @@ class Controller:
         if counters != self._saved_counters:
             self.store.save_counters(counters)
             self._saved_counters = counters
+        placement = {m: list(c) for m, c in self.shares.placement.counts().items()}
+        if placement != self._saved_placement:
+            self.store.save_placement(placement)
+            self._saved_placement = placement
 
     def _staying(self) -> list[_Node]:
         return [n for n in self.nodes.values() if n.deadline is None and not n.retiring

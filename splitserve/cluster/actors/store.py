@@ -107,6 +107,13 @@ class ControllerStore:
         """Procurement's counters as last saved (empty: none yet)."""
         return self._json("counters") or {}
 
+    def save_placement(self, counts: dict) -> None:
+        self._save_json("placement", counts)
+
+    def placement(self) -> dict:
+        """Placement's counts by model as last saved (empty: none yet)."""
+        return self._json("placement") or {}
+
     def save_settings(self, settings: dict) -> None:
         self._save_json("settings", settings)
 
@@ -124,11 +131,11 @@ class ControllerStore:
         return None if row is None else json.loads(row[0])
 
     def clear(self) -> None:
-        """Forget the models, the bill, the counters and the settings (``cluster down``: the
+        """Forget the models, the bill, the counters, placement's counts and the settings (``cluster down``: the
         cluster is gone); the generation stays, so versions keep rising on this Ray session."""
         with self._lock:
             self._db.execute("DELETE FROM models")
-            self._db.execute("DELETE FROM meta WHERE key IN ('bill', 'counters', 'settings')")
+            self._db.execute("DELETE FROM meta WHERE key IN ('bill', 'counters', 'placement', 'settings')")
 
     def close(self) -> None:
         with self._lock:

@@ -45,6 +45,15 @@ class ModelPlacement:
         self.keep_alive_s = keep_alive_s
         self._counts: dict[str, tuple[int, float]] = {}  # model -> (count, when demand last asked for it)
 
+    def counts(self) -> dict[str, tuple[int, float]]:
+        """Each model's count and when demand last asked for it: what a controller saves, so
+        that the keep-alive outlives a restart (``restore``)."""
+        return dict(self._counts)
+
+    def restore(self, counts: Mapping[str, Sequence[float]]) -> None:
+        """Take back ``counts`` as ``counts()`` gave them (from a store: lists, not tuples)."""
+        self._counts = {m: (int(count), float(since)) for m, (count, since) in counts.items()}
+
     def count(self, now: float, model: str, held: int) -> int:
         """Nodes ``model`` should be on with ``held`` of its requests outstanding (before the
         nodes there are cap it)."""
