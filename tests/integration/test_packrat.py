@@ -13,7 +13,8 @@ from splitserve.errors import ModelNotReady
 from splitserve.placement.optimizer import LatencyProfile
 from splitserve.placement.profiler import ModelProfile, machine_id, save_profile
 from splitserve.registry import Registry
-from tests.inproc import quiet_config, run_server
+from splitserve.client.aio import AsyncClient
+from tests.inproc import quiet_config, run_server, until
 
 NCPU = len(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(NCPU < 2, reason="Packrat's thin instances need at least 2 CPUs")
@@ -40,7 +41,7 @@ def synthetic_profile(model: str) -> ModelProfile:
     return ModelProfile(LatencyProfile(model, table), segs, machine_id())
 
 
-def run(tmp_path: Path, scenario):
+def run(tmp_path: Path, scenario, **config):
     repo = tmp_path / "repo" / "lenet_pk"
     repo.mkdir(parents=True)
     (repo / "config.toml").write_text(CONFIG)
@@ -50,7 +51,53 @@ def run(tmp_path: Path, scenario):
     save_profile(reg, synthetic_profile("lenet_pk"))
     reg.close()
 
-    return run_server(quiet_config(data, repository=tmp_path / "repo", load=("lenet_pk",)), scenario)
+    return run_server(quiet_config(data, repository=tmp_path / "repo", load=("lenet_pk",)).replaced(**config), scenario)
+
+
+def test_direct_clients_follow_a_reconfiguration_with_each_call_answered_once_and_right(tmp_path):
+    """Clients on the defaults call the workers directly; a repack replaces every instance
+    (new workers, new endpoints): each call gets its own input's answer, none is lost, and the
+    clients are on the new instances' endpoints afterwards."""
+    async def scenario(server):
+        rt = server.runtime("lenet_pk")
+        url = f"tcp://127.0.0.1:{server.ports['fast_port']}"
+        images = [np.full((1, 1, 28, 28), 40 * i, np.uint8) for i in range(4)]
+        want = [(await server.infer("lenet_pk", [x])).outputs[0] for x in images]
+        stop = asyncio.Event()
+        results: list[str] = []
+        clients = [await AsyncClient(url).connect() for _ in images]
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    got = await clients[i].infer("lenet_pk", images[i])
+                    results.append("ok" if np.allclose(got, want[i], atol=1e-5) else "wrong")
+                except Exception as e:  # any failure is what this test is about
+                    results.append(f"{type(e).__name__}: {e}")
+                    await asyncio.sleep(0.01)  # a failure raised before any await must not starve the loop
+
+        async def answered(n: int) -> None:
+            await asyncio.wait_for(until(lambda: len(results) >= n), 60)
+
+        try:
+            tasks = [asyncio.ensure_future(client(i)) for i in range(len(images))]
+            await answered(20)
+            direct_before = [c.direct_endpoints("lenet_pk") for c in clients]
+            steps = [await rt.repack(4), await rt.repack(16)]
+            await answered(len(results) + 40)  # on the final shape
+            # calling on, they look up again while they hold fewer connections than offered
+            await asyncio.wait_for(until(lambda: all(c.direct_endpoints("lenet_pk") for c in clients)), 30)
+            stop.set()
+            await asyncio.gather(*tasks)
+            return results, direct_before, steps
+        finally:
+            for c in clients:
+                await c.close()
+
+    results, direct_before, steps, = run(tmp_path, scenario, fast_port=0)
+    assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:3]
+    assert all(direct_before), direct_before  # they were calling the workers directly before the change
+    assert [s["batch"] for s in steps] == [4, 16]
 
 
 def allowed_cpus(pid: int) -> set[int]:
