@@ -14,8 +14,9 @@
    word (the front end's, read in the page), where in the page the batches are counted
    by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran),
    and where the answered calls are counted per class (``counters.CALLS_OFFSET``, a block of
-   ``CALL_WORDS`` words per class whose first seven are ``counters.CallWord``'s: calls,
-   samples, their durations, queue waits, input, model and output times).
+   ``CALL_WORDS`` words per class whose first eight are ``counters.CallWord``'s: calls,
+   samples, their durations, queue waits, input, model and output times, counted, then the
+   time the last was answered, set).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
         out_high_water, max_calls=0)
@@ -101,6 +102,7 @@
 #define KIND_RESPONSE 2
 #define IOV_MAX_ 1024 /* Linux's IOV_MAX: a sendmsg takes at most this many buffers */
 #define CALL_COUNTED 7 /* the words of a class's call block an answered call counts (counters.CallWord) */
+#define CALL_LAST_MS 7 /* then the one it sets: when it was answered, ms since the epoch */
 
 /* One packed answer: its connection (a reference held until it is sent), its socket, rows and header */
 typedef struct {
@@ -265,7 +267,7 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t nwords = self->words.len / 8;
     if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
         self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8 ||
-        self->calls_offset < 0 || self->calls_offset % 8 || self->call_words < CALL_COUNTED) {
+        self->calls_offset < 0 || self->calls_offset % 8 || self->call_words <= CALL_LAST_MS) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
@@ -447,6 +449,11 @@ static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns, 
             int64_t *block = (int64_t *)((char *)page.buf + self->calls_offset) + c * self->call_words;
             for (int i = 0; i < CALL_COUNTED; i++)
                 block[i] += calls[i];
+            if (calls[0] > 0) {
+                struct timespec now;
+                clock_gettime(CLOCK_REALTIME, &now); /* time.time_ns()'s clock */
+                block[CALL_LAST_MS] = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+            }
         }
         memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
         if (admit != NULL)

@@ -162,7 +162,7 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     return {
         "name": rec.name,
         "version": str(rec.version),
-        "last_inference": st.last_inference_ms,
+        "last_inference": max(st.last_inference_ms, d.last_ms),
         "inference_count": st.inference_count + d.samples,
         "execution_count": sum(b.count for b in batches.values()),
         "inference_stats": {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 from array import array
 from dataclasses import asdict, astuple, dataclass, field, replace
 from enum import IntEnum
@@ -76,7 +77,7 @@ _ANSWER_WORDS = tuple(int(w) for w in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Wor
 
 class CallWord(IntEnum):
     """A class's block of call words (u64, in the page at ``CALLS_OFFSET``). The compiled
-    lane counts the first seven in this order (``_directlane.c``, ``finish``)."""
+    lane counts the first seven in this order and sets LAST_MS (``_directlane.c``, ``finish``)."""
 
     OK = 0  # calls answered with their result
     SAMPLES = 1  # their samples (Triton's inference_count: a hole's rows are not a call's)
@@ -85,7 +86,8 @@ class CallWord(IntEnum):
     INPUT_NS = 4  # their inputs' preparation (0 here: a payload is received into its rows)
     INFER_NS = 5  # their batch's model run
     OUTPUT_NS = 6  # their batch's outputs copied into the answer rows
-    FAIL_NS = 7  # calls answered with an error: their durations (counts by status follow)
+    LAST_MS = 7  # when the last of them was answered (ms since the epoch: Triton's last_inference)
+    FAIL_NS = 8  # calls answered with an error: their durations (counts by status follow)
 
 
 # A failed call is counted by its status: one word per status past the block's CallWords
@@ -93,7 +95,7 @@ FAIL_STATUSES = tuple(Status)
 CALL_WORDS = len(CallWord) + len(FAIL_STATUSES)
 _FAIL_AT = {status: len(CallWord) + i for i, status in enumerate(FAIL_STATUSES)}
 _CALLS = struct.Struct(f"={CALL_WORDS}q")
-_ANSWERED_CALLS = struct.Struct(f"={int(CallWord.FAIL_NS)}q")  # the words an answered call counts
+_ANSWERED_CALLS = struct.Struct(f"={int(CallWord.FAIL_NS)}q")  # the words answered calls count and set
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,7 @@ class DirectCalls:
     input_ns: int = 0
     infer_ns: int = 0
     output_ns: int = 0
+    last_ms: int = 0
     fail_ns: int = 0
     failures: tuple[int, ...] = (0,) * len(FAIL_STATUSES)  # by status, in ``FAIL_STATUSES``' order
 
@@ -116,7 +119,8 @@ class DirectCalls:
         return cls(*words[:head], tuple(words[head:]))
 
     def __add__(self, other: "DirectCalls") -> "DirectCalls":
-        head = tuple(a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1]))
+        head = [a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1])]
+        head[CallWord.LAST_MS] = max(self.last_ms, other.last_ms)  # a time, not a count
         return DirectCalls(*head, tuple(a + b for a, b in zip(self.failures, other.failures)))
 
     @property
@@ -269,11 +273,12 @@ class WorkerCounters:
         """Worker: ``calls`` of class ``cls`` (0 real-time, 1 best-effort) were answered with
         their results: their ``samples``, durations and queue waits summed, and their batch's
         model run and output copy once per call (as Triton counts a call's batch). In the
-        page at once, before their answers leave (``answered``'s rule)."""
+        page at once, before their answers leave (``answered``'s rule), with the time they were."""
         at = CALLS_OFFSET + cls * _CALLS.size
-        ok, n, ok0, queue0, input0, infer0, output0 = _ANSWERED_CALLS.unpack_from(self.page, at)
+        ok, n, ok0, queue0, input0, infer0, output0, last = _ANSWERED_CALLS.unpack_from(self.page, at)
         _ANSWERED_CALLS.pack_into(self.page, at, ok + calls, n + samples, ok0 + ok_ns, queue0 + queue_ns, input0,
-                                  infer0 + infer_ns * calls, output0 + output_ns * calls)
+                                  infer0 + infer_ns * calls, output0 + output_ns * calls,
+                                  time.time_ns() // 1_000_000 if calls else last)
 
     def call_failed(self, cls: int, status: Status, ns: int) -> None:
         """Worker: a call of class ``cls`` was answered with an error of ``status``, ``ns``

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     the batches by size still add up to the execution count."""
     before = node.stats(MODEL)
     direct0, front0 = _counters(node, MODEL, "direct"), _counters(node, MODEL, "front")
+    started_ms = time.time_ns() // 1_000_000
     with Client(node.url) as c:
         for i in range(9):
             _call(c, MODEL, 1 + i % 3)
@@ -133,6 +135,7 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     assert calls["success"][1] == calls["queue"][1] + calls["compute_infer"][1] + calls["compute_output"][1]
     assert calls["compute_infer"][1] == sum(int(b["compute_infer"]["ns"]) for b in s["batch_stats"]) - \
         sum(int(b["compute_infer"]["ns"]) for b in before["batch_stats"])
+    assert int(s["last_inference"]) >= started_ms  # the last of them, as its worker stamped it
     # and /metrics: the per-model counters under path="direct", the front end's unchanged
     direct = _counters(node, MODEL, "direct")
     assert [a - b for a, b in zip(direct, direct0)] == [9, 18, 9]
@@ -162,6 +165,7 @@ def test_a_direct_call_the_model_fails_counts_as_a_failure(node: Node) -> None:
     calls = _grown(s, before)
     assert calls["fail"][0] == 1 and calls["fail"][1] > 0 and calls["success"] == (0, 0)
     assert int(s["inference_count"]) == int(before["inference_count"])
+    assert s["last_inference"] == before["last_inference"]  # a call answered with its result sets it
     after = _total(node.metrics(HALF[0], "direct"), "splitserve_request_failures_total", status="WORKER_FAILED")
     assert after - failures == 1
 

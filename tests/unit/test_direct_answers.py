@@ -11,6 +11,8 @@ from __future__ import annotations
 import mmap
 import select
 import socket
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +112,7 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
     the batch, and whether some connection's answers waited for its socket."""
     conns, calls, closed, waiting, small, cls, seed = batch
     ep = _Endpoint(root, compiled, conns)
+    t_ms = time.time_ns() // 1_000_000
     try:
         d = ep.server
         rng = np.random.default_rng(seed)
@@ -141,7 +144,10 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
         ids = [set(conn.ids) for conn in ep.conns]
         queued = any(conn.out for conn in ep.conns)
         page = WorkerCounters(ep.flag.page).tally()
-        return ep.drain(), (d.counters.snapshot(), page.sizes, page.calls), ids, queued
+        # when its calls were answered (a wall-clock stamp: both paths' differ), then the counts
+        assert all(bool(c.last_ms >= t_ms) == bool(c.ok) for c in page.calls)
+        return ep.drain(), (d.counters.snapshot(), page.sizes, tuple(replace(c, last_ms=0) for c in page.calls)), \
+            ids, queued
     finally:
         ep.close()
 

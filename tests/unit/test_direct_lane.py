@@ -147,9 +147,9 @@ def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_sta
     with pytest.raises(ValueError, match="slot outside"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
                          (*slots[:7], len(words)), received, admit, by_size, calls, call_words)
-    with pytest.raises(ValueError, match="int64"):  # a call block too short for the words a call counts
+    with pytest.raises(ValueError, match="int64"):  # a call block too short for the words a call counts and sets
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
-                         slots, received, admit, by_size, calls, 6)
+                         slots, received, admit, by_size, calls, 7)
     with pytest.raises(ValueError):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows(), *_counts())
     lane, _ = _lane(False, RequestClass.RT)
