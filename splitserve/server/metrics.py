@@ -146,17 +146,12 @@ class Metrics:
 
     def _direct_since(self, kind: str, model: str, totals: Mapping[K, int]) -> dict[K, int]:
         """What ``totals`` (running totals of ``model``'s direct path) grew by since the last
-        read of this ``kind``; one smaller than last time means they all count afresh (a new
-        runtime counts from zero)."""
-        seen = self._direct_seen.setdefault((kind, model), {})
-        afresh = any(n < seen.get(key, 0) for key, n in totals.items())
-        grown = {}
-        for key, n in totals.items():
-            new = n if afresh else n - seen.get(key, 0)
-            if new > 0:
-                grown[key] = new
-            seen[key] = n
-        return grown
+        read of this ``kind`` (a total not there is 0); one smaller than last time means they
+        all count afresh (a new runtime counts from zero)."""
+        seen = self._direct_seen.get((kind, model), {})
+        afresh = any(totals.get(key, 0) < n for key, n in seen.items())
+        self._direct_seen[(kind, model)] = dict(totals)
+        return {key: new for key, n in totals.items() if (new := n - (0 if afresh else seen.get(key, 0))) > 0}
 
     def count_direct_slo(self, model: str, totals: Mapping[SloOutcome, int]) -> None:
         """Add to ``model``'s SLO series and tally what its direct path counted since the
