@@ -678,8 +678,6 @@ static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bi
     return us > 0xffffffffLL ? 0xffffffffu : (uint32_t)us;
 }
 
-static long long positive(long long ns) { return ns > 0 ? ns : 0; }
-
 /* Pack the answers of ``calls`` (see ``finish``); 0, with counts[] = answered, dropped, SLO
    met, SLO missed, the answered calls' samples, their durations and their queue waits (ns),
    or -1 with an exception set and nothing packed. */
@@ -687,7 +685,7 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
                         int64_t counts[7]) {
     answers_release(self);
     Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0;
-    int64_t samples = 0, ok_ns = 0, queue_ns = 0;
+    int64_t samples = 0, rx_ns = 0;
     uint32_t compute_us = us32(t1 - t0);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *call = PyList_GET_ITEM(calls, i);
@@ -743,8 +741,7 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
         put_le(h + 48, compute_us, 4);
         put_le(h + 52, us32(t2 - t_rx), 4);
         samples += count;
-        ok_ns += positive(t2 - t_rx);
-        queue_ns += positive(t0 - t_rx);
+        rx_ns += t_rx;
         if (slo) {
             if (t2 <= slo)
                 met++;
@@ -758,8 +755,8 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
     counts[2] = met;
     counts[3] = missed;
     counts[4] = samples;
-    counts[5] = ok_ns;
-    counts[6] = queue_ns;
+    counts[5] = self->nanswers * t2 - rx_ns; /* each call's duration and queue wait from its header in */
+    counts[6] = self->nanswers * t0 - rx_ns;
     return 0;
 fail:
     answers_release(self);

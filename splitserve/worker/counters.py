@@ -96,6 +96,7 @@ CALL_WORDS = len(CallWord) + len(FAIL_STATUSES)
 _FAIL_AT = {status: len(CallWord) + i for i, status in enumerate(FAIL_STATUSES)}
 _CALLS = struct.Struct(f"={CALL_WORDS}q")
 _ANSWERED_CALLS = struct.Struct(f"={int(CallWord.FAIL_NS)}q")  # the words answered calls count and set
+_CALL_AT = (CALLS_OFFSET, CALLS_OFFSET + _CALLS.size)  # each class's block (indexed by the class: it is per batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +275,7 @@ class WorkerCounters:
         their results: their ``samples``, durations and queue waits summed, and their batch's
         model run and output copy once per call (as Triton counts a call's batch). In the
         page at once, before their answers leave (``answered``'s rule), with the time they were."""
-        at = CALLS_OFFSET + cls * _CALLS.size
+        at = _CALL_AT[cls]
         ok, n, ok0, queue0, input0, infer0, output0, last = _ANSWERED_CALLS.unpack_from(self.page, at)
         _ANSWERED_CALLS.pack_into(self.page, at, ok + calls, n + samples, ok0 + ok_ns, queue0 + queue_ns, input0,
                                   infer0 + infer_ns * calls, output0 + output_ns * calls,
@@ -283,7 +284,7 @@ class WorkerCounters:
     def call_failed(self, cls: int, status: Status, ns: int) -> None:
         """Worker: a call of class ``cls`` was answered with an error of ``status``, ``ns``
         after its header came (in the page at once)."""
-        at = CALLS_OFFSET + cls * _CALLS.size
+        at = _CALL_AT[cls]
         for word, n in ((_FAIL_AT[status], 1), (CallWord.FAIL_NS, ns)):
             v = _U64.unpack_from(self.page, at + 8 * word)[0]
             _U64.pack_into(self.page, at + 8 * word, v + n)
@@ -338,8 +339,7 @@ class WorkerCounters:
 
     def tally(self) -> DirectTally:
         """Front end: all the page says, in one read."""
-        calls = tuple(DirectCalls.from_words(_CALLS.unpack_from(self.page, CALLS_OFFSET + c * _CALLS.size))
-                      for c in range(2))
+        calls = tuple(DirectCalls.from_words(_CALLS.unpack_from(self.page, at)) for at in _CALL_AT)
         return DirectTally(self.snapshot(), self.batch_sizes(), calls)  # type: ignore[arg-type]
 
     def batch_sizes(self) -> dict[int, tuple[int, int]]:

@@ -477,7 +477,7 @@ class DirectServer:
         func_id, headers, out_bytes = self.spec.func_id, self.headers, self.out_bytes
         outs = list(zip(self.out_flat[cls], self.out_sizes))
         answers: dict[_Conn, list] = {}
-        answered = samples = ok_ns = queue_ns = 0
+        answered = samples = rx_ns = 0
         for c in calls:
             conn = c.conn
             if conn.closed:
@@ -498,9 +498,10 @@ class DirectServer:
                 self._count_slo(c, t2, None)
             answered += 1
             samples += c.count
-            ok_ns += max(0, t2 - c.t_rx_ns)
-            queue_ns += max(0, t0 - c.t_rx_ns)
-        self.counters.calls_answered(cls, answered, samples, ok_ns, queue_ns, t1 - t0, t2 - t1)
+            rx_ns += c.t_rx_ns
+        # each call's duration and queue wait from its header in (before its batch began)
+        self.counters.calls_answered(cls, answered, samples, answered * t2 - rx_ns, answered * t0 - rx_ns, t1 - t0,
+                                     t2 - t1)
         self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():
