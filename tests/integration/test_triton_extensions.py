@@ -184,11 +184,11 @@ def test_tritonclient_reads_direct_calls_in_the_statistics_over_http_and_grpc(no
                 node.grpc.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]]
 
     rt = node.server.runtime(MODEL)
-    before, answered = read(), rt.direct_counts().answered
+    before, answered = read(), rt.direct_tally().counts.answered
     with Client(f"tcp://127.0.0.1:{node.server.ports['fast_port']}") as c:
         for i in range(4):  # one at a time: a batch each
             c.infer(MODEL, samples(MODEL, 1 + i % 2))
-    assert rt.direct_counts().answered - answered == 4  # they went direct
+    assert rt.direct_tally().counts.answered - answered == 4  # they went direct
     for b, a in zip(before, read()):
         delta = {k: (_count(a["inference_stats"][k]) - _count(b["inference_stats"].get(k, {})),
                      _ns(a["inference_stats"][k]) - _ns(b["inference_stats"].get(k, {}))) for k in a["inference_stats"]}

@@ -34,7 +34,7 @@ from splitserve.server.model.residency import ModelResidency
 from splitserve.server.monitor import Call
 from splitserve.server.model.env import RuntimeEnv
 from splitserve.server.ports import ModelState, ModelStats
-from splitserve.worker.counters import DirectCounts, DirectTally
+from splitserve.worker.counters import DirectTally
 
 
 class ModelRuntime:
@@ -208,9 +208,6 @@ class ModelRuntime:
 
     def direct_tally(self) -> DirectTally:
         return self.instances.direct_tally()
-
-    def direct_counts(self) -> DirectCounts:
-        return self.direct_tally().counts
 
     def gauges(self) -> ModelGauges:
         """Live state for the metrics' gauges."""
