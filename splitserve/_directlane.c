@@ -11,8 +11,12 @@
    outputs are copied); then the worker's counters (``WorkerCounters.lane_counts``): their
    words (a writable int64 buffer, native order), the page they are copied into at
    ``offset``, the eight words a batch's answers count, the RECEIVED word, the ADMIT
-   word (the front end's, read in the page) and where in the page the batches are counted
-   by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran).
+   word (the front end's, read in the page), where in the page the batches are counted
+   by size (``counters.SIZES_OFFSET``: per size 1..max_batch, a count and the ns they ran),
+   and where the answered calls are counted per class (``counters.CALLS_OFFSET``, a block of
+   ``CALL_WORDS`` words per class whose first eight are ``counters.CallWord``'s: calls,
+   samples, their durations, queue waits, input, model and output times, counted, then the
+   time the last was answered, set).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
         out_high_water, max_calls=0)
@@ -69,7 +73,8 @@
        at ``t2_ns``; each call's req_id leaves its
        connection's ``ids``; a call whose connection is closed is dropped (no answer), one
        with an SLO is met or missed by ``slo.slo_outcome``'s rule. They are counted as
-       ``WorkerCounters.answered`` counts them (the batch's size too), and the words copied into the page, before
+       ``WorkerCounters.answered`` and ``calls_answered`` count them (the batch's size and the
+       calls' samples and times too), and the words copied into the page, before
        any leaves: a client that has its answer must find it counted. Then they leave: each
        connection's, in the batch's order, in one gather write (``sendmsg``, MSG_DONTWAIT, at
        most IOV_MAX buffers a write) of the headers and the calls' answer rows. What a
@@ -96,6 +101,8 @@
 #define NO_CLASS 255
 #define KIND_RESPONSE 2
 #define IOV_MAX_ 1024 /* Linux's IOV_MAX: a sendmsg takes at most this many buffers */
+#define CALL_COUNTED 7 /* the words of a class's call block an answered call counts (counters.CallWord) */
+#define CALL_LAST_MS 7 /* then the one it sets: when it was answered, ms since the epoch */
 
 /* One packed answer: its connection (a reference held until it is sent), its socket, rows and header */
 typedef struct {
@@ -125,6 +132,7 @@ typedef struct {
     Py_ssize_t slot[8];    /* in-flight RT, in-flight BE, answered, busy ns, batches, samples, SLO met, missed */
     Py_ssize_t w_received, w_admit; /* RECEIVED in the words; ADMIT in the page (the front end's) */
     Py_ssize_t sizes_offset; /* the batches by size in the page: size n's count and ns at 16 * (n - 1) */
+    Py_ssize_t calls_offset, call_words; /* the answered calls in the page: a block of call_words per class */
     /* ``bind``: where ``intake`` records a call (see there) */
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
     unsigned long long slo_default_us;
@@ -247,9 +255,10 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnn", &func_id, &PyList_Type, &sizes, &max_batch, &classes, &rows,
-                          &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
-                          &slots, &self->w_received, &self->w_admit, &self->sizes_offset))
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnnnn", &func_id, &PyList_Type, &sizes, &max_batch, &classes,
+                          &rows, &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
+                          &slots, &self->w_received, &self->w_admit, &self->sizes_offset, &self->calls_offset,
+                          &self->call_words))
         return -1;
     self->words_held = 1;
     Py_INCREF(page);
@@ -257,7 +266,8 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     self->page_offset = page_offset;
     Py_ssize_t nwords = self->words.len / 8;
     if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
-        self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8) {
+        self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8 ||
+        self->calls_offset < 0 || self->calls_offset % 8 || self->call_words <= CALL_LAST_MS) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
@@ -419,19 +429,31 @@ static int list_add(PyObject *list, Py_ssize_t i, Py_ssize_t delta) {
 }
 
 /* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there; a
-   batch of ``size`` rows (0: none) that ran ``ns`` counted by its size first (the page's
-   sizes are their only record: the worker is their one writer) */
-static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns) {
+   batch of ``size`` rows (0: none) that ran ``ns`` counted by its size first, and its
+   answered calls (``calls``: CALL_COUNTED words to add to class ``c``'s block; NULL: none)
+   (the page's sizes and calls are their only record: the worker is their one writer) */
+static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns, int c, const int64_t *calls) {
     Py_buffer page;
     if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0)
         return -1;
     int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len &&
-             self->sizes_offset + 16 * self->max_batch <= page.len;
+             self->sizes_offset + 16 * self->max_batch <= page.len &&
+             self->calls_offset + 16 * self->call_words <= page.len;
     if (ok) {
         if (size > 0) {
             int64_t *by_size = (int64_t *)((char *)page.buf + self->sizes_offset) + 2 * (size - 1);
             by_size[0] += 1;
             by_size[1] += ns;
+        }
+        if (calls != NULL) {
+            int64_t *block = (int64_t *)((char *)page.buf + self->calls_offset) + c * self->call_words;
+            for (int i = 0; i < CALL_COUNTED; i++)
+                block[i] += calls[i];
+            if (calls[0] > 0) {
+                struct timespec now;
+                clock_gettime(CLOCK_REALTIME, &now); /* time.time_ns()'s clock */
+                block[CALL_LAST_MS] = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+            }
         }
         memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
         if (admit != NULL)
@@ -477,7 +499,7 @@ static int record(Lane *self, PyObject *conn, PyObject *ids, PyObject *req, cons
     int64_t *w = self->words.buf, admit = 0;
     w[self->w_received] += 1;
     w[self->slot[c]] += 1;
-    if (write_words(self, &admit, 0, 0) < 0)
+    if (write_words(self, &admit, 0, 0, 0, NULL) < 0)
         return -1;
     if (PySet_GET_SIZE(ids) >= self->max_in_flight || w[self->slot[0]] + w[self->slot[1]] >= admit)
         return 1;
@@ -657,11 +679,13 @@ static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bi
 }
 
 /* Pack the answers of ``calls`` (see ``finish``); 0, with counts[] = answered, dropped, SLO
-   met, SLO missed, or -1 with an exception set and nothing packed. */
+   met, SLO missed, the answered calls' samples, their durations and their queue waits (ns),
+   or -1 with an exception set and nothing packed. */
 static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long long t1, long long t2,
-                        Py_ssize_t counts[4]) {
+                        int64_t counts[7]) {
     answers_release(self);
     Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0;
+    int64_t samples = 0, rx_ns = 0;
     uint32_t compute_us = us32(t1 - t0);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *call = PyList_GET_ITEM(calls, i);
@@ -716,6 +740,8 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
         put_le(h + 44, us32(t0 - t_rx), 4);
         put_le(h + 48, compute_us, 4);
         put_le(h + 52, us32(t2 - t_rx), 4);
+        samples += count;
+        rx_ns += t_rx;
         if (slo) {
             if (t2 <= slo)
                 met++;
@@ -728,6 +754,9 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
     counts[1] = dropped;
     counts[2] = met;
     counts[3] = missed;
+    counts[4] = samples;
+    counts[5] = self->nanswers * t2 - rx_ns; /* each call's duration and queue wait from its header in */
+    counts[6] = self->nanswers * t0 - rx_ns;
     return 0;
 fail:
     answers_release(self);
@@ -849,7 +878,7 @@ static PyObject *lane_finish(Lane *self, PyObject *args) {
                                           "than rows");
         return NULL;
     }
-    Py_ssize_t counts[4];
+    int64_t counts[7];
     if (pack_answers(self, calls, c, t0, t1, t2, counts) < 0)
         return NULL;
     /* counted, and in the page, before any answer leaves (WorkerCounters.answered's rule) */
@@ -861,7 +890,10 @@ static PyObject *lane_finish(Lane *self, PyObject *args) {
     w[self->slot[5]] += n;
     w[self->slot[6]] += counts[2];
     w[self->slot[7]] += counts[3];
-    if (write_words(self, NULL, n, t1 - t0) < 0) {
+    /* the calls (``WorkerCounters.calls_answered``): their batch's model run and output copy once per call */
+    int64_t answered[CALL_COUNTED] = {counts[0], counts[4], counts[5], counts[6], 0, counts[0] * (t1 - t0),
+                                      counts[0] * (t2 - t1)};
+    if (write_words(self, NULL, n, t1 - t0, c, answered) < 0) {
         answers_release(self);
         return NULL;
     }

@@ -42,7 +42,7 @@ from splitserve.registry import ModelRecord, Registry
 from splitserve.server.ports import (
     BatchTimes, EventLog, GpuView, ManagedModel, MemoryReport, ModelDirectory, ModelState, ModelStats, PartitionControl,
 )
-from splitserve.worker.counters import DirectCounts
+from splitserve.worker.counters import DirectTally
 
 log = logging.getLogger(__name__)
 
@@ -143,32 +143,35 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 
 def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
     st = rt.stats if rt is not None else ModelStats()
-    direct = rt.direct_counts() if rt is not None else DirectCounts()  # first: it brings st.slo up to date
-    # Batches and samples count both paths: the front end's, and the workers' direct batches
-    # by size (their pages; a direct batch's time is its model run, counted as compute_infer).
+    tally = rt.direct_tally() if rt is not None else DirectTally()  # first: it brings st.slo up to date
+    # Both paths: the front end's calls and batches, and the workers' direct ones, each
+    # counted once, where it was answered (a direct call by its worker, in its page).
+    # A direct batch's time is its model run, counted as compute_infer.
     batches = {size: replace(b) for size, b in st.batches.items()}
-    direct_samples = 0
-    for size, (n, ns) in (rt.direct_batch_sizes() if rt is not None else {}).items():
+    for size, (n, ns) in tally.sizes.items():
         b = batches.setdefault(size, BatchTimes())
         b.count += n
         b.infer_ns += ns
-        direct_samples += size * n
+    d = tally.all_calls()
+    ok = st.success + d.ok
     # Each successful call counts its queue wait and its batch's worker times (input copy,
     # model, output copy), as Triton counts them; what is left of its duration is the
-    # front end's receive, hand-off and answer.
+    # front end's receive, hand-off and answer (on the direct path: the worker's receive
+    # and answer). inference_count is the answered calls' samples (a batch may run more
+    # rows: a late direct payload's hole).
     return {
         "name": rec.name,
         "version": str(rec.version),
-        "last_inference": st.last_inference_ms,
-        "inference_count": st.inference_count + direct_samples,
+        "last_inference": max(st.last_inference_ms, d.last_ms),
+        "inference_count": st.inference_count + d.samples,
         "execution_count": sum(b.count for b in batches.values()),
         "inference_stats": {
-            "success": _duration(st.success, st.request_ns),
-            "fail": _duration(st.failure, st.failure_ns),
-            "queue": _duration(st.success, st.queue_ns),
-            "compute_input": _duration(st.success, st.compute_input_ns),
-            "compute_infer": _duration(st.success, st.compute_infer_ns),
-            "compute_output": _duration(st.success, st.compute_output_ns),
+            "success": _duration(ok, st.request_ns + d.ok_ns),
+            "fail": _duration(st.failure + d.failed, st.failure_ns + d.fail_ns),
+            "queue": _duration(ok, st.queue_ns + d.queue_ns),
+            "compute_input": _duration(ok, st.compute_input_ns + d.input_ns),
+            "compute_infer": _duration(ok, st.compute_infer_ns + d.infer_ns),
+            "compute_output": _duration(ok, st.compute_output_ns + d.output_ns),
         },
         "batch_stats": [
             {"batch_size": size, "compute_input": _duration(b.count, b.input_ns),
@@ -182,9 +185,8 @@ def _model_stats(rec: ModelRecord, rt: ManagedModel | None) -> dict[str, Any]:
         # splitserve addition: soft SLOs of its real-time calls (met, missed = served late, dropped = an error)
         "slo": dict(st.slo),
         # splitserve addition: calls its workers took straight from clients (fast_direct), read
-        # from the workers' pages: their batches and samples are in the counts above, their calls
-        # not in inference_stats (a direct call's own duration is the client's to measure)
-        "direct": direct.to_dict(),
+        # from the workers' pages (their calls and batches are in the counts above too)
+        "direct": tally.counts.to_dict(),
     }
 
 

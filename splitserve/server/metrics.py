@@ -1,18 +1,25 @@
-"""Prometheus metrics (prometheus-client), per model and per class (rt / be)."""
+"""Prometheus metrics (prometheus-client), per model and per class (rt / be).
+
+The counters a user sums per model (requests, failures, samples, batches) count both paths,
+told apart by the label ``path``: ``front`` for calls the front end answered, counted as
+they are answered, and ``direct`` for calls a worker answered straight to its client
+(``fast_direct``), read from the workers' pages at each scrape. A call is counted on
+exactly one of them. The duration histograms are the front end's calls only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
 from splitserve.slo import SloOutcome
-from splitserve.worker.counters import DirectCounts
+from splitserve.worker.counters import DirectTally
 
+K = TypeVar("K", bound=Hashable)
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -41,7 +48,7 @@ class ModelGauges:
     queue_depth: Mapping[RequestClass, int]
     ready_instances: int
     failed: bool
-    direct: DirectCounts | None = None  # its workers' direct calls (None: the direct path is off)
+    direct: DirectTally | None = None  # its workers' direct calls (None: the direct path is off)
 
 
 class Metrics:
@@ -51,10 +58,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         labels = ("model", "class")
-        self.requests = Counter("splitserve_requests", "Requests answered", labels, registry=r)
-        self.failures = Counter("splitserve_request_failures", "Requests answered with an error", (*labels, "status"), registry=r)
-        self.inferences = Counter("splitserve_inference_count", "Samples inferred", labels, registry=r)
-        self.executions = Counter("splitserve_execution_count", "Batches executed", ("model",), registry=r)
+        self.requests = Counter("splitserve_requests", "Requests answered with their result, by path (front, direct)",
+                                (*labels, "path"), registry=r)
+        self.failures = Counter("splitserve_request_failures", "Requests answered with an error, by path",
+                                (*labels, "status", "path"), registry=r)
+        self.inferences = Counter("splitserve_inference_count", "Samples inferred (answered calls'), by path",
+                                  (*labels, "path"), registry=r)
+        self.executions = Counter("splitserve_execution_count", "Batches executed, by path", ("model", "path"),
+                                  registry=r)
         self.preemptions = Counter("splitserve_preemptions", "Best-effort batches preempted", ("model",), registry=r)
         self.preemption_latency = Histogram(
             "splitserve_preemption_latency_seconds", "Preemption flag raised to the worker stopped at a segment boundary",
@@ -105,8 +116,9 @@ class Metrics:
                                     ("model", "class", "outcome"), registry=r)
         # The same counts per model for the statistics JSON; they outlive a model's runtime, as the series do.
         self._slo_tallies: dict[str, dict[str, int]] = {}
-        # Per model, the direct path's SLO totals already added above (its workers count them in their pages).
-        self._direct_slo: dict[str, dict[SloOutcome, int]] = {}
+        # The direct path's running totals (its workers count them in their pages) already
+        # added to the series, per (kind, model): each read adds what came since.
+        self._direct_seen: dict[tuple[str, str], dict] = {}
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
@@ -114,15 +126,16 @@ class Metrics:
             children = self._children.get((model, call.cls))
             if children is None:  # labels() takes a lock and hashes: resolve once per series
                 cls = class_label(call.cls)
-                children = self._children[(model, call.cls)] = tuple(
-                    m.labels(model, cls) for m in (self.requests, self.inferences, self.queue, self.compute, self.request))
+                children = self._children[(model, call.cls)] = (
+                    self.requests.labels(model, cls, "front"), self.inferences.labels(model, cls, "front"),
+                    *(m.labels(model, cls) for m in (self.queue, self.compute, self.request)))
             requests, inferences, queue, compute, request = children
             requests.inc()
             inferences.inc(call.count)
             queue.observe(max(0.0, call.t_dispatch - call.t_rx))
             compute.observe(call.compute_ns / 1e9)
         else:
-            self.failures.labels(model, class_label(call.cls), error.status.name).inc()
+            self.failures.labels(model, class_label(call.cls), error.status.name, "front").inc()
             request = self.request.labels(model, class_label(call.cls))
         request.observe(max(0.0, call.t_work - call.t_ready))
 
@@ -131,18 +144,33 @@ class Metrics:
         self.slo_requests.labels(model, class_label(cls), outcome).inc()
         self.slo_tally(model)[outcome] += 1
 
+    def _direct_since(self, kind: str, model: str, totals: Mapping[K, int]) -> dict[K, int]:
+        """What ``totals`` (running totals of ``model``'s direct path) grew by since the last
+        read of this ``kind`` (a total not there is 0); one smaller than last time means they
+        all count afresh (a new runtime counts from zero)."""
+        seen = self._direct_seen.get((kind, model), {})
+        afresh = any(totals.get(key, 0) < n for key, n in seen.items())
+        self._direct_seen[(kind, model)] = dict(totals)
+        return {key: new for key, n in totals.items() if (new := n - (0 if afresh else seen.get(key, 0))) > 0}
+
     def count_direct_slo(self, model: str, totals: Mapping[SloOutcome, int]) -> None:
         """Add to ``model``'s SLO series and tally what its direct path counted since the
-        last call: ``totals`` are its workers' running totals (real-time calls); one
-        smaller than last time means they all count afresh (a new runtime)."""
-        seen = self._direct_slo.setdefault(model, {})
-        afresh = any(n < seen.get(outcome, 0) for outcome, n in totals.items())
-        for outcome, n in totals.items():
-            new = n if afresh else n - seen.get(outcome, 0)
-            if new > 0:
-                self.slo_requests.labels(model, class_label(RequestClass.RT), outcome).inc(new)
-                self.slo_tally(model)[outcome] += new
-            seen[outcome] = n
+        last call: ``totals`` are its workers' running totals (real-time calls)."""
+        for outcome, new in self._direct_since("slo", model, totals).items():
+            self.slo_requests.labels(model, class_label(RequestClass.RT), outcome).inc(new)
+            self.slo_tally(model)[outcome] += new
+
+    def _count_direct(self, model: str, tally: DirectTally) -> None:
+        """Add to ``model``'s ``path="direct"`` counters what its workers answered since the last scrape."""
+        totals: dict[tuple[Counter, tuple[str, ...]], int] = {(self.executions, (model, "direct")): tally.counts.batches}
+        for cls, calls in zip((RequestClass.RT, RequestClass.BE), tally.calls):
+            label = class_label(cls)
+            totals[(self.requests, (model, label, "direct"))] = calls.ok
+            totals[(self.inferences, (model, label, "direct"))] = calls.samples
+            for status, n in calls.failures_by_status().items():
+                totals[(self.failures, (model, label, status.name, "direct"))] = n
+        for (counter, labels), new in self._direct_since("calls", model, totals).items():
+            counter.labels(*labels).inc(new)
 
     def slo_tally(self, model: str) -> dict[str, int]:
         """``model``'s SLO outcomes so far, ``{"met": n, "missed": n, "dropped": n}`` (live:
@@ -159,9 +187,11 @@ class Metrics:
                 self.queue_depth.labels(m.name, class_label(c)).set(depth)
             self.instances.labels(m.name).set(m.ready_instances)
             self.model_failed.labels(m.name).set(1 if m.failed else 0)
-            self.executions.labels(m.name)  # make the series exist before the first batch
+            self.executions.labels(m.name, "front")  # make the series exist before the first batch
             if m.direct is not None:
-                d = m.direct
+                self.executions.labels(m.name, "direct")
+                self._count_direct(m.name, m.direct)
+                d = m.direct.counts
                 for state in ("received", "answered", "failed", "in_flight_rt", "in_flight_be"):
                     self.direct_calls.labels(m.name, state).set(getattr(d, state))
                 self.direct_busy.labels(m.name).set(d.busy_ns / 1e9)

@@ -51,7 +51,7 @@ from splitserve.server.intake import Intake, RingPort
 from splitserve.server.monitor import InferenceMonitor
 from splitserve.slo import SloOutcome
 from splitserve.types import TensorSpec
-from splitserve.worker.counters import DirectCounts
+from splitserve.worker.counters import DirectTally
 
 # -- records that cross the seams -------------------------------------------------------------
 
@@ -386,12 +386,10 @@ class ManagedModel(Protocol):
     def dispatch_max_batch(self) -> int:
         """The largest batch dispatched now (``max_batch_size`` unless changed at run time)."""
 
-    def direct_counts(self) -> DirectCounts:
-        """The calls its workers took on the direct path (``fast_direct``; zero while off);
-        their SLO outcomes are in ``stats.slo`` (and the SLO metric) once this returns."""
-
-    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
-        """The direct batches its workers ran, by size: size -> (batches, ns they ran)."""
+    def direct_tally(self) -> DirectTally:
+        """What its workers did on the direct path (``fast_direct``; zero while off): their
+        counters, batches by size and answered calls; their SLO outcomes are in ``stats.slo``
+        (and the SLO metric) once this returns."""
 
     async def load(self) -> None:
         """An explicit load: serve again after an unload, retry a FAILED load now, wait until ready."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 from array import array
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from enum import IntEnum
 
+from splitserve.errors import Status
 from splitserve.slo import SloOutcome
 
 # Byte offset of the counters in the page: the preemption flag uses the words before it.
@@ -28,6 +30,11 @@ COUNTERS_OFFSET = 256
 SIZES_OFFSET = 4096
 MAX_SIZES = 4096
 PAGE_BYTES = SIZES_OFFSET + 16 * MAX_SIZES  # the shared page's length (``PreemptFlag``)
+# The direct calls answered, per class (real-time, then best-effort): a block of
+# ``CALL_WORDS`` words each (``CallWord``, then one failure count per ``FAIL_STATUSES``).
+# Triton's statistics of a call (``inference_stats``) are read from them, so a direct call
+# is counted once, by the worker that answered it, with the times it measured.
+CALLS_OFFSET = 1024
 
 
 class Word(IntEnum):
@@ -66,6 +73,64 @@ _SIZE = struct.Struct("=qq")
 # The words a direct batch's answers count, in the order the compiled lane takes them (``lane_counts``)
 _ANSWER_WORDS = tuple(int(w) for w in (Word.IN_FLIGHT_RT, Word.IN_FLIGHT_BE, Word.ANSWERED, Word.BUSY_NS,
                                        Word.BATCHES, Word.SAMPLES, Word.SLO_MET, Word.SLO_MISSED))
+
+
+class CallWord(IntEnum):
+    """A class's block of call words (u64, in the page at ``CALLS_OFFSET``). The compiled
+    lane counts the first seven in this order and sets LAST_MS (``_directlane.c``, ``finish``)."""
+
+    OK = 0  # calls answered with their result
+    SAMPLES = 1  # their samples (Triton's inference_count: a hole's rows are not a call's)
+    OK_NS = 2  # their durations, header in to answer out
+    QUEUE_NS = 3  # header in to their batch's start
+    INPUT_NS = 4  # their inputs' preparation (0 here: a payload is received into its rows)
+    INFER_NS = 5  # their batch's model run
+    OUTPUT_NS = 6  # their batch's outputs copied into the answer rows
+    LAST_MS = 7  # when the last of them was answered (ms since the epoch: Triton's last_inference)
+    FAIL_NS = 8  # calls answered with an error: their durations (counts by status follow)
+
+
+# A failed call is counted by its status: one word per status past the block's CallWords
+FAIL_STATUSES = tuple(Status)
+CALL_WORDS = len(CallWord) + len(FAIL_STATUSES)
+_FAIL_AT = {status: len(CallWord) + i for i, status in enumerate(FAIL_STATUSES)}
+_CALLS = struct.Struct(f"={CALL_WORDS}q")
+_ANSWERED_CALLS = struct.Struct(f"={int(CallWord.FAIL_NS)}q")  # the words answered calls count and set
+_CALL_AT = (CALLS_OFFSET, CALLS_OFFSET + _CALLS.size)  # each class's block (indexed by the class: it is per batch)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectCalls:
+    """One class's direct calls as a worker answered them (its ``CallWord`` block), or a sum."""
+
+    ok: int = 0
+    samples: int = 0
+    ok_ns: int = 0
+    queue_ns: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    last_ms: int = 0
+    fail_ns: int = 0
+    failures: tuple[int, ...] = (0,) * len(FAIL_STATUSES)  # by status, in ``FAIL_STATUSES``' order
+
+    @classmethod
+    def from_words(cls, words: tuple[int, ...]) -> "DirectCalls":
+        head = len(CallWord)
+        return cls(*words[:head], tuple(words[head:]))
+
+    def __add__(self, other: "DirectCalls") -> "DirectCalls":
+        head = [a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1])]
+        head[CallWord.LAST_MS] = max(self.last_ms, other.last_ms)  # a time, not a count
+        return DirectCalls(*head, tuple(a + b for a, b in zip(self.failures, other.failures)))
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures)
+
+    def failures_by_status(self) -> dict[Status, int]:
+        """The failed calls by status (those with any)."""
+        return {s: n for s, n in zip(FAIL_STATUSES, self.failures) if n}
 
 
 # The word that counts each SLO outcome of a direct call.
@@ -116,6 +181,29 @@ def add_sizes(a: dict[int, tuple[int, int]], b: dict[int, tuple[int, int]]) -> d
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class DirectTally:
+    """All one worker's page says (or a sum of several): its counters, its batches by size
+    (size -> (batches, ns they ran)) and its answered calls per class (real-time, best-effort).
+    The one read of the direct path that statistics and metrics take."""
+
+    counts: DirectCounts = DirectCounts()
+    sizes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    calls: tuple[DirectCalls, DirectCalls] = (DirectCalls(), DirectCalls())
+
+    def __add__(self, other: "DirectTally") -> "DirectTally":
+        return DirectTally(self.counts + other.counts, add_sizes(self.sizes, other.sizes),
+                           (self.calls[0] + other.calls[0], self.calls[1] + other.calls[1]))
+
+    def finished(self) -> "DirectTally":
+        """What stays counted once the worker is gone (``DirectCounts.finished``)."""
+        return replace(self, counts=self.counts.finished())
+
+    def all_calls(self) -> DirectCalls:
+        """Both classes' calls summed."""
+        return self.calls[0] + self.calls[1]
+
+
 class WorkerCounters:
     """The counters in ``page`` (a worker's preemption page, mapped by both processes)."""
 
@@ -133,6 +221,7 @@ class WorkerCounters:
     def reset(self) -> None:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
         self._bytes[:] = bytes(_MINE_BYTES)
+        self.page[CALLS_OFFSET : CALLS_OFFSET + 2 * _CALLS.size] = bytes(2 * _CALLS.size)
         self.page[SIZES_OFFSET:PAGE_BYTES] = bytes(PAGE_BYTES - SIZES_OFFSET)
         self._dirty = True
         self.flush()
@@ -180,13 +269,34 @@ class WorkerCounters:
         _SIZE.pack_into(self.page, at, n + 1, ns + busy_ns)
         self.flush()
 
+    def calls_answered(self, cls: int, calls: int, samples: int, ok_ns: int, queue_ns: int, infer_ns: int,
+                       output_ns: int) -> None:
+        """Worker: ``calls`` of class ``cls`` (0 real-time, 1 best-effort) were answered with
+        their results: their ``samples``, durations and queue waits summed, and their batch's
+        model run and output copy once per call (as Triton counts a call's batch). In the
+        page at once, before their answers leave (``answered``'s rule), with the time they were."""
+        at = _CALL_AT[cls]
+        ok, n, ok0, queue0, input0, infer0, output0, last = _ANSWERED_CALLS.unpack_from(self.page, at)
+        _ANSWERED_CALLS.pack_into(self.page, at, ok + calls, n + samples, ok0 + ok_ns, queue0 + queue_ns, input0,
+                                  infer0 + infer_ns * calls, output0 + output_ns * calls,
+                                  time.time_ns() // 1_000_000 if calls else last)
+
+    def call_failed(self, cls: int, status: Status, ns: int) -> None:
+        """Worker: a call of class ``cls`` was answered with an error of ``status``, ``ns``
+        after its header came (in the page at once)."""
+        at = _CALL_AT[cls]
+        for word, n in ((_FAIL_AT[status], 1), (CallWord.FAIL_NS, ns)):
+            v = _U64.unpack_from(self.page, at + 8 * word)[0]
+            _U64.pack_into(self.page, at + 8 * word, v + n)
+
     def lane_counts(self) -> tuple:
         """Where the compiled lane (``_directlane.Lane``) counts calls as ``accepted`` and
         batches as ``answered`` do: the words, the page, their offset there, the words a
         batch's answers count, the RECEIVED word, the ADMIT word (read in the page) and
-        where the batches are counted by size."""
+        where the batches are counted by size and the calls per class (``CallWord``, a class's block
+        ``CALL_WORDS`` long)."""
         return (self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS, int(Word.RECEIVED), int(Word.ADMIT),
-                SIZES_OFFSET)
+                SIZES_OFFSET, CALLS_OFFSET, CALL_WORDS)
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""
@@ -226,6 +336,11 @@ class WorkerCounters:
 
     def snapshot(self) -> DirectCounts:
         return DirectCounts(*_ZEROS.unpack_from(self.page, COUNTERS_OFFSET))
+
+    def tally(self) -> DirectTally:
+        """Front end: all the page says, in one read."""
+        calls = tuple(DirectCalls.from_words(_CALLS.unpack_from(self.page, at)) for at in _CALL_AT)
+        return DirectTally(self.snapshot(), self.batch_sizes(), calls)  # type: ignore[arg-type]
 
     def batch_sizes(self) -> dict[int, tuple[int, int]]:
         """The direct batches run so far by size: size -> (batches, ns they ran)."""

@@ -27,7 +27,8 @@ its calls are ``worker/direct_conn.py``'s; this module holds the endpoint and it
 A request whose payload is still arriving when its batch starts is moved aside (one copy
 of what came so far), finishes arriving there and takes rows in the next batch (a second
 copy); its rows in the batch that runs are a hole, computed and ignored (samples are
-independent). A misbehaving peer costs only its own connection: a frame incomplete
+independent): that batch's size counts them, and only the batch that answers the call
+counts its samples (Triton's inference_count counts a call's samples once). A misbehaving peer costs only its own connection: a frame incomplete
 ``frame_timeout_s`` after its first byte closes it; reading pauses at a frame boundary
 while it has ``max_in_flight`` calls unanswered or ``out_high_water`` bytes unsent, or
 while the worker holds the front end's admission limit of calls; past ``max_pending_out``
@@ -261,6 +262,7 @@ class DirectServer:
     def _answer_error(self, call: _Call, error: SplitServeError) -> None:
         self._drop(call)
         self.counters.add(Word.FAILED)
+        self.counters.call_failed(call.cls, error.status, time.monotonic_ns() - call.t_rx_ns)
         self._count_slo(call, 0, error)
         self.counters.flush()
         call.conn.send_error(call.req_id, self.spec.func_id, error)
@@ -475,7 +477,7 @@ class DirectServer:
         func_id, headers, out_bytes = self.spec.func_id, self.headers, self.out_bytes
         outs = list(zip(self.out_flat[cls], self.out_sizes))
         answers: dict[_Conn, list] = {}
-        answered = 0
+        answered = samples = rx_ns = 0
         for c in calls:
             conn = c.conn
             if conn.closed:
@@ -495,6 +497,11 @@ class DirectServer:
             if c.slo_ns:
                 self._count_slo(c, t2, None)
             answered += 1
+            samples += c.count
+            rx_ns += c.t_rx_ns
+        # each call's duration and queue wait from its header in (before its batch began)
+        self.counters.calls_answered(cls, answered, samples, answered * t2 - rx_ns, answered * t0 - rx_ns, t1 - t0,
+                                     t2 - t1)
         self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():

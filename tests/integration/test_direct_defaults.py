@@ -89,7 +89,7 @@ def test_a_client_that_cannot_reach_the_workers_ports_is_answered_through_the_fr
             async with AsyncClient(f"tcp://127.0.0.1:{front[1]}") as ac:
                 np.testing.assert_allclose(await ac.infer("lenet", xs[0]), want[0], rtol=1e-4, atol=1e-5)
                 held_direct = ac.direct_endpoints("lenet")
-            return got + more, held_async, held_sync, held_direct, rt.direct_counts()
+            return got + more, held_async, held_sync, held_direct, rt.direct_tally().counts
         finally:
             fwd.close()
 
@@ -119,9 +119,9 @@ def test_a_model_used_only_directly_is_the_memory_managers_most_recent_not_its_f
             while ac.direct_endpoints(names[0]) == 0:  # looked up again once its endpoint is offered
                 await ac.infer(names[0], xs)
                 await asyncio.sleep(0.01)
-            received = rt.direct_counts().received
+            received = rt.direct_tally().counts.received
             await ac.infer(names[0], xs)
-            assert rt.direct_counts().received == received + 1  # straight to the worker
+            assert rt.direct_tally().counts.received == received + 1  # straight to the worker
             await until(lambda: server.memory.status()["lru"][-1] == names[0])
             await server.infer(names[2], [xs])
             status = server.memory.status()
@@ -168,10 +168,10 @@ def test_packrats_estimator_observes_direct_arrivals(tmp_path):
         async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
             await ac.infer("lenet_pk", xs)
             assert ac.direct_endpoints("lenet_pk") > 0  # loaded at start: direct from the first call
-            before = rt.direct_counts().received
+            before = rt.direct_tally().counts.received
             calls = [asyncio.ensure_future(ac.infer("lenet_pk", xs)) for _ in range(64)]
             await asyncio.gather(*calls)
-            assert rt.direct_counts().received == before + 64
+            assert rt.direct_tally().counts.received == before + 64
             await until(lambda: estimator.ewma is not None)
         return estimator.ewma, rt.stats.success
 
@@ -197,12 +197,12 @@ def test_a_direct_batch_starts_as_the_models_timeout_policy_says(tmp_path):
             await ac.lookup("lenet_t")
             assert ac.direct_endpoints("lenet_t") == 1
             first = [asyncio.ensure_future(ac.infer("lenet_t", xs[j])) for j in range(3)]
-            await until(lambda: rt.direct_counts().received == 3)
-            held = rt.direct_counts()
+            await until(lambda: rt.direct_tally().counts.received == 3)
+            held = rt.direct_tally().counts
             pending = not any(f.done() for f in first)
             last = await ac.infer("lenet_t", xs[3])
             got = [await f for f in first] + [last]
-        return held, pending, got, rt.direct_counts()
+        return held, pending, got, rt.direct_tally().counts
 
     held, pending, got, after = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     assert held.batches == 0 and held.in_flight_rt + held.in_flight_be == 3 and pending
@@ -239,7 +239,7 @@ def test_a_model_whose_worker_holds_a_direct_call_is_not_evicted_under_it(tmp_pa
             gates.open(5)
             answer = await held
             await waiting  # the load that waited for the room: told once the direct call ended
-        return residency, answer, server.runtime("gate").direct_counts(), server.memory.status()
+        return residency, answer, server.runtime("gate").direct_tally().counts, server.memory.status()
 
     try:
         residency, answer, counts, status = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))

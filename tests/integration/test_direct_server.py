@@ -1,13 +1,14 @@
 """What the direct path gives a client on the server's defaults, checked on one real server
-(its models in worker processes) shared by the module: the Triton statistics count direct
-calls, each model's batching policy holds on the direct path, and a worker's endpoint takes
-only what the front end would."""
+(its models in worker processes) shared by the module: the Triton statistics and /metrics
+count direct calls (answered and failed), each model's batching policy holds on the direct
+path, and a worker's endpoint takes only what the front end would."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,11 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import Client
 from splitserve.client.aio import AsyncClient
-from splitserve.errors import Status
+from splitserve.errors import Status, WorkerFailed
 from splitserve.models.gate import Gates
 from splitserve.protocol.header import Header, Kind
 from splitserve.server.app import Server
@@ -34,6 +36,9 @@ GATES = {"gnone": 'policy = "none"', "gwc": 'policy = "work_conserving"'}  # gat
 # full batch (4 samples) is released
 ADAPTIVE = ("vadapt", 'max_batch_size = 4\n[batching]\npolicy = "adaptive"\nquantum_ms = 60000.0\n'
                       'rule = "fixed"\nthreshold_cap = 2')
+# vecadd1k declared with 512 output elements: its 1024 cannot fit, so each call fails in the worker
+HALF = ("vhalf", '[[inputs]]\nname = "a"\ndatatype = "FP32"\nshape = [1024]\n[[inputs]]\nname = "b"\n'
+                 'datatype = "FP32"\nshape = [1024]\n[[outputs]]\nname = "sum"\ndatatype = "FP32"\nshape = [512]\n')
 
 
 class Node:
@@ -49,6 +54,14 @@ class Node:
         r.raise_for_status()
         return r.json()["model_stats"][0]
 
+    def metrics(self, model: str, path: str) -> dict[tuple[str, tuple], float]:
+        """``model``'s series of ``path`` on /metrics: (name, its other labels) -> value."""
+        r = self.http.get("/metrics")
+        r.raise_for_status()
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "path")))): s.value
+                for f in text_string_to_metric_families(r.text) for s in f.samples
+                if s.labels.get("model") == model and s.labels.get("path") == path}
+
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
@@ -56,7 +69,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     for name, policy in GATES.items():
         write_model(base / "repo", name, "gate", f"[batching]\n{policy}")
     write_model(base / "repo", ADAPTIVE[0], "vecadd1k", ADAPTIVE[1])
-    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL, *GATES, ADAPTIVE[0]),
+    write_model(base / "repo", HALF[0], "vecadd1k", HALF[1])
+    config = quiet_config(base / "data", cache_dir=base / "cache", load=(MODEL, *GATES, ADAPTIVE[0], HALF[0]),
                           repository=base / "repo",
                           ).replaced(http_port=0, fast_port=0)
     with server_in_thread(config, "direct-server") as server:
@@ -77,11 +91,31 @@ def _batches(s: dict[str, Any]) -> dict[int, int]:
     return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in s["batch_stats"]}
 
 
+def _grown(after: dict[str, Any], before: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``inference_stats`` of ``after`` less ``before``: name -> (count, ns)."""
+    a, b = after["inference_stats"], before["inference_stats"]
+    return {k: (int(a[k]["count"]) - int(b[k]["count"]), int(a[k]["ns"]) - int(b[k]["ns"])) for k in a}
+
+
+def _total(series: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s series whose labels include ``labels`` (over classes, statuses)."""
+    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def _counters(node: Node, model: str, path: str) -> tuple[float, float, float]:
+    """``model``'s requests answered, samples and batches on /metrics for ``path``."""
+    m = node.metrics(model, path)
+    return (_total(m, "splitserve_requests_total"), _total(m, "splitserve_inference_count_total"),
+            _total(m, "splitserve_execution_count_total"))
+
+
 def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     """Calls on the direct path (a default client, one at a time: one batch each) count in
     ``inference_count``, ``execution_count`` and ``batch_stats`` as front-end calls do, and
     the batches by size still add up to the execution count."""
     before = node.stats(MODEL)
+    direct0, front0 = _counters(node, MODEL, "direct"), _counters(node, MODEL, "front")
+    started_ms = time.time_ns() // 1_000_000
     with Client(node.url) as c:
         for i in range(9):
             _call(c, MODEL, 1 + i % 3)
@@ -93,6 +127,19 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     assert grown == {1: 3, 2: 3, 3: 3}
     assert sum(_batches(s).values()) == int(s["execution_count"])
     assert all(int(b["compute_infer"]["ns"]) > 0 for b in s["batch_stats"])
+    # each call once in inference_stats, with the worker's times: its duration is its queue
+    # wait, its batch's model run and its output copy (one call a batch: the batch's run)
+    calls = _grown(s, before)
+    assert {k: n for k, (n, _) in calls.items()} == {"success": 9, "fail": 0, "queue": 9, "compute_input": 9,
+                                                     "compute_infer": 9, "compute_output": 9}
+    assert calls["success"][1] == calls["queue"][1] + calls["compute_infer"][1] + calls["compute_output"][1]
+    assert calls["compute_infer"][1] == sum(int(b["compute_infer"]["ns"]) for b in s["batch_stats"]) - \
+        sum(int(b["compute_infer"]["ns"]) for b in before["batch_stats"])
+    assert int(s["last_inference"]) >= started_ms  # the last of them, as its worker stamped it
+    # and /metrics: the per-model counters under path="direct", the front end's unchanged
+    direct = _counters(node, MODEL, "direct")
+    assert [a - b for a, b in zip(direct, direct0)] == [9, 18, 9]
+    assert _counters(node, MODEL, "front") == front0
     # front-end calls count in the same figures
     with Client(node.url, direct=False) as c:
         _call(c, MODEL, 2)
@@ -101,6 +148,26 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     assert int(after["execution_count"]) - int(s["execution_count"]) == 1
     assert _batches(after)[2] - _batches(s)[2] == 1
     assert sum(_batches(after).values()) == int(after["execution_count"])
+    assert _grown(after, s)["success"][0] == 1
+    assert [a - b for a, b in zip(_counters(node, MODEL, "front"), front0)] == [1, 2, 1]
+    assert _counters(node, MODEL, "direct") == direct
+
+
+def test_a_direct_call_the_model_fails_counts_as_a_failure(node: Node) -> None:
+    """A model error answered to a direct client by its worker is one failure in the
+    statistics (with its duration) and one WORKER_FAILED on /metrics under path="direct"."""
+    before = node.stats(HALF[0])
+    failures = _total(node.metrics(HALF[0], "direct"), "splitserve_request_failures_total", status="WORKER_FAILED")
+    with Client(node.url) as c, pytest.raises(WorkerFailed, match="'vhalf' raised"):
+        c.infer(HALF[0], samples(MODEL, 1))
+    s = node.stats(HALF[0])
+    assert s["direct"]["failed"] - before["direct"]["failed"] == 1  # its worker answered it
+    calls = _grown(s, before)
+    assert calls["fail"][0] == 1 and calls["fail"][1] > 0 and calls["success"] == (0, 0)
+    assert int(s["inference_count"]) == int(before["inference_count"])
+    assert s["last_inference"] == before["last_inference"]  # a call answered with its result sets it
+    after = _total(node.metrics(HALF[0], "direct"), "splitserve_request_failures_total", status="WORKER_FAILED")
+    assert after - failures == 1
 
 
 def _rx_queued(port: int) -> int:

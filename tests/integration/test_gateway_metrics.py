@@ -49,5 +49,6 @@ def test_the_gateways_metrics_have_its_own_series_and_each_nodes_labelled_with_i
     assert value("splitserve_gateway_node_health", node="node-1", market="on-demand", state="alive") == 1
     assert value("splitserve_gateway_scrape_errors_total", node="silent-node") == 1
     # the node's own, labelled with its node and market; nothing from the silent one
-    assert value("splitserve_requests_total", model="lenet", node="node-1", market="on-demand", **{"class": "rt"}) == 1
+    assert value("splitserve_requests_total", model="lenet", node="node-1", market="on-demand", path="front",
+                 **{"class": "rt"}) == 1
     assert not [k for k in samples if ("node", "silent-node") in k[1] and not k[0].startswith("splitserve_gateway")]

@@ -244,7 +244,7 @@ def test_statistics_and_metrics(http):
     assert http.get("/v2/models/nope/stats").status_code == 404
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert 'splitserve_requests_total{class="be",model="lenet"}' in r.text
+    assert 'splitserve_requests_total{class="be",model="lenet",path="front"}' in r.text
     assert 'splitserve_instances{model="lenet"} 1.0' in r.text
 
 

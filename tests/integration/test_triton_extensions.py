@@ -175,6 +175,32 @@ def test_statistics_add_up_to_each_calls_duration_less_the_measured_gaps(node: N
     assert abs(delta["success"] - parts - gaps_ns) <= 4 * len(calls), (delta, gaps_ns)
 
 
+def test_tritonclient_reads_direct_calls_in_the_statistics_over_http_and_grpc(node: Node) -> None:
+    """Calls a worker answered straight to its client (the default client's path) are in the
+    statistics both Triton clients read, each once, with the worker's times: a direct call's
+    duration is exactly its queue wait, its batch's model run and its output copy."""
+    def read() -> list[dict]:
+        return [node.http.get_inference_statistics(MODEL)["model_stats"][0],
+                node.grpc.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]]
+
+    rt = node.server.runtime(MODEL)
+    before, answered = read(), rt.direct_tally().counts.answered
+    with Client(f"tcp://127.0.0.1:{node.server.ports['fast_port']}") as c:
+        for i in range(4):  # one at a time: a batch each
+            c.infer(MODEL, samples(MODEL, 1 + i % 2))
+    assert rt.direct_tally().counts.answered - answered == 4  # they went direct
+    for b, a in zip(before, read()):
+        delta = {k: (_count(a["inference_stats"][k]) - _count(b["inference_stats"].get(k, {})),
+                     _ns(a["inference_stats"][k]) - _ns(b["inference_stats"].get(k, {}))) for k in a["inference_stats"]}
+        assert {k: n for k, (n, _) in delta.items()} == {"success": 4, "fail": 0, "queue": 4, "compute_input": 4,
+                                                         "compute_infer": 4, "compute_output": 4}
+        assert delta["success"][1] == sum(delta[k][1] for k in ("queue", "compute_input", "compute_infer",
+                                                                   "compute_output")) > 0
+        # (gRPC's JSON leaves out a count that is 0)
+        assert int(a["inference_count"]) - int(b.get("inference_count", 0)) == 6
+        assert int(a["execution_count"]) - int(b.get("execution_count", 0)) == 4
+
+
 # -- trace extension -----------------------------------------------------------------------------
 
 def test_trace_settings_read_and_written_over_http_and_grpc(node: Node, spans: InMemorySpanExporter) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import mmap
 import select
 import socket
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
-from splitserve.worker.counters import PAGE_BYTES, WorkerCounters
+from splitserve.worker.counters import PAGE_BYTES, DirectCalls, WorkerCounters
 from splitserve.worker.direct import _IN_FLIGHT, DirectServer
 from splitserve.worker.direct_conn import _Call
 from splitserve.worker.poller import Poller
@@ -110,6 +112,7 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
     the batch, and whether some connection's answers waited for its socket."""
     conns, calls, closed, waiting, small, cls, seed = batch
     ep = _Endpoint(root, compiled, conns)
+    t_ms = time.time_ns() // 1_000_000
     try:
         d = ep.server
         rng = np.random.default_rng(seed)
@@ -140,7 +143,11 @@ def _answer(root: Path, compiled: bool, batch) -> tuple[list[bytes], tuple, list
             d._answer(cls, made, row, T0, T1, T2)
         ids = [set(conn.ids) for conn in ep.conns]
         queued = any(conn.out for conn in ep.conns)
-        return ep.drain(), (d.counters.snapshot(), WorkerCounters(ep.flag.page).batch_sizes()), ids, queued
+        page = WorkerCounters(ep.flag.page).tally()
+        # when its calls were answered (a wall-clock stamp: both paths' differ), then the counts
+        assert all(bool(c.last_ms >= t_ms) == bool(c.ok) for c in page.calls)
+        return ep.drain(), (d.counters.snapshot(), page.sizes, tuple(replace(c, last_ms=0) for c in page.calls)), \
+            ids, queued
     finally:
         ep.close()
 
@@ -152,7 +159,7 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     python = _answer(tmp_path, False, batch)
     assert compiled == python
     conns, calls, closed, waiting, _, cls, _ = batch
-    sent, (counts, by_size), ids, _ = python
+    sent, (counts, by_size, by_class), ids, _ = python
     # and what the Python path wrote is each open connection's calls, in order, with their rows
     for j in range(conns):
         data = sent[j]
@@ -177,6 +184,15 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     assert (counts.slo_met, counts.slo_missed) == (slo.count(1), slo.count(2))
     # the batch counted by its size (rows), with the time it ran, in the page as by both paths
     assert by_size == {sum(count for _, _, count, _ in calls): (1, T1 - T0)}
+    # and its answered calls in their class's block: their samples, durations, queue waits,
+    # and the batch's model run and output copy once per call
+    mine = by_class[int(cls)]
+    assert by_class[1 - int(cls)] == DirectCalls()
+    t_rx = [T0 - 1000 * (i + 1) for i, (j, *_) in enumerate(calls) if j not in closed]
+    assert (mine.ok, mine.samples) == (answered, sum(c for j, _, c, _ in calls if j not in closed))
+    assert (mine.ok_ns, mine.queue_ns) == (sum(T2 - t for t in t_rx), sum(T0 - t for t in t_rx))
+    assert (mine.input_ns, mine.infer_ns, mine.output_ns) == (0, answered * (T1 - T0), answered * (T2 - T1))
+    assert mine.failed == mine.fail_ns == 0
 
 
 @st.composite
@@ -273,3 +289,39 @@ def test_outputs_copies_cpu_tensors_of_the_declared_dtype_and_size_and_declines_
         assert lane.outputs(0, 2, acts) is False
     with pytest.raises(ValueError):
         lane.outputs(0, MAX_BATCH + 1, (y, z))
+
+
+def _outputs(cls, acts, first, n):
+    """The model's outputs for a batch of ``n`` (the direct path's ``SegmentRunner``): zeros of CFG's outputs."""
+    return None, (torch.zeros(n, 300), torch.zeros(n, 5, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_late_payloads_rows_count_in_its_batchs_size_and_its_samples_once(tmp_path, compiled):
+    """A call whose payload is still coming when its batch starts leaves a hole there (rows
+    computed and ignored) and is answered by the next batch: the first batch's size counts
+    the hole, the call's samples count once, when it is answered."""
+    ep = _Endpoint(tmp_path, compiled, 3)
+    try:
+        d = ep.server
+        frames = [(0, 2), (1, 1), (2, 1)]  # (connection, samples): connection 1's payload comes in two parts
+        for j, count in frames:
+            payload = np.arange(2 * count, dtype=np.float32).tobytes()
+            frame = Header(Kind.REQUEST, req_id=10 + j, func_id=1, cls=RequestClass.RT,
+                           payload_len=len(payload)).pack() + payload
+            ep.clients[j].sendall(frame[:-4] if j == 1 else frame)
+            ep.conns[j].on_event(select.EPOLLIN)
+        assert [(c.row, c.count) for c in d.placed[0]] == [(0, 2), (2, 1), (3, 1)]
+        d.run_one(_outputs)  # rows 0..3, row 2 a hole: connection 1's call is moved aside
+        ep.clients[1].sendall(np.float32(1).tobytes())
+        ep.conns[1].on_event(select.EPOLLIN)
+        d.run_one(_outputs)  # it runs alone, from aside
+        answers = [unpack_header(b[:HEADER_SIZE]) for b in ep.drain()]
+        assert [(h.kind, h.req_id, h.payload_len) for h in answers] == [(Kind.RESPONSE, 10 + j, c * ANSWER)
+                                                                         for j, c in frames]
+        page = WorkerCounters(ep.flag.page).tally()
+        assert {size: n for size, (n, _) in page.sizes.items()} == {4: 1, 1: 1}
+        assert page.counts.samples == 5  # the rows the model ran, the hole's included
+        assert (page.calls[0].ok, page.calls[0].samples) == (3, 4)  # each call's samples, once
+    finally:
+        ep.close()

@@ -143,10 +143,13 @@ def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_sta
                          *_counts())
     with pytest.raises(ValueError, match="one buffer per tensor"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows(), *_counts())
-    words, page, offset, slots, received, admit, by_size = _counts()
+    words, page, offset, slots, received, admit, by_size, calls, call_words = _counts()
     with pytest.raises(ValueError, match="slot outside"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
-                         (*slots[:7], len(words)), received, admit, by_size)
+                         (*slots[:7], len(words)), received, admit, by_size, calls, call_words)
+    with pytest.raises(ValueError, match="int64"):  # a call block too short for the words a call counts and sets
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
+                         slots, received, admit, by_size, calls, 7)
     with pytest.raises(ValueError):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows(), *_counts())
     lane, _ = _lane(False, RequestClass.RT)

@@ -148,6 +148,46 @@ def test_direct_slo_outcomes_join_the_slo_metric_and_tally_once_each():
     assert 'splitserve_slo_requests_total{class="rt",model="m",outcome="met"} 4.0' in text
 
 
+def test_direct_calls_join_the_per_model_counters_under_path_direct_once_each():
+    """A scrape adds what the workers' pages counted since the last one to the counters a
+    user sums per model, labelled ``path="direct"``; the front end's stay ``path="front"``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from splitserve.errors import Status, WorkerFailed
+    from splitserve.server.metrics import Metrics, ModelGauges
+    from splitserve.worker.counters import FAIL_STATUSES, DirectCalls, DirectTally
+
+    def tally(ok: int, samples: int, failed: int, batches: int) -> DirectTally:
+        fails = tuple(failed if s is Status.WORKER_FAILED else 0 for s in FAIL_STATUSES)
+        return DirectTally(DirectCounts(batches=batches), {},
+                           (DirectCalls(), DirectCalls(ok=ok, samples=samples, failures=fails)))
+
+    def scrape(t: DirectTally) -> dict:
+        m.refresh([ModelGauges("m", {}, 1, False, t)])
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+    class _Call:  # what a front-end call's metrics read (``server.monitor.Call``)
+        cls, count, t_ready, t_rx, t_dispatch, t_work, compute_ns = RequestClass.BE, 2, 0.0, 0.0, 0.0, 0.001, 1000
+
+    m = Metrics()
+    m.observe_call("m", _Call(), None)
+    m.observe_call("m", _Call(), WorkerFailed("x"))
+    scrape(tally(3, 5, 1, 2))
+    got = scrape(tally(3, 5, 1, 2))  # read again: nothing new
+    be = (("class", "be"), ("model", "m"))
+    assert got[("splitserve_requests_total", (*be, ("path", "direct")))] == 3
+    assert got[("splitserve_requests_total", (*be, ("path", "front")))] == 1
+    assert got[("splitserve_inference_count_total", (*be, ("path", "direct")))] == 5
+    assert got[("splitserve_inference_count_total", (*be, ("path", "front")))] == 2
+    fail = (*be, ("path", "direct"), ("status", "WORKER_FAILED"))
+    assert got[("splitserve_request_failures_total", fail)] == 1
+    assert got[("splitserve_execution_count_total", (("model", "m"), ("path", "direct")))] == 2
+    got = scrape(tally(1, 1, 0, 1))  # a new runtime's pages: counted afresh
+    assert got[("splitserve_requests_total", (*be, ("path", "direct")))] == 4
+    assert got[("splitserve_execution_count_total", (("model", "m"), ("path", "direct")))] == 3
+
+
 def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_instances():
     """Under load a reloaded model's second instance may serve after the client's lookup: a route
     holding one of two instances' connections must be looked up again (it stayed at one forever)."""

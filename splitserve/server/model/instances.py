@@ -31,7 +31,7 @@ from splitserve.server.model.queues import ModelQueues
 from splitserve.memory.footprints import MemoryFootprint
 from splitserve.server.model.env import InstanceWorker
 from splitserve.server.ports import ModelState
-from splitserve.worker.counters import DirectCounts, add_sizes
+from splitserve.worker.counters import DirectTally
 from splitserve.worker.messages import DoneMsg, LoadedMsg, UnloadedMsg
 from splitserve.worker.pool import Residency as WorkerResidency
 from splitserve.worker.spec import BindSpec, DirectSpec
@@ -62,8 +62,7 @@ class Instances:
         self._weights: dict[int, int] = {}  # bytes of the weights each resident instance holds
         # Direct calls (ServerConfig.transports.fast_direct) counted by workers this model no longer
         # holds; the live ones are read from their pages.
-        self._direct_past = DirectCounts()
-        self._direct_sizes_past: dict[int, tuple[int, int]] = {}  # gone workers' direct batches by size
+        self._direct_past = DirectTally()
         # a GPU model's copy counts and partitions (None on the CPU)
         self.gpu = GpuStats() if core.config.device.startswith("cuda") else None
         # instance -> the port of its worker's TCP direct endpoint (from LOADED; the OS picks it)
@@ -259,7 +258,7 @@ class Instances:
         return [f"tcp://{netloc}:{port}" for i in self._direct_instances()
                 if (port := self._direct_tcp_ports.get(i)) is not None]
 
-    def direct_counts(self) -> DirectCounts:
+    def direct_tally(self) -> DirectTally:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all
         zero while the direct path is off). Their SLO outcomes join the model's SLO metric
         and statistics here, so every read of the statistics or the metrics sees them."""
@@ -267,17 +266,8 @@ class Instances:
         if not self.core.settings.transports.fast_direct:
             return total
         for handle in self.workers.values():
-            total = total + handle.counters.snapshot()
-        self.core.env.metrics.count_direct_slo(self.name, total.slo())
-        return total
-
-    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
-        """Direct batches of this model so far by size (size -> (batches, ns they ran)):
-        workers gone, plus the live ones' pages (empty while the direct path is off)."""
-        total = self._direct_sizes_past
-        if self.core.settings.transports.fast_direct:
-            for handle in self.workers.values():
-                total = add_sizes(total, handle.counters.batch_sizes())
+            total = total + handle.counters.tally()
+        self.core.env.metrics.count_direct_slo(self.name, total.counts.slo())
         return total
 
     def gpu_stats(self) -> dict | None:
@@ -294,8 +284,7 @@ class Instances:
         TCP endpoint is gone."""
         self._direct_tcp_ports.pop(instance, None)
         if self.core.settings.transports.fast_direct:
-            self._direct_past = self._direct_past + handle.counters.snapshot().finished()
-            self._direct_sizes_past = add_sizes(self._direct_sizes_past, handle.counters.batch_sizes())
+            self._direct_past = self._direct_past + handle.counters.tally().finished()
 
     # -- WorkerOwner (the worker handles) ----------------------------------------------------
 

@@ -34,7 +34,7 @@ from splitserve.server.model.residency import ModelResidency
 from splitserve.server.monitor import Call
 from splitserve.server.model.env import RuntimeEnv
 from splitserve.server.ports import ModelState, ModelStats
-from splitserve.worker.counters import DirectCounts
+from splitserve.worker.counters import DirectTally
 
 
 class ModelRuntime:
@@ -161,7 +161,7 @@ class ModelRuntime:
             # the same workers' TCP endpoints, for clients that reach the node over TCP (a
             # key of its own: clients that know only ``direct`` keep using the Unix ones)
             "direct_tcp": inst.direct_tcp_endpoints(),
-            "direct_counts": inst.direct_counts().to_dict(),
+            "direct_counts": inst.direct_tally().counts.to_dict(),
             # a GPU model's partitions and copies per batch (None on the CPU)
             "gpu": inst.gpu_stats(),
         }
@@ -206,11 +206,8 @@ class ModelRuntime:
     def placement(self) -> dict[str, Any]:
         return self.placements.describe()
 
-    def direct_counts(self) -> DirectCounts:
-        return self.instances.direct_counts()
-
-    def direct_batch_sizes(self) -> dict[int, tuple[int, int]]:
-        return self.instances.direct_batch_sizes()
+    def direct_tally(self) -> DirectTally:
+        return self.instances.direct_tally()
 
     def gauges(self) -> ModelGauges:
         """Live state for the metrics' gauges."""
@@ -218,7 +215,7 @@ class ModelRuntime:
         return ModelGauges(
             self.name, {c: len(q) for c, q in core.sched.queues.items()},
             sum(1 for st in core.sched.instances.values() if st.ready and not st.draining),
-            core.state is ModelState.FAILED, self.direct_counts() if core.settings.transports.fast_direct else None)
+            core.state is ModelState.FAILED, self.direct_tally() if core.settings.transports.fast_direct else None)
 
     def kill_workers(self, reason: str) -> None:
         """Kill every worker now (the node exits without draining)."""
