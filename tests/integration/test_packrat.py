@@ -54,52 +54,6 @@ def run(tmp_path: Path, scenario, **config):
     return run_server(quiet_config(data, repository=tmp_path / "repo", load=("lenet_pk",)).replaced(**config), scenario)
 
 
-def test_direct_clients_follow_a_reconfiguration_with_each_call_answered_once_and_right(tmp_path):
-    """Clients on the defaults call the workers directly; a repack replaces every instance
-    (new workers, new endpoints): each call gets its own input's answer, none is lost, and the
-    clients are on the new instances' endpoints afterwards."""
-    async def scenario(server):
-        rt = server.runtime("lenet_pk")
-        url = f"tcp://127.0.0.1:{server.ports['fast_port']}"
-        images = [np.full((1, 1, 28, 28), 40 * i, np.uint8) for i in range(4)]
-        want = [(await server.infer("lenet_pk", [x])).outputs[0] for x in images]
-        stop = asyncio.Event()
-        results: list[str] = []
-        clients = [await AsyncClient(url).connect() for _ in images]
-
-        async def client(i: int) -> None:
-            while not stop.is_set():
-                try:
-                    got = await clients[i].infer("lenet_pk", images[i])
-                    results.append("ok" if np.allclose(got, want[i], atol=1e-5) else "wrong")
-                except Exception as e:  # any failure is what this test is about
-                    results.append(f"{type(e).__name__}: {e}")
-                    await asyncio.sleep(0.01)  # a failure raised before any await must not starve the loop
-
-        async def answered(n: int) -> None:
-            await asyncio.wait_for(until(lambda: len(results) >= n), 60)
-
-        try:
-            tasks = [asyncio.ensure_future(client(i)) for i in range(len(images))]
-            await answered(20)
-            direct_before = [c.direct_endpoints("lenet_pk") for c in clients]
-            steps = [await rt.repack(4), await rt.repack(16)]
-            await answered(len(results) + 40)  # on the final shape
-            # calling on, they look up again while they hold fewer connections than offered
-            await asyncio.wait_for(until(lambda: all(c.direct_endpoints("lenet_pk") for c in clients)), 30)
-            stop.set()
-            await asyncio.gather(*tasks)
-            return results, direct_before, steps
-        finally:
-            for c in clients:
-                await c.close()
-
-    results, direct_before, steps, = run(tmp_path, scenario, fast_port=0)
-    assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:3]
-    assert all(direct_before), direct_before  # they were calling the workers directly before the change
-    assert [s["batch"] for s in steps] == [4, 16]
-
-
 def allowed_cpus(pid: int) -> set[int]:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Cpus_allowed_list:"):
@@ -127,42 +81,60 @@ def test_thin_instances_are_pinned_to_disjoint_cores(tmp_path):
     assert out.outputs[0].shape == (16, 10)
 
 
-def test_reconfiguration_under_a_steady_stream_loses_no_request(tmp_path):
+def test_reconfiguration_under_a_steady_stream_loses_no_request_in_process_or_direct(tmp_path):
+    """In-process calls and clients on the defaults (they call the workers directly) beside
+    them; two repacks replace every instance (new workers, new direct endpoints): each call
+    gets its own input's answer, none is lost, and the direct clients are on the new
+    instances' endpoints afterwards."""
     async def scenario(server):
         rt = server.runtime("lenet_pk")
+        url = f"tcp://127.0.0.1:{server.ports['fast_port']}"
+        images = [np.full((1, 1, 28, 28), 40 * i, np.uint8) for i in range(4)]
+        want = [(await server.infer("lenet_pk", [x])).outputs[0] for x in images]
         stop = asyncio.Event()
         results: list[str] = []
+        direct = [await AsyncClient(url).connect() for _ in images]
 
-        async def client(seed: int) -> None:
-            rng = np.random.default_rng(seed)
+        async def call(i: int, infer) -> None:
             while not stop.is_set():
-                x = rng.integers(0, 255, (1, 1, 28, 28), dtype=np.uint8)
                 try:
-                    out = await server.infer("lenet_pk", [x])
-                    results.append("ok" if out.outputs[0].shape == (1, 10) else "bad")
+                    got = await infer(images[i])
+                    results.append("ok" if np.allclose(got, want[i], atol=1e-5) else "wrong")
                 except Exception as e:  # any failure is what this test is about
                     results.append(f"{type(e).__name__}: {e}")
                     await asyncio.sleep(0.01)  # a failure raised before any await must not starve the loop
 
-        async def answered(n: int) -> None:  # the clients run: n calls have come back
-            deadline = asyncio.get_running_loop().time() + 60
-            while len(results) < n:
-                assert asyncio.get_running_loop().time() < deadline, f"{len(results)} of {n} calls answered"
-                await asyncio.sleep(0.005)
+        async def in_process(x):
+            return (await server.infer("lenet_pk", [x])).outputs[0]
 
-        clients = [asyncio.ensure_future(client(i)) for i in range(4)]
-        await answered(20)
-        # Both switch inside the model's 2-core budget, one instance at a time (a rolling change).
-        steps = [await rt.repack(4), await rt.repack(16)]
-        await answered(len(results) + 20)  # and they still run on the final shape
-        stop.set()
-        await asyncio.gather(*clients)
+        def of(c: AsyncClient):
+            return lambda x: c.infer("lenet_pk", x)
+
+        async def answered(n: int) -> None:  # the clients run: n calls have come back
+            await asyncio.wait_for(until(lambda: len(results) >= n), 60)
+
+        try:
+            clients = [asyncio.ensure_future(call(i, in_process)) for i in range(len(images))]
+            clients += [asyncio.ensure_future(call(i, of(c))) for i, c in enumerate(direct)]
+            await answered(20)
+            direct_before = [c.direct_endpoints("lenet_pk") for c in direct]
+            # Both switch inside the model's 2-core budget, one instance at a time (a rolling change).
+            steps = [await rt.repack(4), await rt.repack(16)]
+            await answered(len(results) + 40)  # and they still run on the final shape
+            # calling on, the direct clients look up again while they hold fewer connections than offered
+            await asyncio.wait_for(until(lambda: all(c.direct_endpoints("lenet_pk") for c in direct)), 30)
+            stop.set()
+            await asyncio.gather(*clients)
+        finally:
+            for c in direct:
+                await c.close()
         final = [(rt.resources.placed(rt.name, i).threads, rt.sched.instances[i].max_batch)
                  for i in rt.sched.serving()]
-        return results, steps, final, server.monitor.in_flight
+        return results, direct_before, steps, final, server.monitor.in_flight
 
-    results, steps, final, in_flight = run(tmp_path, scenario)
+    results, direct_before, steps, final, in_flight = run(tmp_path, scenario, fast_port=0)
     assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:3]
+    assert all(direct_before), direct_before  # they were calling the workers directly before the change
     assert in_flight == 0
     assert steps[0]["shapes"] == [(1, 2), (1, 2)] and steps[0]["batch"] == 4 and steps[0]["start_s"] > 0
     assert steps[1]["shapes"] == [(1, 8), (1, 8)] and steps[1]["batch"] == 16
