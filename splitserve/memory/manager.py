@@ -112,6 +112,9 @@ class ResidentModel(Protocol):
     def release_parked(self) -> None:
         """The pinned tier dropped it: the workers that parked its weights release them."""
 
+    def weights_parked(self) -> bool:
+        """Some worker holds its weights in page-locked host memory now (parked)."""
+
     def refuse_load(self, reason: str) -> Sequence[Report]:
         """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
 
@@ -238,7 +241,7 @@ class MemoryManager:
         e = self.cache.entry(model.name)
         was = e.residency
         self.cache.released(model.name, disabled=not model.enabled)
-        if not model.enabled:  # unloaded: its workers stopped, parked copies with them
+        if not model.weights_parked():  # unloaded (workers stopped), or a worker could not park: nothing held
             self.tier.forget(model.name)
         self._load_began.pop(model.name, None)
         self.metrics.model_resident_bytes.labels(model.name).set(0)

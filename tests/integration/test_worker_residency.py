@@ -193,9 +193,13 @@ def test_inproc_park_keeps_the_binding_with_its_weights_in_host_memory_and_the_n
             assert (done.kind, done.batch_id, done.segments_run) == (Msg.DONE, 2, w.model.num_segments)
             np.testing.assert_array_equal(q.out(5, 3), want)  # the batch that brought the weights back
             assert w.bound is not None and w.bound.parked is None  # after its answer the host copy went
-            q.out(5, 3)[:] = 0
-            assert DoneMsg.unpack(ask(w, sock, RunMsg(BE, 3, 5, 3).pack())).kind == Msg.DONE
-            np.testing.assert_array_equal(q.out(5, 3), want)
+            for bid in (3, 4):  # served as before; then parked and reloaded once more
+                q.out(5, 3)[:] = 0
+                assert DoneMsg.unpack(ask(w, sock, RunMsg(BE, bid, 5, 3).pack())).kind == Msg.DONE
+                np.testing.assert_array_equal(q.out(5, 3), want)
+                if bid == 3:
+                    assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.PARK]))).parked_bytes == parked.parked_bytes
+                    assert LoadedMsg.unpack(ask(w, sock, bytes([Msg.RELOAD]))).binding == 1
             # RELOAD with nothing parked fails as a LOAD would, and leaves the worker unbound and usable
             failed = FailedMsg.unpack(ask(w, sock, bytes([Msg.RELOAD])))
             assert (failed.op, failed.ident) == (Msg.LOAD, 1) and "no parked model" in failed.text

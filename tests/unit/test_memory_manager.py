@@ -27,6 +27,8 @@ class FakeModel:
     instance_count: int = 1
     device: dict[str, int] = field(default_factory=dict)  # partition UUID -> device bytes
     pinned_bytes: int = 0  # what parking its weights takes (0: a CPU model)
+    parks: bool = True  # its workers manage to park when asked
+    parked: bool = False
 
     @property
     def footprint(self) -> MemoryFootprint:
@@ -46,6 +48,7 @@ class FakeModel:
 
     def begin_load(self) -> list[Report]:
         self.calls.append("load")
+        self.parked = False  # reloaded: the host copy goes
         self.state = "loading"
         return []
 
@@ -54,9 +57,14 @@ class FakeModel:
 
     def release_parked(self) -> None:
         self.calls.append("drop parked")
+        self.parked = False
+
+    def weights_parked(self) -> bool:
+        return self.parked
 
     def release_residency(self, park: bool = False) -> list[Report]:
         self.calls.append("park" if park else "release")
+        self.parked = park and self.parks
         if self.state in ("cold", "evicting"):
             return []
         self.state = "evicting"
@@ -259,8 +267,20 @@ def test_a_parked_model_a_call_waits_for_is_never_dropped_and_an_unload_forgets_
     assert a.calls[-1] == "park" and mm.status()["pinned_tier"] == ["a"]
     a.finish_eviction()
     b.finish_load()
-    a.enabled = False  # an operator's unload stops its workers, parked copy and all
+    a.enabled, a.parked = False, False  # an operator's unload stops its workers, parked copy and all
     a.state = "evicting"
     mm.evicting(a)
     a.finish_eviction()
     assert mm.status()["pinned_tier"] == [] and mm.status()["models"]["a"]["residency"] == "UNLOADED"
+
+
+def test_a_model_whose_workers_could_not_park_leaves_the_tier_when_its_eviction_ends():
+    mm, _ = manager(device_budget_bytes=100, pinned_tier_bytes=100)
+    a, b = _gpu_models(mm, "a", "b")
+    a.parks = False  # e.g. page-locking failed: the worker released the model as UNLOAD does
+    mm.request(a, False)
+    a.finish_load()
+    mm.request(b, False)
+    assert a.calls == ["load", "park"] and mm.status()["pinned_tier"] == ["a"]  # offered, in flight
+    a.finish_eviction()
+    assert mm.status()["pinned_tier"] == [] and mm.status()["pinned_tier_bytes"] == 0

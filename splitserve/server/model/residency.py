@@ -133,6 +133,9 @@ class ModelResidency:
                 per[uuid] = per.get(uuid, 0) + 1
         return core.footprint.device_charge(per)
 
+    def weights_parked(self) -> bool:
+        return any(h.residency is WorkerResidency.PARKED for h in self.core.workers.values())
+
     def pinned_charge(self) -> int:
         core = self.core
         if not core.config.device.startswith("cuda"):
