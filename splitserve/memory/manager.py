@@ -226,7 +226,8 @@ class MemoryManager:
         self.cache.loaded(model.name, nbytes, model.device_charge())
         self.metrics.model_resident_bytes.labels(model.name).set(nbytes)
         if first:
-            self.tier.forget(model.name)  # reloaded (or loaded anew): the workers free the pinned copy after its first batch
+            # reloaded (or loaded anew): the workers free the pinned copy after its first batch
+            self.tier.forget(model.name)
             began = self._load_began.pop(model.name, None)
             if began is not None:
                 seconds = self.clock() - began

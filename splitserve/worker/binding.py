@@ -215,7 +215,8 @@ class Binding:
         self.parked, self.reloaded = None, False
         gc.collect()
         if self.gpu is not None:
-            empty_host = getattr(torch._C, "_host_emptyCache", None)  # the caching host allocator keeps freed pinned blocks
+            # the caching host allocator keeps freed page-locked blocks until told
+            empty_host = getattr(torch._C, "_host_emptyCache", None)
             if empty_host is not None:
                 empty_host()
             self._capture_graphs()

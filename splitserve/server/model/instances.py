@@ -97,7 +97,8 @@ class Instances:
         if self.core.env.devices is not None:
             self.core.env.devices.release(self.name, iid)
         parked = self.workers.get(iid)
-        if parked is not None and parked.residency is WorkerResidency.PARKED:  # nobody would reload or release it
+        if parked is not None and parked.alive and parked.residency is WorkerResidency.PARKED:
+            # nobody would reload or release it now
             parked.kill(f"model {self.name!r}: instance {iid} was removed while its weights were parked")
         for d in (self.workers, self._backoff, self.start_failures, self._weights):
             d.pop(iid, None)
