@@ -383,6 +383,18 @@ def test_a_worker_process_binds_a_model_serves_it_unloads_and_serves_another(tmp
                 h.send_load(resnet.bind())
             await run_and_check(owner, h, lenet, batch_id=1)
 
+            # parked and reloaded in the same process: the binding (and its mappings) stay
+            with pytest.raises(RuntimeError, match="nothing to reload"):
+                h.send_reload()
+            assert h.send_unload(park=True) and h.residency is Residency.UNLOADING
+            parked = await owner.next("unloaded")
+            assert parked.binding == loaded.binding and parked.parked_bytes == param_bytes("lenet")
+            assert h.residency is Residency.PARKED and h.binding == loaded.binding and not h.ready
+            assert mentions(own("maps", pid), lenet.tag) == 2 * 2 * 2
+            assert h.send_reload() and h.residency is Residency.LOADING
+            assert (await owner.next("loaded")).binding == loaded.binding and h.ready
+            await run_and_check(owner, h, lenet, batch_id=10)  # the batch that copies the weights back
+
             assert (await unload(owner, h)).binding == loaded.binding
             assert not mentions(own("maps", pid), lenet.tag)  # the rings are unmapped ...
             assert not mentions(own("fd", pid), lenet.tag)  # ... and their memfds closed
