@@ -2,7 +2,7 @@
 one-byte kind, over a SOCK_SEQPACKET socketpair. Tensor data never travels here.
 
 The serving messages (RUN, DONE, PREEMPTED) are fixed structs. The residency messages
-(LOAD, UNLOAD and their answers) are rare, so their bodies are JSON after a fixed head; a
+(LOAD, UNLOAD, PARK, RELOAD and their answers) are rare, so their bodies are JSON after a fixed head; a
 LOAD's queue memfds ride beside it as SCM_RIGHTS, and the weights are read by the worker
 from the artifact, never sent.
 """

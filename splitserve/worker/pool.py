@@ -5,7 +5,8 @@ the event loop watches. Messages arriving from the worker are handed to the owne
 callbacks; an EOF on the socket means the process died.
 
 A process outlives the models bound to it: ``send_load`` binds one (its queues and
-artifact), ``send_unload`` releases it, and ``residency`` says where the handle is in that
+artifact), ``send_unload`` releases it (or parks it: the weights kept in page-locked host
+memory until ``send_reload``), and ``residency`` says where the handle is in that
 cycle, so the owner never dispatches to an instance that is loading or unloading. Its
 owner changes too: a spare belongs to the node's ``SparePool`` (``worker/spares.py``)
 until a runtime takes it (``adopt``), and goes back to it after an UNLOAD.

@@ -3,7 +3,10 @@
 A worker is a process with a control socket and a preemption flag. It starts bound to
 nothing (a spare, on one thread); a model is *bound* to it by a LOAD
 (``worker/binding.py``), which also pins it to the instance's CPUs and threads, until an
-UNLOAD releases it, so one process can serve model A, then model B. While bound it
+UNLOAD releases it, so one process can serve model A, then model B. PARK keeps the binding
+with its weights only in page-locked host memory (the pinned host tier: its device memory
+goes back) and RELOAD serves it again, the next batch copying the weights back segment by
+segment as it runs (``worker/layer_reload.py``). While bound it
 serves RUN messages: the batch is a contiguous view of the input queue (no gather), the
 model runs segment by segment with a preemption check between segments, and outputs are
 written into the output queue at the same slots. Only small structs cross the control
