@@ -104,6 +104,7 @@ class WorkerHandle:
         # The binding the worker holds or is loading; LOADs number theirs from 1, so
         # answers can be checked against the request.
         self.binding: int | None = None
+        self.reloading = False  # the LOAD in flight is a RELOAD of parked weights
         self._last_binding = START_BINDING
         loop.add_reader(ours.fileno(), self._on_readable)
 
@@ -149,7 +150,7 @@ class WorkerHandle:
         except OSError:
             return False
         self.binding = self._last_binding
-        self.residency = Residency.LOADING
+        self.residency, self.reloading = Residency.LOADING, False
         return True
 
     def _fresh_flag(self) -> None:
@@ -184,7 +185,7 @@ class WorkerHandle:
             self.sock.send(bytes([Msg.RELOAD]))
         except OSError:
             return False
-        self.residency = Residency.LOADING
+        self.residency, self.reloading = Residency.LOADING, True
         return True
 
     def _on_readable(self) -> None:
@@ -222,7 +223,7 @@ class WorkerHandle:
         if self.residency is not Residency.LOADING or msg.binding != self.binding:
             log.error("worker %d loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
                       self.residency)
-        self.residency = Residency.BOUND
+        self.residency, self.reloading = Residency.BOUND, False
         self.binding = msg.binding
         self.owner.on_loaded(self.instance, msg)
 
@@ -249,7 +250,8 @@ class WorkerHandle:
                           self.residency)
             self.residency = Residency.UNBOUND
             self.binding = None
-            self.owner.on_load_failed(self.instance, msg.ident, msg.text)
+            self.owner.on_load_failed(self.instance, msg.ident, msg.text)  # ``reloading`` says which it was
+            self.reloading = False
 
     def _gone(self) -> None:
         """The control socket closed (on the loop): the process is exiting or gone.

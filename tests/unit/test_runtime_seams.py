@@ -104,6 +104,7 @@ class FakeWorker:
         self.unloads = 0
         self.parks = 0
         self.reloads = 0
+        self.reloading = False
 
     @property
     def ready(self) -> bool:
@@ -116,7 +117,7 @@ class FakeWorker:
     def send_load(self, bind: BindSpec) -> bool:
         assert self.residency is Residency.UNBOUND, f"LOAD sent to a {self.residency} worker"
         self.loads.append(bind)
-        self.residency, self.binding = Residency.LOADING, len(self.loads)
+        self.residency, self.binding, self.reloading = Residency.LOADING, len(self.loads), False
         return self.alive
 
     def send_unload(self, park: bool = False) -> bool:
@@ -130,7 +131,7 @@ class FakeWorker:
     def send_reload(self) -> bool:
         assert self.residency is Residency.PARKED, f"RELOAD sent to a {self.residency} worker"
         self.reloads += 1
-        self.residency = Residency.LOADING
+        self.residency, self.reloading = Residency.LOADING, True
         return self.alive
 
     def adopt(self, owner: Any, instance: int) -> None:
@@ -145,12 +146,13 @@ class FakeWorker:
         self.owner.on_ready(self.instance, {"pid": self.pid, "rss_anon": self.rss_anon_at_start})
 
     def loaded(self, nbytes: int = 4096) -> None:
-        self.residency = Residency.BOUND
+        self.residency, self.reloading = Residency.BOUND, False
         self.owner.on_loaded(self.instance, LoadedMsg(self.binding or 0, "double", nbytes, 2_000_000, 3, "cpu"))
 
     def load_failed(self, text: str) -> None:
         binding, self.binding, self.residency = self.binding or 0, None, Residency.UNBOUND
         self.owner.on_load_failed(self.instance, binding, text)
+        self.reloading = False
 
     def unloaded(self) -> None:
         binding, self.binding, self.residency = self.binding, None, Residency.UNBOUND
@@ -486,6 +488,26 @@ def test_an_eviction_that_parks_keeps_the_worker_and_the_next_call_reloads_it_th
         h.run_batch(worker)
     assert sorted(h.sink.answers) == [(1, bytes([2] * 4)), (2, bytes([4] * 4)), (3, bytes([6] * 4))]
     assert h.rt.state is ModelState.READY and h.rt.stats.loads == 2 and h.monitor.in_flight == 0
+
+
+def test_a_reload_that_fails_loads_the_weights_anew_in_the_same_process_and_the_call_is_answered(h):
+    h.call(1, bytes([1, 1, 1, 1]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    h.run_batch(worker)
+    h.rt.residency.begin_eviction(park=True)
+    worker.parked()
+    h.call(2, bytes([7, 7, 7, 7]))
+    h.loop.run()
+    assert worker.reloads == 1
+    worker.load_failed("ModelNotReady: no parked model to reload")
+    # not a failed start: the model stays LOADING, the same (now unbound) process gets a LOAD
+    assert h.rt.state is ModelState.LOADING and len(worker.loads) == 2 and worker.residency is Residency.LOADING
+    worker.loaded()
+    h.loop.run()
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([2] * 4)), (2, bytes([14] * 4))]
 
 
 def test_a_model_the_pinned_tier_drops_releases_its_parked_worker_and_loads_anew(h):

@@ -347,7 +347,11 @@ class Instances:
             return
         self.core.sched.set_residency(instance, Residency.ABSENT)
         self.dispatch.kick()
-        if self.core.running:
+        handle = self.workers.get(instance)
+        if self.core.running and handle is not None and handle.reloading:
+            log.warning("model %s: instance %d loads its weights anew", self.name, instance)
+            self.bind(instance)  # the worker is unbound and usable: the parked copy was all that failed
+        elif self.core.running:
             self._start_failed(instance, text, explained=True)
 
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
