@@ -218,6 +218,7 @@ class MemorySection(_Section):
     spare_workers: int = 1  # node-wide idle worker processes (torch imported) that a load binds
     recycle_slack_bytes: int = 32 << 20  # a worker this close to a fresh spare's anonymous RSS after UNLOAD is reused
     evict_drop_cache: bool = False  # drop an evicted model's weight file from the page cache (an honest disk tier)
+    pinned_tier_bytes: int = 4 << 30  # page-locked host bytes evicted GPU models' weights wait in (0: off; LRU)
 
     def checked(self) -> None:
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
@@ -226,9 +227,10 @@ class MemorySection(_Section):
             raise InvalidInput("device_budget_bytes must be at least 1 byte (leave it unset for no limit)")
         if self.max_resident_models is not None and self.max_resident_models < 1:
             raise InvalidInput("max_resident_models must be at least 1 (leave it unset for no limit)")
-        if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0:
-            raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers and recycle_slack_bytes at "
-                               "least 0")
+        if self.max_concurrent_loads < 1 or self.spare_workers < 0 or self.recycle_slack_bytes < 0 \
+                or self.pinned_tier_bytes < 0:
+            raise InvalidInput("max_concurrent_loads must be at least 1, spare_workers, recycle_slack_bytes and "
+                               "pinned_tier_bytes at least 0")
 
     @property
     def managed(self) -> bool:

@@ -35,7 +35,7 @@ class Step:
 
 
 STEPS = (
-    Step("tests/gpu", 140),
+    Step("tests/gpu", 145),
     Step("pinned-tier reload vs disk", 30, module="splitserve.bench.pinned_reload"),
     Step("rpc-tax (GPU compute)", 65, "rpc-tax",
          {"models": "resnet18_imagenet,resnet50_imagenet,bert_tiny", "transports": "tcp,direct,grpc,echo",

@@ -3,9 +3,11 @@ model's weights are not on the device" to "its first batch is answered".
 
 * **disk**: the weights file is dropped from the page cache, then the model is mapped from
   it (``load_zoo_model``), moved to the device and runs one batch;
-* **pinned**: the weights wait in page-locked host memory (``worker.layer_reload``); they
-  are copied back segment by segment on a copy stream while the batch runs on the segments
-  already there.
+* **pinned**: the path an evicted GPU model takes in the server: a worker's binding of the
+  model is parked (``Binding.park``: weights in page-locked host memory, device copies
+  freed, ``empty_cache``), then its first batch copies them back segment by segment on a
+  copy stream while it runs on the segments already there (``Binding.reload_run``), and
+  the host copy goes after the answer (``Binding.settle``, untimed).
 
 Each is run ``rounds`` times; the medians and their ratio are printed (goal: pinned at least
 3x faster, PipeSwitch/Rafiqi). Without CUDA it says so and exits 0. ``scripts/gpu-check``
@@ -38,42 +40,55 @@ def summarize(model: str, disk_s: Sequence[float], pinned_s: Sequence[float]) ->
             f"pinned tier {ratio:.2f}x faster than disk ({verdict} the {GOAL:g}x goal)"]
 
 
-def measure(model: str, rounds: int, batch: int, cache_dir: Path) -> tuple[list[float], list[float]]:
-    """Seconds per round from disk and from the pinned tier (CUDA only)."""
+def measure(model: str, rounds: int, batch: int, cache_dir: Path,
+            device: str = "cuda") -> tuple[list[float], list[float]]:
+    """Seconds per round from disk and from the pinned tier (``device`` is CUDA but for the
+    CPU test of this code)."""
     import torch
 
     from splitserve.memory.weights import drop_page_cache
+    from splitserve.modelconfig import ModelConfig
     from splitserve.models.catalog import zoo_entry, zoo_weights_path
     from splitserve.models.zoo import load_zoo_model
-    from splitserve.worker.layer_reload import CudaLanes, drop_device, pin_weights, reload_and_run
+    from splitserve.protocol.header import RequestClass
+    from splitserve.worker.binding import Binding
+    from splitserve.worker.spec import BindSpec
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     shape = zoo_entry(model).inputs[0].shape
-    x = torch.randn(batch, *shape, device="cuda")
+    x = torch.randn(batch, *shape, device=device)
     path = zoo_weights_path(model, 0, cache_dir)
     load_zoo_model(model, 0, cache_dir)  # writes the file once
     disk, pinned = [], []
-    with torch.no_grad():
+    with torch.inference_mode():
         for _ in range(rounds):
             if path is not None:
                 drop_page_cache(path)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
-            m = load_zoo_model(model, 0, cache_dir).cuda()
+            m = load_zoo_model(model, 0, cache_dir).to(device)
             m(x)
-            torch.cuda.synchronize()
+            sync()
             disk.append(time.perf_counter() - t0)
-        weights = pin_weights(m, lambda t: t.pin_memory())
-        compute = torch.cuda.Stream()
-        lanes = CudaLanes(torch.device("cuda"), compute)
+        del m
+    cfg = ModelConfig.from_dict({"name": model, "device": device, "cuda_graphs": "off", "max_batch_size": batch,
+                                 "artifact": {"kind": "zoo", "arch": model, "seed": 0}})
+    b = Binding(1, BindSpec(cfg.to_dict(), None, {}, cfg.capacity), cache_dir, 0.5)
+    try:
         for _ in range(rounds):
-            drop_device(weights)
-            torch.cuda.empty_cache()
-            torch.cuda.synchronize()
+            b.park()
+            sync()
             t0 = time.perf_counter()
-            compute.wait_stream(torch.cuda.current_stream())
-            reload_and_run(m, weights, lanes, (x,))
-            compute.synchronize()
+            with torch.inference_mode():
+                b.reload_run(RequestClass.RT, (x,))
+            sync()
             pinned.append(time.perf_counter() - t0)
+            b.settle()
+    finally:
+        b.close()
     return disk, pinned
 
 

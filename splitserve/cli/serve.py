@@ -29,7 +29,8 @@ PANELS = {None: "Node", "transports": "Transports (fast path, direct path)", "ba
 
 
 # options named otherwise than the field they set
-_FIELD_OF_OPTION = {"memory_budget": "memory_budget_bytes", "device_budget": "device_budget_bytes"}
+_FIELD_OF_OPTION = {"memory_budget": "memory_budget_bytes", "device_budget": "device_budget_bytes",
+                    "pinned_tier": "pinned_tier_bytes"}
 
 
 def serve(
@@ -53,6 +54,8 @@ def serve(
         None, help="Bytes resident models may take (2GiB, 512MiB, 500MB or bytes); the least recently used go."),
     device_budget: Optional[str] = typer.Option(
         None, help="Device bytes resident models may take on each GPU or MIG device (every instance's copy counted)."),
+    pinned_tier: Optional[str] = typer.Option(
+        None, help="Page-locked host bytes an evicted GPU model's weights wait in, for a fast reload (0: off)."),
     max_resident_models: Optional[int] = typer.Option(None, help="Models resident at once; more load on demand."),
     class_order: Optional[ClassOrder] = typer.Option(
         None, help="Which waiting request goes first: priority (rt, then be) or arrival (oldest, any class)."),
@@ -82,6 +85,7 @@ def serve(
                  log_level=log_level.upper() if log_level else None, max_resident_models=max_resident_models,
                  memory_budget_bytes=parse_bytes(memory_budget, "--memory-budget") if memory_budget else None,
                  device_budget_bytes=parse_bytes(device_budget, "--device-budget") if device_budget else None,
+                 pinned_tier_bytes=parse_bytes(pinned_tier, "--pinned-tier") if pinned_tier else None,
                  class_order=class_order, partitioning=partitioning, geometry=geometry,
                  strict_placement=strict_placement, fast_direct=fast_direct, zoo_device=zoo_device,
                  ts_inference_port=ts_inference_port, ts_management_port=ts_management_port, model_store=model_store,

@@ -16,6 +16,14 @@ applies and then plans again; it never calls back into a manager that is plannin
 metrics. Without a budget (``memory_budget_bytes`` and ``max_resident_models`` unset) it
 grants every request at once, as the node did before it had a manager, and logs nothing.
 
+An evicted GPU model whose weights fit the pinned host tier (``memory.host_tier.PinnedTier``,
+its own budget: ``pinned_tier_bytes``) is *parked*: its workers stay, holding the weights in
+page-locked host memory only, so its device bytes come back to the device budget and its
+next load is a reload from there (the first batch copies the weights back segment by
+segment as it runs), not a load from disk. What the tier drops to make room (least
+recently used) is released as any eviction; a model larger than the tier, and every CPU
+model, is released as before.
+
 A load's size is what its runtime knows (``ResidentModel.charge``: measured by its last
 load, or 0 when nothing is known); when the load measures more, the measured bytes replace
 the reservation at once and the next plan evicts least recently used models until the
@@ -34,6 +42,7 @@ from typing import Any, Protocol
 
 from splitserve.config import MemorySection
 from splitserve.memory.cache import HOLDING, Residency, ResidencyCache
+from splitserve.memory.host_tier import PinnedTier
 from splitserve.server.metrics import Metrics
 from splitserve.memory.footprints import MemoryFootprint
 
@@ -90,10 +99,21 @@ class ResidentModel(Protocol):
         """Load it now (the manager reserved its bytes); ends in the broker's ``loaded`` or
         ``load_failed`` (now: among the reports it returns)."""
 
-    def release_residency(self) -> Sequence[Report]:
+    def pinned_charge(self) -> int:
+        """Page-locked host bytes its weights take when parked (every instance's copy; 0: it
+        never parks, a CPU model)."""
+
+    def release_residency(self, park: bool = False) -> Sequence[Report]:
         """Start releasing its weights (calls keep queueing); ends in the broker's ``released``.
+        With ``park``, the workers keep them in page-locked host memory (the pinned tier).
         Empty if nothing was resident or loading, or it is being released already; else
         EVICTING first (and RELEASED when nothing was left to release)."""
+
+    def release_parked(self) -> None:
+        """The pinned tier dropped it: the workers that parked its weights release them."""
+
+    def weights_parked(self) -> bool:
+        """Some worker holds its weights in page-locked host memory now (parked)."""
 
     def refuse_load(self, reason: str) -> Sequence[Report]:
         """It can never fit: fail it (its waiting calls get MODEL_NOT_READY with ``reason``)."""
@@ -140,6 +160,7 @@ class MemoryManager:
         loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
         self.cache = ResidencyCache(config.memory_budget_bytes, config.max_resident_models, loads,
                                     config.device_budget_bytes)
+        self.tier = PinnedTier(config.pinned_tier_bytes)  # evicted GPU models' weights, page-locked
         self.metrics = metrics
         self._note = note
         self.spares = spares
@@ -205,6 +226,8 @@ class MemoryManager:
         self.cache.loaded(model.name, nbytes, model.device_charge())
         self.metrics.model_resident_bytes.labels(model.name).set(nbytes)
         if first:
+            # reloaded (or loaded anew): the workers free the pinned copy after its first batch
+            self.tier.forget(model.name)
             began = self._load_began.pop(model.name, None)
             if began is not None:
                 seconds = self.clock() - began
@@ -219,6 +242,8 @@ class MemoryManager:
         e = self.cache.entry(model.name)
         was = e.residency
         self.cache.released(model.name, disabled=not model.enabled)
+        if not model.weights_parked():  # unloaded (workers stopped), or a worker could not park: nothing held
+            self.tier.forget(model.name)
         self._load_began.pop(model.name, None)
         self.metrics.model_resident_bytes.labels(model.name).set(0)
         if was is Residency.EVICTING:
@@ -231,6 +256,7 @@ class MemoryManager:
         """``name`` was unregistered."""
         self.models.pop(name, None)
         self.cache.forget(name)
+        self.tier.forget(name)
         self._load_began.pop(name, None)
         self.last_load_ms.pop(name, None)
 
@@ -242,6 +268,7 @@ class MemoryManager:
     def status(self) -> dict[str, Any]:
         """``GET /v2/memory``: budget, reserved and resident bytes, LRU order, the load queue, and each model."""
         cache, now = self.cache, self.clock()
+        tier_held = self.tier.held()
         models = {}
         for name, e in sorted(cache.entries.items()):
             m = self.models.get(name)
@@ -256,6 +283,7 @@ class MemoryManager:
                 "reserved_bytes": e.charge if e.residency in HOLDING else 0,
                 "device_bytes": footprint.device_bytes if footprint is not None else 0,
                 "device_reserved_bytes": dict(e.device_charge) if e.residency in HOLDING else {},
+                "pinned_bytes": tier_held.get(name, 0),
                 "instances": m.instance_count if m is not None else 0,
                 "loads": e.loads, "evictions": e.evictions,
                 "last_load_ms": self.last_load_ms.get(name),
@@ -266,6 +294,8 @@ class MemoryManager:
             "budget_bytes": self.config.memory_budget_bytes, "max_resident_models": self.config.max_resident_models,
             "max_concurrent_loads": self.config.max_concurrent_loads, "reserved_bytes": cache.reserved,
             "device_budget_bytes": self.config.device_budget_bytes, "device_reserved_bytes": cache.device_reserved(),
+            "pinned_tier_budget_bytes": self.tier.budget, "pinned_tier_bytes": self.tier.used,
+            "pinned_tier": list(tier_held),
             "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
             "lru": cache.lru(),
             "loading": sorted(n for n, e in cache.entries.items() if e.residency is Residency.LOADING),
@@ -306,8 +336,10 @@ class MemoryManager:
         again = False
         for name in plan.evict:
             m = self.models[name]
-            log.info("memory: evicting %s (least recently used) to make room", name)
-            reports = m.release_residency()
+            park = self._offer_to_tier(m)
+            log.info("memory: evicting %s (least recently used) to make room%s", name,
+                     "; its weights wait in the pinned host tier" if park else "")
+            reports = m.release_residency(park)
             if not reports and not m.holds_memory():
                 reports = [Report(ReportKind.RELEASED)]  # it held nothing after all
             again = self._answered(m, reports) or again
@@ -320,3 +352,25 @@ class MemoryManager:
             self._event("load_start", name)
             again = self._answered(m, m.begin_load()) or again
         return again
+
+    # -- the pinned host tier ------------------------------------------------------------------
+
+    def _offer_to_tier(self, m: ResidentModel) -> bool:
+        """Whether the victim ``m`` parks its weights in the pinned tier; the models the tier
+        drops for it (least recently used, never one reloading now) release theirs."""
+        nbytes = m.pinned_charge()
+        if nbytes <= 0:
+            return False  # a CPU model, or one whose size is not known yet
+        # never dropped: copies in flight (reloading, parking now: nothing would free them) and
+        # models a call waits for (their load is the reload this tier is for)
+        reloading = [n for n, e in self.cache.entries.items()
+                     if e.residency in (Residency.LOADING, Residency.EVICTING) or e.wanted_since is not None]
+        offer = self.tier.offer(m.name, nbytes, self.clock(), reloading)
+        for name in offer.drop:
+            log.info("memory: the pinned host tier drops %s (least recently used) for %s", name, m.name)
+            dropped = self.models.get(name)
+            if dropped is not None:
+                dropped.release_parked()
+        if not offer.keep:
+            log.info("memory: %s is released, not parked: %s", m.name, offer.reason)
+        return offer.keep

@@ -359,6 +359,7 @@ class ModelMemory(BaseModel):
     last_used_s_ago: float | None
     device_bytes: int  # per GPU instance, measured at its load (0 on the CPU)
     device_reserved_bytes: dict[str, int]  # GPU partition UUID -> bytes held there, every instance's copy
+    pinned_bytes: int = 0  # page-locked host bytes its parked weights hold in the pinned tier (evicted GPU models)
 
 
 class Memory(BaseModel):
@@ -378,6 +379,9 @@ class Memory(BaseModel):
     models: dict[str, ModelMemory]
     device_budget_bytes: int | None  # per GPU partition (None: device memory unbudgeted)
     device_reserved_bytes: dict[str, int]  # GPU partition UUID -> bytes reserved there
+    pinned_tier_budget_bytes: int = 0  # page-locked host bytes evicted GPU models' weights may wait in
+    pinned_tier_bytes: int = 0  # what they hold now
+    pinned_tier: list[str] = []  # the models parked there, least recently used first
 
 
 class Stages(BaseModel):

@@ -579,7 +579,7 @@ class ModelManager:
                 "residency": "EVICTED", "reason": None, "weights_bytes": 0, "private_bytes": 0, "reserved_bytes": 0,
                 "instances": 0, "loads": 0, "evictions": 0, "last_load_ms": None,
                 "keep_resident": self.models.records[name].config.memory.keep_resident, "last_used_s_ago": None,
-                "device_bytes": 0, "device_reserved_bytes": {}})
+                "device_bytes": 0, "device_reserved_bytes": {}, "pinned_bytes": 0})
         return out
 
     def scheduler_events(self, since: float = 0.0, limit: int = 10000) -> dict:

@@ -29,11 +29,13 @@ from splitserve.models.handlers import with_handler
 from splitserve.models.loader import load_artifact
 from splitserve.models.segmented import SegmentedModel
 from splitserve.placement.devices import WORKER_DEVICE
+from splitserve.protocol.header import RequestClass
 from splitserve.tensorqueue import TensorQueue
 from splitserve.types import TensorSpec
 from splitserve.worker.device_memory import DeviceMemoryUse, TorchAllocator, load_charge
 from splitserve.worker.cuda import CudaDevice, GpuPath, capture_graphs, pin_queue, unpin_queue
 from splitserve.worker.launch import graph_sizes
+from splitserve.worker.layer_reload import CudaLanes, HostLanes, PinnedWeights, drop_device, pin_weights, reload_and_run
 from splitserve.worker.spec import BindSpec
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,11 @@ def _map(specs: Sequence[TensorSpec], fds: list[int], nslots: int) -> list[Tenso
     return out
 
 
+def _unpinned(t: torch.Tensor) -> torch.Tensor:
+    """A model on the CPU parks in ordinary host memory: nothing to page-lock for."""
+    return t
+
+
 class Binding:
     """A model resident in this worker (build it with the spec; ``close`` releases it)."""
 
@@ -124,6 +131,9 @@ class Binding:
         self.model: SegmentedModel | None = None
         self.restore: dict[int, Restore] = {}
         self.gpu: GpuPath | None = None  # the GPU batch path (None on the CPU)
+        # Parked: the weights live only here, in page-locked host memory, until a batch brings them back
+        self.parked: PinnedWeights | None = None
+        self.reloaded = False  # a batch brought the parked weights back: ``settle`` after its answer
         self._pinned: list[TensorQueue] = []
         try:
             self.cfg = ModelConfig.from_dict(spec.model)
@@ -152,16 +162,64 @@ class Binding:
             if spec.measure:
                 self._warm_up()
                 self.private_bytes = max(0, rss_anon() - anon0)
-            if self.gpu is not None:
-                capture_graphs(self.gpu, self.model, graph_sizes(self.cfg.cuda_graphs, self.nbytes,
-                                                                 self.cfg.max_batch_size),
-                               self._zeros, self.device)
+            self._capture_graphs()
             if device0 is not None and spec.measure:  # weights, warm-up activations, graph pools, allocator slack
                 self.device_bytes, self.device_slack_bytes = load_charge(
                     device0, DeviceMemoryUse.now(TorchAllocator(self.device)))
         except BaseException:
             self.close()
             raise
+
+    def _capture_graphs(self) -> None:
+        if self.gpu is not None and self.model is not None:
+            capture_graphs(self.gpu, self.model, graph_sizes(self.cfg.cuda_graphs, self.nbytes,
+                                                             self.cfg.max_batch_size),
+                           self._zeros, self.device)
+
+    # -- the pinned host tier --------------------------------------------------------------
+
+    def park(self) -> int:
+        """Keep the binding (queues, config, measured times) with its weights only in
+        page-locked host memory: their device copies, the CUDA graphs (which read the
+        weights where they were) and restore points go, and the device memory goes back to
+        the driver. The next batch brings the weights back (``reload_run``). The pinned bytes."""
+        assert self.model is not None
+        self.restore.clear()
+        if self.gpu is not None:
+            torch.cuda.synchronize(self.device)  # nothing may still read the weights or the graphs
+            self.gpu.graphs.clear()
+        if self.parked is None:  # parked again before a batch came: the pinned copy is still the weights
+            pin = torch.Tensor.pin_memory if self.device.type == "cuda" else _unpinned
+            self.parked = pin_weights(self.model, pin)
+        drop_device(self.parked)
+        self.reloaded = False
+        gc.collect()
+        if self.gpu is not None:
+            torch.cuda.empty_cache()
+        return self.parked.nbytes
+
+    def reload_run(self, cls: RequestClass, acts: tuple) -> tuple:
+        """A batch on a parked binding: the weights are copied back segment by segment while
+        ``acts`` (on the device already) runs on the class's stream, each segment starting as
+        soon as its own weights are there (``layer_reload.reload_and_run``); the outputs."""
+        assert self.model is not None and self.parked is not None
+        lanes = HostLanes() if self.gpu is None else CudaLanes(self.device, self.gpu.device.stream(cls))
+        out = reload_and_run(self.model, self.parked, lanes, acts)
+        self.reloaded = True
+        return out
+
+    def settle(self) -> None:
+        """After the reload batch was answered: the pinned copy goes (its copies are done:
+        the answer waited for the last segment, which waited for them) and, on a GPU, the
+        CUDA graphs are captured again over the weights' new addresses."""
+        self.parked, self.reloaded = None, False
+        gc.collect()
+        if self.gpu is not None:
+            # the caching host allocator keeps freed page-locked blocks until told
+            empty_host = getattr(torch._C, "_host_emptyCache", None)
+            if empty_host is not None:
+                empty_host()
+            self._capture_graphs()
 
     def _warm_up(self) -> None:
         """One batch of zeros at max_batch_size: the activations and scratch memory the
@@ -200,7 +258,7 @@ class Binding:
         memory: the queues must not stay pinned or mapped, and freed heap goes back to the
         system (glibc keeps it otherwise; on CUDA, torch's cache keeps device memory)."""
         self.restore.clear()
-        self.model = None
+        self.model, self.parked = None, None
         if self.gpu is not None:
             torch.cuda.synchronize(self.device)  # nothing may still read the queues or the graphs
             self.gpu = None

@@ -8,14 +8,15 @@ modules, each tensor an empty placeholder on the device). ``reload_and_run`` all
 tensor again, issues every segment's copies on the copy stream, one event after each
 segment's, and runs the first batch on the compute stream, each segment waiting (on the
 device, not in this thread) only for its own segment's event. The device is reached
-through ``Lanes``, a small seam: ``CudaLanes`` on a GPU; the CPU tests use a fake whose copy
-stream runs only as far as the compute stream has waited, which shows the pipelining.
+through ``Lanes``, a small seam: ``CudaLanes`` on a GPU, ``HostLanes`` where the model's
+device is host memory (every copy done when issued); the CPU tests also use a fake whose
+copy stream runs only as far as the compute stream has waited, which shows the pipelining.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +64,24 @@ class CudaLanes:
 
     def stream_wait(self, event: Any) -> None:
         torch.cuda.current_stream().wait_event(event)
+
+
+class HostLanes:
+    """``Lanes`` for a model on the CPU: one lane, every copy done when it is issued."""
+
+    copy = compute = None
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self) -> Any:
+        return None
+
+    def stream_wait(self, event: Any) -> None:
+        """Nothing to wait for: the copies are done."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 one-byte kind, over a SOCK_SEQPACKET socketpair. Tensor data never travels here.
 
 The serving messages (RUN, DONE, PREEMPTED) are fixed structs. The residency messages
-(LOAD, UNLOAD and their answers) are rare, so their bodies are JSON after a fixed head; a
+(LOAD, UNLOAD, PARK, RELOAD and their answers) are rare, so their bodies are JSON after a fixed head; a
 LOAD's queue memfds ride beside it as SCM_RIGHTS, and the weights are read by the worker
 from the artifact, never sent.
 """
@@ -23,6 +23,8 @@ class Msg(IntEnum):
     STOP = 2  # front end -> worker: exit after the current batch
     LOAD = 3  # front end -> worker: bind a model (LoadMsg; its queue memfds as SCM_RIGHTS)
     UNLOAD = 4  # front end -> worker: release the bound model, its queue mappings and memory
+    PARK = 5  # front end -> worker: keep the binding, its weights only in page-locked host memory (UNLOADED)
+    RELOAD = 6  # front end -> worker: serve the parked binding again (LOADED; its first batch copies the weights back)
     READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid, anonymous RSS)
     DONE = 11  # worker -> front end: batch finished
     FAILED = 12  # worker -> front end: a RUN or LOAD (or the start) failed (FailedMsg)
@@ -188,13 +190,17 @@ class LoadedMsg:
 class UnloadedMsg:
     """The worker released ``binding`` (None: nothing was bound, so nothing to release)
     and holds ``rss_anon`` bytes of anonymous memory now (what decides whether the process
-    is reused)."""
+    is reused). An answer to PARK with ``parked_bytes`` > 0 kept the binding, its weights
+    in that many bytes of page-locked host memory and none on its device; 0 released it
+    as UNLOAD does (nothing to park)."""
 
     binding: int | None
     rss_anon: int = 0
+    parked_bytes: int = 0
 
     def pack(self) -> bytes:
-        return _pack_json(Msg.UNLOADED, 0, {"binding": self.binding, "rss_anon": self.rss_anon})
+        return _pack_json(Msg.UNLOADED, 0, {"binding": self.binding, "rss_anon": self.rss_anon,
+                                             "parked_bytes": self.parked_bytes})
 
     @classmethod
     def unpack(cls, b: bytes | bytearray) -> "UnloadedMsg":

@@ -5,7 +5,8 @@ the event loop watches. Messages arriving from the worker are handed to the owne
 callbacks; an EOF on the socket means the process died.
 
 A process outlives the models bound to it: ``send_load`` binds one (its queues and
-artifact), ``send_unload`` releases it, and ``residency`` says where the handle is in that
+artifact), ``send_unload`` releases it (or parks it: the weights kept in page-locked host
+memory until ``send_reload``), and ``residency`` says where the handle is in that
 cycle, so the owner never dispatches to an instance that is loading or unloading. Its
 owner changes too: a spare belongs to the node's ``SparePool`` (``worker/spares.py``)
 until a runtime takes it (``adopt``), and goes back to it after an UNLOAD.
@@ -60,7 +61,8 @@ class Residency(StrEnum):
     UNBOUND = "unbound"  # no model: a RUN would be refused
     LOADING = "loading"  # LOAD sent; LOADED or FAILED not back yet
     BOUND = "bound"  # a model is resident and serves RUN
-    UNLOADING = "unloading"  # UNLOAD sent; UNLOADED not back yet
+    UNLOADING = "unloading"  # UNLOAD (or PARK) sent; UNLOADED not back yet
+    PARKED = "parked"  # the model stays bound, its weights in page-locked host memory only (RELOAD serves it again)
 
 
 class WorkerHandle:
@@ -102,6 +104,7 @@ class WorkerHandle:
         # The binding the worker holds or is loading; LOADs number theirs from 1, so
         # answers can be checked against the request.
         self.binding: int | None = None
+        self.reloading = False  # the LOAD in flight is a RELOAD of parked weights
         self._last_binding = START_BINDING
         loop.add_reader(ours.fileno(), self._on_readable)
 
@@ -139,11 +142,7 @@ class WorkerHandle:
         ``on_load_failed``; False if the worker is gone (its exit is being handled)."""
         if self.residency is not Residency.UNBOUND:
             raise RuntimeError(f"worker {self.pid} is {self.residency}, not unbound: it cannot load a model now")
-        # The flag outlives bindings, and batch ids are per model: a target or deadline left
-        # for the last model must not stop the next one's batches.
-        self.flag.clear()
-        self.flag.hold_direct(False)
-        self.flag.set_padding_deadline(0)
+        self._fresh_flag()
         self._last_binding += 1
         data, fds = LoadMsg(self._last_binding, bind).pack()
         try:
@@ -151,20 +150,42 @@ class WorkerHandle:
         except OSError:
             return False
         self.binding = self._last_binding
-        self.residency = Residency.LOADING
+        self.residency, self.reloading = Residency.LOADING, False
         return True
 
-    def send_unload(self) -> bool:
-        """Release the bound model's weights and queue mappings; the answer is
-        ``on_unloaded``. False if the worker is gone. Send it only with no batch running:
-        the worker answers in order, so a batch sent before still finishes first."""
-        if self.residency is not Residency.BOUND:
+    def _fresh_flag(self) -> None:
+        """The flag outlives bindings and parks, and batch ids are per binding: a target or
+        deadline left from before must not stop the next binding's batches."""
+        self.flag.clear()
+        self.flag.hold_direct(False)
+        self.flag.set_padding_deadline(0)
+
+    def send_unload(self, park: bool = False) -> bool:
+        """Release the bound (or parked) model's weights and queue mappings; with ``park``,
+        keep the binding, its weights in page-locked host memory only (the worker may still
+        release it: nothing to park). The answer is ``on_unloaded``. False if the worker is
+        gone. Send it only with no batch running: the worker answers in order, so a batch
+        sent before still finishes first."""
+        if self.residency is not Residency.BOUND and (park or self.residency is not Residency.PARKED):
             raise RuntimeError(f"worker {self.pid} is {self.residency}, not bound: nothing to unload")
         try:
-            self.sock.send(bytes([Msg.UNLOAD]))
+            self.sock.send(bytes([Msg.PARK if park else Msg.UNLOAD]))
         except OSError:
             return False
         self.residency = Residency.UNLOADING
+        return True
+
+    def send_reload(self) -> bool:
+        """Serve the parked model again; the answer is ``on_loaded`` (its first batch copies
+        the weights back as it runs) or ``on_load_failed`` (then unbound). False if gone."""
+        if self.residency is not Residency.PARKED:
+            raise RuntimeError(f"worker {self.pid} is {self.residency}, not parked: nothing to reload")
+        self._fresh_flag()
+        try:
+            self.sock.send(bytes([Msg.RELOAD]))
+        except OSError:
+            return False
+        self.residency, self.reloading = Residency.LOADING, True
         return True
 
     def _on_readable(self) -> None:
@@ -202,15 +223,17 @@ class WorkerHandle:
         if self.residency is not Residency.LOADING or msg.binding != self.binding:
             log.error("worker %d loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
                       self.residency)
-        self.residency = Residency.BOUND
+        self.residency, self.reloading = Residency.BOUND, False
         self.binding = msg.binding
         self.owner.on_loaded(self.instance, msg)
 
     def _on_unloaded(self, msg: UnloadedMsg) -> None:
         if self.residency is not Residency.UNLOADING:
             log.error("worker %d unloaded binding %s, which was not asked for", self.pid, msg.binding)
-        self.residency = Residency.UNBOUND
-        self.binding = None
+        if msg.parked_bytes > 0:
+            self.residency = Residency.PARKED
+        else:
+            self.residency, self.binding = Residency.UNBOUND, None
         self.owner.on_unloaded(self.instance, msg)
 
     def _on_failed(self, msg: FailedMsg) -> None:
@@ -227,7 +250,8 @@ class WorkerHandle:
                           self.residency)
             self.residency = Residency.UNBOUND
             self.binding = None
-            self.owner.on_load_failed(self.instance, msg.ident, msg.text)
+            self.owner.on_load_failed(self.instance, msg.ident, msg.text)  # ``reloading`` says which it was
+            self.reloading = False
 
     def _gone(self) -> None:
         """The control socket closed (on the loop): the process is exiting or gone.

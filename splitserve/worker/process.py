@@ -3,7 +3,10 @@
 A worker is a process with a control socket and a preemption flag. It starts bound to
 nothing (a spare, on one thread); a model is *bound* to it by a LOAD
 (``worker/binding.py``), which also pins it to the instance's CPUs and threads, until an
-UNLOAD releases it, so one process can serve model A, then model B. While bound it
+UNLOAD releases it, so one process can serve model A, then model B. PARK keeps the binding
+with its weights only in page-locked host memory (the pinned host tier: its device memory
+goes back) and RELOAD serves it again, the next batch copying the weights back segment by
+segment as it runs (``worker/layer_reload.py``). While bound it
 serves RUN messages: the batch is a contiguous view of the input queue (no gather), the
 model runs segment by segment with a preemption check between segments, and outputs are
 written into the output queue at the same slots. Only small structs cross the control
@@ -21,6 +24,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,7 +45,7 @@ from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, R
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.sched_class import set_idle
 from splitserve.worker.preempt_flag import PreemptFlag
-from splitserve.worker.spec import WorkerSpec
+from splitserve.worker.spec import DirectSpec, WorkerSpec
 
 log = logging.getLogger("splitserve.worker")
 
@@ -108,6 +112,7 @@ class Worker:
         self.spin = SpinPolicy(0)
         self.host = HostLoad()
         self.exiting = False  # a fatal CUDA error: answer, then exit (``cuda.fatal_cuda_error``)
+        self._direct_spec: DirectSpec | None = None  # the binding's endpoint, opened again by a RELOAD
 
     @property
     def model(self) -> SegmentedModel:
@@ -136,19 +141,50 @@ class Worker:
         self.bound = b = Binding(msg.binding, msg.bind, self.cache_dir, self.spec.segment_time_weight)
         if b.gpu is not None:  # the page counts this binding's copies from zero
             self._publish_gpu(b)
-        if msg.bind.direct is not None:
-            self.spin = SpinPolicy(msg.bind.direct.spin_us * 1000)
+        self._direct_spec = msg.bind.direct
+        return self._serve_binding(b)
+
+    def _serve_binding(self, b: Binding) -> LoadedMsg:
+        """Open the binding's direct endpoint (when its LOAD asked for one) and say it
+        serves; on failure the binding is released and the error raised."""
+        spec = self._direct_spec
+        if spec is not None:
+            self.spin = SpinPolicy(spec.spin_us * 1000)
             self.poller = Poller()
             try:
                 self.poller.register(self.ctrl.fileno(), select.EPOLLIN, None)
-                self.direct = DirectServer(msg.bind.direct, b.cfg, self.counters, self.poller, self._ring,
-                                           self._direct_stops)
+                self.direct = DirectServer(spec, b.cfg, self.counters, self.poller, self._ring, self._direct_stops)
             except BaseException:
                 self._close_direct()
                 self.bound = None
                 b.close()
                 raise
         return self._loaded(b, self.direct)
+
+    def park(self) -> UnloadedMsg:
+        """Keep the bound model with its weights in page-locked host memory only, its device
+        memory returned (``Binding.park``); its direct endpoint closes until RELOAD. Nothing
+        bound: as UNLOAD. A park that fails releases the binding as UNLOAD does."""
+        b = self.bound
+        if b is None:
+            return self.unload()
+        self._close_direct()
+        try:
+            nbytes = b.park()
+        except Exception:
+            log.exception("could not park model %s (binding %d); releasing it", b.cfg.name, b.ident)
+            return self.unload()
+        log.info("parked model %s (binding %d): %d B in page-locked host memory", b.cfg.name, b.ident, nbytes)
+        return UnloadedMsg(b.ident, rss_anon(), parked_bytes=nbytes)
+
+    def reload(self) -> LoadedMsg:
+        """Serve the parked binding again: its next batch copies the weights back, segment
+        by segment, while it runs. ModelNotReady if nothing is parked."""
+        b = self.bound
+        if b is None or b.parked is None:
+            raise ModelNotReady(f"worker {os.getpid()} has no parked model to reload")
+        # nothing was loaded or measured: the binding's load time and sizes stay what they were
+        return replace(self._serve_binding(b), load_ns=0, private_bytes=None, device_bytes=None)
 
     def unload(self) -> UnloadedMsg:
         """Release the bound model, its queue mappings and its memory (nothing bound: no-op),
@@ -212,6 +248,8 @@ class Worker:
         On the CPU every segment completes before the next check, so the restore point is
         exactly the boundary where it stopped and its time is the segment's real time. A GPU
         binding runs its own path (``worker/cuda.py``: launches ahead, GPU-timed)."""
+        if b.parked is not None:  # the first batch after a RELOAD brings the weights back as it runs
+            return None, b.reload_run(cls, acts)
         if b.gpu is not None:  # GPU path
             return b.gpu.segments(model, cls, acts, first, count, stop)
         for i in range(first, model.num_segments):
@@ -343,6 +381,7 @@ class Worker:
                 direct.sweep(now)
             if direct.ready():
                 direct.run_one(self.run_direct)
+                self._settle()
         self.counters.flush()  # what this turn counted, in the page before the loop waits
         return ctrl
 
@@ -352,6 +391,7 @@ class Worker:
         n, anc, flags, _ = self.ctrl.recvmsg_into(self._bufs, self._ancsize)
         if n >= RUN.size and self._buf[0] == Msg.RUN and not anc and not flags & _CUT:  # serving: keep it short
             self.ctrl.send(self._answer_run(RunMsg.unpack(self._buf)))
+            self._settle()
             return not self.exiting
         fds = _received_fds(anc) if anc else []
         if n == 0 and not fds:
@@ -370,6 +410,10 @@ class Worker:
             _close_all(fds)  # only a LOAD brings fds
             if kind == Msg.UNLOAD:
                 reply = self.unload().pack()
+            elif kind == Msg.PARK:
+                reply = self.park().pack()
+            elif kind == Msg.RELOAD:
+                reply = self._answer_reload()
             elif kind == Msg.RUN:
                 reply = (self._answer_run(RunMsg.unpack(self._buf)) if n >= RUN.size
                          else FailedMsg(Msg.RUN, 0, f"a RUN is {RUN.size} B, not {n}").pack())
@@ -377,7 +421,15 @@ class Worker:
                 log.error("unknown control message kind %d (%d B)", kind, n)
                 reply = FailedMsg(kind, 0, f"unknown control message kind {kind}").pack()
         self.ctrl.send(reply)
+        self._settle()
         return not self.exiting
+
+    def _settle(self) -> None:
+        """After a batch's answer: a binding that batch reloaded lets its pinned copy go (and
+        captures its graphs again), off the answer's way."""
+        b = self.bound
+        if b is not None and b.reloaded:
+            b.settle()
 
     def _answer_run(self, msg: RunMsg) -> bytes:
         try:
@@ -391,6 +443,17 @@ class Worker:
                 self.exiting = True
                 log.error("a CUDA error left this worker's context unusable: it exits after answering")
             return FailedMsg(Msg.RUN, msg.batch_id, _describe(e)).pack()
+
+    def _answer_reload(self) -> bytes:
+        """LOADED, or FAILED (as a LOAD's, for the binding): a reload that fails leaves the
+        worker unbound, and the front end's retry loads the model anew."""
+        ident = self.bound.ident if self.bound is not None else 0
+        try:
+            return self.reload().pack()
+        except Exception as e:
+            log.exception("RELOAD of binding %d failed", ident)
+            self.unload()
+            return FailedMsg(Msg.LOAD, ident, _describe(e)).pack()
 
     def _answer_load(self, data: memoryview, fds: list[int]) -> bytes:
         """LOADED, or FAILED with the error: a bad message or artifact fails this LOAD and

@@ -298,8 +298,10 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     assert all(ready)  # every copy is ready (served without an explicit load), resident or not
     assert set(status) == {"budget_bytes", "max_resident_models", "max_concurrent_loads", "reserved_bytes",
                            "resident_bytes", "lru", "loading", "load_queue", "spares", "loads", "evictions", "models",
-                           "device_budget_bytes", "device_reserved_bytes"}
+                           "device_budget_bytes", "device_reserved_bytes", "pinned_tier_budget_bytes",
+                           "pinned_tier_bytes", "pinned_tier"}
     assert status["device_reserved_bytes"] == {}  # CPU models hold no device memory
+    assert status["pinned_tier"] == [] and status["pinned_tier_bytes"] == 0  # and never park
     assert set(names) <= set(status["models"]) and set(status["models"][names[0]]) == {
         "residency", "reason", "weights_bytes", "private_bytes", "reserved_bytes", "instances", "loads", "evictions",
-        "last_load_ms", "keep_resident", "last_used_s_ago", "device_bytes", "device_reserved_bytes"}
+        "last_load_ms", "keep_resident", "last_used_s_ago", "device_bytes", "device_reserved_bytes", "pinned_bytes"}

@@ -169,6 +169,47 @@ def test_inproc_load_run_unload_maps_once_and_releases_every_fd_and_mapping(tmp_
         q.close()
 
 
+def test_inproc_park_keeps_the_binding_with_its_weights_in_host_memory_and_the_next_batch_reloads_them(tmp_path):
+    cfg = zoo("lenet")
+    q = Queues(cfg, "inproc-park")
+    try:
+        with unbound_worker(tmp_path) as (w, sock):
+            maps0 = mentions(own("maps"), q.tag)
+            data, fds = LoadMsg(1, q.bind()).pack()
+            LoadedMsg.unpack(ask(w, sock, data, fds))
+            x = sample(cfg, 3)
+            q.put(5, x)
+            assert DoneMsg.unpack(ask(w, sock, RunMsg(BE, 1, 5, 3).pack())).kind == Msg.DONE
+            want = q.out(5, 3).copy()
+            maps = mentions(own("maps"), q.tag)
+            parked = UnloadedMsg.unpack(ask(w, sock, bytes([Msg.PARK])))
+            assert parked.binding == 1 and parked.parked_bytes == param_bytes("lenet")
+            assert all(t.numel() == 0 for t in w.model.parameters())  # the model's own copies are freed
+            assert mentions(own("maps"), q.tag) == maps  # the binding stays: its queues stay mapped
+            reloaded = LoadedMsg.unpack(ask(w, sock, bytes([Msg.RELOAD])))
+            assert (reloaded.binding, reloaded.model, reloaded.load_ns, reloaded.private_bytes) == (1, "lenet", 0, None)
+            q.out(5, 3)[:] = 0
+            done = DoneMsg.unpack(ask(w, sock, RunMsg(BE, 2, 5, 3).pack()))
+            assert (done.kind, done.batch_id, done.segments_run) == (Msg.DONE, 2, w.model.num_segments)
+            np.testing.assert_array_equal(q.out(5, 3), want)  # the batch that brought the weights back
+            assert w.bound is not None and w.bound.parked is None  # after its answer the host copy went
+            for bid in (3, 4):  # served as before; then parked and reloaded once more
+                q.out(5, 3)[:] = 0
+                assert DoneMsg.unpack(ask(w, sock, RunMsg(BE, bid, 5, 3).pack())).kind == Msg.DONE
+                np.testing.assert_array_equal(q.out(5, 3), want)
+                if bid == 3:
+                    assert UnloadedMsg.unpack(ask(w, sock, bytes([Msg.PARK]))).parked_bytes == parked.parked_bytes
+                    assert LoadedMsg.unpack(ask(w, sock, bytes([Msg.RELOAD]))).binding == 1
+            # RELOAD with nothing parked fails as a LOAD would, and leaves the worker unbound and usable
+            failed = FailedMsg.unpack(ask(w, sock, bytes([Msg.RELOAD])))
+            assert (failed.op, failed.ident) == (Msg.LOAD, 1) and "no parked model" in failed.text
+            assert w.bound is None and mentions(own("maps"), q.tag) == maps0
+            nothing = UnloadedMsg.unpack(ask(w, sock, bytes([Msg.PARK])))  # nothing bound: nothing parks
+            assert (nothing.binding, nothing.parked_bytes) == (None, 0)
+    finally:
+        q.close()
+
+
 @contextmanager
 def bad_loads(q: Queues, tmp_path: Path) -> Iterator[dict[str, tuple[bytes, list[int]]]]:
     """LOADs a worker must refuse, by what is wrong with them (the fds stay open meanwhile)."""
@@ -341,6 +382,18 @@ def test_a_worker_process_binds_a_model_serves_it_unloads_and_serves_another(tmp
             with pytest.raises(RuntimeError, match="cannot load"):
                 h.send_load(resnet.bind())
             await run_and_check(owner, h, lenet, batch_id=1)
+
+            # parked and reloaded in the same process: the binding (and its mappings) stay
+            with pytest.raises(RuntimeError, match="nothing to reload"):
+                h.send_reload()
+            assert h.send_unload(park=True) and h.residency is Residency.UNLOADING
+            parked = await owner.next("unloaded")
+            assert parked.binding == loaded.binding and parked.parked_bytes == param_bytes("lenet")
+            assert h.residency is Residency.PARKED and h.binding == loaded.binding and not h.ready
+            assert mentions(own("maps", pid), lenet.tag) == 2 * 2 * 2
+            assert h.send_reload() and h.residency is Residency.LOADING
+            assert (await owner.next("loaded")).binding == loaded.binding and h.ready
+            await run_and_check(owner, h, lenet, batch_id=10)  # the batch that copies the weights back
 
             assert (await unload(owner, h)).binding == loaded.binding
             assert not mentions(own("maps", pid), lenet.tag)  # the rings are unmapped ...

@@ -189,6 +189,7 @@ _SECTION_ENV = [
     ("batching", "watchdog_period_s", "2.5", 2.5),
     ("memory", "memory_budget_bytes", "2GiB", 2 << 30),
     ("memory", "spare_workers", "0", 0),
+    ("memory", "pinned_tier_bytes", "1048576", 1 << 20),
     ("packrat", "placement", "packrat", PlacementKind.PACKRAT),
     ("packrat", "packrat_default_share", "0.25", 0.25),
     ("protean", "partitioning", "static", "static"),
@@ -221,8 +222,8 @@ def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypa
 def test_the_table_covers_every_section_and_no_field_is_in_two():
     assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
     names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == 97
-    assert len(ServerConfig.field_names()) == 103
+    assert len(names) == len(set(names)) == 98
+    assert len(ServerConfig.field_names()) == 104
 
 
 def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():

@@ -46,8 +46,12 @@ def test_a_step_past_the_budget_is_skipped_and_the_table_says_what_each_did(tmp_
     assert _summary(f"progress\n{MARK}[\"a\", \"b\"]\n") == ["a", "b"]
 
 
-def test_the_pinned_reload_step_reports_medians_and_the_ratio_against_its_goal():
-    from splitserve.bench.pinned_reload import main, summarize
+def test_the_pinned_reload_step_reports_medians_and_the_ratio_against_its_goal(tmp_path):
+    from splitserve.bench.pinned_reload import main, measure, summarize
+
+    # its pinned arm is the server's path (a binding parked, reloaded by its first batch): it runs on the CPU too
+    disk, pinned = measure("lenet", 2, 2, tmp_path, device="cpu")
+    assert len(disk) == len(pinned) == 2 and min(disk + pinned) > 0
 
     lines = summarize("m", [0.30, 0.10, 0.20], [0.05, 0.04, 0.06])
     assert lines == ["m: reload to first answer, median of 3: disk 200.0 ms, pinned tier 50.0 ms",

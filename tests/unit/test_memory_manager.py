@@ -26,6 +26,9 @@ class FakeModel:
     calls: list[str] = field(default_factory=list)
     instance_count: int = 1
     device: dict[str, int] = field(default_factory=dict)  # partition UUID -> device bytes
+    pinned_bytes: int = 0  # what parking its weights takes (0: a CPU model)
+    parks: bool = True  # its workers manage to park when asked
+    parked: bool = False
 
     @property
     def footprint(self) -> MemoryFootprint:
@@ -45,11 +48,23 @@ class FakeModel:
 
     def begin_load(self) -> list[Report]:
         self.calls.append("load")
+        self.parked = False  # reloaded: the host copy goes
         self.state = "loading"
         return []
 
-    def release_residency(self) -> list[Report]:
-        self.calls.append("release")
+    def pinned_charge(self) -> int:
+        return self.pinned_bytes
+
+    def release_parked(self) -> None:
+        self.calls.append("drop parked")
+        self.parked = False
+
+    def weights_parked(self) -> bool:
+        return self.parked
+
+    def release_residency(self, park: bool = False) -> list[Report]:
+        self.calls.append("park" if park else "release")
+        self.parked = park and self.parks
         if self.state in ("cold", "evicting"):
             return []
         self.state = "evicting"
@@ -180,3 +195,92 @@ def test_a_device_budget_alone_makes_a_manager_that_evicts_per_gpu_and_reports_d
     assert status["device_reserved_bytes"] == {"GPU-0": 60, "GPU-1": 60}
     assert status["models"]["c"]["device_reserved_bytes"] == {"GPU-0": 60}
     assert ("evict_done", "a") in events
+
+
+def _gpu_models(mm: MemoryManager, *names: str, pinned: int = 40) -> list[FakeModel]:
+    """Models of 60 device bytes each on one GPU, ``pinned`` bytes of weights to park."""
+    return [FakeModel(n, mm, device={"GPU-0": 60}, pinned_bytes=pinned) for n in names]
+
+
+def test_an_evicted_gpu_model_parks_in_the_pinned_tier_and_its_device_bytes_come_back():
+    mm, events = manager(device_budget_bytes=100, pinned_tier_bytes=100)
+    a, b = _gpu_models(mm, "a", "b")
+    mm.request(a, False)
+    a.finish_load()
+    mm.request(b, False)
+    assert a.calls == ["load", "park"] and b.calls == []  # parking frees the device: b waits for it
+    a.finish_eviction()
+    assert b.calls == ["load"]
+    b.finish_load()
+    status = mm.status()
+    assert status["device_reserved_bytes"] == {"GPU-0": 60}  # a's device bytes are back in the budget
+    assert status["pinned_tier"] == ["a"] and status["pinned_tier_bytes"] == 40
+    assert status["pinned_tier_budget_bytes"] == 100 and status["models"]["a"]["pinned_bytes"] == 40
+    assert status["models"]["a"]["residency"] == "EVICTED" and ("evict_done", "a") in events
+    # a call for a: b parks too (LRU on the device), and a's reload takes it out of the tier
+    mm.request(a, False)
+    assert b.calls == ["load", "park"]
+    b.finish_eviction()
+    assert a.calls[-1] == "load" and mm.status()["loading"] == ["a"]
+    a.finish_load()
+    status = mm.status()
+    assert status["pinned_tier"] == ["b"] and status["pinned_tier_bytes"] == 40
+    assert status["models"]["a"]["residency"] == "RESIDENT" and status["models"]["a"]["pinned_bytes"] == 0
+
+
+def test_the_tier_drops_its_least_recently_used_and_what_cannot_park_is_released():
+    mm, _ = manager(device_budget_bytes=100, pinned_tier_bytes=100)
+    a, b, c = _gpu_models(mm, "a", "b", "c", pinned=60)
+    big = FakeModel("big", mm, device={"GPU-0": 60}, pinned_bytes=101)
+    cpu = FakeModel("cpu", mm, device={"GPU-0": 60})  # pinned_charge 0: never parks
+    mm.request(a, False)
+    a.finish_load()
+    order = [a, b, c, big, cpu, a]
+    for prev, m in zip(order, order[1:]):
+        mm.request(m, False)
+        assert prev.calls[-1] in ("park", "release")
+        prev.finish_eviction()
+        m.finish_load()
+    assert a.calls[:2] == ["load", "park"]
+    assert b.calls == ["load", "park", "drop parked"]  # a was dropped for it (60 + 60 > 100), it for c
+    assert "drop parked" in a.calls and a.calls.index("drop parked") > a.calls.index("park")
+    assert c.calls[:2] == ["load", "park"]
+    assert big.calls == ["load", "release"] and cpu.calls == ["load", "release"]  # too large; a CPU model
+    assert "drop parked" not in c.calls  # neither big nor cpu took c's place in the tier
+    assert mm.status()["pinned_tier"] == ["c"]
+
+
+def test_a_parked_model_a_call_waits_for_is_never_dropped_and_an_unload_forgets_its_copy():
+    mm, _ = manager(device_budget_bytes=100, pinned_tier_bytes=100)
+    a, b = _gpu_models(mm, "a", "b", pinned=60)
+    mm.request(a, False)
+    a.finish_load()
+    mm.request(b, False)
+    a.finish_eviction()
+    b.finish_load()
+    mm.request(a, False)  # a waits to reload from the tier: b cannot take its place there
+    assert b.calls == ["load", "release"] and "drop parked" not in a.calls
+    b.finish_eviction()
+    assert a.calls[-1] == "load"
+    a.finish_load()
+    mm.request(b, False)  # b loads from disk; a, resident, parks again
+    assert a.calls[-1] == "park" and mm.status()["pinned_tier"] == ["a"]
+    a.finish_eviction()
+    b.finish_load()
+    a.enabled, a.parked = False, False  # an operator's unload stops its workers, parked copy and all
+    a.state = "evicting"
+    mm.evicting(a)
+    a.finish_eviction()
+    assert mm.status()["pinned_tier"] == [] and mm.status()["models"]["a"]["residency"] == "UNLOADED"
+
+
+def test_a_model_whose_workers_could_not_park_leaves_the_tier_when_its_eviction_ends():
+    mm, _ = manager(device_budget_bytes=100, pinned_tier_bytes=100)
+    a, b = _gpu_models(mm, "a", "b")
+    a.parks = False  # e.g. page-locking failed: the worker released the model as UNLOAD does
+    mm.request(a, False)
+    a.finish_load()
+    mm.request(b, False)
+    assert a.calls == ["load", "park"] and mm.status()["pinned_tier"] == ["a"]  # offered, in flight
+    a.finish_eviction()
+    assert mm.status()["pinned_tier"] == [] and mm.status()["pinned_tier_bytes"] == 0

@@ -102,6 +102,9 @@ class FakeWorker:
         self.sent: list[RunMsg] = []
         self.loads: list[BindSpec] = []
         self.unloads = 0
+        self.parks = 0
+        self.reloads = 0
+        self.reloading = False
 
     @property
     def ready(self) -> bool:
@@ -114,13 +117,21 @@ class FakeWorker:
     def send_load(self, bind: BindSpec) -> bool:
         assert self.residency is Residency.UNBOUND, f"LOAD sent to a {self.residency} worker"
         self.loads.append(bind)
-        self.residency, self.binding = Residency.LOADING, len(self.loads)
+        self.residency, self.binding, self.reloading = Residency.LOADING, len(self.loads), False
         return self.alive
 
-    def send_unload(self) -> bool:
-        assert self.residency is Residency.BOUND, f"UNLOAD sent to a {self.residency} worker"
+    def send_unload(self, park: bool = False) -> bool:
+        assert self.residency is Residency.BOUND or (self.residency is Residency.PARKED and not park), \
+            f"UNLOAD sent to a {self.residency} worker"
         self.unloads += 1
+        self.parks += park
         self.residency = Residency.UNLOADING
+        return self.alive
+
+    def send_reload(self) -> bool:
+        assert self.residency is Residency.PARKED, f"RELOAD sent to a {self.residency} worker"
+        self.reloads += 1
+        self.residency, self.reloading = Residency.LOADING, True
         return self.alive
 
     def adopt(self, owner: Any, instance: int) -> None:
@@ -135,16 +146,22 @@ class FakeWorker:
         self.owner.on_ready(self.instance, {"pid": self.pid, "rss_anon": self.rss_anon_at_start})
 
     def loaded(self, nbytes: int = 4096) -> None:
-        self.residency = Residency.BOUND
+        self.residency, self.reloading = Residency.BOUND, False
         self.owner.on_loaded(self.instance, LoadedMsg(self.binding or 0, "double", nbytes, 2_000_000, 3, "cpu"))
 
     def load_failed(self, text: str) -> None:
         binding, self.binding, self.residency = self.binding or 0, None, Residency.UNBOUND
         self.owner.on_load_failed(self.instance, binding, text)
+        self.reloading = False
 
     def unloaded(self) -> None:
         binding, self.binding, self.residency = self.binding, None, Residency.UNBOUND
         self.owner.on_unloaded(self.instance, UnloadedMsg(binding, self.rss_anon_at_start or 0))
+
+    def parked(self, nbytes: int = 4096) -> None:
+        """The answer to a PARK: the binding stays, its weights in page-locked host memory."""
+        self.residency = Residency.PARKED
+        self.owner.on_unloaded(self.instance, UnloadedMsg(self.binding, self.rss_anon_at_start or 0, nbytes))
 
     def up(self) -> None:
         """Start, then load what the runtime's LOAD named."""
@@ -442,6 +459,77 @@ def test_evict_unloads_after_the_running_batch_and_calls_that_wait_load_it_again
     h.run_batch(worker)
     assert h.sink.answers[-1] == (2, bytes([6, 6, 6, 6]))
     assert h.rt.describe()["func_id"] == 7 and h.rt.state is ModelState.READY and h.monitor.in_flight == 0
+
+
+def test_an_eviction_that_parks_keeps_the_worker_and_the_next_call_reloads_it_there(h):
+    h.call(1, bytes([1, 1, 1, 1]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    h.run_batch(worker)
+    assert h.rt.residency.begin_eviction(park=True)
+    assert worker.parks == 1 and worker.unloads == 1
+    worker.parked()
+    # evicted: no weights on its device, but the process stays the instance's, bound and parked
+    assert h.rt.state is ModelState.EVICTED and h.rt.stats.evictions == 1 and h.rt.stats.weights_bytes == 0
+    assert worker.owner is h.rt.instances and worker.alive and worker.residency is Residency.PARKED
+    h.call(2, bytes([2, 2, 2, 2]))
+    h.loop.run()
+    # the call reloads the parked weights: a RELOAD to the same process, no LOAD, nothing dispatched yet
+    assert worker.reloads == 1 and len(worker.loads) == 1 and len(worker.sent) == 1
+    h.call(3, bytes([3, 3, 3, 3]))  # arrives during the reload: waits for it
+    h.loop.run()
+    assert len(worker.sent) == 1 and h.rt.state is ModelState.LOADING
+    worker.loaded()
+    h.loop.run()
+    h.run_batch(worker)
+    h.loop.run()
+    if len(worker.sent) == 3:  # the second waiting call came in its own batch
+        h.run_batch(worker)
+    assert sorted(h.sink.answers) == [(1, bytes([2] * 4)), (2, bytes([4] * 4)), (3, bytes([6] * 4))]
+    assert h.rt.state is ModelState.READY and h.rt.stats.loads == 2 and h.monitor.in_flight == 0
+
+
+def test_a_reload_that_fails_loads_the_weights_anew_in_the_same_process_and_the_call_is_answered(h):
+    h.call(1, bytes([1, 1, 1, 1]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    h.run_batch(worker)
+    h.rt.residency.begin_eviction(park=True)
+    worker.parked()
+    h.call(2, bytes([7, 7, 7, 7]))
+    h.loop.run()
+    assert worker.reloads == 1
+    worker.load_failed("ModelNotReady: no parked model to reload")
+    # not a failed start: the model stays LOADING, the same (now unbound) process gets a LOAD
+    assert h.rt.state is ModelState.LOADING and len(worker.loads) == 2 and worker.residency is Residency.LOADING
+    worker.loaded()
+    h.loop.run()
+    h.run_batch(worker)
+    assert h.sink.answers == [(1, bytes([2] * 4)), (2, bytes([14] * 4))]
+
+
+def test_a_model_the_pinned_tier_drops_releases_its_parked_worker_and_loads_anew(h):
+    h.call(1, bytes([1, 1, 1, 1]))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    h.run_batch(worker)
+    h.rt.residency.begin_eviction(park=True)
+    worker.parked()
+    h.rt.residency.release_parked()
+    assert worker.unloads == 2 and worker.residency is Residency.UNLOADING
+    worker.unloaded()  # back to the node's pool
+    assert worker.owner is not h.rt.instances and h.rt.state is ModelState.EVICTED
+    h.call(2, bytes([5, 5, 5, 5]))  # loads anew: a LOAD, from disk, into a process of the pool
+    h.loop.run()
+    assert worker.reloads == 0 and h.rt.state is ModelState.LOADING
+    (again,) = [w for w in h.started if w.residency is Residency.LOADING]
+    again.loaded()
+    h.loop.run()
+    h.run_batch(again)
+    assert h.sink.answers[-1] == (2, bytes([10] * 4)) and len(h.sink.answers) == 2
 
 
 def test_a_batch_suspended_when_its_model_is_evicted_goes_back_to_the_queue_and_reruns(h):

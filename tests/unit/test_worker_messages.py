@@ -69,6 +69,7 @@ def test_answers_round_trip():
     assert LoadedMsg.unpack(on_gpu.pack()) == on_gpu
     assert UnloadedMsg.unpack(UnloadedMsg(3, 150 << 20).pack()) == UnloadedMsg(3, 150 << 20)
     assert UnloadedMsg.unpack(UnloadedMsg(None).pack()) == UnloadedMsg(None)
+    assert UnloadedMsg.unpack(UnloadedMsg(3, 150 << 20, parked_bytes=1 << 20).pack()).parked_bytes == 1 << 20
     failed = FailedMsg(Msg.LOAD, 3, "InvalidInput: not a safetensors file ✗")
     assert FailedMsg.unpack(failed.pack()) == failed
     assert unpack_ready(pack_ready({"pid": 1, "binding": None})) == {"pid": 1, "binding": None}

@@ -63,6 +63,7 @@ class InstanceWorker(Protocol):
     counters: DirectCounters  # its direct path's counters and admission limit (in the same page)
     residency: Residency  # where it is in the bind cycle
     binding: int | None  # the binding it holds or is loading
+    reloading: bool  # its LOAD in flight is a RELOAD of parked weights (a failure then loads anew)
     rss_anon_at_start: int | None  # its anonymous RSS when it reported READY (the level a recycled worker returns to)
 
     @property
@@ -76,9 +77,14 @@ class InstanceWorker(Protocol):
         """Bind the (unbound) worker to a model; answered by ``on_loaded`` or
         ``on_load_failed``. False if the worker is gone."""
 
-    def send_unload(self) -> bool:
-        """Release the bound model (send it with no batch running); answered by
+    def send_unload(self, park: bool = False) -> bool:
+        """Release the bound (or parked) model (send it with no batch running), or with
+        ``park`` keep it with its weights in page-locked host memory; answered by
         ``on_unloaded``. False if the worker is gone."""
+
+    def send_reload(self) -> bool:
+        """Serve the parked model again; answered by ``on_loaded`` or ``on_load_failed``
+        (then unbound). False if the worker is gone."""
 
     def kill(self, reason: str) -> None:
         """Kill it now; its exit is reported as any other."""

@@ -95,6 +95,10 @@ class Instances:
         self.core.resources.unplace(self.name, iid)
         if self.core.env.devices is not None:
             self.core.env.devices.release(self.name, iid)
+        parked = self.workers.get(iid)
+        if parked is not None and parked.alive and parked.residency is WorkerResidency.PARKED:
+            # nobody would reload or release it now
+            parked.kill(f"model {self.name!r}: instance {iid} was removed while its weights were parked")
         for d in (self.workers, self._backoff, self.start_failures, self._weights):
             d.pop(iid, None)
         self._weights_changed()
@@ -134,7 +138,7 @@ class Instances:
             if handle is None:
                 self.start_failures[i] = 0
                 self.spawn(i)
-            elif handle.residency is WorkerResidency.UNBOUND:
+            elif handle.residency in (WorkerResidency.UNBOUND, WorkerResidency.PARKED):
                 self.start_failures[i] = 0
                 self.bind(i)
 
@@ -202,18 +206,25 @@ class Instances:
             s.transports.direct_compiled, batch, aggregate_s, s.batching.max_call_age_s)
 
     def bind(self, i: int) -> None:
-        """LOAD this model into instance ``i``'s worker (up, bound to nothing); the
-        instance is LOADING, never dispatched to, until ``on_loaded``."""
+        """LOAD this model into instance ``i``'s worker (up, bound to nothing), or RELOAD it
+        where the worker parked it (its weights in page-locked host memory: the first batch
+        copies them back as it runs); the instance is LOADING, never dispatched to, until
+        ``on_loaded``. A failed reload leaves the worker unbound, and the retry loads anew."""
         core = self.core
         handle = self.workers[i]
         if core.settings.transports.fast_direct:
             handle.counters.set_admit(core.settings.transports.direct_admit)
-        try:
-            spec = self.bind_spec(i)
-        except InvalidInput as e:  # no GPU for it here: the model cannot load, and says why
-            self._fail(str(e))
-            return
-        if not handle.send_load(spec):
+        if handle.residency is WorkerResidency.PARKED:
+            log.info("model %s: instance %d reloads its weights from page-locked host memory", self.name, i)
+            sent = handle.send_reload()
+        else:
+            try:
+                spec = self.bind_spec(i)
+            except InvalidInput as e:  # no GPU for it here: the model cannot load, and says why
+                self._fail(str(e))
+                return
+            sent = handle.send_load(spec)
+        if not sent:
             return  # gone: its exit is handled as any other
         core.sched.set_residency(i, Residency.LOADING)
         timeout = core.settings.workers.worker_start_timeout_s
@@ -325,14 +336,20 @@ class Instances:
             return
         self.core.sched.set_residency(instance, Residency.ABSENT)
         self.dispatch.kick()
-        if self.core.running:
+        handle = self.workers.get(instance)
+        if self.core.running and handle is not None and handle.reloading:
+            log.warning("model %s: instance %d loads its weights anew", self.name, instance)
+            self.bind(instance)  # the worker is unbound and usable: the parked copy was all that failed
+        elif self.core.running:
             self._start_failed(instance, text, explained=True)
 
     def on_unloaded(self, instance: int, msg: UnloadedMsg) -> None:
         """The worker released the model: its process goes back to the node's pool (kept as
-        a spare if its memory came back, else stopped); the next load takes one anew."""
-        handle = self.workers.pop(instance, None)
-        if handle is not None:
+        a spare if its memory came back, else stopped); the next load takes one anew. A
+        worker that parked the model stays the instance's (the next load reloads it)."""
+        parked = msg.parked_bytes > 0
+        handle = self.workers.get(instance) if parked else self.workers.pop(instance, None)
+        if handle is not None and not parked:
             self._harvest_direct(instance, handle)
             if self.gpu is not None:
                 self.gpu.harvest(handle)
@@ -342,8 +359,11 @@ class Instances:
         self.core.sched.set_residency(instance, Residency.ABSENT)
         self._weights.pop(instance, None)
         self._weights_changed()
-        log.info("model %s: instance %d released its weights (binding %s)", self.name, instance, msg.binding)
+        log.info("model %s: instance %d released its weights (binding %s%s)", self.name, instance, msg.binding,
+                 f"; {msg.parked_bytes} B parked in page-locked host memory" if parked else "")
         self._evict_progress()
+        if self.core.running and not parked and instance in self.core.sched.serving():
+            self.start_missing()  # released from the tier while a load waited for it: load anew
         self.dispatch.kick()
 
     def on_done(self, instance: int, msg: DoneMsg) -> None:

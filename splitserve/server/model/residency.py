@@ -43,6 +43,7 @@ class ModelResidency:
         self.dispatch = dispatch
         # Releasing the weights (evict): no load starts until every instance is ABSENT.
         self._evicting = False
+        self._park = False  # the eviction under way keeps the weights in page-locked host memory
         self._evict_lock = asyncio.Lock()  # one eviction at a time (a second waits, then finds nothing resident)
         self._asked = False  # residency requested from the node's memory manager, not granted yet
         self._held: list[Report] | None = None  # reports made while a command of the manager runs
@@ -82,9 +83,17 @@ class ModelResidency:
         """The manager's grant: load now (``ResidentModel``)."""
         return self._command(self._begin_load)
 
-    def release_residency(self) -> list[Report]:
-        """The manager's choice of a victim: release the weights (``ResidentModel``)."""
-        return self._command(self.begin_eviction)
+    def release_residency(self, park: bool = False) -> list[Report]:
+        """The manager's choice of a victim: release the weights, or with ``park`` keep them
+        in page-locked host memory in the workers (``ResidentModel``)."""
+        return self._command(lambda: self.begin_eviction(park))
+
+    def release_parked(self) -> None:
+        """The pinned host tier let go of the model: every worker that parked it releases it
+        and goes back to the node's pool (``Instances.on_unloaded``)."""
+        for handle in list(self.core.workers.values()):
+            if handle.residency is WorkerResidency.PARKED:
+                handle.send_unload()
 
     def refuse_load(self, reason: str) -> list[Report]:
         """The manager's refusal: the model can never fit (``ResidentModel``)."""
@@ -123,6 +132,15 @@ class ModelResidency:
             if uuid is not None:
                 per[uuid] = per.get(uuid, 0) + 1
         return core.footprint.device_charge(per)
+
+    def weights_parked(self) -> bool:
+        return any(h.residency is WorkerResidency.PARKED for h in self.core.workers.values())
+
+    def pinned_charge(self) -> int:
+        core = self.core
+        if not core.config.device.startswith("cuda"):
+            return 0  # host memory is a CPU model's device: nothing to park
+        return core.footprint.weights_bytes * (self.instance_count or core.placer.instances or core.config.instances)
 
     def pinned(self) -> bool:
         d, sched = self.dispatch, self.core.sched
@@ -333,15 +351,16 @@ class ModelResidency:
                 await core.until(lambda: not self._evicting, time.perf_counter() + core.settings.workers.stop_timeout_s)
             return True
 
-    def begin_eviction(self) -> bool:
+    def begin_eviction(self, park: bool = False) -> bool:
         """Begin an eviction (``evict`` waits for it): the model turns EVICTED, workers still
         starting or loading are killed, resident instances turn UNLOADING (no new batches)
-        and release their weights as soon as their batch is done. False if nothing is
+        and release their weights as soon as their batch is done (with ``park``, keep them
+        in page-locked host memory: the next load reloads from there). False if nothing is
         resident or loading."""
         core = self.core
         if not core.running or self._evicting:
             return False
-        core.state, self._evicting = ModelState.EVICTED, True
+        core.state, self._evicting, self._park = ModelState.EVICTED, True, park
         core.ready_event.set()  # a load that was waiting ends: the model is not resident
         self._report(Report(ReportKind.EVICTING))
         for i, st in list(core.sched.instances.items()):  # a kill may report the exit at once
@@ -372,7 +391,7 @@ class ModelResidency:
             log.info("model %s: preempted batch %d goes back to the queue before instance %d unloads", self.name,
                      batch.batch_id, i)
             self.dispatch.requeue(i, batch)
-        handle.send_unload()  # False: gone, and on_exit takes it from here
+        handle.send_unload(park=self._park)  # False: gone, and on_exit takes it from here
 
     def evict_progress(self) -> None:
         """End the eviction once no instance holds or is changing its weights; calls that
