@@ -182,7 +182,10 @@ def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster
     assert after["models"] == before["models"]
     assert {m for n in after["nodes"] for m in n["models"]} == set(before["models"])  # every model still placed
     # on as many nodes as before: what demand asked within the keep-alive outlives the restart
-    assert Counter(m for n in after["nodes"] for m in n["models"]) == Counter(m for n in before["nodes"] for m in n["models"])
+    placed = Counter(m for n in before["nodes"] for m in n["models"])
+    _until("every model on as many nodes as before the restart",
+           lambda: Counter(m for n in _status(cluster)["nodes"] for m in n["models"]) == placed, 60,
+           seen=lambda: _placement_seen(cluster))
     bill = {r["node"]: r for r in after["bill"]}
     assert all(bill[n]["ended_at"] is None and bill[n]["ready_at"] is not None for n in nodes)
 

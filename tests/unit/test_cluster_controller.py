@@ -636,3 +636,32 @@ def test_a_node_the_head_cannot_reach_gets_no_share_of_the_models() -> None:
     shares = ModelShares(ClusterConfig(model_min_nodes=2), {}, lambda: (100.0, nodes, ["lenet", "mlp"], {}))
     assert shares.plan() == {"near": frozenset({"lenet", "mlp"})}
     assert shares.of(nodes[1]) == frozenset()
+
+
+def test_a_model_being_loaded_on_one_node_counts_as_held_there_when_other_nodes_are_planned() -> None:
+    """A restarted controller takes its nodes back one by one: the first back is given lenet
+    (alone, it is all the plan has); the others, back while that load still runs, must count
+    it there, or the plan puts lenet on model_min_nodes of them besides (one node too many,
+    loaded to be unloaded again)."""
+
+    async def scenario() -> None:
+        now = [100.0]
+        ctl = _running(ClusterConfig(model_min_nodes=2), None, now)
+        servers = {name: FakeNodeServer(name) for name in ("a", "b", "c")}
+        nodes = {name: _Node(name, Market.ON_DEMAND, None, s) for name, s in servers.items()}
+        ctl.nodes.update(nodes)
+        gate = asyncio.Event()
+        servers["c"].hold = gate
+        nodes["c"].endpoint = _endpoint("c")  # back first: its load of lenet waits on the gate
+        first = asyncio.ensure_future(ctl._give_models(nodes["c"]))
+        await _settle()
+        assert nodes["c"].coming == {"lenet"}
+        for name in ("a", "b"):
+            nodes[name].endpoint = _endpoint(name)
+            await ctl._give_models(nodes[name])
+        gate.set()
+        await first
+        assert sorted(name for name, n in nodes.items() if "lenet" in n.models) == ["a", "c"]
+        assert "lenet" not in servers["b"].warm
+
+    asyncio.run(scenario())

@@ -91,6 +91,7 @@ class _Node:
     deadline: float | None = None  # an eviction notice's deadline (epoch s)
     ready_at: float = 0.0  # when it began serving
     models: frozenset[str] = frozenset()  # the registry's models this node was given (and loaded)
+    coming: frozenset[str] = frozenset()  # the models a _give_models call is loading there now
     retiring: bool = False  # scale-in or notice: the cluster ends it
     unreachable: str | None = None  # why its advertised address does not answer the controller (None: it does)
     giving: asyncio.Lock = field(default_factory=asyncio.Lock)  # one _give_models at a time
@@ -313,7 +314,11 @@ class Controller:
         async with n.giving:
             while missing := sorted(self.shares.of(n) - n.models):
                 specs = [spec for name in missing if (spec := self.registry.specs[name]) is not None]
-                await n.server.ensure_models.remote(specs, tuple(missing))
+                n.coming = frozenset(missing)  # placed there already: another node's plan meanwhile counts them
+                try:
+                    await n.server.ensure_models.remote(specs, tuple(missing))
+                finally:
+                    n.coming = frozenset()
                 n.models = n.models | (set(missing) & self.registry.ids.keys())
 
     async def routes(self, version: int, gateway_stats: dict | None = None, gateway: str = "") -> str | None:
@@ -452,8 +457,7 @@ class Controller:
             self._checking_servers = False
 
     def _save_state(self) -> None:
-        """The bill, the counters and placement's counts, where they changed since they were
-        last saved."""
+        """The bill, the counters and placement's counts, where changed since last saved."""
         state = self.cost.to_state()
         if state != self._saved_bill:
             self.store.save_bill(state)

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 class ModelShares:
     """The plan: which models each node with a server should hold now. ``view`` gives
     placement's inputs when asked: the clock's time, the controller's nodes (each with
-    ``node_id``, ``endpoint``, ``unreachable``, ``deadline``, ``retiring`` and the ``models`` it
-    holds), the
+    ``node_id``, ``endpoint``, ``unreachable``, ``deadline``, ``retiring``, the ``models`` it
+    holds and those ``coming``, being loaded there), the
     registry's model names and the gateway's stats (its ``held_by_model``)."""
 
     def __init__(self, cfg: ClusterConfig, node_env: Mapping[str, str],
@@ -43,7 +43,7 @@ class ModelShares:
         doomed or retiring node holds what it has until it goes: its models get copies
         elsewhere; an unreachable one is given none until it answers)."""
         now, nodes, models, gateway_stats = self.view()
-        takers = [NodeRoom(n.node_id, n.models, self.room) for n in nodes
+        takers = [NodeRoom(n.node_id, n.models | n.coming, self.room) for n in nodes
                   if n.endpoint is not None and n.unreachable is None and n.deadline is None and not n.retiring]
         held = {str(m): int(c) for m, c in gateway_stats.get("held_by_model", {}).items()}
         return self.placement.plan(now, held, sorted(models), takers)
