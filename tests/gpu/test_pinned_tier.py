@@ -8,8 +8,6 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pynvml
 import pytest
@@ -19,7 +17,8 @@ from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import RequestClass
 from splitserve.worker.messages import Msg, RunMsg
 from tests.gpu.test_device_memory import _nvml_used
-from tests.inproc import inproc_worker, quiet_config, run_server, write_model
+from tests.inproc import inproc_worker
+from tests.pinned_story import assert_parked_then_reloaded_in_place, park_and_reload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,24 +69,6 @@ def test_park_returns_the_device_memory_and_the_reload_batch_answers_as_before(t
 
 
 def test_a_server_parks_the_model_it_evicts_and_the_next_call_reloads_it_in_the_same_worker(tmp_path):
-    repo = tmp_path / "repo"
-    for name in ("lenet_a", "lenet_b"):  # two small GPU models, one resident at a time
-        write_model(repo, name, "lenet", 'device = "cuda"\nmax_batch_size = 4')
-    cfg = quiet_config(tmp_path / "data", repository=repo, max_resident_models=1)
-    x = np.random.default_rng(0).integers(0, 256, (2, 1, 28, 28), dtype=np.uint8)
-
-    async def scenario(server):
-        first = (await server.infer("lenet_a", [x])).outputs[0]
-        pid = server.runtime("lenet_a").workers[0].pid
-        await server.infer("lenet_b", [x])  # lenet_a is evicted for it: parked
-        parked = server.memory.status()
-        again = (await server.infer("lenet_a", [x])).outputs[0]  # lenet_b parks, lenet_a reloads
-        return first, again, pid, server.runtime("lenet_a").workers[0].pid, parked, server.memory.status()
-
-    first, again, pid, pid_after, parked, after = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), 120))
-    assert parked["pinned_tier"] == ["lenet_a"] and parked["models"]["lenet_a"]["residency"] == "EVICTED"
-    assert parked["models"]["lenet_a"]["pinned_bytes"] > 0 and parked["lru"] == ["lenet_b"]
-    np.testing.assert_allclose(again, first, rtol=1e-4, atol=1e-5)
-    assert pid_after == pid  # reloaded where it was parked, not loaded into another process
-    assert after["pinned_tier"] == ["lenet_b"] and after["models"]["lenet_a"]["pinned_bytes"] == 0
-    assert after["models"]["lenet_a"]["loads"] == 2 and after["lru"] == ["lenet_a"]
+    # two small GPU models, one resident at a time
+    story = park_and_reload(tmp_path, 'device = "cuda"\nmax_batch_size = 4', calls=1)
+    assert_parked_then_reloaded_in_place(story, rtol=1e-4, atol=1e-5)

@@ -10,38 +10,13 @@ the same story on a GPU with nothing overridden."""
 
 from __future__ import annotations
 
-import asyncio
-
-import numpy as np
-
 from splitserve.server.model.residency import ModelResidency
-from tests.inproc import quiet_config, run_server, write_model
+from tests.pinned_story import assert_parked_then_reloaded_in_place, park_and_reload
 
 
 def test_the_evicted_model_parks_in_its_worker_and_calls_during_its_reload_are_each_answered(tmp_path, monkeypatch):
     monkeypatch.setattr(ModelResidency, "pinned_charge",
                         lambda self: self.core.footprint.weights_bytes * max(1, self.instance_count))
-    repo = tmp_path / "repo"
-    for name in ("lenet_a", "lenet_b"):
-        write_model(repo, name, "lenet", "max_batch_size = 4")
-    cfg = quiet_config(tmp_path / "data", repository=repo, max_resident_models=1)
-    x = np.random.default_rng(0).integers(0, 256, (2, 1, 28, 28), dtype=np.uint8)
-
-    async def scenario(server):
-        first = (await server.infer("lenet_a", [x])).outputs[0]
-        pid = server.runtime("lenet_a").workers[0].pid
-        await server.infer("lenet_b", [x])  # lenet_a is evicted for it: parked
-        parked = server.memory.status()
-        calls = await asyncio.gather(*(server.infer("lenet_a", [x]) for _ in range(5)))  # lenet_b parks
-        return first, [c.outputs[0] for c in calls], pid, server.runtime("lenet_a").workers[0].pid, parked, \
-            server.memory.status()
-
-    first, answers, pid, pid_after, parked, after = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), 120))
-    assert parked["pinned_tier"] == ["lenet_a"] and parked["lru"] == ["lenet_b"]
-    assert parked["models"]["lenet_a"]["residency"] == "EVICTED" and parked["models"]["lenet_a"]["pinned_bytes"] > 0
-    assert len(answers) == 5
-    for a in answers:  # batched with one another: float sums in another order
-        np.testing.assert_allclose(a, first, rtol=1e-5, atol=1e-6)
-    assert pid_after == pid  # reloaded where it was parked, no load from disk into another process
-    assert after["pinned_tier"] == ["lenet_b"] and after["models"]["lenet_a"]["pinned_bytes"] == 0
-    assert after["models"]["lenet_a"]["loads"] == 2 and after["lru"] == ["lenet_a"]
+    story = park_and_reload(tmp_path, "max_batch_size = 4", calls=5)
+    assert len(story.answers) == 5
+    assert_parked_then_reloaded_in_place(story, rtol=1e-5, atol=1e-6)

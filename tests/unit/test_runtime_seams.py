@@ -461,12 +461,18 @@ def test_evict_unloads_after_the_running_batch_and_calls_that_wait_load_it_again
     assert h.rt.describe()["func_id"] == 7 and h.rt.state is ModelState.READY and h.monitor.in_flight == 0
 
 
-def test_an_eviction_that_parks_keeps_the_worker_and_the_next_call_reloads_it_there(h):
+def _served_once(h):
+    """The model's one worker, up and through its first call's batch."""
     h.call(1, bytes([1, 1, 1, 1]))
     (worker,) = h.workers
     worker.up()
     h.loop.run()
     h.run_batch(worker)
+    return worker
+
+
+def test_an_eviction_that_parks_keeps_the_worker_and_the_next_call_reloads_it_there(h):
+    worker = _served_once(h)
     assert h.rt.residency.begin_eviction(park=True)
     assert worker.parks == 1 and worker.unloads == 1
     worker.parked()
@@ -491,11 +497,7 @@ def test_an_eviction_that_parks_keeps_the_worker_and_the_next_call_reloads_it_th
 
 
 def test_a_reload_that_fails_loads_the_weights_anew_in_the_same_process_and_the_call_is_answered(h):
-    h.call(1, bytes([1, 1, 1, 1]))
-    (worker,) = h.workers
-    worker.up()
-    h.loop.run()
-    h.run_batch(worker)
+    worker = _served_once(h)
     h.rt.residency.begin_eviction(park=True)
     worker.parked()
     h.call(2, bytes([7, 7, 7, 7]))
@@ -511,11 +513,7 @@ def test_a_reload_that_fails_loads_the_weights_anew_in_the_same_process_and_the_
 
 
 def test_a_model_the_pinned_tier_drops_releases_its_parked_worker_and_loads_anew(h):
-    h.call(1, bytes([1, 1, 1, 1]))
-    (worker,) = h.workers
-    worker.up()
-    h.loop.run()
-    h.run_batch(worker)
+    worker = _served_once(h)
     h.rt.residency.begin_eviction(park=True)
     worker.parked()
     h.rt.residency.release_parked()
