@@ -35,7 +35,7 @@ class Step:
 
 
 STEPS = (
-    Step("tests/gpu", 145),
+    Step("tests/gpu", 170),
     Step("pinned-tier reload vs disk", 30, module="splitserve.bench.pinned_reload"),
     Step("rpc-tax (GPU compute)", 65, "rpc-tax",
          {"models": "resnet18_imagenet,resnet50_imagenet,bert_tiny", "transports": "tcp,direct,grpc,echo",
@@ -43,13 +43,13 @@ STEPS = (
     Step("batching resnet50 ImageNet, 32 clients", 60, "batching",
          {"models": "resnet50_imagenet", "transports": "tcp", "clients": "32", "policies": "none,work_conserving",
           "max_batch": "32", "duration_s": "4", "warmup_s": "1"}),
-    Step("DISB C, graphs off", 55, "disb", {"workloads": "C", "schemes": "rt-only,reef", "cuda_graphs": "off",
+    Step("DISB C, graphs off", 50, "disb", {"workloads": "C", "schemes": "rt-only,reef", "cuda_graphs": "off",
                                             "pairs": "", "duration_s": "8"}),
-    Step("DISB C, graphs on", 55, "disb", {"workloads": "C", "schemes": "rt-only,reef", "cuda_graphs": "on",
+    Step("DISB C, graphs on", 50, "disb", {"workloads": "C", "schemes": "rt-only,reef", "cuda_graphs": "on",
                                            "pairs": "", "duration_s": "8"}),
-    Step("DISB C, no launch-ahead", 55, "disb", {"workloads": "C", "schemes": "reef", "cuda_graphs": "off",
+    Step("DISB C, no launch-ahead", 50, "disb", {"workloads": "C", "schemes": "reef", "cuda_graphs": "off",
                                                  "segment_capacity": "1", "pairs": "", "duration_s": "8"}),
-    Step("packrat (CPUs)", 75, "packrat", {}),
+    Step("packrat (CPUs)", 65, "packrat", {}),
 )
 # Steps on the GPU; packrat is measured on the machine's CPUs, as the paper's.
 GPU_SCENARIOS = ("rpc-tax", "batching", "disb")
