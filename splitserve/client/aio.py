@@ -200,7 +200,10 @@ class AsyncClient:
 
     ``url`` may name several front ends (a list, or URLs separated by commas: a cluster's
     gateways), used one at a time as ``Client`` uses them: the calls on a lost one end with
-    ``ConnectionError`` and the next call connects to the next front end that takes it."""
+    ``ConnectionError`` and the next call connects to the next front end that takes it.
+
+    ``async with AsyncClient(url) as c`` connects at once; without it, the first call
+    connects (a refused connection is that call's ``ConnectionError``)."""
 
     def __init__(self, url: "str | Sequence[str]", timeout: float | None = 60.0, *, direct: bool = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
@@ -217,11 +220,21 @@ class AsyncClient:
         self._front: _AsyncConn | None = None
         self._direct_streams: list[_AsyncConn] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._connecting = asyncio.Lock()  # the first calls of a client not yet connected connect once
+        self._closed = False
 
     async def connect(self) -> "AsyncClient":
+        """Connect to the first front end that takes the connection (``async with`` does)."""
         self._loop = asyncio.get_running_loop()
         self._front_lock = asyncio.Lock()
-        self._front = await self._open_front(fresh=True)
+        self._closed = False
+        front = await self._open_front(fresh=True)
+        if self._closed:  # closed while it connected
+            front.lost = True
+            if front.transport is not None:
+                front.transport.abort()
+            raise ConnectionError("the client is closed")
+        self._front = front
         return self
 
     async def _open_front(self, fresh: bool = False) -> _AsyncConn:
@@ -244,7 +257,12 @@ class AsyncClient:
         """The front end's connection, made again to the next front end if it was lost."""
         front = self._front
         if front is None:
-            raise ConnectionError("the client is not connected")
+            if self._closed:
+                raise ConnectionError("the client is closed")
+            async with self._connecting:
+                if self._front is None:
+                    await self.connect()
+            return await self._live_front()
         if not front.dead:
             return front
         async with self._front_lock:  # type: ignore[union-attr]
@@ -263,7 +281,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close every connection; calls still waiting end with ``ConnectionError``."""
         conns = [self._front, *self._direct_streams] if self._front is not None else list(self._direct_streams)
-        self._front, self._direct_streams = None, []
+        self._front, self._direct_streams, self._closed = None, [], True
         for conn in conns:
             conn.lost = True
             if conn.transport is not None:

@@ -377,6 +377,31 @@ def test_async_client_sends_direct_and_falls_back_to_the_front_end_when_the_endp
         np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
 
 
+def test_an_async_client_used_without_connect_connects_on_its_first_calls_and_refuses_them_once_closed(server):
+    """As ``httpx.AsyncClient``: no ``async with`` needed. Calls sent at once by a client not
+    yet connected share one connection to the front end; once closed, a call is refused."""
+    import asyncio
+
+    from splitserve import AsyncClient
+
+    x = np.zeros((1, 28, 28), np.uint8)
+
+    async def scenario() -> None:
+        c = AsyncClient(server.tcp)
+        try:
+            got = await asyncio.gather(*(c.infer("lenet", x) for _ in range(4)))
+            front = c._front
+            assert all(y.shape == (10,) for y in got) and front is not None
+            await c.infer("lenet", x)
+            assert c._front is front  # one connection to the front end, made once
+        finally:
+            await c.close()
+        with pytest.raises(ConnectionError, match="the client is closed"):
+            await c.infer("lenet", x)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["front", "direct"])
 def test_async_client_close_ends_each_call_in_flight_with_connection_error(gated, direct):
     """Closing an ``AsyncClient`` ends every call still waiting (here one held by the gate)
