@@ -18,19 +18,25 @@ def raw(server: Any) -> socket.socket:
     return s
 
 
-def read_frame(s: socket.socket) -> tuple[Header | None, bytes]:
-    """The next frame; ``(None, b"")`` once the server closed the connection."""
-    buf = b""
-    while len(buf) < HEADER_SIZE:
-        chunk = s.recv(HEADER_SIZE - len(buf))
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``s``; ``ConnectionError`` if the peer closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
         if not chunk:
-            return None, b""
+            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
         buf += chunk
-    h = unpack_header(buf)
-    body = b""
-    while len(body) < h.payload_len:
-        body += s.recv(h.payload_len - len(body))
-    return h, body
+    return bytes(buf)
+
+
+def read_frame(s: socket.socket) -> tuple[Header | None, bytes]:
+    """The next frame; ``(None, b"")`` once the server closed the connection between frames
+    (``ConnectionError`` if it closed inside one)."""
+    first = s.recv(HEADER_SIZE)
+    if not first:
+        return None, b""
+    h = unpack_header(first + recv_exact(s, HEADER_SIZE - len(first)))
+    return h, recv_exact(s, h.payload_len)
 
 
 def lookup(s: socket.socket, name: str) -> int:

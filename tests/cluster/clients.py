@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
+from tests.framing import recv_exact
 
 WINDOW = 4  # pipelined calls per client
 IMAGE = bytes(784)
@@ -76,18 +77,9 @@ def lookup(port: int, name: str, host: str = "127.0.0.1", timeout_s: float = 30)
 
 
 def read_frame(s: socket.socket) -> tuple[Header, bytes]:
-    """One frame: its header and payload."""
-    def exact(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("gateway closed the connection")
-            buf += chunk
-        return bytes(buf)
-
-    h = unpack_header(exact(HEADER_SIZE))
-    return h, exact(h.payload_len) if h.payload_len else b""
+    """One frame: its header and payload (``ConnectionError`` if the gateway closes first)."""
+    h = unpack_header(recv_exact(s, HEADER_SIZE))
+    return h, recv_exact(s, h.payload_len)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from splitserve.client.stream import Client, _CStream, _Stream
 from splitserve.errors import BadFrame, InvalidInput, Status
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
 from splitserve.protocol.sockets import bound_waits
+from tests.framing import recv_exact
 
 _OUT = 3  # floats per answer
 
@@ -54,16 +55,6 @@ def wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Wir
     return Wire(request.param.startswith("c"), 50_000.0 if polls else 0.0)
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("client went away")
-        buf += chunk
-    return bytes(buf)
-
-
 def _model(pad: int = 0) -> bytes:
     return json.dumps({"name": "m", "func_id": 7, "max_batch_size": 4,
                        "inputs": [{"name": "x", "datatype": "FP32", "shape": [_OUT]}],
@@ -73,8 +64,8 @@ def _model(pad: int = 0) -> bytes:
 
 def _answer_lookup(conn: socket.socket, body: bytes | None = None) -> None:
     """Take the client's LOOKUP and answer it with ``body`` (default: ``_model()``'s description, func id 7)."""
-    h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-    _recv_exact(conn, h.payload_len)
+    h = unpack_header(recv_exact(conn, HEADER_SIZE))
+    recv_exact(conn, h.payload_len)
     body = _model() if body is None else body
     conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
 
@@ -87,8 +78,8 @@ def _peer(listener: socket.socket, calls: int) -> None:
         _answer_lookup(conn, _model(2 * _RX_BYTES))
         answers = []
         for _ in range(calls):
-            h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-            x = np.frombuffer(_recv_exact(conn, h.payload_len), np.float32)
+            h = unpack_header(recv_exact(conn, HEADER_SIZE))
+            x = np.frombuffer(recv_exact(conn, h.payload_len), np.float32)
             answers.append(Header(Kind.RESPONSE, req_id=h.req_id, func_id=7, payload_len=x.nbytes).pack()
                            + (x * 2).tobytes())
         conn.sendall(b"".join(reversed(answers)))
@@ -121,8 +112,8 @@ def _doubling_peer(listener: socket.socket, rounds: list[int]) -> None:
         for n in rounds:
             held = []
             for _ in range(n):
-                h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-                held.append((h.req_id, np.frombuffer(_recv_exact(conn, h.payload_len), np.float32)))
+                h = unpack_header(recv_exact(conn, HEADER_SIZE))
+                held.append((h.req_id, np.frombuffer(recv_exact(conn, h.payload_len), np.float32)))
             for req_id, x in reversed(held):
                 if x[0] < 0:
                     msg = f"x must not be negative, got {x[0]}".encode()
@@ -266,8 +257,8 @@ def _lookup_then(listener: socket.socket, reply: "Callable[[Header], bytes] | No
     conn, _ = listener.accept()
     with conn:
         _answer_lookup(conn)
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
+        h = unpack_header(recv_exact(conn, HEADER_SIZE))
+        recv_exact(conn, h.payload_len)
         if reply is not None:
             conn.sendall(reply(h))
         done.wait(30)
@@ -302,8 +293,8 @@ def _two_calls_peer(listener: socket.socket, first_in: threading.Event, theirs_f
         _answer_lookup(conn)
         calls = []
         for _ in range(2):
-            h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-            calls.append((h.req_id, np.frombuffer(_recv_exact(conn, h.payload_len), np.float32)))
+            h = unpack_header(recv_exact(conn, HEADER_SIZE))
+            calls.append((h.req_id, np.frombuffer(recv_exact(conn, h.payload_len), np.float32)))
             first_in.set()
         msg = b"a call with this id is in flight"
         dup = Header(Kind.ERROR, req_id=calls[0][0], status=Status.DUPLICATE_REQUEST, payload_len=len(msg)).pack() + msg
@@ -395,7 +386,7 @@ def test_a_call_sends_then_reads_and_says_which_of_the_two_failed(wire):
         assert st.sent and bytes(payload) == b"xyz"
         want = unpack_header(frame)
         assert [getattr(h, f) for f in want.__slots__] == [getattr(want, f) for f in want.__slots__]
-        assert unpack_header(_recv_exact(peer, HEADER_SIZE)).req_id == 9
+        assert unpack_header(recv_exact(peer, HEADER_SIZE)).req_id == 9
         peer.shutdown(socket.SHUT_WR)  # the request goes out; the answer never comes
         with pytest.raises(ConnectionError):
             st.call([_answer(10, b"")], HEADER_SIZE, wire.poll_us / 1e6)
@@ -418,23 +409,23 @@ def _front_and_worker(front: socket.socket, worker: socket.socket, worker_path: 
         conn, _ = worker.accept()
         with conn:
             if mode == "after":
-                h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-                _recv_exact(conn, h.payload_len)
+                h = unpack_header(recv_exact(conn, HEADER_SIZE))
+                recv_exact(conn, h.payload_len)
         worker_done.set()
 
     threading.Thread(target=work, daemon=True).start()
     conn, _ = front.accept()
     with conn:
-        h = unpack_header(_recv_exact(conn, HEADER_SIZE))
-        _recv_exact(conn, h.payload_len)
+        h = unpack_header(recv_exact(conn, HEADER_SIZE))
+        recv_exact(conn, h.payload_len)
         body = json.dumps({**json.loads(_model()), "direct": [f"unix://{worker_path}"], "instances": 1}).encode()
         conn.sendall(Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=7, payload_len=len(body)).pack() + body)
         while True:
             try:
-                h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+                h = unpack_header(recv_exact(conn, HEADER_SIZE))
             except ConnectionError:
                 return  # the client closed
-            y = np.frombuffer(_recv_exact(conn, h.payload_len), np.float32) * 2
+            y = np.frombuffer(recv_exact(conn, h.payload_len), np.float32) * 2
             conn.sendall(_answer(h.req_id, y.tobytes()))
 
 
@@ -518,10 +509,10 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
             _answer_lookup(conn)
             while True:
                 try:
-                    h = unpack_header(_recv_exact(conn, HEADER_SIZE))
+                    h = unpack_header(recv_exact(conn, HEADER_SIZE))
                 except ConnectionError:
                     return
-                x = _recv_exact(conn, h.payload_len)
+                x = recv_exact(conn, h.payload_len)
                 time.sleep(0.02)
                 conn.sendall(_answer(h.req_id, x))
 
