@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -122,7 +122,8 @@ def wait_serving(controller: Any, count: int, timeout_s: float, gateways: Sequen
     while True:
         status = ray.get(controller.status.remote())
         active = {n["node"]: set(n["models"]) for n in status["nodes"] if n["state"] == "active"}
-        if len(active) >= count and all(_routes_to(stats, active) for stats in ray.get([g.stats.remote() for g in gateways])):
+        routed = ray.get([g.stats.remote() for g in gateways])
+        if len(active) >= count and all(_routes_to(stats, active) for stats in routed):
             return status
         if time.monotonic() > deadline:
             raise InternalError(f"{count} nodes were not serving through every gateway within {timeout_s} s: "

@@ -131,8 +131,9 @@ class ControllerStore:
         return None if row is None else json.loads(row[0])
 
     def clear(self) -> None:
-        """Forget the models, the bill, the counters, placement's counts and the settings (``cluster down``: the
-        cluster is gone); the generation stays, so versions keep rising on this Ray session."""
+        """Forget the models, the bill, the counters, placement's counts and the settings
+        (``cluster down``: the cluster is gone); the generation stays, so versions keep rising
+        on this Ray session."""
         with self._lock:
             self._db.execute("DELETE FROM models")
             self._db.execute("DELETE FROM meta WHERE key IN ('bill', 'counters', 'placement', 'settings')")
