@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,21 @@ class ServerProcess:
     @property
     def info_file(self) -> Path:
         return self.data_dir / "server.json"
+
+    def settle(self, timeout: float) -> None:
+        """Wait until the server is done starting: no model loading and no spare worker still
+        importing torch (it takes a core for a second or two, and calls timed meanwhile
+        measure that). Needs its HTTP front end."""
+        end = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(f"{self.http}/v2/memory", timeout=timeout) as r:  # loopback, our own server
+                memory = json.loads(r.read())
+            if not memory["loading"] and not memory["spares_starting"]:
+                return
+            if time.monotonic() > end:
+                raise RuntimeError(f"the server was still starting after {timeout:.0f} s: loading "
+                                   f"{memory['loading']}, {memory['spares_starting']} spare worker(s) starting")
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait up to ``timeout`` s for a clean stop, then kill; the exit code."""

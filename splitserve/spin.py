@@ -36,7 +36,10 @@ _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls b
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 50_000  # how often HostLoad reads /proc/loadavg while the host is free
 BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the host counts as busy
-BUSY_HOLD_NS = 20_000_000  # how long a busy verdict holds before the host is read again
+# how long a busy verdict holds before the host is read again: one read then re-confirms it, so a
+# shorter hold costs a pread per hold on a busy host, while a longer one made a moment of contention
+# (another process finishing its work) cost every call of the next 20 ms its poll
+BUSY_HOLD_NS = 2_000_000
 
 
 class SpinPolicy:

@@ -151,10 +151,11 @@ class MemoryManager:
     """Rafiqi's memory manager on the node's loop (the runtimes' ``ResidencyBroker``).
 
     ``note(kind, model)`` appends to the coordinator's event log; ``spares()`` counts the
-    node's idle worker processes; ``clock`` is perf_counter seconds, the LRU's clock."""
+    node's idle worker processes (ready, and still starting); ``clock`` is perf_counter
+    seconds, the LRU's clock."""
 
     def __init__(self, config: MemorySection, metrics: Metrics, note: Callable[[str, str], None] = lambda k, m: None,
-                 spares: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.perf_counter) -> None:
+                 spares: Callable[[], tuple[int, int]] = lambda: (0, 0), clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.managed = config.managed
         loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once
@@ -263,12 +264,13 @@ class MemoryManager:
     def refresh_metrics(self) -> None:
         """Gauges from live state, just before a scrape."""
         self.metrics.memory_reserved.set(self.cache.reserved)
-        self.metrics.worker_spares.set(self.spares())
+        self.metrics.worker_spares.set(self.spares()[0])
 
     def status(self) -> dict[str, Any]:
         """``GET /v2/memory``: budget, reserved and resident bytes, LRU order, the load queue, and each model."""
         cache, now = self.cache, self.clock()
         tier_held = self.tier.held()
+        spares, starting = self.spares()
         models = {}
         for name, e in sorted(cache.entries.items()):
             m = self.models.get(name)
@@ -299,7 +301,7 @@ class MemoryManager:
             "resident_bytes": sum(e.charge for e in cache.entries.values() if e.residency is Residency.RESIDENT),
             "lru": cache.lru(),
             "loading": sorted(n for n, e in cache.entries.items() if e.residency is Residency.LOADING),
-            "load_queue": cache.load_queue(), "spares": self.spares(),
+            "load_queue": cache.load_queue(), "spares": spares, "spares_starting": starting,
             "loads": sum(e.loads for e in cache.entries.values()),
             "evictions": sum(e.evictions for e in cache.entries.values()),
             "models": models,

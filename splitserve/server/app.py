@@ -259,9 +259,9 @@ class Server:
                                     cfg.frontends.ts_management_port, "ts_management_port"))
         return out
 
-    def _spares(self) -> int:
-        """Worker processes up and bound to no model (the node's pool, once it started)."""
-        return self.pool.spares if hasattr(self, "pool") else 0
+    def _spares(self) -> tuple[int, int]:
+        """Worker processes bound to no model, up and still starting (the node's pool, once it started)."""
+        return (self.pool.spares, len(self.pool.starting)) if hasattr(self, "pool") else (0, 0)
 
     def _profile(self, name: str) -> ModelProfile | None:
         return load_profile(self.registry, name)

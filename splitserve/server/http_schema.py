@@ -374,6 +374,7 @@ class Memory(BaseModel):
     loading: list[str]
     load_queue: list[str]
     spares: int
+    spares_starting: int = 0  # spare worker processes still starting (importing torch): the node is settling
     loads: int
     evictions: int
     models: dict[str, ModelMemory]

@@ -297,7 +297,8 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     assert status["models"][names[0]]["keep_resident"] and status["models"][names[0]]["evictions"] == 0
     assert all(ready)  # every copy is ready (served without an explicit load), resident or not
     assert set(status) == {"budget_bytes", "max_resident_models", "max_concurrent_loads", "reserved_bytes",
-                           "resident_bytes", "lru", "loading", "load_queue", "spares", "loads", "evictions", "models",
+                           "resident_bytes", "lru", "loading", "load_queue", "spares", "spares_starting", "loads",
+                           "evictions", "models",
                            "device_budget_bytes", "device_reserved_bytes", "pinned_tier_budget_bytes",
                            "pinned_tier_bytes", "pinned_tier"}
     assert status["device_reserved_bytes"] == {}  # CPU models hold no device memory

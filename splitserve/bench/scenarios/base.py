@@ -244,7 +244,8 @@ class Context:
                     env["SPLITSERVE_DIRECT_SPIN_US"] = str(spin_us)
             server = start_server(data_dir, *args, http=True, grpc=True, timeout=self.start_timeout_s, env=env,
                                   cache_dir=self.weights_cache())
-        self._servers.append(server)
+            self._servers.append(server)
+            server.settle(self.start_timeout_s)
         self.data_dir = data_dir
         target = Target(server.urls)
         self.server_info = {"started_by_bench": True, "urls": target.urls, "args": args, "fast_direct": direct}
