@@ -10,8 +10,10 @@ when it does not, it is CPU burnt for nothing, and on a busy host it takes a cor
 someone else is waiting for. So a side polls only
 
 - while the recent waits (an EWMA, each counted at most ``_GAP_CAP`` budgets) are within
-  its budget: a loop whose calls come seldom, or a client whose answers take longer than
-  the budget, stops polling after a few misses and starts again once they come close; and
+  its budget, or the last one was: a loop whose calls come seldom, or a client whose answers
+  take longer than the budget, stops polling after a few misses and starts again at the first
+  call that comes close (a worker whose client went away for a moment, e.g. to another model,
+  pays one sleep when it comes back, not the EWMA's half-dozen); and
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
   at most the CPUs this process may use). The count is the scheduler's instantaneous
   ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
@@ -36,32 +38,34 @@ _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls b
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 50_000  # how often HostLoad reads /proc/loadavg while the host is free
 BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the host counts as busy
-# how long a busy verdict holds before the host is read again: one read then re-confirms it, so a
-# shorter hold costs a pread per hold on a busy host, while a longer one made a moment of contention
-# (another process finishing its work) cost every call of the next 20 ms its poll
-BUSY_HOLD_NS = 2_000_000
+# how long a busy verdict holds before the host is read again: one read then re-confirms it (≈ 1 µs
+# per hold on a busy host), while a longer hold made a moment of contention (a side polling while
+# two others ran) cost every call of the next 20 ms its poll, on both sides of a direct call
+BUSY_HOLD_NS = 250_000
 
 
 class SpinPolicy:
-    """The poll window before each sleep: ``budget_ns`` while the recent waits are within
-    it and a CPU is free, else 0 (sleep at once)."""
+    """The poll window before each sleep: ``budget_ns`` while the recent waits, or the last
+    one, are within it and a CPU is free, else 0 (sleep at once)."""
 
     def __init__(self, budget_ns: int) -> None:
         if budget_ns < 0:
             raise ValueError("a spin budget is 0 (off) or a positive number of ns")
         self.budget_ns = budget_ns
         self.gap_ns = 0.0  # no gap seen yet: poll, and learn
+        self.last_ns = 0  # the last wait, capped as the EWMA's are
 
     def window_ns(self, cpu_free: bool) -> int:
         """How long to poll before sleeping now."""
-        if not self.budget_ns or not cpu_free or self.gap_ns > self.budget_ns:
+        budget = self.budget_ns
+        if not budget or not cpu_free or (self.gap_ns > budget and self.last_ns > budget):
             return 0
-        return self.budget_ns
+        return budget
 
     def observe(self, gap_ns: int) -> None:
         """A wait ended ``gap_ns`` after it began (by an event or its timeout)."""
         if self.budget_ns:
-            gap = min(gap_ns, _GAP_CAP * self.budget_ns)
+            gap = self.last_ns = min(gap_ns, _GAP_CAP * self.budget_ns)
             self.gap_ns += _ALPHA * (gap - self.gap_ns)
 
 

@@ -25,17 +25,24 @@ def test_calls_that_come_close_are_polled_for():
     assert p.window_ns(cpu_free=True) == 100 * US
 
 
-def test_a_few_long_gaps_stop_the_poll_and_a_few_close_calls_bring_it_back():
+def test_a_few_long_gaps_stop_the_poll_and_the_first_close_call_brings_it_back():
     p = SpinPolicy(100 * US)
     p.observe(10 * 1_000_000_000)  # idle for 10 s: counted as 4 budgets, not 10 s
     assert p.gap_ns == pytest.approx(100 * US)
     p.observe(10 * 1_000_000_000)
     assert p.window_ns(cpu_free=True) == 0  # calls come seldom: sleep at once
-    n = 0
-    while p.window_ns(cpu_free=True) == 0:
-        p.observe(30 * US)
-        n += 1
-    assert n <= 3  # an idle stretch does not keep the poll off for long once calls come close again
+    p.observe(30 * US)
+    assert p.gap_ns > p.budget_ns  # the EWMA still remembers the idle stretch...
+    assert p.window_ns(cpu_free=True) == 100 * US  # ...but a call that came close brings the poll back
+    p.observe(150 * US)
+    assert p.window_ns(cpu_free=True) == 0  # and one that did not stops it again
+
+
+def test_calls_that_come_a_little_too_far_apart_are_not_polled_for():
+    p = SpinPolicy(100 * US)
+    for _ in range(20):
+        p.observe(130 * US)
+    assert p.window_ns(cpu_free=True) == 0
 
 
 def test_never_while_a_task_waits_for_a_cpu_nor_when_off():
