@@ -47,8 +47,10 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
     """Which BE work may run beside the node's active RT work at ``now``.
 
     ``fbr(model)`` is a model's fitted FBR (None: not measured). BE batches already running
-    keep their place in the order they started; each idle BE instance is then admitted in the
-    node's order while every active RT model's predicted slowdown stays within ``limit``.
+    keep their place in the order they started; each idle BE instance whose model has BE
+    work waiting, or which holds a preempted batch, is then admitted in the node's order while every active RT model's predicted
+    slowdown stays within ``limit`` (one with none waiting starts nothing now: it takes none
+    of the room, and the next pass, which its first BE arrival starts, decides for it).
     A model's BE batch on an instance that takes both classes is left to ``priority.decide``,
     which preempts it for the model's own RT work; one on an instance kept for BE work
     (``be_instances``) is padded like any other.
@@ -80,8 +82,8 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
             stop.append((v.model, v.instance, v.running_batch))
         else:  # about to end: it still shares the bandwidth until it does
             be_load.append(own if own is not None else 0.0)
-    for v in node:  # an idle instance counts as if it starts a BE batch
-        if v.ready and v.running_cls is None and padded(v):
+    for v in node:  # an idle instance with BE work to start or resume counts as if it starts a batch
+        if v.ready and v.running_cls is None and (v.be_waiting or v.suspended) and padded(v):
             own = fbr(v.model)
             if fits(v.model):
                 be_load.extend(() if own is None else (own,))

@@ -63,6 +63,7 @@ class InstanceView:
     started: float | None = None  # when the running batch started (PROTEAN's wait-for-free predicts its end)
     rt_due: float | None = None  # soft SLO due of the RT request heading its model's next batch (bounds a wait)
     best_effort: bool = False  # kept for BE batches (its model's be_instances): under idle, never an RT target
+    be_waiting: int = 0  # BE requests waiting for this instance's model (in the node's queue)
 
 
 @dataclass

@@ -90,7 +90,7 @@ class FakeModel:
             out.append(InstanceView(
                 self.name, i, self.cpus[i], st.ready, b.cls if b else None, b.batch_id if b else 0,
                 bool(b) and preempt_raised(i, b.batch_id), (b.created if b.started is None else b.started) + BATCH_S if b else None,
-                st.suspended is not None, rt_waiting, self.sched.oldest_waiting()))
+                st.suspended is not None, rt_waiting, self.sched.oldest_waiting(), be_waiting=self.sched.waiting(BE)))
         return out
 
     def rt_waiting(self) -> int:

@@ -18,9 +18,9 @@ def rt_running(**kw) -> V:
     return V("rt", 0, frozenset({0}), True, running_cls=RT, running_batch=1, **kw)
 
 
-def be(model: str, running: bool = False, instance: int = 0, **kw) -> V:
+def be(model: str, running: bool = False, instance: int = 0, be_waiting: int = 1, **kw) -> V:
     return V(model, instance, frozenset({0}), True, running_cls=BE if running else None,
-             running_batch=7 if running else 0, **kw)
+             running_batch=7 if running else 0, be_waiting=be_waiting, **kw)
 
 
 def test_without_active_real_time_work_nothing_is_held() -> None:
@@ -32,6 +32,18 @@ def test_idle_best_effort_instances_are_admitted_while_the_predicted_slowdown_st
     # rt + light = 0.8 (floor 1: no slowdown); + mid = 1.2 > 1.05
     assert p.hold == {("mid", 0)} and p.stop == ()
     assert p.rt_slowdown == (("rt", 1.0),)
+
+
+def test_an_idle_instance_with_no_best_effort_work_waiting_takes_none_of_the_room() -> None:
+    # heavy has nothing queued: it starts no batch now, so light (which has) is not held for it
+    p = pad([rt_running(), be("heavy", be_waiting=0), be("light")], FBR.get, 1.0)
+    assert p.hold == frozenset() and p.rt_slowdown == (("rt", 1.0),)
+    # once heavy's work arrives, the next pass holds it: light came first in the node's order
+    p = pad([rt_running(), be("light"), be("heavy")], FBR.get, 1.0)
+    assert p.hold == {("heavy", 0)}
+    # a preempted batch it holds is work to resume, queue or not
+    p = pad([rt_running(), be("light"), be("heavy", be_waiting=0, suspended=True)], FBR.get, 1.0)
+    assert p.hold == {("heavy", 0)}
 
 
 def test_a_waiting_real_time_model_counts_as_active() -> None:

@@ -282,6 +282,7 @@ class Dispatch:
     def instance_views(self, preempt_raised: Callable[[int, int], bool]) -> list[InstanceView]:
         core = self.core
         rt_waiting = self.sched.waiting(RequestClass.RT)
+        be_waiting = self.sched.waiting(RequestClass.BE)
         oldest = self.sched.oldest_waiting()
         rt_due = self.sched.next_rt_due()
         out = []
@@ -300,7 +301,7 @@ class Dispatch:
                 ready=st.ready, running_cls=running_cls, running_batch=running_batch,
                 preempt_raised=bool(running_batch) and preempt_raised(i, running_batch),
                 expected_end=began + self.expected_batch_s(b.count) if b is not None and began is not None else None,
-                suspended=st.suspended is not None, rt_waiting=rt_waiting, oldest_waiting=oldest,
+                suspended=st.suspended is not None, rt_waiting=rt_waiting, be_waiting=be_waiting, oldest_waiting=oldest,
                 partition=placed.partition if placed is not None else -1, running_count=b.count if b else 0,
                 started=began, rt_due=rt_due, best_effort=st.best_effort,
             ))
