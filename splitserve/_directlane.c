@@ -16,7 +16,9 @@
    and where the answered calls are counted per class (``counters.CALLS_OFFSET``, a block of
    ``CALL_WORDS`` words per class whose first eight are ``counters.CallWord``'s: calls,
    samples, their durations, queue waits, input, model and output times, counted, then the
-   time the last was answered, set).
+   time the last was answered, set), then where their durations are binned
+   (``counters.DURATIONS_OFFSET``: per class, for each ``counters.Duration`` a count per bin
+   of the bounds given, ``counters.DURATION_BOUNDS_NS``, and one past them).
 
    bind(call_type, classes, placed, next_row, complete, flat, sizes, slo_us, max_in_flight,
         out_high_water, max_calls=0)
@@ -103,6 +105,8 @@
 #define IOV_MAX_ 1024 /* Linux's IOV_MAX: a sendmsg takes at most this many buffers */
 #define CALL_COUNTED 7 /* the words of a class's call block an answered call counts (counters.CallWord) */
 #define CALL_LAST_MS 7 /* then the one it sets: when it was answered, ms since the epoch */
+#define MAX_BOUNDS 32 /* the duration bins' bounds a Lane takes at most */
+#define DURATIONS 3 /* the durations binned per class (counters.Duration): request, queue, compute */
 
 /* One packed answer: its connection (a reference held until it is sent), its socket, rows and header */
 typedef struct {
@@ -133,6 +137,9 @@ typedef struct {
     Py_ssize_t w_received, w_admit; /* RECEIVED in the words; ADMIT in the page (the front end's) */
     Py_ssize_t sizes_offset; /* the batches by size in the page: size n's count and ns at 16 * (n - 1) */
     Py_ssize_t calls_offset, call_words; /* the answered calls in the page: a block of call_words per class */
+    Py_ssize_t durations_offset, nbounds; /* their durations' bins in the page: DURATIONS * (nbounds + 1) per class */
+    int64_t bounds[MAX_BOUNDS];             /* a bin's upper bound (ns, inclusive), ascending */
+    int64_t bins[DURATIONS * (MAX_BOUNDS + 1)]; /* the batch being answered: its calls' bins */
     /* ``bind``: where ``intake`` records a call (see there) */
     PyObject *call_type, *class_objs, *placed, *next_row, *complete, *flat, *sizes_list;
     unsigned long long slo_default_us;
@@ -251,14 +258,14 @@ static Py_ssize_t take_sizes(PyObject *sizes, Py_ssize_t *out, Py_ssize_t *total
 static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     unsigned func_id;
     Py_ssize_t max_batch;
-    PyObject *sizes, *rows, *out_sizes, *out_rows, *page, *slots;
+    PyObject *sizes, *rows, *out_sizes, *out_rows, *page, *slots, *bounds;
     Py_ssize_t page_offset;
     Py_buffer classes;
     lane_release(self);
-    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnnnn", &func_id, &PyList_Type, &sizes, &max_batch, &classes,
+    if (!PyArg_ParseTuple(args, "IO!ny*OO!Ow*OnO!nnnnnnO!", &func_id, &PyList_Type, &sizes, &max_batch, &classes,
                           &rows, &PyList_Type, &out_sizes, &out_rows, &self->words, &page, &page_offset, &PyTuple_Type,
                           &slots, &self->w_received, &self->w_admit, &self->sizes_offset, &self->calls_offset,
-                          &self->call_words))
+                          &self->call_words, &self->durations_offset, &PyTuple_Type, &bounds))
         return -1;
     self->words_held = 1;
     Py_INCREF(page);
@@ -267,10 +274,22 @@ static int lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_ssize_t nwords = self->words.len / 8;
     if (self->words.len % 8 != 0 || page_offset < 0 || PyTuple_GET_SIZE(slots) != 8 || self->w_received < 0 ||
         self->w_received >= nwords || self->w_admit < nwords || self->sizes_offset < 0 || self->sizes_offset % 8 ||
-        self->calls_offset < 0 || self->calls_offset % 8 || self->call_words <= CALL_LAST_MS) {
+        self->calls_offset < 0 || self->calls_offset % 8 || self->call_words <= CALL_LAST_MS ||
+        self->durations_offset < 0 || self->durations_offset % 8 || PyTuple_GET_SIZE(bounds) > MAX_BOUNDS) {
         PyBuffer_Release(&classes);
         PyErr_SetString(PyExc_ValueError, "Lane: words must be int64, with eight slots and an offset in the page");
         return -1;
+    }
+    self->nbounds = PyTuple_GET_SIZE(bounds);
+    for (Py_ssize_t i = 0; i < self->nbounds; i++) {
+        long long b = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, i));
+        if ((b == -1 && PyErr_Occurred()) || (i > 0 && b <= self->bounds[i - 1])) {
+            PyBuffer_Release(&classes);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "Lane: the duration bounds must be ascending integers");
+            return -1;
+        }
+        self->bounds[i] = b;
     }
     for (int i = 0; i < 8; i++) {
         Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
@@ -430,15 +449,18 @@ static int list_add(PyObject *list, Py_ssize_t i, Py_ssize_t delta) {
 
 /* The words into the page (as ``WorkerCounters.flush``), and the ADMIT word read there; a
    batch of ``size`` rows (0: none) that ran ``ns`` counted by its size first, and its
-   answered calls (``calls``: CALL_COUNTED words to add to class ``c``'s block; NULL: none)
-   (the page's sizes and calls are their only record: the worker is their one writer) */
+   answered calls (``calls``: CALL_COUNTED words to add to class ``c``'s block, and
+   ``bins`` to its duration bins; NULL: none) (the page's sizes, calls and bins are their
+   only record: the worker is their one writer) */
 static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns, int c, const int64_t *calls) {
     Py_buffer page;
     if (PyObject_GetBuffer(self->page, &page, PyBUF_WRITABLE) < 0)
         return -1;
+    Py_ssize_t nbins = DURATIONS * (self->nbounds + 1);
     int ok = self->page_offset + 8 * (self->w_admit + 1) <= page.len &&
              self->sizes_offset + 16 * self->max_batch <= page.len &&
-             self->calls_offset + 16 * self->call_words <= page.len;
+             self->calls_offset + 16 * self->call_words <= page.len &&
+             self->durations_offset + 16 * nbins <= page.len;
     if (ok) {
         if (size > 0) {
             int64_t *by_size = (int64_t *)((char *)page.buf + self->sizes_offset) + 2 * (size - 1);
@@ -454,6 +476,9 @@ static int write_words(Lane *self, int64_t *admit, Py_ssize_t size, int64_t ns, 
                 clock_gettime(CLOCK_REALTIME, &now); /* time.time_ns()'s clock */
                 block[CALL_LAST_MS] = (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
             }
+            int64_t *bins = (int64_t *)((char *)page.buf + self->durations_offset) + c * nbins;
+            for (Py_ssize_t i = 0; i < nbins; i++)
+                bins[i] += self->bins[i];
         }
         memcpy((char *)page.buf + self->page_offset, self->words.buf, (size_t)self->words.len);
         if (admit != NULL)
@@ -678,15 +703,24 @@ static uint32_t us32(long long ns) { /* a header's µs field: clamped as a 32-bi
     return us > 0xffffffffLL ? 0xffffffffu : (uint32_t)us;
 }
 
+/* The bin a duration of ``ns`` counts in: the first whose bound it is at most (bisect_left) */
+static Py_ssize_t bin_of(const Lane *self, int64_t ns) {
+    Py_ssize_t i = 0;
+    while (i < self->nbounds && ns > self->bounds[i])
+        i++;
+    return i;
+}
+
 /* Pack the answers of ``calls`` (see ``finish``); 0, with counts[] = answered, dropped, SLO
    met, SLO missed, the answered calls' samples, their durations and their queue waits (ns),
    or -1 with an exception set and nothing packed. */
 static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long long t1, long long t2,
                         int64_t counts[7]) {
     answers_release(self);
-    Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0;
+    Py_ssize_t n = PyList_GET_SIZE(calls), dropped = 0, met = 0, missed = 0, nb = self->nbounds + 1;
     int64_t samples = 0, rx_ns = 0;
     uint32_t compute_us = us32(t1 - t0);
+    memset(self->bins, 0, sizeof(int64_t) * (size_t)(DURATIONS * nb));
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *call = PyList_GET_ITEM(calls, i);
         PyObject *conn = PyObject_GetAttr(call, s_conn);
@@ -742,6 +776,8 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
         put_le(h + 52, us32(t2 - t_rx), 4);
         samples += count;
         rx_ns += t_rx;
+        self->bins[bin_of(self, t2 - t_rx)]++;
+        self->bins[nb + bin_of(self, t0 - t_rx)]++;
         if (slo) {
             if (t2 <= slo)
                 met++;
@@ -750,6 +786,7 @@ static int pack_answers(Lane *self, PyObject *calls, int c, long long t0, long l
         }
     }
     self->answer_class = c;
+    self->bins[2 * nb + bin_of(self, t2 - t0)] += self->nanswers; /* each call's batch: model run and outputs */
     counts[0] = self->nanswers;
     counts[1] = dropped;
     counts[2] = met;

@@ -4,7 +4,7 @@ The counters a user sums per model (requests, failures, samples, batches) count 
 told apart by the label ``path``: ``front`` for calls the front end answered, counted as
 they are answered, and ``direct`` for calls a worker answered straight to its client
 (``fast_direct``), read from the workers' pages at each scrape. A call is counted on
-exactly one of them. The duration histograms are the front end's calls only."""
+exactly one of them. So do the duration histograms (``server.durations``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
+from splitserve.server.durations import CallDurations
 from splitserve.slo import SloOutcome
-from splitserve.worker.counters import DirectTally
+from splitserve.worker.counters import DURATION_BUCKETS_S, DirectTally, Duration
 
 K = TypeVar("K", bound=Hashable)
-_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BUCKETS = DURATION_BUCKETS_S
 
 
 def class_label(cls: RequestClass) -> str:
@@ -70,9 +71,7 @@ class Metrics:
         self.preemption_latency = Histogram(
             "splitserve_preemption_latency_seconds", "Preemption flag raised to the worker stopped at a segment boundary",
             ("model",), buckets=_BUCKETS, registry=r)
-        self.queue = Histogram("splitserve_queue_duration_seconds", "Time from RX_COMPLETE to dispatch", labels, buckets=_BUCKETS, registry=r)
-        self.compute = Histogram("splitserve_compute_duration_seconds", "Worker compute time of the call's batch", labels, buckets=_BUCKETS, registry=r)
-        self.request = Histogram("splitserve_request_duration_seconds", "Time from header to answer", labels, buckets=_BUCKETS, registry=r)
+        self.durations = CallDurations(r)  # queue, compute and request, per model, class and path
         self.queue_depth = Gauge("splitserve_queue_depth", "Requests waiting for a batch", labels, registry=r)
         self.instances = Gauge("splitserve_instances", "Ready worker instances", ("model",), registry=r)
         self.watchdog_expired = Counter(
@@ -122,22 +121,23 @@ class Metrics:
         self._children: dict[tuple[str, RequestClass], tuple] = {}
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
+        children = self._children.get((model, call.cls))
+        if children is None:  # labels() takes a lock and hashes: resolve once per series
+            cls = class_label(call.cls)
+            children = self._children[(model, call.cls)] = (
+                self.requests.labels(model, cls, "front"), self.inferences.labels(model, cls, "front"),
+                *(self.durations.series(d, model, cls, "front") for d in (Duration.QUEUE, Duration.COMPUTE,
+                                                                           Duration.REQUEST)))
+        requests, inferences, queue, compute, request = children
+        observe = self.durations.observe
         if error is None:
-            children = self._children.get((model, call.cls))
-            if children is None:  # labels() takes a lock and hashes: resolve once per series
-                cls = class_label(call.cls)
-                children = self._children[(model, call.cls)] = (
-                    self.requests.labels(model, cls, "front"), self.inferences.labels(model, cls, "front"),
-                    *(m.labels(model, cls) for m in (self.queue, self.compute, self.request)))
-            requests, inferences, queue, compute, request = children
             requests.inc()
             inferences.inc(call.count)
-            queue.observe(max(0.0, call.t_dispatch - call.t_rx))
-            compute.observe(call.compute_ns / 1e9)
+            observe(queue, max(0, round((call.t_dispatch - call.t_rx) * 1e9)))
+            observe(compute, call.compute_ns)
         else:
             self.failures.labels(model, class_label(call.cls), error.status.name, "front").inc()
-            request = self.request.labels(model, class_label(call.cls))
-        request.observe(max(0.0, call.t_work - call.t_ready))
+        observe(request, max(0, round((call.t_work - call.t_ready) * 1e9)))
 
     def count_slo(self, model: str, cls: RequestClass, outcome: SloOutcome) -> None:
         """A call with an SLO was answered."""
@@ -171,6 +171,19 @@ class Metrics:
                 totals[(self.failures, (model, label, status.name, "direct"))] = n
         for (counter, labels), new in self._direct_since("calls", model, totals).items():
             counter.labels(*labels).inc(new)
+        # the durations: each bin and each sum a running total of its own
+        binned: dict[tuple[Duration, str, int], int] = {}
+        for cls, calls in zip((RequestClass.RT, RequestClass.BE), tally.calls):
+            label = class_label(cls)
+            for d in Duration:
+                binned.update({(d, label, i): n for i, n in enumerate(calls.bins(d))})
+                binned[(d, label, -1)] = calls.sum_ns(d)
+        grown: dict[tuple[Duration, str], list[int]] = {}
+        for (d, label, i), new in self._direct_since("durations", model, binned).items():
+            s = grown.setdefault((d, label), [0] * (len(_BUCKETS) + 2))  # the bins, then the sum
+            s[i] += new
+        for (d, label), s in grown.items():
+            self.durations.add(d, model, label, "direct", s[:-1], s[-1])
 
     def slo_tally(self, model: str) -> dict[str, int]:
         """``model``'s SLO outcomes so far, ``{"met": n, "missed": n, "dropped": n}`` (live:

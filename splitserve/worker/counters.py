@@ -15,6 +15,7 @@ import mmap
 import struct
 import time
 from array import array
+from bisect import bisect_left
 from dataclasses import asdict, astuple, dataclass, field, replace
 from enum import IntEnum
 
@@ -98,6 +99,34 @@ _CALLS = struct.Struct(f"={CALL_WORDS}q")
 _ANSWERED_CALLS = struct.Struct(f"={int(CallWord.FAIL_NS)}q")  # the words answered calls count and set
 _CALL_AT = (CALLS_OFFSET, CALLS_OFFSET + _CALLS.size)  # each class's block (indexed by the class: it is per batch)
 
+# The durations of the direct calls answered, per class, as histograms: for each ``Duration``
+# how many fell in each bucket of ``DURATION_BUCKETS_S`` (a value counts in the first bucket
+# it is at most; the last bin holds those above them all). /metrics shows the front end's
+# calls in the same buckets; the sums are the call block's.
+DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0, 10.0)
+DURATION_BOUNDS_NS = tuple(round(b * 1e9) for b in DURATION_BUCKETS_S)
+BINS = len(DURATION_BOUNDS_NS) + 1
+
+
+class Duration(IntEnum):
+    """A direct call's durations that are binned (each a block of ``BINS`` words)."""
+
+    REQUEST = 0  # header in to answer out (failed calls too, at their error)
+    QUEUE = 1  # header in to its batch's start
+    COMPUTE = 2  # its batch's model run and output copy
+
+
+_HIST = struct.Struct(f"={len(Duration) * BINS}q")
+DURATIONS_OFFSET = -(-(CALLS_OFFSET + 2 * _CALLS.size) // 64) * 64  # past the call blocks, cache-line aligned
+_HIST_AT = (DURATIONS_OFFSET, DURATIONS_OFFSET + _HIST.size)  # each class's block
+assert DURATIONS_OFFSET + 2 * _HIST.size <= SIZES_OFFSET, "the duration bins overlap the batch sizes"
+
+
+def duration_bin(ns: int) -> int:
+    """The bin a duration of ``ns`` counts in."""
+    return bisect_left(DURATION_BOUNDS_NS, ns)
+
 
 @dataclass(frozen=True, slots=True)
 class DirectCalls:
@@ -113,16 +142,28 @@ class DirectCalls:
     last_ms: int = 0
     fail_ns: int = 0
     failures: tuple[int, ...] = (0,) * len(FAIL_STATUSES)  # by status, in ``FAIL_STATUSES``' order
+    durations: tuple[int, ...] = (0,) * (len(Duration) * BINS)  # the bins of each ``Duration``, in order
 
     @classmethod
-    def from_words(cls, words: tuple[int, ...]) -> "DirectCalls":
+    def from_words(cls, words: tuple[int, ...], bins: tuple[int, ...]) -> "DirectCalls":
         head = len(CallWord)
-        return cls(*words[:head], tuple(words[head:]))
+        return cls(*words[:head], tuple(words[head:]), bins)
 
     def __add__(self, other: "DirectCalls") -> "DirectCalls":
-        head = [a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1])]
+        head = [a + b for a, b in zip(astuple(self)[:-2], astuple(other)[:-2])]
         head[CallWord.LAST_MS] = max(self.last_ms, other.last_ms)  # a time, not a count
-        return DirectCalls(*head, tuple(a + b for a, b in zip(self.failures, other.failures)))
+        return DirectCalls(*head, tuple(a + b for a, b in zip(self.failures, other.failures)),
+                           tuple(a + b for a, b in zip(self.durations, other.durations)))
+
+    def bins(self, kind: Duration) -> tuple[int, ...]:
+        """The calls in each bin of ``kind``'s histogram."""
+        return self.durations[kind * BINS : (kind + 1) * BINS]
+
+    def sum_ns(self, kind: Duration) -> int:
+        """What the durations ``kind`` bins add up to."""
+        if kind is Duration.REQUEST:
+            return self.ok_ns + self.fail_ns
+        return self.queue_ns if kind is Duration.QUEUE else self.infer_ns + self.output_ns
 
     @property
     def failed(self) -> int:
@@ -222,6 +263,7 @@ class WorkerCounters:
         """Worker: a new binding counts from zero (the admission limit stays the front end's)."""
         self._bytes[:] = bytes(_MINE_BYTES)
         self.page[CALLS_OFFSET : CALLS_OFFSET + 2 * _CALLS.size] = bytes(2 * _CALLS.size)
+        self.page[DURATIONS_OFFSET : DURATIONS_OFFSET + 2 * _HIST.size] = bytes(2 * _HIST.size)
         self.page[SIZES_OFFSET:PAGE_BYTES] = bytes(PAGE_BYTES - SIZES_OFFSET)
         self._dirty = True
         self.flush()
@@ -281,22 +323,37 @@ class WorkerCounters:
                                   infer0 + infer_ns * calls, output0 + output_ns * calls,
                                   time.time_ns() // 1_000_000 if calls else last)
 
+    def durations_answered(self, cls: int, request_ns: list[int], queue_ns: list[int], compute_ns: int) -> None:
+        """Worker: the calls of a class ``cls`` batch answered with their results binned (the
+        Python path's; the compiled lane bins its own): each one's duration and queue wait,
+        and the batch's ``compute_ns`` once per call."""
+        at = _HIST_AT[cls]
+        bins = list(_HIST.unpack_from(self.page, at))
+        queue = BINS * Duration.QUEUE
+        for req, wait in zip(request_ns, queue_ns):
+            bins[duration_bin(req)] += 1
+            bins[queue + duration_bin(wait)] += 1
+        bins[BINS * Duration.COMPUTE + duration_bin(compute_ns)] += len(request_ns)
+        _HIST.pack_into(self.page, at, *bins)
+
     def call_failed(self, cls: int, status: Status, ns: int) -> None:
         """Worker: a call of class ``cls`` was answered with an error of ``status``, ``ns``
-        after its header came (in the page at once)."""
+        after its header came (in the page at once; its duration binned as a request's)."""
         at = _CALL_AT[cls]
-        for word, n in ((_FAIL_AT[status], 1), (CallWord.FAIL_NS, ns)):
-            v = _U64.unpack_from(self.page, at + 8 * word)[0]
-            _U64.pack_into(self.page, at + 8 * word, v + n)
+        for offset, n in ((at + 8 * _FAIL_AT[status], 1), (at + 8 * CallWord.FAIL_NS, ns),
+                          (_HIST_AT[cls] + 8 * duration_bin(ns), 1)):
+            v = _U64.unpack_from(self.page, offset)[0]
+            _U64.pack_into(self.page, offset, v + n)
 
     def lane_counts(self) -> tuple:
         """Where the compiled lane (``_directlane.Lane``) counts calls as ``accepted`` and
         batches as ``answered`` do: the words, the page, their offset there, the words a
         batch's answers count, the RECEIVED word, the ADMIT word (read in the page) and
         where the batches are counted by size and the calls per class (``CallWord``, a class's block
-        ``CALL_WORDS`` long)."""
+        ``CALL_WORDS`` long), and where their durations are binned (``Duration``'s blocks per
+        class, by ``DURATION_BOUNDS_NS``)."""
         return (self.words, self.page, COUNTERS_OFFSET, _ANSWER_WORDS, int(Word.RECEIVED), int(Word.ADMIT),
-                SIZES_OFFSET, CALLS_OFFSET, CALL_WORDS)
+                SIZES_OFFSET, CALLS_OFFSET, CALL_WORDS, DURATIONS_OFFSET, DURATION_BOUNDS_NS)
 
     def in_flight(self) -> int:
         """Worker: its calls accepted and not yet answered or dropped, of both classes."""
@@ -339,7 +396,8 @@ class WorkerCounters:
 
     def tally(self) -> DirectTally:
         """Front end: all the page says, in one read."""
-        calls = tuple(DirectCalls.from_words(_CALLS.unpack_from(self.page, at)) for at in _CALL_AT)
+        calls = tuple(DirectCalls.from_words(_CALLS.unpack_from(self.page, at), _HIST.unpack_from(self.page, bins))
+                      for at, bins in zip(_CALL_AT, _HIST_AT))
         return DirectTally(self.snapshot(), self.batch_sizes(), calls)  # type: ignore[arg-type]
 
     def batch_sizes(self) -> dict[int, tuple[int, int]]:

@@ -478,6 +478,8 @@ class DirectServer:
         outs = list(zip(self.out_flat[cls], self.out_sizes))
         answers: dict[_Conn, list] = {}
         answered = samples = rx_ns = 0
+        request_ns: list[int] = []
+        queue_ns: list[int] = []
         for c in calls:
             conn = c.conn
             if conn.closed:
@@ -499,9 +501,12 @@ class DirectServer:
             answered += 1
             samples += c.count
             rx_ns += c.t_rx_ns
+            request_ns.append(t2 - c.t_rx_ns)
+            queue_ns.append(max(0, t0 - c.t_rx_ns))
         # each call's duration and queue wait from its header in (before its batch began)
         self.counters.calls_answered(cls, answered, samples, answered * t2 - rx_ns, answered * t0 - rx_ns, t1 - t0,
                                      t2 - t1)
+        self.counters.durations_answered(cls, request_ns, queue_ns, t2 - t0)
         self.counters.answered(_IN_FLIGHT[cls], answered, n, t1 - t0)
         step = _IOV_MAX // (1 + len(outs)) * (1 + len(outs))  # whole answers per write
         for conn, parts in answers.items():

@@ -109,12 +109,24 @@ def _counters(node: Node, model: str, path: str) -> tuple[float, float, float]:
             _total(m, "splitserve_execution_count_total"))
 
 
+def _durations(node: Node, model: str, path: str) -> tuple[float, ...]:
+    """``model``'s duration histograms on /metrics for ``path``: the calls in the request,
+    queue and compute histograms, and the request durations' sum (s)."""
+    m = node.metrics(model, path)
+    counts = tuple(_total(m, f"splitserve_{d}_duration_seconds_count") for d in ("request", "queue", "compute"))
+    # each histogram's last (+Inf) bucket holds every call it counted
+    assert counts == tuple(_total(m, f"splitserve_{d}_duration_seconds_bucket", le="+Inf")
+                           for d in ("request", "queue", "compute"))
+    return (*counts, _total(m, "splitserve_request_duration_seconds_sum"))
+
+
 def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     """Calls on the direct path (a default client, one at a time: one batch each) count in
     ``inference_count``, ``execution_count`` and ``batch_stats`` as front-end calls do, and
     the batches by size still add up to the execution count."""
     before = node.stats(MODEL)
     direct0, front0 = _counters(node, MODEL, "direct"), _counters(node, MODEL, "front")
+    durations0, front_durations0 = _durations(node, MODEL, "direct"), _durations(node, MODEL, "front")
     started_ms = time.time_ns() // 1_000_000
     with Client(node.url) as c:
         for i in range(9):
@@ -140,6 +152,11 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     direct = _counters(node, MODEL, "direct")
     assert [a - b for a, b in zip(direct, direct0)] == [9, 18, 9]
     assert _counters(node, MODEL, "front") == front0
+    # and the duration histograms: each call once, under path="direct", its duration the worker's
+    durations = _durations(node, MODEL, "direct")
+    assert [a - b for a, b in zip(durations[:3], durations0)] == [9, 9, 9]
+    assert durations[3] - durations0[3] == pytest.approx(calls["success"][1] / 1e9)
+    assert _durations(node, MODEL, "front") == front_durations0
     # front-end calls count in the same figures
     with Client(node.url, direct=False) as c:
         _call(c, MODEL, 2)
@@ -151,6 +168,8 @@ def test_triton_statistics_count_direct_calls_by_batch_size(node: Node) -> None:
     assert _grown(after, s)["success"][0] == 1
     assert [a - b for a, b in zip(_counters(node, MODEL, "front"), front0)] == [1, 2, 1]
     assert _counters(node, MODEL, "direct") == direct
+    assert [a - b for a, b in zip(_durations(node, MODEL, "front")[:3], front_durations0)] == [1, 1, 1]
+    assert _durations(node, MODEL, "direct") == durations
 
 
 def test_a_direct_call_the_model_fails_counts_as_a_failure(node: Node) -> None:
@@ -158,6 +177,7 @@ def test_a_direct_call_the_model_fails_counts_as_a_failure(node: Node) -> None:
     statistics (with its duration) and one WORKER_FAILED on /metrics under path="direct"."""
     before = node.stats(HALF[0])
     failures = _total(node.metrics(HALF[0], "direct"), "splitserve_request_failures_total", status="WORKER_FAILED")
+    durations = _durations(node, HALF[0], "direct")
     with Client(node.url) as c, pytest.raises(WorkerFailed, match="'vhalf' raised"):
         c.infer(HALF[0], samples(MODEL, 1))
     s = node.stats(HALF[0])
@@ -168,6 +188,9 @@ def test_a_direct_call_the_model_fails_counts_as_a_failure(node: Node) -> None:
     assert s["last_inference"] == before["last_inference"]  # a call answered with its result sets it
     after = _total(node.metrics(HALF[0], "direct"), "splitserve_request_failures_total", status="WORKER_FAILED")
     assert after - failures == 1
+    # its duration in the request histogram (a failed call has no queue wait or compute there)
+    grown = [a - b for a, b in zip(_durations(node, HALF[0], "direct"), durations)]
+    assert grown[:3] == [1, 0, 0] and grown[3] == pytest.approx(calls["fail"][1] / 1e9)
 
 
 def _rx_queued(port: int) -> int:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
-from splitserve.worker.counters import PAGE_BYTES, DirectCalls, WorkerCounters
+from splitserve.worker.counters import BINS, PAGE_BYTES, DirectCalls, Duration, WorkerCounters, duration_bin
 from splitserve.worker.direct import _IN_FLIGHT, DirectServer
 from splitserve.worker.direct_conn import _Call
 from splitserve.worker.poller import Poller
@@ -193,6 +193,14 @@ def test_the_lane_writes_every_answer_the_python_path_writes(tmp_path, batch):
     assert (mine.ok_ns, mine.queue_ns) == (sum(T2 - t for t in t_rx), sum(T0 - t for t in t_rx))
     assert (mine.input_ns, mine.infer_ns, mine.output_ns) == (0, answered * (T1 - T0), answered * (T2 - T1))
     assert mine.failed == mine.fail_ns == 0
+    # and each one's durations binned as /metrics shows them (the same on both paths, above)
+    def binned(values):
+        return tuple(sum(1 for v in values if duration_bin(v) == i) for i in range(BINS))
+
+    assert mine.bins(Duration.REQUEST) == binned([T2 - t for t in t_rx])
+    assert mine.bins(Duration.QUEUE) == binned([T0 - t for t in t_rx])
+    assert mine.bins(Duration.COMPUTE) == binned([T2 - T0] * answered)
+    assert [mine.sum_ns(d) for d in Duration] == [mine.ok_ns, mine.queue_ns, answered * (T2 - T0)]
 
 
 @st.composite

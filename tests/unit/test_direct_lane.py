@@ -143,13 +143,19 @@ def test_a_lane_refuses_buffers_shorter_than_a_batch_and_a_count_outside_the_sta
                          *_counts())
     with pytest.raises(ValueError, match="one buffer per tensor"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES + [4], _out_rows(), *_counts())
-    words, page, offset, slots, received, admit, by_size, calls, call_words = _counts()
+    words, page, offset, slots, received, admit, by_size, calls, call_words, durations, bounds = _counts()
     with pytest.raises(ValueError, match="slot outside"):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
-                         (*slots[:7], len(words)), received, admit, by_size, calls, call_words)
+                         (*slots[:7], len(words)), received, admit, by_size, calls, call_words, durations, bounds)
     with pytest.raises(ValueError, match="int64"):  # a call block too short for the words a call counts and sets
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
-                         slots, received, admit, by_size, calls, 7)
+                         slots, received, admit, by_size, calls, 7, durations, bounds)
+    with pytest.raises(ValueError, match="ascending"):  # duration bins whose bounds are out of order
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
+                         slots, received, admit, by_size, calls, call_words, durations, bounds[::-1])
+    with pytest.raises(ValueError, match="int64"):  # more bounds than a lane bins by
+        _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(256), rows, OUT_SIZES, _out_rows(), words, page, offset,
+                         slots, received, admit, by_size, calls, call_words, durations, tuple(range(1, 40)))
     with pytest.raises(ValueError):
         _directlane.Lane(FUNC_ID, SIZES, MAX_BATCH, bytes(255), rows, OUT_SIZES, _out_rows(), *_counts())
     lane, _ = _lane(False, RequestClass.RT)
