@@ -42,7 +42,7 @@ from splitserve.protean.distributor import Job, JobDistributor, Slot
 from splitserve.protean.geometry import Geometry, carve
 from splitserve.protean.reconfig import GeometryController, ProteanSettings, derive_thresholds
 from splitserve.placement.resources import ResourceManager
-from splitserve.protean.slowdown import SlowdownModel
+from splitserve.protean.slowdown import Shape, SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
@@ -61,16 +61,19 @@ class ProteanProfileSource(Protocol):
     memory. Built once by the root; read on the loop (each model's profiles are read once,
     then kept until ``forget``). None means "not profiled here": never a made-up number."""
 
-    def solo(self, model: str, cores: int, batch: int) -> float | None:
-        """Seconds one batch of ``batch`` takes alone on a partition of ``cores`` cores
-        (the stored L[cores, batch]); None without a profile with that many threads."""
+    def solo(self, model: str, shape: Shape, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` takes alone on a partition of ``shape``: ``cores``
+        cores (the stored L[cores, batch]) or a MIG profile (its own latency profile); None
+        without such a profile."""
 
-    def fbr(self, model: str) -> float | None:
-        """The model's fitted FBR; None when never fitted or unidentified."""
+    def fbr(self, model: str, mig: str | None = None) -> float | None:
+        """The model's fitted FBR on the node's cores (on the MIG profile ``mig``); None when
+        never fitted or unidentified."""
 
-    def footprint(self, model: str, batch: int) -> int | None:
-        """Bytes a batch of ``batch`` takes: the per-batch footprint, else the private bytes
-        the model's load measured (``kind="memory"``), else None."""
+    def footprint(self, model: str, batch: int, mig: str | None = None) -> int | None:
+        """Bytes a batch of ``batch`` takes: the per-batch footprint, else (on the CPUs) the
+        private bytes the model's load measured (``kind="memory"``), else None; ``mig``: the
+        device bytes measured on that MIG profile."""
 
     def forget(self, model: str | None = None) -> None:
         """Read ``model``'s (every model's: None) profiles again on next use, e.g. after
@@ -228,8 +231,8 @@ class PartitionManager:
 
     # -- profiles ------------------------------------------------------------------------
 
-    def _solo(self, model: str, cores: int, batch: int) -> float | None:
-        return self.profiles.solo(model, cores, batch) if self.profiles is not None else None
+    def _solo(self, model: str, shape: Shape, batch: int) -> float | None:
+        return self.profiles.solo(model, shape, batch) if self.profiles is not None else None
 
     def _slowdown_model(self) -> SlowdownModel:
         """The slowdown model over the FBRs known now."""
