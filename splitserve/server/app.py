@@ -35,7 +35,7 @@ from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
 from splitserve.memory.footprints import RegistryFootprints
 from splitserve.memory.manager import MemoryManager
 from splitserve.types import TensorSpec, batch_of
-from splitserve.placement.devices import DeviceAssigner
+from splitserve.placement.devices import DeviceAssigner, partitions_of
 from splitserve.placement.gpus import MigDriver
 from splitserve.server.mig_geometry import MigGeometry
 from splitserve.placement.partition import Partitioning
@@ -60,6 +60,7 @@ from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
+from splitserve.protean.mig_slots import MigBatchChooser
 from splitserve.protean.partitions import PartitionManager
 from splitserve.protean.profiles import ProteanProfiles
 from splitserve.server.model.env import InstanceWorker, RuntimeEnv, WorkerFactory
@@ -187,11 +188,15 @@ class Server:
             self.coordinator.fbr = self.protean_profiles.fbr
         self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
+        devices = DeviceAssigner(self.gpus.current)
+        if self.partitions is not None:  # η placement on the MIG devices GPU models' instances hold
+            self.partitions.mig = MigBatchChooser(devices, lambda: partitions_of(self.gpus.current()),
+                                                  self.protean_profiles, cfg.protean.protean_unknown_fbr)
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier,
                               stopping=lambda: self.stopping, workers=self.pool,
                               footprints=self.footprints, memory=self.memory, off_loop=OffLoop(self.loop),
-                              partitions=self.partitions, devices=DeviceAssigner(self.gpus.current))
+                              partitions=self.partitions, devices=devices)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
                                        self.partitions, self.gpus)
         self.gpus.start()

@@ -22,6 +22,7 @@ from splitserve.placement.profiler import (
 from splitserve.protean.distributor import Job, JobDistributor
 from splitserve.protean.mig_slots import mig_slots, mig_slowdown_model
 from splitserve.protean.profiles import ProteanProfiles
+from splitserve.protean.slowdown import FbrFit
 from splitserve.registry import Registry
 from tests.fake_nvml import GIB, H100, FakeGpu, FakeInstance, FakeNvml
 
@@ -48,11 +49,13 @@ def parts() -> Any:
 def _store(registry: Any) -> None:
     """What ``splitserve profile --mig`` stores: per MIG profile, L[1, b] of the strict model
     ``s`` and co-location runs (s and the BE model ``be``) fitted into FBRs. The CPU profile
-    of ``s`` is stored too, with numbers no MIG decision may use."""
-    lat = {BIG: {(1, 4): 0.012}, SMALL: {(1, 4): 0.030}}
+    and FBRs are stored too, with numbers no MIG decision may use."""
+    lat = {BIG: {(1, 1): 0.006, (1, 4): 0.012}, SMALL: {(1, 1): 0.009, (1, 4): 0.018}}
     for name, table in lat.items():
         save_profile(registry, ModelProfile(LatencyProfile("s", table), {}, M), mig=name)
     save_profile(registry, ModelProfile(LatencyProfile("s", {(1, 4): 0.001}), {}, M))  # the CPUs': never read here
+    for m in ("s", "be"):
+        registry.save_profile(m, M, "fbr", FbrFit({"s@4": 0.2, "be@4": 0.2}).to_dict())
     # FBRs on 3g: s 0.8, be 2.0 (a bandwidth-heavy BE job); on 1g: s 0.6, be 0.7
     for name, cores, fs, fb in ((BIG, 3, 0.8, 2.0), (SMALL, 1, 0.6, 0.7)):
         runs = [ColocationRun(cores, ("s@4", "be@4"), (fs + fb,) * 2, (0.01, 0.01), (0.01, 0.01)),
@@ -66,12 +69,12 @@ def test_profiles_are_stored_and_read_per_mig_profile_and_never_mixed_with_the_c
     _store(registry)
     assert load_fbr(registry, "s", M, mig=BIG) == pytest.approx(0.8)
     assert load_fbr(registry, "be", M, mig=SMALL) == pytest.approx(0.7)
-    assert load_fbr(registry, "s", M) is None  # no CPU co-location was run: no CPU FBR
+    assert load_fbr(registry, "s", M) == pytest.approx(0.2)  # the core sets' own
     p = ProteanProfiles(registry, M)
-    assert p.solo("s", BIG, 4) == pytest.approx(0.012) and p.solo("s", SMALL, 4) == pytest.approx(0.030)
+    assert p.solo("s", BIG, 4) == pytest.approx(0.012) and p.solo("s", SMALL, 4) == pytest.approx(0.018)
     assert p.solo("s", 1, 4) == pytest.approx(0.001)  # the core set's own
     assert p.solo("s", "2g.20gb", 4) is None and p.fbr("s", "2g.20gb") is None  # never measured there
-    assert p.fbr("be", BIG) == pytest.approx(2.0) and p.fbr("be") is None
+    assert p.fbr("be", BIG) == pytest.approx(2.0) and p.fbr("be") == pytest.approx(0.2)
 
 
 def test_the_strict_batch_goes_where_its_own_profiles_rank_it_best(registry: Any, parts: Any):
@@ -82,14 +85,14 @@ def test_the_strict_batch_goes_where_its_own_profiles_rank_it_best(registry: Any
     be = Job("be", 4, False, GIB)
     idle = mig_slots(parts)
     assert [(s.id, s.profile, s.cores) for s in idle] == [(0, BIG, 3), (1, SMALL, 1), (2, SMALL, 1)]
-    # RDF against the fastest profile of the node: 3g 1.0, 1g 0.030 / 0.012
-    assert model.rdf("s", 4, SMALL) == pytest.approx(2.5) and model.rdf("s", 4, BIG) == 1.0
+    # RDF against the fastest profile of the node: 3g 1.0, 1g 0.018 / 0.012
+    assert model.rdf("s", 4, SMALL) == pytest.approx(1.5) and model.rdf("s", 4, BIG) == 1.0
     assert dist.choose(strict, idle, {}, {0, 1, 2}) == 0  # alone, the 3g is the fastest
     # a BE batch on the 3g: η there is 1.0 × (0.8 + 2.0) = 2.8 with the 3g's FBRs, against
-    # 2.5 × max(0.6, 1) on a 1g; the 1g's FBRs (Σ 1.3) or none (Σ 2.0) would keep it on the 3g
+    # 1.5 × max(0.6, 1) on a 1g; the 1g's FBRs (Σ 1.3) or the CPUs' (Σ 0.4) would keep it on the 3g
     busy = mig_slots(parts, {parts[0].uuid: [be]})
     assert dist.strict_eta(strict, busy[0], 0.0) == pytest.approx(2.8)
-    assert dist.strict_eta(strict, busy[1], 0.0) == pytest.approx(2.5)
+    assert dist.strict_eta(strict, busy[1], 0.0) == pytest.approx(1.5)
     assert busy[dist.choose(strict, busy, {}, {0, 1, 2})].profile == SMALL  # either 1g
     assert model.predict("s", 4, BIG, ["be"]) == pytest.approx(0.012 * 2.8)
     # a pair never fitted on a profile is assumed to take its bandwidth (unknown_fbr), not the CPU's number
@@ -123,3 +126,37 @@ def test_profile_mig_refuses_cpu_options_before_measuring():
 
     result = CliRunner().invoke(app, ["profile", "lenet", "--mig", "--threads", "1"])
     assert result.exit_code != 0 and "--mig measures on MIG devices" in result.output
+
+
+def test_the_node_places_a_gpu_models_strict_batch_on_the_mig_device_its_profiles_pick(registry: Any):
+    """The coordinator asks the partition manager, which hands a model whose instances hold
+    MIG devices (a real ``DeviceAssigner`` over the fake NVML) to the MIG chooser: ``s`` has
+    an instance on the 3g and one on a 1g, ``be`` one on the 3g."""
+    from splitserve.placement.devices import DeviceAssigner
+    from splitserve.protean.mig_slots import MigBatchChooser
+    from tests.unit.test_node_partitions import BE, RT, Model, manager
+
+    gpu = FakeGpu("NVIDIA H100 80GB HBM3", 80 * GIB, (1, 1), H100,
+                  [FakeInstance(1, 9, (0, 4), {0: 3}), FakeInstance(2, 19, (4, 1), {0: 1})], "GPU-h")
+    listing = read_gpus(FakeNvml([gpu]))
+    devices = DeviceAssigner(lambda: listing)
+    _store(registry)
+    models: dict[str, Model] = {}
+    pm, coord = manager(models)
+    pm.mig = MigBatchChooser(devices, lambda: partitions_of(listing), ProteanProfiles(registry, M))
+    p1, p2 = (p.id for p in pm.current())
+    # on the CPU partitions alone (ties to the higher id) s would go to its instance 0 both times
+    models["s"], models["be"] = Model("s", [p2, p1]), Model("be", [p1])
+    for owner, instance, device in (("s", 0, "cuda:0"), ("s", 1, "cuda:1"), ("be", 0, "cuda:0")):
+        devices.assign(owner, instance, device)
+    models["s"].enqueue(RT, 0)
+    (alone,) = coord.schedule(models["s"], 0.0)
+    assert alone.instance == 0  # nothing else runs: the 3g (RDF 1.0 against 1.5)
+    models["s"].sched.complete(alone.instance, alone.batch_id)
+    coord.finished(models["s"], alone.instance, alone, ok=True)
+    models["be"].enqueue(BE, 0)
+    (be,) = coord.schedule(models["be"], 0.0)
+    coord.started(models["be"], be)
+    models["s"].enqueue(RT, 1)
+    (beside,) = coord.schedule(models["s"], 0.0)
+    assert beside.instance == 1  # the BE batch's bandwidth on the 3g (its FBR there) sends it to the 1g
