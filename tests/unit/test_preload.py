@@ -33,7 +33,8 @@ def test_device_bytes_are_budgeted_per_partition_and_capped_by_its_memory():
     assert plan.load == ("a", "c")
     why = dict(plan.skipped)
     assert f"on GPU partition {mig_small}" in why["b"] and "of its 0.01 GiB is left" in why["b"]
-    assert f"on GPU partition {mig_big}" in why["d"] and why["d"].endswith("(estimated: not loaded on this node before)")
+    assert f"on GPU partition {mig_big}" in why["d"]
+    assert why["d"].endswith("(estimated: not loaded on this node before)")
 
 
 def test_the_resident_model_count_binds_too():
