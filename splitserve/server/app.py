@@ -224,7 +224,8 @@ class Server:
         after another; log each one skipped and why (it loads on its first call). Returns the
         models loaded."""
         if "*" in names:
-            names = [*(n for n in names if n != "*"), *(r.name for r in self.registry.list())]
+            names = [*(n for n in names if n != "*"),
+                     *(r.name for r in sorted(self.records.values(), key=lambda r: r.func_id))]
         runtimes = [self.runtime(n) for n in dict.fromkeys(names)]
         if not runtimes:
             return ()
