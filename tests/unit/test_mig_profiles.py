@@ -121,11 +121,16 @@ def test_each_mig_profile_is_measured_once_on_its_first_device_alone(parts: Any,
         profile_mig(config, None, tmp_path, [p for p in parts if p.profile is None], [1], sweep=sweep)
 
 
-def test_profile_mig_refuses_cpu_options_before_measuring():
+def test_profile_mig_refuses_cpu_options_and_a_node_without_mig_devices_before_measuring(tmp_path: Path):
     from splitserve.cli import app
+    from splitserve.placement.gpus import PynvmlNvml
 
     result = CliRunner().invoke(app, ["profile", "lenet", "--mig", "--threads", "1"])
     assert result.exit_code != 0 and "--mig measures on MIG devices" in result.output
+    if devices_by_profile(partitions_of(read_gpus(PynvmlNvml()))):
+        return  # a MIG node would measure (tests/gpu does)
+    result = CliRunner().invoke(app, ["profile", "lenet", "--mig", "--data-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "this node has no MIG devices" in result.output
 
 
 def test_the_node_places_a_gpu_models_strict_batch_on_the_mig_device_its_profiles_pick(registry: Any):
