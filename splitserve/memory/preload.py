@@ -11,7 +11,8 @@ its first call, as any other model does. Nothing already kept is given up for a 
 
 Sizes are what the memory manager charges (``ResidentModel.charge``/``device_charge``): the
 measurement of an earlier load here when there is one, else the estimate from the weights
-file, which the plan says. Pure: sizes and budgets in, a plan out.
+file (on a device: the weights once per instance, a lower bound), which the plan says. Pure:
+sizes and budgets in, a plan out.
 """
 
 from __future__ import annotations

@@ -229,8 +229,11 @@ class Server:
         runtimes = [self.runtime(n) for n in dict.fromkeys(names)]
         if not runtimes:
             return ()
-        wanted = [Candidate(rt.name, rt.residency.charge(), rt.residency.device_charge(),
-                            rt.residency.footprint.measured) for rt in runtimes]
+        await asyncio.gather(*(rt.residency.read_footprint() for rt in runtimes))
+        wanted = [Candidate(rt.name, rt.residency.charge(), rt.residency.device_charge(at_least_weights=True),
+                            rt.residency.footprint.measured and (rt.residency.footprint.device_bytes > 0
+                                                                 or not rt.config.device.startswith("cuda")))
+                  for rt in runtimes]
         mem = self.config.memory
         gpus = partitions_of(self.gpus.current()) if any(c.device_bytes for c in wanted) else ()
         plan = plan_preload(wanted, mem.memory_budget_bytes, mem.device_budget_bytes,
