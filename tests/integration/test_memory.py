@@ -313,3 +313,21 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     assert set(names) <= set(status["models"]) and set(status["models"][names[0]]) == {
         "residency", "reason", "weights_bytes", "private_bytes", "reserved_bytes", "instances", "loads", "evictions",
         "last_load_ms", "keep_resident", "last_used_s_ago", "device_bytes", "device_reserved_bytes", "pinned_bytes"}
+
+
+def test_a_start_up_model_larger_than_the_byte_budget_is_not_preloaded_and_the_start_says_why(tmp_path, caplog):
+    """Its size is read from its weights before any load (a seeded resnet18: about 43 MiB,
+    against a 20 MiB budget), so nothing loads at start, the node is ready, and the log
+    names the model, the bytes and the budget."""
+    write_model(tmp_path / "repo", "big", "resnet18")
+    cfg = quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache",
+                       memory_budget_bytes=20 << 20, load=("big",))
+
+    async def scenario(server):
+        return server.preloaded, server.ready(), server.memory.status()["loads"]
+
+    with caplog.at_level(logging.WARNING, logger="splitserve"):
+        assert run_server(cfg, scenario) == ((), True, 0)
+    assert any(m.startswith("start-up model big not preloaded: needs 0.04 GiB of host memory; 0.02 GiB of the "
+                            "0.02 GiB budget is left (estimated: not loaded on this node before)")
+               for m in (r.getMessage() for r in caplog.records))
