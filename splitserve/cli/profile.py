@@ -101,11 +101,7 @@ def profile(
     reg, rec = _record(data_dir, model)
     try:
         if colocate:
-            others = [reg.find(o) for o in colocate]
-            if None in others:
-                raise typer.BadParameter(f"--colocate: unknown model(s) "
-                                         f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
-            _profile_colocation(reg, [rec, *others], cores, batch, data_dir, budget_s,
+            _profile_colocation(reg, _colocated(reg, rec, colocate), cores, batch, data_dir, budget_s,
                                 omp_wait_policy.upper() if omp_wait_policy else None)
             return
         ts = _int_list(threads) or list(range(1, len(os.sched_getaffinity(0)) + 1))
@@ -125,6 +121,15 @@ def profile(
     if prof.footprint:
         console.print("memory one batch adds (MiB): " + ", ".join(
             f"b={b}: {n / 2**20:.1f}" for b, n in sorted(prof.footprint.items())), highlight=False)
+
+
+def _colocated(reg: Any, rec: Any, colocate: list[str]) -> list[Any]:
+    """MODEL's record and those of the ``--colocate`` models; BadParameter naming unknown ones."""
+    others = [reg.find(o) for o in colocate]
+    if None in others:
+        raise typer.BadParameter(f"--colocate: unknown model(s) "
+                                 f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
+    return [rec, *others]
 
 
 def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: int | None,
@@ -182,11 +187,7 @@ def _profile_mig(data_dir: Path | None, model: str, colocate: list[str] | None, 
     cache = ServerConfig.of(data_dir=data_dir or default_data_dir()).cache_path
     try:
         if colocate:
-            others = [reg.find(o) for o in colocate]
-            if None in others:
-                raise typer.BadParameter(f"--colocate: unknown model(s) "
-                                         f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
-            records = [rec, *others]
+            records = _colocated(reg, rec, colocate)
             names = list(dict.fromkeys(r.name for r in records))
             configs = {r.name: r.config for r in records}
             for name, device in devices.items():
