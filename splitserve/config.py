@@ -396,7 +396,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     data_dir: Path = field(default_factory=default_data_dir)  # registry, repository, token, cache
     repository: Path | None = None  # extra model repository (directories with config.toml)
-    load: tuple[str, ...] = ()  # models to load at start-up; others load on first use
+    load: tuple[str, ...] = ()  # models to load at start-up, those that fit ("*": all registered); others on first use
     log_level: str = "INFO"  # logging level of the server and its worker processes (DEBUG, INFO, WARNING, ERROR)
     cache_dir: Path | None = field(default_factory=env_cache_dir)  # trained/derived weights (None: data_dir/cache)
     transports: TransportSection = field(default_factory=TransportSection)

@@ -76,9 +76,13 @@ def profile(
                                                    "(default: each model's max_batch_size)."),
     omp_wait_policy: Optional[str] = typer.Option(None, help="With --colocate: OMP_WAIT_POLICY of the measuring "
                                                              "processes (PASSIVE or ACTIVE; default: unset)."),
+    mig: bool = typer.Option(False, "--mig", help="Measure on this node's MIG devices instead of its CPUs: once "
+                             "per MIG profile (on its first device), stored per profile for PROTEAN; with "
+                             "--colocate, the co-location runs and FBRs per profile."),
 ) -> None:
     """Measure L[threads, batch], per-segment times and per-batch memory; store them for Packrat,
-    REEF and PROTEAN. With --colocate, measure co-location slowdowns and fit FBRs instead."""
+    REEF and PROTEAN. With --colocate, measure co-location slowdowns and fit FBRs instead. With
+    --mig, measure both per MIG profile of this node's GPUs."""
     from rich.progress import Progress
 
     from splitserve.placement.profiler import default_batches, profile_model, save_profile
@@ -89,14 +93,15 @@ def profile(
         raise typer.BadParameter("--threads and --batches profile L[t, b]; with --colocate use --cores and --batch")
     if omp_wait_policy is not None and omp_wait_policy.upper() not in ("PASSIVE", "ACTIVE"):
         raise typer.BadParameter(f"--omp-wait-policy {omp_wait_policy!r}: PASSIVE or ACTIVE")
+    if mig and (threads or cores is not None or omp_wait_policy is not None):
+        raise typer.BadParameter("--mig measures on MIG devices: --threads, --cores and --omp-wait-policy are for CPUs")
+    if mig:
+        _profile_mig(data_dir, model, colocate, batches, batch, budget_s)
+        return
     reg, rec = _record(data_dir, model)
     try:
         if colocate:
-            others = [reg.find(o) for o in colocate]
-            if None in others:
-                raise typer.BadParameter(f"--colocate: unknown model(s) "
-                                         f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
-            _profile_colocation(reg, [rec, *others], cores, batch, data_dir, budget_s,
+            _profile_colocation(reg, _colocated(reg, rec, colocate), cores, batch, data_dir, budget_s,
                                 omp_wait_policy.upper() if omp_wait_policy else None)
             return
         ts = _int_list(threads) or list(range(1, len(os.sched_getaffinity(0)) + 1))
@@ -116,6 +121,15 @@ def profile(
     if prof.footprint:
         console.print("memory one batch adds (MiB): " + ", ".join(
             f"b={b}: {n / 2**20:.1f}" for b, n in sorted(prof.footprint.items())), highlight=False)
+
+
+def _colocated(reg: Any, rec: Any, colocate: list[str]) -> list[Any]:
+    """MODEL's record and those of the ``--colocate`` models; BadParameter naming unknown ones."""
+    others = [reg.find(o) for o in colocate]
+    if None in others:
+        raise typer.BadParameter(f"--colocate: unknown model(s) "
+                                 f"{', '.join(o for o, r in zip(colocate, others) if r is None)}")
+    return [rec, *others]
 
 
 def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: int | None,
@@ -152,6 +166,55 @@ def _profile_colocation(reg: Any, records: list[Any], cores: int | None, batch: 
     if fit.unidentified:
         console.print(f"unidentified (no run slowed them past Eq. 1's floor of 1; no FBR stored for them): "
                       f"{', '.join(fit.unidentified)}", highlight=False)
+
+
+def _profile_mig(data_dir: Path | None, model: str, colocate: list[str] | None, batches: str | None,
+                 batch: int | None, budget_s: float) -> None:
+    """``profile MODEL --mig [--colocate OTHER...]``: per MIG profile of the node, measure,
+    store, fit, print."""
+    from splitserve.placement.devices import partitions_of
+    from splitserve.placement.gpus import PynvmlNvml, read_gpus
+    from splitserve.placement.mig_profiler import (
+        MIG_THREADS, devices_by_profile, profile_mig, profile_mig_colocation,
+    )
+    from splitserve.placement.profiler import default_batches, fit_stored_fbr, save_colocation, save_profile
+
+    listing = read_gpus(PynvmlNvml())
+    devices = devices_by_profile(partitions_of(listing))
+    if not devices:
+        raise typer.BadParameter(f"--mig: this node has no MIG devices ({listing.reason or 'its GPUs have MIG off'})")
+    reg, rec = _record(data_dir, model)
+    cache = ServerConfig.of(data_dir=data_dir or default_data_dir()).cache_path
+    try:
+        if colocate:
+            records = _colocated(reg, rec, colocate)
+            names = list(dict.fromkeys(r.name for r in records))
+            configs = {r.name: r.config for r in records}
+            for name, device in devices.items():
+                with console.status(f"co-locating {', '.join(names)} on MIG {name} ({device.uuid})"):
+                    prof = profile_mig_colocation(list(configs.values()), device,
+                                                  {n: batch or configs[n].max_batch_size for n in names}, cache,
+                                                  model_dirs={r.name: r.path for r in records}, budget_s=budget_s)
+                save_colocation(reg, prof, mig=name)
+                fit = fit_stored_fbr(reg, names, device.compute_slices, prof.machine, mig=name)
+                console.print(f"MIG {name}: " + ", ".join(
+                    f"{' + '.join(r.members)} slowdowns {', '.join(f'{x:.2f}' for x in r.slowdowns)}"
+                    for r in prof.runs), highlight=False)
+                console.print(f"MIG {name}: FBRs " + ", ".join(
+                    f"{k} {'unidentified' if k in fit.unidentified else f'{fit.fbr[k]:.3f}'}"
+                    for k in sorted({*fit.fbr, *fit.unidentified})), highlight=False)
+            return
+        bs = _int_list(batches) or default_batches(rec.config.max_batch_size)
+        with console.status(f"profiling {model} on MIG {', '.join(devices)}"):
+            profs = profile_mig(rec.config, rec.path, cache, list(devices.values()), bs, budget_s=budget_s)
+        for name, prof in profs.items():
+            save_profile(reg, prof, mig=name)
+    finally:
+        reg.close()
+    t = Table("MIG profile", *[f"b={b}" for b in bs], title=f"{model}: mean batch latency (ms) per MIG profile")
+    for name, prof in profs.items():
+        t.add_row(name, *[f"{prof.latency.table[(MIG_THREADS, b)] * 1e3:.2f}" for b in bs])
+    console.print(t)
 
 
 def plan(

@@ -42,7 +42,9 @@ def serve(
     unix_path: Optional[Path] = typer.Option(None, help="Fast path Unix socket (default: DATA_DIR/fast.sock)."),
     data_dir: Path = typer.Option(None, help="Registry, repository, token and caches (default: ./.splitserve)."),
     repository: Optional[Path] = typer.Option(None, help="Extra model repository: a directory per model with config.toml."),
-    load: list[str] = typer.Option([], help="Models to load at start-up (others load on first use)."),
+    load: list[str] = typer.Option([], help="Models to load at start-up, in this order, as many as fit the memory "
+                                   "budgets together ('*': every registered model, in registration order); the "
+                                   "others, and any skipped (logged with why), load on first use."),
     queue_slots: int = typer.Option(None, help="Tensor-queue slots per model and class."),
     preemption: Optional[PriorityMode] = typer.Option(None, help="How real-time and best-effort work share CPUs."),
     rt_policy: Optional[RtPolicy] = typer.Option(None, help="Order among real-time requests (edf: earliest deadline)."),

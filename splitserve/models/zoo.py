@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,11 @@ from splitserve.models.segmented import (SegmentedModel, load_safetensors, safet
                                          state_matches)
 logger = logging.getLogger(__name__)
 
+# Building a model draws from torch's global RNG (a seeded build) or patches ``nn.init`` for the
+# whole process (a skeleton): one build at a time per process, else two threads' skeletons
+# restore each other's patches (nn.init left doing nothing) or a seeded build runs unseeded.
+_BUILDING = threading.RLock()
+
 
 def init_zoo_model(name: str, seed: int = 0) -> SegmentedModel:
     """The architecture ``name`` with random weights drawn from ``seed``; never trained or cached.
@@ -34,7 +40,7 @@ def init_zoo_model(name: str, seed: int = 0) -> SegmentedModel:
     is left as it was.
     """
     entry = zoo_entry(name)
-    with torch.random.fork_rng(devices=[]):
+    with _BUILDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return entry.build()
 
@@ -59,15 +65,17 @@ def _init_skipped() -> Iterator[None]:
     """Modules built inside get uninitialised tensors: ``torch.nn.init``'s in-place
     initialisers do nothing (modules call them through the module, so this reaches every
     ``reset_parameters``). For skeletons whose tensors are replaced by a file's at once;
-    the meta device would do too, but costs seconds on its first use in a process."""
-    inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
-    for n in inits:
-        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for n, f in inits.items():
-            setattr(nn.init, n, f)
+    the meta device would do too, but costs seconds on its first use in a process. Held
+    under the process's one build lock: the patch is global."""
+    with _BUILDING:
+        inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+        for n in inits:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for n, f in inits.items():
+                setattr(nn.init, n, f)
 
 
 def zoo_skeleton(name: str) -> SegmentedModel:

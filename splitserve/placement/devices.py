@@ -58,6 +58,8 @@ class GpuPartition:
     gpu: int  # the physical GPU's NVML index
     name: str  # "NVIDIA H200" or "NVIDIA A100 … MIG 3g.20gb"
     mem_bytes: int
+    profile: str | None = None  # a MIG device's profile ("3g.20gb"), what its latency profiles are keyed by
+    compute_slices: int = 0  # a MIG device's compute slices (0: a whole GPU)
 
 
 def partitions_of(listing: GpuListing) -> tuple[GpuPartition, ...]:
@@ -66,7 +68,8 @@ def partitions_of(listing: GpuListing) -> tuple[GpuPartition, ...]:
     out: list[GpuPartition] = []
     for g in listing.gpus:
         if g.mig:
-            out += [GpuPartition(s.uuid, g.index, f"{g.name} MIG {s.profile}", s.mem_bytes) for s in g.slices]
+            out += [GpuPartition(s.uuid, g.index, f"{g.name} MIG {s.profile}", s.mem_bytes, s.profile,
+                                 s.compute_slices) for s in g.slices]
         else:
             out.append(GpuPartition(g.uuid, g.index, g.name, g.mem_bytes))
     return tuple(out)

@@ -12,7 +12,9 @@ several such processes to the same CPUs on purpose.
 Kinds: ``latency`` and ``segments`` (``profile_model``), ``footprint`` (``{batch: peak bytes
 one batch added}``, from the same measuring process), ``colocation`` (a list of
 ``ColocationRun.to_dict()``, kept under every member model) and ``fbr``
-(``slowdown.FbrFit.to_dict()`` of the latest fit over a model's stored runs).
+(``slowdown.FbrFit.to_dict()`` of the latest fit over a model's stored runs). Measured on a
+MIG device (``placement.mig_profiler``) each kind is kept per MIG profile, as
+``kind@profile`` (``latency@1g.18gb``: ``profile_kind``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class ModelProfile:
                 for i, s in enumerate(segs)]
 
 
+def profile_kind(kind: str, profile: str | None = None) -> str:
+    """The stored kind of a profile measured on the MIG ``profile`` (``latency@1g.18gb``), or
+    on the CPUs (None: ``kind`` itself)."""
+    return kind if profile is None else f"{kind}@{profile}"
+
+
 def default_batches(max_batch: int) -> list[int]:
     out, b = [], 1
     while b <= max_batch:
@@ -93,18 +101,32 @@ def profile_model(config: ModelConfig, model_dir: Path | None, cache_dir: Path, 
         raise InvalidInput(f"cannot profile {max(threads)} threads on a machine with {len(cores)} usable CPUs")
     if any(b < 1 or b > config.max_batch_size for b in batches):
         raise InvalidInput(f"batch sizes must be within 1..{config.max_batch_size} for {config.name!r}")
+    sweeps = []
+    for t in sorted(set(threads)):
+        (cpus,) = allocate([t], cores)
+        sweeps.append((t, cpus, {}))
+    return sweep_profile(config, model_dir, cache_dir, sweeps, batches, min_iters=min_iters, max_iters=max_iters,
+                         budget_s=budget_s, on_point=on_point)
+
+
+def sweep_profile(config: ModelConfig, model_dir: Path | None, cache_dir: Path,
+                  sweeps: Sequence[tuple[int, Sequence[int], Mapping[str, str]]], batches: Sequence[int], *,
+                  min_iters: int = 5, max_iters: int = 50, budget_s: float = 2.0,
+                  on_point: Callable[[int, int, float], None] | None = None) -> ModelProfile:
+    """One isolated measuring process per ``(threads, cpus, env)`` of ``sweeps``, one after
+    another, each timing every batch size of ``batches``: L[threads, b]. ``env`` is added to
+    the process's environment (a MIG device's ``CUDA_VISIBLE_DEVICES``)."""
     table: dict[tuple[int, int], float] = {}
     segments: dict[tuple[int, int], list[float]] = {}
     footprint: dict[int, int] = {}
-    for t in sorted(set(threads)):
-        (cpus,) = allocate([t], cores)
+    for t, cpus, env in sweeps:
         job = {"config": config.to_dict(), "model_dir": str(model_dir) if model_dir else None,
-               "cache_dir": str(cache_dir), "threads": t, "cpus": cpus, "batches": sorted(set(batches)),
+               "cache_dir": str(cache_dir), "threads": t, "cpus": list(cpus), "batches": sorted(set(batches)),
                "min_iters": min_iters, "max_iters": max_iters, "budget_s": budget_s}
         # stderr goes to a file: a chatty child must never block on a full pipe we do not read
         with tempfile.TemporaryFile() as err, subprocess.Popen(
                 [sys.executable, "-m", "splitserve.placement.measure", json.dumps(job)],
-                stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+                stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **env}) as proc:
             assert proc.stdout is not None
             for line in proc.stdout:
                 point = json.loads(line)
@@ -117,27 +139,31 @@ def profile_model(config: ModelConfig, model_dir: Path | None, cache_dir: Path, 
                     on_point(t, key[1], table[key])
             if proc.wait() != 0:
                 err.seek(0)
-                raise InvalidInput(f"profiling {config.name!r} with {t} threads failed: "
+                where = f" on {env}" if env else ""
+                raise InvalidInput(f"profiling {config.name!r} with {t} threads{where} failed: "
                                    f"{err.read().decode(errors='replace')[-2000:]}")
     return ModelProfile(LatencyProfile(config.name, table), segments, machine_id(), footprint)
 
 
-def save_profile(registry: Any, profile: ModelProfile) -> None:
-    registry.save_profile(profile.latency.model, profile.machine, "latency", profile.latency.to_dict())
-    registry.save_profile(profile.latency.model, profile.machine, "segments", profile.segments_to_dict())
+def save_profile(registry: Any, profile: ModelProfile, mig: str | None = None) -> None:
+    """Store ``profile``, as measured on the CPUs or (``mig``) on a device of that MIG profile."""
+    model, machine = profile.latency.model, profile.machine
+    registry.save_profile(model, machine, profile_kind("latency", mig), profile.latency.to_dict())
+    registry.save_profile(model, machine, profile_kind("segments", mig), profile.segments_to_dict())
     if profile.footprint:  # a profile without one (e.g. merged by a benchmark) keeps the stored one
-        registry.save_profile(profile.latency.model, profile.machine, "footprint",
+        registry.save_profile(model, machine, profile_kind("footprint", mig),
                               {str(b): n for b, n in sorted(profile.footprint.items())})
 
 
-def load_profile(registry: Any, model: str, machine: str | None = None) -> ModelProfile | None:
-    """The stored profile of ``model`` on this machine (None if it was never profiled here)."""
+def load_profile(registry: Any, model: str, machine: str | None = None, mig: str | None = None) -> ModelProfile | None:
+    """The stored profile of ``model`` on this machine's CPUs or (``mig``) on its MIG profile;
+    None if it was never profiled there."""
     machine = machine or machine_id()
-    lat = registry.load_profile(model, machine, "latency")
+    lat = registry.load_profile(model, machine, profile_kind("latency", mig))
     if lat is None:
         return None
-    segs = registry.load_profile(model, machine, "segments") or {}
-    foot = registry.load_profile(model, machine, "footprint") or {}
+    segs = registry.load_profile(model, machine, profile_kind("segments", mig)) or {}
+    foot = registry.load_profile(model, machine, profile_kind("footprint", mig)) or {}
     return ModelProfile(
         LatencyProfile.from_dict(lat),
         {tuple(int(x) for x in k.split(",")): v for k, v in segs.items()},  # type: ignore[misc]
@@ -230,6 +256,7 @@ class Measurer:
     model_dir: Path | None
     batch: int
     cpus: tuple[int, ...]
+    threads: int = 0  # intra-op threads; 0: one per CPU of ``cpus``
 
     @property
     def key(self) -> str:
@@ -243,7 +270,7 @@ class _Process:
     def __init__(self, m: Measurer, cache_dir: Path, env: Mapping[str, str]) -> None:
         self.measurer = m
         job = {"mode": "loop", "config": m.config.to_dict(), "model_dir": str(m.model_dir) if m.model_dir else None,
-               "cache_dir": str(cache_dir), "threads": len(m.cpus), "cpus": list(m.cpus), "batch": m.batch}
+               "cache_dir": str(cache_dir), "threads": m.threads or len(m.cpus), "cpus": list(m.cpus), "batch": m.batch}
         # stderr goes to a file: a chatty child must never block on a full pipe we do not read
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.placement.measure", json.dumps(job)],
@@ -293,8 +320,8 @@ class MeasuringProcesses:
     full overlap. A context manager: leaving it ends every process it started."""
 
     def __init__(self, measurers: Sequence[Measurer], cache_dir: Path, *, omp_wait_policy: str | None = None,
-                 start_timeout_s: float = 300.0) -> None:
-        env = {"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {}
+                 start_timeout_s: float = 300.0, env: Mapping[str, str] | None = None) -> None:
+        env = {**(env or {}), **({"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {})}
         self.procs: list[_Process] = []
         try:
             for m in measurers:
@@ -377,18 +404,7 @@ def profile_colocation(configs: Sequence[ModelConfig], cores: int, batch: int | 
     ``cpus`` names the partition's CPUs (its first ``cores``); by default the topology's
     allocator picks ``cores`` neighbouring ones.
     """
-    by_name = {c.name: c for c in configs}
-    if not by_name:
-        raise InvalidInput("co-location needs at least one model")
-    sets = [tuple(s) for s in sets] if sets is not None else colocation_sets(list(by_name))
-    unknown = sorted({m for s in sets for m in s} - set(by_name))
-    if unknown or any(len(s) < 2 for s in sets):
-        raise InvalidInput(f"co-location sets {sets}: each needs two or more of {sorted(by_name)}"
-                           + (f" (unknown: {unknown})" if unknown else ""))
-    batches = {n: (batch if isinstance(batch, int) else batch[n]) for n in by_name}
-    for n, b in batches.items():
-        if not 1 <= b <= by_name[n].max_batch_size:
-            raise InvalidInput(f"batch {b} of {n!r} is not within 1..{by_name[n].max_batch_size}")
+    by_name, sets, batches = colocation_plan(configs, batch, sets)
     if cpus is None:
         topo = read_topology()
         if not 1 <= cores <= len(topo):
@@ -402,6 +418,26 @@ def profile_colocation(configs: Sequence[ModelConfig], cores: int, batch: int | 
         solo, runs = run_colocations(procs, range(len(measurers)), sets, budget_s=budget_s, min_iters=min_iters,
                                      on_run=on_run)
     return ColocationProfile(cores, part, solo, runs, machine_id(), omp_wait_policy)
+
+
+def colocation_plan(configs: Sequence[ModelConfig], batch: int | Mapping[str, int],
+                    sets: Sequence[Sequence[str]] | None) -> tuple[dict[str, ModelConfig], list[tuple[str, ...]],
+                                                                   dict[str, int]]:
+    """What a co-location call runs, checked: the configs by name, the sets (default
+    ``colocation_sets``) and each model's batch size; InvalidInput naming what is wrong."""
+    by_name = {c.name: c for c in configs}
+    if not by_name:
+        raise InvalidInput("co-location needs at least one model")
+    runs = [tuple(s) for s in sets] if sets is not None else colocation_sets(list(by_name))
+    unknown = sorted({m for s in runs for m in s} - set(by_name))
+    if unknown or any(len(s) < 2 for s in runs):
+        raise InvalidInput(f"co-location sets {runs}: each needs two or more of {sorted(by_name)}"
+                           + (f" (unknown: {unknown})" if unknown else ""))
+    batches = {n: (batch if isinstance(batch, int) else batch[n]) for n in by_name}
+    for n, b in batches.items():
+        if not 1 <= b <= by_name[n].max_batch_size:
+            raise InvalidInput(f"batch {b} of {n!r} is not within 1..{by_name[n].max_batch_size}")
+    return by_name, runs, batches
 
 
 def colocation_measurers(configs: Sequence[ModelConfig], batches: Mapping[str, int], sets: Sequence[Sequence[str]],
@@ -436,35 +472,39 @@ def run_colocations(procs: MeasuringProcesses, which: Iterable[int], sets: Seque
     return {keys[n]: v for n, v in solo.items()}, runs
 
 
-def load_colocations(registry: Any, model: str, machine: str | None = None) -> list[ColocationRun]:
-    """The co-location runs stored with ``model`` as a member."""
-    return [ColocationRun.from_dict(d) for d in registry.load_profile(model, machine or machine_id(), "colocation")
-            or []]
+def load_colocations(registry: Any, model: str, machine: str | None = None,
+                     mig: str | None = None) -> list[ColocationRun]:
+    """The co-location runs stored with ``model`` as a member (on the MIG profile ``mig``)."""
+    stored = registry.load_profile(model, machine or machine_id(), profile_kind("colocation", mig))
+    return [ColocationRun.from_dict(d) for d in stored or []]
 
 
-def save_colocation(registry: Any, profile: ColocationProfile) -> None:
+def save_colocation(registry: Any, profile: ColocationProfile, mig: str | None = None) -> None:
     """Store each run under every model in it, replacing an earlier run of the same set on
-    the same number of cores (and keeping the others)."""
+    the same number of cores (and keeping the others); ``mig``: runs on that MIG profile."""
     for model in sorted({key_model(k) for r in profile.runs for k in r.members}):
         new = [r for r in profile.runs if model in map(key_model, r.members)]
-        kept = [r for r in load_colocations(registry, model, profile.machine)
+        kept = [r for r in load_colocations(registry, model, profile.machine, mig)
                 if not any(r.same_set(n) for n in new)]
-        registry.save_profile(model, profile.machine, "colocation", [r.to_dict() for r in kept + new])
+        registry.save_profile(model, profile.machine, profile_kind("colocation", mig),
+                              [r.to_dict() for r in kept + new])
 
 
-def fit_stored_fbr(registry: Any, models: Sequence[str], cores: int, machine: str | None = None) -> Any:
-    """Fit FBRs (``slowdown.fit_fbr``) over every stored run on ``cores`` cores that has one
-    of ``models`` in it, and store the fit (kind ``fbr``) under each model of those runs.
-    Returns the ``FbrFit``; its ``unidentified`` keys got no number."""
+def fit_stored_fbr(registry: Any, models: Sequence[str], cores: int, machine: str | None = None,
+                   mig: str | None = None) -> Any:
+    """Fit FBRs (``slowdown.fit_fbr``) over every stored run on ``cores`` cores (on the MIG
+    profile ``mig``, when given) that has one of ``models`` in it, and store the fit (kind
+    ``fbr``, or ``fbr@mig``) under each model of those runs. Returns the ``FbrFit``; its
+    ``unidentified`` keys got no number."""
     from splitserve.protean.slowdown import Colocation, fit_fbr  # scipy: paid only where a fit is made
 
     machine = machine or machine_id()
     runs: list[ColocationRun] = []
     for m in dict.fromkeys(models):
-        runs += [r for r in load_colocations(registry, m, machine) if r.cores == cores and r not in runs]
+        runs += [r for r in load_colocations(registry, m, machine, mig) if r.cores == cores and r not in runs]
     fit = fit_fbr([Colocation(r.members, r.slowdowns) for r in runs])
     for m in sorted({key_model(k) for r in runs for k in r.members}):
-        registry.save_profile(m, machine, "fbr", fit.to_dict())
+        registry.save_profile(m, machine, profile_kind("fbr", mig), fit.to_dict())
     return fit
 
 
@@ -475,10 +515,10 @@ def fbr_of(fit: Any, model: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def load_fbr(registry: Any, model: str, machine: str | None = None) -> float | None:
-    """``model``'s fitted FBR from its stored ``fbr`` kind; None when never fitted or
-    unidentified (an FBR is never invented)."""
-    stored = registry.load_profile(model, machine or machine_id(), "fbr")
+def load_fbr(registry: Any, model: str, machine: str | None = None, mig: str | None = None) -> float | None:
+    """``model``'s fitted FBR from its stored ``fbr`` kind (``fbr@mig`` on a MIG profile);
+    None when never fitted or unidentified (an FBR is never invented)."""
+    stored = registry.load_profile(model, machine or machine_id(), profile_kind("fbr", mig))
     if stored is None:
         return None
     from splitserve.protean.slowdown import FbrFit  # scipy: paid only where a fit is read

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from splitserve.protean.slowdown import SlowdownModel, interference
+from splitserve.protean.slowdown import Shape, SlowdownModel, interference
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,20 @@ class _Hold:
 @dataclass(frozen=True)
 class Slot:
     """A partition as Algorithm 1 sees it: ``cores`` and a memory budget, and the batches
-    running there now (``running``)."""
+    running there now (``running``). A MIG device names its MIG ``profile`` (``"1g.18gb"``)
+    and gives its compute slices as ``cores`` (the order of resources); its solo times and
+    FBRs are then that profile's."""
 
     id: int
     cores: int
     mem_bytes: int
     running: tuple[Job, ...] = ()
+    profile: str | None = None
+
+    @property
+    def shape(self) -> Shape:
+        """What the profiles know this partition by: its MIG profile, else its core count."""
+        return self.profile if self.profile is not None else self.cores
 
     @property
     def free_mem(self) -> int:
@@ -284,11 +292,11 @@ class JobDistributor:
         """Seconds for ``job`` on ``slot`` as it is: Eq. 1 (solo there × max{ΣFBR, 1}) beside
         the running batches and the tags' BE batches, its solo time when alone; None without
         a solo profile there."""
-        solo = self.model.solo(job.model, slot.cores, job.batch)
+        solo = self.model.solo(job.model, slot.shape, job.batch)
         if solo is None:
             return None
         co = self._corunners(slot, tag, be_models, slots)
-        return solo * interference([self.model.fbr_of(job.model), *co]) if co else solo
+        return solo * interference([self.model.fbr_of(job.model, slot.shape), *co]) if co else solo
 
     def _free_at(self, slot: Slot, now: float) -> float | None:
         """When every batch running on ``slot`` is predicted to have ended (Eq. 1 for each
@@ -296,7 +304,7 @@ class JobDistributor:
         ends = []
         for i, r in enumerate(slot.running):
             others = [o.model for o in (*slot.running[:i], *slot.running[i + 1:])]
-            took = self.model.predict(r.model, r.batch, slot.cores, others)
+            took = self.model.predict(r.model, r.batch, slot.shape, others)
             if took is None or r.started is None:
                 return None
             end = r.started + took
@@ -317,21 +325,21 @@ class JobDistributor:
         batch running elsewhere give the batch size when ``batch_mem`` does not know it.
         """
         m = self.model
-        return m.rdf(job.model, job.batch, slot.cores) * interference(
-            [m.fbr_of(job.model), *self._corunners(slot, tag, be_models, slots)])
+        return m.rdf(job.model, job.batch, slot.shape) * interference(
+            [m.fbr_of(job.model, slot.shape), *self._corunners(slot, tag, be_models, slots)])
 
     def _corunners(self, slot: Slot, tag: float, be_models: Sequence[str], slots: Sequence[Slot]) -> list[float]:
         """The FBRs a batch placed on ``slot`` would run beside: the running batches', and the
         tags' BE batches not running yet at the BE models' mean FBR (see ``strict_eta``)."""
         m = self.model
-        fbrs = [m.fbr_of(r.model) for r in slot.running]
+        fbrs = [m.fbr_of(r.model, slot.shape) for r in slot.running]
         if tag > 0 and be_models:
             per_batch = self._be_batch_mem(be_models, slots or (slot,))
             expected = tag * (slot.available_mem // per_batch if per_batch else 1)
             running_be = sum(1 for r in slot.running if not r.strict)
             extra = max(0.0, expected - running_be)
             if extra > 0:
-                fbrs.append(extra * sum(m.fbr_of(b) for b in be_models) / len(be_models))
+                fbrs.append(extra * sum(m.fbr_of(b, slot.shape) for b in be_models) / len(be_models))
         return fbrs
 
     def _be_batch_mem(self, be_models: Sequence[str], slots: Sequence[Slot]) -> float:

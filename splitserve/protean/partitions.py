@@ -40,9 +40,10 @@ from splitserve.placement.partition import (
 )
 from splitserve.protean.distributor import Job, JobDistributor, Slot
 from splitserve.protean.geometry import Geometry, carve
+from splitserve.protean.mig_slots import MigBatchChooser
 from splitserve.protean.reconfig import GeometryController, ProteanSettings, derive_thresholds
 from splitserve.placement.resources import ResourceManager
-from splitserve.protean.slowdown import SlowdownModel
+from splitserve.protean.slowdown import Shape, SlowdownModel
 from splitserve.protocol.header import RequestClass
 from splitserve.scheduler.priority import InstanceView, PriorityMode
 from splitserve.server.metrics import Metrics
@@ -61,16 +62,19 @@ class ProteanProfileSource(Protocol):
     memory. Built once by the root; read on the loop (each model's profiles are read once,
     then kept until ``forget``). None means "not profiled here": never a made-up number."""
 
-    def solo(self, model: str, cores: int, batch: int) -> float | None:
-        """Seconds one batch of ``batch`` takes alone on a partition of ``cores`` cores
-        (the stored L[cores, batch]); None without a profile with that many threads."""
+    def solo(self, model: str, shape: Shape, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` takes alone on a partition of ``shape``: ``cores``
+        cores (the stored L[cores, batch]) or a MIG profile (its own latency profile); None
+        without such a profile."""
 
-    def fbr(self, model: str) -> float | None:
-        """The model's fitted FBR; None when never fitted or unidentified."""
+    def fbr(self, model: str, mig: str | None = None) -> float | None:
+        """The model's fitted FBR on the node's cores (on the MIG profile ``mig``); None when
+        never fitted or unidentified."""
 
-    def footprint(self, model: str, batch: int) -> int | None:
-        """Bytes a batch of ``batch`` takes: the per-batch footprint, else the private bytes
-        the model's load measured (``kind="memory"``), else None."""
+    def footprint(self, model: str, batch: int, mig: str | None = None) -> int | None:
+        """Bytes a batch of ``batch`` takes: the per-batch footprint, else (on the CPUs) the
+        private bytes the model's load measured (``kind="memory"``), else None; ``mig``: the
+        device bytes measured on that MIG profile."""
 
     def forget(self, model: str | None = None) -> None:
         """Read ``model``'s (every model's: None) profiles again on next use, e.g. after
@@ -147,6 +151,8 @@ class PartitionManager:
         self.clock = clock
         # the controller's geometry on the node's MIG GPUs (``server.mig_geometry``; blocking: run off the loop)
         self.mig_geometry = mig_geometry
+        # η placement among the MIG devices a model's instances hold (set by the root once its devices exist)
+        self.mig: MigBatchChooser | None = None
         self.cpus = worker_cpus(sorted(resources.cpus))
         layout = initial_layout(config.protean.partitioning, config.protean.geometry, self.cpus)
         self.geometry: Geometry | None = layout.geometry  # PROTEAN's units, None for a static layout
@@ -228,8 +234,8 @@ class PartitionManager:
 
     # -- profiles ------------------------------------------------------------------------
 
-    def _solo(self, model: str, cores: int, batch: int) -> float | None:
-        return self.profiles.solo(model, cores, batch) if self.profiles is not None else None
+    def _solo(self, model: str, shape: Shape, batch: int) -> float | None:
+        return self.profiles.solo(model, shape, batch) if self.profiles is not None else None
 
     def _slowdown_model(self) -> SlowdownModel:
         """The slowdown model over the FBRs known now."""
@@ -296,7 +302,14 @@ class PartitionManager:
 
     def choose(self, model: str, cls: RequestClass, batch_size: int, idle: Sequence[int],
                node: Sequence[InstanceView]) -> Chosen | None:
-        """See ``coordinator.BatchPlacement.choose``."""
+        """See ``coordinator.BatchPlacement.choose``. Under η placement a model whose
+        instances hold MIG devices is placed among those (``mig``), every other among the
+        CPU partitions."""
+        if self.mig is not None and self.policy is StrictPlacement.ETA and self.mig.serves(model, idle):
+            models = {m.name: m for m in self.models()}
+            be_mem, be_models = self._be_demand(node, models)
+            return self.mig.choose(self._job(model, cls, batch_size, node, models), idle, node, be_mem, be_models,
+                                   lambda m, b: self.mem(m, b, models))
         parts = self._parts
         ids = {p.id for p in parts}
         where = {v.instance: v.partition for v in node if v.model == model}
@@ -305,16 +318,12 @@ class PartitionManager:
             return None
         models = {m.name: m for m in self.models()}
         be_mem, be_models = self._be_demand(node, models)
-        mine = next((v for v in node if v.model == model), None)
-        strict = cls == RequestClass.RT
-        due = mine.rt_due if mine is not None and strict else None
-        arrived = mine.oldest_waiting if mine is not None and not strict else None
-        job = Job(model, batch_size, strict, self.mem(model, batch_size, models), due=due, arrived=arrived)
+        job = self._job(model, cls, batch_size, node, models)
         now = self.clock()
         plan = self.chooser.place(job, self._slots(node, models), eligible, be_mem, be_models, now,
                                   placed=set(where.values()) & ids)
         if plan.until is not None:
-            if strict:
+            if job.strict:
                 log.debug("model %s: strict batch of %d waits for partition %s until %+.3f s (run now: %.3f s, "
                           "wait: %.3f s)", model, batch_size, plan.wait_for, plan.until - now, plan.run_now_s,
                           plan.wait_s)
@@ -324,6 +333,16 @@ class PartitionManager:
             self._wake(model, plan.until - now)
         instance = next((i for i in idle if where.get(i) == plan.slot), None)
         return Chosen(instance, plan.tag) if instance is not None else None
+
+    def _job(self, model: str, cls: RequestClass, batch_size: int, node: Sequence[InstanceView],
+             models: Mapping[str, PartitionedModel]) -> Job:
+        """The batch being placed, as Algorithm 1 sees it: its memory, and the due of a strict
+        batch's head request or the arrival of a BE batch's oldest."""
+        mine = next((v for v in node if v.model == model), None)
+        strict = cls == RequestClass.RT
+        due = mine.rt_due if mine is not None and strict else None
+        arrived = mine.oldest_waiting if mine is not None and not strict else None
+        return Job(model, batch_size, strict, self.mem(model, batch_size, models), due=due, arrived=arrived)
 
     def _slots(self, node: Sequence[InstanceView], models: Mapping[str, PartitionedModel]) -> list[Slot]:
         """Algorithm 1's view of the partitions: each with the batches running on it, from when."""

@@ -12,7 +12,10 @@ partitions for a strict batch: η = RDF × max{ΣFBR, 1}.
 
 On a CPU node a partition is a set of cores, Solo on ``c`` cores is the stored latency
 profile L[c, b], and an FBR is a fitted contention coefficient (cores, cache and memory
-bandwidth together): Eq. 1 is kept as it is and its accuracy measured, not assumed.
+bandwidth together): Eq. 1 is kept as it is and its accuracy measured, not assumed. On a MIG
+device the partition is its MIG profile (``"1g.18gb"``): Solo there and the FBRs are
+measured per profile (``placement.mig_profiler``), as the paper's are "on all viable slices".
+A partition's ``Shape`` says which: an int is a core count, a str a MIG profile name.
 
 Everything here is pure: numbers in, numbers out; nothing reads a profile, a clock or a file.
 """
@@ -30,6 +33,9 @@ from splitserve.errors import InvalidInput
 # A component of a null-space basis vector below this counts as zero: the key it belongs to is
 # pinned by the equations (SVD noise on a well-posed system is ~1e-15).
 _IDENTIFIED_TOL = 1e-9
+# What a partition is to the profiles: its core count (a CPU set) or its MIG profile name.
+Shape = int | str
+
 # Slowdowns up to 1 + this are read as "at the floor": within the run-to-run noise of a
 # latency measurement (~5 %), so they carry no equation (see fit_fbr).
 FLOOR_MARGIN = 0.05
@@ -168,20 +174,26 @@ def fit_fbr(runs: Sequence[Colocation], floor_margin: float = FLOOR_MARGIN) -> F
 class SlowdownModel:
     """Eq. 1 and Eq. 2 over a node's profiles.
 
-    ``solo(model, cores, batch)`` is the seconds one batch of ``model`` takes alone on a
-    partition of ``cores`` cores (None where it was not profiled); ``fbr`` maps a model name
-    to its fitted FBR; ``whole_cores`` is the whole device (PROTEAN's 7g: every worker core).
+    ``solo(model, shape, batch)`` is the seconds one batch of ``model`` takes alone on a
+    partition of that ``Shape`` (None where it was not profiled); ``fbr`` maps a model name to
+    its fitted FBR on the node's core sets, ``mig_fbr`` a (model, MIG profile) pair to its FBR
+    fitted on that profile; ``whole_cores`` is the whole CPU device (PROTEAN's 7g: every
+    worker core) and ``mig_profiles`` the MIG profiles of the node's MIG devices.
+
     A model without a fitted FBR gets ``unknown_fbr``: with the default 1.0 an unprofiled job
     is assumed to need the whole partition's bandwidth, so it never looks harmless (not
-    given: splitserve's choice).
+    given: splitserve's choice). On a MIG profile only that profile's FBR counts: a core
+    set's contention coefficient says nothing of a slice's memory bandwidth.
     """
 
     def __init__(
         self,
-        solo: Callable[[str, int, int], float | None],
+        solo: Callable[[str, Shape, int], float | None],
         fbr: Mapping[str, float],
         whole_cores: int,
         unknown_fbr: float = 1.0,
+        mig_fbr: Mapping[tuple[str, str], float] | None = None,
+        mig_profiles: Sequence[str] = (),
     ) -> None:
         if whole_cores < 1:
             raise InvalidInput(f"whole_cores={whole_cores}: the whole device has at least one core")
@@ -189,38 +201,55 @@ class SlowdownModel:
             raise InvalidInput(f"unknown_fbr={unknown_fbr}: an FBR is a share of bandwidth, >= 0")
         self._solo = solo
         self._fbr = dict(fbr)
+        self._mig_fbr = dict(mig_fbr or {})
         self.whole_cores = whole_cores
+        self.mig_profiles = tuple(dict.fromkeys(mig_profiles))
         self.unknown_fbr = unknown_fbr
 
-    def solo(self, model: str, cores: int, batch: int) -> float | None:
-        """Seconds one batch of ``batch`` of ``model`` takes alone on ``cores`` cores; None
-        where it was not profiled."""
-        return self._solo(model, cores, batch)
+    def solo(self, model: str, shape: Shape, batch: int) -> float | None:
+        """Seconds one batch of ``batch`` of ``model`` takes alone on a partition of
+        ``shape``; None where it was not profiled."""
+        return self._solo(model, shape, batch)
 
-    def rdf(self, model: str, batch: int, cores: int) -> float:
-        """Solo on ``cores`` / Solo on the whole device (PROTEAN §3 L197); 1.0 when either
+    def _whole(self, model: str, batch: int, shape: Shape) -> float | None:
+        """Solo on the whole device: every worker core for a core set; for a MIG profile the
+        fastest of the node's MIG profiles measured (its 7g when it has one). A GPU split
+        into slices has no 7g to measure without a geometry change, and the partition η picks
+        is the same whichever reference divides a model's solo times (not given:
+        splitserve's choice)."""
+        if not isinstance(shape, str):
+            return self._solo(model, self.whole_cores, batch)
+        times = [t for p in self.mig_profiles if (t := self._solo(model, p, batch)) is not None and t > 0]
+        return min(times, default=None)
+
+    def rdf(self, model: str, batch: int, shape: Shape) -> float:
+        """Solo on ``shape`` / Solo on the whole device (PROTEAN §3 L197); 1.0 when either
         is not profiled, so a missing profile ranks partitions by interference alone."""
-        part = self._solo(model, cores, batch)
-        whole = self._solo(model, self.whole_cores, batch)
+        part = self._solo(model, shape, batch)
+        whole = self._whole(model, batch, shape)
         if part is None or whole is None or part <= 0 or whole <= 0:
             return 1.0
         return part / whole
 
-    def fbr_of(self, model: str) -> float:
-        """The fitted FBR of ``model``, else ``unknown_fbr``."""
+    def fbr_of(self, model: str, shape: Shape | None = None) -> float:
+        """The fitted FBR of ``model`` (on the MIG profile ``shape`` names, when it names
+        one), else ``unknown_fbr``."""
+        if isinstance(shape, str):
+            return self._mig_fbr.get((model, shape), self.unknown_fbr)
         return self._fbr.get(model, self.unknown_fbr)
 
-    def eta(self, model: str, batch: int, cores: int, corunners: Sequence[str]) -> float:
-        """Eq. 2 for one batch of ``model`` on a partition of ``cores`` cores shared with
-        batches of ``corunners`` (one entry per co-running batch)."""
-        return eta(self.rdf(model, batch, cores), self.fbr_of(model), (self.fbr_of(c) for c in corunners))
+    def eta(self, model: str, batch: int, shape: Shape, corunners: Sequence[str]) -> float:
+        """Eq. 2 for one batch of ``model`` on a partition of ``shape`` shared with batches
+        of ``corunners`` (one entry per co-running batch)."""
+        return eta(self.rdf(model, batch, shape), self.fbr_of(model, shape),
+                   (self.fbr_of(c, shape) for c in corunners))
 
-    def predict(self, model: str, batch: int, cores: int, corunners: Sequence[str]) -> float | None:
-        """Eq. 1's predicted seconds for the batch there: Solo on ``cores`` × max{ΣFBR, 1};
+    def predict(self, model: str, batch: int, shape: Shape, corunners: Sequence[str]) -> float | None:
+        """Eq. 1's predicted seconds for the batch there: Solo on ``shape`` × max{ΣFBR, 1};
         Solo itself when it runs alone (Eq. 1 is about co-location: with a fitted FBR above 1,
         as a CPU core's time-slicing gives, max{FBR, 1} would make a job slower than its own
-        solo time); None when its solo time on ``cores`` is not profiled."""
-        solo = self.solo(model, cores, batch)
+        solo time); None when its solo time on ``shape`` is not profiled."""
+        solo = self.solo(model, shape, batch)
         if solo is None or not corunners:
             return solo
-        return solo * interference([self.fbr_of(model), *(self.fbr_of(c) for c in corunners)])
+        return solo * interference([self.fbr_of(model, shape), *(self.fbr_of(c, shape) for c in corunners)])

@@ -34,8 +34,9 @@ from splitserve.config import ServerConfig
 from splitserve.errors import ShuttingDown, SplitServeError, UnknownModel
 from splitserve.memory.footprints import RegistryFootprints
 from splitserve.memory.manager import MemoryManager
+from splitserve.memory.preload import Candidate, plan_preload
 from splitserve.types import TensorSpec, batch_of
-from splitserve.placement.devices import DeviceAssigner
+from splitserve.placement.devices import DeviceAssigner, partitions_of
 from splitserve.placement.gpus import MigDriver
 from splitserve.server.mig_geometry import MigGeometry
 from splitserve.placement.partition import Partitioning
@@ -60,6 +61,7 @@ from splitserve.server.log_settings import LogSettings
 from splitserve.server.management import UPLOAD_DIR, ModelManager, exposure_warning
 from splitserve.server.metrics import Metrics
 from splitserve.server.monitor import Call, CallState, InferenceMonitor
+from splitserve.protean.mig_slots import MigBatchChooser
 from splitserve.protean.partitions import PartitionManager
 from splitserve.protean.profiles import ProteanProfiles
 from splitserve.server.model.env import InstanceWorker, RuntimeEnv, WorkerFactory
@@ -144,6 +146,7 @@ class Server:
         self.ports: dict[str, Any] = {}
         self.stopping = False
         self._stopped = False
+        self.preloaded: tuple[str, ...] | None = None  # the start-up models loaded (None: not decided yet)
         self._start_worker = start_worker or functools.partial(
             WorkerHandle, reap_timeout_s=config.workers.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
         self._codec: CodecPool | None = None
@@ -187,11 +190,15 @@ class Server:
             self.coordinator.fbr = self.protean_profiles.fbr
         self.pool: SparePool[InstanceWorker] = SparePool(cfg, self.loop, self._start_worker, lambda: self.stopping)
         self.pool.start()
+        devices = DeviceAssigner(self.gpus.current)
+        if self.partitions is not None:  # η placement on the MIG devices GPU models' instances hold
+            self.partitions.mig = MigBatchChooser(devices, lambda: partitions_of(self.gpus.current()),
+                                                  self.protean_profiles, cfg.protean.protean_unknown_fbr)
         self.env = RuntimeEnv(loop=self.loop, config=cfg, node=self.coordinator, metrics=self.metrics,
                               resources=self.resources, placements=self.applier,
                               stopping=lambda: self.stopping, workers=self.pool,
                               footprints=self.footprints, memory=self.memory, off_loop=OffLoop(self.loop),
-                              partitions=self.partitions, devices=DeviceAssigner(self.gpus.current))
+                              partitions=self.partitions, devices=devices)
         self.management = ModelManager(cfg, self.registry, self, self.coordinator, self.resources, self.memory,
                                        self.partitions, self.gpus)
         self.gpus.start()
@@ -207,10 +214,35 @@ class Server:
         for fe in self._frontends():
             self.frontends.append(fe)  # before it starts, so that stop() undoes a half-started one
             self.ports.update(await fe.start())
-        for name in cfg.load:
-            await self.runtime(name).wait_ready()
+        self.preloaded = await self._preload(cfg.load)
         self._write_server_file()
         log.info("splitserve ready: %s (data dir %s)", self.ports, cfg.data_dir)
+
+    async def _preload(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Load the start-up models ``names`` (``*``: every registered model, in registration
+        order) that fit the node's budgets together (``memory.preload.plan_preload``), one
+        after another; log each one skipped and why (it loads on its first call). Returns the
+        models loaded."""
+        if "*" in names:
+            names = [*(n for n in names if n != "*"),
+                     *(r.name for r in sorted(self.records.values(), key=lambda r: r.func_id))]
+        runtimes = [self.runtime(n) for n in dict.fromkeys(names)]
+        if not runtimes:
+            return ()
+        await asyncio.gather(*(rt.residency.read_footprint() for rt in runtimes))
+        wanted = [Candidate(rt.name, rt.residency.charge(), rt.residency.device_charge(at_least_weights=True),
+                            rt.residency.footprint.measured and (rt.residency.footprint.device_bytes > 0
+                                                                 or not rt.config.device.startswith("cuda")))
+                  for rt in runtimes]
+        mem = self.config.memory
+        gpus = partitions_of(self.gpus.current()) if any(c.device_bytes for c in wanted) else ()
+        plan = plan_preload(wanted, mem.memory_budget_bytes, mem.device_budget_bytes,
+                            {p.uuid: p.mem_bytes for p in gpus}, mem.max_resident_models)
+        for name, why in plan.skipped:
+            log.warning("start-up model %s not preloaded: %s; it loads on its first call", name, why)
+        for name in plan.load:
+            await self.runtime(name).wait_ready()
+        return plan.load
 
     def _drain_gpu_partitions(self, uuids: frozenset[str]) -> bool:
         """Unload every model with an instance on the GPU partitions ``uuids`` (their calls
@@ -466,11 +498,13 @@ class Server:
         return rt is None or rt.will_serve()
 
     def ready(self) -> bool:
-        """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model is
-        ready, or evicted on purpose (it takes calls and loads on the next); other models
-        load on first use, so they do not count."""
+        """Ready (HTTP and gRPC alike): not stopping, and every start-up (``--load``) model the
+        node preloaded (those that fit its budgets) is ready, or evicted on purpose (it takes
+        calls and loads on the next); other models load on first use, so they do not count."""
+        if self.preloaded is None:  # the start-up models are still loading (or none are named)
+            return not self.stopping and not self.config.load
         return not self.stopping and all(self.model_state(m) in (ModelState.READY, ModelState.EVICTED)
-                                          for m in self.config.load)
+                                          for m in self.preloaded)
 
     def stage_trace(self) -> dict[str, Any]:
         stages = self.monitor.stages

@@ -7,6 +7,7 @@ benchmark answers every request once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -127,10 +128,12 @@ def test_five_copies_with_room_for_four_swap_right_follow_the_lru_and_keep_the_b
     assert after["models"][names[0]]["loads"] == before["models"][names[0]]["loads"] + 1
 
 
-def test_a_preempted_batch_is_not_evicted_until_it_has_resumed_and_finished(tmp_path):
+def test_a_preempted_batch_is_not_evicted_until_it_has_resumed_and_finished(tmp_path, caplog):
     """REEF and the memory manager: ``gate`` (best-effort) is preempted by real-time work on
     its CPU while a third model needs its place; it is evicted only after its batch resumed
-    and finished, and every call is answered."""
+    and finished, and every call is answered. The third model is named at start-up too (by
+    ``*``, every registered model), but only two fit: it is skipped then (logged with why),
+    not loaded to evict the first."""
     repo = tmp_path / "repo"
     write_model(repo, "gate", "gate", "cpus = [0]\nshare_cpus = true")
     write_model(repo, "rtgate", "gate", 'cpus = [0]\nshare_cpus = true\ndefault_class = "rt"\n'
@@ -138,10 +141,12 @@ def test_a_preempted_batch_is_not_evicted_until_it_has_resumed_and_finished(tmp_
     write_model(repo, "other", "lenet")
     gates = Gates(tmp_path / "cache")
     cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache", preemption="reef",
-                       max_resident_models=2, load=("gate", "rtgate"))
+                       max_resident_models=2, load=("gate", "rtgate", "*"))
 
     async def scenario(server):
+        assert server.preloaded == ("gate", "rtgate") and server.ready()
         events = server.coordinator.events
+        assert not any(e.kind == "evict_start" for e in events)
         gates.close(1)
         gates.close(2)
         be = asyncio.ensure_future(server.infer("gate", key(1), cls="be"))
@@ -158,9 +163,12 @@ def test_a_preempted_batch_is_not_evicted_until_it_has_resumed_and_finished(tmp_
         return outs, [(e.kind, e.model) for e in events]
 
     try:
-        outs, log = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+        with caplog.at_level(logging.WARNING, logger="splitserve"):
+            outs, log = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     finally:
         gates.open_all()
+    assert any("start-up model other not preloaded: max_resident_models 2 reached by gate, rtgate" in r.getMessage()
+               for r in caplog.records)
     assert outs[0].outputs[0].tolist() == [[1]] and outs[1].outputs[0].tolist() == [[2]]
     gate_log = [kind for kind, model in log if model == "gate"]
     order = [gate_log.index(k) for k in ("preempted", "resume", "done", "evict_start")]
@@ -306,3 +314,21 @@ def test_32_clients_over_8_models_with_2_resident_fast_path_and_http_are_answere
     assert set(names) <= set(status["models"]) and set(status["models"][names[0]]) == {
         "residency", "reason", "weights_bytes", "private_bytes", "reserved_bytes", "instances", "loads", "evictions",
         "last_load_ms", "keep_resident", "last_used_s_ago", "device_bytes", "device_reserved_bytes", "pinned_bytes"}
+
+
+def test_a_start_up_model_larger_than_the_byte_budget_is_not_preloaded_and_the_start_says_why(tmp_path, caplog):
+    """Its size is read from its weights before any load (a seeded resnet18: about 43 MiB,
+    against a 20 MiB budget), so nothing loads at start, the node is ready, and the log
+    names the model, the bytes and the budget."""
+    write_model(tmp_path / "repo", "big", "resnet18")
+    cfg = quiet_config(tmp_path / "data", repository=tmp_path / "repo", cache_dir=tmp_path / "cache",
+                       memory_budget_bytes=20 << 20, load=("big",))
+
+    async def scenario(server):
+        return server.preloaded, server.ready(), server.memory.status()["loads"]
+
+    with caplog.at_level(logging.WARNING, logger="splitserve"):
+        assert run_server(cfg, scenario) == ((), True, 0)
+    assert any(m.startswith("start-up model big not preloaded: needs 0.04 GiB of host memory; 0.02 GiB of the "
+                            "0.02 GiB budget is left (estimated: not loaded on this node before)")
+               for m in (r.getMessage() for r in caplog.records))

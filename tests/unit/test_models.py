@@ -323,3 +323,37 @@ def test_gate_holds_a_closed_key_until_it_is_opened(tmp_path: Path) -> None:
     gates.open(7)
     assert done.wait(10)
     assert out[0][0].reshape(-1).tolist() == [3, 7]
+
+
+def test_skeletons_and_seeded_builds_in_threads_at_once_leave_nn_init_whole_and_seeds_exact():
+    """A skeleton patches ``nn.init`` for the whole process while it builds; the node reads
+    several models' sizes at once, off the loop (``_zoo_state_bytes``), so builds overlap in
+    threads. Each must restore what it found, and a seeded build beside them must still draw
+    its seed's weights."""
+    import threading
+
+    from splitserve.models.zoo import zoo_skeleton
+
+    inits = {n: f for n, f in vars(nn.init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    want = init_zoo_model("lenet", 3).state_dict()
+    barrier = threading.Barrier(6)
+    seeded: list[dict[str, Tensor]] = []
+
+    def skeletons() -> None:
+        barrier.wait()
+        for _ in range(15):
+            zoo_skeleton("lenet")
+
+    def seeds() -> None:
+        barrier.wait()
+        for _ in range(5):
+            seeded.append(init_zoo_model("lenet", 3).state_dict())
+
+    threads = [threading.Thread(target=skeletons) for _ in range(4)] + [threading.Thread(target=seeds)
+                                                                        for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [n for n, f in inits.items() if getattr(nn.init, n) is not f] == []
+    assert len(seeded) == 10 and all(torch.equal(s[k], want[k]) for s in seeded for k in want)

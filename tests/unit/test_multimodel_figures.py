@@ -114,3 +114,57 @@ def test_a_wrong_answer_to_the_b4_background_client_is_a_broken_promise():
     loading = {"wrong": 0, "errors": 0, "background": {"requests": 3, "wrong": 1, "errors": 0}}
     assert broken({"overlap": {"quiet": quiet, "loading": loading}}) == [
         "B4 loading, the other client: 1 wrong answers, 0 errors"]
+
+
+def test_the_gpu_arm_compares_pinned_reloads_with_disk_and_holds_the_device_budget():
+    """lru (pinned tier) and lru-disk get the same sequences; a miss costs 10 ms more than a hit
+    from pinned memory and 45 ms from disk: 4.5x, past the 3x goal. Device bytes over the
+    budget are a broken promise."""
+    from splitserve.bench.multimodel import device
+
+    p = _params()
+    seqs = {(pat, m): _seq(p, pat, m, p.requests) for pat in p.patterns for m in (2, 5)}
+
+    def arm(swap_ms: float) -> dict:
+        out = {}
+        for (pat, m), seq in seqs.items():
+            ref = lru_misses(seq, p.cache, list(range(min(m, p.cache))))
+            lat = np.where(ref, HIT_MS + swap_ms, HIT_MS)
+            out[f"{pat}/{m}"] = summarise(pat, m, seq, Timed(seq, lat, float(lat.sum()) / 1e3), ref, int(sum(ref)),
+                                          int(sum(ref)))
+        return out
+
+    mem = {"device_budget_bytes": 1000, "device_reserved_bytes": {"GPU-a": 900}, "pinned_tier_budget_bytes": 4 << 30,
+           "pinned_tier_bytes": 2 << 20, "models": {}}
+    r = {"lru": arm(10.0), "lru-disk": arm(45.0), "memory": mem, "copies": []}
+    f = figures(Params(**{**_params().__dict__, "device": "cuda"}), r)
+    assert f["reload"]["pinned_ms"] == pytest.approx(10.0) and f["reload"]["disk_ms"] == pytest.approx(45.0)
+    assert f["reload"]["ratio"] == pytest.approx(4.5) and f["reload"]["ok"] is True
+    assert f["device_memory"]["within"] is True and broken(r) == []
+    lines, text = device.markdown("cuda", f)
+    assert lines == ["reload: pinned tier 4.50x faster than disk (goal >= 3x)"]
+    assert any("B6 (Fig. 5)" in t for t in text) and any("within: yes" in t for t in text)
+    over = {**r, "memory": {**mem, "device_reserved_bytes": {"GPU-a": 1001}}}
+    assert broken(over) == ["device bytes {'GPU-a': 1001} exceed the device budget 1000"]
+
+
+def test_the_gpu_arm_says_plainly_it_is_unavailable_without_cuda(tmp_path):
+    """On a machine without CUDA, device=cuda fails at once with that reason, and no numbers."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from splitserve.bench.multimodel import device
+    from splitserve.bench.runner import EXIT_FAILED, run_scenario
+
+    device.require_cuda("cpu", lambda: False)  # the CPU arm never needs CUDA
+    with pytest.raises(ValueError, match="unavailable without CUDA"):
+        device.require_cuda("cuda", lambda: False)
+    if device.cuda_available():
+        return  # a GPU machine runs the arm for real (scripts/gpu-check, bench multimodel -p device=cuda)
+    summary = run_scenario("multimodel", quick=True, out=tmp_path, models=("lenet",),
+                           overrides={"device": "cuda"}, console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_FAILED and "unavailable without CUDA" in summary.lines[0]
+    doc = json.loads((summary.path / "result.json").read_text())
+    assert doc["status"] == "failed" and "lru" not in doc

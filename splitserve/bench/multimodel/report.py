@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from splitserve.bench.access import cost_ratio, predicted_vs_ceiling, predicted_vs_every_request, within, zipf_shares
+from splitserve.bench.multimodel import device
 from splitserve.bench.scenarios.base import fmt, md_table
 
 COLOURS = {"sequential": "#d62728", "uniform": "#2b7bba", "zipf": "#2ca02c"}
@@ -28,6 +29,7 @@ class Setup(Protocol):
     patterns: tuple[str, ...]
     zipf_a: float
     concurrent_models: int
+    device: str
 
 
 def figures(p: Setup, r: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +79,7 @@ def figures(p: Setup, r: dict[str, Any]) -> dict[str, Any]:
         loads = [x["last_load_ms"] for x in mine if x["last_load_ms"] is not None]
         f["memory"] = {"largest_charge_bytes": charge, "copies_the_budget_holds": r["budget_bytes"] // charge
                        if charge else None, "mean_last_load_ms": float(np.mean(loads)) if loads else None}
+    f |= device.figures(r)
     conc = r.get("concurrent")
     if conc:
         single = lru.get(f"uniform/{p.concurrent_models}")
@@ -88,16 +91,17 @@ def figures(p: Setup, r: dict[str, Any]) -> dict[str, Any]:
 
 def broken(r: dict[str, Any]) -> list[str]:
     """Promises the server broke: wrong answers, errors, and lru loads that are not LRU's misses."""
-    runs = [(f"{v} {k}", c) for v in ("no-limit", "lru", "load-every-request") for k, c in r.get(v, {}).items()]
+    runs = [(f"{v} {k}", c) for v in ("no-limit", "lru", "lru-disk", "load-every-request")
+            for k, c in r.get(v, {}).items()]
     runs += [(f"B4 {ph}{who}", x) for ph in ("quiet", "loading") if "overlap" in r
              for who, x in (("", r["overlap"][ph]), (", the other client", r["overlap"][ph]["background"]))]
     runs += [(sub, r[sub]) for sub in ("spawn-per-load", "concurrent") if sub in r]
     out = [f"{what}: {c['wrong']} wrong answers, {c['errors']} errors" + (f" {c['first_errors']}"
                                                                           if c.get("first_errors") else "")
            for what, c in runs if c["wrong"] or c["errors"]]
-    out += [f"lru {k}: {c['loads']} loads, the reference LRU misses {c['reference_misses']}"
-            for k, c in r.get("lru", {}).items() if not c["loads_equal_reference"]]
-    return out
+    out += [f"{v} {k}: {c['loads']} loads, the reference LRU misses {c['reference_misses']}"
+            for v in ("lru", "lru-disk") for k, c in r.get(v, {}).items() if not c["loads_equal_reference"]]
+    return out + device.broken(device.figures(r))
 
 
 def _ok(v: bool | None) -> str:
@@ -207,7 +211,8 @@ def markdown(intro: str, p: Setup, r: dict[str, Any], f: dict[str, Any], max_bat
                       if x["throughput_vs_concurrency_1"] is not None else "") + ".", ""]
         lines.append(f"{conc['clients']} clients: {conc['errors']} errors, {conc['wrong']} wrong, "
                      f"{fmt(conc['throughput_rps'], 1)} req/s")
-    return lines, "\n".join(report)
+    gpu_lines, gpu_report = device.markdown(p.device, f)
+    return lines + gpu_lines, "\n".join(report + gpu_report)
 
 
 def plots(p: Setup, r: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,11 @@ cost model 1 / (1 + m·r) predicts each sequence's throughput against ``no-limit
 sub-runs on the ``lru`` server: a resident model's latency while other models load against
 the same traffic without loads (B4), and ``clients`` concurrent clients over ``concurrent_models``
 models (B5, the case the paper could not run).
+
+With ``-p device=cuda`` the copies are served from device memory: the lru server under the
+node's device budget with the pinned host tier, beside ``lru-disk`` (the tier off) on the
+same sequences, for reloads from pinned memory against from disk (B6, Fig. 5;
+``multimodel.device``). Without CUDA that arm says it is unavailable and reports nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import numpy as np
 
 from splitserve.bench.access import Pattern, lru_misses, sequence, shares, zipf_shares
 from splitserve.bench.inputs import as_call_arg, make_inputs
-from splitserve.bench.multimodel import report
+from splitserve.bench.multimodel import device, report
 from splitserve.bench.ownserver import get_json, own_server
 from splitserve.bench.scenarios.base import Context, ScenarioOutput, report_intro, write_repository
 from splitserve.bench.scenarios.base import Params as BaseParams
@@ -82,6 +87,7 @@ class Params(BaseParams):
     concurrent_models: int = 8  # ... over this many models ...
     concurrent_s: float = 20.0  # ... for this long; 0 skips B5
     memory_budget: int | None = None  # bytes; None: cache x (2 x one copy's weights + 128 MiB): the count binds
+    device_budget: int | None = None  # device=cuda: bytes per GPU; None: cache x (weights + 256 MiB): the count binds
     drop_cache: bool = True  # evict_drop_cache: an evicted model's next load reads its weights from disk
     spare_workers: int = 1  # the node's pool of spare processes on the no-limit and lru servers
     variants: tuple[str, ...] = VARIANTS
@@ -257,7 +263,7 @@ def summarise(pattern: str, m: int, seq: list[int], timed: Timed, ref: list[bool
 def _repository(ctx: Context, copies: Copies) -> Any:
     cfg = {n: {"max_batch_size": MAX_BATCH, "artifact": {"kind": "zoo", "arch": copies.arch, "seed": s}}
            for n, s in zip(copies.names, copies.seeds)}
-    return write_repository(ctx.results.path / "repository", cfg)
+    return write_repository(ctx.results.path / "repository", cfg, ctx.params.device)
 
 
 def _copies(p: Params) -> Copies:
@@ -492,12 +498,16 @@ def run(ctx: Context) -> ScenarioOutput:
     if ctx.urls:
         raise ValueError("multimodel starts its own servers (with and without a memory budget); it cannot "
                          "measure a running server (--url)")
+    device.require_cuda(p.device)
     with ctx.task(f"building {p.copies} local copies of {p.models[0]} for validation", 1):
         copies = _copies(p)
     repo = _repository(ctx, copies)
     budget = _budget(p, copies)
+    gpu = p.device != "cpu"
+    dev_budget = device.device_budget(p.cache, copies.weights_bytes, p.device_budget) if gpu else None
     results: dict[str, Any] = {"arch": copies.arch, "copies": copies.names, "seeds": copies.seeds,
                                "weights_bytes": copies.weights_bytes, "budget_bytes": budget, "cache": p.cache,
+                               "device": p.device, "device_budget_bytes": dev_budget,
                                "zipf_shares": {str(m): list(zipf_shares(m, p.zipf_a))
                                                for m in sorted({*p.accessed, p.fig2_models})}}
     lookup = copies.names[:max(p.accessed + (p.fig2_models,))]
@@ -506,10 +516,12 @@ def run(ctx: Context) -> ScenarioOutput:
         if {"no-limit", "load-every-request"} & set(p.variants):
             servers["no-limit"] = (stack.enter_context(_variant(ctx, copies, "no-limit", _args(repo, None, None),
                                                                 _server_env(p, True), lookup)), None)
-        if "lru" in p.variants:
-            servers["lru"] = (stack.enter_context(_variant(ctx, copies, "lru", _args(repo, budget, p.cache),
-                                                           _server_env(p, True), copies.names)), p.cache)
-        results |= _sweep(ctx, {k: v for k, v in servers.items() if k in p.variants})
+        lru_arms = {"lru": True, **({"lru-disk": False} if gpu else {})} if "lru" in p.variants else {}
+        for label, pinned in lru_arms.items():  # on a GPU: the pinned tier's reloads against the disk's
+            args = _args(repo, budget, p.cache) + (device.server_args(dev_budget, pinned) if dev_budget else [])
+            servers[label] = (stack.enter_context(_variant(ctx, copies, label, args, _server_env(p, True),
+                                                           copies.names)), p.cache)
+        results |= _sweep(ctx, {k: v for k, v in servers.items() if k in (*p.variants, "lru-disk")})
         if "load-every-request" in p.variants:
             results["load-every-request"] = _every_request(ctx, servers["no-limit"][0])
         if "lru" in servers:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from splitserve.errors import ModelNotReady, ShuttingDown, SplitServeError, WorkerFailed
 from splitserve.memory.weights import drop_page_cache, weights_file
@@ -121,17 +122,24 @@ class ModelResidency:
         core = self.core
         return core.footprint.charge(self.instance_count or core.placer.instances or core.config.instances)
 
-    def device_charge(self) -> dict[str, int]:
+    def device_charge(self, at_least_weights: bool = False) -> dict[str, int]:
+        """Device bytes per partition UUID (see ``ResidentModel``). ``at_least_weights``: a GPU
+        model no load has measured on its device yet counts each instance at its weights'
+        bytes, a lower bound (what the start-up preload plans with); else it counts nothing
+        until its LOADED says."""
         core = self.core
         devices = core.env.devices
-        if devices is None or not core.footprint.device_bytes:
+        footprint = core.footprint
+        if at_least_weights and not footprint.device_bytes and core.config.device.startswith("cuda"):
+            footprint = replace(footprint, device_bytes=footprint.weights_bytes)
+        if devices is None or not footprint.device_bytes:
             return {}
         per: dict[str, int] = {}
         for i in range(self.instance_count or core.placer.instances or core.config.instances):
             uuid = devices.expected(self.name, i, core.config.device)
             if uuid is not None:
                 per[uuid] = per.get(uuid, 0) + 1
-        return core.footprint.device_charge(per)
+        return footprint.device_charge(per)
 
     def weights_parked(self) -> bool:
         return any(h.residency is WorkerResidency.PARKED for h in self.core.workers.values())
@@ -175,6 +183,18 @@ class ModelResidency:
                 core.env.off_loop(self._read_footprint, self._footprint_read)
             return
         self._report(Report(ReportKind.REQUEST, rt_waiting=core.sched.waiting(RequestClass.RT) > 0))
+
+    async def read_footprint(self) -> MemoryFootprint:
+        """What the memory manager will charge this model, read now (off the loop) when it is
+        not known yet, and kept: what the start-up preload plans with, before any load."""
+        core = self.core
+        if not self._footprint_known:
+            done: asyncio.Future[MemoryFootprint] = asyncio.get_running_loop().create_future()
+            core.env.off_loop(self._read_footprint, done.set_result)
+            footprint = await done
+            if not self._footprint_known:  # a LOADED's measurement (never before this) wins
+                core.footprint, self._footprint_known = footprint, True
+        return core.footprint
 
     def _read_footprint(self) -> MemoryFootprint:
         """Off the loop: the stored measurement, else the weights file's header, else unknown."""
