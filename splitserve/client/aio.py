@@ -15,7 +15,16 @@ import numpy as np
 
 from splitserve.client.common import Endpoint, InferResult, ModelInfo, encode_inputs
 from splitserve.client.failover import FrontChoice, front_endpoints
-from splitserve.client.frames import _DUPLICATE, _ERROR, _RX_BYTES, _check, _request_header, _result, _with_func_id
+from splitserve.client.frames import (
+    _DUPLICATE,
+    _ERROR,
+    _RX_BYTES,
+    _check,
+    _request_fields,
+    _request_header,
+    _result,
+    _with_func_id,
+)
 from splitserve.client.route import _direct_targets, _lookup_interval, _Route
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
@@ -40,6 +49,7 @@ class _AsyncConn(asyncio.BufferedProtocol):
         self.client = client
         self.model = model  # a direct connection's model (None: the front end's)
         self.func_id: int | None = None  # a cluster node's worker: that node's func id (None: the model's)
+        self.best_effort = False  # a direct connection to an instance kept for best-effort calls (``_Route.pick``)
         self.url = url  # a direct connection's endpoint
         self.pending: dict[int, _AsyncEntry] = {}
         self.transport: asyncio.Transport | None = None
@@ -352,7 +362,7 @@ class AsyncClient:
         self._direct_streams = [c for c in self._direct_streams if c is not conn]
         route = self._routes.get(conn.model or "")
         if route is not None and conn in route.streams:
-            route.streams = [c for c in route.streams if c is not conn]
+            route.set_streams([c for c in route.streams if c is not conn])
             route.stale = True
         front = self._front
         if front is None or front.dead:
@@ -388,7 +398,7 @@ class AsyncClient:
         streams = []
         if self.direct:
             live = {(c.url, c.func_id): c for c in route.streams} if route is not None else {}
-            for url, func_id in _direct_targets(self.endpoint, info):
+            for url, func_id, best_effort in _direct_targets(self.endpoint, info):
                 conn = live.pop((url, func_id), None)
                 if conn is None:
                     try:
@@ -400,6 +410,7 @@ class AsyncClient:
                     if func_id != info.func_id:  # a cluster node's worker: its calls carry that node's id
                         conn.func_id = func_id
                     self._direct_streams.append(conn)
+                conn.best_effort = best_effort
                 streams.append(conn)
         due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
         route = self._routes[model] = _Route(info, streams, due_at)
@@ -420,8 +431,7 @@ class AsyncClient:
         info = route.info
         arrays, count, batched = encode_inputs(info, x)
         req_id = next(self._ids)
-        streams = route.streams
-        conn = streams[next(route.turns) % len(streams)] if streams else await self._live_front()
+        conn = route.pick(_request_fields(cls, deadline_ms, slo_ms)[0]) or await self._live_front()
         hdr = _request_header(info, req_id, arrays, cls, deadline_ms, slo_ms, conn.func_id)
         if conn.paused:  # bounded buffering: wait for the transport to take more
             await conn.writable(self.timeout)

@@ -8,7 +8,9 @@ from typing import Any
 
 from splitserve.client.common import Endpoint, ModelInfo
 from splitserve.client.frames import _PLAIN_FIELDS
-from splitserve.protocol.header import RequestPacker
+from splitserve.protocol.header import RequestClass, RequestPacker
+
+_BE, _DEFAULT = int(RequestClass.BE), int(RequestClass.DEFAULT)  # plain ints: compared per call
 
 
 def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
@@ -24,14 +26,27 @@ def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
     return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra.get("direct_tcp", ())]
 
 
-def _direct_targets(front: Endpoint, info: ModelInfo) -> list[tuple[str, int]]:
+def _best_effort(urls: list, classes: list | None) -> list[bool]:
+    """Whether each of ``urls`` serves best-effort calls only (its LOOKUP's classes, in order;
+    a server that names none has every worker take any call)."""
+    if not classes or len(classes) != len(urls):
+        return [False] * len(urls)
+    return [c == "be" for c in classes]
+
+
+def _direct_targets(front: Endpoint, info: ModelInfo) -> list[tuple[str, int, bool]]:
     """The direct endpoints a client connects to for ``info``, each with the func id its
-    calls carry there: a cluster's gateway names each node's workers with that node's func
-    id (``nodes``), a node its own workers (``_direct_urls``), which take the model's."""
+    calls carry there and whether it serves best-effort calls only (an instance kept for
+    them: ``_Route.pick``): a cluster's gateway names each node's workers with that node's
+    func id (``nodes``), a node its own workers (``_direct_urls``), which take the model's."""
     nodes = info.extra.get("nodes")
     if nodes is not None:
-        return [(url, int(n["func_id"])) for n in nodes for url in n.get("direct_tcp", ())]
-    return [(url, info.func_id) for url in _direct_urls(front, info)]
+        return [(url, int(n["func_id"]), be) for n in nodes
+                for url, be in zip(n.get("direct_tcp", ()), _best_effort(n.get("direct_tcp", []),
+                                                                         n.get("direct_tcp_classes")))]
+    urls = _direct_urls(front, info)
+    key = "direct_classes" if front.scheme == "unix" else "direct_tcp_classes"
+    return [(url, info.func_id, be) for url, be in zip(urls, _best_effort(urls, info.extra.get(key)))]
 
 
 # A direct client looks a model up again at least this many retry intervals apart even when
@@ -50,20 +65,34 @@ class _Route:
     """Where a model's calls go (a ``Client``'s or an ``AsyncClient``'s): its info, and
     with ``direct`` its workers' endpoints."""
 
-    __slots__ = ("info", "plain", "streams", "turns", "due_at", "stale")
+    __slots__ = ("info", "plain", "streams", "by_class", "default_be", "turns", "due_at", "stale")
 
     def __init__(self, info: ModelInfo, streams: list[Any], due_at: float) -> None:
-        # ``streams``: the client's own connections to the workers (``stream._Stream`` or
-        # ``aio._AsyncConn``), typed loosely so that routing imports neither client
         self.info = info
         self.plain = RequestPacker(info.func_id, *_PLAIN_FIELDS)  # the header of a call that names no class
-        # replaced, never changed in place, so a caller picks from it without the client's lock
-        self.streams = streams
+        self.default_be = info.extra.get("default_class") == "be"  # what a call that names no class is
+        self.set_streams(streams)
         self.turns = itertools.count()
         # when a direct client looks the model up again (its streams shrink only when one
         # closes, which sets ``stale``, so the interval is known at the lookup)
         self.due_at = due_at
         self.stale = False  # a direct connection closed: look the model up again
+
+    def set_streams(self, streams: list[Any]) -> None:
+        """The client's own connections to the workers (``stream._Stream`` or
+        ``aio._AsyncConn``, typed loosely so that routing imports neither client), each with
+        ``best_effort`` set from its target. Replaced, never changed in place, so a caller
+        picks from them without the client's lock."""
+        self.streams = streams
+        self.by_class = ([s for s in streams if not s.best_effort], [s for s in streams if s.best_effort])
+
+    def pick(self, cls: int) -> Any | None:
+        """The connection a call of class ``cls`` (a header's class byte) goes on: the next of
+        those whose workers serve its class, or of them all where none does (a model with no
+        instance kept for best-effort work); None with no direct connection."""
+        be = cls == _BE or (cls == _DEFAULT and self.default_be)
+        streams = self.by_class[be] or self.streams
+        return streams[next(self.turns) % len(streams)] if streams else None
 
     def lookup_due(self, now: float) -> bool:
         """Whether a direct client looks the model up again before its next call: a direct

@@ -94,6 +94,7 @@ class _Stream:
     # None: the model's (the front end's, or a single server's worker)
     func_id: int | None = None
     plain: RequestPacker | None = None
+    best_effort = False  # a direct connection to an instance kept for best-effort calls (``_Route.pick``)
 
     def __init__(self, sock: socket.socket, timeout: float, model: str | None = None, url: str = "",
                  poll_ns: int = 0) -> None:
@@ -472,8 +473,7 @@ class Client:
         arrays, nbytes, count, batched = info.codec.frame(x)
         req_id = next(self._ids)
         fields = _request_fields(cls, deadline_ms, slo_ms)
-        streams = route.streams
-        stream = streams[next(route.turns) % len(streams)] if streams else self._front
+        stream = route.pick(fields[0]) or self._front
         # a cluster node's worker takes that node's func id (``stream.plain``), any other the model's
         hdr = (stream.plain or route.plain).pack(req_id, nbytes) if fields is _PLAIN_FIELDS else \
             pack_request(req_id, stream.func_id or info.func_id, *fields, nbytes)
@@ -491,7 +491,7 @@ class Client:
         live = {(st.url, st.func_id): st for st in route.streams} if route is not None else {}
         streams = []
         now = time.monotonic()
-        for url, func_id in _direct_targets(self.endpoint, info) if self.direct else ():
+        for url, func_id, best_effort in _direct_targets(self.endpoint, info) if self.direct else ():
             st = live.pop((url, func_id), None)
             if st is None and now - self._lost_at.get(url, -self.direct_retry_s) < self.direct_retry_s:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
@@ -505,6 +505,7 @@ class Client:
                     self._mark_lost(url)  # not tried again for direct_retry_s
                     continue  # gone since the lookup, or unreachable from here: the others, or the front end, serve
                 self._direct_streams.append(st)
+            st.best_effort = best_effort
             streams.append(st)
         with self._cond:
             due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
@@ -630,7 +631,7 @@ class Client:
             self._direct_streams = [st for st in self._direct_streams if st is not stream]
             route = self._routes.get(stream.model or "")
             if route is not None and stream in route.streams:
-                route.streams = [st for st in route.streams if st is not stream]
+                route.set_streams([st for st in route.streams if st is not stream])
                 route.stale = True
             front_id = route.info.func_id if route is not None else None
             self._mark_lost(stream.url)

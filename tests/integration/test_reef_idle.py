@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from splitserve.client import AsyncClient
 from splitserve.models.gate import Gates
 from tests.inproc import quiet_config, run_server, until, write_model
 from tests.integration.test_preemption import BE_KEY, RT_KEY, kinds
@@ -57,11 +58,21 @@ async def _flood(server, gates):
     await asyncio.wait_for(until(lambda: gates.held(SPLIT_KEY)), 60)
     split_rt = await server.infer("gate_split", [np.array([[RT_KEY]], np.int64)], cls="rt")
     still_held = still_held and gates.held(SPLIT_KEY) and bool(split_rt.outputs)
+    # and a direct client's real-time calls: each to the real-time instance's worker, never
+    # to the one kept for best-effort work, where the held batch would keep them waiting
+    by_instance = {i: h.counters.snapshot().answered for i, h in server.runtime("gate_split").workers.items()}
+    async with AsyncClient(f"tcp://127.0.0.1:{server.ports['fast_port']}") as c:
+        direct_rt = [await asyncio.wait_for(c.infer_result("gate_split", np.array([[RT_KEY]], np.int64), cls="rt"), 60)
+                     for _ in range(4)]
+        held_connections = c.direct_endpoints("gate_split")
+    grown = {i: h.counters.snapshot().answered - by_instance.get(i, 0)
+             for i, h in server.runtime("gate_split").workers.items()}
+    direct = (held_connections, grown, gates.held(SPLIT_KEY), all(r.outputs for r in direct_rt))
     flood.append(split_be)
     gates.open(BE_KEY)
     gates.open(SPLIT_KEY)
     be = await asyncio.gather(*flood)
-    return list(server.coordinator.events)[first:], rt, be, still_held
+    return list(server.coordinator.events)[first:], rt, be, still_held, direct
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +86,7 @@ def seen(tmp_path_factory):
     write_model(repo, "gate_split", "gate",
                 'cpus = [0]\nshare_cpus = true\ndefault_class = "rt"\ninstances = 2\nbe_instances = 1')
     cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache",
-                       load=("gate_be", "gate_rt", "gate_split"), preemption="idle")
+                       load=("gate_be", "gate_rt", "gate_split"), preemption="idle").replaced(fast_port=0)
     gates = Gates(tmp_path / "cache")
 
     async def both(server):
@@ -100,7 +111,7 @@ def test_idle_demotes_every_thread_of_best_effort_workers_and_leaves_real_time_o
 
 
 def test_idle_a_real_time_call_under_a_best_effort_flood_completes_while_best_effort_still_runs(seen):
-    events, rt, be, still_held = seen["flood"]
+    events, rt, be, still_held, direct = seen["flood"]
     assert still_held
     assert rt.outputs  # answered
     assert len(be) == 9 and all(r.outputs for r in be)
@@ -116,3 +127,9 @@ def test_idle_a_real_time_call_under_a_best_effort_flood_completes_while_best_ef
     assert len(rt_done.waits_us) == 1 and 0 <= rt_done.waits_us[0]
     split = {e.cls: e.instance for e in events if e.model == "gate_split" and e.kind == "done"}
     assert set(split) == {"rt", "be"} and split["rt"] != split["be"]
+    # over the direct path: the client held both workers' connections, and each of its
+    # real-time calls was answered by the real-time instance's worker while the best-effort
+    # batch was still held on the other
+    connections, grown, held, answered = direct
+    assert connections == 2 and held and answered
+    assert grown == {split["rt"]: 4, split["be"]: 0}

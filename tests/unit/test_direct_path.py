@@ -3,6 +3,8 @@ a direct call's way into (and aside from) the batch rows, and the counters page.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -188,6 +190,30 @@ def test_direct_calls_join_the_per_model_counters_under_path_direct_once_each():
     assert got[("splitserve_execution_count_total", (("model", "m"), ("path", "direct")))] == 3
 
 
+def test_each_call_goes_to_a_worker_of_its_class_and_any_worker_serves_a_class_none_is_kept_for():
+    """Under preemption idle a model's instance kept for best-effort work runs under SCHED_IDLE:
+    a real-time call sent there waits behind its best-effort batch at the kernel's lowest rank."""
+    from splitserve.client.common import Endpoint, ModelInfo
+    from splitserve.client.route import _direct_targets, _Route
+
+    info = ModelInfo("split", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock", "unix:///d/1-1.sock"],
+                                             "direct_classes": ["rt", "be"], "default_class": "be"})
+    targets = _direct_targets(Endpoint.parse("unix:///d/fast.sock"), info)
+    assert targets == [("unix:///d/1-0.sock", 1, False), ("unix:///d/1-1.sock", 1, True)]
+    rt, be = (SimpleNamespace(best_effort=b) for _, _, b in targets)
+    route = _Route(info, [rt, be], 0.0)
+    assert {id(route.pick(int(RequestClass.RT))) for _ in range(4)} == {id(rt)}
+    assert {id(route.pick(int(RequestClass.BE))) for _ in range(4)} == {id(be)}
+    assert route.pick(int(RequestClass.DEFAULT)) is be  # the model's default class: best-effort
+    route.set_streams([rt])  # its best-effort worker's connection closed: the other takes both classes
+    assert route.pick(int(RequestClass.BE)) is rt
+    route.set_streams([])
+    assert route.pick(int(RequestClass.RT)) is None  # none: the front end's
+    # a server that names no classes: every worker takes any call, in turn
+    plain = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock", "unix:///d/1-1.sock"]})
+    assert [b for _, _, b in _direct_targets(Endpoint.parse("unix:///d/fast.sock"), plain)] == [False, False]
+
+
 def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_instances():
     """Under load a reloaded model's second instance may serve after the client's lookup: a route
     holding one of two instances' connections must be looked up again (it stayed at one forever)."""
@@ -197,7 +223,7 @@ def test_a_direct_client_looks_again_while_it_holds_fewer_connections_than_insta
     info = ModelInfo("twin", 1, (), (), 1, {"instances": 2, "direct": ["a", "b"]})
 
     def due(held: int, age_s: float, stale: bool = False) -> bool:  # looked up at 100 s holding ``held``
-        route = _Route(info, [object()] * held, 100.0 + _lookup_interval(held, info, 1.0))
+        route = _Route(info, [SimpleNamespace(best_effort=False)] * held, 100.0 + _lookup_interval(held, info, 1.0))
         route.stale = stale
         return route.lookup_due(100.0 + age_s)
 

@@ -31,12 +31,18 @@ def test_a_direct_client_gets_each_nodes_workers_at_its_address_with_its_func_id
     from splitserve.client.route import _direct_targets
     from splitserve.cluster.gateway.direct import direct_routes
 
-    reply = json.dumps({"direct_tcp": ["tcp://0.0.0.0:41000", "tcp://0.0.0.0:41001"]}).encode()
-    routes = direct_routes([("n1", "10.0.0.5", 3, reply), ("n2", "fe80::2", 9, reply),
+    reply = json.dumps({"direct_tcp": ["tcp://0.0.0.0:41000", "tcp://0.0.0.0:41001"],
+                        "direct_tcp_classes": ["rt", "be"]}).encode()
+    older = json.dumps({"direct_tcp": ["tcp://0.0.0.0:41000", "tcp://0.0.0.0:41001"]}).encode()  # names no classes
+    routes = direct_routes([("n1", "10.0.0.5", 3, reply), ("n2", "fe80::2", 9, older),
                             ("n3", "10.0.0.7", 4, json.dumps({"direct": ["unix:///x"]}).encode())])
-    assert routes == [{"node": "n1", "func_id": 3, "direct_tcp": ["tcp://10.0.0.5:41000", "tcp://10.0.0.5:41001"]},
-                      {"node": "n2", "func_id": 9, "direct_tcp": ["tcp://[fe80::2]:41000", "tcp://[fe80::2]:41001"]}]
+    assert routes == [{"node": "n1", "func_id": 3, "direct_tcp": ["tcp://10.0.0.5:41000", "tcp://10.0.0.5:41001"],
+                       "direct_tcp_classes": ["rt", "be"]},
+                      {"node": "n2", "func_id": 9, "direct_tcp": ["tcp://[fe80::2]:41000", "tcp://[fe80::2]:41001"],
+                       "direct_tcp_classes": ["rt", "rt"]}]
     info = ModelInfo.from_json({"name": "m", "func_id": 1, "inputs": [], "outputs": [], "max_batch_size": 1,
                                 "nodes": routes})
+    # each with the node's func id, and whether it serves best-effort calls only
     assert _direct_targets(Endpoint.parse("tcp://gw:8100"), info) == [
-        ("tcp://10.0.0.5:41000", 3), ("tcp://10.0.0.5:41001", 3), ("tcp://[fe80::2]:41000", 9), ("tcp://[fe80::2]:41001", 9)]
+        ("tcp://10.0.0.5:41000", 3, False), ("tcp://10.0.0.5:41001", 3, True), ("tcp://[fe80::2]:41000", 9, False),
+        ("tcp://[fe80::2]:41001", 9, False)]

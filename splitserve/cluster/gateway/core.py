@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # A node's LOOKUP reply names its workers' direct endpoints, which take that node's func id and
 # bind the node's own address: a client of the gateway gets them per node instead (``nodes``,
 # ``direct.direct_routes``), never as the model's own.
-_NODE_ROUTES = frozenset({"direct", "direct_tcp"})
+_NODE_ROUTES = frozenset({"direct", "direct_tcp", "direct_classes", "direct_tcp_classes"})
 
 # Ids the gateway uses for its own LOOKUPs and PINGs on a node link: above every ledger id.
 _CONTROL_BIT = 1 << 63

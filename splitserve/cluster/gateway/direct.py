@@ -18,9 +18,13 @@ def direct_routes(nodes: Iterable[tuple[str, str, int, bytes]]) -> list[dict]:
     reply); the reply's ``nodes`` entry: one per node offering TCP endpoints."""
     out = []
     for node, host, func_id, reply in nodes:
-        ports = [urlsplit(u).port for u in json.loads(reply).get("direct_tcp", ())]
-        if not ports:  # the direct path off there: its calls go through the gateway
+        info = json.loads(reply)
+        urls = info.get("direct_tcp", ())
+        classes = info.get("direct_tcp_classes") or ["rt"] * len(urls)  # a node that names none: all take any call
+        served = [(port, cls) for u, cls in zip(urls, classes) if (port := urlsplit(u).port)]
+        if not served:  # the direct path off there: its calls go through the gateway
             continue
         at = f"[{host}]" if ":" in host else host
-        out.append({"node": node, "func_id": func_id, "direct_tcp": [f"tcp://{at}:{p}" for p in ports if p]})
+        out.append({"node": node, "func_id": func_id, "direct_tcp": [f"tcp://{at}:{p}" for p, _ in served],
+                    "direct_tcp_classes": [cls for _, cls in served]})
     return out

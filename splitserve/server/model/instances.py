@@ -244,30 +244,38 @@ class Instances:
     def _direct_path(self, i: int) -> Path:
         return self.core.settings.direct_dir / f"{self.core.func_id}-{i}.sock"
 
-    def _direct_instances(self) -> list[int]:
-        """Instances whose direct endpoints take calls now (bound, not retiring)."""
+    def _direct_instances(self, tcp: bool = False) -> list[int]:
+        """Instances whose direct endpoints take calls now (bound, not retiring); ``tcp``:
+        those with a TCP endpoint (none without ``direct_tcp_host``)."""
         core = self.core
-        if not core.settings.transports.fast_direct or core.state is not ModelState.READY:
+        if not core.settings.transports.fast_direct or core.state is not ModelState.READY or (
+                tcp and core.settings.direct_tcp_host is None):
             return []
         return [i for i in core.sched.serving()
                 if core.sched.instances[i].ready and not core.sched.instances[i].draining
-                and (h := self.workers.get(i)) is not None and h.ready]
+                and (h := self.workers.get(i)) is not None and h.ready and (not tcp or i in self._direct_tcp_ports)]
 
     def direct_endpoints(self) -> list[str]:
         """``unix://`` URLs of the direct endpoints of instances that serve now: what a
         LOOKUP gives a client that sends its calls straight to the workers."""
         return [f"unix://{self._direct_path(i)}" for i in self._direct_instances()]
 
+    def direct_classes(self, tcp: bool = False) -> list[str]:
+        """The class each of ``direct_endpoints`` (``tcp``: ``direct_tcp_endpoints``) serves,
+        in their order: ``be`` for an instance kept for best-effort work (``be_instances``
+        under preemption ``idle``: its worker runs under SCHED_IDLE), ``rt`` for the others.
+        A client sends each call to an endpoint of its class, so a real-time call never
+        waits behind a best-effort batch in a worker the kernel ranks below everything."""
+        instances = self.core.sched.instances
+        return ["be" if instances[i].best_effort else "rt" for i in self._direct_instances(tcp)]
+
     def direct_tcp_endpoints(self) -> list[str]:
         """``tcp://`` URLs of the same instances' TCP direct endpoints (empty without
         ``ServerConfig.direct_tcp_host``). The host is the address they bind, the fast
         path's: a client reaches them at the host it reached the front end at."""
         host = self.core.settings.direct_tcp_host
-        if host is None:
-            return []
-        netloc = f"[{host}]" if ":" in host else host
-        return [f"tcp://{netloc}:{port}" for i in self._direct_instances()
-                if (port := self._direct_tcp_ports.get(i)) is not None]
+        netloc = f"[{host}]" if host is not None and ":" in host else host
+        return [f"tcp://{netloc}:{self._direct_tcp_ports[i]}" for i in self._direct_instances(tcp=True)]
 
     def direct_tally(self) -> DirectTally:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all

@@ -161,6 +161,8 @@ class ModelRuntime:
             # the same workers' TCP endpoints, for clients that reach the node over TCP (a
             # key of its own: clients that know only ``direct`` keep using the Unix ones)
             "direct_tcp": inst.direct_tcp_endpoints(),
+            # the class each of them serves (rt / be), in their orders: a client picks by its call's
+            "direct_classes": inst.direct_classes(), "direct_tcp_classes": inst.direct_classes(tcp=True),
             "direct_counts": inst.direct_tally().counts.to_dict(),
             # a GPU model's partitions and copies per batch (None on the CPU)
             "gpu": inst.gpu_stats(),
