@@ -113,6 +113,12 @@ class Server:
     (a process by default)."""
 
     def __init__(self, config: ServerConfig, start_worker: WorkerFactory | None = None) -> None:
+        if config.reef.preemption is PriorityMode.SEQ and config.transports.fast_direct:
+            # seq runs one batch on the node at a time, so its scheduler must see every batch;
+            # a worker serving its own direct calls cannot know of the others' (on DISB C over
+            # the direct path seq ran as concurrent: real-time p99 959x rt-only's)
+            log.info("preemption seq: calls go through the front end (the direct path is off)")
+            config = config.replaced(fast_direct=False)
         self.config = config
         self.metrics = Metrics()
         # Triton's trace extension (off until a trace setting turns it on) and logging extension

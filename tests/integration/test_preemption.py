@@ -187,6 +187,13 @@ def test_seq_never_interrupts_best_effort(tmp_path):
     assert kinds(events) == [("start", "be"), ("done", "be"), ("start", "rt"), ("done", "rt")]
 
 
+def test_seq_offers_no_direct_path_so_its_scheduler_sees_every_batch(tmp_path):
+    async def scenario(server, gates):
+        return server.config.transports.fast_direct, server.runtime("gate_rt").describe()["direct"]
+
+    assert run_gated(tmp_path, "seq", scenario) == (False, [])
+
+
 def test_concurrent_runs_side_by_side_without_preemption(tmp_path):
     events, _, _ = run_gated(tmp_path, "concurrent", be_then_rt("gate_rt", seen("done", "rt")))
     seq = kinds(events)
