@@ -46,7 +46,9 @@ def serve(
                                    "budgets together ('*': every registered model, in registration order); the "
                                    "others, and any skipped (logged with why), load on first use."),
     queue_slots: int = typer.Option(None, help="Tensor-queue slots per model and class."),
-    preemption: Optional[PriorityMode] = typer.Option(None, help="How real-time and best-effort work share CPUs."),
+    preemption: Optional[PriorityMode] = typer.Option(
+        None, help="How real-time and best-effort work share CPUs (seq serves every call through the front end; "
+                   "idle is the CPU mode of choice: docs/reef.md)."),
     rt_policy: Optional[RtPolicy] = typer.Option(None, help="Order among real-time requests (edf: earliest deadline)."),
     placement: Optional[PlacementKind] = typer.Option(None, help="Placement of models whose config names none."),
     log_level: Optional[str] = typer.Option(None, help="DEBUG, INFO, WARNING or ERROR (default: INFO)."),

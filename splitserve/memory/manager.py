@@ -155,7 +155,8 @@ class MemoryManager:
     seconds, the LRU's clock."""
 
     def __init__(self, config: MemorySection, metrics: Metrics, note: Callable[[str, str], None] = lambda k, m: None,
-                 spares: Callable[[], tuple[int, int]] = lambda: (0, 0), clock: Callable[[], float] = time.perf_counter) -> None:
+                 spares: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.managed = config.managed
         loads = config.max_concurrent_loads if self.managed else 1 << 30  # no manager: every load starts at once

@@ -48,9 +48,10 @@ def pad(node: list[InstanceView], fbr: Callable[[str], float | None], now: float
 
     ``fbr(model)`` is a model's fitted FBR (None: not measured). BE batches already running
     keep their place in the order they started; each idle BE instance whose model has BE
-    work waiting, or which holds a preempted batch, is then admitted in the node's order while every active RT model's predicted
-    slowdown stays within ``limit`` (one with none waiting starts nothing now: it takes none
-    of the room, and the next pass, which its first BE arrival starts, decides for it).
+    work waiting, or which holds a preempted batch, is then admitted in the node's order
+    while every active RT model's predicted slowdown stays within ``limit`` (one with none
+    waiting starts nothing now: it takes none of the room, and the next pass, which its
+    first BE arrival starts, decides for it).
     A model's BE batch on an instance that takes both classes is left to ``priority.decide``,
     which preempts it for the model's own RT work; one on an instance kept for BE work
     (``be_instances``) is padded like any other.
