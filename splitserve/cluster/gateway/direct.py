@@ -20,7 +20,9 @@ def direct_routes(nodes: Iterable[tuple[str, str, int, bytes]]) -> list[dict]:
     for node, host, func_id, reply in nodes:
         info = json.loads(reply)
         urls = info.get("direct_tcp", ())
-        classes = info.get("direct_tcp_classes") or ["rt"] * len(urls)  # a node that names none: all take any call
+        classes = info.get("direct_tcp_classes") or ()
+        if len(classes) != len(urls):  # a node that names none (an older one): each takes any call
+            classes = ["rt"] * len(urls)
         served = [(port, cls) for u, cls in zip(urls, classes) if (port := urlsplit(u).port)]
         if not served:  # the direct path off there: its calls go through the gateway
             continue
