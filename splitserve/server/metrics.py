@@ -18,7 +18,7 @@ from splitserve.errors import SplitServeError
 from splitserve.protocol.header import RequestClass
 from splitserve.server.durations import CallDurations
 from splitserve.slo import SloOutcome
-from splitserve.worker.counters import DURATION_BUCKETS_S, DirectTally, Duration
+from splitserve.worker.counters import BINS, DURATION_BUCKETS_S, DirectTally, Duration
 
 K = TypeVar("K", bound=Hashable)
 _BUCKETS = DURATION_BUCKETS_S
@@ -171,19 +171,17 @@ class Metrics:
                 totals[(self.failures, (model, label, status.name, "direct"))] = n
         for (counter, labels), new in self._direct_since("calls", model, totals).items():
             counter.labels(*labels).inc(new)
-        # the durations: each bin and each sum a running total of its own
+        # the durations: each bin, and the sum (at index BINS), a running total of its own
         binned: dict[tuple[Duration, str, int], int] = {}
         for cls, calls in zip((RequestClass.RT, RequestClass.BE), tally.calls):
             label = class_label(cls)
             for d in Duration:
-                binned.update({(d, label, i): n for i, n in enumerate(calls.bins(d))})
-                binned[(d, label, -1)] = calls.sum_ns(d)
+                binned.update({(d, label, i): n for i, n in enumerate((*calls.bins(d), calls.sum_ns(d)))})
         grown: dict[tuple[Duration, str], list[int]] = {}
         for (d, label, i), new in self._direct_since("durations", model, binned).items():
-            s = grown.setdefault((d, label), [0] * (len(_BUCKETS) + 2))  # the bins, then the sum
-            s[i] += new
+            grown.setdefault((d, label), [0] * (BINS + 1))[i] = new
         for (d, label), s in grown.items():
-            self.durations.add(d, model, label, "direct", s[:-1], s[-1])
+            self.durations.add(d, model, label, "direct", s[:BINS], s[BINS])
 
     def slo_tally(self, model: str) -> dict[str, int]:
         """``model``'s SLO outcomes so far, ``{"met": n, "missed": n, "dropped": n}`` (live:
