@@ -22,7 +22,7 @@
        raise ``unpack_header``'s own BadFrame from, so that both implementations say the
        same.
 
-   call(fd, parts, timeout_s, poll_s=0.0) -> (fields, payload)
+   call(fd, parts, timeout_s, poll_s=0.0, load=None) -> (fields, payload)
        ``send`` then ``recv_frame`` in one call, for a caller that holds the reading turn
        and has nothing else in flight: the GIL is released once for the send and the wait
        for the answer, not once for each. ``sent`` (an attribute) then says whether the
@@ -31,6 +31,10 @@
        yielded between tries) for up to that long before the blocking recv: the caller's
        policy (splitserve/spin.py) says when that pays. The answer's wait is then bounded by
        the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
+       ``load=(fd, cpus, period_s, busy_reads)`` (``spin.HostLoad.poll_check``) ends the poll
+       early once the host has a task waiting for a CPU: every ``period_s`` of polling the
+       runnable count of ``/proc/loadavg`` (open at ``fd``) is read, and ``busy_reads``
+       reads in a row above ``cpus`` end it, as ``HostLoad`` decides between calls.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (protocol/sockets.py bound_waits): the first recv of a frame blocks in the kernel
@@ -55,6 +59,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #define HEADER_SIZE 64
 #define VERSION 1
@@ -136,21 +141,65 @@ static PyObject *io_error(int r) {
    at connect): the start of an answer is rarely there yet, and a blocking recv is one
    system call where a failed recv and a poll are two. Any other recv polls for what is
    left of ``deadline`` only when it would block. Called without the GIL. */
+/* How a poll watches the host (``call``'s ``load``): no fd, no watching. */
+typedef struct {
+    double until;   /* the poll's end (0: no poll) */
+    int fd;         /* /proc/loadavg, kept open by the caller (-1: not watched) */
+    int cpus;       /* runnable tasks above this: one waits for a CPU */
+    double period;  /* seconds between two reads */
+    int busy_reads; /* reads in a row that find one waiting before the poll ends */
+} Poll;
+
+/* 1 when /proc/loadavg's runnable count (its fourth field, "runnable/total") is above
+   ``cpus``, 0 when not; 1 too when it cannot be read or parsed (as spin.HostLoad). */
+static int host_busy(int fd, int cpus) {
+    char text[128];
+    ssize_t n = pread(fd, text, sizeof text - 1, 0);
+    if (n <= 0)
+        return 1;
+    text[n] = 0;
+    char *p = text;
+    for (int field = 0; field < 3; field++) { /* skip the three load averages */
+        while (*p && *p != ' ')
+            p++;
+        while (*p == ' ')
+            p++;
+    }
+    if (*p < '0' || *p > '9')
+        return 1;
+    long runnable = 0;
+    while (*p >= '0' && *p <= '9' && runnable < 1000000)
+        runnable = runnable * 10 + (*p++ - '0');
+    return *p != '/' || runnable > cpus;
+}
+
+/* The poll goes on at ``now``: within its window and, where the host is watched, not past
+   ``busy_reads`` reads in a row that found a task waiting for a CPU. */
+static int poll_on(Poll *poll, double now, double *look_at, int *busy) {
+    if (now >= poll->until)
+        return 0;
+    if (poll->fd < 0 || now < *look_at)
+        return 1;
+    *look_at = now + poll->period;
+    *busy = host_busy(poll->fd, poll->cpus) ? *busy + 1 : 0;
+    return *busy < poll->busy_reads;
+}
+
 static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
-                             double poll_until, int *err) {
+                             Poll *poll, int *err) {
     Py_ssize_t got = 0;
-    int r = 1, flags = block ? 0 : MSG_DONTWAIT;
+    int r = 1, flags = block ? 0 : MSG_DONTWAIT, polling = poll != NULL && poll->until > 0, busy = 0;
+    double look_at = 0; /* the host is read at the first try that would wait */
     while (got < need) {
-        if (flags == 0 && poll_until > 0) { /* poll before the blocking recv, until poll_until */
+        if (flags == 0 && polling) { /* poll before the blocking recv, until poll->until */
             ssize_t n = recv(fd, buf + got, (size_t)(cap - got), MSG_DONTWAIT);
             if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                if (now_s() >= poll_until)
-                    poll_until = 0;
-                else
+                polling = poll_on(poll, now_s(), &look_at, &busy);
+                if (polling)
                     sched_yield(); /* a task that waits for this CPU runs first */
                 continue;
             }
-            poll_until = 0;
+            polling = 0;
             if (n > 0) {
                 got += n;
                 flags = MSG_DONTWAIT;
@@ -329,7 +378,7 @@ static PyObject *wire_send(Wire *self, PyObject *args) {
 
 /* Make sure a whole header is buffered at buf[start:]: receive (blocking first) until it
    is; 1, else io_error's code. Called without the GIL. */
-static int header_nogil(Wire *self, int fd, double deadline, double poll_until) {
+static int header_nogil(Wire *self, int fd, double deadline, Poll *poll) {
     int err = 1;
     if (self->end - self->start < HEADER_SIZE) {
         if (self->start + HEADER_SIZE > self->cap) { /* no room after a partial header: move it to the front */
@@ -338,7 +387,7 @@ static int header_nogil(Wire *self, int fd, double deadline, double poll_until) 
             self->start = 0;
         }
         self->end += recv_nogil(fd, self->buf + self->end, self->cap - self->end,
-                                self->start + HEADER_SIZE - self->end, deadline, 1, poll_until, &err);
+                                self->start + HEADER_SIZE - self->end, deadline, 1, poll, &err);
     }
     return err;
 }
@@ -405,7 +454,7 @@ static PyObject *take_frame(Wire *self, int fd, double deadline) {
         }
         char *rest = PyByteArray_AS_STRING(payload) + have;
         Py_BEGIN_ALLOW_THREADS
-        recv_nogil(fd, rest, n - have, n - have, deadline, 0, 0, &err);
+        recv_nogil(fd, rest, n - have, n - have, deadline, 0, NULL, &err);
         Py_END_ALLOW_THREADS
         if (err != 1) {
             Py_DECREF(fields);
@@ -434,7 +483,7 @@ static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
     double deadline = now_s() + timeout;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = header_nogil(self, fd, deadline, 0);
+    r = header_nogil(self, fd, deadline, NULL);
     Py_END_ALLOW_THREADS
     PyObject *out = r == 1 ? take_frame(self, fd, deadline) : io_error(r);
     self->reading = 0;
@@ -444,9 +493,15 @@ static PyObject *wire_recv_frame(Wire *self, PyObject *args) {
 static PyObject *wire_call(Wire *self, PyObject *args) {
     int fd;
     PyObject *parts;
-    double timeout, poll = 0;
+    double timeout, poll_s = 0;
+    PyObject *load = Py_None;
+    Poll poll = {0, -1, 0, 0, 0};
     self->sent = 0;
-    if (!PyArg_ParseTuple(args, "iO!d|d", &fd, &PyList_Type, &parts, &timeout, &poll) || check_fd(fd) < 0)
+    if (!PyArg_ParseTuple(args, "iO!d|dO", &fd, &PyList_Type, &parts, &timeout, &poll_s, &load) ||
+        check_fd(fd) < 0)
+        return NULL;
+    if (load != Py_None && !PyArg_ParseTuple(load, "iidi;load is (fd, cpus, period_s, busy_reads)", &poll.fd,
+                                             &poll.cpus, &poll.period, &poll.busy_reads))
         return NULL;
     Py_buffer views[MAX_PARTS];
     struct iovec iov[MAX_PARTS];
@@ -467,7 +522,8 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
         self->sent = 1;
         double sent_at = now_s();
         deadline = sent_at + timeout;
-        r = header_nogil(self, fd, deadline, poll > 0 ? sent_at + (poll < timeout ? poll : timeout) : 0);
+        poll.until = poll_s > 0 ? sent_at + (poll_s < timeout ? poll_s : timeout) : 0;
+        r = header_nogil(self, fd, deadline, &poll);
     }
     Py_END_ALLOW_THREADS
     int saved = errno;
@@ -488,8 +544,9 @@ static PyMethodDef wire_methods[] = {
     {"recv_frame", (PyCFunction)wire_recv_frame, METH_VARARGS,
      "recv_frame(fd, timeout_s) -> (fields, payload), or (None, header bytes) for a malformed header."},
     {"call", (PyCFunction)wire_call, METH_VARARGS,
-     "call(fd, parts, timeout_s, poll_s=0.0) -> recv_frame's answer, after sending parts (sent: whether they "
-     "went); the answer polled for up to poll_s before the blocking wait."},
+     "call(fd, parts, timeout_s, poll_s=0.0, load=None) -> recv_frame's answer, after sending parts (sent: "
+     "whether they went); the answer polled for up to poll_s before the blocking wait, and not once load's "
+     "host has a task waiting for a CPU."},
     {NULL, NULL, 0, NULL},
 };
 

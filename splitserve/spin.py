@@ -27,7 +27,8 @@ someone else is waiting for. So a side polls only
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
 (``ServerConfig.transports.direct_spin_us``), the blocking client through its wire's ``call``
-(``Client(poll_us=...)``).
+(``Client(poll_us=...)``); both look at the host during the poll too, the compiled wire
+with ``HostLoad.poll_check``'s descriptor and rule.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class HostLoad:
             # busy: not read again for the hold (one period is already in read_at_ns's step)
             self.read_at_ns = now_ns + (0 if self.free else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
+
+    def poll_check(self) -> tuple[int, int, float, int] | None:
+        """What a compiled poll needs to watch the host as ``cpu_free`` does, without the
+        GIL (``_fastwire.Wire.call``'s ``load``): the open ``/proc/loadavg`` descriptor,
+        the CPUs, the read period (s) and the busy reads in a row that end a poll; None
+        before the first read opened it."""
+        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, BUSY_READS)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -178,23 +178,20 @@ class _Stream:
         self.rx_start = begin
         return h, self._take(n)
 
-    def call(self, parts: list, total: int, poll_s: float = 0.0) -> tuple["Header | _Fields", bytearray]:
+    def call(self, parts: list, total: int, poll_s: float = 0.0,
+             host: HostLoad | None = None) -> tuple["Header | _Fields", bytearray]:
         """``send`` then ``read_one``, for a caller that holds the reading turn with nothing
         else in flight here; after an error ``sent`` says which of the two failed. With
         ``poll_s`` the answer is polled for that long before the blocking read (which waits
-        the timeout after it, as without)."""
+        the timeout after it, as without), and not once ``host`` finds a task waiting for a CPU."""
         self.sent = False
         self.send(parts, total)
         self.sent = True
         if poll_s > 0 and self.rx_end == self.rx_start:
-            self._poll(time.monotonic() + min(poll_s, self.timeout))
+            self.rx_start = 0  # what comes lands in the empty buffer; a closed peer is read_one's to report
+            self.rx_end = recv_polling(self.sock, self.rx_mv, time.monotonic() + min(poll_s, self.timeout),
+                                       host.cpu_free if host is not None else None) or 0
         return self.read_one()
-
-    def _poll(self, until: float) -> None:
-        """Receive what comes before ``until`` into the empty buffer (a closed peer is
-        ``read_one``'s to report)."""
-        self.rx_start = 0
-        self.rx_end = recv_polling(self.sock, self.rx_mv, until) or 0
 
 
 def _refused(header: bytes) -> NoReturn:
@@ -225,9 +222,11 @@ class _CStream(_Stream):
             _refused(payload)
         return Header(*fields), payload
 
-    def call(self, parts: list, total: int, poll_s: float = 0.0) -> tuple[_Fields, bytearray]:
+    def call(self, parts: list, total: int, poll_s: float = 0.0,
+             host: HostLoad | None = None) -> tuple[_Fields, bytearray]:
         # one C call, the GIL released once; the answer's fields come by name, no Header built
-        fields, payload = self.wire.call(self.sock.fileno(), parts, self.timeout, poll_s)
+        fields, payload = self.wire.call(self.sock.fileno(), parts, self.timeout, poll_s,
+                                         host.poll_check() if host is not None else None)
         if fields is None:
             _refused(payload)
         return fields, payload
@@ -458,7 +457,7 @@ class Client:
         t0 = time.monotonic_ns()
         window_ns = stream.spin.window_ns(self._load.cpu_free(t0))  # type: ignore[union-attr]
         try:
-            return stream.call(parts, total, window_ns / 1e9)
+            return stream.call(parts, total, window_ns / 1e9, self._load)
         finally:
             stream.spin.observe(time.monotonic_ns() - t0)
 

@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -75,14 +76,18 @@ def bound_waits(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def recv_polling(sock: socket.socket, view: memoryview, until: float) -> int | None:
+def recv_polling(sock: socket.socket, view: memoryview, until: float,
+                 cpu_free: Callable[[int], bool] | None = None) -> int | None:
     """Receive into ``view`` without blocking, yielding the CPU between tries, until
     something comes (its byte count; 0: the peer closed) or ``until`` (``time.monotonic``)
-    passes (None): a blocking caller's poll before it sleeps (``splitserve/spin.py``)."""
+    passes (None): a blocking caller's poll before it sleeps (``splitserve/spin.py``). The
+    poll also ends (None) once ``cpu_free(now_ns)`` says a task waits for a CPU
+    (``spin.HostLoad.cpu_free``, asked at every try; it reads the host at most every 50 µs)."""
     while True:
         try:
             return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            if time.monotonic() >= until:
+            now = time.monotonic_ns()
+            if now >= until * 1e9 or (cpu_free is not None and not cpu_free(now)):
                 return None
             os.sched_yield()

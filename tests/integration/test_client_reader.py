@@ -26,6 +26,7 @@ from splitserve.client.stream import Client, _CStream, _Stream
 from splitserve.errors import BadFrame, InvalidInput, Status
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Header, Kind, unpack_header
 from splitserve.protocol.sockets import bound_waits
+from splitserve.spin import HostLoad
 from tests.framing import recv_exact
 
 _OUT = 3  # floats per answer
@@ -494,6 +495,33 @@ def test_a_polling_call_takes_an_answer_that_comes_while_it_polls_or_after_and_i
         assert time.monotonic() - t0 < 10.0  # the timeout's bound, not the poll's
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
+def test_a_poll_under_way_stops_once_a_task_waits_for_a_cpu(compiled, tmp_path):
+    """A call that began polling on a free host sleeps for the rest of its wait once the
+    host has a task waiting for a CPU (two reads in a row find one), not at its next call:
+    its thread then spends almost no CPU on an answer that takes half a second."""
+    if compiled and client_stream._fastwire is None:
+        pytest.skip("splitserve._fastwire is not built")
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.10 0.10 0.10 1/100 5\n")
+    host = HostLoad(str(loadavg))
+    host.cpus = 2
+    assert host.cpu_free(0)  # free when the call decided to poll (and the file is open)
+    loadavg.write_text("9.00 9.00 9.00 9/100 5\n")  # the same file, as /proc/loadavg: now busy
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        st = _stream(ours, Wire(compiled, 0.0), 30.0)
+        later = threading.Timer(0.5, lambda: peer.sendall(_answer(1, b"a")))
+        later.start()
+        cpu0 = time.thread_time()
+        h, payload = st.call([_answer(9, b"")], HEADER_SIZE, 30.0, host)  # a poll of up to 30 s
+        spent = time.thread_time() - cpu0
+        later.join()
+    host.close()
+    assert h.req_id == 1 and bytes(payload) == b"a"
+    assert spent < 0.1  # slept: a poll that went on would have spun for the half second
+
+
 def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_a_busy_host(monkeypatch):
     """A connection whose answers take longer than the poll budget stops polling after a
     few calls (its waits teach its policy); no call polls while the host has a task
@@ -522,8 +550,8 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
         with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, poll_us=1000) as c:
             c.lookup("m")
             call = c._front.call
-            monkeypatch.setattr(c._front, "call", lambda parts, total, poll_s=0.0: (polls.append(poll_s),
-                                                                                    call(parts, total, poll_s))[1])
+            monkeypatch.setattr(c._front, "call", lambda parts, total, poll_s=0.0, host=None: (
+                polls.append(poll_s), call(parts, total, poll_s, host))[1])
             for _ in range(4):
                 np.testing.assert_array_equal(c.infer("m", np.ones(_OUT, np.float32)), np.ones(_OUT, np.float32))
             free[0] = False
