@@ -135,6 +135,10 @@ class NodeScheduler(Protocol):
     def direct_changed(self) -> None:
         """A worker's direct real-time work began or ended (its doorbell): look at the node again."""
 
+    def plain(self) -> bool:
+        """A scheduling pass now only starts the model's own batches (no class priority in
+        play, no padding to lift): a model with nothing waiting needs none."""
+
 
 def _never(instance: int, batch_id: int) -> bool:
     return False
@@ -216,6 +220,15 @@ class Coordinator:
         if self._rt_running or self._suspended or self._raised or self._direct_rt:
             return False
         return not any(m.rt_waiting() for m in self.models())
+
+    def plain(self) -> bool:
+        """Under ``concurrent`` and ``rt-only``, or ``reef`` with no real-time work anywhere,
+        ``schedule`` starts the model's own batches and nothing else (once no padding is
+        left to lift)."""
+        if self._padding:
+            return False
+        return self.mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY) or (
+            self.mode is PriorityMode.REEF and self._normal_mode())
 
     def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
         """Batches ``model`` may start now; preempts and pads other models' BE work as needed."""

@@ -203,6 +203,26 @@ def test_modes_without_priority_skip_the_view_even_with_rt_waiting(monkeypatch, 
     assert not [e for e in node.log if e[0] == "preempt"]  # the BE batch on cpu 0 runs on
 
 
+@pytest.mark.parametrize("mode", list(PriorityMode))
+def test_a_pass_is_plain_only_where_it_would_start_the_models_own_batches_and_nothing_else(mode):
+    """``plain``: no class priority in play (concurrent, rt-only, or reef with no real-time
+    work anywhere) and no padding left to lift; seq and idle decide over the whole node."""
+    node = Node(mode, {"a": [{0}], "b": [{1}]})
+    own_only = mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY, PriorityMode.REEF)
+    assert node.coord.plain() is own_only
+    node.enqueue("b", BE)
+    node.schedule("b")
+    node.enqueue("a", RT)
+    assert node.coord.plain() is (mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY))  # rt waits
+    node.schedule("a")
+    if mode is PriorityMode.REEF:
+        assert not node.coord.plain()  # rt runs, b's batch is padded
+        node.finish("a", 0)
+        assert not node.coord.plain()  # rt ended, but b's padding is lifted only at the next pass
+        node.schedule("b")
+        assert node.coord.plain()
+
+
 def test_reef_phases_run_rt_then_preempt_then_be_then_pad():
     # a: two instances on cpus 0 and 1; b: one instance sharing cpu 0, running BE.
     node = Node(PriorityMode.REEF, {"a": [{0}, {1}], "b": [{0}]})

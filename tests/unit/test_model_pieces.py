@@ -103,6 +103,33 @@ def test_a_batch_that_ends_tells_the_coordinator_once_and_the_memory_manager_at_
     assert told == ["double"] and h.rt.queues.rings[BE].in_use == 0
 
 
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-node", "node-with-priorities"])
+def test_a_batch_that_ends_is_followed_by_a_scheduling_pass_only_where_one_could_start_something(h, plain):
+    """A batch that ends with a call waiting starts it at the pass that follows; one that
+    ends with nothing waiting costs no pass on a node whose pass only starts the model's own
+    batches (the front end's path: every call ends a batch on an idle model), and one on a
+    node with priorities in play (a pass may preempt or pad others); the memory manager
+    hears of both ends."""
+    h.node.only_own = plain
+    told: list[str] = []
+    h.rt.core.env.memory.batch_done = told.append  # type: ignore[method-assign]
+    h.call(1, bytes(4))
+    (worker,) = h.workers
+    worker.up()
+    h.loop.run()
+    first = h.run_batch(worker)
+    h.call(2, bytes([1, 1, 1, 1]))  # arrives while the first batch's end is being handled
+    h.call(3, bytes([2, 2, 2, 2]))
+    h.loop.run()
+    second = h.run_batch(worker)
+    assert second.batch_id != first.batch_id and second.count == 2
+    passes = h.node.passes
+    h.loop.run()
+    assert told == ["double", "double"]
+    assert h.node.passes == passes + (0 if plain else 1)  # the second end found nothing waiting
+    assert [a[0] for a in h.sink.answers] == [1, 2, 3] and h.rt.queues.rings[BE].in_use == 0
+
+
 def test_the_memory_manager_is_never_called_back_while_it_plans(h):
     """A load that fails to place, an eviction with nothing left to release: what the model
     reports while it carries out the manager's command comes back with the command."""

@@ -205,9 +205,15 @@ class RecordingNode:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.passes = 0  # scheduling passes asked for
+        self.only_own = True  # ``plain``: a pass starts only the model's own batches
 
     def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
+        self.passes += 1
         return model.start_batches(now, (RequestClass.RT, BE), None)
+
+    def plain(self) -> bool:
+        return self.only_own
 
     def started(self, model: ScheduledModel, batch: Batch) -> None:
         self.calls.append(("started", model.name, batch.batch_id))

@@ -4,7 +4,7 @@ This is the piece of a model the node's coordinator drives (``ScheduledModel``, 
 ``server/coordinator.py``); the dispatch asks the coordinator for its batches from its
 scheduling pass. Every batch that ends (done, failed, lost with its worker, handed back to
 the queue) ends through ``batch_ended``, the one place that tells the coordinator and,
-at the next scheduling pass, the memory manager.
+once the loop's iteration is done, the memory manager.
 """
 
 from __future__ import annotations
@@ -107,9 +107,7 @@ class Dispatch:
     def _schedule(self) -> None:
         self._kick_scheduled = False
         core = self.core
-        if self._ended:  # a load may wait for a victim that was busy
-            self._ended = False
-            core.env.memory.batch_done(self.name)
+        self._tell_memory()
         now = time.perf_counter()
         for req in self.sched.expire(now):
             waited = 1e3 * (now - req.arrival)
@@ -149,11 +147,27 @@ class Dispatch:
 
     def batch_ended(self, instance: int, batch: Batch, ok: bool) -> None:
         """``batch`` ended on ``instance``: done (``ok``), failed, lost, or handed back to its
-        queue. The one place that tells the coordinator; the memory manager hears of it at
-        the scheduling pass this schedules (a victim that was busy may be free now)."""
-        self.core.env.node.finished(self, instance, batch, ok)
+        queue. The one place that tells the coordinator; the memory manager hears of it once
+        this loop iteration is done (a victim that was busy may be free now), off the answer's
+        way. A scheduling pass follows where it could start something: work waits here (queued,
+        or suspended on an instance), or the node's pass does more than start this model's own
+        batches (``NodeScheduler.plain``). Otherwise a front-end call, which ends a batch on an
+        idle model every time, would pay a second pass that finds nothing to do."""
+        node = self.core.env.node
+        node.finished(self, instance, batch, ok)
         self._ended = True
-        self.kick()
+        if self.sched.waiting() or not node.plain() or any(
+                st.suspended is not None for st in self.sched.instances.values()):
+            self.kick()
+        elif not self._kick_scheduled:
+            self.core.loop.call_soon(self._tell_memory)
+
+    def _tell_memory(self) -> None:
+        """The memory manager hears that batches ended since it last did (a load may wait
+        for a victim that was busy)."""
+        if self._ended:
+            self._ended = False
+            self.core.env.memory.batch_done(self.name)
 
     def done(self, instance: int, msg: DoneMsg) -> None:
         """The worker of ``instance`` reported DONE or PREEMPTED for a batch."""
