@@ -31,10 +31,10 @@
        yielded between tries) for up to that long before the blocking recv: the caller's
        policy (splitserve/spin.py) says when that pays. The answer's wait is then bounded by
        the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
-       ``load=(fd, cpus, period_s, busy_reads)`` (``spin.HostLoad.poll_check``) ends the poll
-       early once the host has a task waiting for a CPU: every ``period_s`` of polling the
-       runnable count of ``/proc/loadavg`` (open at ``fd``) is read, and ``busy_reads``
-       reads in a row above ``cpus`` end it, as ``HostLoad`` decides between calls.
+       ``load=(fd, cpus, period_s)`` (``spin.HostLoad.poll_check``) ends the poll early once
+       the host has a task waiting for a CPU: the runnable count of ``/proc/loadavg`` (open
+       at ``fd``) is read at the first try and every ``period_s`` after, and the first read
+       above ``cpus`` ends it, as ``HostLoad`` decides.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (protocol/sockets.py bound_waits): the first recv of a frame blocks in the kernel
@@ -143,11 +143,10 @@ static PyObject *io_error(int r) {
    left of ``deadline`` only when it would block. Called without the GIL. */
 /* How a poll watches the host (``call``'s ``load``): no fd, no watching. */
 typedef struct {
-    double until;   /* the poll's end (0: no poll) */
-    int fd;         /* /proc/loadavg, kept open by the caller (-1: not watched) */
-    int cpus;       /* runnable tasks above this: one waits for a CPU */
-    double period;  /* seconds between two reads */
-    int busy_reads; /* reads in a row that find one waiting before the poll ends */
+    double until;  /* the poll's end (0: no poll) */
+    int fd;        /* /proc/loadavg, kept open by the caller (-1: not watched) */
+    int cpus;      /* runnable tasks above this: one waits for a CPU, and the poll ends */
+    double period; /* seconds between two reads */
 } Poll;
 
 /* 1 when /proc/loadavg's runnable count (its fourth field, "runnable/total") is above
@@ -173,28 +172,27 @@ static int host_busy(int fd, int cpus) {
     return *p != '/' || runnable > cpus;
 }
 
-/* The poll goes on at ``now``: within its window and, where the host is watched, not past
-   ``busy_reads`` reads in a row that found a task waiting for a CPU. */
-static int poll_on(Poll *poll, double now, double *look_at, int *busy) {
+/* The poll goes on at ``now``: within its window and, where the host is watched, while
+   no read found a task waiting for a CPU. */
+static int poll_on(Poll *poll, double now, double *look_at) {
     if (now >= poll->until)
         return 0;
     if (poll->fd < 0 || now < *look_at)
         return 1;
     *look_at = now + poll->period;
-    *busy = host_busy(poll->fd, poll->cpus) ? *busy + 1 : 0;
-    return *busy < poll->busy_reads;
+    return !host_busy(poll->fd, poll->cpus);
 }
 
 static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
                              Poll *poll, int *err) {
     Py_ssize_t got = 0;
-    int r = 1, flags = block ? 0 : MSG_DONTWAIT, polling = poll != NULL && poll->until > 0, busy = 0;
+    int r = 1, flags = block ? 0 : MSG_DONTWAIT, polling = poll != NULL && poll->until > 0;
     double look_at = 0; /* the host is read at the first try that would wait */
     while (got < need) {
         if (flags == 0 && polling) { /* poll before the blocking recv, until poll->until */
             ssize_t n = recv(fd, buf + got, (size_t)(cap - got), MSG_DONTWAIT);
             if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                polling = poll_on(poll, now_s(), &look_at, &busy);
+                polling = poll_on(poll, now_s(), &look_at);
                 if (polling)
                     sched_yield(); /* a task that waits for this CPU runs first */
                 continue;
@@ -495,13 +493,13 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
     PyObject *parts;
     double timeout, poll_s = 0;
     PyObject *load = Py_None;
-    Poll poll = {0, -1, 0, 0, 0};
+    Poll poll = {0, -1, 0, 0};
     self->sent = 0;
     if (!PyArg_ParseTuple(args, "iO!d|dO", &fd, &PyList_Type, &parts, &timeout, &poll_s, &load) ||
         check_fd(fd) < 0)
         return NULL;
-    if (load != Py_None && !PyArg_ParseTuple(load, "iidi;load is (fd, cpus, period_s, busy_reads)", &poll.fd,
-                                             &poll.cpus, &poll.period, &poll.busy_reads))
+    if (load != Py_None && !PyArg_ParseTuple(load, "iid;load is (fd, cpus, period_s)", &poll.fd, &poll.cpus,
+                                             &poll.period))
         return NULL;
     Py_buffer views[MAX_PARTS];
     struct iovec iov[MAX_PARTS];

@@ -17,12 +17,16 @@ someone else is waiting for. So a side polls only
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
   at most the CPUs this process may use). The count is the scheduler's instantaneous
   ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
-  ``LOAD_PERIOD_NS`` (50 µs) while the host is free, also *during* a poll (``Poller.wait``),
-  so a poll stops within about two periods of a task starting to wait: ``BUSY_READS`` reads
-  in a row must find one waiting (a kernel thread or a short task seen runnable once is a
-  moment, not a busy host). A busy verdict holds for ``BUSY_HOLD_NS`` before the host is
-  read again: on a host whose cores are taken, a side that looked again at every wait would
-  spend two reads' worth of polling per call finding the same thing.
+  ``LOAD_PERIOD_NS`` (50 µs) while the host is free, also *during* a poll (``Poller.wait``,
+  the compiled client wire), whose first look reads at once: the first read that finds a
+  task waiting ends the poll under way and makes the next wait sleep. A poll for a short
+  wait (a small model's answer, ≈ 40 µs) is over before a second look, so a rule that asked
+  for two such reads in a row let it spin through the wait on a busy host, taking the core
+  its peer needed: a quarter of a small model's throughput with the other core busy. Only
+  ``BUSY_READS`` reads in a row hold the verdict for ``BUSY_HOLD_NS`` before the host is
+  read again (a kernel thread seen runnable once is a moment: the next wait reads again); on
+  a host whose cores are taken, a side that looked again at every wait would spend a read
+  per call finding the same thing.
 
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
@@ -38,7 +42,7 @@ import os
 _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls bring the poll back
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 50_000  # how often HostLoad reads /proc/loadavg while the host is free
-BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the host counts as busy
+BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the busy verdict holds
 # how long a busy verdict holds before the host is read again: one read then re-confirms it (≈ 1 µs
 # per hold on a busy host), while a longer hold made a moment of contention (a side polling while
 # two others ran) cost every call of the next 20 ms its poll, on both sides of a direct call
@@ -81,8 +85,9 @@ def cpu_free(loadavg: str, cpus: int) -> bool:
 
 class HostLoad:
     """Whether the host has a CPU free, read from ``/proc/loadavg`` at most every
-    ``LOAD_PERIOD_NS``: not while the last ``BUSY_READS`` reads each found a task waiting
-    for one, nor for ``BUSY_HOLD_NS`` after (never where the file cannot be read)."""
+    ``LOAD_PERIOD_NS``: not once a read found a task waiting for one, and for
+    ``BUSY_HOLD_NS`` after ``BUSY_READS`` such reads in a row (never where the file cannot
+    be read)."""
 
     def __init__(self, path: str = "/proc/loadavg") -> None:
         self.path = path
@@ -107,17 +112,16 @@ class HostLoad:
             except OSError:
                 busy, self.busy_reads = True, BUSY_READS
             self.busy_reads = self.busy_reads + 1 if busy else 0
-            self.free = self.busy_reads < BUSY_READS
-            # busy: not read again for the hold (one period is already in read_at_ns's step)
-            self.read_at_ns = now_ns + (0 if self.free else BUSY_HOLD_NS - LOAD_PERIOD_NS)
+            self.free = not busy
+            # busy in a row: not read again for the hold (one period is already in read_at_ns's step)
+            self.read_at_ns = now_ns + (0 if self.busy_reads < BUSY_READS else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
 
-    def poll_check(self) -> tuple[int, int, float, int] | None:
+    def poll_check(self) -> tuple[int, int, float] | None:
         """What a compiled poll needs to watch the host as ``cpu_free`` does, without the
         GIL (``_fastwire.Wire.call``'s ``load``): the open ``/proc/loadavg`` descriptor,
-        the CPUs, the read period (s) and the busy reads in a row that end a poll; None
-        before the first read opened it."""
-        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, BUSY_READS)
+        the CPUs and the read period (s); None before the first read opened it."""
+        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9)
 
     def close(self) -> None:
         if self._fd >= 0:

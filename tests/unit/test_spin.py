@@ -63,7 +63,7 @@ def test_a_cpu_is_free_while_the_runnable_tasks_are_at_most_the_cpus():
     assert not cpu_free("garbage", cpus=2)
 
 
-def test_host_load_reads_the_file_at_most_once_a_period_is_busy_after_reads_in_a_row_and_holds_that(tmp_path):
+def test_host_load_reads_the_file_at_most_once_a_period_is_busy_at_a_read_and_holds_after_reads_in_a_row(tmp_path):
     f = tmp_path / "loadavg"
     f.write_text("0.1 0.1 0.1 1/100 5\n")
     load = HostLoad(str(f))
@@ -72,14 +72,16 @@ def test_host_load_reads_the_file_at_most_once_a_period_is_busy_after_reads_in_a
     f.write_text("9.0 9.0 9.0 9/100 5\n")
     assert load.cpu_free(LOAD_PERIOD_NS - 1)  # not read again yet
     assert BUSY_READS == 2
-    assert load.cpu_free(LOAD_PERIOD_NS)  # one read that finds a task waiting is a moment
-    assert not load.cpu_free(2 * LOAD_PERIOD_NS)  # two in a row: busy
+    assert not load.cpu_free(LOAD_PERIOD_NS)  # a read that finds a task waiting: busy now (a poll ends)
     f.write_text("0.1 0.1 0.1 2/100 5\n")
-    # the verdict holds: a host whose cores are taken is not read (and polled on) at every wait
-    assert not load.cpu_free(2 * LOAD_PERIOD_NS + BUSY_HOLD_NS - 1)
-    assert load.cpu_free(2 * LOAD_PERIOD_NS + BUSY_HOLD_NS)  # free again at the first read that finds none waiting
+    assert load.cpu_free(2 * LOAD_PERIOD_NS)  # one such read was a moment: read again a period on
     f.write_text("9.0 9.0 9.0 9/100 5\n")
-    assert load.cpu_free(3 * LOAD_PERIOD_NS + BUSY_HOLD_NS)
+    assert not load.cpu_free(3 * LOAD_PERIOD_NS)
+    assert not load.cpu_free(4 * LOAD_PERIOD_NS)  # two in a row: the verdict holds
+    f.write_text("0.1 0.1 0.1 2/100 5\n")
+    # a host whose cores are taken is not read (and polled on) at every wait
+    assert not load.cpu_free(4 * LOAD_PERIOD_NS + BUSY_HOLD_NS - 1)
+    assert load.cpu_free(4 * LOAD_PERIOD_NS + BUSY_HOLD_NS)  # free again at the first read that finds none waiting
     load.close()
     assert not HostLoad(str(tmp_path / "missing")).cpu_free(0)
 
