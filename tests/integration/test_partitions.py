@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from splitserve.client.aio import AsyncClient
 from splitserve.errors import WorkerFailed
 from splitserve.models.gate import Gates
 from tests.inproc import quiet_config, run_server, until, write_model
@@ -311,6 +312,56 @@ def test_a_geometry_change_under_a_steady_stream_answers_every_request_exactly_o
         assert [c["ok"] for c in server.partitions.changes] == [True]
         # the old partitions went back: only the current ones (and the models' places on them) remain
         assert {p.request.partition for p in server.resources.partitions("gate")} == set(now)
+
+    run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+
+
+def test_a_geometry_change_moves_direct_clients_to_the_new_instances_and_answers_each_call_once(tmp_path):
+    """Clients on the defaults call the workers directly; the partitions are re-carved under
+    them (every instance replaced: new workers, new endpoints). Each call gets exactly one
+    answer, its own, and the clients call the new instances directly afterwards."""
+    repo, cache, _ = gate_repo(tmp_path, ("gate", "max_batch_size = 4"))
+    cfg = quiet_config(tmp_path / "data", repository=repo, cache_dir=cache, partitioning="static",
+                       geometry="1,1", load=("gate",)).replaced(http_port=0, fast_port=0)
+
+    async def scenario(server):
+        url = f"http://127.0.0.1:{server.ports['http_port']}/v2/partitions"
+        token = server.management.ensure_token()
+        rt = server.runtime("gate")
+        answers: dict[int, list[int]] = {}
+        stop = asyncio.Event()
+        keys = iter(range(100, 1_000_000))
+        fast = f"tcp://127.0.0.1:{server.ports['fast_port']}"
+        clients = [await AsyncClient(fast).connect() for _ in range(4)]
+
+        async def calls(c: AsyncClient) -> None:
+            while not stop.is_set():
+                k = next(keys)
+                answers[k] = []
+                out = await c.infer("gate", key(k)[0])
+                answers[k].append(int(np.asarray(out).reshape(-1)[0]))
+
+        try:
+            tasks = [asyncio.ensure_future(calls(c)) for c in clients]
+            await until(lambda: len(answers) > 20)
+            direct_before = [c.direct_endpoints("gate") for c in clients]
+            old_pids = set(rt.describe()["pids"])
+            await asyncio.to_thread(_post, url, {"geometry": "2"}, token)
+            mid = len(answers)
+            await until(lambda: len(answers) > mid + 20)
+            # calling on, they look the model up again and go to the new workers' endpoints
+            await until(lambda: all(c.direct_endpoints("gate") for c in clients))
+            served = rt.describe()["direct_counts"]["answered"]
+            await until(lambda: rt.describe()["direct_counts"]["answered"] > served + 20)
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            for c in clients:
+                await c.close()
+        assert all(direct_before), direct_before  # direct before the change
+        assert not set(rt.describe()["pids"]) & old_pids  # every instance was replaced
+        assert all(v == [k] for k, v in answers.items()), [(k, v) for k, v in answers.items() if v != [k]][:3]
+        assert server.monitor.in_flight == 0
 
     run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
 
