@@ -387,4 +387,7 @@ class ModelScheduler:
         return min(times, default=None)
 
     def waiting(self, cls: RequestClass | None = None) -> int:
-        return sum(len(q) for c, q in self.queues.items() if cls is None or c == cls)
+        """Requests queued in ``cls`` (None: in every class); asked several times a call."""
+        if cls is not None:
+            return len(self.queues[cls])
+        return sum(map(len, self.queues.values()))

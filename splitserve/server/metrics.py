@@ -119,6 +119,14 @@ class Metrics:
         # added to the series, per (kind, model): each read adds what came since.
         self._direct_seen: dict[tuple[str, str], dict] = {}
         self._children: dict[tuple[str, RequestClass], tuple] = {}
+        self._front_batches: dict[str, Counter] = {}  # model -> its front-end execution counter (a child)
+
+    def executed(self, model: str) -> None:
+        """A front-end batch of ``model`` ran (its counter resolved once, as ``observe_call``'s)."""
+        child = self._front_batches.get(model)
+        if child is None:
+            child = self._front_batches[model] = self.executions.labels(model, "front")
+        child.inc()
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
         children = self._children.get((model, call.cls))

@@ -189,35 +189,37 @@ class WorkerHandle:
         return True
 
     def _on_readable(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._gone()
-                return
-            kind = data[0]
-            if kind in (Msg.DONE, Msg.PREEMPTED):
-                self.owner.on_done(self.instance, DoneMsg.unpack(data))
-            elif kind == Msg.FAILED:
-                self._on_failed(FailedMsg.unpack(data))
-            elif kind == Msg.READY:
-                self.started = True
-                self.residency = Residency.UNBOUND
-                info = unpack_ready(data)
-                self.rss_anon_at_start = info.get("rss_anon")
-                self.owner.on_ready(self.instance, info)
-            elif kind == Msg.LOADED:
-                self._on_loaded(LoadedMsg.unpack(data))
-            elif kind == Msg.UNLOADED:
-                self._on_unloaded(UnloadedMsg.unpack(data))
-            elif kind == Msg.DIRECT:
-                self.owner.on_direct(self.instance)
-            else:
-                log.error("worker %d sent unknown message kind %d", self.pid, kind)
+        """One message a wake-up: the loop's readiness is level-triggered, so a message still
+        queued wakes it again at once, and the usual single DONE costs no second ``recv`` that
+        finds the socket empty."""
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._gone()
+            return
+        kind = data[0]
+        if kind in (Msg.DONE, Msg.PREEMPTED):
+            self.owner.on_done(self.instance, DoneMsg.unpack(data))
+        elif kind == Msg.FAILED:
+            self._on_failed(FailedMsg.unpack(data))
+        elif kind == Msg.READY:
+            self.started = True
+            self.residency = Residency.UNBOUND
+            info = unpack_ready(data)
+            self.rss_anon_at_start = info.get("rss_anon")
+            self.owner.on_ready(self.instance, info)
+        elif kind == Msg.LOADED:
+            self._on_loaded(LoadedMsg.unpack(data))
+        elif kind == Msg.UNLOADED:
+            self._on_unloaded(UnloadedMsg.unpack(data))
+        elif kind == Msg.DIRECT:
+            self.owner.on_direct(self.instance)
+        else:
+            log.error("worker %d sent unknown message kind %d", self.pid, kind)
 
     def _on_loaded(self, msg: LoadedMsg) -> None:
         if self.residency is not Residency.LOADING or msg.binding != self.binding:

@@ -196,8 +196,11 @@ class Dispatch:
             self.sched.batch_done(sample)
         st = core.stats
         st.execution_count += 1
-        core.env.metrics.executions.labels(self.name, "front").inc()
-        st.batches.setdefault(batch.count, BatchTimes()).add(msg.input_ns, msg.infer_ns, msg.output_ns)
+        core.env.metrics.executed(self.name)
+        times = st.batches.get(batch.count)
+        if times is None:
+            times = st.batches[batch.count] = BatchTimes()
+        times.add(msg.input_ns, msg.infer_ns, msg.output_ns)
         st.last_inference_ms = int(time.time() * 1000)
         t_done, t_start_w = time.perf_counter(), msg.start_ns / 1e9
         for r in batch.requests:
