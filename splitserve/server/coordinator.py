@@ -30,9 +30,11 @@ from splitserve.worker.messages import DIRECT_BATCH
 RT, BE = RequestClass.RT, RequestClass.BE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
-    """One step in the life of a batch, on the server's perf_counter clock."""
+    """One step in the life of a batch, on the server's perf_counter clock. Never changed once
+    logged; not frozen, because a frozen dataclass takes six times as long to build (≈ 1.7 µs
+    against 0.3), and the front end's path logs two a call (start and done)."""
 
     t: float
     kind: str  # start | resume | preempt | preempted | done | failed; load_start | load_done | evict_start | evict_done

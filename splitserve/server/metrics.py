@@ -119,28 +119,29 @@ class Metrics:
         # added to the series, per (kind, model): each read adds what came since.
         self._direct_seen: dict[tuple[str, str], dict] = {}
         self._children: dict[tuple[str, RequestClass], tuple] = {}
-        self._front_batches: dict[str, Counter] = {}  # model -> its front-end execution counter (a child)
+        # The front end's counts since the last scrape, which ``refresh`` adds to their series:
+        # a Counter's ``inc`` takes a lock and two checks (≈ 1.5 µs), three times a call on the
+        # loop. Per (model, class) [calls answered, samples]; per model, batches run.
+        self._front_calls: dict[tuple[str, RequestClass], list[int]] = {}
+        self._front_batches: dict[str, int] = {}
 
     def executed(self, model: str) -> None:
-        """A front-end batch of ``model`` ran (its counter resolved once, as ``observe_call``'s)."""
-        child = self._front_batches.get(model)
-        if child is None:
-            child = self._front_batches[model] = self.executions.labels(model, "front")
-        child.inc()
+        """A front-end batch of ``model`` ran."""
+        self._front_batches[model] = self._front_batches.get(model, 0) + 1
 
     def observe_call(self, model: str, call: CallTimes, error: SplitServeError | None) -> None:
         children = self._children.get((model, call.cls))
         if children is None:  # labels() takes a lock and hashes: resolve once per series
             cls = class_label(call.cls)
+            tally = self._front_calls[(model, call.cls)] = [0, 0]
             children = self._children[(model, call.cls)] = (
-                self.requests.labels(model, cls, "front"), self.inferences.labels(model, cls, "front"),
-                *(self.durations.series(d, model, cls, "front") for d in (Duration.QUEUE, Duration.COMPUTE,
-                                                                           Duration.REQUEST)))
-        requests, inferences, queue, compute, request = children
+                tally, *(self.durations.series(d, model, cls, "front") for d in (Duration.QUEUE, Duration.COMPUTE,
+                                                                                  Duration.REQUEST)))
+        tally, queue, compute, request = children
         observe = self.durations.observe
         if error is None:
-            requests.inc()
-            inferences.inc(call.count)
+            tally[0] += 1
+            tally[1] += call.count
             observe(queue, max(0, round((call.t_dispatch - call.t_rx) * 1e9)))
             observe(compute, call.compute_ns)
         else:
@@ -199,8 +200,23 @@ class Metrics:
             tally = self._slo_tallies[model] = {o.value: 0 for o in SloOutcome}
         return tally
 
+    def _count_front(self) -> None:
+        """Add to the ``path="front"`` counters what the front end counted since the last scrape."""
+        for (model, cls), tally in self._front_calls.items():
+            if tally[0]:
+                label = class_label(cls)
+                self.requests.labels(model, label, "front").inc(tally[0])
+                self.inferences.labels(model, label, "front").inc(tally[1])
+                tally[0] = tally[1] = 0
+        for model, n in self._front_batches.items():
+            if n:
+                self.executions.labels(model, "front").inc(n)
+                self._front_batches[model] = 0
+
     def refresh(self, models: Iterable[ModelGauges]) -> None:
-        """Update gauges from live state just before a scrape."""
+        """Update gauges from live state, and counters from the counts kept beside them, just
+        before a scrape."""
+        self._count_front()
         for m in models:
             for c, depth in m.queue_depth.items():
                 self.queue_depth.labels(m.name, class_label(c)).set(depth)
