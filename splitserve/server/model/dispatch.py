@@ -185,6 +185,15 @@ class Dispatch:
             self.kick()
             return
         self.sched.complete(instance, msg.batch_id)
+        t_done, t_start_w = time.perf_counter(), msg.start_ns / 1e9
+        for r in batch.requests:
+            call = r.handle
+            call.compute_ns, call.t_done, call.t_start_w = msg.compute_ns, t_done, t_start_w
+            call.input_ns, call.output_ns = msg.input_ns, msg.output_ns
+        # The answers go first: their callers wait, and nothing on the loop can look at the
+        # node between them and the bookkeeping below (one callback), so no reader sees the
+        # statistics or the event log without this batch.
+        self.answer_batch(batch, None)
         if msg.first_segment == 0:  # run whole: its stamp is when its compute began (for the event log)
             batch.compute_start = msg.start_ns / 1e9
         self.batch_ended(instance, batch, ok=True)
@@ -202,12 +211,6 @@ class Dispatch:
             times = st.batches[batch.count] = BatchTimes()
         times.add(msg.input_ns, msg.infer_ns, msg.output_ns)
         st.last_inference_ms = int(time.time() * 1000)
-        t_done, t_start_w = time.perf_counter(), msg.start_ns / 1e9
-        for r in batch.requests:
-            call = r.handle
-            call.compute_ns, call.t_done, call.t_start_w = msg.compute_ns, t_done, t_start_w
-            call.input_ns, call.output_ns = msg.input_ns, msg.output_ns
-        self.answer_batch(batch, None)
         self._unload_when_idle(instance)
 
     def failed(self, instance: int, batch_id: int, text: str) -> None:
