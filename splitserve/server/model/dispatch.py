@@ -125,12 +125,14 @@ class Dispatch:
             for r in batch.requests:
                 r.handle.t_dispatch = now
         self.unserved = False
+        # The RUN goes first: the worker starts while the node's bookkeeping runs here (one
+        # callback: nothing can look at the node between the two).
+        handle = core.workers.get(batch.instance)
+        sent = handle is not None and handle.ready and handle.send_run(
+            RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment))
         core.env.memory.touch(self.name, now)
         core.env.node.started(self, batch)
-        handle = core.workers.get(batch.instance)
-        if handle is None or not handle.ready or not handle.send_run(
-            RunMsg(int(batch.cls), batch.batch_id, batch.seq, batch.count, batch.resume_segment)
-        ):
+        if not sent:
             self.sched.complete(batch.instance, batch.batch_id)
             self.batch_ended(batch.instance, batch, ok=False)
             self.answer_batch(batch, WorkerFailed(f"instance {batch.instance} of {self.name!r} is not running"))
