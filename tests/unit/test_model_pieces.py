@@ -109,7 +109,7 @@ def test_a_batch_that_ends_is_followed_by_a_scheduling_pass_only_where_one_could
     ends with nothing waiting costs no pass on a node whose pass only starts the model's own
     batches (the front end's path: every call ends a batch on an idle model), and one on a
     node with priorities in play (a pass may preempt or pad others); the memory manager
-    hears of both ends."""
+    hears of both ends, and what waits for the instance to go idle is woken either way."""
     h.node.only_own = plain
     told: list[str] = []
     h.rt.core.env.memory.batch_done = told.append  # type: ignore[method-assign]
@@ -121,8 +121,10 @@ def test_a_batch_that_ends_is_followed_by_a_scheduling_pass_only_where_one_could
     h.call(2, bytes([1, 1, 1, 1]))  # arrives while the first batch's end is being handled
     h.call(3, bytes([2, 2, 2, 2]))
     h.loop.run()
+    h.rt.core.changed.clear()
     second = h.run_batch(worker)
     assert second.batch_id != first.batch_id and second.count == 2
+    assert h.rt.core.changed.is_set()  # what waits for the instance to go idle (a drain) looks again
     passes = h.node.passes
     h.loop.run()
     assert told == ["double", "double"]

@@ -155,14 +155,17 @@ class Dispatch:
         or suspended on an instance), or the node's pass does more than start this model's own
         batches (``NodeScheduler.plain``). Otherwise a front-end call, which ends a batch on an
         idle model every time, would pay a second pass that finds nothing to do."""
-        node = self.core.env.node
+        core = self.core
+        node = core.env.node
         node.finished(self, instance, batch, ok)
         self._ended = True
         if self.sched.waiting() or not node.plain() or any(
                 st.suspended is not None for st in self.sched.instances.values()):
             self.kick()
-        elif not self._kick_scheduled:
-            self.core.loop.call_soon(self._tell_memory)
+            return
+        core.changed.set()  # what waits for an instance to go idle (a drain) looks again
+        if not self._kick_scheduled:
+            core.loop.call_soon(self._tell_memory)
 
     def _tell_memory(self) -> None:
         """The memory manager hears that batches ended since it last did (a load may wait
