@@ -6,7 +6,8 @@ environment of its own, built once in a cache folder; see ``splitserve.bench.pee
 answer is checked against the model run locally before anything is timed. The v2 servers,
 splitserve's HTTP and gRPC front ends included, are driven by the same third-party client,
 ``tritonclient`` (HTTP with binary tensors, and gRPC), Ray Serve by plain HTTP (``httpx``,
-raw bytes), and splitserve's fast path by its own client. Per model and endpoint: one client's
+raw bytes), and splitserve's fast path by its own client on its defaults (a ``tcp://`` URL,
+which goes straight to the workers: what a user gets). Per model and endpoint: one client's
 sequential p50/p99, then closed-loop throughput with 1, 8 and 32 clients. One server runs at
 a time (splitserve last), with one model instance on one torch thread in each, and dynamic
 batching without a queue delay (splitserve's work-conserving policy; Triton's dynamic batcher
@@ -49,7 +50,9 @@ class Endpoint:
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("splitserve/fast-path", "splitserve", "tcp", "tcp", "splitserve fast path (own client, TCP)"),
+    # the client on its defaults (a tcp:// URL, straight to the workers), as a user gets it
+    Endpoint("splitserve/fast-path", "splitserve", "tcp", "direct-tcp",
+             "splitserve fast path (own client on defaults: direct, TCP)"),
     Endpoint("splitserve/http", "splitserve", "http", "tritonclient-http", "splitserve HTTP (tritonclient)"),
     Endpoint("splitserve/grpc", "splitserve", "grpc", "tritonclient-grpc", "splitserve gRPC (tritonclient)"),
     Endpoint("triton/http", "triton", "http", "tritonclient-http", "Triton HTTP (tritonclient)"),
