@@ -11,8 +11,8 @@ import pytest
 from splitserve.bench.peers import PEERS, build_env, env_commands
 from splitserve.bench.peers.clients import CLIENTS, classes
 from splitserve.bench.runner import build_params
-from splitserve.bench.scenarios.peers import ENDPOINTS, ratios
-from splitserve.bench.transports import PEER_CLIENTS
+from splitserve.bench.scenarios.peers import BY_NAME, ENDPOINTS, FAST_PATH, ratios
+from splitserve.bench.transports import DIRECT, PEER_CLIENTS
 
 
 def _cell(p50: float, tputs: dict[str, float]) -> dict:
@@ -82,8 +82,10 @@ def test_build_env_without_its_python_says_so(tmp_path: Path):
 def test_every_endpoint_has_a_known_client_and_peer():
     assert set(CLIENTS) == set(PEER_CLIENTS)
     for e in ENDPOINTS:
-        assert e.client in PEER_CLIENTS + ("tcp",)
+        assert e.client in PEER_CLIENTS + ("direct-tcp",)
         assert e.server == "splitserve" or e.front_end in {fe for fe, _, _ in PEERS[e.server].front_ends}
+    # splitserve's fast path is timed as a user gets it: the client's defaults, direct to the workers
+    assert BY_NAME[FAST_PATH].client in DIRECT
     for kind in CLIENTS:
         blocking, asynchronous = classes(kind)
         assert blocking is not asynchronous
