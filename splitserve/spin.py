@@ -21,8 +21,8 @@ someone else is waiting for. So a side polls only
   the compiled client wire), whose first look reads at once: the first read that finds a
   task waiting ends the poll under way and makes the next wait sleep. A poll for a short
   wait (a small model's answer, ≈ 40 µs) is over before a second look, so a rule that asked
-  for two such reads in a row let it spin through the wait on a busy host, taking the core
-  its peer needed: a quarter of a small model's throughput with the other core busy. Only
+  for two such reads in a row let it spin through the whole wait on a busy host, on the core
+  its peer needed. Only
   ``BUSY_READS`` reads in a row hold the verdict for ``BUSY_HOLD_NS`` before the host is
   read again (a kernel thread seen runnable once is a moment: the next wait reads again); on
   a host whose cores are taken, a side that looked again at every wait would spend a read
