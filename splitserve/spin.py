@@ -22,11 +22,10 @@ someone else is waiting for. So a side polls only
   task waiting ends the poll under way and makes the next wait sleep. A poll for a short
   wait (a small model's answer, ≈ 40 µs) is over before a second look, so a rule that asked
   for two such reads in a row let it spin through the whole wait on a busy host, on the core
-  its peer needed. Only
-  ``BUSY_READS`` reads in a row hold the verdict for ``BUSY_HOLD_NS`` before the host is
-  read again (a kernel thread seen runnable once is a moment: the next wait reads again); on
-  a host whose cores are taken, a side that looked again at every wait would spend a read
-  per call finding the same thing.
+  its peer needed. Only ``BUSY_READS`` reads in a row hold the verdict for ``BUSY_HOLD_NS``
+  before the host is read again (a kernel thread seen runnable once is a moment: the next
+  wait reads again); on a host whose cores are taken, a side that looked again at every wait
+  would spend a read per call finding the same thing.
 
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``

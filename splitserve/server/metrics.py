@@ -118,12 +118,11 @@ class Metrics:
         # The direct path's running totals (its workers count them in their pages) already
         # added to the series, per (kind, model): each read adds what came since.
         self._direct_seen: dict[tuple[str, str], dict] = {}
+        # Per (model, class): the front end's [calls answered, samples] since the last scrape,
+        # then its duration series. ``refresh`` adds the counts to their series: a Counter's
+        # ``inc`` takes a lock and two checks (≈ 1.5 µs), three times a call on the loop.
         self._children: dict[tuple[str, RequestClass], tuple] = {}
-        # The front end's counts since the last scrape, which ``refresh`` adds to their series:
-        # a Counter's ``inc`` takes a lock and two checks (≈ 1.5 µs), three times a call on the
-        # loop. Per (model, class) [calls answered, samples]; per model, batches run.
-        self._front_calls: dict[tuple[str, RequestClass], list[int]] = {}
-        self._front_batches: dict[str, int] = {}
+        self._front_batches: dict[str, int] = {}  # per model, front-end batches run since the last scrape
 
     def executed(self, model: str) -> None:
         """A front-end batch of ``model`` ran."""
@@ -133,9 +132,8 @@ class Metrics:
         children = self._children.get((model, call.cls))
         if children is None:  # labels() takes a lock and hashes: resolve once per series
             cls = class_label(call.cls)
-            tally = self._front_calls[(model, call.cls)] = [0, 0]
             children = self._children[(model, call.cls)] = (
-                tally, *(self.durations.series(d, model, cls, "front") for d in (Duration.QUEUE, Duration.COMPUTE,
+                [0, 0], *(self.durations.series(d, model, cls, "front") for d in (Duration.QUEUE, Duration.COMPUTE,
                                                                                   Duration.REQUEST)))
         tally, queue, compute, request = children
         observe = self.durations.observe
@@ -202,7 +200,7 @@ class Metrics:
 
     def _count_front(self) -> None:
         """Add to the ``path="front"`` counters what the front end counted since the last scrape."""
-        for (model, cls), tally in self._front_calls.items():
+        for (model, cls), (tally, *_) in self._children.items():
             if tally[0]:
                 label = class_label(cls)
                 self.requests.labels(model, label, "front").inc(tally[0])
