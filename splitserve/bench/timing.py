@@ -9,6 +9,8 @@ time, and keep every call's time (µs) so scenarios can report medians and tails
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +23,18 @@ from splitserve.bench.inputs import as_call_arg
 from splitserve.bench.jobs import ClosedLoopJob, Workload, run_closed_loop
 from splitserve.bench.loadgen import RunResult, run_in_processes
 from splitserve.bench.results import percentiles
+
+
+@contextmanager
+def busy(cores: int) -> Iterator[None]:
+    """``cores`` processes spinning on a CPU each while the block runs (a busy host)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 @contextmanager

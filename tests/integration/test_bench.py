@@ -157,6 +157,28 @@ def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
     assert "vecadd1k (direct, client polls)" in (summary.path / "report.md").read_text()
 
 
+def test_polling_on_and_off_side_by_side_on_a_quiet_and_a_busy_host(tmp_path):
+    """Its own two servers, one polling and one not: both hosts' figures each way, from the
+    same minutes, and the busy host's goal reported; a --url is refused."""
+    summary = run_scenario("polling", quick=True, out=tmp_path, models=("vecadd1k",),
+                           overrides={"requests": "60", "warmup": "5", "connections": "4", "duration_s": "0.4",
+                                      "warmup_s": "0.1", "busy_cores": "1"},
+                           console=Console(file=io.StringIO()))
+    assert summary.exit_code == EXIT_OK
+    doc = _result(summary.path)
+    assert doc["server"]["direct_spin_us"] == {"on": None, "off": "0"} and len(doc["server"]["on"]) == 1
+    for phase in ("quiet", "busy"):
+        c = doc["phases"][phase]["vecadd1k"]["direct"]
+        assert c["one_client_rps"]["on"] > 0 and c["one_client_rps"]["off"] > 0
+        assert c["one_client_ratio"] == pytest.approx(c["one_client_rps"]["on"] / c["one_client_rps"]["off"])
+        assert len(c["connections_runs"]["on"]) == len(c["connections_runs"]["off"]) == 1
+    assert doc["busy_processes"] == 1
+    assert any(line.startswith("busy, vecadd1k") and "goal >= 0.95x" in line for line in summary.lines)
+    code = run_scenario("polling", quick=True, out=tmp_path, urls=["tcp://127.0.0.1:1"], models=("vecadd1k",),
+                        console=Console(file=io.StringIO())).exit_code
+    assert code != EXIT_OK
+
+
 def test_rpc_tax_direct_with_a_polling_client(tmp_path):
     """On a server of its own with the direct path: the path and the echo each timed by a
     sleeping client and by one that polls, each polled row broken down like the others."""

@@ -23,18 +23,13 @@ call pay the worker's wake-up.
 Polling on a busy host: ``-p busy_cores=1`` keeps that many other processes spinning on a
 CPU each for the whole run (on a 2-core host, the other core taken); ``-p polling=false``
 turns polling off on both sides (the server's workers, every fast-path client and the
-echo's). Run it both ways and set the "one client calls/s" (sequential calls, a caller's
-throughput) and the 32-connection req/s side by side: what polling costs with a busy host
-(goal: at most 5 % lost) and gives on a quiet one.
+echo's). ``splitserve bench polling`` sets the two side by side in the same minutes (two
+runs of this one at different times differ by more than what polling does).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from contextlib import contextmanager
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +46,7 @@ from splitserve.bench.scenarios.base import (
     report_intro,
 )
 from splitserve.bench.scenarios.base import Params as BaseParams
-from splitserve.bench.timing import bottleneck, closed_loop_run, gc_paused, lat_stats, workload
+from splitserve.bench.timing import bottleneck, busy, closed_loop_run, gc_paused, lat_stats, workload
 from splitserve.bench.transports import DIRECT, LABEL, POLLS, close_sync, open_sync, path_label
 from splitserve.bench.validate import Expected
 from splitserve.client.stream import DEFAULT_POLL_US
@@ -187,18 +182,6 @@ def run(ctx: Context) -> ScenarioOutput:
             # the first transport's figures stay at the top level, as before the direct path
             results[model] = {**cells[usable[0]], "transports": cells}
     return _output(p, results)
-
-
-@contextmanager
-def busy(cores: int) -> Iterator[None]:
-    """``cores`` processes spinning on a CPU each while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def _cell(t: dict[str, np.ndarray], fp_s: dict[str, Any] | None, echo_s: dict[str, Any], req: int,
