@@ -34,7 +34,8 @@
        ``load=(fd, cpus, period_s)`` (``spin.HostLoad.poll_check``) ends the poll early once
        the host has a task waiting for a CPU: the runnable count of ``/proc/loadavg`` (open
        at ``fd``) is read at the first try and every ``period_s`` after, and the first read
-       above ``cpus`` ends it, as ``HostLoad`` decides.
+       above ``cpus`` ends it, as ``HostLoad`` decides; ``busy`` (an attribute) then says
+       so, for the caller's policy to learn from.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
    caller (protocol/sockets.py bound_waits): the first recv of a frame blocks in the kernel
@@ -147,6 +148,7 @@ typedef struct {
     int fd;        /* /proc/loadavg, kept open by the caller (-1: not watched) */
     int cpus;      /* runnable tasks above this: one waits for a CPU, and the poll ends */
     double period; /* seconds between two reads */
+    int busy;      /* set once a read found a task waiting: that ended the poll */
 } Poll;
 
 /* 1 when /proc/loadavg's runnable count (its fourth field, "runnable/total") is above
@@ -180,7 +182,8 @@ static int poll_on(Poll *poll, double now, double *look_at) {
     if (poll->fd < 0 || now < *look_at)
         return 1;
     *look_at = now + poll->period;
-    return !host_busy(poll->fd, poll->cpus);
+    poll->busy = host_busy(poll->fd, poll->cpus);
+    return !poll->busy;
 }
 
 static Py_ssize_t recv_nogil(int fd, char *buf, Py_ssize_t cap, Py_ssize_t need, double deadline, int block,
@@ -243,6 +246,7 @@ typedef struct {
     int reading;                /* a recv_frame or call is under way (the GIL may be released) */
     PyThread_type_lock send_lock; /* held for a whole frame's send, taken without the GIL */
     char sent;                  /* the last call's send went out whole */
+    char busy;                  /* the last call's poll ended because a task waited for a CPU */
 } Wire;
 
 static int wire_init(Wire *self, PyObject *args, PyObject *kw) {
@@ -493,8 +497,8 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
     PyObject *parts;
     double timeout, poll_s = 0;
     PyObject *load = Py_None;
-    Poll poll = {0, -1, 0, 0};
-    self->sent = 0;
+    Poll poll = {0, -1, 0, 0, 0};
+    self->sent = self->busy = 0;
     if (!PyArg_ParseTuple(args, "iO!d|dO", &fd, &PyList_Type, &parts, &timeout, &poll_s, &load) ||
         check_fd(fd) < 0)
         return NULL;
@@ -524,6 +528,7 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
         r = header_nogil(self, fd, deadline, &poll);
     }
     Py_END_ALLOW_THREADS
+    self->busy = (char)poll.busy;
     int saved = errno;
     release_parts(views, n);
     errno = saved;
@@ -534,6 +539,8 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
 
 static PyMemberDef wire_members[] = {
     {"sent", T_BOOL, offsetof(Wire, sent), READONLY, "whether the last call's send went out whole"},
+    {"busy", T_BOOL, offsetof(Wire, busy), READONLY,
+     "whether the last call's poll ended because the host had a task waiting for a CPU"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -90,6 +90,7 @@ class _Stream:
     and ``reading``; only the thread holding the reading turn calls ``read_one``."""
 
     sent = False  # whether the last ``call``'s send went out whole
+    busy = False  # whether the last ``call``'s poll ended because a task waited for a CPU
     # a cluster node's worker: the func id its calls carry (that node's) and their header's packer;
     # None: the model's (the front end's, or a single server's worker)
     func_id: int | None = None
@@ -184,13 +185,15 @@ class _Stream:
         else in flight here; after an error ``sent`` says which of the two failed. With
         ``poll_s`` the answer is polled for that long before the blocking read (which waits
         the timeout after it, as without), and not once ``host`` finds a task waiting for a CPU."""
-        self.sent = False
+        self.sent = self.busy = False
         self.send(parts, total)
         self.sent = True
         if poll_s > 0 and self.rx_end == self.rx_start:
             self.rx_start = 0  # what comes lands in the empty buffer; a closed peer is read_one's to report
-            self.rx_end = recv_polling(self.sock, self.rx_mv, time.monotonic() + min(poll_s, self.timeout),
-                                       host.cpu_free if host is not None else None) or 0
+            got = recv_polling(self.sock, self.rx_mv, time.monotonic() + min(poll_s, self.timeout),
+                               host.cpu_free if host is not None else None)
+            self.rx_end = got or 0
+            self.busy = got is None and host is not None and not host.free  # the host, not the window, ended it
         return self.read_one()
 
 
@@ -234,6 +237,10 @@ class _CStream(_Stream):
     @property
     def sent(self) -> bool:  # type: ignore[override]
         return self.wire.sent
+
+    @property
+    def busy(self) -> bool:  # type: ignore[override]
+        return self.wire.busy
 
 
 # How long a blocking call polls for its answer before it sleeps, by default (µs; ``Client(poll_us=...)``)
@@ -454,12 +461,16 @@ class Client:
     def _polled_call(self, stream: _Stream, parts: list, total: int) -> tuple["Header | _Fields", bytearray]:
         """``stream.call``, polling for the answer as the connection's policy says now; the
         wait it had teaches the policy."""
+        spin = stream.spin
+        if spin.skipping():  # backing off a busy host: a plain call, nothing asked or timed
+            return stream.call(parts, total)
+        load = self._load
         t0 = time.monotonic_ns()
-        window_ns = stream.spin.window_ns(self._load.cpu_free(t0))  # type: ignore[union-attr]
+        window_ns = spin.window_ns(lambda: load.cpu_free(t0))  # type: ignore[union-attr]
         try:
-            return stream.call(parts, total, window_ns / 1e9, self._load)
+            return stream.call(parts, total, window_ns / 1e9, load) if window_ns else stream.call(parts, total)
         finally:
-            stream.spin.observe(time.monotonic_ns() - t0)
+            spin.observe(time.monotonic_ns() - t0, stream.busy if window_ns else None)
 
     def _prepare(self, model: str, x: Any, cls: Any, deadline_ms: float | None,
                  slo_ms: float | None) -> tuple[ModelInfo, int, list, int, int, bool, _Stream]:

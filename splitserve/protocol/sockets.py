@@ -82,7 +82,7 @@ def recv_polling(sock: socket.socket, view: memoryview, until: float,
     something comes (its byte count; 0: the peer closed) or ``until`` (``time.monotonic``)
     passes (None): a blocking caller's poll before it sleeps (``splitserve/spin.py``). The
     poll also ends (None) once ``cpu_free(now_ns)`` says a task waits for a CPU
-    (``spin.HostLoad.cpu_free``, asked at every try; it reads the host at most every 50 µs)."""
+    (``spin.HostLoad.cpu_free``, asked at every try; it reads the host at most every 10 µs)."""
     while True:
         try:
             return sock.recv_into(view, 0, socket.MSG_DONTWAIT)

@@ -30,6 +30,7 @@ class Poller:
     def __init__(self) -> None:
         self.ep = select.epoll()
         self.handlers: dict[int, Handler | None] = {}
+        self.busy = False  # the last wait's poll ended because a task waited for a CPU
 
     def register(self, fd: int, events: int, handler: Handler | None) -> None:
         """Watch ``fd`` for ``events`` (``select.EPOLLIN`` / ``EPOLLOUT``)."""
@@ -50,7 +51,9 @@ class Poller:
         """The events of the next ``timeout`` seconds (None: until one comes): polled for
         without sleeping for the first ``spin_ns``, then waited for in ``epoll_wait``. The
         poll ends early once ``cpu_free(now_ns)`` says a task waits for a CPU (it is asked
-        at every try; ``spin.HostLoad`` reads the host at most every 50 µs)."""
+        at every try; ``spin.HostLoad`` reads the host at most every 10 µs); ``busy`` then
+        says so."""
+        self.busy = False
         if timeout is not None:
             spin_ns = min(spin_ns, int(timeout * 1e9))
         if spin_ns:
@@ -60,7 +63,10 @@ class Poller:
             while True:
                 events = poll(0)
                 now = clock()
-                if events or now >= end or (cpu_free is not None and not cpu_free(now)):
+                if events or now >= end:
+                    break
+                if cpu_free is not None and not cpu_free(now):
+                    self.busy = True
                     break
                 give_way()
             if events:

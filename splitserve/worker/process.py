@@ -361,13 +361,14 @@ class Worker:
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
         if direct.ready():
             events = poller.ep.poll(0)
-        elif not self.spin.budget_ns:  # polling off: no clock or host load read per turn
-            events = poller.ep.poll(direct.timeout())
+        elif not self.spin.budget_ns or self.spin.skipping():  # polling off, or backing off a busy host
+            events = poller.ep.poll(direct.timeout())  # no clock or host load read this turn
         else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
             t0 = time.monotonic_ns()
             host_free = self.host.cpu_free
-            events = poller.wait(direct.timeout(), self.spin.window_ns(host_free(t0)), host_free)
-            self.spin.observe(time.monotonic_ns() - t0)
+            window = self.spin.window_ns(lambda: host_free(t0))
+            events = poller.wait(direct.timeout(), window, host_free) if window else poller.ep.poll(direct.timeout())
+            self.spin.observe(time.monotonic_ns() - t0, poller.busy if window else None)
         for fd, mask in events:
             if fd == ctrl_fd:
                 ctrl = True

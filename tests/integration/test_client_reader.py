@@ -517,8 +517,13 @@ def test_a_poll_under_way_stops_once_a_task_waits_for_a_cpu(compiled, tmp_path):
         h, payload = st.call([_answer(9, b"")], HEADER_SIZE, 30.0, host)  # a poll of up to 30 s
         spent = time.thread_time() - cpu0
         later.join()
+        assert st.busy  # the host ended the poll, and the call says so (its policy backs off)
+        peer.sendall(_answer(2, b"b"))  # an answer there at once: the poll ends with it
+        loadavg.write_text("0.10 0.10 0.10 1/100 5\n")
+        h, _ = st.call([_answer(9, b"")], HEADER_SIZE, 30.0, host)
+        assert h.req_id == 2 and not st.busy
     host.close()
-    assert h.req_id == 1 and bytes(payload) == b"a"
+    assert h.req_id == 2
     assert spent < 0.1  # slept: a poll that went on would have spun for the half second
 
 
@@ -557,9 +562,13 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
             free[0] = False
             c._front.spin.gap_ns = 0.0  # answers come close again, but the host is busy
             c.infer("m", np.ones(_OUT, np.float32))
+            asked = []
+            monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: asked.append(now_ns))
+            c.infer("m", np.ones(_OUT, np.float32))  # the call after backs off: nothing asked, no poll
+            assert asked == []
     finally:
         t.join(timeout=30)
         listener.close()
-    assert polls[0] == pytest.approx(1e-3) and polls[3:] == [0.0, 0.0]
+    assert polls[0] == pytest.approx(1e-3) and polls[3:] == [0.0, 0.0, 0.0]
     with pytest.raises(InvalidInput, match="poll_us"):
         Client("tcp://127.0.0.1:1", poll_us=-1)
