@@ -23,16 +23,17 @@ someone else is waiting for. So a side polls only
   CPU it goes to takes it in (an inter-processor interrupt away), so a poll's first look
   can find the host free where it is not: the reads go on every 10 µs, not every 50 µs,
   so that the look after catches it. Only ``BUSY_READS`` reads in a row hold the verdict
-  (``BUSY_HOLD_NS``, doubled while it stays busy) before the host is read again (a kernel
-  thread seen runnable once is a moment: the next wait reads again).
+  for ``BUSY_HOLD_NS`` before the host is read again (a kernel thread seen runnable once is
+  a moment: the next wait reads again).
 - while the last polls were not ended by a busy host. A side whose poll a busy host ended,
-  or that found no CPU free before a wait, skips the next polls (1, 2, 4, ... ``MAX_SKIP``
-  waits) without asking the host or timing the wait: on a 2-core host with the other core
-  taken, a side that polls moves its peer's wake-ups to the other core, behind the task
-  there, where without polling the two take turns on one core; and a side that asked the
-  clock, the host and its policy at every call paid ≈ 3.5 µs a call for it (cold Python
-  right after a wake-up), a tenth of a small model's calls/s. ``splitserve bench polling``
-  measures both sides on and off in the same minutes, on a quiet and on a busy host.
+  or that found no CPU free before a wait, lets its waits go without a poll for a while
+  (``BACKOFF_NS``, doubled while it lasts, at most ``BACKOFF_MAX_NS``), asking only the
+  clock: on a 2-core host with the other core taken, a side that polls moves its peer's
+  wake-ups to the other core, behind the task there, where without polling the two take
+  turns on one core; and a side that asked the clock, the host and its policy at every
+  call paid ≈ 3.5 µs a call for it (cold Python right after a wake-up), a tenth of a small
+  model's calls/s. ``splitserve bench polling`` measures both sides on and off in the same
+  minutes, on a quiet and on a busy host.
 
 ``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
@@ -50,14 +51,16 @@ _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls b
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 10_000  # how often HostLoad reads /proc/loadavg while the host is free (a poll's looks)
 BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the busy verdict holds
-# How long a busy verdict holds before the host is read again: 250 µs at first, so that a
-# moment of contention (a side polling while two others ran) costs a few calls their poll,
-# not the next 20 ms; doubled each time the read after a hold finds the host busy still, up
-# to BUSY_HOLD_MAX_NS, so that a host whose cores stay taken costs a read every few ms, not
-# one every few calls.
+# how long a busy verdict holds before the host is read again: one read then re-confirms it (≈ 1 µs
+# per hold on a busy host), while a longer hold made a moment of contention (a side polling while
+# two others ran) cost every call of the next 20 ms its poll, on both sides of a direct call
 BUSY_HOLD_NS = 250_000
-BUSY_HOLD_MAX_NS = 16_000_000
-MAX_SKIP = 64  # waits a side lets go without a poll at most, backing off a busy host (SpinPolicy)
+# A side whose poll a busy host ended lets its waits go without a poll for BACKOFF_NS, doubled
+# while the polls it tries keep ending so, up to BACKOFF_MAX_NS (SpinPolicy): bounded in time,
+# not in waits, so that a burst of contention (the front end's calls on the same cores) costs
+# the direct calls after it at most that long.
+BACKOFF_NS = 200_000
+BACKOFF_MAX_NS = 6_400_000
 
 
 class SpinPolicy:
@@ -65,14 +68,15 @@ class SpinPolicy:
     one, are within it and a CPU is free, else 0 (sleep at once).
 
     A busy host makes the policy back off: a wait that finds no CPU free before it, or whose
-    poll a busy host ended (its peer, once woken, found no core), skips the poll of the next
-    wait, then of 2, 4, ... up to ``MAX_SKIP`` while the waits it tries keep finding it so;
-    a poll that ends with its event resets it. A skipped wait asks nothing and times nothing
-    (``skipping``): on a 2-core host with the other core busy, a client that asked the clock,
-    the host and the policy before each call and sent it plainly after all paid ≈ 3.5 µs a
-    call for it (Python right after a wake-up runs cold), a tenth of a small model's calls/s.
-    Before a wait the host's count cannot tell a busy host from a quiet one whose two sides
-    both poll (two runnable either way on 2 cores); the count once the peer is awake can."""
+    poll a busy host ended (its peer, once woken, found no core), lets the waits of the next
+    ``BACKOFF_NS`` go without a poll, then of twice that, ... up to ``BACKOFF_MAX_NS``, while
+    the waits it tries keep finding it so; a poll that ends with its event resets it. A wait
+    in a back-off asks nothing but the clock (``skipping``): on a 2-core host with the other
+    core busy, a client that asked the clock, the host and the policy before each call and
+    sent it plainly after all paid ≈ 3.5 µs a call for it (Python right after a wake-up runs
+    cold), a tenth of a small model's calls/s. Before a wait the host's count cannot tell a
+    busy host from a quiet one whose two sides both poll (two runnable either way on 2
+    cores); the count once the peer is awake can."""
 
     def __init__(self, budget_ns: int) -> None:
         if budget_ns < 0:
@@ -80,41 +84,40 @@ class SpinPolicy:
         self.budget_ns = budget_ns
         self.gap_ns = 0.0  # no gap seen yet: poll, and learn
         self.last_ns = 0  # the last wait, capped as the EWMA's are
-        self.skip = 0  # waits still to pass without a poll
-        self.backoff = 0  # the last back-off's skip (doubled at the next)
+        self.backoff_ns = 0  # the last back-off's length (doubled at the next)
+        self.quiet_at_ns = 0  # waits before this time go without a poll
 
-    def skipping(self) -> bool:
-        """Whether this wait goes without a poll, unasked and untimed (the policy backs
-        off); one skip used."""
-        if self.skip:
-            self.skip -= 1
-            return True
-        return False
+    def skipping(self, now_ns: int) -> bool:
+        """Whether a wait that begins at ``now_ns`` goes without a poll, the host unasked
+        and the wait untimed: the policy backs off a busy host."""
+        return now_ns < self.quiet_at_ns
 
-    def window_ns(self, cpu_free: Callable[[], bool]) -> int:
-        """How long to poll before sleeping now; ``cpu_free()`` (the host's state, a read
-        of it at most) is asked only when the waits alone would poll."""
+    def window_ns(self, cpu_free: Callable[[], bool], now_ns: int) -> int:
+        """How long to poll before sleeping at ``now_ns``; ``cpu_free()`` (the host's state,
+        a read of it at most) is asked only when the waits alone would poll."""
         budget = self.budget_ns
         if not budget or (self.gap_ns > budget and self.last_ns > budget):
             return 0
         if cpu_free():
             return budget
-        self._back_off()
+        self._back_off(now_ns)
         return 0
 
-    def observe(self, gap_ns: int, busy: bool | None = None) -> None:
-        """A wait ended ``gap_ns`` after it began (by an event or its timeout). ``busy``:
-        None where it did not poll, else whether a busy host ended its poll."""
+    def observe(self, gap_ns: int, busy: bool | None = None, now_ns: int = 0) -> None:
+        """A wait ended ``gap_ns`` after it began (by an event or its timeout), at
+        ``now_ns``. ``busy``: None where it did not poll, else whether a busy host ended its
+        poll."""
         if self.budget_ns:
             gap = self.last_ns = min(gap_ns, _GAP_CAP * self.budget_ns)
             self.gap_ns += _ALPHA * (gap - self.gap_ns)
             if busy:
-                self._back_off()
+                self._back_off(now_ns)
             elif busy is not None:
-                self.backoff = 0
+                self.backoff_ns = 0
 
-    def _back_off(self) -> None:
-        self.backoff = self.skip = min(2 * self.backoff or 1, MAX_SKIP)
+    def _back_off(self, now_ns: int) -> None:
+        self.backoff_ns = min(2 * self.backoff_ns or BACKOFF_NS, BACKOFF_MAX_NS)
+        self.quiet_at_ns = now_ns + self.backoff_ns
 
 
 def cpu_free(loadavg: str, cpus: int) -> bool:
@@ -128,9 +131,9 @@ def cpu_free(loadavg: str, cpus: int) -> bool:
 
 class HostLoad:
     """Whether the host has a CPU free, read from ``/proc/loadavg`` at most every
-    ``LOAD_PERIOD_NS``: not once a read found a task waiting for one, and for a hold
-    (``BUSY_HOLD_NS``, doubled while the host stays busy) after ``BUSY_READS`` such reads in
-    a row; never where the file cannot be read."""
+    ``LOAD_PERIOD_NS``: not once a read found a task waiting for one, and for
+    ``BUSY_HOLD_NS`` after ``BUSY_READS`` such reads in a row (never where the file cannot
+    be read)."""
 
     def __init__(self, path: str = "/proc/loadavg") -> None:
         self.path = path
@@ -140,7 +143,6 @@ class HostLoad:
             self.cpus = os.cpu_count() or 1
         self.read_at_ns = -LOAD_PERIOD_NS  # the first ask reads
         self.busy_reads = 0  # reads in a row that found a task waiting
-        self.hold_ns = BUSY_HOLD_NS  # the next hold's length
         self.free = False
         self._fd = -1  # opened at the first read, kept: one pread per look, no open or close
 
@@ -155,16 +157,10 @@ class HostLoad:
                 busy = not cpu_free(self._read(), self.cpus)
             except OSError:
                 busy, self.busy_reads = True, BUSY_READS
+            self.busy_reads = self.busy_reads + 1 if busy else 0
             self.free = not busy
-            self.read_at_ns = now_ns
-            if not busy:
-                self.busy_reads, self.hold_ns = 0, BUSY_HOLD_NS
-            else:
-                self.busy_reads += 1
-                if self.busy_reads > BUSY_READS:  # the read after a hold found it busy still: a longer one
-                    self.hold_ns = min(2 * self.hold_ns, BUSY_HOLD_MAX_NS)
-                if self.busy_reads >= BUSY_READS:  # busy in a row: not read again for the hold
-                    self.read_at_ns = now_ns + self.hold_ns - LOAD_PERIOD_NS
+            # busy in a row: not read again for the hold (one period is already in read_at_ns's step)
+            self.read_at_ns = now_ns + (0 if self.busy_reads < BUSY_READS else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
 
     def poll_check(self) -> tuple[int, int, float] | None:

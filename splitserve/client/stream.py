@@ -462,15 +462,16 @@ class Client:
         """``stream.call``, polling for the answer as the connection's policy says now; the
         wait it had teaches the policy."""
         spin = stream.spin
-        if spin.skipping():  # backing off a busy host: a plain call, nothing asked or timed
+        t0 = time.monotonic_ns()
+        if spin.skipping(t0):  # backing off a busy host: a plain call, nothing asked or timed
             return stream.call(parts, total)
         load = self._load
-        t0 = time.monotonic_ns()
-        window_ns = spin.window_ns(lambda: load.cpu_free(t0))  # type: ignore[union-attr]
+        window_ns = spin.window_ns(lambda: load.cpu_free(t0), t0)  # type: ignore[union-attr]
         try:
             return stream.call(parts, total, window_ns / 1e9, load) if window_ns else stream.call(parts, total)
         finally:
-            spin.observe(time.monotonic_ns() - t0, stream.busy if window_ns else None)
+            t1 = time.monotonic_ns()
+            spin.observe(t1 - t0, stream.busy if window_ns else None, t1)
 
     def _prepare(self, model: str, x: Any, cls: Any, deadline_ms: float | None,
                  slo_ms: float | None) -> tuple[ModelInfo, int, list, int, int, bool, _Stream]:

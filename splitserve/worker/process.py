@@ -361,14 +361,14 @@ class Worker:
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
         if direct.ready():
             events = poller.ep.poll(0)
-        elif not self.spin.budget_ns or self.spin.skipping():  # polling off, or backing off a busy host
-            events = poller.ep.poll(direct.timeout())  # no clock or host load read this turn
+        elif not self.spin.budget_ns or self.spin.skipping(t0 := time.monotonic_ns()):
+            events = poller.ep.poll(direct.timeout())  # polling off, or backing off a busy host: no host read
         else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
-            t0 = time.monotonic_ns()
             host_free = self.host.cpu_free
-            window = self.spin.window_ns(lambda: host_free(t0))
+            window = self.spin.window_ns(lambda: host_free(t0), t0)
             events = poller.wait(direct.timeout(), window, host_free) if window else poller.ep.poll(direct.timeout())
-            self.spin.observe(time.monotonic_ns() - t0, poller.busy if window else None)
+            t1 = time.monotonic_ns()
+            self.spin.observe(t1 - t0, poller.busy if window else None, t1)
         for fd, mask in events:
             if fd == ctrl_fd:
                 ctrl = True

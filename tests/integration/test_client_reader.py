@@ -561,6 +561,8 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
                 np.testing.assert_array_equal(c.infer("m", np.ones(_OUT, np.float32)), np.ones(_OUT, np.float32))
             free[0] = False
             c._front.spin.gap_ns = 0.0  # answers come close again, but the host is busy
+            for bound in ("BACKOFF_NS", "BACKOFF_MAX_NS"):  # a back-off longer than these calls
+                monkeypatch.setattr(f"splitserve.spin.{bound}", 60 * 10**9)
             c.infer("m", np.ones(_OUT, np.float32))
             asked = []
             monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: asked.append(now_ns))

@@ -13,11 +13,11 @@ from splitserve.config import ServerConfig
 from splitserve.errors import InvalidInput
 from splitserve.worker.poller import Poller
 from splitserve.spin import (
-    BUSY_HOLD_MAX_NS,
+    BACKOFF_MAX_NS,
+    BACKOFF_NS,
     BUSY_HOLD_NS,
     BUSY_READS,
     LOAD_PERIOD_NS,
-    MAX_SKIP,
     HostLoad,
     SpinPolicy,
     cpu_free,
@@ -28,10 +28,10 @@ US = 1000
 
 def test_calls_that_come_close_are_polled_for():
     p = SpinPolicy(100 * US)
-    assert p.window_ns(lambda: True) == 100 * US  # nothing seen yet: poll, and learn
+    assert p.window_ns(lambda: True, 0) == 100 * US  # nothing seen yet: poll, and learn
     for _ in range(20):
         p.observe(30 * US)
-    assert p.window_ns(lambda: True) == 100 * US
+    assert p.window_ns(lambda: True, 0) == 100 * US
 
 
 def test_a_few_long_gaps_stop_the_poll_and_the_first_close_call_brings_it_back():
@@ -39,68 +39,69 @@ def test_a_few_long_gaps_stop_the_poll_and_the_first_close_call_brings_it_back()
     p.observe(10 * 1_000_000_000)  # idle for 10 s: counted as 4 budgets, not 10 s
     assert p.gap_ns == pytest.approx(100 * US)
     p.observe(10 * 1_000_000_000)
-    assert p.window_ns(lambda: True) == 0  # calls come seldom: sleep at once
+    assert p.window_ns(lambda: True, 0) == 0  # calls come seldom: sleep at once
     p.observe(30 * US)
     assert p.gap_ns > p.budget_ns  # the EWMA still remembers the idle stretch...
-    assert p.window_ns(lambda: True) == 100 * US  # ...but a call that came close brings the poll back
+    assert p.window_ns(lambda: True, 0) == 100 * US  # ...but a call that came close brings the poll back
     p.observe(150 * US)
-    assert p.window_ns(lambda: True) == 0  # and one that did not stops it again
+    assert p.window_ns(lambda: True, 0) == 0  # and one that did not stops it again
 
 
 def test_calls_that_come_a_little_too_far_apart_are_not_polled_for():
     p = SpinPolicy(100 * US)
     for _ in range(20):
         p.observe(130 * US)
-    assert p.window_ns(lambda: True) == 0
+    assert p.window_ns(lambda: True, 0) == 0
 
 
 def test_never_while_a_task_waits_for_a_cpu_nor_when_off():
     p = SpinPolicy(100 * US)
-    assert p.window_ns(lambda: False) == 0
+    assert p.window_ns(lambda: False, 0) == 0
     off = SpinPolicy(0)
     off.observe(1)
-    assert off.window_ns(lambda: True) == 0
+    assert off.window_ns(lambda: True, 0) == 0
     with pytest.raises(ValueError):
         SpinPolicy(-1)
     with pytest.raises(InvalidInput, match="direct_spin_us"):
         ServerConfig.from_env(direct_spin_us=-1)
 
 
-def test_a_busy_host_makes_a_side_skip_its_next_polls_doubling_and_a_poll_its_event_ends_resets_it():
+def test_a_busy_host_makes_a_side_back_off_for_ever_longer_up_to_a_bound_and_a_poll_its_event_ends_resets_it():
     p = SpinPolicy(100 * US)
     asked: list[bool] = []
 
     def free(answer: bool):
         return lambda: asked.append(answer) or answer
 
-    assert p.window_ns(free(True)) == 100 * US
-    p.observe(20 * US, busy=True)  # a busy host ended that poll
-    assert p.skipping() and not p.skipping()  # the next wait goes without a poll, the one after tries
-    assert p.window_ns(free(True)) == 100 * US
-    p.observe(20 * US, busy=True)  # ended so again: two skips now
-    assert [p.skipping() for _ in range(3)] == [True, True, False]
-    assert p.window_ns(free(False)) == 0  # no CPU free before a wait backs off the same way: four
-    assert sum(p.skipping() for _ in range(10)) == 4
-    for _ in range(10):  # the back-off is bounded
-        assert p.window_ns(free(False)) == 0
-        while p.skipping():
-            pass
-    assert p.backoff == MAX_SKIP
-    assert p.window_ns(free(True)) == 100 * US
-    p.observe(20 * US, busy=False)  # its event ended the poll: the back-off is over
-    p.observe(20 * US)  # a wait that did not poll says nothing of the host
-    assert p.window_ns(free(True)) == 100 * US
-    p.observe(20 * US, busy=True)
-    assert p.skip == 1  # from the start again
-    assert len(asked) == 15  # a skipped wait asks nothing of the host
+    assert p.window_ns(free(True), 0) == 100 * US
+    p.observe(20 * US, busy=True, now_ns=1000)  # a busy host ended that poll
+    assert p.skipping(1000 + BACKOFF_NS - 1) and not p.skipping(1000 + BACKOFF_NS)
+    t = 1000 + BACKOFF_NS
+    assert p.window_ns(free(True), t) == 100 * US
+    p.observe(20 * US, busy=True, now_ns=t)  # ended so again: twice as long
+    assert p.skipping(t + 2 * BACKOFF_NS - 1) and not p.skipping(t + 2 * BACKOFF_NS)
+    t += 2 * BACKOFF_NS
+    assert p.window_ns(free(False), t) == 0  # no CPU free before a wait backs off the same way
+    assert p.skipping(t + 4 * BACKOFF_NS - 1) and not p.skipping(t + 4 * BACKOFF_NS)
+    for _ in range(10):  # bounded
+        t += p.backoff_ns
+        p.window_ns(free(False), t)
+    assert p.backoff_ns == BACKOFF_MAX_NS and not p.skipping(t + BACKOFF_MAX_NS)
+    t += BACKOFF_MAX_NS
+    assert p.window_ns(free(True), t) == 100 * US
+    p.observe(20 * US, busy=False, now_ns=t)  # its event ended the poll: the back-off is over
+    p.observe(20 * US, now_ns=t)  # a wait that did not poll says nothing of the host
+    p.observe(20 * US, busy=True, now_ns=t)
+    assert p.backoff_ns == BACKOFF_NS  # from the start again
+    assert len(asked) == 14  # a wait in a back-off asks nothing of the host
 
 
 def test_calls_that_come_seldom_do_not_ask_the_host_nor_back_off():
     p = SpinPolicy(100 * US)
     for _ in range(4):
         p.observe(10 * 1_000_000_000)
-    assert p.window_ns(lambda: pytest.fail("the host was read for a wait that would not poll")) == 0
-    assert p.skip == 0
+    assert p.window_ns(lambda: pytest.fail("the host was read for a wait that would not poll"), 0) == 0
+    assert not p.skipping(0)
 
 
 def test_a_cpu_is_free_while_the_runnable_tasks_are_at_most_the_cpus():
@@ -130,38 +131,6 @@ def test_host_load_reads_the_file_at_most_once_a_period_is_busy_at_a_read_and_ho
     assert load.cpu_free(4 * LOAD_PERIOD_NS + BUSY_HOLD_NS)  # free again at the first read that finds none waiting
     load.close()
     assert not HostLoad(str(tmp_path / "missing")).cpu_free(0)
-
-
-def test_a_host_that_stays_busy_is_read_ever_less_often_up_to_a_bound_and_a_free_read_ends_it():
-    class Counted(HostLoad):
-        text = "9.0 9.0 9.0 9/100 5\n"
-        reads: list[int] = []
-
-        def _read(self) -> str:
-            self.reads.append(self.now)
-            return self.text
-
-    load = Counted("/nonexistent")
-    load.cpus = 2
-
-    def ask(now: int) -> bool:
-        load.now = now
-        return load.cpu_free(now)
-
-    assert not ask(0) and not ask(LOAD_PERIOD_NS)  # BUSY_READS in a row: the verdict holds
-    for t in range(LOAD_PERIOD_NS, 200_000_000, LOAD_PERIOD_NS):  # asked every period for 200 ms
-        assert not ask(t)
-    gaps = [b - a for a, b in zip(Counted.reads, Counted.reads[1:])]
-    assert gaps[:4] == [LOAD_PERIOD_NS, BUSY_HOLD_NS, 2 * BUSY_HOLD_NS, 4 * BUSY_HOLD_NS]
-    assert max(gaps) == gaps[-1] == BUSY_HOLD_MAX_NS  # doubled up to the bound, not past it
-    load.text = "0.1 0.1 0.1 2/100 5\n"
-    t = Counted.reads[-1] + BUSY_HOLD_MAX_NS
-    assert ask(t)  # free at the first read that finds none waiting
-    load.text = "9.0 9.0 9.0 9/100 5\n"
-    assert not ask(t + LOAD_PERIOD_NS) and not ask(t + 2 * LOAD_PERIOD_NS)
-    assert not ask(t + 2 * LOAD_PERIOD_NS + BUSY_HOLD_NS - 1)
-    ask(t + 2 * LOAD_PERIOD_NS + BUSY_HOLD_NS)
-    assert Counted.reads[-1] == t + 2 * LOAD_PERIOD_NS + BUSY_HOLD_NS  # the first hold is short again
 
 
 def test_the_real_host_load_is_read_through_one_descriptor():
