@@ -33,8 +33,8 @@
        the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
        ``load=(fd, cpus, period_s)`` (``spin.HostLoad.poll_check``) ends the poll early once
        the host has a task waiting for a CPU: the runnable count of ``/proc/loadavg`` (open
-       at ``fd``) is read at the first try and every ``period_s`` after, and the first read
-       above ``cpus`` ends it, as ``HostLoad`` decides; ``busy`` (an attribute) then says
+       at ``fd``) is read at the first try and every ``period_s`` after, and two reads in a
+       row above ``cpus`` end it, as ``HostLoad`` decides; ``busy`` (an attribute) then says
        so, for the caller's policy to learn from.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
@@ -148,7 +148,8 @@ typedef struct {
     int fd;        /* /proc/loadavg, kept open by the caller (-1: not watched) */
     int cpus;      /* runnable tasks above this: one waits for a CPU, and the poll ends */
     double period; /* seconds between two reads */
-    int busy;      /* set once a read found a task waiting: that ended the poll */
+    int busy_run;  /* reads in a row that found a task waiting */
+    int busy;      /* set once BUSY_LOOKS did: that ended the poll */
 } Poll;
 
 /* 1 when /proc/loadavg's runnable count (its fourth field, "runnable/total") is above
@@ -174,15 +175,20 @@ static int host_busy(int fd, int cpus) {
     return *p != '/' || runnable > cpus;
 }
 
-/* The poll goes on at ``now``: within its window and, where the host is watched, while
-   no read found a task waiting for a CPU. */
+/* Looks in a row that find a task waiting for a CPU before a poll ends (spin.BUSY_READS):
+   one such look may be a kernel thread's moment, and a poll looks every few µs. */
+#define BUSY_LOOKS 2
+
+/* The poll goes on at ``now``: within its window and, where the host is watched, until
+   BUSY_LOOKS reads in a row found a task waiting for a CPU. */
 static int poll_on(Poll *poll, double now, double *look_at) {
     if (now >= poll->until)
         return 0;
     if (poll->fd < 0 || now < *look_at)
         return 1;
     *look_at = now + poll->period;
-    poll->busy = host_busy(poll->fd, poll->cpus);
+    poll->busy_run = host_busy(poll->fd, poll->cpus) ? poll->busy_run + 1 : 0;
+    poll->busy = poll->busy_run >= BUSY_LOOKS;
     return !poll->busy;
 }
 
@@ -497,7 +503,7 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
     PyObject *parts;
     double timeout, poll_s = 0;
     PyObject *load = Py_None;
-    Poll poll = {0, -1, 0, 0, 0};
+    Poll poll = {0, -1, 0, 0, 0, 0};
     self->sent = self->busy = 0;
     if (!PyArg_ParseTuple(args, "iO!d|dO", &fd, &PyList_Type, &parts, &timeout, &poll_s, &load) ||
         check_fd(fd) < 0)

@@ -17,14 +17,15 @@ someone else is waiting for. So a side polls only
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
   at most the CPUs this process may use). The count is the scheduler's instantaneous
   ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
-  ``LOAD_PERIOD_NS`` (10 µs) while the host is free, also *during* a poll (``Poller.wait``,
-  the compiled client wire), whose first look reads at once: the first read that finds a
-  task waiting ends the poll under way. A peer being woken is not in the count until the
-  CPU it goes to takes it in (an inter-processor interrupt away), so a poll's first look
-  can find the host free where it is not: the reads go on every 10 µs, not every 50 µs,
-  so that the look after catches it. Only ``BUSY_READS`` reads in a row hold the verdict
-  for ``BUSY_HOLD_NS`` before the host is read again (a kernel thread seen runnable once is
-  a moment: the next wait reads again).
+  ``LOAD_PERIOD_NS`` (10 µs), before a wait and *during* a poll (``Poller.wait``, the
+  compiled client wire), whose first look reads at once. ``BUSY_READS`` (2) reads in a row
+  that find a task waiting end the poll under way, make the next wait sleep and hold that
+  verdict for ``BUSY_HOLD_NS`` before the host is read again. One such read may be a kernel
+  thread's moment: a poll that looks every 10 µs through a lenet call's 300 µs met one often
+  enough on a quiet host to lose a fifth of its gain. A peer being woken is not in the count
+  until the CPU it goes to takes it in (an inter-processor interrupt away), so a first look
+  can find the host free where it is not: looks 10 µs apart, not 50, catch it while a small
+  model's 40 µs call still runs.
 - while the last polls were not ended by a busy host. A side whose poll a busy host ended,
   or that found no CPU free before a wait, lets its waits go without a poll for a while
   (``BACKOFF_NS``, doubled while it lasts, at most ``BACKOFF_MAX_NS``), asking only the
@@ -158,7 +159,7 @@ class HostLoad:
             except OSError:
                 busy, self.busy_reads = True, BUSY_READS
             self.busy_reads = self.busy_reads + 1 if busy else 0
-            self.free = not busy
+            self.free = self.busy_reads < BUSY_READS
             # busy in a row: not read again for the hold (one period is already in read_at_ns's step)
             self.read_at_ns = now_ns + (0 if self.busy_reads < BUSY_READS else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
