@@ -21,8 +21,8 @@ someone else is waiting for. So a side polls only
   compiled client wire), whose first look reads at once. ``BUSY_READS`` (2) reads in a row
   that find a task waiting end the poll under way, make the next wait sleep and hold that
   verdict for ``BUSY_HOLD_NS`` before the host is read again. One such read may be a kernel
-  thread's moment: a poll that looks every 10 µs through a lenet call's 300 µs met one often
-  enough on a quiet host to lose a fifth of its gain. A peer being woken is not in the count
+  thread's moment, and a poll that looks every 10 µs through a lenet call's 300 µs has
+  thirty chances to meet one on a quiet host. A peer being woken is not in the count
   until the CPU it goes to takes it in (an inter-processor interrupt away), so a first look
   can find the host free where it is not: looks 10 µs apart, not 50, catch it while a small
   model's 40 µs call still runs.
