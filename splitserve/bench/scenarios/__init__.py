@@ -38,9 +38,9 @@ SCENARIOS: dict[str, ScenarioInfo] = {
         ScenarioInfo("fastpath-latency", "Fast path round trip and 32-connection throughput, through the front "
                      "end and direct to the worker, next to a plain TCP echo of the same sizes.",
                      "splitserve.bench.scenarios.fastpath_latency"),
-        ScenarioInfo("polling", "Polling on vs off in the same minutes, two servers side by side: one client's "
-                     "calls/s and 32 connections' req/s on a quiet host and with the other cores busy (goal: at "
-                     "most 5 % lost when busy).", "splitserve.bench.scenarios.polling"),
+        ScenarioInfo("polling", "Polling on vs off in the same minutes, servers of each kind side by side: "
+                     "one client's calls/s and 32 connections' req/s on a quiet host and with the other cores "
+                     "busy (goal: at most 5 % lost when busy).", "splitserve.bench.scenarios.polling"),
         ScenarioInfo("fastpath-breakdown", "Per-stage breakdown of one fast-path call: client, front end, "
                      "hand-off, worker, the way back (timestamps and py-spy).",
                      "splitserve.bench.scenarios.fastpath_breakdown"),

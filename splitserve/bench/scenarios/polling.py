@@ -42,7 +42,7 @@ from splitserve.bench.transports import DIRECT, Target, close_sync, open_sync
 from splitserve.bench.validate import Expected
 
 NAME = "polling"
-SUMMARY = ("Polling on vs off in the same minutes, two servers side by side: one client's calls/s and 32 "
+SUMMARY = ("Polling on vs off in the same minutes, servers of each kind side by side: one client's calls/s and 32 "
            "connections' req/s on a quiet host and with the other cores busy (goal: at most 5 % lost when busy).")
 MODELS: tuple[str, ...] = ("lenet", "vecadd1k", "matmul8k", "lstm", "digits")
 TRANSPORTS: tuple[str, ...] = DIRECT
@@ -112,8 +112,8 @@ def _other(turns: list[tuple[str, Any]], k: int) -> tuple[str, Any]:
 
 
 def _throughput(p: Params, targets: dict[str, list[Target]], transport: str, model: str) -> dict[str, list[float]]:
-    """32-connection req/s each way, ``rounds`` runs each per server pair, alternating (on first in
-    odd rounds)."""
+    """32-connection req/s each way, ``rounds`` runs each per server pair, the side that goes
+    first swapping from one pair and round to the next."""
     rps: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(p.rounds):
         for pair in range(p.pairs):
