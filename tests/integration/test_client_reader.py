@@ -498,7 +498,7 @@ def test_a_polling_call_takes_an_answer_that_comes_while_it_polls_or_after_and_i
 @pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
 def test_a_poll_under_way_stops_once_a_task_waits_for_a_cpu(compiled, tmp_path):
     """A call that began polling on a free host sleeps for the rest of its wait once the
-    host has a task waiting for a CPU (the first look that finds one), not at its next call:
+    host has a task waiting for a CPU (two looks in a row, 10 µs apart), not at its next call:
     its thread then spends almost no CPU on an answer that takes half a second."""
     if compiled and client_stream._fastwire is None:
         pytest.skip("splitserve._fastwire is not built")
