@@ -31,10 +31,10 @@
        yielded between tries) for up to that long before the blocking recv: the caller's
        policy (splitserve/spin.py) says when that pays. The answer's wait is then bounded by
        the timeout plus the poll (at most the timeout again: poll windows are µs to ms).
-       ``load=(fd, cpus, period_s)`` (``spin.HostLoad.poll_check``) ends the poll early once
-       the host has a task waiting for a CPU: the runnable count of ``/proc/loadavg`` (open
-       at ``fd``) is read at the first try and every ``period_s`` after, and two reads in a
-       row above ``cpus`` end it, as ``HostLoad`` decides; ``busy`` (an attribute) then says
+       ``load=(fd, cpus, period_s, reads)`` (``spin.HostLoad.poll_check``) ends the poll early
+       once the host has a task waiting for a CPU: the runnable count of ``/proc/loadavg``
+       (open at ``fd``) is read at the first try and every ``period_s`` after, and ``reads``
+       reads in a row above ``cpus`` end it, as ``HostLoad`` decides; ``busy`` (an attribute) then says
        so, for the caller's policy to learn from.
 
    The socket stays blocking, its SO_RCVTIMEO and SO_SNDTIMEO set to ``timeout_s`` by the
@@ -148,8 +148,9 @@ typedef struct {
     int fd;        /* /proc/loadavg, kept open by the caller (-1: not watched) */
     int cpus;      /* runnable tasks above this: one waits for a CPU, and the poll ends */
     double period; /* seconds between two reads */
+    int reads;     /* reads in a row that must find a task waiting to end the poll (spin.BUSY_READS) */
     int busy_run;  /* reads in a row that found a task waiting */
-    int busy;      /* set once BUSY_LOOKS did: that ended the poll */
+    int busy;      /* set once ``reads`` did: that ended the poll */
 } Poll;
 
 /* 1 when /proc/loadavg's runnable count (its fourth field, "runnable/total") is above
@@ -175,12 +176,8 @@ static int host_busy(int fd, int cpus) {
     return *p != '/' || runnable > cpus;
 }
 
-/* Looks in a row that find a task waiting for a CPU before a poll ends (spin.BUSY_READS):
-   one such look may be a kernel thread's moment, and a poll looks every few µs. */
-#define BUSY_LOOKS 2
-
 /* The poll goes on at ``now``: within its window and, where the host is watched, until
-   BUSY_LOOKS reads in a row found a task waiting for a CPU. */
+   ``poll->reads`` reads in a row found a task waiting for a CPU. */
 static int poll_on(Poll *poll, double now, double *look_at) {
     if (now >= poll->until)
         return 0;
@@ -188,7 +185,7 @@ static int poll_on(Poll *poll, double now, double *look_at) {
         return 1;
     *look_at = now + poll->period;
     poll->busy_run = host_busy(poll->fd, poll->cpus) ? poll->busy_run + 1 : 0;
-    poll->busy = poll->busy_run >= BUSY_LOOKS;
+    poll->busy = poll->busy_run >= poll->reads;
     return !poll->busy;
 }
 
@@ -503,14 +500,18 @@ static PyObject *wire_call(Wire *self, PyObject *args) {
     PyObject *parts;
     double timeout, poll_s = 0;
     PyObject *load = Py_None;
-    Poll poll = {0, -1, 0, 0, 0, 0};
+    Poll poll = {0, -1, 0, 0, 1, 0, 0};
     self->sent = self->busy = 0;
     if (!PyArg_ParseTuple(args, "iO!d|dO", &fd, &PyList_Type, &parts, &timeout, &poll_s, &load) ||
         check_fd(fd) < 0)
         return NULL;
-    if (load != Py_None && !PyArg_ParseTuple(load, "iid;load is (fd, cpus, period_s)", &poll.fd, &poll.cpus,
-                                             &poll.period))
+    if (load != Py_None && !PyArg_ParseTuple(load, "iidi;load is (fd, cpus, period_s, reads)", &poll.fd, &poll.cpus,
+                                             &poll.period, &poll.reads))
         return NULL;
+    if (poll.reads < 1) {
+        PyErr_SetString(PyExc_ValueError, "load's reads is at least 1");
+        return NULL;
+    }
     Py_buffer views[MAX_PARTS];
     struct iovec iov[MAX_PARTS];
     Py_ssize_t n = gather(parts, views, iov);

@@ -164,11 +164,12 @@ class HostLoad:
             self.read_at_ns = now_ns + (0 if self.busy_reads < BUSY_READS else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
 
-    def poll_check(self) -> tuple[int, int, float] | None:
+    def poll_check(self) -> tuple[int, int, float, int] | None:
         """What a compiled poll needs to watch the host as ``cpu_free`` does, without the
         GIL (``_fastwire.Wire.call``'s ``load``): the open ``/proc/loadavg`` descriptor,
-        the CPUs and the read period (s); None before the first read opened it."""
-        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9)
+        the CPUs, the read period (s) and the busy reads in a row that end a poll; None
+        before the first read opened it."""
+        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, BUSY_READS)
 
     def close(self) -> None:
         if self._fd >= 0:
