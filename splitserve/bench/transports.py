@@ -22,7 +22,8 @@ from typing import Any
 from splitserve.launcher import urls_from_info
 
 # transports served by a splitserve server, in report order
-SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "direct", "direct-tcp", "udp", "http-json", "http-binary", "grpc")
+SERVER_TRANSPORTS: tuple[str, ...] = ("tcp", "unix", "direct", "direct-tcp", "direct-front", "udp", "http-json",
+                                      "http-binary", "grpc")
 # reference points measured without a server
 BASELINES: tuple[str, ...] = ("local", "echo")
 
@@ -31,18 +32,22 @@ SCHEME: dict[str, str] = {
     # looked up at the front end's Unix socket, then straight to the workers' Unix sockets;
     # or at its TCP port, then to the workers' TCP ports (the way a remote client goes)
     "direct": "unix", "direct-tcp": "tcp",
+    # looked up at the front end's TCP port, and a connection there handed over to the worker
+    # (``protocol/handoff.py``): the way a client goes that may reach only the front end's port
+    "direct-front": "tcp",
 }
 LABEL: dict[str, str] = {
     "tcp": "fast path TCP", "unix": "fast path Unix", "direct": "fast path direct (to the worker, Unix)",
     "direct-tcp": "fast path direct (to the worker, TCP)",
+    "direct-front": "fast path direct (to the worker, handed over at the front end's TCP port)",
     "udp": "fast path UDP", "http-json": "HTTP JSON",
     "http-binary": "HTTP binary", "grpc": "gRPC", "local": "in-process (ideal)", "echo": "TCP echo (floor)",
 }
 SHORT: dict[str, str] = {
-    "tcp": "TCP", "unix": "Unix", "direct": "direct", "direct-tcp": "direct TCP", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
+    "tcp": "TCP", "unix": "Unix", "direct": "direct", "direct-tcp": "direct TCP", "direct-front": "direct via FE", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
-DIRECT: tuple[str, ...] = ("direct", "direct-tcp")  # the transports that go straight to the workers
+DIRECT: tuple[str, ...] = ("direct", "direct-tcp", "direct-front")  # the transports that go straight to the workers
 # A direct path's name with this suffix: the same path measured by a client that polls for its
 # answers before it sleeps (``Client(poll_us=...)``)
 POLLS = "+poll"
@@ -110,6 +115,10 @@ def _classes(transport: str) -> tuple[type | None, type | None, dict[str, Any]]:
         from splitserve.client import AsyncClient, Client
 
         return functools.partial(Client, direct=False), functools.partial(AsyncClient, direct=False), {}
+    if transport == "direct-front":  # the workers' own ports never tried
+        from splitserve.client import AsyncClient, Client
+
+        return (functools.partial(Client, direct="via-front"), functools.partial(AsyncClient, direct="via-front"), {})
     if transport in DIRECT:  # the clients' default
         from splitserve.client import AsyncClient, Client
 

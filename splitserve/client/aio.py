@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +26,8 @@ from splitserve.client.frames import (
     _result,
     _with_func_id,
 )
-from splitserve.client.route import _direct_targets, _lookup_interval, _Route
+from splitserve.client.handoff import hand_over_async
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route, direct_mode, handed_over_only
 from splitserve.errors import InvalidInput, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, unpack_header
 
@@ -185,25 +187,48 @@ def _time_out(fut: asyncio.Future, message: str) -> None:
         fut.set_exception(TimeoutError(message))
 
 
-async def _open_async(ep: Endpoint, protocol: Callable[[], _AsyncConn]) -> _AsyncConn:
-    """A connection to ``ep`` served by ``protocol()``; TCP ones have TCP_NODELAY (asyncio sets it)."""
+async def _open_async(ep: Endpoint, protocol: Callable[[], _AsyncConn],
+                      handoff: tuple[int, str, str] | None = None) -> _AsyncConn:
+    """A connection to ``ep`` served by ``protocol()``; TCP ones have TCP_NODELAY (asyncio
+    sets it). With ``handoff`` (req_id, model, a worker's endpoint URL) ``ep`` is the front
+    end, which hands the connection to that worker (``protocol/handoff.py``) before
+    ``protocol()`` serves it; raises what the front end or the worker answered instead."""
     loop = asyncio.get_running_loop()
+    if ep.scheme not in ("tcp", "unix"):
+        raise InvalidInput("AsyncClient speaks tcp:// and unix://")
+    if handoff is None:
+        if ep.scheme == "tcp":
+            _, conn = await loop.create_connection(protocol, ep.host, ep.port)
+        else:
+            _, conn = await loop.create_unix_connection(protocol, ep.path)
+        return conn
     if ep.scheme == "tcp":
-        _, conn = await loop.create_connection(protocol, ep.host, ep.port)
+        infos = await loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        where: Any = infos[0][4]
+    else:
+        sock, where = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), ep.path
+    try:
+        await hand_over_async(sock, where, *handoff)
+        if ep.scheme == "tcp":
+            _, conn = await loop.create_connection(protocol, sock=sock)
+        else:
+            _, conn = await loop.create_unix_connection(protocol, sock=sock)
         return conn
-    if ep.scheme == "unix":
-        _, conn = await loop.create_unix_connection(protocol, ep.path)
-        return conn
-    raise InvalidInput("AsyncClient speaks tcp:// and unix://")
+    except BaseException:
+        sock.close()
+        raise
 
 
 class AsyncClient:
     """asyncio fast-path client for ``tcp://`` and ``unix://``: many calls in flight.
 
     It follows the workers' direct endpoints where the server offers them, as ``Client``
-    does (one connection per instance, calls in turn; a closed or unreachable one's calls
-    go through the front end and the model is looked up again); ``direct=False`` sends
-    every call through the front end. Every call ends exactly once:
+    does (one connection per instance, calls in turn; a worker whose own port cannot be
+    reached is reached through a connection the front end hands over to it, and
+    ``direct="via-front"`` reaches every worker so; a closed one's calls go through the
+    front end and the model is looked up again); ``direct=False`` sends every call through
+    the front end. Every call ends exactly once:
     with its result, its error, ``TimeoutError`` after ``timeout`` seconds (a later answer
     is dropped), or ``ConnectionError`` when its connection (the front end's) is lost or
     the client closed.
@@ -215,14 +240,14 @@ class AsyncClient:
     ``async with AsyncClient(url) as c`` connects at once; without it, the first call
     connects (a refused connection is that call's ``ConnectionError``)."""
 
-    def __init__(self, url: "str | Sequence[str]", timeout: float | None = 60.0, *, direct: bool = True,
+    def __init__(self, url: "str | Sequence[str]", timeout: float | None = 60.0, *, direct: "bool | str" = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0) -> None:
         self.endpoints = front_endpoints(url)
         self.endpoint = self.endpoints[0]  # the front end in use
         self._fronts = FrontChoice(len(self.endpoints), direct_retry_s)
         self._front_lock: asyncio.Lock | None = None  # one task connects to the next front end
         self.timeout = timeout  # seconds a call may wait for its answer (None: no limit)
-        self.direct = direct
+        self.direct, self._via_front = direct_mode(direct)
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 16)
@@ -402,9 +427,8 @@ class AsyncClient:
                 conn = live.pop((url, func_id), None)
                 if conn is None:
                     try:
-                        conn = await asyncio.wait_for(
-                            _open_async(Endpoint.parse(url), lambda url=url: _AsyncConn(self, model, url)),
-                            self.direct_connect_s)
+                        # a cluster node's worker is reached at its own port only: the gateway hands nothing over
+                        conn = await self._open_direct(url, model, handoff=func_id == info.func_id)
                     except (OSError, SplitServeError, TimeoutError):
                         continue  # gone since the lookup: the others, or the front end, serve
                     if func_id != info.func_id:  # a cluster node's worker: its calls carry that node's id
@@ -415,6 +439,23 @@ class AsyncClient:
         due_at = time.monotonic() + _lookup_interval(len(streams), info, self.direct_retry_s)
         route = self._routes[model] = _Route(info, streams, due_at)
         return route
+
+    async def _open_direct(self, url: str, model: str, handoff: bool) -> _AsyncConn:
+        """A connection to ``model``'s worker at ``url``, or handed over to it by the front
+        end where that cannot be reached, as ``Client._open_direct`` has it."""
+        def serve() -> _AsyncConn:
+            return _AsyncConn(self, model, url)
+
+        if not (handoff and (self._via_front or handed_over_only(self.endpoint, url))):
+            try:
+                return await asyncio.wait_for(_open_async(Endpoint.parse(url), serve), self.direct_connect_s)
+            except (OSError, TimeoutError):
+                if not handoff:
+                    raise
+        conn = await asyncio.wait_for(_open_async(self.endpoint, serve, (next(self._ids), model, url)),
+                                      self.direct_connect_s)
+        self._via_front = True  # as ``Client``'s: the workers' ports are not tried again
+        return conn
 
     async def lookup(self, model: str) -> ModelInfo:
         """Resolve a model name to its func_id, shapes and datatypes (cached)."""

@@ -8,22 +8,47 @@ from typing import Any
 
 from splitserve.client.common import Endpoint, ModelInfo
 from splitserve.client.frames import _PLAIN_FIELDS
+from splitserve.errors import InvalidInput
 from splitserve.protocol.header import RequestClass, RequestPacker
 
 _BE, _DEFAULT = int(RequestClass.BE), int(RequestClass.DEFAULT)  # plain ints: compared per call
 
 
-def _direct_urls(front: Endpoint, info: ModelInfo) -> list[str]:
+VIA_FRONT = "via-front"  # ``direct``: reach the workers through the front end's port only
+
+
+def direct_mode(direct: "bool | str") -> tuple[bool, bool]:
+    """A client's ``direct`` argument as (go direct, reach the workers through the front
+    end's port from the start): True, False or ``"via-front"``."""
+    if direct is True or direct is False:
+        return direct, False
+    if direct == VIA_FRONT:
+        return True, True
+    raise InvalidInput(f'direct is True, False or "{VIA_FRONT}", not {direct!r}')
+
+
+def _direct_urls(front: Endpoint, info: ModelInfo) -> tuple[list[str], str]:
     """The direct endpoints of ``info``'s workers for a client that reached the front end at
-    ``front``: from a ``unix://`` front end their Unix sockets (LOOKUP's ``direct``), from a
-    ``tcp://`` one their TCP ports (``direct_tcp``) at the host the client reached the front
-    end at, since the workers bind the front end's own address (which may be a wildcard,
-    or have another name here). A server that offers no TCP endpoints (an older one, or
-    ``direct_tcp`` off) gets a TCP client's calls through the front end."""
-    if front.scheme == "unix":
-        return list(info.extra.get("direct", ()))
+    ``front``, and the LOOKUP key of their classes: from a ``unix://`` front end their Unix
+    sockets (LOOKUP's ``direct``), from a ``tcp://`` one their TCP ports (``direct_tcp``) at
+    the host the client reached the front end at, since the workers bind the front end's own
+    address (which may be a wildcard, or have another name here). From a ``tcp://`` front end
+    whose server offers no TCP endpoints (``direct_tcp`` off) their Unix sockets, which such a
+    client never connects to (they may name another server's sockets on its own machine) but
+    names in a HANDOFF to the front end, which hands its connection over to that worker
+    (``protocol/handoff.py``); a server that knows no HANDOFF (an older one) answers that
+    with an error, and the client's calls go through the front end."""
+    if front.scheme == "unix" or not info.extra.get("direct_tcp"):
+        return list(info.extra.get("direct", ())), "direct_classes"
     host = f"[{front.host}]" if ":" in front.host else front.host
-    return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra.get("direct_tcp", ())]
+    return [f"tcp://{host}:{Endpoint.parse(url).port}" for url in info.extra["direct_tcp"]], "direct_tcp_classes"
+
+
+def handed_over_only(front: Endpoint, url: str) -> bool:
+    """Whether a client that reached the front end at ``front`` reaches the worker at ``url``
+    only through a connection the front end hands over to it (``_direct_urls``: a Unix
+    socket named to a TCP client)."""
+    return front.scheme == "tcp" and url.startswith("unix:")
 
 
 def _best_effort(urls: list, classes: list | None) -> list[bool]:
@@ -44,8 +69,7 @@ def _direct_targets(front: Endpoint, info: ModelInfo) -> list[tuple[str, int, bo
         return [(url, int(n["func_id"]), be) for n in nodes
                 for url, be in zip(n.get("direct_tcp", ()), _best_effort(n.get("direct_tcp", []),
                                                                          n.get("direct_tcp_classes")))]
-    urls = _direct_urls(front, info)
-    key = "direct_classes" if front.scheme == "unix" else "direct_tcp_classes"
+    urls, key = _direct_urls(front, info)
     return [(url, info.func_id, be) for url, be in zip(urls, _best_effort(urls, info.extra.get(key)))]
 
 

@@ -17,7 +17,8 @@ from splitserve.client.common import Endpoint, InferResult, ModelInfo
 from splitserve.client.failover import FrontChoice, front_endpoints
 from splitserve.client.frames import (_DUPLICATE, _ERROR, _PLAIN_FIELDS, _RX_BYTES, _check, _Fields, _request_fields,
                                       _result, _with_func_id)
-from splitserve.client.route import _direct_targets, _lookup_interval, _Route
+from splitserve.client.handoff import hand_over
+from splitserve.client.route import _direct_targets, _lookup_interval, _Route, direct_mode, handed_over_only
 from splitserve.errors import BadFrame, InvalidInput, SplitServeError
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestPacker, pack_request, unpack_header
 from splitserve.protocol.sockets import bound_waits, recv_polling
@@ -265,10 +266,12 @@ class Client:
     every ``direct_retry_s`` while the client holds fewer connections than the model has
     instances (and every ten such intervals regardless); an endpoint whose connection
     closed is not connected to again for ``direct_retry_s``. An endpoint that does not take
-    the connection within ``direct_connect_s`` (e.g. a firewall that lets the front end's
-    port through and drops the rest) or refuses it is skipped the same way. Without direct
-    endpoints (an old server, or the direct path off) every call goes through the front
-    end. ``direct=False`` sends every call through the front end.
+    the connection within ``direct_connect_s`` or refuses it (a firewall that lets only the
+    front end's port through, a relay) is reached through a fresh connection to the front
+    end, which hands it over to that worker (``protocol/handoff.py``); once that worked, the
+    client reaches every worker so, and ``direct="via-front"`` does from the start (no
+    ``direct_connect_s`` wait per endpoint). A refused handover is skipped as above. Without direct endpoints (an old server, or the direct path off) every
+    call goes through the front end. ``direct=False`` sends every call through the front end.
 
     A call made while no other is in flight on its connection sends and reads its answer
     on the calling thread with no pending-call record; one started meanwhile on another
@@ -291,7 +294,7 @@ class Client:
     same way; ``ConnectionError`` when none takes it.
     """
 
-    def __init__(self, url: "str | Sequence[str]", timeout: float = 60.0, *, direct: bool = True,
+    def __init__(self, url: "str | Sequence[str]", timeout: float = 60.0, *, direct: "bool | str" = True,
                  direct_retry_s: float = 1.0, direct_connect_s: float = 2.0, compiled: bool | None = None,
                  poll_us: float = DEFAULT_POLL_US) -> None:
         if compiled and _fastwire is None:
@@ -304,7 +307,7 @@ class Client:
         self.endpoints = front_endpoints(url)
         self.endpoint = self.endpoints[0]  # the front end in use
         self.timeout = timeout
-        self.direct = direct
+        self.direct, self._via_front = direct_mode(direct)
         self.direct_retry_s = direct_retry_s
         self.direct_connect_s = direct_connect_s
         self._stream_type = _CStream if _fastwire is not None and compiled is not False else _Stream
@@ -508,8 +511,8 @@ class Client:
                 continue  # it closed a moment ago (restarting, or at its connection limit): not yet
             if st is None:
                 try:
-                    st = self._stream_type(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s),
-                                           self.timeout, model, url, self._poll_ns)
+                    # a cluster node's worker is reached at its own port only: the gateway hands nothing over
+                    st = self._open_direct(url, model, handoff=func_id == info.func_id)
                     if func_id != info.func_id:  # a cluster node's worker
                         st.func_id, st.plain = func_id, RequestPacker(func_id, *_PLAIN_FIELDS)
                 except (OSError, SplitServeError):
@@ -525,6 +528,29 @@ class Client:
             if not st.pending and not st.reading:
                 self._lost(st, ConnectionError("endpoint withdrawn"))
         return route
+
+    def _open_direct(self, url: str, model: str, handoff: bool) -> _Stream:
+        """A connection to ``model``'s worker whose direct endpoint is ``url``: to that
+        endpoint, or, with ``handoff``, where it cannot be reached (or once one could not be,
+        or with ``direct="via-front"``) a connection to the front end handed over to the
+        worker (``protocol/handoff.py``). Raises why neither could be had."""
+        if not (handoff and (self._via_front or handed_over_only(self.endpoint, url))):
+            try:
+                return self._stream_type(_connect(Endpoint.parse(url), self.timeout, self.direct_connect_s),
+                                         self.timeout, model, url, self._poll_ns)
+            except OSError:
+                if not handoff:
+                    raise
+        sock = _connect(self.endpoint, self.timeout, self.direct_connect_s)
+        try:
+            hand_over(sock, next(self._ids), model, url)
+        except BaseException:
+            sock.close()
+            raise
+        # the workers' own ports cannot be reached from here (or are not offered), and the
+        # front end's can: no connection to a worker waits for its port's connect again
+        self._via_front = True
+        return self._stream_type(sock, self.timeout, model, url, self._poll_ns)
 
     def _call(self, req_id: int, parts: list, decode: Callable[[Header, bytes], Any], stream: _Stream,
               total: int | None = None) -> PendingCall:

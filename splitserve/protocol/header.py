@@ -33,6 +33,9 @@ class Kind(IntEnum):
     LOOKUP_REPLY = 5
     PING = 6
     PONG = 7
+    # client -> front end: hand this connection to a worker's direct endpoint (JSON payload);
+    # the worker that takes it answers with an empty HANDOFF of the same req_id
+    HANDOFF = 8
 
 
 class Flags(IntFlag):

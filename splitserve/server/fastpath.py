@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.errors import BadFrame, BadSize, DuplicateRequest, SplitServeError
+from splitserve.protocol.handoff import parse_handoff
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, pack_response_into
 from splitserve.protocol.requests import stream_samples
 from splitserve.protocol.sockets import close_drained, tcp_listener, unix_listener
@@ -36,7 +37,7 @@ from splitserve.server.ports import FastPathHost, FrontEnd
 
 log = logging.getLogger(__name__)
 
-_LOOKUP = FIRST_OWN_STATE  # reading a LOOKUP frame's model name
+_LOOKUP = FIRST_OWN_STATE  # reading a LOOKUP frame's model name or a HANDOFF frame's JSON
 
 
 class FastPathConnection(FrameStream):
@@ -105,7 +106,10 @@ class FastPathConnection(FrameStream):
         if n:
             self.lookup_buf += buf[:n]
             if len(self.lookup_buf) == self.header.payload_len:
-                self._on_lookup(bytes(self.lookup_buf).decode(errors="replace"))
+                if self.header.kind == Kind.LOOKUP:
+                    self._on_lookup(bytes(self.lookup_buf).decode(errors="replace"))
+                else:
+                    self._on_handoff(bytes(self.lookup_buf))
         return n == len(buf)
 
     def on_header(self, h: Header) -> None:
@@ -117,10 +121,11 @@ class FastPathConnection(FrameStream):
         elif h.kind == Kind.PING:
             self.discard(h.payload_len, None)
             self.send([Header(Kind.PONG, req_id=h.req_id).pack()])
-        elif h.kind == Kind.LOOKUP:
+        elif h.kind in (Kind.LOOKUP, Kind.HANDOFF):
             limit = self.cfg.fast_max_lookup
             if not 0 < h.payload_len <= limit:
-                self.discard(h.payload_len, BadSize(f"lookup payload must be 1..{limit} bytes (a model name)"))
+                what = "a model name" if h.kind == Kind.LOOKUP else "JSON naming a model and an endpoint"
+                self.discard(h.payload_len, BadSize(f"{Kind(h.kind).name} payload must be 1..{limit} bytes ({what})"))
             else:
                 self.lookup_buf = bytearray()
                 self.state = _LOOKUP
@@ -167,6 +172,28 @@ class FastPathConnection(FrameStream):
         body = json.dumps(rt.describe()).encode()
         reply = Header(Kind.LOOKUP_REPLY, req_id=h.req_id, func_id=rt.func_id, payload_len=len(body))
         self.send([reply.pack(), body])
+
+    def _on_handoff(self, body: bytes) -> None:
+        """Hand this connection to the worker it names (``protocol/handoff.py``), or say why
+        not and go on serving it. Nothing was read past this frame (a header is read into its
+        64 bytes, a payload to its length), so what the client sends next is the worker's."""
+        self.frame_done()
+        h = self.header
+        try:
+            if self.in_flight or self.out or self.arrival is not None:
+                raise BadFrame("a HANDOFF is a connection's first frame: this one has calls in flight or answers unsent")
+            name, endpoint = parse_handoff(body)
+            self.server.model(name).hand_off(endpoint, self.sock, h.req_id)
+        except SplitServeError as e:
+            self.send_error(h.req_id, 0, e)
+            return
+        # The worker holds the connection now: this end stops watching it and closes its own
+        # descriptor only (no drain, which would read the client's next frame, and no shutdown).
+        self.closed = True
+        self.loop.remove_reader(self.fd)
+        self.intake.unwatch(self)
+        self.live.discard(self)
+        self.sock.close()
 
     def between_frames(self) -> None:
         """Pause here if flow control says so."""

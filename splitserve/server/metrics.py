@@ -89,6 +89,8 @@ class Metrics:
         self.direct_batches = Gauge("splitserve_direct_batches", "Direct batches run", ("model",), registry=r)
         self.direct_connections = Gauge("splitserve_direct_connections", "Direct connections open", ("model",),
                                         registry=r)
+        self.handoffs = Counter("splitserve_handoffs", "Client connections the front end handed over to a worker "
+                                "(HANDOFF: the client could not reach the worker's own port)", ("model",), registry=r)
         self.model_failed = Gauge("splitserve_model_failed", "1 while the model is FAILED (its load failed)",
                                   ("model",), registry=r)
         # memory manager (Rafiqi)

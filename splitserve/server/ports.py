@@ -31,6 +31,7 @@ descriptors, views and typed records, never a process, a socket or a registry ha
 from __future__ import annotations
 
 import asyncio
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,11 @@ class ModelPort(RingPort, Protocol):
 
     def describe(self) -> dict[str, Any]:
         """A lookup reply's JSON body: name, func_id, tensors, state, instances."""
+
+    def hand_off(self, endpoint: tuple[str, int | str], sock: socket.socket, req_id: int) -> None:
+        """Hand a client's connection (its HANDOFF frame's ``req_id``) to the instance whose
+        direct endpoint is ``endpoint`` (``protocol.handoff.endpoint_key``), which serves it
+        from now on; raises Refused where none that serves now has it."""
 
 
 class FastPathHost(Protocol):

@@ -84,6 +84,17 @@ _IOV_MAX = 1024
 SegmentRunner = Callable[[RequestClass, tuple, int, int], "tuple[int | None, tuple]"]
 
 
+def refuse(sock: socket.socket, error: SplitServeError) -> None:
+    """Tell a client why its connection is not served (an ERROR frame, if the socket takes it
+    now), then close it."""
+    msg = error.message.encode()
+    try:
+        sock.send(Header(Kind.ERROR, status=int(error.status), payload_len=len(msg)).pack() + msg, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    sock.close()
+
+
 class DirectServer:
     """A bound worker's endpoint and its direct calls (see the module's docstring)."""
 
@@ -190,20 +201,27 @@ class DirectServer:
             except OSError as e:
                 log.warning("direct endpoint: accept failed: %s", e)
                 return
-            if len(self.conns) >= self.spec.max_connections:
-                # Said, then closed: the client sends these calls through the front end.
-                err = Refused(f"this worker takes at most {self.spec.max_connections} direct connections; "
-                              "use the front end")
-                msg = err.message.encode()
-                try:
-                    sock.send(Header(Kind.ERROR, status=int(err.status), payload_len=len(msg)).pack() + msg,
-                              socket.MSG_DONTWAIT)
-                except OSError:
-                    pass
-                sock.close()
-                continue
-            self.conns.add(_Conn(self, sock))
-            self.counters.add(Word.CONNECTIONS)
+            self._serve(sock)
+
+    def adopt(self, sock: socket.socket, req_id: int) -> None:
+        """Serve a client's connection that the front end handed over (its HANDOFF frame of
+        ``req_id``): acknowledged with an empty HANDOFF of that id before anything else on it,
+        so the client knows that its next frame reaches this worker."""
+        conn = self._serve(sock)
+        if conn is not None:
+            conn.send([Header(Kind.HANDOFF, req_id=req_id).pack()])
+
+    def _serve(self, sock: socket.socket) -> _Conn | None:
+        """A new connection (accepted, or handed over): served, or past ``max_connections``
+        told why and closed (the client sends its calls through the front end)."""
+        if len(self.conns) >= self.spec.max_connections:
+            refuse(sock, Refused(f"this worker takes at most {self.spec.max_connections} direct connections; "
+                                 "use the front end"))
+            return None
+        conn = _Conn(self, sock)
+        self.conns.add(conn)
+        self.counters.add(Word.CONNECTIONS)
+        return conn
 
     def gone(self, conn: _Conn) -> None:
         """A connection closed: its calls will not be answered here (dropped at their batch)."""

@@ -25,6 +25,7 @@ class Msg(IntEnum):
     UNLOAD = 4  # front end -> worker: release the bound model, its queue mappings and memory
     PARK = 5  # front end -> worker: keep the binding, its weights only in page-locked host memory (UNLOADED)
     RELOAD = 6  # front end -> worker: serve the parked binding again (LOADED; its first batch copies the weights back)
+    ADOPT = 7  # front end -> worker: serve this client connection (SCM_RIGHTS) as a direct one; no answer
     READY = 10  # worker -> front end: started, bound to nothing (JSON info: its pid, anonymous RSS)
     DONE = 11  # worker -> front end: batch finished
     FAILED = 12  # worker -> front end: a RUN or LOAD (or the start) failed (FailedMsg)
@@ -45,6 +46,8 @@ DONE = struct.Struct("<BBHIQHHQQQQ")
 # kind, op, pad, id: the head of every message with a text or JSON body. ``op`` is the kind
 # of the request a FAILED answers; ``id`` a batch id (RUN) or a binding id (LOAD, LOADED).
 HEAD = struct.Struct("<BBxxI")
+# kind, pad, the req_id of the client's HANDOFF frame (the worker's acknowledgement carries it)
+ADOPT = struct.Struct("<BxxxxxxxQ")
 # A control message never exceeds this (a LOAD with a large stored profile is the biggest);
 # it stays under the kernel's default socket buffer, which bounds one SEQPACKET message.
 MAX_MESSAGE_BYTES = 128 * 1024

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Protocol
 
-from splitserve.worker.messages import (START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
+from splitserve.worker.messages import (ADOPT, START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
                                         UnloadedMsg, unpack_ready)
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.gpu_counters import GpuCopies, read_copies
@@ -132,6 +132,20 @@ class WorkerHandle:
         """Send a batch descriptor; False if the worker is gone (its exit is being handled)."""
         try:
             self.sock.send(msg.pack())
+            return True
+        except OSError:
+            return False
+
+    def send_adopt(self, sock: socket.socket, req_id: int) -> bool:
+        """Hand a client's connection to the bound worker's direct endpoint (its descriptor
+        rides as SCM_RIGHTS; the caller closes its own): the worker acknowledges to the client
+        with a HANDOFF frame of ``req_id`` and serves it from then on, or says why not there
+        and closes it. Nothing comes back on the control socket. False if the worker is gone
+        or not bound (the connection is still the caller's then)."""
+        if self.residency is not Residency.BOUND:
+            return False
+        try:
+            socket.send_fds(self.sock, [ADOPT.pack(Msg.ADOPT, req_id)], [sock.fileno()])
             return True
         except OSError:
             return False

@@ -29,19 +29,19 @@ from pathlib import Path
 
 import torch
 
-from splitserve.errors import InvalidInput, ModelNotReady, SplitServeError
+from splitserve.errors import InvalidInput, ModelNotReady, Refused, SplitServeError
 from splitserve.models.segmented import SegmentedModel
 from splitserve.protocol.header import RequestClass
 from splitserve.spin import HostLoad, SpinPolicy
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
-from splitserve.worker.direct import DirectServer
+from splitserve.worker.direct import DirectServer, refuse
 from splitserve.worker.cuda import fatal_cuda_error
 from splitserve.worker.gpu_counters import write_copies
 from splitserve.worker.gpu_env import claim_visible
 from splitserve.worker.launch import ewma
 from splitserve.worker.poller import Poller
-from splitserve.worker.messages import (HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
+from splitserve.worker.messages import (ADOPT, HEAD, MAX_LOAD_FDS, MAX_MESSAGE_BYTES, RUN, START_BINDING,
                                         DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg, pack_ready)
 from splitserve.worker.sched_class import set_idle
 from splitserve.worker.preempt_flag import PreemptFlag
@@ -401,6 +401,9 @@ class Worker:
         if kind == Msg.STOP:
             _close_all(fds)
             return False
+        if kind == Msg.ADOPT and not flags & _CUT and n >= ADOPT.size:  # no answer: the client hears of it
+            self._adopt(fds, ADOPT.unpack_from(self._buf)[1])
+            return True
         if flags & _CUT:
             _close_all(fds)
             reply = FailedMsg(kind, 0, f"message over {MAX_MESSAGE_BYTES} B or {MAX_LOAD_FDS} fds, "
@@ -424,6 +427,20 @@ class Worker:
         self.ctrl.send(reply)
         self._settle()
         return not self.exiting
+
+    def _adopt(self, fds: list[int], req_id: int) -> None:
+        """A client's connection the front end handed over (a HANDOFF frame): the direct
+        endpoint serves it; with none open (unbound, parked, the direct path off) the client
+        is told why and the connection closed, and its calls go through the front end."""
+        if len(fds) != 1:
+            _close_all(fds)
+            log.error("ADOPT with %d descriptors, not one: ignored", len(fds))
+            return
+        sock = socket.socket(fileno=fds[0])
+        if self.direct is None:
+            refuse(sock, Refused("this worker serves no direct endpoint now; use the front end"))
+            return
+        self.direct.adopt(sock, req_id)
 
     def _settle(self) -> None:
         """After a batch's answer: a binding that batch reloaded lets its pinned copy go (and

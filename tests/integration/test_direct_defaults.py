@@ -1,6 +1,7 @@
 """The direct path as a server and a client get it on their defaults: calls go straight to
-the workers, a client that cannot reach a worker's port goes through the front end, and
-direct calls are the model's use for the memory manager's LRU and Packrat's estimator."""
+the workers, a client that cannot reach a worker's port has the front end hand its
+connection over (or, where that is refused, calls through the front end), and direct calls
+are the model's use for the memory manager's LRU and Packrat's estimator."""
 
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ async def relay(listen_host: str, to: tuple[str, int]) -> asyncio.base_events.Se
     return await asyncio.start_server(serve, listen_host, 0)
 
 
-def test_a_client_that_cannot_reach_the_workers_ports_is_answered_through_the_front_end(tmp_path):
+def test_a_client_that_cannot_reach_the_workers_ports_goes_direct_through_the_front_ends_port(tmp_path):
     """The server offers direct TCP endpoints (its default); a client that reached the front
-    end through a relay cannot reach them at that address: its calls, sync and async, go
-    through the front end, with no option set, and the workers took none of them."""
+    end through a relay cannot reach them at that address: it has the front end hand a
+    connection over to the worker (``protocol/handoff.py``), with no option set, sync and
+    async, and the worker answers every call on it. The front end's own fast-path
+    connections do not keep the handed-over ones."""
     cfg = quiet_config(tmp_path / "data", load=("lenet",)).replaced(fast_port=0)
     xs = np.random.default_rng(0).integers(0, 256, (6, 1, 28, 28), dtype=np.uint8)
     want = reference(xs)
@@ -85,20 +88,78 @@ def test_a_client_that_cannot_reach_the_workers_ports_is_answered_through_the_fr
                     return [c.infer("lenet", xs[j]) for j in range(3, 6)], c.direct_endpoints("lenet")
 
             more, held_sync = await asyncio.to_thread(sync_calls)
-            # a client that reaches the front end at the address the workers bind goes direct
-            async with AsyncClient(f"tcp://127.0.0.1:{front[1]}") as ac:
-                np.testing.assert_allclose(await ac.infer("lenet", xs[0]), want[0], rtol=1e-4, atol=1e-5)
-                held_direct = ac.direct_endpoints("lenet")
-            return got + more, held_async, held_sync, held_direct, rt.direct_tally().counts
+            return got + more, held_async, held_sync, rt.direct_tally().counts, server.metrics_text().decode()
         finally:
             fwd.close()
 
-    got, held_async, held_sync, held_direct, counts = run_server(
-        cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    got, held_async, held_sync, counts, metrics = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
     for j, y in enumerate(got):
         np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
-    assert held_async == held_sync == 0 and held_direct == 1
-    assert counts.received == counts.answered == 1  # the one direct call; the relayed six took the front end
+    assert held_async == held_sync == 1
+    assert counts.received == counts.answered == 6  # every call went to the worker
+    assert 'splitserve_handoffs_total{model="lenet"} 2.0' in metrics
+
+
+def test_a_handed_over_connection_the_worker_refuses_leaves_its_calls_with_the_front_end(tmp_path):
+    """A worker at its direct connection limit refuses a connection handed over to it, as one
+    to its own port: the client (``direct="via-front"``: the front end's port only) is told
+    why, and its calls go through the front end, answered there; once the limit frees, a
+    handed-over connection is served again."""
+    cfg = quiet_config(tmp_path / "data", load=("lenet",)).replaced(fast_port=0, direct_max_connections=1)
+    xs = np.random.default_rng(0).integers(0, 256, (4, 1, 28, 28), dtype=np.uint8)
+    want = reference(xs)
+
+    async def scenario(server):
+        rt = server.runtime("lenet")
+        await until(lambda: bool(rt.describe()["direct_tcp"]))
+        url = f"tcp://127.0.0.1:{server.ports['fast_port']}"
+
+        def calls() -> tuple[list[np.ndarray], list[int]]:
+            with Client(url, direct="via-front") as first, Client(url, direct="via-front") as second:
+                got = [first.infer("lenet", xs[0]), second.infer("lenet", xs[1])]
+                held = [first.direct_endpoints("lenet"), second.direct_endpoints("lenet")]
+            return got, held
+
+        got, held = await asyncio.to_thread(calls)
+        async with AsyncClient(url, direct="via-front") as ac:  # the limit is free again
+            got.append(await ac.infer("lenet", xs[2]))
+            held.append(ac.direct_endpoints("lenet"))
+        await until(lambda: rt.direct_tally().counts.connections == 0)
+        return got, held, rt.direct_tally().counts
+
+    got, held, counts = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    for j, y in enumerate(got):
+        np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
+    assert held == [1, 0, 1]
+    assert counts.answered == 2  # the second client's call took the front end
+
+
+def test_with_the_workers_tcp_ports_closed_a_tcp_client_still_goes_direct_through_the_front_ends_port(tmp_path):
+    """``direct_tcp`` off: the workers listen on no TCP port, and LOOKUP names no TCP endpoint.
+    A ``tcp://`` client, on its defaults, names a worker's Unix endpoint in a HANDOFF (never
+    connecting to the path itself) and its calls go to the worker on the connection the
+    front end handed over."""
+    cfg = quiet_config(tmp_path / "data", load=("lenet",)).replaced(fast_port=0, direct_tcp=False)
+    xs = np.random.default_rng(2).integers(0, 256, (3, 1, 28, 28), dtype=np.uint8)
+    want = reference(xs)
+
+    async def scenario(server):
+        rt = server.runtime("lenet")
+        await until(lambda: bool(rt.describe()["direct"]))
+        assert rt.describe()["direct_tcp"] == []
+        url = f"tcp://127.0.0.1:{server.ports['fast_port']}"
+
+        def calls() -> tuple[list[np.ndarray], int]:
+            with Client(url) as c:
+                return [c.infer("lenet", x) for x in xs], c.direct_endpoints("lenet")
+
+        got, held = await asyncio.to_thread(calls)
+        return got, held, rt.direct_tally().counts
+
+    got, held, counts = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    for j, y in enumerate(got):
+        np.testing.assert_allclose(y, want[j], rtol=1e-4, atol=1e-5)
+    assert held == 1 and counts.answered == 3
 
 
 def test_a_model_used_only_directly_is_the_memory_managers_most_recent_not_its_first_victim(tmp_path):

@@ -268,3 +268,56 @@ def test_a_direct_connection_past_the_workers_limit_is_told_and_its_calls_take_t
         h, body = read_frame(first)
         assert (h.kind, h.req_id) == (Kind.RESPONSE, 3)
         np.testing.assert_allclose(np.frombuffer(body, np.float32), a + b, rtol=1e-6)
+
+
+def _handoff(s: socket.socket, body: bytes, req_id: int) -> None:
+    s.sendall(Header(Kind.HANDOFF, req_id=req_id, payload_len=len(body)).pack() + body)
+
+
+def test_a_handoff_the_front_end_cannot_make_is_answered_why_and_the_connection_serves_on(server):
+    """A HANDOFF whose payload is not the JSON it must be, names a model the node does not
+    have or an endpoint none of the model's workers serves, or comes while the connection has
+    a call in flight, is each answered with an ERROR naming the problem; the connection stays
+    the front end's and serves the call and the lookup after them. A good one, next, hands it
+    to the worker, which acknowledges with its own HANDOFF and answers the call after it."""
+    import json
+
+    s = raw(server)
+    try:
+        info = describe(s, "vecadd1k")
+        a, b, payload = inputs(3)
+        port = int(info["direct_tcp"][0].rsplit(":", 1)[1])
+        bad = [
+            (b"not json", Status.BAD_FRAME, "JSON"),
+            (json.dumps({"model": "vecadd1k", "endpoint": "http://x"}).encode(), Status.BAD_FRAME, "tcp://host:port"),
+            (json.dumps({"model": "nope", "endpoint": f"tcp://127.0.0.1:{port}"}).encode(), Status.UNKNOWN_MODEL,
+             "nope"),
+            (json.dumps({"model": "vecadd1k", "endpoint": "tcp://127.0.0.1:1"}).encode(), Status.REFUSED,
+             "no direct endpoint"),
+        ]
+        for i, (body, status, words) in enumerate(bad, start=10):
+            _handoff(s, body, i)
+            h, msg = read_frame(s)
+            assert h is not None and (h.kind, h.req_id, h.status) == (Kind.ERROR, i, status), msg
+            assert words in msg.decode(), msg
+        # a call in flight: its answer comes, and the HANDOFF sent behind it is refused
+        good = json.dumps({"model": "vecadd1k", "endpoint": f"tcp://127.0.0.1:{port}"}).encode()
+        s.sendall(request(info["func_id"], payload, req_id=20)
+                  + Header(Kind.HANDOFF, req_id=21, payload_len=len(good)).pack() + good)
+        frames = {h.req_id: (h, msg) for h, msg in (read_frame(s), read_frame(s))}
+        assert frames[20][0].kind == Kind.RESPONSE
+        np.testing.assert_array_equal(np.frombuffer(frames[20][1], np.float32), a + b)
+        assert (frames[21][0].kind, frames[21][0].status) == (Kind.ERROR, Status.BAD_FRAME), frames[21][1]
+        assert describe(s, "vecadd1k")["func_id"] == info["func_id"]  # still the front end's
+        _handoff(s, good, 30)
+        h, msg = read_frame(s)
+        assert h is not None and (h.kind, h.req_id, h.payload_len) == (Kind.HANDOFF, 30, 0), msg
+        s.sendall(request(info["func_id"], payload, req_id=31))
+        h, msg = read_frame(s)
+        assert h is not None and (h.kind, h.req_id) == (Kind.RESPONSE, 31)
+        np.testing.assert_array_equal(np.frombuffer(msg, np.float32), a + b)
+        s.sendall(Header(Kind.LOOKUP, req_id=32, payload_len=8).pack() + b"vecadd1k")
+        h, msg = read_frame(s)  # the worker's now: it takes no LOOKUP
+        assert h is not None and (h.kind, h.status) == (Kind.ERROR, Status.BAD_FRAME), msg
+    finally:
+        s.close()

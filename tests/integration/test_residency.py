@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from splitserve import Client
@@ -124,12 +125,13 @@ def test_an_eviction_waits_for_the_running_batch_and_calls_sent_meanwhile_queue_
     assert same_id and evictions == 1 and state is ModelState.READY
 
 
+@pytest.mark.parametrize("direct", [True, "via-front"], ids=["workers-ports", "handed-over"])
 def test_direct_calls_across_an_eviction_are_each_answered_once_and_the_client_follows_the_reload(
-        server_factory, tmp_path):
-    """Two instances, two direct connections; an eviction closes both endpoints with calls
-    unanswered: the client sends those through the front end (which loads the model again
-    for them), every call gets its own answer once, and the next lookup finds the new
-    endpoints."""
+        server_factory, tmp_path, direct):
+    """Two instances, two direct connections (to the workers' ports, or handed over to them
+    by the front end); an eviction closes both endpoints with calls unanswered: the client
+    sends those through the front end (which loads the model again for them), every call
+    gets its own answer once, and the next lookup finds the new endpoints."""
     import time
 
     from tests.framing import direct_env
@@ -139,7 +141,7 @@ def test_direct_calls_across_an_eviction_are_each_answered_once_and_the_client_f
     token = (s.data_dir / "token").read_text().strip()
     xs = np.random.default_rng(1).integers(0, 256, (48, 1, 28, 28), dtype=np.uint8)
     want = lenet(xs)
-    with HttpClient(s.http, token=token) as h, Client(s.tcp, direct=True) as c:
+    with HttpClient(s.http, token=token) as h, Client(s.tcp, direct=direct) as c:
         calls = [c.submit("twin", xs[j]) for j in range(16)]
         assert c.direct_endpoints("twin") == 2
         for j, p in enumerate(calls):

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from splitserve.config import ReefSection, TransportSection
+from splitserve.errors import Status
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.tensorqueue import TensorQueue, ring_slots
-from splitserve.worker.messages import LoadedMsg, LoadMsg, Msg, UnloadedMsg
+from splitserve.worker.messages import ADOPT, LoadedMsg, LoadMsg, Msg, UnloadedMsg
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.process import Worker
 from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds, WorkerSpec
@@ -128,4 +129,77 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
         ours.close()
         flag.close()
         for q in vq + lq:
+            q.close()
+
+
+def _frame(s: socket.socket) -> tuple[Header, bytes]:
+    got = bytearray()
+    while len(got) < HEADER_SIZE or len(got) < HEADER_SIZE + unpack_header(got).payload_len:
+        chunk = s.recv(65536)
+        assert chunk, "the worker closed the connection"
+        got += chunk
+    h = unpack_header(got)
+    return h, bytes(got[HEADER_SIZE:HEADER_SIZE + h.payload_len])
+
+
+def test_a_connection_handed_over_by_the_front_end_is_acknowledged_and_served_or_refused_and_closed(tmp_path):
+    """ADOPT brings a client's connection (SCM_RIGHTS) and no answer on the control socket:
+    with its direct endpoint open the worker acknowledges with a HANDOFF frame of the
+    client's req_id before anything else, then answers calls on it; with none open (after an
+    UNLOAD) it says why in an ERROR frame and closes the connection. An ADOPT without its
+    descriptor is dropped; the loop serves the next message (a STOP) either way."""
+    vecadd = zoo("vecadd1k")
+    vq, vn = _queues(vecadd)
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(WAIT_S)
+    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                          segment_time_weight=ReefSection.segment_time_weight))
+    loop = threading.Thread(target=w.serve, daemon=True)
+    clients = []
+    try:
+        w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn)))
+        w.counters.set_admit(64)
+        loop.start()
+        ours.recv(65536)  # READY
+
+        def adopt(req_id: int) -> socket.socket:
+            client, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(WAIT_S)
+            clients.append(client)
+            socket.send_fds(ours, [ADOPT.pack(Msg.ADOPT, req_id)], [server_end.fileno()])
+            server_end.close()
+            return client
+
+        c = adopt(0xABCDEF0123)
+        h, body = _frame(c)
+        assert (h.kind, h.req_id, body) == (Kind.HANDOFF, 0xABCDEF0123, b"")
+        a, b = np.arange(1024, dtype=np.float32), np.full(1024, 3.0, np.float32)
+        x = a.tobytes() + b.tobytes()
+        c.sendall(Header(Kind.REQUEST, req_id=5, func_id=FUNC_ID, payload_len=len(x)).pack() + x)
+        h, body = _frame(c)
+        assert (h.kind, h.req_id) == (Kind.RESPONSE, 5)
+        np.testing.assert_array_equal(np.frombuffer(body, np.float32), a + b)
+
+        ours.send(ADOPT.pack(Msg.ADOPT, 9))  # no descriptor: dropped, nothing answered
+        ours.send(bytes([Msg.UNLOAD]))
+        assert UnloadedMsg.unpack(ours.recv(65536)).binding == 1  # the next message's answer, not the ADOPT's
+        late = adopt(6)
+        h, body = _frame(late)
+        assert (h.kind, h.status) == (Kind.ERROR, int(Status.REFUSED)), body
+        assert late.recv(1) == b""  # then closed
+        ours.send(bytes([Msg.STOP]))
+        loop.join(WAIT_S)
+        assert not loop.is_alive()
+    finally:
+        if loop.is_alive():
+            ours.send(bytes([Msg.STOP]))
+            loop.join(WAIT_S)
+        for c in clients:
+            c.close()
+        w.unload()
+        w.ctrl.close()
+        ours.close()
+        flag.close()
+        for q in vq:
             q.close()

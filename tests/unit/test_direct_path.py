@@ -238,21 +238,25 @@ def test_a_direct_client_follows_the_endpoints_of_its_front_ends_kind_at_the_hos
     """A unix:// client takes LOOKUP's ``direct`` (Unix sockets), a tcp:// one its
     ``direct_tcp`` ports at the host it reached the front end at: the workers bind the
     front end's address, which may be a wildcard or have another name from the client's
-    side. A server that names no TCP endpoints (older, or direct_tcp off) gets a TCP
-    client's calls through the front end, never on Unix paths that may name another
-    server's sockets on the client's own machine."""
+    side. From a server that names no TCP endpoints (direct_tcp off) a TCP client gets the
+    Unix ones, which it only names in a HANDOFF (``handed_over_only``), never connects to:
+    they may name another server's sockets on the client's own machine."""
     from splitserve.client.common import Endpoint, ModelInfo
-    from splitserve.client.route import _direct_urls
+    from splitserve.client.route import _direct_urls, handed_over_only
 
     both = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"],
                                           "direct_tcp": ["tcp://0.0.0.0:41000", "tcp://[::]:41001"]})
-    assert _direct_urls(Endpoint.parse("unix:///d/fast.sock"), both) == ["unix:///d/1-0.sock"]
-    assert _direct_urls(Endpoint.parse("tcp://node7.example:8100"), both) == [
-        "tcp://node7.example:41000", "tcp://node7.example:41001"]
-    assert _direct_urls(Endpoint.parse("tcp://[fe80::1]:8100"), both) == ["tcp://[fe80::1]:41000",
-                                                                          "tcp://[fe80::1]:41001"]
-    old = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"]})
-    assert _direct_urls(Endpoint.parse("tcp://127.0.0.1:8100"), old) == []
+    assert _direct_urls(Endpoint.parse("unix:///d/fast.sock"), both) == (["unix:///d/1-0.sock"], "direct_classes")
+    assert _direct_urls(Endpoint.parse("tcp://node7.example:8100"), both) == (
+        ["tcp://node7.example:41000", "tcp://node7.example:41001"], "direct_tcp_classes")
+    assert _direct_urls(Endpoint.parse("tcp://[fe80::1]:8100"), both)[0] == ["tcp://[fe80::1]:41000",
+                                                                             "tcp://[fe80::1]:41001"]
+    unix_only = ModelInfo("m", 1, (), (), 1, {"direct": ["unix:///d/1-0.sock"], "direct_tcp": []})
+    tcp = Endpoint.parse("tcp://127.0.0.1:8100")
+    assert _direct_urls(tcp, unix_only) == (["unix:///d/1-0.sock"], "direct_classes")
+    assert handed_over_only(tcp, "unix:///d/1-0.sock")
+    assert not handed_over_only(tcp, "tcp://127.0.0.1:41000")
+    assert not handed_over_only(Endpoint.parse("unix:///d/fast.sock"), "unix:///d/1-0.sock")
 
 
 def test_the_tcp_endpoint_is_only_where_the_fast_path_listens_on_tcp_and_its_port_reaches_the_front_end():

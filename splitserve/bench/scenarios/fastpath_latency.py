@@ -1,9 +1,10 @@
 """fastpath-latency: the fast path over TCP next to a plain TCP echo of the same sizes.
 
-Three paths (``--transports``): through the front end (``tcp``) and straight to the worker
+Four paths (``--transports``): through the front end (``tcp``) and straight to the worker
 that runs the model, over its Unix endpoint (``direct``: looked up at the front end's Unix
-socket) or its TCP one (``direct-tcp``: looked up over TCP, the way a client on another
-machine goes); server and clients run on their defaults (the direct path offered, workers
+socket), its TCP one (``direct-tcp``: looked up over TCP, the way a client on another
+machine goes) or a connection to the front end's TCP port that the front end handed over to
+it (``direct-front``: the way a client goes that may reach that port only); server and clients run on their defaults (the direct path offered, workers
 polling ``direct_spin_us`` and clients ``poll_us`` while a core is free; the front-end rows'
 client opts out with ``direct=False``). Single client: calls over each path and echo
 round trips alternate in blocks of 50, so all see the same machine state; a path's own
@@ -55,9 +56,9 @@ NAME = "fastpath-latency"
 SUMMARY = ("Fast path round trip and 32-connection throughput, through the front end and direct to the worker, "
            "next to a plain TCP echo of the same sizes.")
 MODELS: tuple[str, ...] = ("lenet", "vecadd1k", "matmul8k", "lstm", "digits")
-# through the front end (TCP), and straight to the worker over Unix and over TCP (the
-# server is started with fast_direct)
-TRANSPORTS: tuple[str, ...] = ("tcp", "direct", "direct-tcp")
+# through the front end (TCP), and straight to the worker over Unix, over TCP (the server is
+# started with fast_direct) and over a connection to the front end's TCP port handed over to it
+TRANSPORTS: tuple[str, ...] = ("tcp", "direct", "direct-tcp", "direct-front")
 _COLOURS = ("#2b7bba", "#d95f02", "#1b9e77")
 LATENCY_TARGET = 2.0  # p50(E2E - compute) / echo p50, at most (a direct path, a model without its own)
 # A direct path's own target for these models, and the front end's for every model

@@ -9,6 +9,7 @@ node sees.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -72,6 +73,10 @@ class InstanceWorker(Protocol):
 
     def send_run(self, msg: RunMsg) -> bool:
         """Send a batch descriptor; False if the worker is gone."""
+
+    def send_adopt(self, sock: socket.socket, req_id: int) -> bool:
+        """Hand a client's connection (its HANDOFF frame's ``req_id``) to the bound worker's
+        direct endpoint; False if the worker is gone or not bound."""
 
     def send_load(self, bind: BindSpec) -> bool:
         """Bind the (unbound) worker to a model; answered by ``on_loaded`` or

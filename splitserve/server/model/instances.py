@@ -14,12 +14,13 @@ restarts what crashed (with backoff) and keeps each worker's direct endpoint and
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.errors import InvalidInput, ModelNotReady, WorkerFailed
+from splitserve.errors import InvalidInput, ModelNotReady, Refused, WorkerFailed
 from splitserve.placement.partition import InstancePlacement
 from splitserve.scheduler.model_scheduler import Residency
 from splitserve.scheduler.policy import PackratAggregate
@@ -255,27 +256,41 @@ class Instances:
                 if core.sched.instances[i].ready and not core.sched.instances[i].draining
                 and (h := self.workers.get(i)) is not None and h.ready and (not tcp or i in self._direct_tcp_ports)]
 
-    def direct_endpoints(self) -> list[str]:
-        """``unix://`` URLs of the direct endpoints of instances that serve now: what a
-        LOOKUP gives a client that sends its calls straight to the workers."""
-        return [f"unix://{self._direct_path(i)}" for i in self._direct_instances()]
-
-    def direct_classes(self, tcp: bool = False) -> list[str]:
-        """The class each of ``direct_endpoints`` (``tcp``: ``direct_tcp_endpoints``) serves,
-        in their order: ``be`` for an instance kept for best-effort work (``be_instances``
-        under preemption ``idle``: its worker runs under SCHED_IDLE), ``rt`` for the others.
-        A client sends each call to an endpoint of its class, so a real-time call never
-        waits behind a best-effort batch in a worker the kernel ranks below everything."""
-        instances = self.core.sched.instances
-        return ["be" if instances[i].best_effort else "rt" for i in self._direct_instances(tcp)]
-
-    def direct_tcp_endpoints(self) -> list[str]:
-        """``tcp://`` URLs of the same instances' TCP direct endpoints (empty without
-        ``ServerConfig.direct_tcp_host``). The host is the address they bind, the fast
-        path's: a client reaches them at the host it reached the front end at."""
+    def direct_endpoints(self, tcp: bool = False) -> list[str]:
+        """The URLs of the direct endpoints of instances that serve now: what a LOOKUP gives a
+        client that sends its calls straight to the workers. ``unix://`` ones, or with ``tcp``
+        the same instances' ``tcp://`` ones (none without ``ServerConfig.direct_tcp_host``):
+        their host is the address they bind, the fast path's, and a client reaches them at
+        the host it reached the front end at."""
+        if not tcp:
+            return [f"unix://{self._direct_path(i)}" for i in self._direct_instances()]
         host = self.core.settings.direct_tcp_host
         netloc = f"[{host}]" if host is not None and ":" in host else host
         return [f"tcp://{netloc}:{self._direct_tcp_ports[i]}" for i in self._direct_instances(tcp=True)]
+
+    def direct_classes(self, tcp: bool = False) -> list[str]:
+        """The class each of ``direct_endpoints(tcp)`` serves, in their order: ``be`` for an
+        instance kept for best-effort work (``be_instances`` under preemption ``idle``: its
+        worker runs under SCHED_IDLE), ``rt`` for the others. A client sends each call to an
+        endpoint of its class, so a real-time call never waits behind a best-effort batch in
+        a worker the kernel ranks below everything."""
+        instances = self.core.sched.instances
+        return ["be" if instances[i].best_effort else "rt" for i in self._direct_instances(tcp)]
+
+    def hand_off(self, endpoint: tuple[str, int | str], sock: socket.socket, req_id: int) -> None:
+        """Hand a client's connection to the instance whose direct endpoint is ``endpoint``
+        (``protocol.handoff.endpoint_key``): it serves the connection from now on, and the
+        caller closes only its own descriptor. Raises Refused where no instance that serves
+        now has that endpoint, or its worker cannot take it (the caller still has it then)."""
+        scheme, where = endpoint
+        for i in self._direct_instances(tcp=scheme == "tcp"):
+            if (where == self._direct_tcp_ports.get(i)) if scheme == "tcp" else (where == str(self._direct_path(i))):
+                if self.workers[i].send_adopt(sock, req_id):
+                    self.core.env.metrics.handoffs.labels(self.name).inc()
+                    return
+                break
+        raise Refused(f"no direct endpoint {scheme}:{where} of model {self.name!r} serves now; "
+                      "look the model up again, or call through the front end")
 
     def direct_tally(self) -> DirectTally:
         """Direct calls of this model so far: workers gone, plus the live ones' pages (all

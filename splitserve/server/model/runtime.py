@@ -13,6 +13,7 @@ footprint through ``RuntimeEnv.off_loop`` before asking for memory.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import asdict
 from typing import Any
@@ -135,6 +136,9 @@ class ModelRuntime:
     def submit(self, call: Call) -> None:
         self.dispatch.submit(call)
 
+    def hand_off(self, endpoint: tuple[str, int | str], sock: socket.socket, req_id: int) -> None:
+        self.instances.hand_off(endpoint, sock, req_id)
+
     def describe(self) -> dict[str, Any]:
         core = self.core
         cfg, sched, inst = core.config, core.sched, self.instances
@@ -160,7 +164,7 @@ class ModelRuntime:
             "direct": inst.direct_endpoints(),
             # the same workers' TCP endpoints, for clients that reach the node over TCP (a
             # key of its own: clients that know only ``direct`` keep using the Unix ones)
-            "direct_tcp": inst.direct_tcp_endpoints(),
+            "direct_tcp": inst.direct_endpoints(tcp=True),
             # the class each of them serves (rt / be), in their orders: a client picks by its call's
             "direct_classes": inst.direct_classes(), "direct_tcp_classes": inst.direct_classes(tcp=True),
             "direct_counts": inst.direct_tally().counts.to_dict(),
