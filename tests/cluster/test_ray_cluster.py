@@ -8,6 +8,7 @@ answered exactly once, with the model's output.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import socket
 import tempfile
@@ -148,12 +149,16 @@ def test_a_model_registered_once_is_placed_by_demand_and_answers_from_every_node
 
 
 def test_the_node_settings_given_to_the_cluster_reach_every_node_server(cluster: LocalCluster) -> None:
+    """The settings given to the cluster reach every node's server, and that server runs at
+    its Ray node's niceness (this process's, which started the local Ray), not at the one Ray
+    gives the actor that started it (15)."""
     nodes = [n["node"] for n in _status(cluster)["nodes"]]
     assert len(nodes) == NODES
     for node in nodes:
         ep = ray.get(raycompat.named_actor(node_server_name(node), NAMESPACE).endpoint.remote())
         memory = httpx.get(f"http://{ep.host}:{ep.http_port}/v2/memory", timeout=30).json()
         assert memory["budget_bytes"] == 16 << 30, node
+        assert os.getpriority(os.PRIO_PROCESS, ep.pid) == os.getpriority(os.PRIO_PROCESS, 0), node
 
 
 def test_the_controller_killed_under_load_loses_no_request_node_or_model(cluster: LocalCluster) -> None:

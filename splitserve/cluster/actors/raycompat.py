@@ -144,6 +144,24 @@ def current_node_labels() -> dict[str, str]:
     return dict(ray.get_runtime_context().get_node_labels())
 
 
+def node_niceness() -> int:
+    """The niceness of this process's Ray node: its raylet's, which started this worker.
+    Ray runs its workers, and so every actor, at ``worker_niceness`` (15) above it, and a
+    process an actor starts inherits that unless it is set back (``node_server.data_path_child``)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, os.getppid())
+    except OSError:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def renice(pids: Any, nice: int) -> None:
+    """Set ``pids`` (and, so that processes they start later inherit it, only them) to
+    ``nice``; one that is gone, or whose priority this process may not raise, keeps its own."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
 def session_dir() -> str:
     """This process's Ray session directory (on the head for the controller): it lives as
     long as the Ray cluster, unlike the actor's working directory."""
@@ -194,7 +212,9 @@ def start_head(temp_dir: str, system_config: Mapping[str, Any]) -> Cluster:
 def start_worker_node(address: str, num_cpus: int, labels: Mapping[str, str]) -> Any:
     """Start a raylet on 127.0.0.1 that joins the cluster at ``address``, with one
     ``splitserve_node`` resource; its processes are children of the calling process
-    (``Cluster.add_node`` without a ``Cluster``, so any process of the cluster can do it)."""
+    (``Cluster.add_node`` without a ``Cluster``, so any process of the cluster can do it),
+    set back to the calling process's Ray node's niceness (an actor runs 15 above it: the
+    raylet would pass that on to every worker and server of the new node)."""
     from ray._private.node import Node
     from ray._private.parameter import RayParams
 
@@ -202,7 +222,9 @@ def start_worker_node(address: str, num_cpus: int, labels: Mapping[str, str]) ->
                        node_ip_address="127.0.0.1", resources={NODE_RESOURCE: 1}, labels=dict(labels),
                        include_log_monitor=False, node_manager_port=0, min_worker_port=0, max_worker_port=0)
     params.dashboard_agent_listen_port = None
-    return Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+    node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+    renice((info.process.pid for infos in node.all_processes.values() for info in infos), node_niceness())
+    return node
 
 
 def node_id_of(node: Any) -> str:
