@@ -284,7 +284,7 @@ class Instances:
         now has that endpoint, or its worker cannot take it (the caller still has it then)."""
         scheme, where = endpoint
         for i in self._direct_instances(tcp=scheme == "tcp"):
-            if (where == self._direct_tcp_ports.get(i)) if scheme == "tcp" else (where == str(self._direct_path(i))):
+            if where == (self._direct_tcp_ports.get(i) if scheme == "tcp" else str(self._direct_path(i))):
                 if self.workers[i].send_adopt(sock, req_id):
                     self.core.env.metrics.handoffs.labels(self.name).inc()
                     return
