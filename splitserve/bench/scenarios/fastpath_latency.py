@@ -7,7 +7,10 @@ machine goes) or a connection to the front end's TCP port that the front end han
 it (``direct-front``: the way a client goes that may reach that port only); server and clients run on their defaults (the direct path offered, workers
 polling ``direct_spin_us`` and clients ``poll_us`` while a core is free; the front-end rows'
 client opts out with ``direct=False``). Single client: calls over each path and echo
-round trips alternate in blocks of 50, so all see the same machine state; a path's own
+round trips alternate in blocks of 50, in an order that goes round by one each block, so
+all see the same machine state (the front end's path and the direct ones in two rounds of
+their own, each with its echo: after a front-end block both sides of a direct call back
+off a while, which a direct caller does not meet); a path's own
 overhead is median(E2E - server compute) over the echo's median round trip, the echo client
 polling for its answer as the fast-path client does by default (targets: at most 1.5x for
 lenet and 1.2x for vecadd1k on the direct path, 2x otherwise). Throughput: 32 closed-loop connections against the echo, then 32 over each path, from a
@@ -30,6 +33,7 @@ runs of this one at different times differ by more than what polling does).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,7 +109,8 @@ def _alternate(clients: dict[str, Any], echoes: dict[bool, EchoClient], model: s
                block: int = BLOCK) -> dict[str, dict[str, np.ndarray]]:
     """``n`` calls over each client and ``n`` round trips of each echo client (``echoes``:
     by whether it polls; a path that polls is set against the echo that polls), in
-    alternating blocks of ``block``."""
+    alternating blocks of ``block``, in an order that goes round by one each block (a fixed
+    one gave whatever the block before leaves, e.g. a busy host, to the same path)."""
     for _ in range(warmup):
         for client in clients.values():
             client.infer_result(model, arg)
@@ -115,20 +120,27 @@ def _alternate(clients: dict[str, Any], echoes: dict[bool, EchoClient], model: s
     compute = {t: np.empty(n) for t in clients}
     ec = {polls: np.empty(n) for polls in echoes}
     clock = time.perf_counter
+
+    def path(t: str, client: Any, start: int, stop: int) -> None:
+        for i in range(start, stop):
+            t0 = clock()
+            r = client.infer_result(model, arg)
+            fp[t][i] = clock() - t0
+            compute[t][i] = r.compute_us
+
+    def echo(polls: bool, ech: EchoClient, start: int, stop: int) -> None:
+        for i in range(start, stop):
+            t0 = clock()
+            ech.call()
+            ec[polls][i] = clock() - t0
+
+    runs = [functools.partial(path, t, c) for t, c in clients.items()] + \
+        [functools.partial(echo, polls, e) for polls, e in echoes.items()]
     with gc_paused():
-        for start in range(0, n, block):
+        for k, start in enumerate(range(0, n, block)):
             stop = min(n, start + block)
-            for t, client in clients.items():
-                for i in range(start, stop):
-                    t0 = clock()
-                    r = client.infer_result(model, arg)
-                    fp[t][i] = clock() - t0
-                    compute[t][i] = r.compute_us
-            for polls, echo in echoes.items():
-                for i in range(start, stop):
-                    t0 = clock()
-                    echo.call()
-                    ec[polls][i] = clock() - t0
+            for run in runs[k % len(runs):] + runs[:k % len(runs)]:
+                run(start, stop)
     return {t: {"fastpath_us": fp[t] * 1e6, "compute_us": compute[t], "echo_us": ec[t.endswith(POLLS)] * 1e6}
             for t in clients}
 
@@ -162,7 +174,15 @@ def run(ctx: Context) -> ScenarioOutput:
                     clients.update({t + POLLS: open_sync(t, target.url(t), poll_us=polled)
                                     for t in usable if t in DIRECT})
                     echoes[True] = EchoClient(echo.host, echo.port, req, resp, poll_us=polled)
-                times = _alternate(clients, echoes, model, arg, p.requests, p.warmup)
+                # the front end's path and the direct ones apart, each against its own echo:
+                # after a front-end block (three processes on the cores) both sides of a
+                # direct call back off a while, which a direct caller does not meet
+                times = {}
+                for group in ([t for t in clients if t.removesuffix(POLLS) not in DIRECT],
+                              [t for t in clients if t.removesuffix(POLLS) in DIRECT]):
+                    if group:
+                        times.update(_alternate({t: clients[t] for t in group}, echoes, model, arg, p.requests,
+                                                p.warmup))
             finally:
                 for client in clients.values():
                     close_sync(client)
