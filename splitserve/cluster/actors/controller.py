@@ -697,4 +697,4 @@ def _strict_counts(gateway_stats: dict) -> tuple[int, int]:
 
 
 # Detached and named so that tools and a restarted driver find it; on the head.
-ControllerActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1)(Controller)
+ControllerActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1)(raycompat.at_node_niceness(Controller))

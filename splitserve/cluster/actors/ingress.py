@@ -34,7 +34,7 @@ import ray
 
 from splitserve.cluster.actors import raycompat
 from splitserve.cluster.actors.controller import CONTROLLER_NAME, NAMESPACE
-from splitserve.cluster.actors.node_server import check_niceness, data_path_child
+from splitserve.cluster.actors.node_server import die_with_parent
 from splitserve.cluster.gateway import upcall
 from splitserve.cluster.gateway.modelspec import ModelSpec
 from splitserve.cluster.config import ClusterConfig
@@ -115,16 +115,14 @@ class Gateway:
                "--http-port", str(-1 if self.http_port is None else self.http_port),
                "--grpc-port", str(-1 if self.grpc_port is None else self.grpc_port),
                "--upcall-fd", str(theirs.fileno())]
-        preexec, nice = data_path_child()
         with theirs:
             try:
                 self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             preexec_fn=preexec, text=True, bufsize=1,
+                                             preexec_fn=die_with_parent, text=True, bufsize=1,
                                              pass_fds=(theirs.fileno(),))
             except BaseException:
                 ours.close()
                 raise
-        check_niceness(self.proc.pid, nice, "the gateway's data plane")
         # one thread per process: it ends when that process's end of the pair closes
         threading.Thread(target=upcall.serve, args=(ours, self._registry, ServerConfig.from_env().frontends.max_upload_bytes),
                          name="gateway-upcalls", daemon=True).start()
@@ -202,4 +200,4 @@ class Gateway:
 # Threaded (the routes poll runs beside stats calls; upcalls have a thread of their own);
 # restarted by Ray if its process dies.
 GatewayActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1,
-                          max_concurrency=4)(Gateway)
+                          max_concurrency=4)(raycompat.at_node_niceness(Gateway))

@@ -15,7 +15,6 @@ say otherwise (``policy/reach.node_addresses``).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import logging
@@ -26,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,37 +73,6 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def data_path_child() -> tuple[Callable[[], None], int]:
-    """How an actor starts a process on the data path (a node's ``splitserve serve``, a
-    gateway's data plane): the ``preexec_fn`` that makes it die with the actor and run at
-    the niceness of the actor's Ray node (its raylet's, usually 0), and that niceness.
-
-    Ray runs its workers, and so every actor, at ``worker_niceness`` (15): a child that kept
-    it would yield the CPU to every other process on the host. On 2 busy cores a node's
-    model worker took a minute to start, and its calls wait behind any background job.
-    Raising a priority needs CAP_SYS_NICE or a nice limit (``ulimit -e``); where neither
-    allows it the child keeps the actor's, and ``check_niceness`` says so."""
-    nice = raycompat.node_niceness()
-
-    def preexec() -> None:
-        die_with_parent()
-        with contextlib.suppress(OSError):  # not allowed: the parent sees and says so
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
-
-    return preexec, nice
-
-
-def check_niceness(pid: int, nice: int, what: str) -> None:
-    """Warn when the data-path process ``pid`` runs at a lower priority than ``nice`` (its
-    Ray node's): ``data_path_child`` was not allowed to raise it."""
-    with contextlib.suppress(OSError):
-        got = os.getpriority(os.PRIO_PROCESS, pid)
-        if got > nice:
-            log.warning("%s (pid %d) runs at niceness %d, not its Ray node's %d: every other process on this host "
-                        "takes the CPU before it. Allow it (CAP_SYS_NICE, or `ulimit -e`), or start Ray with "
-                        "RAY_worker_niceness=%d", what, pid, got, nice, nice)
-
-
 class NodeServer:
     """Supervisor of one ``splitserve serve`` child on this node."""
 
@@ -123,10 +90,8 @@ class NodeServer:
             env["SPLITSERVE_CACHE_DIR"] = spec.cache_dir
         cmd = [sys.executable, "-m", "splitserve", "serve", "--host", self.addresses.bind, "--fast-port", "0",
                "--udp-port", "-1", "--http-port", "0", "--grpc-port", "-1", "--data-dir", str(self.data_dir)]
-        preexec, nice = data_path_child()
-        self.child = subprocess.Popen(cmd, env=env, preexec_fn=preexec, stdin=subprocess.DEVNULL,
+        self.child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "server.log", "ab"))
-        check_niceness(self.child.pid, nice, f"node {self.node_id[:12]}'s splitserve serve")
         self._endpoint = self._wait_started()
         self._registered: set[str] = set()
         log.info("node %s: splitserve serve pid %d on %s:%d, advertised as %s", self.node_id[:12], self.child.pid,
@@ -229,4 +194,4 @@ def node_server_name(node_id: str) -> str:
 # No CPU of its own (the child uses the node's); the node's one splitserve_node resource makes
 # it the only node server there. Control calls are idempotent, so a restart may retry them.
 NodeServerActor = ray.remote(num_cpus=0, resources={raycompat.NODE_RESOURCE: 1}, max_restarts=-1,
-                             max_task_retries=-1)(NodeServer)
+                             max_task_retries=-1)(raycompat.at_node_niceness(NodeServer))

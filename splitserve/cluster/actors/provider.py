@@ -277,10 +277,11 @@ class AutoscalerProvider:
 PROVIDER_NAME = "splitserve-provider"
 
 # On the head (its ``splitserve_head`` resource), never restarted: its raylets die with it.
-ProviderActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=0)(LocalRayletProvider)
+ProviderActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=0)(
+    raycompat.at_node_niceness(LocalRayletProvider))
 # Threaded: launches wait for nodes for up to launch_timeout_s each, side by side.
 AutoscalerProviderActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=0,
-                                     max_concurrency=32)(AutoscalerProvider)
+                                     max_concurrency=32)(raycompat.at_node_niceness(AutoscalerProvider))
 
 
 def provider_actor(cfg: ClusterConfig, joined: bool, address: str, **options: Any) -> Any:

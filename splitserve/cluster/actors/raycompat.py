@@ -11,6 +11,8 @@ import this module; the gateway's data plane never does.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import signal
 import time
@@ -23,6 +25,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from splitserve.errors import InternalError
+
+log = logging.getLogger(__name__)
 
 # The loopback traps of Ray 2.60 (docs/cluster.md §3.1): without the first, a driver given
 # 127.0.0.1 connects to eth0's address instead; the second turns off the token auth that a
@@ -144,22 +148,37 @@ def current_node_labels() -> dict[str, str]:
     return dict(ray.get_runtime_context().get_node_labels())
 
 
-def node_niceness() -> int:
-    """The niceness of this process's Ray node: its raylet's, which started this worker.
-    Ray runs its workers, and so every actor, at ``worker_niceness`` (15) above it, and a
-    process an actor starts inherits that unless it is set back (``node_server.data_path_child``)."""
+def take_node_niceness() -> None:
+    """Run this actor, and every process it starts, at its Ray node's niceness (its raylet's,
+    which started this worker; usually 0), not at the ``worker_niceness`` (15) Ray gives
+    its workers. Each splitserve actor calls it first thing: at 15 a node's server, its model
+    workers and the gateway's data plane yielded the CPU to every other process on the host
+    (on 2 busy cores a node's model worker took a minute to start, 2 s outside Ray), and with
+    only those raised, the control actors left at 15 waited behind the data plane they
+    steer. Raising a priority needs root, CAP_SYS_NICE or a nice limit (``ulimit -e``);
+    without, the actor says so and runs as Ray started it."""
     try:
-        return os.getpriority(os.PRIO_PROCESS, os.getppid())
-    except OSError:
-        return os.getpriority(os.PRIO_PROCESS, 0)
+        nice = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        if os.getpriority(os.PRIO_PROCESS, 0) > nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError as e:
+        log.warning("this actor (pid %d) keeps Ray's worker niceness, so every other process on the host takes the "
+                    "CPU before it and the processes it starts (%s): allow raising it (CAP_SYS_NICE, or `ulimit -e`), "
+                    "or start Ray with RAY_worker_niceness=0", os.getpid(), e)
 
 
-def renice(pids: Any, nice: int) -> None:
-    """Set ``pids`` (and, so that processes they start later inherit it, only them) to
-    ``nice``; one that is gone, or whose priority this process may not raise, keeps its own."""
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
+def at_node_niceness(cls: type) -> type:
+    """``cls`` as a Ray actor runs it: ``take_node_niceness`` before its own ``__init__``
+    (the class itself stays as it is for the tests that build it in process)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        take_node_niceness()
+        init(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 def session_dir() -> str:
@@ -212,9 +231,7 @@ def start_head(temp_dir: str, system_config: Mapping[str, Any]) -> Cluster:
 def start_worker_node(address: str, num_cpus: int, labels: Mapping[str, str]) -> Any:
     """Start a raylet on 127.0.0.1 that joins the cluster at ``address``, with one
     ``splitserve_node`` resource; its processes are children of the calling process
-    (``Cluster.add_node`` without a ``Cluster``, so any process of the cluster can do it),
-    set back to the calling process's Ray node's niceness (an actor runs 15 above it: the
-    raylet would pass that on to every worker and server of the new node)."""
+    (``Cluster.add_node`` without a ``Cluster``, so any process of the cluster can do it)."""
     from ray._private.node import Node
     from ray._private.parameter import RayParams
 
@@ -222,9 +239,7 @@ def start_worker_node(address: str, num_cpus: int, labels: Mapping[str, str]) ->
                        node_ip_address="127.0.0.1", resources={NODE_RESOURCE: 1}, labels=dict(labels),
                        include_log_monitor=False, node_manager_port=0, min_worker_port=0, max_worker_port=0)
     params.dashboard_agent_listen_port = None
-    node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
-    renice((info.process.pid for infos in node.all_processes.values() for info in infos), node_niceness())
-    return node
+    return Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
 
 
 def node_id_of(node: Any) -> str:
