@@ -151,7 +151,7 @@ def test_a_model_registered_once_is_placed_by_demand_and_answers_from_every_node
 def test_the_node_settings_given_to_the_cluster_reach_every_node_server(cluster: LocalCluster) -> None:
     """The settings given to the cluster reach every node's server, and that server runs at
     its Ray node's niceness (this process's, which started the local Ray), not at the one Ray
-    gives the actor that started it (15)."""
+    gives its workers (15), which its actor would have passed on."""
     nodes = [n["node"] for n in _status(cluster)["nodes"]]
     assert len(nodes) == NODES
     for node in nodes:
