@@ -44,7 +44,8 @@ LABEL: dict[str, str] = {
     "http-binary": "HTTP binary", "grpc": "gRPC", "local": "in-process (ideal)", "echo": "TCP echo (floor)",
 }
 SHORT: dict[str, str] = {
-    "tcp": "TCP", "unix": "Unix", "direct": "direct", "direct-tcp": "direct TCP", "direct-front": "direct via FE", "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
+    "tcp": "TCP", "unix": "Unix", "direct": "direct", "direct-tcp": "direct TCP", "direct-front": "direct via FE",
+    "udp": "UDP", "http-json": "HTTP-J", "http-binary": "HTTP-B",
     "grpc": "gRPC", "local": "local", "echo": "echo",
 }
 DIRECT: tuple[str, ...] = ("direct", "direct-tcp", "direct-front")  # the transports that go straight to the workers

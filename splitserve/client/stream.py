@@ -270,8 +270,9 @@ class Client:
     front end's port through, a relay) is reached through a fresh connection to the front
     end, which hands it over to that worker (``protocol/handoff.py``); once that worked, the
     client reaches every worker so, and ``direct="via-front"`` does from the start (no
-    ``direct_connect_s`` wait per endpoint). A refused handover is skipped as above. Without direct endpoints (an old server, or the direct path off) every
-    call goes through the front end. ``direct=False`` sends every call through the front end.
+    ``direct_connect_s`` wait per endpoint). A refused handover is skipped as above.
+    Without direct endpoints (an old server, or the direct path off) every call goes
+    through the front end. ``direct=False`` sends every call through the front end.
 
     A call made while no other is in flight on its connection sends and reads its answer
     on the calling thread with no pending-call record; one started meanwhile on another

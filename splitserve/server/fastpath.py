@@ -181,7 +181,8 @@ class FastPathConnection(FrameStream):
         h = self.header
         try:
             if self.in_flight or self.out or self.arrival is not None:
-                raise BadFrame("a HANDOFF is a connection's first frame: this one has calls in flight or answers unsent")
+                raise BadFrame("a HANDOFF is a connection's first frame: this one has calls in flight or answers "
+                               "unsent")
             name, endpoint = parse_handoff(body)
             self.server.model(name).hand_off(endpoint, self.sock, h.req_id)
         except SplitServeError as e:

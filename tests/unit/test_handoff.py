@@ -14,7 +14,8 @@ def test_a_handoff_frame_round_trips_to_the_model_and_the_endpoints_key():
     h = unpack_header(frame)
     assert (h.kind, h.req_id, h.payload_len) == (Kind.HANDOFF, 77, len(frame) - HEADER_SIZE)
     assert parse_handoff(frame[HEADER_SIZE:]) == ("lenet", ("tcp", 4242))
-    assert parse_handoff(handoff_frame(1, "m", "unix:///run/x/7-0.sock")[HEADER_SIZE:]) == ("m", ("unix", "/run/x/7-0.sock"))
+    unix = handoff_frame(1, "m", "unix:///run/x/7-0.sock")
+    assert parse_handoff(unix[HEADER_SIZE:]) == ("m", ("unix", "/run/x/7-0.sock"))
 
 
 @pytest.mark.parametrize("url", ["tcp://host", "tcp://host:99999", "http://host:80", "unix://", "", "tcp://[::1"])

@@ -4,7 +4,8 @@ Four paths (``--transports``): through the front end (``tcp``) and straight to t
 that runs the model, over its Unix endpoint (``direct``: looked up at the front end's Unix
 socket), its TCP one (``direct-tcp``: looked up over TCP, the way a client on another
 machine goes) or a connection to the front end's TCP port that the front end handed over to
-it (``direct-front``: the way a client goes that may reach that port only); server and clients run on their defaults (the direct path offered, workers
+it (``direct-front``: the way a client goes that may reach that port only); server and
+clients run on their defaults (the direct path offered, workers
 polling ``direct_spin_us`` and clients ``poll_us`` while a core is free; the front-end rows'
 client opts out with ``direct=False``). Single client: calls over each path and echo
 round trips alternate in blocks of 50, in an order that goes round by one each block, so

@@ -696,5 +696,5 @@ def _strict_counts(gateway_stats: dict) -> tuple[int, int]:
     return int(slo.get(SloOutcome.MET, 0)), sum(int(n) for n in slo.values())
 
 
-# Detached and named so that tools and a restarted driver find it; on the head.
-ControllerActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1)(raycompat.at_node_niceness(Controller))
+ControllerActor = ray.remote(num_cpus=0, resources={"splitserve_head": 0.01}, max_restarts=-1)(  # on the head,
+    raycompat.at_node_niceness(Controller))  # detached and named: tools and a restarted driver find it
