@@ -188,13 +188,7 @@ class FastPathConnection(FrameStream):
         except SplitServeError as e:
             self.send_error(h.req_id, 0, e)
             return
-        # The worker holds the connection now: this end stops watching it and closes its own
-        # descriptor only (no drain, which would read the client's next frame, and no shutdown).
-        self.closed = True
-        self.loop.remove_reader(self.fd)
-        self.intake.unwatch(self)
-        self.live.discard(self)
-        self.sock.close()
+        self.close(handed_over=True)
 
     def between_frames(self) -> None:
         """Pause here if flow control says so."""
@@ -255,8 +249,10 @@ class FastPathConnection(FrameStream):
             self.loop.remove_writer(self.fd)
         self._maybe_resume()
 
-    def close(self, flush: bool = False) -> None:
-        """Close the connection; calls still running are answered into the void."""
+    def close(self, flush: bool = False, handed_over: bool = False) -> None:
+        """Close the connection; calls still running are answered into the void. With
+        ``handed_over`` a worker holds it now: this end stops watching it and closes its own
+        descriptor only (no drain, which would read the client's next frame)."""
         if self.closed:
             return
         if flush and self.out:
@@ -274,7 +270,10 @@ class FastPathConnection(FrameStream):
             self.intake.dropped(arrival)
             arrival.call.abandon()
         self.intake.unwatch(self)
-        close_drained(self.sock)
+        if handed_over:
+            self.sock.close()
+        else:
+            close_drained(self.sock)
         self.live.discard(self)
 
 

@@ -403,7 +403,7 @@ class Worker:
             return False
         if kind == Msg.ADOPT and not flags & _CUT and n >= ADOPT.size:  # no answer: the client hears of it
             self._adopt(fds, ADOPT.unpack_from(self._buf)[1])
-            return True
+            return not self.exiting
         if flags & _CUT:
             _close_all(fds)
             reply = FailedMsg(kind, 0, f"message over {MAX_MESSAGE_BYTES} B or {MAX_LOAD_FDS} fds, "
