@@ -17,8 +17,9 @@ someone else is waiting for. So a side polls only
 - while the host has no runnable task waiting for a CPU (``/proc/loadavg``'s runnable count
   at most the CPUs this process may use). The count is the scheduler's instantaneous
   ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
-  ``LOAD_PERIOD_NS`` (10 µs), before a wait and *during* a poll (``Poller.wait``, the
-  compiled client wire), whose first look reads at once. ``BUSY_READS`` (2) reads in a row
+  ``LOAD_PERIOD_NS`` (10 µs), *during* a poll (``Poller.wait``, the compiled client wire,
+  ``sockets.recv_polling``), whose first look, at its first try that finds nothing, reads
+  at once; never before a wait, which that look makes a second read of the same thing. ``BUSY_READS`` (2) reads in a row
   that find a task waiting end the poll under way, make the next wait sleep and hold that
   verdict for ``BUSY_HOLD_NS`` before the host is read again. One such read may be a kernel
   thread's moment, and a poll that looks every 10 µs through a lenet call's 300 µs has
@@ -26,8 +27,8 @@ someone else is waiting for. So a side polls only
   until the CPU it goes to takes it in (an inter-processor interrupt away), so a first look
   can find the host free where it is not: looks 10 µs apart, not 50, catch it while a small
   model's 40 µs call still runs.
-- while the last polls were not ended by a busy host. A side whose poll a busy host ended,
-  or that found no CPU free before a wait, lets its waits go without a poll for a while
+- while the last polls were not ended by a busy host. A side whose poll a busy host ended
+  lets its waits go without a poll for a while
   (``BACKOFF_NS``, doubled while it lasts, at most ``BACKOFF_MAX_NS``), asking only the
   clock: on a 2-core host with the other core taken, a side that polls moves its peer's
   wake-ups to the other core, behind the task there, where without polling the two take
@@ -36,7 +37,7 @@ someone else is waiting for. So a side polls only
   model's calls/s. ``splitserve bench polling`` measures both sides on and off in the same
   minutes, on a quiet and on a busy host.
 
-``SpinPolicy`` decides from the waits and the host's state it is told (a pure decider);
+``SpinPolicy`` decides from the waits and how its polls ended (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
 (``ServerConfig.transports.direct_spin_us``), the blocking client through its wire's ``call``
 (``Client(poll_us=...)``); both look at the host during the poll too, the compiled wire
@@ -46,8 +47,6 @@ with ``HostLoad.poll_check``'s descriptor and rule.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-
 _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls bring the poll back
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 10_000  # how often HostLoad reads /proc/loadavg while the host is free (a poll's looks)
@@ -66,18 +65,16 @@ BACKOFF_MAX_NS = 6_400_000
 
 class SpinPolicy:
     """The poll window before each sleep: ``budget_ns`` while the recent waits, or the last
-    one, are within it and a CPU is free, else 0 (sleep at once).
+    one, are within it, else 0 (sleep at once); the poll itself ends early on a busy host.
 
-    A busy host makes the policy back off: a wait that finds no CPU free before it, or whose
-    poll a busy host ended (its peer, once woken, found no core), lets the waits of the next
+    A busy host makes the policy back off: a wait whose poll a busy host ended (no CPU was
+    free from its first look, or its peer, once woken, found none), lets the waits of the next
     ``BACKOFF_NS`` go without a poll, then of twice that, ... up to ``BACKOFF_MAX_NS``, while
     the waits it tries keep finding it so; a poll that ends with its event resets it. A wait
     in a back-off asks nothing but the clock (``skipping``): on a 2-core host with the other
     core busy, a client that asked the clock, the host and the policy before each call and
     sent it plainly after all paid ≈ 3.5 µs a call for it (Python right after a wake-up runs
-    cold), a tenth of a small model's calls/s. Before a wait the host's count cannot tell a
-    busy host from a quiet one whose two sides both poll (two runnable either way on 2
-    cores); the count once the peer is awake can."""
+    cold), a tenth of a small model's calls/s."""
 
     def __init__(self, budget_ns: int) -> None:
         if budget_ns < 0:
@@ -93,16 +90,17 @@ class SpinPolicy:
         and the wait untimed: the policy backs off a busy host."""
         return now_ns < self.quiet_at_ns
 
-    def window_ns(self, cpu_free: Callable[[], bool], now_ns: int) -> int:
-        """How long to poll before sleeping at ``now_ns``; ``cpu_free()`` (the host's state,
-        a read of it at most) is asked only when the waits alone would poll."""
+    def window_ns(self) -> int:
+        """How long the next wait polls before it sleeps, as the waits say. The host is not
+        asked here: the poll looks at it at its first try that finds nothing (``HostLoad``,
+        the compiled wire), and one that a busy host ends backs the policy off
+        (``observe``). A look before the wait as well cost a blocking client ≈ 4 µs a call
+        (a read of ``/proc/loadavg`` in Python right after a wake-up), which is 10 % of a
+        small model's direct tax, and told it nothing the poll's first look does not."""
         budget = self.budget_ns
         if not budget or (self.gap_ns > budget and self.last_ns > budget):
             return 0
-        if cpu_free():
-            return budget
-        self._back_off(now_ns)
-        return 0
+        return budget
 
     def observe(self, gap_ns: int, busy: bool | None = None, now_ns: int = 0) -> None:
         """A wait ended ``gap_ns`` after it began (by an event or its timeout), at
@@ -152,6 +150,15 @@ class HostLoad:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         return os.pread(self._fd, 128, 0).decode("ascii", "replace")
 
+    def readable(self) -> bool:
+        """Open the file now; False where it cannot be read (a side that cannot watch the
+        host must not poll: nothing would end its poll on a busy one)."""
+        try:
+            self._read()
+        except OSError:
+            return False
+        return True
+
     def cpu_free(self, now_ns: int) -> bool:
         if now_ns - self.read_at_ns >= LOAD_PERIOD_NS:
             try:
@@ -168,7 +175,7 @@ class HostLoad:
         """What a compiled poll needs to watch the host as ``cpu_free`` does, without the
         GIL (``_fastwire.Wire.call``'s ``load``): the open ``/proc/loadavg`` descriptor,
         the CPUs, the read period (s) and the busy reads in a row that end a poll; None
-        before the first read opened it."""
+        before a read (or ``readable``) opened it."""
         return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, BUSY_READS)
 
     def close(self) -> None:

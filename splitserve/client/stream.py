@@ -304,7 +304,10 @@ class Client:
         if not poll_us >= 0:  # NaN too
             raise InvalidInput(f"poll_us must be 0 (never poll) or a number of µs, not {poll_us!r}")
         self._poll_ns = int(poll_us * 1000)
-        self._load = HostLoad() if self._poll_ns else None  # read only by callers that may poll
+        # read only by callers that may poll, and only during a poll; a host that cannot be read is never polled on
+        self._load = HostLoad() if self._poll_ns else None
+        if self._load is not None and not self._load.readable():
+            self._load = None
         self.endpoints = front_endpoints(url)
         self.endpoint = self.endpoints[0]  # the front end in use
         self.timeout = timeout
@@ -469,10 +472,9 @@ class Client:
         t0 = time.monotonic_ns()
         if spin.skipping(t0):  # backing off a busy host: a plain call, nothing asked or timed
             return stream.call(parts, total)
-        load = self._load
-        window_ns = spin.window_ns(lambda: load.cpu_free(t0), t0)  # type: ignore[union-attr]
+        window_ns = spin.window_ns()
         try:
-            return stream.call(parts, total, window_ns / 1e9, load) if window_ns else stream.call(parts, total)
+            return stream.call(parts, total, window_ns / 1e9, self._load) if window_ns else stream.call(parts, total)
         finally:
             t1 = time.monotonic_ns()
             spin.observe(t1 - t0, stream.busy if window_ns else None, t1)

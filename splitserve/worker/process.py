@@ -364,9 +364,9 @@ class Worker:
         elif not self.spin.budget_ns or self.spin.skipping(t0 := time.monotonic_ns()):
             events = poller.ep.poll(direct.timeout())  # polling off, or backing off a busy host: no host read
         else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
-            host_free = self.host.cpu_free
-            window = self.spin.window_ns(lambda: host_free(t0), t0)
-            events = poller.wait(direct.timeout(), window, host_free) if window else poller.ep.poll(direct.timeout())
+            window = self.spin.window_ns()
+            events = poller.wait(direct.timeout(), window, self.host.cpu_free) if window else \
+                poller.ep.poll(direct.timeout())
             t1 = time.monotonic_ns()
             self.spin.observe(t1 - t0, poller.busy if window else None, t1)
         for fd, mask in events:

@@ -527,14 +527,16 @@ def test_a_poll_under_way_stops_once_a_task_waits_for_a_cpu(compiled, tmp_path):
     assert spent < 0.1  # slept: a poll that went on would have spun for the half second
 
 
-def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_a_busy_host(monkeypatch):
+def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_backs_off_a_busy_host(monkeypatch, tmp_path):
     """A connection whose answers take longer than the poll budget stops polling after a
-    few calls (its waits teach its policy); no call polls while the host has a task
-    waiting for a CPU; a negative budget is refused."""
-    free = [True]
-    monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: free[0])
+    few calls (its waits teach its policy); a poll that finds the host with a task waiting
+    for a CPU ends, and the calls after it do not poll, nor read the host; a negative budget
+    is refused."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.10 0.10 0.10 1/100 5\n")
     listener = socket.create_server(("127.0.0.1", 0))
     polls: list[float] = []
+    busy: list[bool] = []
 
     def slow_peer() -> None:
         conn, _ = listener.accept()
@@ -553,24 +555,31 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_never_on_
     t.start()
     try:
         with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, poll_us=1000) as c:
+            c._load.close()
+            c._load = HostLoad(str(loadavg))  # the host as the client sees it: this file, not /proc/loadavg
+            c._load.cpus = 2
+            assert c._load.readable()
             c.lookup("m")
             call = c._front.call
             monkeypatch.setattr(c._front, "call", lambda parts, total, poll_s=0.0, host=None: (
-                polls.append(poll_s), call(parts, total, poll_s, host))[1])
+                polls.append(poll_s), call(parts, total, poll_s, host), busy.append(c._front.busy))[1])
             for _ in range(4):
                 np.testing.assert_array_equal(c.infer("m", np.ones(_OUT, np.float32)), np.ones(_OUT, np.float32))
-            free[0] = False
+            loadavg.write_text("9.00 9.00 9.00 9/100 5\n")  # now a task waits for a CPU
             c._front.spin.gap_ns = 0.0  # answers come close again, but the host is busy
             for bound in ("BACKOFF_NS", "BACKOFF_MAX_NS"):  # a back-off longer than these calls
                 monkeypatch.setattr(f"splitserve.spin.{bound}", 60 * 10**9)
-            c.infer("m", np.ones(_OUT, np.float32))
+            c.infer("m", np.ones(_OUT, np.float32))  # polls, and its first looks end the poll
             asked = []
-            monkeypatch.setattr(client_stream.HostLoad, "cpu_free", lambda self, now_ns: asked.append(now_ns))
+            monkeypatch.setattr(HostLoad, "cpu_free", lambda self, now_ns: asked.append(now_ns))
+            monkeypatch.setattr(HostLoad, "poll_check", lambda self: asked.append(0))
             c.infer("m", np.ones(_OUT, np.float32))  # the call after backs off: nothing asked, no poll
             assert asked == []
     finally:
         t.join(timeout=30)
         listener.close()
-    assert polls[0] == pytest.approx(1e-3) and polls[3:] == [0.0, 0.0, 0.0]
+    assert polls[0] == pytest.approx(1e-3) and polls[3] == 0.0  # slower than the budget: no poll
+    assert polls[4] == pytest.approx(1e-3) and busy[4]  # the busy host ended that one
+    assert polls[5] == 0.0 and not busy[5]
     with pytest.raises(InvalidInput, match="poll_us"):
         Client("tcp://127.0.0.1:1", poll_us=-1)

@@ -28,10 +28,10 @@ US = 1000
 
 def test_calls_that_come_close_are_polled_for():
     p = SpinPolicy(100 * US)
-    assert p.window_ns(lambda: True, 0) == 100 * US  # nothing seen yet: poll, and learn
+    assert p.window_ns() == 100 * US  # nothing seen yet: poll, and learn
     for _ in range(20):
         p.observe(30 * US)
-    assert p.window_ns(lambda: True, 0) == 100 * US
+    assert p.window_ns() == 100 * US
 
 
 def test_a_few_long_gaps_stop_the_poll_and_the_first_close_call_brings_it_back():
@@ -39,27 +39,25 @@ def test_a_few_long_gaps_stop_the_poll_and_the_first_close_call_brings_it_back()
     p.observe(10 * 1_000_000_000)  # idle for 10 s: counted as 4 budgets, not 10 s
     assert p.gap_ns == pytest.approx(100 * US)
     p.observe(10 * 1_000_000_000)
-    assert p.window_ns(lambda: True, 0) == 0  # calls come seldom: sleep at once
+    assert p.window_ns() == 0  # calls come seldom: sleep at once
     p.observe(30 * US)
     assert p.gap_ns > p.budget_ns  # the EWMA still remembers the idle stretch...
-    assert p.window_ns(lambda: True, 0) == 100 * US  # ...but a call that came close brings the poll back
+    assert p.window_ns() == 100 * US  # ...but a call that came close brings the poll back
     p.observe(150 * US)
-    assert p.window_ns(lambda: True, 0) == 0  # and one that did not stops it again
+    assert p.window_ns() == 0  # and one that did not stops it again
 
 
 def test_calls_that_come_a_little_too_far_apart_are_not_polled_for():
     p = SpinPolicy(100 * US)
     for _ in range(20):
         p.observe(130 * US)
-    assert p.window_ns(lambda: True, 0) == 0
+    assert p.window_ns() == 0
 
 
-def test_never_while_a_task_waits_for_a_cpu_nor_when_off():
-    p = SpinPolicy(100 * US)
-    assert p.window_ns(lambda: False, 0) == 0
+def test_never_when_off():
     off = SpinPolicy(0)
     off.observe(1)
-    assert off.window_ns(lambda: True, 0) == 0
+    assert off.window_ns() == 0
     with pytest.raises(ValueError):
         SpinPolicy(-1)
     with pytest.raises(InvalidInput, match="direct_spin_us"):
@@ -68,39 +66,30 @@ def test_never_while_a_task_waits_for_a_cpu_nor_when_off():
 
 def test_a_busy_host_makes_a_side_back_off_for_ever_longer_up_to_a_bound_and_a_poll_its_event_ends_resets_it():
     p = SpinPolicy(100 * US)
-    asked: list[bool] = []
-
-    def free(answer: bool):
-        return lambda: asked.append(answer) or answer
-
-    assert p.window_ns(free(True), 0) == 100 * US
+    assert p.window_ns() == 100 * US
     p.observe(20 * US, busy=True, now_ns=1000)  # a busy host ended that poll
     assert p.skipping(1000 + BACKOFF_NS - 1) and not p.skipping(1000 + BACKOFF_NS)
     t = 1000 + BACKOFF_NS
-    assert p.window_ns(free(True), t) == 100 * US
+    assert p.window_ns() == 100 * US
     p.observe(20 * US, busy=True, now_ns=t)  # ended so again: twice as long
     assert p.skipping(t + 2 * BACKOFF_NS - 1) and not p.skipping(t + 2 * BACKOFF_NS)
-    t += 2 * BACKOFF_NS
-    assert p.window_ns(free(False), t) == 0  # no CPU free before a wait backs off the same way
-    assert p.skipping(t + 4 * BACKOFF_NS - 1) and not p.skipping(t + 4 * BACKOFF_NS)
     for _ in range(10):  # bounded
         t += p.backoff_ns
-        p.window_ns(free(False), t)
+        assert p.window_ns() == 100 * US  # a back-off over: the next wait polls, and its first look decides
+        p.observe(20 * US, busy=True, now_ns=t)
     assert p.backoff_ns == BACKOFF_MAX_NS and not p.skipping(t + BACKOFF_MAX_NS)
     t += BACKOFF_MAX_NS
-    assert p.window_ns(free(True), t) == 100 * US
     p.observe(20 * US, busy=False, now_ns=t)  # its event ended the poll: the back-off is over
     p.observe(20 * US, now_ns=t)  # a wait that did not poll says nothing of the host
     p.observe(20 * US, busy=True, now_ns=t)
     assert p.backoff_ns == BACKOFF_NS  # from the start again
-    assert len(asked) == 14  # a wait in a back-off asks nothing of the host
 
 
-def test_calls_that_come_seldom_do_not_ask_the_host_nor_back_off():
+def test_calls_that_come_seldom_are_not_polled_for_and_do_not_back_off():
     p = SpinPolicy(100 * US)
     for _ in range(4):
         p.observe(10 * 1_000_000_000)
-    assert p.window_ns(lambda: pytest.fail("the host was read for a wait that would not poll"), 0) == 0
+    assert p.window_ns() == 0  # calls come seldom
     assert not p.skipping(0)
 
 
