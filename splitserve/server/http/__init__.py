@@ -22,7 +22,8 @@ from splitserve.server import http_schema as doc
 from splitserve.server.frontends import CodecPool
 from splitserve.server.http.base import new_app
 from splitserve.server.http.frontend import HttpFrontEnd
-from splitserve.server.http.inference import classify_routes, inference_routes
+from splitserve.server.http.infer_lane import InferLane
+from splitserve.server.http.inference import classify_routes, infer_endpoint, inference_routes
 from splitserve.server.http.management import management_routes, model_config_routes, statistics_routes
 from splitserve.server.http.metrics import metrics_route
 from splitserve.server.http.placement import placement_routes
@@ -49,7 +50,9 @@ def inference_app(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, co
     and ``/metrics`` from ``metrics`` when given (a cluster gateway's: no other management)."""
     app = new_app("Open Inference Protocol v2 (KServe v2 / Triton): health, metadata and inference.",
                    [doc.InferRequestBody] + ([doc.IndexRequest] if registrar is not None else []))
-    app.include_router(inference_routes(api, catalog, codec, config, shm, extensions))
+    infer = infer_endpoint(api, catalog, codec, config, shm)
+    app.include_router(inference_routes(api, catalog, infer, extensions))
+    app.add_middleware(InferLane, infer=infer)
     if registrar is not None:
         app.include_router(repository_routes(registrar, config))
     if metrics is not None:
@@ -71,9 +74,11 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
     async def metrics_text() -> str:
         return api.metrics_text()
 
+    infer = infer_endpoint(api, manager, codec, config, shm)
+
     for router in (statistics_routes(manager),  # before the inference routes' /v2/models/{name}
                    settings_routes(manager, traces, logs, config),
-                   inference_routes(api, manager, codec, config, shm, EXTENSIONS),
+                   inference_routes(api, manager, infer, EXTENSIONS),
                    model_config_routes(manager),
                    classify_routes(api, manager, codec, config),
                    shared_memory_routes(shm, config),
@@ -84,4 +89,5 @@ def create_app(api: ServingAPI, manager: ModelManager, codec: CodecPool, config:
                    torchserve_management_routes(manager, config),
                    metrics_route(metrics_text)):
         app.include_router(router)
+    app.add_middleware(InferLane, infer=infer)
     return app

@@ -18,6 +18,7 @@ from splitserve.protocol import v2
 from splitserve.server import http_schema as doc
 from splitserve.server.frontends import CodecPool
 from splitserve.server.http.base import content_length, infer_limit, parse_json, read_body, route_doc
+from splitserve.server.http.infer_lane import InferEndpoint
 from splitserve.server.management import ModelManager
 from splitserve.server.ports import InferenceAPI, ModelCatalog, ModelSignature, SharedMemoryRegions
 from splitserve.server.shm import OutputWriters, input_tensor, output_views, write_outputs
@@ -43,13 +44,50 @@ def _encode_infer(model: str, version: str, req: v2.InferRequest, outputs: list[
     return b"".join(parts), hlen
 
 
+def infer_endpoint(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
+                   shm: SharedMemoryRegions) -> InferEndpoint:
+    """The v2 infer handler through ``api`` and ``catalog`` (``codec`` decodes and encodes
+    large bodies off the loop, ``shm`` holds tensors in shared memory): the documented
+    routes' endpoint, and the one ``InferLane`` calls without the router."""
 
-def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool, config: ServerConfig,
-                     shm: SharedMemoryRegions, extensions: Sequence[str]) -> APIRouter:
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        """Run an inference: JSON tensors, or the binary tensor data extension.
+
+        Request ``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (hard: still queued
+        then, the call is answered 504) and ``slo_ms`` (soft, real-time calls: a late one is
+        served and counted ``missed``); the response's
+        ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
+        """
+        ver = catalog.version(name, version)
+        cfg = catalog.model_config(name)
+        limit = infer_limit(config, cfg)
+        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
+                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
+        async with codec.admit(content_length(request, limit, what)):
+            body = await read_body(request, limit, what)
+            req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
+                                                     request.headers.get(v2.HEADER_LENGTH), shm)
+        out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
+        names = [t.name for t in cfg.outputs]
+        parts, hlen = await codec.run(
+            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.frontends.json_chars_per_value),
+            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
+            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
+        if hlen is None:
+            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
+        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
+
+    return infer
+
+
+def inference_routes(api: InferenceAPI, catalog: ModelCatalog, infer: InferEndpoint,
+                     extensions: Sequence[str]) -> APIRouter:
     """The inference half of the protocol: server metadata (naming ``extensions``), health,
-    model readiness and metadata, and infer (JSON and binary tensors), through ``api`` and
-    ``catalog``; a node's app and a cluster gateway's share it. A route that must not be
-    read as a model name (``/v2/models/stats``) has to be included before it."""
+    model readiness and metadata through ``api`` and ``catalog``, and infer (JSON and binary
+    tensors, ``infer_endpoint``'s ``infer``); a node's app and a cluster gateway's share it. A
+    route that must not be read as a model name (``/v2/models/stats``) has to be included
+    before it. ``InferLane`` takes the infer calls before the router does; the routes here
+    document them."""
     router = APIRouter()
 
     # -- health and metadata ------------------------------------------------------------
@@ -90,33 +128,6 @@ def inference_routes(api: InferenceAPI, catalog: ModelCatalog, codec: CodecPool,
                **route_doc(doc.ModelMetadata, 404))(metadata)
 
     # -- inference ----------------------------------------------------------------------
-
-    async def infer(name: str, request: Request, version: str | None = None) -> Response:
-        """Run an inference: JSON tensors, or the binary tensor data extension.
-
-        Request ``parameters``: ``class`` ("rt" or "be"), ``deadline_ms`` (hard: still queued
-        then, the call is answered 504) and ``slo_ms`` (soft, real-time calls: a late one is
-        served and counted ``missed``); the response's
-        ``parameters`` carry the server's ``queue_us``, ``compute_us`` and ``total_us``.
-        """
-        ver = catalog.version(name, version)
-        cfg = catalog.model_config(name)
-        limit = infer_limit(config, cfg)
-        what = (f"model {name!r}: max_batch_size {cfg.max_batch_size} samples of its inputs as JSON, "
-                "SPLITSERVE_JSON_CHARS_PER_VALUE characters a value")
-        async with codec.admit(content_length(request, limit, what)):
-            body = await read_body(request, limit, what)
-            req, inputs, shm_views = await codec.run(len(body), _decode_infer, cfg, body,
-                                                     request.headers.get(v2.HEADER_LENGTH), shm)
-        out = await api.infer(name, inputs, req.cls, req.deadline_s, req.slo_s)
-        names = [t.name for t in cfg.outputs]
-        parts, hlen = await codec.run(
-            sum(a.nbytes for a in out.outputs) * (1 if req.binary_output else config.frontends.json_chars_per_value),
-            _encode_infer, name, ver, req, list(zip(names, out.outputs)),
-            {"queue_us": out.queue_us, "compute_us": out.compute_us, "total_us": out.total_us}, shm_views)
-        if hlen is None:
-            return Response(parts, media_type=v2.JSON_CONTENT_TYPE)
-        return Response(parts, media_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(hlen)})
 
     infer_doc = route_doc(
         {"description": "Outputs as JSON, or (binary outputs asked for) a JSON header of "
