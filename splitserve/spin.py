@@ -19,9 +19,9 @@ someone else is waiting for. So a side polls only
   ``nr_running``, read through a descriptor kept open (one ``pread``, ≈ 1 µs) at most every
   ``LOAD_PERIOD_NS`` (10 µs), *during* a poll (``Poller.wait``, the compiled client wire,
   ``sockets.recv_polling``), whose first look, at its first try that finds nothing, reads
-  at once; never before a wait, which that look makes a second read of the same thing. ``BUSY_READS`` (2) reads in a row
-  that find a task waiting end the poll under way, make the next wait sleep and hold that
-  verdict for ``BUSY_HOLD_NS`` before the host is read again. One such read may be a kernel
+  at once; never before a wait, which that look would read again. ``BUSY_READS`` (2) reads
+  in a row that find a task waiting end the poll under way, make the next wait sleep and
+  hold that verdict for ``BUSY_HOLD_NS`` before the host is read again. One such read may be a kernel
   thread's moment, and a poll that looks every 10 µs through a lenet call's 300 µs has
   thirty chances to meet one on a quiet host. A peer being woken is not in the count
   until the CPU it goes to takes it in (an inter-processor interrupt away), so a first look
@@ -47,6 +47,7 @@ with ``HostLoad.poll_check``'s descriptor and rule.
 from __future__ import annotations
 
 import os
+
 _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls bring the poll back
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 10_000  # how often HostLoad reads /proc/loadavg while the host is free (a poll's looks)
@@ -95,8 +96,9 @@ class SpinPolicy:
         asked here: the poll looks at it at its first try that finds nothing (``HostLoad``,
         the compiled wire), and one that a busy host ends backs the policy off
         (``observe``). A look before the wait as well cost a blocking client ≈ 4 µs a call
-        (a read of ``/proc/loadavg`` in Python right after a wake-up), which is 10 % of a
-        small model's direct tax, and told it nothing the poll's first look does not."""
+        (a read of ``/proc/loadavg`` in Python right after a wake-up), a tenth of a small
+        model's direct tax, and side by side a busy host cost no more without it
+        (``docs/fastpath-breakdown.md``, stop 42)."""
         budget = self.budget_ns
         if not budget or (self.gap_ns > budget and self.last_ns > budget):
             return 0

@@ -581,5 +581,34 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_backs_off
     assert polls[0] == pytest.approx(1e-3) and polls[3] == 0.0  # slower than the budget: no poll
     assert polls[4] == pytest.approx(1e-3) and busy[4]  # the busy host ended that one
     assert polls[5] == 0.0 and not busy[5]
+
+
+def test_a_client_that_cannot_read_the_hosts_load_never_polls(monkeypatch):
+    """Nothing would end its poll on a busy host: every call waits plainly."""
+    monkeypatch.setattr(HostLoad, "readable", lambda self: False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    polls: list[float] = []
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _answer_lookup(conn)
+            h = unpack_header(recv_exact(conn, HEADER_SIZE))
+            conn.sendall(_answer(h.req_id, recv_exact(conn, h.payload_len)))
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    try:
+        with Client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout=30, poll_us=1000) as c:
+            assert c._load is None
+            c.lookup("m")
+            call = c._front.call
+            monkeypatch.setattr(c._front, "call", lambda parts, total, poll_s=0.0, host=None: (
+                polls.append(poll_s), call(parts, total, poll_s, host))[1])
+            np.testing.assert_array_equal(c.infer("m", np.ones(_OUT, np.float32)), np.ones(_OUT, np.float32))
+    finally:
+        t.join(timeout=30)
+        listener.close()
+    assert polls == [0.0]
     with pytest.raises(InvalidInput, match="poll_us"):
         Client("tcp://127.0.0.1:1", poll_us=-1)
