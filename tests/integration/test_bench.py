@@ -142,21 +142,24 @@ def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
     """On a server of its own with the direct path: the path measured by a blocking client
     and by one that polls for its answers, the latter set against an echo client that polls
     too, with no throughput figure of its own (the generator does not poll); and the same
-    direct path over connections the front end handed over (``direct-front``)."""
+    direct path over connections the front end handed over (``direct-front``). Each direct
+    path is also set against an echo whose server polls as long as the workers do."""
     summary = run_scenario("fastpath-latency", quick=True, out=tmp_path, models=("vecadd1k",),
                            transports=("direct", "direct-front"),
                            overrides={"requests": "60", "warmup": "5", "connections": "4", "duration_s": "0.6",
-                                      "warmup_s": "0.1", "client_poll_us": "500", "worker_spin_us": "0"},
+                                      "warmup_s": "0.1", "client_poll_us": "500", "worker_spin_us": "50"},
                            console=Console(file=io.StringIO()))
     assert summary.exit_code == EXIT_OK
     doc = _result(summary.path)
-    assert doc["server"]["direct_spin_us"] == "0"  # its workers sleep at once, as asked
+    assert doc["server"]["direct_spin_us"] == "50"  # its workers poll as long as asked
     paths = doc["models"]["vecadd1k"]["transports"]
     assert set(paths) == {"direct", "direct+poll", "direct-front", "direct-front+poll"}
     assert paths["direct"]["throughput_ratio"] > 0 and paths["direct+poll"]["throughput_ratio"] is None
     assert paths["direct-front"]["throughput_ratio"] > 0
     assert all(p["latency_ratio"] > 0 and p["compute_us"]["p50"] > 0 for p in paths.values())
+    assert all(p["floor_ratio"] > 0 and p["floor_echo_us"]["p50"] > 0 for p in paths.values())
     assert any("direct, client polls" in line and "the echo client polls too" in line for line in summary.lines)
+    assert any("an echo whose server polls too" in line for line in summary.lines)
     assert "vecadd1k (direct, client polls)" in (summary.path / "report.md").read_text()
 
 

@@ -218,3 +218,22 @@ def test_a_runs_servers_share_one_weights_cache_beside_its_results(tmp_path, mon
     assert ctx.weights_cache() == tmp_path / ".weights-cache"  # every server of the run, and the next run
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "mine"))
     assert ctx.weights_cache() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize("poll_us", [0.0, 200.0], ids=["blocking", "polling"])
+def test_the_echo_server_answers_the_sizes_asked_whether_it_blocks_or_polls(poll_us):
+    """A real echo process on loopback: each call's answer is the size its header asked
+    for, a request split in two sends still comes whole, and the server serves on."""
+    from splitserve.bench.echo import EchoClient, EchoProcess
+
+    with EchoProcess.start(poll_us=poll_us) as server:
+        with EchoClient(server.host, server.port, 64 + 4096, 64 + 40, timeout=10, poll_us=100) as client:
+            for _ in range(20):
+                client.call()  # reads exactly the answer's size, within the timeout
+            client.sock.sendall(client._header[:10])  # a header in two parts
+            client.sock.sendall(client._header[10:] + client._payload)
+            got = 0
+            while got < 64 + 40:
+                got += len(client.sock.recv(1 << 16))
+            assert got == 64 + 40
+            client.call()

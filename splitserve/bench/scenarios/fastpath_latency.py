@@ -18,6 +18,12 @@ lenet and 1.2x for vecadd1k on the direct path, 2x otherwise). Throughput: 32 cl
 separate generator process (target: at least 0.5x the echo's requests/s). Targets are
 reported, not asserted.
 
+The plain echo's server blocks, and where its thread runs moves its round trip (on the 2-core
+VM ≈ 8.5 µs on its client's vCPU, ≈ 31 µs on the other, whose vCPU halts between calls): a
+second echo server that polls as the workers do (``direct_spin_us``) takes its turns among
+the direct paths' blocks, and each direct path's tax is also reported against it (the
+``floor_ratio``, no target): the floor with both sides polling.
+
 With ``client_poll_us`` (default 0: none) each direct path is measured a second time by a
 client that polls up to that long (``Client(poll_us=...)``, rows "client polls"), next to an
 echo client that polls the same way. Those rows have no throughput figure (the 32-connection
@@ -34,6 +40,7 @@ runs of this one at different times differ by more than what polling does).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -41,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.echo import HEADER_SIZE, EchoClient
+from splitserve.bench.echo import HEADER_SIZE, EchoClient, EchoProcess
 from splitserve.bench.inputs import as_call_arg
 from splitserve.bench.scenarios.base import (
     Context,
@@ -56,6 +63,7 @@ from splitserve.bench.timing import bottleneck, busy, closed_loop_run, gc_paused
 from splitserve.bench.transports import DIRECT, LABEL, POLLS, close_sync, open_sync, path_label
 from splitserve.bench.validate import Expected
 from splitserve.client.stream import DEFAULT_POLL_US
+from splitserve.config import TransportSection
 
 NAME = "fastpath-latency"
 SUMMARY = ("Fast path round trip and 32-connection throughput, through the front end and direct to the worker, "
@@ -102,16 +110,23 @@ class Params(BaseParams):
         return cls(requests=500, warmup=50, duration_s=1.5, warmup_s=0.3)
 
 
+# ``_alternate``'s key of the echo whose server polls too (its other echoes are keyed by whether their client polls)
+_FLOOR = "floor"
+
 # The throughput figures of a path measured for latency only
 _NO_RUN: dict[str, Any] = {"throughput_rps": None, "errors": None, "latency_ms": {"p99": None}}
 
 
 def _alternate(clients: dict[str, Any], echoes: dict[bool, EchoClient], model: str, arg: Any, n: int, warmup: int,
-               block: int = BLOCK) -> dict[str, dict[str, np.ndarray]]:
+               block: int = BLOCK, floor: EchoClient | None = None) -> dict[str, dict[str, np.ndarray]]:
     """``n`` calls over each client and ``n`` round trips of each echo client (``echoes``:
     by whether it polls; a path that polls is set against the echo that polls), in
     alternating blocks of ``block``, in an order that goes round by one each block (a fixed
-    one gave whatever the block before leaves, e.g. a busy host, to the same path)."""
+    one gave whatever the block before leaves, e.g. a busy host, to the same path).
+    ``floor``, an echo client of a server that polls too, takes its turns as the others do;
+    its round trips are every path's ``floor_us``."""
+    if floor is not None:
+        echoes = {**echoes, _FLOOR: floor}  # type: ignore[dict-item]
     for _ in range(warmup):
         for client in clients.values():
             client.infer_result(model, arg)
@@ -142,7 +157,8 @@ def _alternate(clients: dict[str, Any], echoes: dict[bool, EchoClient], model: s
             stop = min(n, start + block)
             for run in runs[k % len(runs):] + runs[:k % len(runs)]:
                 run(start, stop)
-    return {t: {"fastpath_us": fp[t] * 1e6, "compute_us": compute[t], "echo_us": ec[t.endswith(POLLS)] * 1e6}
+    return {t: {"fastpath_us": fp[t] * 1e6, "compute_us": compute[t], "echo_us": ec[t.endswith(POLLS)] * 1e6,
+                **({"floor_us": ec[_FLOOR] * 1e6} if floor is not None else {})}
             for t in clients}
 
 
@@ -159,7 +175,14 @@ def run(ctx: Context) -> ScenarioOutput:
     echo = ctx.echo()
     results: dict[str, Any] = {}
     poll = {} if p.polling else {"poll_us": 0}  # the fast-path clients' default, or none
-    with busy(p.busy_cores), ctx.task("round trips and throughput", (2 * len(usable) + 1) * len(p.models)) as advance:
+    # the floor with both sides polling: an echo server that polls as the workers do
+    floor_spin = TransportSection.direct_spin_us if p.worker_spin_us is None else p.worker_spin_us
+    floor_server = EchoProcess.start(poll_us=floor_spin) if p.polling and floor_spin and any(
+        t in DIRECT for t in usable) else None
+    with contextlib.ExitStack() as stack, busy(p.busy_cores), \
+            ctx.task("round trips and throughput", (2 * len(usable) + 1) * len(p.models)) as advance:
+        if floor_server is not None:
+            stack.callback(floor_server.stop)
         for model in p.models:
             entry = zoo_entry(model)
             arg = as_call_arg(make_inputs(entry.inputs, 1, p.seed)[0])
@@ -167,6 +190,7 @@ def run(ctx: Context) -> ScenarioOutput:
             clients = {t: open_sync(t, target.url(t), **poll) for t in usable}
             polled = p.client_poll_us if any(t in DIRECT for t in usable) else 0
             echoes: dict[bool, EchoClient] = {}
+            floor = None
             try:
                 # polls as the fast-path client does on its defaults
                 echoes[False] = EchoClient(echo.host, echo.port, req, resp,
@@ -179,15 +203,17 @@ def run(ctx: Context) -> ScenarioOutput:
                 # after a front-end block (three processes on the cores) both sides of a
                 # direct call back off a while, which a direct caller does not meet
                 times = {}
-                for group in ([t for t in clients if t.removesuffix(POLLS) not in DIRECT],
-                              [t for t in clients if t.removesuffix(POLLS) in DIRECT]):
+                if floor_server is not None:
+                    floor = EchoClient(floor_server.host, floor_server.port, req, resp, poll_us=DEFAULT_POLL_US)
+                for group, group_floor in (([t for t in clients if t.removesuffix(POLLS) not in DIRECT], None),
+                                           ([t for t in clients if t.removesuffix(POLLS) in DIRECT], floor)):
                     if group:
                         times.update(_alternate({t: clients[t] for t in group}, echoes, model, arg, p.requests,
-                                                p.warmup))
+                                                p.warmup, floor=group_floor))
             finally:
                 for client in clients.values():
                     close_sync(client)
-                for ec in echoes.values():
+                for ec in [*echoes.values(), *([floor] if floor is not None else [])]:
                     ec.close()
             advance(len(usable))
             echo_s = closed_loop_run(workload("echo", echo.url, model, model, p.seed), p.connections, p.duration_s,
@@ -212,6 +238,7 @@ def _cell(t: dict[str, np.ndarray], fp_s: dict[str, Any] | None, echo_s: dict[st
     overhead = lat_stats(t["fastpath_us"] - t["compute_us"])
     echo_lat = lat_stats(t["echo_us"])
     lat_ratio = overhead["p50"] / echo_lat["p50"] if echo_lat["p50"] else None
+    floor = lat_stats(t["floor_us"]) if "floor_us" in t else None
     if fp_s is None:
         fp_s = echo_s = _NO_RUN
     tp_ratio = (fp_s["throughput_rps"] / echo_s["throughput_rps"]
@@ -224,6 +251,10 @@ def _cell(t: dict[str, np.ndarray], fp_s: dict[str, Any] | None, echo_s: dict[st
         "fastpath_minus_compute_us": overhead, "echo_us": echo_lat,
         "latency_ratio": lat_ratio, "latency_target": target,
         "latency_target_met": lat_ratio is not None and lat_ratio <= target,
+        # against an echo whose server polls too (both sides polling): a floor that does not
+        # move with where the echo's thread runs, as the plain echo's does; no target
+        "floor_echo_us": floor,
+        "floor_ratio": overhead["p50"] / floor["p50"] if floor and floor["p50"] else None,
         "fastpath_rps": fp_s["throughput_rps"], "echo_rps": echo_s["throughput_rps"],
         "fastpath_p99_ms_loaded": fp_s["latency_ms"]["p99"], "echo_p99_ms_loaded": echo_s["latency_ms"]["p99"],
         "fastpath_errors": fp_s["errors"],
@@ -293,6 +324,9 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
                 continue
             rows.append((*row, fmt(r["fastpath_rps"], 0), fmt(r["echo_rps"], 0),
                          fmt(r["throughput_ratio"], 2, "x") + (" ok" if r["throughput_target_met"] else " MISSED")))
+            if r["floor_ratio"] is not None:
+                lat += (f"; {fmt(r['floor_ratio'], 2)}x an echo whose server polls too "
+                        f"(p50 {fmt(r['floor_echo_us']['p50'])} µs)")
             lines.append(lat + f"; one client {fmt(r['one_client_rps'], 0)} calls/s"
                          f"; throughput {fmt(r['fastpath_rps'], 0)} vs echo {fmt(r['echo_rps'], 0)} req/s = "
                          f"{fmt(r['throughput_ratio'], 2)}x (target >= {THROUGHPUT_TARGET:g}x: "
