@@ -177,12 +177,10 @@ def run(ctx: Context) -> ScenarioOutput:
     poll = {} if p.polling else {"poll_us": 0}  # the fast-path clients' default, or none
     # the floor with both sides polling: an echo server that polls as the workers do
     floor_spin = TransportSection.direct_spin_us if p.worker_spin_us is None else p.worker_spin_us
-    floor_server = EchoProcess.start(poll_us=floor_spin) if p.polling and floor_spin and any(
-        t in DIRECT for t in usable) else None
     with contextlib.ExitStack() as stack, busy(p.busy_cores), \
             ctx.task("round trips and throughput", (2 * len(usable) + 1) * len(p.models)) as advance:
-        if floor_server is not None:
-            stack.callback(floor_server.stop)
+        floor_server = stack.enter_context(EchoProcess.start(poll_us=floor_spin)) if p.polling and floor_spin and any(
+            t in DIRECT for t in usable) else None
         for model in p.models:
             entry = zoo_entry(model)
             arg = as_call_arg(make_inputs(entry.inputs, 1, p.seed)[0])
