@@ -12,6 +12,7 @@ Nothing is excluded.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
+@functools.cache  # every test reads the same files: each is parsed once a run, not once a test
 def _parse(path: Path) -> ast.Module:
     """A module's syntax tree (a C extension's: empty, it imports nothing of ours)."""
     return ast.parse(path.read_text() if path.suffix == ".py" else "", str(path))
