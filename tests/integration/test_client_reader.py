@@ -581,6 +581,8 @@ def test_a_client_stops_polling_for_answers_slower_than_its_budget_and_backs_off
     assert polls[0] == pytest.approx(1e-3) and polls[3] == 0.0  # slower than the budget: no poll
     assert polls[4] == pytest.approx(1e-3) and busy[4]  # the busy host ended that one
     assert polls[5] == 0.0 and not busy[5]
+    with pytest.raises(InvalidInput, match="poll_us"):
+        Client("tcp://127.0.0.1:1", poll_us=-1)
 
 
 def test_a_client_that_cannot_read_the_hosts_load_never_polls(monkeypatch):
@@ -610,5 +612,3 @@ def test_a_client_that_cannot_read_the_hosts_load_never_polls(monkeypatch):
         t.join(timeout=30)
         listener.close()
     assert polls == [0.0]
-    with pytest.raises(InvalidInput, match="poll_us"):
-        Client("tcp://127.0.0.1:1", poll_us=-1)
