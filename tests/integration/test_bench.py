@@ -164,8 +164,9 @@ def test_fastpath_latency_direct_with_a_polling_client(tmp_path):
 
 
 def test_polling_on_and_off_side_by_side_on_a_quiet_and_a_busy_host(tmp_path):
-    """Its own two servers, one polling and one not: both hosts' figures each way, from the
-    same minutes, and the busy host's goal reported; a --url is refused."""
+    """Its own two servers, one polling and one not: both hosts' figures each way, and each
+    side's polling alone, from the same minutes, and the busy host's goal reported; a --url
+    is refused."""
     summary = run_scenario("polling", quick=True, out=tmp_path, models=("vecadd1k",),
                            overrides={"requests": "60", "warmup": "5", "connections": "4", "duration_s": "0.4",
                                       "warmup_s": "0.1", "busy_cores": "1"},
@@ -177,9 +178,13 @@ def test_polling_on_and_off_side_by_side_on_a_quiet_and_a_busy_host(tmp_path):
         c = doc["phases"][phase]["vecadd1k"]["direct"]
         assert c["one_client_rps"]["on"] > 0 and c["one_client_rps"]["off"] > 0
         assert c["one_client_ratio"] == pytest.approx(c["one_client_rps"]["on"] / c["one_client_rps"]["off"])
+        for side in ("worker", "client"):  # each half of polling alone, against neither
+            assert c["one_side_ratio"][side] == pytest.approx(c["one_client_rps"][side] / c["one_client_rps"]["off"])
+            assert c["one_client_us"][side]["p50"] > 0
         assert len(c["connections_runs"]["on"]) == len(c["connections_runs"]["off"]) == 1
     assert doc["busy_processes"] == 1
-    assert any(line.startswith("busy, vecadd1k") and "goal >= 0.95x" in line for line in summary.lines)
+    assert any(line.startswith("busy, vecadd1k") and "goal >= 0.95x" in line and "the worker alone" in line
+               for line in summary.lines)
     code = run_scenario("polling", quick=True, out=tmp_path, urls=["tcp://127.0.0.1:1"], models=("vecadd1k",),
                         console=Console(file=io.StringIO())).exit_code
     assert code != EXIT_OK

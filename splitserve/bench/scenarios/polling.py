@@ -11,7 +11,10 @@ few % on a 2-core VM: more than one each keeps one server's luck out of a side's
 
 Per phase and model:
 - one client: sequential calls alternate in blocks of 50 between on and off, going round the
-  pairs (a caller's calls/s each way, and its p50);
+  pairs (a caller's calls/s each way, and its p50), and between the two halves of polling:
+  the worker alone (a client that does not poll, on a polling server) and the client alone
+  (a polling client, on a server that does not poll), each against off, so that what a busy
+  host costs is laid at each side's door;
 - 32 connections from a generator process (the asyncio client, which does not poll: the
   workers' polls are what differ), on and off in turn, ``rounds`` times each per pair (req/s,
   medians).
@@ -49,6 +52,9 @@ TRANSPORTS: tuple[str, ...] = DIRECT
 PHASES: tuple[str, ...] = ("quiet", "busy")
 BUSY_TARGET = 0.95  # on/off throughput with the other cores busy, at least
 BLOCK = 50  # one client's calls per turn
+# One client's sides: who polls (the server's workers, the client), and the servers it calls
+SIDES: dict[str, tuple[str, bool]] = {"on": ("on", True), "worker": ("on", False), "client": ("off", True),
+                                      "off": ("off", False)}
 
 
 @dataclass
@@ -83,32 +89,27 @@ def spinners(p: Params) -> int:
 
 
 def _alternate(clients: dict[str, list[Any]], model: str, arg: Any, n: int, warmup: int) -> dict[str, np.ndarray]:
-    """``n`` sequential calls each way (``clients``: by side, one per server), alternating in
-    blocks of ``BLOCK`` that go round the servers: µs per call."""
+    """``n`` sequential calls each way (``clients``: by side, one per server of the side's
+    kind), alternating in blocks of ``BLOCK``: every side's block in turn, the order going
+    round by one and each side's server by one from block to block: µs per call."""
     for side in clients.values():
         for client in side:
             for _ in range(warmup):
                 client.infer_result(model, arg)
-    turns = [(side, c) for pair in zip(clients["on"], clients["off"]) for side, c in zip(("on", "off"), pair)]
-    times = {"on": np.empty(n), "off": np.empty(n)}
+    sides = list(clients)
+    pairs = min(len(c) for c in clients.values())
+    times = {side: np.empty(n) for side in sides}
     clock = time.perf_counter
     with gc_paused():
         for k, start in enumerate(range(0, n, BLOCK)):
-            # one side's block per server in turn; which goes first swaps every block (a
-            # block's place in the turn biases it otherwise)
-            for side, client in (turns[k % len(turns)], _other(turns, k)):
-                out = times[side]
+            # which side goes first moves every block (a block's place in the turn biases it otherwise)
+            for side in sides[k % len(sides):] + sides[: k % len(sides)]:
+                client, out = clients[side][k % pairs], times[side]
                 for i in range(start, min(n, start + BLOCK)):
                     t0 = clock()
                     client.infer_result(model, arg)
                     out[i] = clock() - t0
     return {side: t * 1e6 for side, t in times.items()}
-
-
-def _other(turns: list[tuple[str, Any]], k: int) -> tuple[str, Any]:
-    """The other side's client for block ``k``: the pair's partner, so both sides see each server pair."""
-    i = k % len(turns)
-    return turns[i + 1 if i % 2 == 0 else i - 1]
 
 
 def _throughput(p: Params, targets: dict[str, list[Target]], transport: str, model: str) -> dict[str, list[float]]:
@@ -133,6 +134,7 @@ def _cell(seq: dict[str, np.ndarray], rps: dict[str, list[float]]) -> dict[str, 
     many = {side: statistics.median(v) for side, v in rps.items()}
     return {
         "one_client_rps": one, "one_client_ratio": one["on"] / one["off"],
+        "one_side_ratio": {side: one[side] / one["off"] for side in ("worker", "client")},
         "one_client_us": {side: lat_stats(t) for side, t in seq.items()},
         "connections_rps": many, "connections_runs": rps, "connections_ratio": many["on"] / many["off"],
     }
@@ -177,13 +179,16 @@ def run(ctx: Context) -> ScenarioOutput:
                 for model in p.models:
                     arg = as_call_arg(make_inputs(zoo_entry(model).inputs, 1, p.seed)[0])
                     for tr in usable:
-                        clients = {"on": [open_sync(tr, t.url(tr)) for t in targets["on"]],
-                                   "off": [open_sync(tr, t.url(tr), poll_us=0) for t in targets["off"]]}
+                        clients: dict[str, list[Any]] = {}
                         try:
+                            for side, (servers, polls) in SIDES.items():
+                                clients[side] = [open_sync(tr, t.url(tr), **({} if polls else {"poll_us": 0}))
+                                                 for t in targets[servers]]
                             seq = _alternate(clients, model, arg, p.requests, p.warmup)
                         finally:
-                            for client in (*clients["on"], *clients["off"]):
-                                close_sync(client)
+                            for side_clients in clients.values():
+                                for client in side_clients:
+                                    close_sync(client)
                         rps = _throughput(p, targets, tr, model)
                         results.setdefault(phase, {}).setdefault(model, {})[tr] = _cell(seq, rps)
                         advance(1)
@@ -204,8 +209,13 @@ def _plot(results: dict[str, Any]) -> Any:
     fig = Figure(figsize=(1.6 * len(cells) + 3, 3.6))
     ax = fig.subplots()
     x = np.arange(len(cells))
-    ax.bar(x - 0.2, [c["one_client_ratio"] for _, c in cells], 0.4, label="one client", color="#2b7bba")
-    ax.bar(x + 0.2, [c["connections_ratio"] for _, c in cells], 0.4, label="32 connections", color="#d95f02")
+    bars = [("one client", "#2b7bba", lambda c: c["one_client_ratio"]),
+            ("one client, the worker alone polls", "#9ecae1", lambda c: c["one_side_ratio"]["worker"]),
+            ("one client, the client alone polls", "#6baed6", lambda c: c["one_side_ratio"]["client"]),
+            ("32 connections", "#d95f02", lambda c: c["connections_ratio"])]
+    width = 0.8 / len(bars)
+    for j, (label, color, value) in enumerate(bars):
+        ax.bar(x + (j - (len(bars) - 1) / 2) * width, [value(c) for _, c in cells], width, label=label, color=color)
     ax.axhline(1.0, color="#7f7f7f", linewidth=0.8)
     ax.axhline(BUSY_TARGET, color="#d62728", linestyle=":", linewidth=0.8, label=f"busy goal ({BUSY_TARGET:g}x)")
     ax.set_xticks(x, [label for label, _ in cells], fontsize=8)
@@ -223,15 +233,18 @@ def _output(p: Params, results: dict[str, Any]) -> ScenarioOutput:
         for model, paths in models.items():
             for tr, c in paths.items():
                 one, many = c["one_client_rps"], c["connections_rps"]
-                r1, rn = c["one_client_ratio"], c["connections_ratio"]
+                r1, rn, alone = c["one_client_ratio"], c["connections_ratio"], c["one_side_ratio"]
                 rows.append((phase, f"{model} ({tr})", fmt(one["on"], 0), fmt(one["off"], 0),
-                             fmt(r1, 3, "x") + _verdict(phase, r1),
+                             fmt(r1, 3, "x") + _verdict(phase, r1), fmt(alone["worker"], 3, "x"),
+                             fmt(alone["client"], 3, "x"),
                              fmt(c["one_client_us"]["on"]["p50"]), fmt(c["one_client_us"]["off"]["p50"]),
                              fmt(many["on"], 0), fmt(many["off"], 0), fmt(rn, 3, "x") + _verdict(phase, rn)))
                 goal = f" (goal >= {BUSY_TARGET:g}x)" if phase == "busy" else ""
-                lines.append(f"{phase}, {model} over {tr}: polling on/off one client {fmt(r1, 3)}x, "
+                lines.append(f"{phase}, {model} over {tr}: polling on/off one client {fmt(r1, 3)}x (the worker alone "
+                             f"{fmt(alone['worker'], 3)}x, the client alone {fmt(alone['client'], 3)}x), "
                              f"{p.connections} connections {fmt(rn, 3)}x{goal}")
-    report.append(md_table(("host", "model (path)", "one client calls/s on", "off", "on/off", "p50 µs on", "off",
-                            f"{p.connections} conns req/s on", "off", "on/off"), rows))
+    report.append(md_table(("host", "model (path)", "one client calls/s on", "off", "on/off", "worker alone / off",
+                            "client alone / off", "p50 µs on", "off", f"{p.connections} conns req/s on", "off",
+                            "on/off"), rows))
     return ScenarioOutput({"phases": results, "busy_processes": spinners(p), "target_busy": BUSY_TARGET},
                           "\n".join(report), {"polling": _plot(results)} if results else {}, lines)
