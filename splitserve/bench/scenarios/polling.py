@@ -91,7 +91,8 @@ def spinners(p: Params) -> int:
 def _alternate(clients: dict[str, list[Any]], model: str, arg: Any, n: int, warmup: int) -> dict[str, np.ndarray]:
     """``n`` sequential calls each way (``clients``: by side, one per server of the side's
     kind), alternating in blocks of ``BLOCK``: every side's block in turn, the order going
-    round by one and each side's server by one from block to block: µs per call."""
+    round by one from block to block and the servers by one once every side has gone first
+    (so each server pair sees every order): µs per call."""
     for side in clients.values():
         for client in side:
             for _ in range(warmup):
@@ -104,7 +105,7 @@ def _alternate(clients: dict[str, list[Any]], model: str, arg: Any, n: int, warm
         for k, start in enumerate(range(0, n, BLOCK)):
             # which side goes first moves every block (a block's place in the turn biases it otherwise)
             for side in sides[k % len(sides):] + sides[: k % len(sides)]:
-                client, out = clients[side][k % pairs], times[side]
+                client, out = clients[side][k // len(sides) % pairs], times[side]
                 for i in range(start, min(n, start + BLOCK)):
                     t0 = clock()
                     client.infer_result(model, arg)
