@@ -46,6 +46,7 @@ from splitserve.client.common import Endpoint
 from splitserve.client import Client
 from splitserve.launcher import start_server
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind
+from splitserve.worker.forkserver import node_workers
 
 _COMPUTE = slice(48, 52)  # compute_us in a RESPONSE header (protocol/header.py's layout)
 
@@ -62,8 +63,7 @@ def _cpu_ns(pid: int) -> int:
 
 
 def _worker_pid(server_pid: int) -> int:
-    kids = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    workers = [int(k) for k in kids if b"splitserve.worker" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    workers = node_workers(server_pid)
     if len(workers) != 1:
         raise RuntimeError(f"expected one worker process, found {workers}")
     return workers[0]

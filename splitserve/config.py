@@ -360,6 +360,7 @@ class WorkerSection(_Section):
     drain_timeout_s: float = 60.0  # a retired instance's batch may run this long; then its worker is killed
     stop_timeout_s: float = 30.0  # stop() and unload end by then: leftovers get SHUTTING_DOWN or WORKER_FAILED
     worker_reap_timeout_s: float = 10.0  # a worker whose control socket closed gets this long to exit before SIGKILL
+    fork_workers: bool = True  # fork workers from the node's fork server (torch imported once) rather than start interpreters
     worker_omp_wait_policy: OmpWaitPolicy = OmpWaitPolicy.AUTO  # idle OpenMP threads of workers: auto (passive when partitioned) | active | passive
 
     def checked(self) -> None:

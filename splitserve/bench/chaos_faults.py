@@ -21,6 +21,7 @@ from typing import Any
 
 from splitserve.bench.chaos_ledger import Ledger, StreamLane, status_name
 from splitserve.protocol.header import HEADER_SIZE, MAX_PAYLOAD, Flags, Header, Kind, RequestClass, unpack_header
+from splitserve.worker.forkserver import node_workers
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +43,6 @@ class FaultRecord:
     findings: list[str] = field(default_factory=list)  # server behaviour that breaks a promise
 
 
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
 def rss_kib(pid: int) -> int:
     """Resident set size of ``pid`` in KiB (0 when it is gone)."""
     try:
@@ -59,15 +52,6 @@ def rss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (the server's workers)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and _ppid(int(d)) == pid:
-            out.append(int(d))
-    return out
 
 
 def _frame(kind: int = Kind.REQUEST, *, func_id: int = 0, payload_len: int = 0, cls: int = RequestClass.BE,
@@ -218,8 +202,8 @@ class FaultInjector:
         info = await self._info(model)
         pids = [p for p in info.extra.get("pids", []) if p]
         rec.target = model
-        # only the server's own children: a pid reused by an unrelated process is left alone
-        mine = [p for p in pids if _ppid(p) == self.server_pid]
+        # only the server's own workers: a pid reused by an unrelated process is left alone
+        mine = [p for p in pids if p in node_workers(self.server_pid)]
         if not mine:
             return f"no running worker (pids {pids})"
         os.kill(mine[0], signal.SIGKILL)
@@ -380,4 +364,4 @@ class FaultInjector:
         return "unloaded and loaded"
 
 
-__all__ = ["FAULT_KINDS", "FaultInjector", "FaultRecord", "children", "rss_kib"]
+__all__ = ["FAULT_KINDS", "FaultInjector", "FaultRecord", "rss_kib"]

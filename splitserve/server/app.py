@@ -70,7 +70,8 @@ from splitserve.server.model.runtime import ModelRuntime
 from splitserve.server.shm import SystemSharedMemory
 from splitserve.server.tracing import CallTracer
 from splitserve.server.udp import UdpListener
-from splitserve.worker.pool import WorkerHandle
+from splitserve.worker.forkserver import ForkServer
+from splitserve.worker.pool import WorkerHandle, worker_env
 from splitserve.worker.spares import SparePool
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,11 @@ class Server:
         self.stopping = False
         self._stopped = False
         self.preloaded: tuple[str, ...] | None = None  # the start-up models loaded (None: not decided yet)
+        # workers fork from here (``worker/forkserver.py``), started with the first worker the node needs
+        self.forks = ForkServer(worker_env(config.omp_wait_policy)) if config.workers.fork_workers else None
         self._start_worker = start_worker or functools.partial(
-            WorkerHandle, reap_timeout_s=config.workers.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy)
+            WorkerHandle, reap_timeout_s=config.workers.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy,
+            forks=self.forks)
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._direct_watch: asyncio.TimerHandle | None = None
@@ -355,6 +359,8 @@ class Server:
                 log.error("model %s: unload at shutdown failed", rt.name, exc_info=r)
         if hasattr(self, "pool"):
             await self.pool.stop()
+        if self.forks is not None:
+            await self.forks.stop()
         for call in self.monitor.open_calls():  # none should be left; if one is, it still gets its answer
             if call.state is CallState.RX_COMPLETE:
                 log.error("model %s: call %d still open after its model stopped", call.runtime.name, call.req_id)

@@ -27,11 +27,23 @@ from typing import Protocol
 from splitserve.worker.messages import (ADOPT, START_BINDING, DoneMsg, FailedMsg, LoadedMsg, LoadMsg, Msg, RunMsg,
                                         UnloadedMsg, unpack_ready)
 from splitserve.worker.counters import WorkerCounters
+from splitserve.worker.forkserver import ForkedProcess, ForkServer
 from splitserve.worker.gpu_counters import GpuCopies, read_copies
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import BindSpec, WorkerSpec
 
 log = logging.getLogger(__name__)
+
+
+def worker_env(omp_wait_policy: str | None) -> dict[str, str]:
+    """The environment a worker process starts with (and the fork server, whose imports read it)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one thread until a LOAD places it
+    if omp_wait_policy is not None:  # OpenMP reads it when torch loads it: before any LOAD
+        env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
+        if omp_wait_policy == "PASSIVE":  # Intel's OpenMP spins for KMP_BLOCKTIME whatever the policy
+            env.setdefault("KMP_BLOCKTIME", "0")
+    return env
 
 
 class WorkerOwner(Protocol):
@@ -69,7 +81,8 @@ class WorkerHandle:
     """One worker process: it starts bound to nothing; ``send_load`` binds a model."""
 
     def __init__(self, owner: WorkerOwner, instance: int, make_spec: Callable[[int, int], WorkerSpec],
-                 loop: asyncio.AbstractEventLoop, reap_timeout_s: float, omp_wait_policy: str | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop, reap_timeout_s: float, omp_wait_policy: str | None = None,
+                 forks: ForkServer | None = None) -> None:
         self.owner = owner
         self.reap_timeout_s = reap_timeout_s  # an exiting worker is killed after this long
         self.instance = instance
@@ -81,15 +94,13 @@ class WorkerHandle:
         self.sock = ours
         spec = make_spec(theirs.fileno(), self.flag.fd)
         self.spec = spec
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # one thread until a LOAD places it
-        if omp_wait_policy is not None:  # OpenMP reads it when torch loads it: before any LOAD
-            env.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
-            if omp_wait_policy == "PASSIVE":  # Intel's OpenMP spins for KMP_BLOCKTIME whatever the policy
-                env.setdefault("KMP_BLOCKTIME", "0")
-        # Its own process group: a terminal's Ctrl-C reaches the server, which drains the
-        # workers, instead of failing every batch at once (the worker also ignores SIGINT).
-        self.proc = subprocess.Popen(
+        env = worker_env(omp_wait_policy)
+        # Forked from the node's fork server where it has one (``worker/forkserver.py``: no
+        # torch import to wait for), else a new interpreter. Either way in its own process group:
+        # a terminal's Ctrl-C reaches the server, which drains the workers, instead of failing
+        # every batch at once (the worker also ignores SIGINT).
+        forked = forks.spawn(loop, [spec.to_json()], spec.fds(), env) if forks is not None else None
+        self.proc: ForkedProcess | subprocess.Popen = forked if forked is not None else subprocess.Popen(
             [sys.executable, "-m", "splitserve.worker", spec.to_json()],
             pass_fds=spec.fds(), env=env, stdin=subprocess.DEVNULL, process_group=0,
         )
@@ -109,7 +120,8 @@ class WorkerHandle:
         loop.add_reader(ours.fileno(), self._on_readable)
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> int | None:
+        """Its pid (None while the fork server has not answered yet, and for a fork that failed)."""
         return self.proc.pid
 
     def adopt(self, owner: WorkerOwner, instance: int) -> None:
@@ -233,11 +245,11 @@ class WorkerHandle:
         elif kind == Msg.DIRECT:
             self.owner.on_direct(self.instance)
         else:
-            log.error("worker %d sent unknown message kind %d", self.pid, kind)
+            log.error("worker %s sent unknown message kind %d", self.pid, kind)
 
     def _on_loaded(self, msg: LoadedMsg) -> None:
         if self.residency is not Residency.LOADING or msg.binding != self.binding:
-            log.error("worker %d loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
+            log.error("worker %s loaded binding %d, but binding %s was %s", self.pid, msg.binding, self.binding,
                       self.residency)
         self.residency, self.reloading = Residency.BOUND, False
         self.binding = msg.binding
@@ -245,7 +257,7 @@ class WorkerHandle:
 
     def _on_unloaded(self, msg: UnloadedMsg) -> None:
         if self.residency is not Residency.UNLOADING:
-            log.error("worker %d unloaded binding %s, which was not asked for", self.pid, msg.binding)
+            log.error("worker %s unloaded binding %s, which was not asked for", self.pid, msg.binding)
         if msg.parked_bytes > 0:
             self.residency = Residency.PARKED
         else:
@@ -256,13 +268,13 @@ class WorkerHandle:
         if msg.op == Msg.RUN:
             self.owner.on_failed(self.instance, msg.ident, msg.text)
         elif msg.op != Msg.LOAD:  # this handle sends no such message: a bug on one side
-            log.error("worker %d refused a message of kind %d: %s", self.pid, msg.op, msg.text)
+            log.error("worker %s refused a message of kind %d: %s", self.pid, msg.op, msg.text)
         elif not self.started:  # the process could not start: it exits now, and on_exit follows
             self.start_error = msg.text
             self.owner.on_failed(self.instance, 0, msg.text)
         else:
             if self.residency is not Residency.LOADING or msg.ident != self.binding:
-                log.error("worker %d failed binding %d, but binding %s was %s", self.pid, msg.ident, self.binding,
+                log.error("worker %s failed binding %d, but binding %s was %s", self.pid, msg.ident, self.binding,
                           self.residency)
             self.residency = Residency.UNBOUND
             self.binding = None
@@ -293,7 +305,7 @@ class WorkerHandle:
     def kill(self, reason: str) -> None:
         """SIGKILL the process (also one that is stopped); its exit is handled as any other."""
         self.killed_for = self.killed_for or reason
-        log.error("killing worker %d: %s", self.pid, reason)
+        log.error("killing worker %s: %s", self.pid, reason)
         self.proc.kill()
 
     async def stop(self, timeout: float) -> None:

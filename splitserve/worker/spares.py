@@ -1,6 +1,7 @@
 """The node's spare worker processes: started ahead (torch imported, bound to nothing), so a
 load binds a model to a process that is already up instead of paying a process start
-(about 4.6 s of interpreter and torch import here, against milliseconds to map weights).
+(about 4.6 s of interpreter and torch import for a new interpreter here, against milliseconds to map
+weights; a fork from the node's fork server, ``worker/forkserver.py``, takes milliseconds too).
 
 The pool owns its spares (it is their ``WorkerOwner``). A runtime ``take``s one for an
 instance, which makes the runtime its owner; after an UNLOAD the runtime ``give_back``s it,
@@ -90,7 +91,7 @@ class SparePool(Generic[W]):
             self._refill()
             return handle
         handle.adopt(owner, instance)
-        log.info("worker %d (a spare) taken for instance %d", handle.pid, instance)
+        log.info("worker %s (a spare) taken for instance %d", handle.pid, instance)
         self._refill()
         return handle
 
@@ -108,11 +109,11 @@ class SparePool(Generic[W]):
         handle.adopt(self, -next(self._ids))
         if recycled and len(self.idle) < self.capacity:
             self.idle.append(handle)
-            log.info("worker %d recycled as a spare (anonymous RSS %d MiB, %+d MiB from its start)", handle.pid,
+            log.info("worker %s recycled as a spare (anonymous RSS %d MiB, %+d MiB from its start)", handle.pid,
                      rss_anon >> 20, (rss_anon - (start or 0)) >> 20)
             return True
         why = "the pool is full" if recycled else f"its anonymous RSS ({rss_anon >> 20} MiB) did not come back"
-        log.info("worker %d exits: %s", handle.pid, why)
+        log.info("worker %s exits: %s", handle.pid, why)
         self._stop(handle)
         return False
 
@@ -172,15 +173,15 @@ class SparePool(Generic[W]):
             self._stop(handle)
             return
         self.idle.append(handle)
-        log.info("spare worker %d ready (anonymous RSS %d MiB)", handle.pid, (info.get("rss_anon") or 0) >> 20)
+        log.info("spare worker %s ready (anonymous RSS %d MiB)", handle.pid, (info.get("rss_anon") or 0) >> 20)
 
     def on_exit(self, instance: int, handle: W) -> None:
         if self.starting.pop(-instance, None) is not None:
             self._failed_starts += 1
-            log.error("spare worker %d exited before it was up", handle.pid)
+            log.error("spare worker %s exited before it was up", handle.pid)
         elif handle in self.idle:
             self.idle.remove(handle)
-            log.warning("spare worker %d exited", handle.pid)
+            log.warning("spare worker %s exited", handle.pid)
         self._refill()  # a spare that died is replaced
 
     def on_failed(self, instance: int, batch_id: int, text: str) -> None:

@@ -24,6 +24,7 @@ from splitserve.client import Client
 from splitserve.errors import InternalError, ModelNotReady, ShuttingDown, WorkerFailed
 from splitserve.models.gate import LOAD_KEY, Gates
 from splitserve.protocol.header import RequestClass
+from splitserve.worker.forkserver import node_workers
 from splitserve.worker.messages import DoneMsg, Msg
 from tests.helpers import ROOT
 from tests.inproc import quiet_config, run_server, until, write_model
@@ -190,7 +191,8 @@ def test_a_worker_that_crashes_before_ready_is_restarted_until_the_model_fails(t
         rt = server.runtime("gate")
         call = asyncio.ensure_future(server.infer("gate", key(1)))
         for _ in range(2):  # a crash that sends no FAILED (a segfault, the OOM killer)
-            await until(lambda: 0 in rt.workers and rt.workers[0].alive)
+            # alive, and forked (its pid comes with the fork server's answer)
+            await until(lambda: 0 in rt.workers and rt.workers[0].alive and rt.workers[0].pid is not None)
             os.kill(rt.workers[0].pid, signal.SIGKILL)
             await until(lambda: 0 not in rt.workers)
         with pytest.raises(ModelNotReady, match="exited before it was ready"):
@@ -267,24 +269,6 @@ def wait_for(cond: Callable[[], bool], proc: subprocess.Popen, what: str) -> Non
         time.sleep(0.01)
 
 
-def children(pid: int) -> list[int]:
-    """The worker processes of server ``pid``. Only those: importing torch may run a short-lived
-    helper (``ldconfig -p``, from cuda-python's library finder where it is installed), and a
-    signal sent when that appears would arrive before the server's handlers exist."""
-    try:
-        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [k for k in kids if b"splitserve.worker" in _cmdline(k)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return b""
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
@@ -318,8 +302,8 @@ def test_sigterm_during_a_long_load_stops_cleanly(tmp_path, gated):
     gates.close(LOAD_KEY)
     proc, data = spawn_server(tmp_path, "--load", "gate")
     procs.append(proc)
-    wait_for(lambda: bool(children(proc.pid)), proc, "worker start")  # start-up is under way
-    (worker,) = children(proc.pid)
+    wait_for(lambda: bool(node_workers(proc.pid)), proc, "worker start")  # start-up is under way
+    (worker,) = node_workers(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(BOUND_S) == 0
     assert gone(worker) and not (data / "server.json").exists()
@@ -332,7 +316,7 @@ def started_with_held_call(tmp_path, gated, k: int, env: dict[str, str] | None =
     wait_for(lambda: (data / "server.json").exists(), proc, "server.json")
     info = json.loads((data / "server.json").read_text())
     client = Client(f"tcp://127.0.0.1:{info['fast_port']}", timeout=BOUND_S)
-    (worker,) = children(proc.pid)
+    (worker,) = node_workers(proc.pid)
     gates.close(k)
     pending = client.submit("gate", np.array([[k]], np.int64), cls=RequestClass.BE)
     wait_for(lambda: gates.held(k), proc, "held batch")

@@ -204,6 +204,7 @@ _SECTION_ENV = [
     ("frontends", "otlp_endpoint", "http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/traces"),
     ("workers", "worker_start_timeout_s", "30", 30.0),
     ("workers", "worker_omp_wait_policy", "passive", "passive"),
+    ("workers", "fork_workers", "0", False),
     ("gpu", "gpu_admin", "true", True),
     ("gpu", "gpu_listing_max_age_s", "5", 5.0),
     ("gpu", "zoo_device", "cuda:1", "cuda:1"),
@@ -222,8 +223,8 @@ def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypa
 def test_the_table_covers_every_section_and_no_field_is_in_two():
     assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
     names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == 98
-    assert len(ServerConfig.field_names()) == 104
+    assert len(names) == len(set(names)) == 99
+    assert len(ServerConfig.field_names()) == 105
 
 
 def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():

@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.chaos_faults import FAULT_KINDS, FaultInjector, children, rss_kib
+from splitserve.bench.chaos_faults import FAULT_KINDS, FaultInjector, rss_kib
 from splitserve.bench.chaos_ledger import CONN, LOST, OK, WRONG, Lane, Ledger, Oracle, WireLane, make_lane
 from splitserve.bench.scenarios.base import COLOURS, Context, ScenarioOutput, fmt, md_table
 from splitserve.bench.scenarios.base import Params as BaseParams
 from splitserve.bench.transports import Target
 from splitserve.bench.validate import Expected
 from splitserve.protocol.header import RequestClass
+from splitserve.worker.forkserver import node_workers
 
 NAME = "chaos"
 SUMMARY = "Mixed RT/BE load at 2x capacity over every transport while workers are killed and clients misbehave."
@@ -174,7 +175,7 @@ class _Run:
                 server = rss_kib(self.server_pid)
                 if server == 0 and self.server_died_at is None:
                     self.server_died_at = now
-                self.rss.append((now, server, sum(rss_kib(c) for c in children(self.server_pid))))
+                self.rss.append((now, server, sum(rss_kib(c) for c in node_workers(self.server_pid))))
             await asyncio.sleep(_TICK_S)
 
     # -- sending ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from splitserve.bench.validate import Expected
 from splitserve.client.common import encode_inputs
 from splitserve.client.frames import _request_header, _result
 from splitserve.protocol.header import unpack_header
+from splitserve.worker.forkserver import node_workers
 
 NAME = "fastpath-breakdown"
 SUMMARY = "Per-stage breakdown of one fast-path call (client, front end, hand-off, worker, way back)."
@@ -126,20 +127,6 @@ def _cpu_ns(pid: int) -> int:
     return total
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (the server's workers)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def _pyspy(p: Params) -> str | None:
     return (p.pyspy or shutil.which("py-spy")) if p.profile else None
 
@@ -189,7 +176,7 @@ def _measure(ctx: Context, url: str, http: str, model: str, p: Params, server_pi
             echo_us = np.empty(p.requests)
             # CPU per call, which the machine's noise moves far less than wall time: the
             # fast-path calls and the echo calls alternate, so each side's CPU is its own.
-            workers = _children(server_pid)
+            workers = node_workers(server_pid)
             fe0, w0, e0 = _cpu_ns(server_pid), sum(map(_cpu_ns, workers)), _cpu_ns(echo.proc.pid)
             client_cpu = echo_cpu_client = 0.0
             with gc_paused():

@@ -150,12 +150,12 @@ class Instances:
         self.workers[i] = handle = core.env.workers.take(self, i)
         core.sched.set_residency(i, Residency.LOADING)
         if handle.residency is WorkerResidency.UNBOUND:
-            log.info("model %s: instance %d binds spare worker %d", self.name, i, handle.pid)
+            log.info("model %s: instance %d binds spare worker %s", self.name, i, handle.pid)
             self.bind(i)
             return
         timeout = core.settings.workers.worker_start_timeout_s
         core.loop.call_later(timeout, self._start_timed_out, handle, timeout)
-        log.info("model %s: instance %d waits for worker %d to start", self.name, i, handle.pid)
+        log.info("model %s: instance %d waits for worker %s to start", self.name, i, handle.pid)
 
     @staticmethod
     def _start_timed_out(handle: InstanceWorker, timeout: float) -> None:

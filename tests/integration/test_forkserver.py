@@ -1,0 +1,188 @@
+"""Workers forked from the node's fork server (``worker/forkserver.py``): what they serve, what a
+dead fork server costs, the way back to new interpreters, and requests the fork server refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from splitserve.config import ReefSection
+from splitserve.worker.forkserver import ForkServer, node_workers
+from splitserve.worker.preempt_flag import PreemptFlag
+from splitserve.worker.spec import WorkerSpec
+from tests.inproc import quiet_config, run_server, until, write_model
+
+BOUND_S = 60
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _module(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode()
+
+
+def _config(tmp_path: Path, **kw):
+    repo = tmp_path / "repo"
+    write_model(repo, "vec", "vecadd1k", "instances = 2")
+    write_model(repo, "gate", "gate")
+    return quiet_config(tmp_path / "data", repository=repo, cache_dir=tmp_path / "cache", **kw)
+
+
+def _vec(k: float) -> list[np.ndarray]:
+    return [np.full((1, 1024), k, np.float32), np.full((1, 1024), 1.0, np.float32)]
+
+
+def test_workers_fork_from_one_fork_server_which_outlives_neither_a_worker_nor_the_node(tmp_path):
+    async def scenario(server):
+        rt = server.runtime("vec")
+        out = (await server.infer("vec", _vec(2.0))).outputs[0]
+        forks = server.forks
+        pids = [h.pid for h in rt.workers.values()]
+        fork_pid = forks.proc.pid
+        # every worker is the fork server's child, found as the node's worker, in its own process group
+        assert len(pids) == 2 and all(_parent(p) == fork_pid and os.getpgid(p) == p for p in pids)
+        assert sorted(pids) == node_workers(os.getpid()) and forks.forked == 2 and _module(fork_pid).endswith("forkserver")
+        # a worker killed is restarted from the same fork server, which it did not take with it
+        os.kill(pids[0], signal.SIGKILL)
+        await until(lambda: len([h for h in rt.workers.values() if h.ready and h.pid not in pids]) == 1)
+        assert forks.forked == 3 and forks.proc.pid == fork_pid
+        out2 = (await server.infer("vec", _vec(3.0))).outputs[0]
+        return out, out2, fork_pid
+
+    out, out2, fork_pid = run_server(_config(tmp_path, load=("vec",)),
+                                     lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert out.tolist() == [[3.0] * 1024] and out2.tolist() == [[4.0] * 1024]
+    assert not Path(f"/proc/{fork_pid}").exists() or "Z" in Path(f"/proc/{fork_pid}/stat").read_text().split(") ")[1][0]
+
+
+def test_a_dead_fork_server_costs_no_worker_and_the_next_worker_starts_a_new_one(tmp_path):
+    async def scenario(server):
+        rt = server.runtime("vec")
+        await server.infer("vec", _vec(1.0))
+        first = server.forks.proc.pid
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: server.forks.proc is None)  # its socket closed: the node knows
+        out = (await server.infer("vec", _vec(5.0))).outputs[0]  # the forked workers serve on
+        # a worker the node needs now (gate's, loaded on first use) starts a new fork server
+        assert (await server.infer("gate", [np.array([[7]], np.int64)])).outputs[0].tolist() == [[7]]
+        (pid,) = [h.pid for h in server.runtime("gate").workers.values()]
+        return out, first, server.forks.proc.pid, _parent(pid), len(rt.workers)
+
+    out, first, second, parent, vec_workers = run_server(_config(tmp_path, load=("vec",)),
+                                                         lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert out.tolist() == [[6.0] * 1024] and vec_workers == 2
+    assert second != first and parent == second
+
+
+def test_with_fork_workers_off_each_worker_is_a_new_interpreter_of_the_node(tmp_path):
+    async def scenario(server):
+        rt = server.runtime("gate")
+        await rt.wait_ready()
+        (pid,) = [h.pid for h in rt.workers.values()]
+        out = (await server.infer("gate", [np.array([[7]], np.int64)])).outputs[0]
+        return out, _parent(pid), _module(pid), server.forks
+
+    out, parent, module, forks = run_server(_config(tmp_path, load=("gate",), fork_workers=False),
+                                            lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert out.tolist() == [[7]] and forks is None and parent == os.getpid() and module == "splitserve.worker"
+
+
+def test_a_fork_server_that_cannot_start_is_given_up_and_workers_start_as_interpreters(tmp_path):
+    # a torch that cannot be imported, first on its path: the fork server dies before it is ready
+    (tmp_path / "torch.py").write_text("raise ImportError('not here')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    async def main() -> tuple:
+        loop = asyncio.get_running_loop()
+        forks = ForkServer(env)
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pending = forks.spawn(loop, ["{}"], [b.fileno()], env)
+            await asyncio.wait_for(until(lambda: forks.broken), BOUND_S)
+            assert pending is not None and pending._known.is_set()
+            again = forks.spawn(loop, ["{}"], [b.fileno()], env)
+            return pending.pid, again, forks.proc
+        finally:
+            a.close()
+            b.close()
+            await forks.stop()
+
+    pid, again, proc = asyncio.run(main())
+    assert pid is None and again is None and proc is None
+
+
+def test_the_fork_server_refuses_bad_requests_answers_each_and_its_workers_exit_alone(tmp_path):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.worker.forkserver", str(theirs.fileno())],
+                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    theirs.close()
+    ours.settimeout(BOUND_S)
+    try:
+        assert ours.recv(16) == b"R"
+
+        def ask(doc: bytes, fds: list[int]) -> tuple[int, list[int]]:
+            socket.send_fds(ours, [doc], fds)
+            msg, got, _, _ = socket.recv_fds(ours, 16, 1)
+            return struct.unpack("=i", msg)[0], got
+
+        out = [sys.stdout.fileno(), sys.stderr.fileno()]
+        assert ask(b"not json", []) == (0, [])
+        assert ask(json.dumps({"args": [], "env": {}, "fds": [40]}).encode(), out) == (0, [])  # fd count
+        assert ask(json.dumps({"args": [], "env": {}, "fds": [1]}).encode(), [0, *out]) == (0, [])  # a std fd
+        # a worker whose spec is not one: forked, its pidfd answers when it has exited (it fails alone)
+        ctrl_ours, ctrl_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid, (pidfd,) = ask(json.dumps({"args": ["{}"], "env": {"A": "1"}, "fds": [50]}).encode(),
+                            [ctrl_theirs.fileno(), *out])
+        ctrl_theirs.close()
+        assert pid > 0 and select.select([pidfd], [], [], BOUND_S)[0] == [pidfd]
+        os.close(pidfd)
+        ctrl_ours.settimeout(BOUND_S)
+        assert ctrl_ours.recv(64) == b""  # its only other end, at fd 50 in the worker, closed with it
+        ctrl_ours.close()
+        assert proc.poll() is None  # the fork server serves on
+    finally:
+        ours.close()
+    assert proc.wait(BOUND_S) == 0  # the node's end closed: it exits
+    with proc.stderr:
+        assert proc.stderr.read().count(b"Traceback") == 3  # one for each request refused
+
+
+def test_a_kill_asked_before_the_fork_server_answers_is_sent_when_it_does(tmp_path):
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # a real worker, which waits on its control socket for ever once it is up: only the kill ends it
+    spec = WorkerSpec(ctrl_fd=theirs.fileno(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                      segment_time_weight=ReefSection.segment_time_weight)
+
+    async def main() -> int | None:
+        forks = ForkServer(os.environ)
+        try:
+            proc = forks.spawn(asyncio.get_running_loop(), [spec.to_json()], spec.fds(), os.environ)
+            theirs.close()  # the request holds the worker's end now
+            assert proc is not None and proc.pid is None  # the fork server is still importing
+            proc.kill()
+            await asyncio.wait_for(until(lambda: proc._known.is_set()), BOUND_S)
+            await asyncio.to_thread(proc.wait, BOUND_S)
+            return proc.pid
+        finally:
+            await forks.stop()
+
+    try:
+        pid = asyncio.run(main())
+        ours.settimeout(BOUND_S)
+        assert pid is not None and ours.recv(64) == b""  # killed before its READY: nothing came, then EOF
+    finally:
+        ours.close()
+        flag.close()
