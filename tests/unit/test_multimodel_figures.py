@@ -168,3 +168,21 @@ def test_the_gpu_arm_says_plainly_it_is_unavailable_without_cuda(tmp_path):
     assert summary.exit_code == EXIT_FAILED and "unavailable without CUDA" in summary.lines[0]
     doc = json.loads((summary.path / "result.json").read_text())
     assert doc["status"] == "failed" and "lru" not in doc
+
+
+def test_reloads_by_a_new_interpreter_and_by_a_fork_are_each_set_against_the_other_and_a_spare():
+    p = _params()
+    seq = _seq(p, "sequential", 5, 40)
+    spare = _run("sequential", 5, seq, p.cache)  # its misses cost HIT_MS + SWAP_MS
+
+    def per_load(miss_ms: float) -> dict:
+        lat = np.full(6, miss_ms)
+        return summarise("alternate", 2, [1, 0] * 3, Timed([1, 0] * 3, lat, float(lat.sum()) / 1e3), [True] * 6, 6, 6)
+
+    r = {"lru": {"sequential/5": spare}, "spawn-per-load": per_load(4000.0), "fork-per-load": per_load(200.0)}
+    f = figures(p, r)
+    assert f["reload_spawn_over_spares"]["value"] == pytest.approx(4000.0 / (HIT_MS + SWAP_MS))
+    assert f["reload_fork"] == {"fork_ms": 200.0, "spawn_over_fork": pytest.approx(20.0),
+                                "fork_over_spares": pytest.approx(200.0 / (HIT_MS + SWAP_MS))}
+    r["fork-per-load"]["errors"] = 1
+    assert broken(r) == ["fork-per-load: 0 wrong answers, 1 errors"]

@@ -70,6 +70,12 @@ def figures(p: Setup, r: dict[str, Any]) -> dict[str, Any]:
         ratio = spawn["miss_ms"]["p50"] / seq["miss_ms"]["p50"]
         f["reload_spawn_over_spares"] = {"value": ratio, "spawn_ms": spawn["miss_ms"]["p50"],
                                          "spares_ms": seq["miss_ms"]["p50"], "ok": ratio >= 10}
+    fork = r.get("fork-per-load")
+    if fork and fork["miss_ms"]["p50"]:
+        f["reload_fork"] = {"fork_ms": fork["miss_ms"]["p50"],
+                            "spawn_over_fork": spawn["miss_ms"]["p50"] / fork["miss_ms"]["p50"] if spawn else None,
+                            "fork_over_spares": fork["miss_ms"]["p50"] / seq["miss_ms"]["p50"]
+                            if seq and seq["miss_ms"]["p50"] else None}
     if "overlap" in r:
         f["overlap_p99"] = {"value": r["overlap"]["p99_ratio"], "ok": (r["overlap"]["p99_ratio"] or 99) <= 1.2}
     mem = r.get("memory")
@@ -95,7 +101,7 @@ def broken(r: dict[str, Any]) -> list[str]:
             for k, c in r.get(v, {}).items()]
     runs += [(f"B4 {ph}{who}", x) for ph in ("quiet", "loading") if "overlap" in r
              for who, x in (("", r["overlap"][ph]), (", the other client", r["overlap"][ph]["background"]))]
-    runs += [(sub, r[sub]) for sub in ("spawn-per-load", "concurrent") if sub in r]
+    runs += [(sub, r[sub]) for sub in ("spawn-per-load", "fork-per-load", "concurrent") if sub in r]
     out = [f"{what}: {c['wrong']} wrong answers, {c['errors']} errors" + (f" {c['first_errors']}"
                                                                           if c.get("first_errors") else "")
            for what, c in runs if c["wrong"] or c["errors"]]
@@ -188,6 +194,14 @@ def markdown(intro: str, p: Setup, r: dict[str, Any], f: dict[str, Any], max_bat
                    f"spares (lru, sequential over {p.fig2_models}): **{x['value']:.1f}x** (goal >= 10x: "
                    f"{_ok(x['ok'])}).", ""]
         lines.append(f"reload: new process / spare = {x['value']:.1f}x (goal >= 10x)")
+    if "reload_fork" in f:
+        x = f["reload_fork"]
+        report += ["## B3 (d): reload with a process forked from the fork server", "",
+                   f"Median miss: {fmt(x['fork_ms'], 0)} ms when each load forks its process from the node's fork "
+                   f"server (no spares, no recycling): a new interpreter's reload over it "
+                   f"**{fmt(x['spawn_over_fork'], 1)}x**, it over a spare's {fmt(x['fork_over_spares'], 1)}x.", ""]
+        lines.append(f"reload: new interpreter / forked = {fmt(x['spawn_over_fork'], 1)}x, "
+                     f"forked / spare = {fmt(x['fork_over_spares'], 1)}x")
     if "overlap" in r:
         o = r["overlap"]
         report += ["## B4: a resident model while others load", "",

@@ -12,7 +12,9 @@ their requests interleaved, so a machine that slows down for a while slows both 
 - ``lru``: the memory manager, at most ``cache`` models resident under a byte budget that
   fits them;
 - ``spawn-per-load``: the manager without spare workers or recycling, so each load starts a
-  process (its reload time against ``lru``'s, which binds a spare).
+  process as a new interpreter (its reload time against ``lru``'s, which binds a spare);
+- ``fork-per-load``: the same, with each load's process forked from the node's fork server
+  (``worker/forkserver.py``, the default): its reload time against both.
 
 Before each timed sequence the cache is primed with the first min(M, cache) models in order,
 so the reference LRU starts from a known content; the manager's loads (from ``/v2/memory``)
@@ -60,7 +62,7 @@ SUMMARY = "More models than fit: an LRU memory manager under sequential, uniform
 MODELS: tuple[str, ...] = ("resnet18", "resnet50", "resnet18_imagenet", "vgg19", "inception_v3", "densenet201",
                            "resnet152", "distilbert", "bert_tiny", "lenet")
 TRANSPORTS: tuple[str, ...] = ("tcp", "unix")
-VARIANTS: tuple[str, ...] = ("no-limit", "load-every-request", "lru", "spawn-per-load")
+VARIANTS: tuple[str, ...] = ("no-limit", "load-every-request", "lru", "spawn-per-load", "fork-per-load")
 MAX_BATCH = 8  # as in the paper's Figs 2-4
 # Private bytes one copy may measure at a load (activations at MAX_BATCH, allocator slack) beside
 # its weights: measured here 11-36 MiB for vgg19, up to 99 MiB for resnet18 and 1.3 MiB for LeNet,
@@ -278,10 +280,11 @@ def _copies(p: Params) -> Copies:
     return Copies(arch, names, seeds, as_call_arg(sample), expected, weights)
 
 
-def _server_env(p: Params, spares: bool) -> dict[str, str]:
+def _server_env(p: Params, spares: bool, fork: bool = True) -> dict[str, str]:
     """Settings without a flag, always spelled out: the bench's own environment may carry others."""
     env = {"SPLITSERVE_EVICT_DROP_CACHE": "1" if p.drop_cache else "0",
-           "SPLITSERVE_SPARE_WORKERS": str(p.spare_workers if spares else 0)}
+           "SPLITSERVE_SPARE_WORKERS": str(p.spare_workers if spares else 0),
+           "SPLITSERVE_FORK_WORKERS": "1" if fork else "0"}
     if not spares:  # every load starts a process, every unload ends one
         env["SPLITSERVE_RECYCLE_SLACK_BYTES"] = "0"
     return env
@@ -357,12 +360,12 @@ def _every_request(ctx: Context, s: Served) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _spawn_per_load(ctx: Context, s: Served) -> dict[str, Any]:
+def _process_per_load(ctx: Context, s: Served, label: str) -> dict[str, Any]:
     """Two models with room for one: every request after the first is a reload by a new process."""
     p: Params = ctx.params  # type: ignore[assignment]
     s.prime([0])
     seq = [(i + 1) % 2 for i in range(p.spawn_reloads)]
-    with ctx.task(f"spawn-per-load: {len(seq)} reloads", 1):
+    with ctx.task(f"{label}: {len(seq)} reloads", 1):
         before = s.counts()
         (timed,) = drive([s.client], s.copies, seq)
         after = s.counts()
@@ -531,10 +534,11 @@ def run(ctx: Context) -> ScenarioOutput:
             if p.concurrent_s > 0 and p.clients:
                 results["concurrent"] = _concurrent(ctx, lru)
             results["memory"] = lru.memory()
-    if "spawn-per-load" in p.variants and p.spawn_reloads:
-        with _variant(ctx, copies, "spawn-per-load", _args(repo, budget, 1), _server_env(p, False),
-                      copies.names[:2]) as s:
-            results["spawn-per-load"] = _spawn_per_load(ctx, s)
+    for label, fork in (("spawn-per-load", False), ("fork-per-load", True)):
+        if label in p.variants and p.spawn_reloads:
+            with _variant(ctx, copies, label, _args(repo, budget, 1), _server_env(p, False, fork),
+                          copies.names[:2]) as s:
+                results[label] = _process_per_load(ctx, s, label)
     if importlib.util.find_spec("ray") is None:
         ctx.notes.append("Ray Serve is not installed here, so the peer (@serve.multiplexed("
                          f"max_num_models_per_replica={p.cache}) on the same sequences) was not run")
