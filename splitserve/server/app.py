@@ -155,7 +155,8 @@ class Server:
         self._stopped = False
         self.preloaded: tuple[str, ...] | None = None  # the start-up models loaded (None: not decided yet)
         # workers fork from here (``worker/forkserver.py``), started with the first worker the node needs
-        self.forks = ForkServer(worker_env(config.omp_wait_policy)) if config.workers.fork_workers else None
+        self.forks = ForkServer(worker_env(config.omp_wait_policy), str(config.data_dir)) \
+            if config.workers.fork_workers else None
         self._start_worker = start_worker or functools.partial(
             WorkerHandle, reap_timeout_s=config.workers.worker_reap_timeout_s, omp_wait_policy=config.omp_wait_policy,
             forks=self.forks)

@@ -54,8 +54,9 @@ _REAP_INTERVAL_MS = 500  # how often the fork server reaps exited workers while 
 # -- the fork server's process ---------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m splitserve.worker.forkserver FD``: import what a worker needs, then fork
-    workers for the requests on the socket ``FD`` until it closes."""
+    """``python -m splitserve.worker.forkserver FD [NODE]``: import what a worker needs, then fork
+    workers for the requests on the socket ``FD`` until it closes. ``NODE`` (the node's data dir)
+    is there for ``ps``: it names the node of the fork server and of every worker forked from it."""
     # The terminal's Ctrl-C is the node's to handle (it drains the workers); the workers forked
     # from here inherit this, as a worker started on its own sets it first thing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -273,8 +274,9 @@ class ForkServer:
     ``spawn``, restarted at the next one after it died, and given up on (``spawn`` returns None:
     the caller starts a new interpreter) if it ever dies before it is ready."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], node: str = "") -> None:
         self.env = dict(env)  # its own environment: what OpenMP and torch read at import
+        self.node = node  # the node's data dir, in its command line (and so in its workers')
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -312,9 +314,9 @@ class ForkServer:
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.worker.forkserver", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
-                                         process_group=0)
+            argv = [sys.executable, "-m", "splitserve.worker.forkserver", str(theirs.fileno())]
+            self.proc = subprocess.Popen([*argv, self.node] if self.node else argv, pass_fds=[theirs.fileno()],
+                                         env=self.env, stdin=subprocess.DEVNULL, process_group=0)
         except OSError:
             ours.close()
             raise

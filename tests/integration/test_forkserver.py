@@ -53,7 +53,11 @@ def test_workers_fork_from_one_fork_server_which_outlives_neither_a_worker_nor_t
         fork_pid = forks.proc.pid
         # every worker is the fork server's child, found as the node's worker, in its own process group
         assert len(pids) == 2 and all(_parent(p) == fork_pid and os.getpgid(p) == p for p in pids)
-        assert sorted(pids) == node_workers(os.getpid()) and forks.forked == 2 and _module(fork_pid).endswith("forkserver")
+        assert sorted(pids) == node_workers(os.getpid()) and forks.forked == 2
+        assert _module(fork_pid) == "splitserve.worker.forkserver"
+        # each names its node (the data dir) in its command line, for ps and for finding what a node left
+        assert all(str(server.config.data_dir).encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+                   for p in (fork_pid, *pids))
         # a worker killed is restarted from the same fork server, which it did not take with it
         os.kill(pids[0], signal.SIGKILL)
         await until(lambda: len([h for h in rt.workers.values() if h.ready and h.pid not in pids]) == 1)
