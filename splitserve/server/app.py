@@ -17,8 +17,9 @@ gRPC, in-process) share with the fast path.
 from __future__ import annotations
 
 import asyncio
-import functools
 import contextlib
+import functools
+import gc
 import json
 import logging
 import os
@@ -411,6 +412,10 @@ class Server:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
+        # The imports' objects (~90,000) live as long as the process: frozen, they are out of every
+        # full collection, which took ≈ 70 ms over them with the loop stalled. Frozen before any
+        # model is set up, so what a dropped model leaves is still collected.
+        gc.freeze()
         starting = asyncio.ensure_future(self._start())
         signalled = asyncio.ensure_future(stop.wait())
         try:
