@@ -189,6 +189,8 @@ class Server:
             private_dir(cfg.direct_dir)
             # the workers' pages: direct use (memory manager, Packrat) and REEF across the direct path
             self._direct_watch = self.loop.call_later(cfg.transports.direct_poll_s, self._watch_direct)
+        if self.forks is not None and (cfg.load or cfg.memory.spare_workers):
+            self.forks.start(self.loop)  # workers are needed at start-up: torch's import overlaps the rest of it
         if (exposed := exposure_warning(cfg)) is not None:
             log.warning("%s", exposed)
         cfg.cache_path.mkdir(parents=True, exist_ok=True)

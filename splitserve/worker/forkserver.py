@@ -68,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The imports' ~190,000 objects out of the collector's way, in here and in every fork (which
     # inherits them frozen): a full collection, ≈ 100-200 ms over them, is then one over the
     # worker's own objects, and it no longer writes to their pages, which stay shared with this
-    # process instead of being copied into each worker.
-    gc.collect()
+    # process instead of being copied into each worker. (Not collected first: that found 23
+    # objects of garbage and cost every node's start 200 ms.)
     gc.freeze()
     sock.send(_READY)
     serve(sock)
@@ -297,15 +297,8 @@ class ForkServer:
         """Ask for a worker run with ``args`` (the worker's argv), ``fds`` at their own numbers
         and ``env``; None if there is no fork server to ask (the caller starts the worker as a
         new interpreter). The fds may be closed by the caller at once."""
-        if self.broken:
+        if not self.start(loop):
             return None
-        if self.sock is None:
-            try:
-                self._start(loop)
-            except OSError:
-                log.exception("the worker fork server could not start; workers start as new interpreters")
-                self.broken = True
-                return None
         assert self.sock is not None
         doc = json.dumps({"args": list(args), "env": dict(env), "fds": list(fds)}).encode()
         try:
@@ -317,6 +310,20 @@ class ForkServer:
         proc = ForkedProcess()
         self._pending.append(proc)
         return proc
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Start it now if it is not running (a node that knows it will need workers starts it
+        early, so that its imports overlap the rest of its start-up); False if it cannot run."""
+        if self.broken:
+            return False
+        if self.sock is None:
+            try:
+                self._start(loop)
+            except OSError:
+                log.exception("the worker fork server could not start; workers start as new interpreters")
+                self.broken = True
+                return False
+        return True
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

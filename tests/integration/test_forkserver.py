@@ -90,6 +90,16 @@ def test_a_dead_fork_server_costs_no_worker_and_the_next_worker_starts_a_new_one
     assert second != first and parent == second
 
 
+def test_a_node_that_needs_no_worker_at_start_starts_its_fork_server_with_its_first_worker(tmp_path):
+    async def scenario(server):
+        idle = server.forks.proc is None  # no start-up model, no spare: nothing to fork yet
+        out = (await server.infer("gate", [np.array([[3]], np.int64)])).outputs[0]
+        return idle, out, server.forks.proc is not None
+
+    idle, out, started = run_server(_config(tmp_path), lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert idle and out.tolist() == [[3]] and started
+
+
 def test_with_fork_workers_off_each_worker_is_a_new_interpreter_of_the_node(tmp_path):
     async def scenario(server):
         rt = server.runtime("gate")
