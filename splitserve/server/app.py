@@ -155,7 +155,7 @@ class Server:
         self.stopping = False
         self._stopped = False
         self.preloaded: tuple[str, ...] | None = None  # the start-up models loaded (None: not decided yet)
-        # workers fork from here (``worker/forkserver.py``), started with the first worker the node needs
+        # workers fork from here (``worker/forkserver.py``), started in ``_start`` or with the first worker
         self.forks = ForkServer(worker_env(config.omp_wait_policy), str(config.data_dir)) \
             if config.workers.fork_workers else None
         self._start_worker = start_worker or functools.partial(

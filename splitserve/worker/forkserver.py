@@ -6,8 +6,9 @@ answer anything (2.7 s of wall time on the 2-vCPU machines here). Every load wit
 every restart, every instance Packrat or PROTEAN adds paid that. Forked from a process that paid
 it once, a worker is up in milliseconds: ``fork`` copies page tables (≈ 3 ms), not imports.
 
-The fork server is the node's child, started when the node first needs a worker, in the
-environment a worker gets (OpenMP reads its settings when torch loads). It never runs an
+The fork server is the node's child, started first thing by a node with start-up models or
+spare workers (its imports overlap the rest of the node's start-up), else with the node's
+first worker, in the environment a worker gets (OpenMP reads its settings when torch loads). It never runs an
 operator, starts no thread and never touches CUDA, so a fork of it is what a new interpreter
 would be after its imports: torch's thread pools and CUDA start in the worker, after the fork,
 under the worker's own environment (``CUDA_VISIBLE_DEVICES`` included, ``worker/gpu_env.py``).
