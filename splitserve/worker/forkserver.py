@@ -268,8 +268,9 @@ class ForkedProcess:
         if pidfd is None:
             return
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([pidfd], [], [], left)
-        if not ready:
+        poll = select.poll()  # not select(): a busy front end's fds go past FD_SETSIZE
+        poll.register(pidfd, select.POLLIN)
+        if not poll.poll(None if left is None else int(left * 1000)):
             raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
         with self._lock:
             if self._pidfd is not None:

@@ -4,19 +4,24 @@ dead fork server costs, the way back to new interpreters, and requests the fork 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import resource
 import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+
 from splitserve.config import ReefSection
-from splitserve.worker.forkserver import ForkServer, node_workers
+from splitserve.worker.forkserver import ForkedProcess, ForkServer, node_workers
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.spec import WorkerSpec
 from tests.inproc import quiet_config, run_server, until, write_model
@@ -200,3 +205,28 @@ def test_a_kill_asked_before_the_fork_server_answers_is_sent_when_it_does(tmp_pa
     finally:
         ours.close()
         flag.close()
+
+
+def test_a_forked_worker_whose_pidfd_is_past_fd_setsize_is_killed_and_waited_for():
+    """A front end with many connections holds fds past 1024, where ``select`` cannot look."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit {hard} leaves no fd past 1024 to test with")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    pid = os.fork()
+    if pid == 0:  # a stand-in worker: it waits to be killed
+        time.sleep(60)
+        os._exit(0)
+    try:
+        pidfd = os.pidfd_open(pid)
+        high = fcntl.fcntl(pidfd, fcntl.F_DUPFD, 1500)
+        os.close(pidfd)
+        proc = ForkedProcess()
+        proc._resolve(pid, high)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.05)
+        proc.kill()
+        proc.wait(BOUND_S)
+    finally:
+        os.waitpid(pid, 0)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
