@@ -203,7 +203,8 @@ class FaultInjector:
         pids = [p for p in info.extra.get("pids", []) if p]
         rec.target = model
         # only the server's own workers: a pid reused by an unrelated process is left alone
-        mine = [p for p in pids if p in node_workers(self.server_pid)]
+        workers = set(node_workers(self.server_pid))  # one look at /proc, not one per pid
+        mine = [p for p in pids if p in workers]
         if not mine:
             return f"no running worker (pids {pids})"
         os.kill(mine[0], signal.SIGKILL)

@@ -8,9 +8,9 @@ it once, a worker is up in milliseconds: ``fork`` copies page tables (≈ 3 ms),
 
 The fork server is the node's child, started first thing by a node with start-up models or
 spare workers (its imports overlap the rest of the node's start-up), else with the node's
-first worker, in the environment a worker gets (OpenMP reads its settings when torch loads). It never runs an
-operator, starts no thread and never touches CUDA, so a fork of it is what a new interpreter
-would be after its imports: torch's thread pools and CUDA start in the worker, after the fork,
+first worker, in the environment a worker gets (OpenMP reads its settings when torch loads).
+It never runs an operator, starts no thread and never touches CUDA, so a fork of it is what a
+new interpreter would be after its imports: torch's thread pools and CUDA start in the worker, after the fork,
 under the worker's own environment (``CUDA_VISIBLE_DEVICES`` included, ``worker/gpu_env.py``).
 
 The protocol, on a private SOCK_SEQPACKET socketpair: the node sends one request per worker,
@@ -366,9 +366,13 @@ class ForkServer:
             for fd in fds:
                 os.close(fd)
             return
-        if pid > 0:
-            self.forked += 1
-        proc._resolve(pid if pid > 0 else None, fds[0] if fds and pid > 0 else None)
+        if pid <= 0:  # it could not fork: no process, and no pidfd should have come
+            for fd in fds:
+                os.close(fd)
+            proc._resolve(None, None)
+            return
+        self.forked += 1
+        proc._resolve(pid, fds[0] if fds else None)
 
     def _lost(self) -> None:
         """Its socket closed: it died (or was stopped). Requests it had not answered fail
