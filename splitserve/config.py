@@ -167,6 +167,7 @@ class TransportSection(_Section):
     direct_admit: int = 4096  # calls a worker may hold from its direct connections; past it they are not read
     direct_suspend_poll_s: float = 0.001  # how often a worker looks whether its suspended direct BE batch may resume
     direct_poll_s: float = 0.005  # how often the node reads its workers' pages: direct use (LRU, Packrat's estimator), REEF's doorbells
+    direct_idle_poll_s: float = 0.05  # the longest wait between two such reads while they find nothing (server/direct_watch.py)
     direct_tcp: bool = True  # with fast_direct and a TCP fast path, bound workers also listen on TCP on `host` (LOOKUP's direct_tcp)
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
     direct_compiled: bool = True  # _directlane.c, where built: one-call reads taken, outputs copied, answers packed and sent
@@ -188,6 +189,8 @@ class TransportSection(_Section):
         _at_least_one(self, ("side_buffer_bytes", "fast_max_in_flight", "fast_reads_per_wakeup", "fast_max_lookup",
                              "udp_rcvbuf", "udp_response_cache_bytes", "direct_max_connections", "direct_admit"))
         _positive(self, ("direct_suspend_poll_s", "direct_poll_s"))
+        if not self.direct_idle_poll_s >= self.direct_poll_s:  # NaN too
+            raise InvalidInput("direct_idle_poll_s must be at least direct_poll_s")
 
 
 @dataclass(frozen=True)

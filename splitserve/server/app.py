@@ -51,6 +51,7 @@ from splitserve.scheduler.priority import PriorityMode
 from splitserve.server.blocking import OffLoop
 from splitserve.server.applier import PlacementApplier
 from splitserve.server.coordinator import Coordinator
+from splitserve.server.direct_watch import LookPeriod
 from splitserve.server.fastpath import StreamListener
 from splitserve.server.frontends import CodecPool
 from splitserve.server.gpus import GpuInventory
@@ -164,6 +165,7 @@ class Server:
         self._codec: CodecPool | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._direct_watch: asyncio.TimerHandle | None = None
+        self._look = LookPeriod(config.transports.direct_poll_s, config.transports.direct_idle_poll_s)
         self.memory = MemoryManager(config.memory, self.metrics, self.coordinator.note, self._spares)
         # client regions of Triton's system shared-memory extension (HTTP and gRPC)
         self.shm = SystemSharedMemory(config.frontends.shm_max_regions, config.frontends.shm_max_bytes)
@@ -188,7 +190,8 @@ class Server:
         if cfg.transports.fast_direct:
             private_dir(cfg.direct_dir)
             # the workers' pages: direct use (memory manager, Packrat) and REEF across the direct path
-            self._direct_watch = self.loop.call_later(cfg.transports.direct_poll_s, self._watch_direct)
+            self._direct_watch = self.loop.call_later(self._look.wait_s, self._watch_direct)
+            self.coordinator.hurry = self._hurry_direct_watch
         if self.forks is not None and (cfg.load or cfg.memory.spare_workers):
             self.forks.start(self.loop)  # workers are needed at start-up: torch's import overlaps the rest of it
         if (exposed := exposure_warning(cfg)) is not None:
@@ -325,8 +328,15 @@ class Server:
         self._watchdog = self.loop.call_later(self.config.batching.watchdog_period_s, self._sweep)
 
     def _watch_direct(self) -> None:
-        self.coordinator.watch_direct()
-        self._direct_watch = self.loop.call_later(self.config.transports.direct_poll_s, self._watch_direct)
+        self._direct_watch = self.loop.call_later(self._look.next(self.coordinator.watch_direct()),
+                                                  self._watch_direct)
+
+    def _hurry_direct_watch(self) -> None:
+        """The next look at the workers' pages within ``direct_poll_s``, where it waits longer now."""
+        if self._look.backed_off and self._direct_watch is not None:
+            self._direct_watch.cancel()
+            self._look.hurry()
+            self._direct_watch = self.loop.call_later(self._look.wait_s, self._watch_direct)
 
     async def _stop_frontends(self, deadline: float) -> None:
         """Every front end stops taking requests; HTTP and gRPC calls in flight get stop_grace_s."""

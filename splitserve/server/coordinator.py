@@ -91,9 +91,9 @@ class ScheduledModel(Protocol):
         """(real-time work, best-effort work, a direct real-time batch running) of the model
         now, through the front end or on its workers' direct paths (``fast_direct``)."""
 
-    def direct_use(self, now: float) -> None:
+    def direct_use(self, now: float) -> bool:
         """Count the direct calls its workers took since the last look as its use (the
-        memory manager's LRU, Packrat's estimator)."""
+        memory manager's LRU, Packrat's estimator); True where direct calls arrived or are held."""
 
     def set_direct_bell(self, on: bool) -> None:
         """Ask its workers to ring the coordinator when a direct real-time batch begins or ends."""
@@ -177,6 +177,9 @@ class Coordinator:
         # dispatched (its page says so); workers ring on such batches while ``_bell`` is on.
         self._direct_rt = False
         self._bell = False
+        # under REEF, called at each scheduling pass: the node's next look at the workers'
+        # pages comes soon (``server/direct_watch.py``); set by the composition root
+        self.hurry: Callable[[], None] = lambda: None
         # (model, instance) -> its partition's tag when ``placement`` chose it, during one
         # scheduling pass: the batches that pass starts carry it (``Batch.tag``)
         self._placed: dict[tuple[str, int], float | None] = {}
@@ -234,6 +237,8 @@ class Coordinator:
 
     def schedule(self, model: ScheduledModel, now: float) -> list[Batch]:
         """Batches ``model`` may start now; preempts and pads other models' BE work as needed."""
+        if self.mode is PriorityMode.REEF:  # front-end work: direct real-time batches are watched closely
+            self.hurry()
         if self.mode in (PriorityMode.CONCURRENT, PriorityMode.RT_ONLY) or (
                 self.mode is PriorityMode.REEF and self._normal_mode()):
             if self._padding:  # RT mode just ended: lift the padding limits once
@@ -322,16 +327,18 @@ class Coordinator:
         self._release_direct()
         self._kick_all()
 
-    def watch_direct(self) -> None:
-        """The node's look at its workers' pages (every ``direct_poll_s``): the direct calls
+    def watch_direct(self) -> bool:
+        """The node's look at its workers' pages (``server/direct_watch.py``): the direct calls
         since the last look are their models' use; under REEF, ring on direct real-time
         batches while both classes are about, and notice a direct real-time batch that began
-        or ended without ringing (before the bell was on)."""
+        or ended without ringing (before the bell was on). True where it found something to
+        follow closely: direct calls arriving or held, or under REEF work of either class."""
         now = self.clock()
+        found = False
         for m in self.models():
-            m.direct_use(now)
+            found = m.direct_use(now) or found
         if self.mode is not PriorityMode.REEF:
-            return
+            return found
         rt = be = running = False
         for m in self.models():
             r, b, x = m.direct_activity()
@@ -342,6 +349,7 @@ class Coordinator:
                 m.set_direct_bell(self._bell)
         if running != self._direct_rt:
             self.direct_changed()
+        return found or rt or be or running
 
     def _release_direct(self) -> None:
         """No real-time work runs any more: direct best-effort batches held for it resume."""

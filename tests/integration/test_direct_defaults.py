@@ -309,3 +309,49 @@ def test_a_model_whose_worker_holds_a_direct_call_is_not_evicted_under_it(tmp_pa
     assert residency != "EVICTED" and answer.ravel().tolist() == [5]
     assert counts.received == counts.answered == 1  # answered by its worker, not re-sent after an eviction
     assert status["models"]["gate"]["residency"] == "EVICTED" and status["lru"] == [other]
+
+
+def test_an_idle_node_looks_at_its_workers_pages_seldom_and_direct_or_front_end_work_brings_the_look_back(tmp_path):
+    """The node's look backs off to ``direct_idle_poll_s`` while it finds nothing; a look
+    that finds direct calls comes back to ``direct_poll_s``; under REEF a front-end call
+    brings it back at its scheduling pass."""
+    cfg = quiet_config(tmp_path / "data", load=("lenet",), unix_path=tmp_path / "fast.sock",
+                       direct_poll_s=0.005, direct_idle_poll_s=0.04)
+    xs = np.random.default_rng(3).integers(0, 256, (1, 1, 28, 28), dtype=np.uint8)
+
+    async def scenario(server):
+        look = server._look
+        finds: list[bool] = []
+        watch = server.coordinator.watch_direct
+
+        def counted() -> bool:
+            finds.append(watch())
+            return finds[-1]
+
+        server.coordinator.watch_direct = counted
+        await until(lambda: look.wait_s == 0.04)  # nothing to find: backed off to the idle wait
+        idle_finds = list(finds)
+        async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
+            await ac.infer("lenet", xs)
+            assert ac.direct_endpoints("lenet") > 0
+            finds.clear()
+            while not any(finds):  # direct calls until a look has seen them
+                await ac.infer("lenet", xs)
+        direct_wait = look.wait_s if finds[-1] else None
+        await until(lambda: look.wait_s == 0.04)
+        hurried: list[float] = []
+        hurry = look.hurry
+
+        def recorded() -> None:
+            hurried.append(look.wait_s)
+            hurry()
+
+        look.hurry = recorded
+        await server.infer("lenet", [xs])  # the front end, under REEF: hurried at its scheduling pass
+        return idle_finds, direct_wait, hurried, server.runtime("lenet").stats.success
+
+    idle_finds, direct_wait, hurried, front_end_calls = run_server(cfg, lambda s: asyncio.wait_for(scenario(s),
+                                                                                                   BOUND_S))
+    assert idle_finds and not any(idle_finds)
+    assert direct_wait in (None, 0.005)  # None: the look after the find ran before this was read
+    assert hurried[:1] == [0.04] and front_end_calls == 1  # hurried from the idle wait

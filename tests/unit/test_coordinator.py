@@ -404,8 +404,8 @@ class DirectModel(FakeModel):
     def set_direct_bell(self, on: bool) -> None:
         self.bell = on
 
-    def direct_use(self, now: float) -> None:
-        pass  # what it tells the memory manager and Packrat is tests/integration's (real workers' pages)
+    def direct_use(self, now: float) -> bool:
+        return bool(self.direct)  # what it tells the memory manager and Packrat is tests/integration's
 
 
 def test_a_direct_rt_batch_holds_direct_be_on_its_cpus_only_while_it_runs():

@@ -384,15 +384,16 @@ class Dispatch:
                 rt, be = rt or bool(d.in_flight_rt), be or bool(d.in_flight_be)
         return rt, be, running
 
-    def direct_use(self, now: float) -> None:
-        """The node's look at the workers' pages (every ``direct_poll_s``): direct calls that
+    def direct_use(self, now: float) -> bool:
+        """The node's look at the workers' pages (``server/direct_watch.py``): direct calls that
         arrived since the last look are the model's use as front-end calls are at their
         submit and batch start. The memory manager's LRU clock is touched; Packrat's
         estimator observes the depth they found (calls the workers hold plus those queued
         here), once per arrival up to ``_DIRECT_OBSERVATIONS``; a ready model's placement
         decider may propose a repack. Once the workers hold no direct call any more, the
         memory manager hears that its batches ended (a load may wait for it as a victim).
-        A page counts per binding: a new handle, or a count below the last, counts from zero."""
+        A page counts per binding: a new handle, or a count below the last, counts from zero.
+        True where direct calls arrived or are held: the next look should come soon."""
         core = self.core
         arrived = held = 0
         seen: dict[int, tuple[object, int]] = {}
@@ -407,13 +408,14 @@ class Dispatch:
             core.env.memory.batch_done(self.name)  # no longer pinned by direct calls
         self._direct_held = held
         if not arrived:
-            return
+            return bool(held)
         core.env.memory.touch(self.name, now)
         depth = self.sched.waiting() + held
         for _ in range(min(arrived, _DIRECT_OBSERVATIONS)):
             core.placer.observe(depth, now)
         if core.state is ModelState.READY:
             self._repack(now)
+        return True
 
     def direct_held(self) -> int:
         """Calls its workers hold from direct connections now (accepted, not yet answered;
