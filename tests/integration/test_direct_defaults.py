@@ -321,37 +321,34 @@ def test_an_idle_node_looks_at_its_workers_pages_seldom_and_direct_or_front_end_
 
     async def scenario(server):
         look = server._look
-        finds: list[bool] = []
-        watch = server.coordinator.watch_direct
-
-        def counted() -> bool:
-            finds.append(watch())
-            return finds[-1]
-
-        server.coordinator.watch_direct = counted
-        await until(lambda: look.wait_s == 0.04)  # nothing to find: backed off to the idle wait
-        idle_finds = list(finds)
-        async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
-            await ac.infer("lenet", xs)
-            assert ac.direct_endpoints("lenet") > 0
-            finds.clear()
-            while not any(finds):  # direct calls until a look has seen them
-                await ac.infer("lenet", xs)
-        direct_wait = look.wait_s if finds[-1] else None
-        await until(lambda: look.wait_s == 0.04)
+        waits: list[tuple[bool, float]] = []  # each look: whether it found something, the wait it set
+        next_wait, hurry = look.next, look.hurry
         hurried: list[float] = []
-        hurry = look.hurry
 
-        def recorded() -> None:
+        def recorded_next(found: bool) -> float:
+            waits.append((found, next_wait(found)))
+            return waits[-1][1]
+
+        def recorded_hurry() -> None:
             hurried.append(look.wait_s)
             hurry()
 
-        look.hurry = recorded
+        look.next, look.hurry = recorded_next, recorded_hurry
+        await until(lambda: look.wait_s == 0.04)  # nothing to find: backed off to the idle wait
+        idle = list(waits)
+        async with AsyncClient(f"unix://{server.config.unix_socket}") as ac:
+            await ac.infer("lenet", xs)
+            assert ac.direct_endpoints("lenet") > 0
+            waits.clear()
+            while not any(found for found, _ in waits):  # direct calls until a look has seen them
+                await ac.infer("lenet", xs)
+        direct = list(waits)
+        await until(lambda: look.wait_s == 0.04)
+        hurried.clear()
         await server.infer("lenet", [xs])  # the front end, under REEF: hurried at its scheduling pass
-        return idle_finds, direct_wait, hurried, server.runtime("lenet").stats.success
+        return idle, direct, hurried, server.runtime("lenet").stats.success
 
-    idle_finds, direct_wait, hurried, front_end_calls = run_server(cfg, lambda s: asyncio.wait_for(scenario(s),
-                                                                                                   BOUND_S))
-    assert idle_finds and not any(idle_finds)
-    assert direct_wait in (None, 0.005)  # None: the look after the find ran before this was read
+    idle, direct, hurried, front_end_calls = run_server(cfg, lambda s: asyncio.wait_for(scenario(s), BOUND_S))
+    assert idle and not any(found for found, _ in idle) and idle[-1][1] == 0.04
+    assert all(wait == 0.005 for found, wait in direct if found)
     assert hurried[:1] == [0.04] and front_end_calls == 1  # hurried from the idle wait
