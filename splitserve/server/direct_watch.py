@@ -7,9 +7,10 @@ REEF to ring the workers' bells and see direct real-time batches. It reads them 
 ``direct_poll_s`` (5 ms) while a read finds something to follow: direct calls arriving or
 held, or under REEF any work of either class. Each read that finds nothing doubles the wait
 before the next, up to ``direct_idle_poll_s``. On the 2-core VM an idle node with lenet
-loaded woke 191 times and took 35 ms of CPU a second on the fixed period, and 21 times and
-23 ms backed off (``benchmarks/idle_node.py``). While direct calls come, every read finds
-them and the period is ``direct_poll_s`` as before.
+loaded woke 191 times a second on the fixed period and 21 times backed off
+(``benchmarks/idle_node.py``); its CPU did not move (33 ms a second either way): a read
+after 50 ms asleep runs cold and costs what the ten warm ones it replaces did. While direct
+calls come, every read finds them and the period is ``direct_poll_s`` as before.
 
 What a read that comes later costs: the first direct calls after an idle stretch reach the LRU
 and Packrat's estimator up to ``direct_idle_poll_s`` late, and under REEF a direct real-time
