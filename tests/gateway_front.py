@@ -36,15 +36,15 @@ UPLOAD_LIMIT = 1 << 20  # the gateway's max_upload_bytes and its upcall channel'
 
 
 def through_gateway(tmp_path: Path, kind: str, x: np.ndarray, calls: Callable[[int], dict[str, Any]],
-                    node_http: bool = False, others: tuple[NodeRoute, ...] = ()
-                    ) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
+                    node_http: bool = False, others: tuple[NodeRoute, ...] = (),
+                    cluster: ClusterConfig = ClusterConfig()) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
     """Run ``calls(port)`` (in a thread) against the gateway's ``kind`` front end ("http" or
     "grpc"); return the node's own answer for ``x``, what ``calls`` returned and the
     gateway's statistics after them. ``node_http``: the node serves HTTP too, and its route
-    says where; ``others``: more routes, beside the node's."""
+    says where; ``others``: more routes, beside the node's; ``cluster``: the gateway's settings."""
 
     async def scenario(server: Any) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
-        core = GatewayCore(ClusterConfig())
+        core = GatewayCore(cluster)
         await core.serve("127.0.0.1", 0)
         ports: dict[str, int | None] = {"http_port": None, "grpc_port": None, f"{kind}_port": 0}
         (front,) = front_ends(core, ServerConfig.of(host="127.0.0.1", data_dir=tmp_path / "gw", **ports))
