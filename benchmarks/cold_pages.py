@@ -9,8 +9,10 @@ gap. On a host whose memory stays warm for a sleeping process every gap reads al
 few ns a page (a cache or TLB miss at worst, ~100 ns). On the 2-vCPU VM of
 docs/fastpath-breakdown.md (stop 45, a Firecracker guest; two runs) it was 7-50 ns back to
 back and after sleeping up to 2 ms, and 25-73 ns, 200-394 ns, 670-866 ns and 2.2-3.0 µs
-after sleeping 10 ms, 50 ms, 200 ms and 1 s: the host takes a sleeping process's memory
-away by the second, and every page it touches again costs a fault the guest never sees. A server on such a host pays it on every wake-up, in proportion to the
+after sleeping 10 ms, 50 ms, 200 ms and 1 s: something below the process (the host, or
+the guest kernel's DAMON, whose ``kdamond`` runs a ``pageout`` scheme there) takes a
+sleeping process's memory away by the second, and every page it touches again costs a
+fault. A server on such a host pays it on every wake-up, in proportion to the
 memory its wake-up touches: the node's 6 µs look at its workers' pages took 0.6-0.9 ms after
 50 ms asleep and 7-10 ms after a second.
 """
