@@ -73,7 +73,7 @@ def main() -> None:
     taken: dict[str, list[float]] = {name: [] for name in names}
     sessions: list[dict[str, float]] = []
     for k in range(a.sessions):
-        order = names[k % len(names):] + names[: k % len(names)]
+        order = _rotated(names, k)
         got = _session(order, trees, env, a.model, a.rounds, raw_type)
         sessions.append({name: float(np.percentile(v, 50)) for name, v in got.items()})
         for name, v in got.items():
@@ -84,6 +84,12 @@ def main() -> None:
         p25, p50, p75 = np.percentile(v, [25, 50, 75])
         per = " / ".join(f"{s[name]:.1f}" for s in sessions)
         print(f"  {name:12s} p25 {p25:6.1f}  p50 {p50:6.1f}  p75 {p75:6.1f}   p50 by session {per}")
+
+
+def _rotated(names: list[str], k: int) -> list[str]:
+    """``names`` rotated left by ``k``."""
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def _session(order: list[str], trees: dict[str, str], env: dict[str, str], model: str, rounds: int,
@@ -106,7 +112,7 @@ def _session(order: list[str], trees: dict[str, str], env: dict[str, str], model
                 raw.call(True)
         taken: dict[str, list[float]] = {name: [] for name in order}
         for r in range(rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
+            for name in _rotated(order, r):
                 taken[name] += [raws[name].call(True) for _ in range(BLOCK)]
         return taken
     finally:

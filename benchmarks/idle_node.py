@@ -44,10 +44,10 @@ def _threads(pid: int) -> tuple[int, int]:
 
 def _variant(spec: str) -> tuple[str, dict[str, str]]:
     name, _, env = spec.partition("=")
-    pairs = [kv.split("=", 1) for kv in env.split(",") if kv]
-    if not name or any(len(p) != 2 for p in pairs):
+    pairs = [kv.partition("=") for kv in env.split(",") if kv]
+    if not name or any(not sep for _, sep, _ in pairs):
         raise SystemExit(f"--variant NAME=ENV=VALUE,... not {spec!r}")
-    return name, dict(pairs)  # type: ignore[arg-type]
+    return name, {key: value for key, _, value in pairs}
 
 
 def main() -> None:
