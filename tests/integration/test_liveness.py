@@ -190,11 +190,13 @@ def test_a_worker_that_crashes_before_ready_is_restarted_until_the_model_fails(t
     async def scenario(server):
         rt = server.runtime("gate")
         call = asyncio.ensure_future(server.infer("gate", key(1)))
+        killed: set[int | None] = {None}
         for _ in range(2):  # a crash that sends no FAILED (a segfault, the OOM killer)
-            # alive, and forked (its pid comes with the fork server's answer)
-            await until(lambda: 0 in rt.workers and rt.workers[0].alive and rt.workers[0].pid is not None)
+            # a new worker, alive and forked (its pid comes with the fork server's answer); waiting for
+            # the old one's slot to empty would race the restart, which may refill it between two looks
+            await until(lambda: 0 in rt.workers and rt.workers[0].alive and rt.workers[0].pid not in killed)
+            killed.add(rt.workers[0].pid)
             os.kill(rt.workers[0].pid, signal.SIGKILL)
-            await until(lambda: 0 not in rt.workers)
         with pytest.raises(ModelNotReady, match="exited before it was ready"):
             await call
         gates.open(LOAD_KEY)
