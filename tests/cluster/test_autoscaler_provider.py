@@ -135,6 +135,25 @@ def _node(node_id: str) -> raycompat.RayNode:
     return next(n for n in raycompat.nodes() if n.node_id == node_id)
 
 
+def _launches_done(address: str, timeout_s: float = 60.0) -> None:
+    """Wait until Ray's autoscaler reports no launch and no node still pending. Its fake
+    provider creates a node in the monitor's process, holding the provider's lock until that
+    node's raylet is listed (and the monitor loop with it); a node taken away before then (a
+    launch that returns as soon as its node joined, then a terminate) left it waiting 30 s
+    for a node that was gone, and every launch asked of it meanwhile (the next test's) waited
+    too. A cloud's provider does not wait on the node, so this is the fake one's, not the
+    provider's under test."""
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = get_cluster_status(address)
+        if not status.pending_launches and not status.pending_nodes:
+            return
+        assert time.monotonic() < deadline, f"launches still pending after {timeout_s:g} s: {status}"
+        time.sleep(0.2)
+
+
 def test_a_machine_joined_by_hand_serves_at_once_as_on_demand_and_stays_when_released(head):
     """A machine that joined with a ``splitserve_node`` and no market label (here a raylet
     this driver starts, with the token it was given) is taken at once, as on-demand, without
@@ -172,6 +191,7 @@ def test_nodes_of_each_market_come_from_rays_autoscaler_and_leave_on_terminate(h
         n = _node(node_id)
         assert n.alive and n.labels[raycompat.MARKET_LABEL] == m and n.resources[raycompat.NODE_RESOURCE] == 1
     assert ray.get(provider.markets.remote()) == {v: k for k, v in got.items()}
+    _launches_done(head["address"])
 
     left: dict[str, float] = {}
     for m, node_id in got.items():

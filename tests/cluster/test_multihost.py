@@ -12,6 +12,7 @@ replace them. Skipped where namespaces cannot be made (not root, no ``ip``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,18 @@ def mh() -> Iterator[MultiHost]:
         head, a, far = hosts.add("head"), hosts.add("a"), hosts.add("far")
         hosts.add("clients")
         address = hosts.ray_head(head)
-        hosts.ray_worker(a, address, ON_DEMAND)
-        hosts.ray_worker(far, address, {**ON_DEMAND, ADVERTISE_LABEL: hosts.unused_ip()})
-        driver = netns.Driver(hosts, head, address, 2, TOKEN, str(CACHE))
+        # a and far join side by side, while the driver starts on the head's host: each `ray start`
+        # and the driver's start-up are seconds of waiting of their own, and which of the two
+        # machines joins first, or whether before or after the controller asks for them, does not
+        # change what it does with them (it takes both: one serves, one is reported)
+        with ThreadPoolExecutor(2) as joining:
+            joins = [joining.submit(hosts.ray_worker, a, address, ON_DEMAND),
+                     joining.submit(hosts.ray_worker, far, address, {**ON_DEMAND, ADVERTISE_LABEL: hosts.unused_ip()})]
+            try:
+                driver = netns.Driver(hosts, head, address, 2, TOKEN, str(CACHE))
+            finally:
+                for j in joins:
+                    j.result()
         # both claimed: a serves, far is reported; b joins as the machine that replaces far
         until("a serving and far reported unreachable", lambda: sorted(
             n["state"] for n in driver.nodes().values()) == ["active", "unreachable"], 180)

@@ -74,10 +74,12 @@ def cluster() -> Iterator[LocalCluster]:
     root = Path(tempfile.mkdtemp(prefix="ssray-"))
     # a 90 s notice (providers give 30-120 s): a node starts in ~17 s on 2 cores, but ~45 s while
     # another test module runs beside this one; the spot test stretches its notice to the boots it saw
-    # 8 clients' 32 calls in flight ask for a model on every node (8 per node), none for the
-    # first two (model_min_nodes) while idle
+    # 8 clients' load asks for a model on every node (4 per node), none beyond the first two
+    # (model_min_nodes) while idle: each client sends its 4 calls and waits for all 4 answers, so
+    # the gateway holds ~13 of the 32 at a time, not 32 (at 8 per node the third copy waited for a
+    # rare moment above 16: seconds, or tens of them on a loaded host)
     cfg = ClusterConfig.from_env(min_nodes=NODES, max_nodes=NODES, notice_min_s=90, notice_max_s=90,
-                                 drain_lead_s=6, drain_margin_s=3, requests_per_node=8, model_min_nodes=2,
+                                 drain_lead_s=6, drain_margin_s=3, requests_per_node=4, model_min_nodes=2,
                                  reconcile_interval_s=0.5, autoscale_interval_s=0.5, keep_alive_s=3600)
     # every node runs with the node settings `cluster up` takes (a budget no test's models reach)
     spec = NodeSpec(token="cluster-test-token", cache_dir=str(CACHE), tmp_root=str(root),
