@@ -237,12 +237,16 @@ class ForkedProcess:
         self._known = threading.Event()  # the fork server answered (or is gone)
         self._lock = threading.Lock()  # kill (the loop, or a reaping thread) against wait's close of the pidfd
         self._kill_asked = False
+        self._waited = False  # a wait returned before the answer: nobody will wait on its pidfd
 
     def _resolve(self, pid: int | None, pidfd: int | None) -> None:
         with self._lock:
             self.pid, self._pidfd = pid, pidfd
             if self._kill_asked:
                 self._signal()
+                if self._waited and pidfd is not None:
+                    os.close(pidfd)
+                    self._pidfd = None
         self._known.set()
 
     def kill(self) -> None:
@@ -259,8 +263,15 @@ class ForkedProcess:
                 pass
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until it has exited (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
+        """Wait until it has exited (``subprocess.TimeoutExpired`` after ``timeout`` s). One killed
+        before the fork server answered returns at once: it never runs past its fork, as the kill
+        goes with the answer (``_resolve``), and the answer may be a fork server's import away
+        (≈ 2.5 s), which a node stopping, or a start given up on, should not wait for."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._kill_asked and not self._known.is_set():
+                self._waited = True
+                return
         if not self._known.wait(timeout):
             raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
         with self._lock:
@@ -397,13 +408,17 @@ class ForkServer:
             self.sock = None
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop it: it exits when its socket closes (killed after ``timeout`` s). The workers it
-        forked are not its: they stay until the node stops them."""
+        """Stop it: it exits when its socket closes (killed after ``timeout`` s), or at once while
+        it is still importing, before which it has forked nothing (it would finish its imports
+        first, and then fork the requests still queued). The workers it forked are not its:
+        they stay until the node stops them."""
         self._close_socket()
         while self._pending:
             self._pending.popleft()._resolve(None, None)
         if self.proc is not None:
             proc, self.proc = self.proc, None
+            if not self.ready:
+                proc.kill()
             await asyncio.to_thread(_end, proc, timeout)
 
 

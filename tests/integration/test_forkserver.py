@@ -4,6 +4,7 @@ dead fork server costs, the way back to new interpreters, and requests the fork 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -205,6 +206,64 @@ def test_a_kill_asked_before_the_fork_server_answers_is_sent_when_it_does(tmp_pa
     finally:
         ours.close()
         flag.close()
+
+
+def test_a_node_stopping_while_its_fork_server_imports_waits_neither_for_it_nor_for_its_workers(tmp_path):
+    """A spare, or a loading model's worker, asked for while the fork server still imports is
+    killed at the node's stop: its wait ends without the fork server's answer, and the fork
+    server, which has forked nothing yet, is killed rather than waited for (it would finish its
+    imports, then fork what was queued). A server stopped 2 s after its start took 1.5-3 s to
+    exit for it; now 0.2-0.3 s."""
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    spec = WorkerSpec(ctrl_fd=theirs.fileno(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                      segment_time_weight=ReefSection.segment_time_weight)
+
+    async def main() -> tuple[int | None, bool, int | None]:
+        forks = ForkServer(os.environ)
+        try:
+            proc = forks.spawn(asyncio.get_running_loop(), [spec.to_json()], spec.fds(), os.environ)
+            theirs.close()  # the request holds the worker's end now
+            assert proc is not None and forks.proc is not None
+            fork_server = forks.proc
+            os.kill(fork_server.pid, signal.SIGSTOP)  # importing for as long as the test runs: no answer comes
+            proc.kill()  # as a stopping node kills a worker still starting
+            await asyncio.wait_for(asyncio.to_thread(proc.wait, BOUND_S), BOUND_S / 2)
+            answered = proc._known.is_set()
+            await asyncio.wait_for(forks.stop(timeout=BOUND_S), BOUND_S / 2)
+            return fork_server.returncode, answered, proc.pid
+        finally:
+            await forks.stop()
+
+    try:
+        rc, answered, pid = asyncio.run(main())
+        assert rc == -signal.SIGKILL and not answered and pid is None
+        ours.settimeout(BOUND_S)
+        assert ours.recv(64) == b""  # the worker never started: its control socket reads EOF
+    finally:
+        ours.close()
+        flag.close()
+
+
+def test_a_worker_killed_before_its_fork_is_killed_when_the_answer_comes_and_its_pidfd_closed():
+    pid = os.fork()
+    if pid == 0:  # a stand-in for the worker the fork server forks after the node gave up on it
+        time.sleep(60)
+        os._exit(0)
+    try:
+        proc = ForkedProcess()
+        proc.kill()
+        proc.wait(BOUND_S)  # at once: nobody waits for the fork server's answer
+        pidfd = os.pidfd_open(pid)
+        proc._resolve(pid, pidfd)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        assert proc._pidfd is None  # closed at once: no wait will come for it
+        with pytest.raises(OSError):
+            os.fstat(pidfd)
+    finally:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def test_a_forked_worker_whose_pidfd_is_past_fd_setsize_is_killed_and_waited_for():
