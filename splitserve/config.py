@@ -172,6 +172,7 @@ class TransportSection(_Section):
     direct_stage_bytes: int = 32768  # per direct connection: a read takes up to this much (a small frame is one recv)
     direct_compiled: bool = True  # _directlane.c, where built: one-call reads taken, outputs copied, answers packed and sent
     direct_spin_us: int = 200  # poll this long while calls come this close and no task waits for a CPU (0: never; splitserve/spin.py)
+    front_end_spin_us: int = 1000  # a worker's poll after a front-end batch, as direct_spin_us (0: never; splitserve/spin.py)
 
     def checked(self) -> None:
         if not 1024 <= self.udp_segment <= 65507 - 64:
@@ -182,6 +183,8 @@ class TransportSection(_Section):
             raise InvalidInput("need 0 < fast_out_low_water < fast_out_high_water <= fast_max_pending_out")
         if self.direct_spin_us < 0:
             raise InvalidInput("direct_spin_us must be 0 (never poll) or a number of µs")
+        if self.front_end_spin_us < 0:
+            raise InvalidInput("front_end_spin_us must be 0 (never poll) or a number of µs")
         if self.direct_stage_bytes < HEADER_SIZE:
             raise InvalidInput(f"direct_stage_bytes must be at least a header's {HEADER_SIZE} B")
         if self.fast_stage_trace < 0:

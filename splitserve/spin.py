@@ -52,6 +52,11 @@ _GAP_CAP = 4  # an idle stretch counts as this many budgets: a few close calls b
 _ALPHA = 0.25  # the EWMA's weight of the newest gap
 LOAD_PERIOD_NS = 10_000  # how often HostLoad reads /proc/loadavg while the host is free (a poll's looks)
 BUSY_READS = 2  # reads in a row that find a task waiting for a CPU before the busy verdict holds
+# The same, for a worker's poll after a front-end batch (``ServerConfig.transports.front_end_spin_us``):
+# on the front end's path the call's own three processes (client, front end, worker) meet on two
+# cores for a moment at each hand-over, and two reads ended the worker's poll at every call; a
+# task that keeps waiting (another process's work) ends it twelve reads (≈ 120 µs) in
+BUSY_READS_AFTER_RUN = 12
 # how long a busy verdict holds before the host is read again: one read then re-confirms it (≈ 1 µs
 # per hold on a busy host), while a longer hold made a moment of contention (a side polling while
 # two others ran) cost every call of the next 20 ms its poll, on both sides of a direct call
@@ -133,11 +138,14 @@ def cpu_free(loadavg: str, cpus: int) -> bool:
 class HostLoad:
     """Whether the host has a CPU free, read from ``/proc/loadavg`` at most every
     ``LOAD_PERIOD_NS``: not once a read found a task waiting for one, and for
-    ``BUSY_HOLD_NS`` after ``BUSY_READS`` such reads in a row (never where the file cannot
-    be read)."""
+    ``BUSY_HOLD_NS`` after ``busy_reads`` (default ``BUSY_READS``) such reads in a row (never
+    where the file cannot be read)."""
 
-    def __init__(self, path: str = "/proc/loadavg") -> None:
+    def __init__(self, path: str = "/proc/loadavg", busy_reads: int = BUSY_READS) -> None:
+        if busy_reads < 1:
+            raise ValueError("a busy verdict takes at least one read")
         self.path = path
+        self.busy_reads_needed = busy_reads
         try:  # the CPUs this process may run on (a container's cpuset), not the machine's
             self.cpus = len(os.sched_getaffinity(0)) or 1
         except OSError:
@@ -166,11 +174,11 @@ class HostLoad:
             try:
                 busy = not cpu_free(self._read(), self.cpus)
             except OSError:
-                busy, self.busy_reads = True, BUSY_READS
+                busy, self.busy_reads = True, self.busy_reads_needed
             self.busy_reads = self.busy_reads + 1 if busy else 0
-            self.free = self.busy_reads < BUSY_READS
+            self.free = self.busy_reads < self.busy_reads_needed
             # busy in a row: not read again for the hold (one period is already in read_at_ns's step)
-            self.read_at_ns = now_ns + (0 if self.busy_reads < BUSY_READS else BUSY_HOLD_NS - LOAD_PERIOD_NS)
+            self.read_at_ns = now_ns + (0 if self.free else BUSY_HOLD_NS - LOAD_PERIOD_NS)
         return self.free
 
     def poll_check(self) -> tuple[int, int, float, int] | None:
@@ -178,7 +186,7 @@ class HostLoad:
         GIL (``_fastwire.Wire.call``'s ``load``): the open ``/proc/loadavg`` descriptor,
         the CPUs, the read period (s) and the busy reads in a row that end a poll; None
         before a read (or ``readable``) opened it."""
-        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, BUSY_READS)
+        return None if self._fd < 0 else (self._fd, self.cpus, LOAD_PERIOD_NS / 1e9, self.busy_reads_needed)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -34,7 +34,7 @@ import torch
 from splitserve.errors import InvalidInput, ModelNotReady, Refused, SplitServeError
 from splitserve.models.segmented import SegmentedModel
 from splitserve.protocol.header import RequestClass
-from splitserve.spin import HostLoad, SpinPolicy
+from splitserve.spin import BUSY_READS_AFTER_RUN, HostLoad, SpinPolicy
 from splitserve.worker.binding import Binding, Restore, rss_anon
 from splitserve.worker.counters import WorkerCounters
 from splitserve.worker.direct import DirectServer, refuse
@@ -110,9 +110,14 @@ class Worker:
         self.direct: DirectServer | None = None
         self.poller: Poller | None = None
         # How long the direct loop polls before it sleeps (set per binding) and the host's
-        # load it asks first
+        # load it asks first; after a front-end batch, its own (``front_end_spin_us``): the front
+        # end's path brings the next RUN ≈ 400 µs later on the 2-core VM, past a direct call's
+        # budget, and a worker that slept through it paid its wake-up and computed cold
         self.spin = SpinPolicy(0)
         self.host = HostLoad()
+        self.run_spin = SpinPolicy(0)
+        self.run_host = HostLoad(busy_reads=BUSY_READS_AFTER_RUN)
+        self.after_run = False  # the last batch was a front-end RUN
         self.exiting = False  # a fatal CUDA error: answer, then exit (``cuda.fatal_cuda_error``)
         self._direct_spec: DirectSpec | None = None  # the binding's endpoint, opened again by a RELOAD
 
@@ -152,6 +157,7 @@ class Worker:
         spec = self._direct_spec
         if spec is not None:
             self.spin = SpinPolicy(spec.spin_us * 1000)
+            self.run_spin = SpinPolicy(spec.front_end_spin_us * 1000)
             self.poller = Poller()
             try:
                 self.poller.register(self.ctrl.fileno(), select.EPOLLIN, None)
@@ -361,16 +367,17 @@ class Worker:
         poller = self.poller
         assert poller is not None  # open while a direct endpoint is
         handlers, ctrl_fd, ctrl = poller.handlers, self.ctrl.fileno(), False
+        spin, host = (self.run_spin, self.run_host) if self.after_run else (self.spin, self.host)
         if direct.ready():
             events = poller.ep.poll(0)
-        elif not self.spin.budget_ns or self.spin.skipping(t0 := time.monotonic_ns()):
+        elif not spin.budget_ns or spin.skipping(t0 := time.monotonic_ns()):
             events = poller.ep.poll(direct.timeout())  # polling off, or backing off a busy host: no host read
         else:  # nothing to run: poll for a while (``splitserve/spin.py``), then sleep
-            window = self.spin.window_ns()
-            events = poller.wait(direct.timeout(), window, self.host.cpu_free) if window else \
+            window = spin.window_ns()
+            events = poller.wait(direct.timeout(), window, host.cpu_free) if window else \
                 poller.ep.poll(direct.timeout())
             t1 = time.monotonic_ns()
-            self.spin.observe(t1 - t0, poller.busy if window else None, t1)
+            spin.observe(t1 - t0, poller.busy if window else None, t1)
         for fd, mask in events:
             if fd == ctrl_fd:
                 ctrl = True
@@ -383,6 +390,7 @@ class Worker:
             if now >= direct.sweep_at_ns:
                 direct.sweep(now)
             if direct.ready():
+                self.after_run = False
                 direct.run_one(self.run_direct)
                 self._settle()
         self.counters.flush()  # what this turn counted, in the page before the loop waits
@@ -394,6 +402,7 @@ class Worker:
         n, anc, flags, _ = self.ctrl.recvmsg_into(self._bufs, self._ancsize)
         if n >= RUN.size and self._buf[0] == Msg.RUN and not anc and not flags & _CUT:  # serving: keep it short
             self.ctrl.send(self._answer_run(RunMsg.unpack(self._buf)))
+            self.after_run = True
             self._settle()
             return not self.exiting
         fds = _received_fds(anc) if anc else []

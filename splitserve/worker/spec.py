@@ -50,6 +50,8 @@ class DirectSpec:
     # ServerConfig.batching.max_call_age_s: a best-effort batch held (suspended) this long
     # after its oldest call arrived is answered INTERNAL, as the front end's watchdog does
     max_call_age_s: float = 600.0
+    # ServerConfig.transports.front_end_spin_us: the loop's poll after a front-end batch
+    front_end_spin_us: int = 0
 
 
 @dataclass(frozen=True)

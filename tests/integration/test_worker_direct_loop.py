@@ -18,7 +18,8 @@ from splitserve.errors import Status
 from splitserve.modelconfig import ModelConfig
 from splitserve.protocol.header import HEADER_SIZE, Header, Kind, RequestClass, unpack_header
 from splitserve.tensorqueue import TensorQueue, ring_slots
-from splitserve.worker.messages import ADOPT, LoadedMsg, LoadMsg, Msg, UnloadedMsg
+from splitserve.spin import BUSY_READS_AFTER_RUN
+from splitserve.worker.messages import ADOPT, DoneMsg, LoadedMsg, LoadMsg, Msg, RunMsg, UnloadedMsg
 from splitserve.worker.preempt_flag import PreemptFlag
 from splitserve.worker.process import Worker
 from splitserve.worker.spec import BindSpec, DirectSpec, QueueFds, WorkerSpec
@@ -36,12 +37,14 @@ def _queues(cfg: ModelConfig) -> tuple[list[TensorQueue], int]:
     return [TensorQueue(t.nbytes, n) for t in cfg.inputs + cfg.outputs], n
 
 
-def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us: int = 0) -> BindSpec:
+def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us: int = 0,
+          front_end_spin_us: int = 0) -> BindSpec:
     """A best-effort binding of ``cfg`` with a direct endpoint at ``tmp_path/d.sock``."""
     d = TransportSection()
     direct = DirectSpec(str(tmp_path / "d.sock"), FUNC_ID, 4, d.fast_max_in_flight, d.fast_out_high_water,
                         d.fast_out_low_water, d.fast_max_pending_out, d.frame_timeout_s, d.fast_reads_per_wakeup,
-                        False, d.direct_suspend_poll_s, d.direct_stage_bytes, spin_us=spin_us)
+                        False, d.direct_suspend_poll_s, d.direct_stage_bytes, spin_us=spin_us,
+                        front_end_spin_us=front_end_spin_us)
     k = len(cfg.inputs)
     qfds = QueueFds(n, [os.dup(q.fd) for q in queues[:k]], [os.dup(q.fd) for q in queues[k:]])
     return BindSpec(cfg.to_dict(), None, {str(int(RequestClass.BE)): qfds}, cfg.capacity,
@@ -129,6 +132,70 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
         ours.close()
         flag.close()
         for q in vq + lq:
+            q.close()
+
+
+def test_after_a_front_end_batch_the_loop_polls_as_front_end_spin_us_says_and_after_a_direct_one_as_direct_spin_us(
+        tmp_path):
+    """The front end's path brings a worker its next RUN later than a direct client brings its
+    next call (``ServerConfig.transports.front_end_spin_us``): the waits after a front-end batch
+    poll with that budget, ended only by a task that keeps waiting for a CPU
+    (``BUSY_READS_AFTER_RUN`` reads); the waits after a direct batch as ``direct_spin_us`` says."""
+    vecadd = zoo("vecadd1k")
+    vq, vn = _queues(vecadd)
+    path = str(tmp_path / "d.sock")
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(WAIT_S)
+    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                          segment_time_weight=ReefSection.segment_time_weight))
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn, spin_us=20, front_end_spin_us=50_000)))
+        w.counters.set_admit(64)
+        direct, poller = w.direct, w.poller
+        assert direct is not None and poller is not None
+        waits: list[tuple[int, object]] = []  # each poll's budget and whose host reads end it
+        real_wait = poller.wait
+
+        def wait(timeout, spin_ns, cpu_free=None):
+            waits.append((spin_ns, getattr(cpu_free, "__self__", None)))
+            return real_wait(timeout, spin_ns, lambda _now: True)  # the host taken as free: the poll runs
+
+        poller.wait = wait  # type: ignore[method-assign]
+        with torch.inference_mode():
+            ours.send(RunMsg(int(RequestClass.BE), 1, 0, 1).pack())
+            assert w.turn(direct)  # a control message waits: handed to step, no batch run
+        assert waits == [(20_000, w.host)]  # nothing ran yet: the direct budget
+        assert w.step() and DoneMsg.unpack(ours.recv(65536)).batch_id == 1 and w.after_run
+        a = np.arange(1024, dtype=np.float32)
+        client.connect(path)
+        client.sendall(Header(Kind.REQUEST, req_id=1, func_id=FUNC_ID, payload_len=2 * a.nbytes).pack()
+                       + a.tobytes() + a.tobytes())
+        client.settimeout(WAIT_S)
+        with torch.inference_mode():
+            for _ in range(10):  # the accept, the frame's read and its batch, one event each at most
+                if not w.after_run:
+                    break
+                w.turn(direct)
+        _, got = _frame(client)
+        np.testing.assert_array_equal(np.frombuffer(got, np.float32), a + a)
+        after_run = waits[1:]
+        assert after_run and all(budget == 50_000_000 and host is w.run_host for budget, host in after_run)
+        assert w.run_host.busy_reads_needed == BUSY_READS_AFTER_RUN
+        del waits[:]
+        with torch.inference_mode():
+            ours.send(RunMsg(int(RequestClass.BE), 2, 0, 1).pack())
+            assert w.turn(direct)
+        assert waits == [(20_000, w.host)]  # the last batch was direct: its budget again
+        assert w.step() and DoneMsg.unpack(ours.recv(65536)).batch_id == 2
+    finally:
+        client.close()
+        w.unload()
+        w.ctrl.close()
+        ours.close()
+        flag.close()
+        for q in vq:
             q.close()
 
 

@@ -185,6 +185,7 @@ _SECTION_ENV = [
     ("transports", "udp_segment", "4096", 4096),
     ("transports", "fast_direct", "1", True),
     ("transports", "direct_spin_us", "50", 50),
+    ("transports", "front_end_spin_us", "3000", 3000),
     ("batching", "queue_slots", "64", 64),
     ("batching", "watchdog_period_s", "2.5", 2.5),
     ("memory", "memory_budget_bytes", "2GiB", 2 << 30),
@@ -223,8 +224,8 @@ def test_every_section_reads_its_fields_from_the_same_environment_names(monkeypa
 def test_the_table_covers_every_section_and_no_field_is_in_two():
     assert {s for s, *_ in _SECTION_ENV} - {None} == set(ServerConfig.SECTIONS)
     names = [f.name for kind in ServerConfig.SECTIONS.values() for f in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == 100
-    assert len(ServerConfig.field_names()) == 106
+    assert len(names) == len(set(names)) == 101
+    assert len(ServerConfig.field_names()) == 107
 
 
 def test_a_field_by_name_goes_to_its_section_and_an_unknown_one_is_refused():

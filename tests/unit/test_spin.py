@@ -17,6 +17,7 @@ from splitserve.spin import (
     BACKOFF_NS,
     BUSY_HOLD_NS,
     BUSY_READS,
+    BUSY_READS_AFTER_RUN,
     LOAD_PERIOD_NS,
     HostLoad,
     SpinPolicy,
@@ -62,6 +63,8 @@ def test_never_when_off():
         SpinPolicy(-1)
     with pytest.raises(InvalidInput, match="direct_spin_us"):
         ServerConfig.from_env(direct_spin_us=-1)
+    with pytest.raises(InvalidInput, match="front_end_spin_us"):
+        ServerConfig.from_env(front_end_spin_us=-1)
 
 
 def test_a_busy_host_makes_a_side_back_off_for_ever_longer_up_to_a_bound_and_a_poll_its_event_ends_resets_it():
@@ -120,6 +123,34 @@ def test_host_load_reads_the_file_at_most_once_a_period_and_is_busy_after_reads_
     assert load.cpu_free(4 * LOAD_PERIOD_NS + BUSY_HOLD_NS)  # free again at the first read that finds none waiting
     load.close()
     assert not HostLoad(str(tmp_path / "missing")).cpu_free(0)
+
+
+def test_a_host_load_that_needs_more_busy_reads_lets_a_moment_of_contention_pass_and_ends_at_a_lasting_one(tmp_path):
+    """A worker's poll after a front-end batch (``BUSY_READS_AFTER_RUN``): the call's own client,
+    front end and worker meet on two cores for a moment at each hand-over; another process that
+    keeps a core ends the poll all the same, a few reads later."""
+    f = tmp_path / "loadavg"
+    load = HostLoad(str(f), busy_reads=BUSY_READS_AFTER_RUN)
+    load.cpus = 2
+    assert BUSY_READS < BUSY_READS_AFTER_RUN
+    f.write_text("9.0 9.0 9.0 3/100 5\n")
+    t = 0
+    for _ in range(BUSY_READS_AFTER_RUN - 1):  # a hand-over's moment: more reads than BUSY_READS, fewer than these
+        assert load.cpu_free(t)
+        t += LOAD_PERIOD_NS
+    f.write_text("0.1 0.1 0.1 2/100 5\n")
+    assert load.cpu_free(t)  # the moment passed: the count starts again
+    f.write_text("9.0 9.0 9.0 3/100 5\n")
+    for _ in range(BUSY_READS_AFTER_RUN - 1):
+        t += LOAD_PERIOD_NS
+        assert load.cpu_free(t)
+    t += LOAD_PERIOD_NS
+    assert not load.cpu_free(t)  # it lasted: busy, and the verdict holds as with the default
+    assert not load.cpu_free(t + BUSY_HOLD_NS - 1)
+    assert load.poll_check() is not None and load.poll_check()[3] == BUSY_READS_AFTER_RUN
+    load.close()
+    with pytest.raises(ValueError):
+        HostLoad(str(f), busy_reads=0)
 
 
 def test_the_real_host_load_is_read_through_one_descriptor():

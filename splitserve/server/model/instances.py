@@ -204,7 +204,7 @@ class Instances:
             s.transports.fast_out_high_water, s.transports.fast_out_low_water, s.transports.fast_max_pending_out, s.transports.frame_timeout_s,
             s.transports.fast_reads_per_wakeup, s.reef.preemption is PriorityMode.RT_ONLY, s.transports.direct_suspend_poll_s,
             s.transports.direct_stage_bytes, int(slo_s * 1e6) if slo_s else 0, s.direct_tcp_host, s.transports.direct_spin_us,
-            s.transports.direct_compiled, batch, aggregate_s, s.batching.max_call_age_s)
+            s.transports.direct_compiled, batch, aggregate_s, s.batching.max_call_age_s, s.transports.front_end_spin_us)
 
     def bind(self, i: int) -> None:
         """LOAD this model into instance ``i``'s worker (up, bound to nothing), or RELOAD it
