@@ -39,7 +39,9 @@ someone else is waiting for. So a side polls only
 
 ``SpinPolicy`` decides from the waits and how its polls ended (a pure decider);
 ``HostLoad`` reads the host. The worker's loop uses them through ``Poller.wait``
-(``ServerConfig.transports.direct_spin_us``), the blocking client through its wire's ``call``
+(``ServerConfig.transports.direct_spin_us``; after a front-end batch a policy of its own,
+``front_end_spin_us``, with a ``HostLoad`` that takes ``BUSY_READS_AFTER_RUN`` reads to call
+the host busy), the blocking client through its wire's ``call``
 (``Client(poll_us=...)``); both look at the host during the poll too, the compiled wire
 with ``HostLoad.poll_check``'s descriptor and rule.
 """
