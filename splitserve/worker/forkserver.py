@@ -410,7 +410,9 @@ class ForkServer:
     async def stop(self, timeout: float = 5.0) -> None:
         """Stop it: it exits when its socket closes (killed after ``timeout`` s), or at once while
         it is still importing, before which it has forked nothing (it would finish its imports
-        first, and then fork the requests still queued). The workers it forked are not its:
+        first, and then fork the requests still queued; one whose READY came but is not read yet
+        may have forked a worker, which the node does not know of: that worker reads EOF on its
+        control socket, closed with its handle, and exits). The workers it forked are not its:
         they stay until the node stops them."""
         self._close_socket()
         while self._pending:

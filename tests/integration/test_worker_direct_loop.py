@@ -51,6 +51,16 @@ def _bind(tmp_path, cfg: ModelConfig, queues: list[TensorQueue], n: int, spin_us
                     threads=torch.get_num_threads(), direct=direct)
 
 
+def _worker(tmp_path) -> tuple[Worker, socket.socket, PreemptFlag]:
+    """An in-process worker, the front end's end of its control socket and its preemption page."""
+    flag = PreemptFlag()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(WAIT_S)
+    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
+                          segment_time_weight=ReefSection.segment_time_weight))
+    return w, ours, flag
+
+
 def _direct_call(path: str, x: bytes, answer_bytes: int) -> bytes:
     """One REQUEST over a fresh connection to the endpoint; the answer's payload."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -77,11 +87,7 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
     vecadd, lenet = zoo("vecadd1k"), zoo("lenet")
     (vq, vn), (lq, ln) = _queues(vecadd), _queues(lenet)
     path = str(tmp_path / "d.sock")
-    flag = PreemptFlag()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(WAIT_S)
-    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
-                          segment_time_weight=ReefSection.segment_time_weight))
+    w, ours, flag = _worker(tmp_path)
     modes: list[tuple[int, bool]] = []  # (message kind, inference mode on) as each control message is handled
     step = w.step
 
@@ -144,11 +150,7 @@ def test_after_a_front_end_batch_the_loop_polls_as_front_end_spin_us_says_and_af
     vecadd = zoo("vecadd1k")
     vq, vn = _queues(vecadd)
     path = str(tmp_path / "d.sock")
-    flag = PreemptFlag()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(WAIT_S)
-    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
-                          segment_time_weight=ReefSection.segment_time_weight))
+    w, ours, flag = _worker(tmp_path)
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         w.load(LoadMsg(1, _bind(tmp_path, vecadd, vq, vn, spin_us=20, front_end_spin_us=50_000)))
@@ -217,11 +219,7 @@ def test_a_connection_handed_over_by_the_front_end_is_acknowledged_and_served_or
     descriptor is dropped; the loop serves the next message (a STOP) either way."""
     vecadd = zoo("vecadd1k")
     vq, vn = _queues(vecadd)
-    flag = PreemptFlag()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(WAIT_S)
-    w = Worker(WorkerSpec(ctrl_fd=theirs.detach(), flag_fd=flag.fd, cache_dir=str(tmp_path), log_level="WARNING",
-                          segment_time_weight=ReefSection.segment_time_weight))
+    w, ours, flag = _worker(tmp_path)
     loop = threading.Thread(target=w.serve, daemon=True)
     clients = []
     try:
