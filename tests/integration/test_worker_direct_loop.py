@@ -61,6 +61,16 @@ def _worker(tmp_path) -> tuple[Worker, socket.socket, PreemptFlag]:
     return w, ours, flag
 
 
+def _close(w: Worker, ours: socket.socket, flag: PreemptFlag, queues: list[TensorQueue]) -> None:
+    """Unload the worker; close its control socket, the front end's end of it, its page and the queues."""
+    w.unload()
+    w.ctrl.close()
+    ours.close()
+    flag.close()
+    for q in queues:
+        q.close()
+
+
 def _direct_call(path: str, x: bytes, answer_bytes: int) -> bytes:
     """One REQUEST over a fresh connection to the endpoint; the answer's payload."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -133,12 +143,7 @@ def test_direct_calls_run_in_the_loops_inference_mode_and_control_messages_outsi
         if loop.is_alive():
             ours.send(bytes([Msg.STOP]))
             loop.join(WAIT_S)
-        w.unload()
-        w.ctrl.close()
-        ours.close()
-        flag.close()
-        for q in vq + lq:
-            q.close()
+        _close(w, ours, flag, vq + lq)
 
 
 def test_after_a_front_end_batch_the_loop_polls_as_front_end_spin_us_says_and_after_a_direct_one_as_direct_spin_us(
@@ -193,12 +198,7 @@ def test_after_a_front_end_batch_the_loop_polls_as_front_end_spin_us_says_and_af
         assert w.step() and DoneMsg.unpack(ours.recv(65536)).batch_id == 2
     finally:
         client.close()
-        w.unload()
-        w.ctrl.close()
-        ours.close()
-        flag.close()
-        for q in vq:
-            q.close()
+        _close(w, ours, flag, vq)
 
 
 def _frame(s: socket.socket) -> tuple[Header, bytes]:
@@ -262,9 +262,4 @@ def test_a_connection_handed_over_by_the_front_end_is_acknowledged_and_served_or
             loop.join(WAIT_S)
         for c in clients:
             c.close()
-        w.unload()
-        w.ctrl.close()
-        ours.close()
-        flag.close()
-        for q in vq:
-            q.close()
+        _close(w, ours, flag, vq)
