@@ -60,8 +60,8 @@ def main() -> None:
         clients: dict[tuple[int, int], Client | HttpClient] = {}
         for spin, server in servers.items():
             for poll in polls:
-                clients[spin, poll] = HttpClient(server.http) if a.http else \
-                    stack.enter_context(Client(server.tcp, direct=False, poll_us=poll))
+                clients[spin, poll] = stack.enter_context(
+                    HttpClient(server.http) if a.http else Client(server.tcp, direct=False, poll_us=poll))
         info = next(iter(clients.values())).lookup(a.model)
         x = [np.ones(t.shape, t.dtype) for t in info.inputs]
         for c in clients.values():  # warm-up
