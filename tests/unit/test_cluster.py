@@ -103,6 +103,31 @@ def test_a_silent_node_is_out_of_dispatch_and_then_dead_within_its_bound():
     assert h.serving(now) == {"b"} and h.state("a", now) is Health.DEAD
 
 
+def test_a_node_that_answers_every_ping_stays_alive_between_its_answers():
+    """The gateway's pinger sleeps ``ping_period_s`` between its rounds, each sleep a little
+    late on a loaded host, and a healthy node answers a round trip after each ping: it is never
+    SUSPECT. Pinged once an interval, the same node was SUSPECT for the lateness, every round."""
+    h = HealthTracker(ping_interval_s=1.0, misses=3)
+    late_ms, rtt_ms = 10, 5
+
+    def states(period_s: float) -> set[Health]:
+        h.add("a", 0.0)
+        answers, ping = set(), 0
+        while ping < 5000:
+            ping += round(period_s * 1000) + late_ms
+            answers.add(ping + rtt_ms)
+        seen = set()
+        for ms in range(1, 5000):
+            if ms in answers:
+                h.heard("a", ms / 1000)
+            seen.add(h.state("a", ms / 1000))
+        h.remove("a")
+        return seen
+
+    assert states(h.ping_period_s) == {Health.ALIVE}
+    assert Health.SUSPECT in states(h.ping_interval_s)
+
+
 # -- the ledger --------------------------------------------------------------------------
 
 def test_the_ledger_resends_a_lost_nodes_work_and_drops_the_late_duplicate():

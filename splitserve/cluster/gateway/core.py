@@ -513,9 +513,10 @@ class GatewayCore:
             link.pending.pop(cid, None)
 
     async def _pinger(self) -> None:
-        """Every ping interval: PING each link; nodes silent for ``ping_misses`` intervals are lost."""
+        """Every ping period (``HealthTracker.ping_period_s``): PING each link; nodes silent for
+        ``ping_misses`` intervals are lost."""
         while True:
-            await asyncio.sleep(self.cfg.ping_interval_s)
+            await asyncio.sleep(self.health.ping_period_s)
             for link in list(self._links.values()):
                 cid = _CONTROL_BIT | next(self._control_ids)
                 with contextlib.suppress(OSError, RuntimeError):

@@ -6,7 +6,8 @@ in-flight work stays); ``DEAD`` once it has missed ``misses`` pings: its in-flig
 sent elsewhere (the ledger) and it is forgotten (a node that comes back joins again with
 ``add``). So a silent node is out of dispatch ``ping_interval_s`` after its last
 sign of life and declared dead ``misses × ping_interval_s`` after it, plus however late the
-caller's next ``check`` comes (the gateway checks every ping interval). Faster than Ray's own
+caller's next ``check`` comes (the gateway pings and checks every ``ping_period_s``, half an
+interval, so that a healthy node is heard from within each interval). Faster than Ray's own
 node-death detection (docs/cluster.md), which only decides replacement.
 """
 
@@ -32,6 +33,14 @@ class HealthTracker:
         self.ping_interval_s = ping_interval_s
         self.misses = misses
         self._heard: dict[str, float] = {}
+
+    @property
+    def ping_period_s(self) -> float:
+        """How often the caller pings each node: twice an interval, so that a healthy node's
+        answer is back before its silence reaches one interval. Pinged once an interval, a
+        healthy node was SUSPECT (and got no new work) from each ping's send until its PONG:
+        the round trip plus the timer's lateness, every interval."""
+        return self.ping_interval_s / 2
 
     @property
     def dead_after_s(self) -> float:
