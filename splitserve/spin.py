@@ -139,9 +139,9 @@ def cpu_free(loadavg: str, cpus: int) -> bool:
 
 class HostLoad:
     """Whether the host has a CPU free, read from ``/proc/loadavg`` at most every
-    ``LOAD_PERIOD_NS``: not once a read found a task waiting for one, and for
-    ``BUSY_HOLD_NS`` after ``busy_reads`` (default ``BUSY_READS``) such reads in a row (never
-    where the file cannot be read)."""
+    ``LOAD_PERIOD_NS``: not once ``busy_reads`` (default ``BUSY_READS``) reads in a row found
+    a task waiting for one, and then not for ``BUSY_HOLD_NS`` (one read at its end that finds
+    a task waiting again holds it again; never free where the file cannot be read)."""
 
     def __init__(self, path: str = "/proc/loadavg", busy_reads: int = BUSY_READS) -> None:
         if busy_reads < 1:
