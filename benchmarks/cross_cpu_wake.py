@@ -13,9 +13,9 @@ round trip minus hold, in µs.
 On one CPU a hand-over is a context switch. Across two it is a wake-up of a CPU that went
 idle, and in a VM an idle vCPU halts: its wake-up goes through the hypervisor. After a hold
 the caller's CPU has been idle long enough to halt. A front-end call of
-``docs/fastpath-breakdown.md`` makes three such hand-overs across CPUs (client to front end,
-front end to worker, worker to front end), the plain echo that its ratios divide by none or
-one, depending on where the echo's thread runs.
+``docs/fastpath-breakdown.md`` hands over between the front end and its worker, on another
+CPU, twice (the front end and its client can share one); the plain echo that the ratios
+there divide by hands over across CPUs or not, depending on where its thread runs.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def _serve(sock: socket.socket, cpu: int) -> None:
         while time.perf_counter_ns() < until:  # busy, as a model computing keeps its CPU
             pass
         sock.sendall(buf)
-    os._exit(0)
 
 
 def _server(cpu: int, earlier: list[tuple[socket.socket, int]]) -> tuple[socket.socket, int]:
@@ -49,10 +48,15 @@ def _server(cpu: int, earlier: list[tuple[socket.socket, int]]) -> tuple[socket.
     see their caller close them."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
-    if pid == 0:
-        for sock, _ in [*earlier, (ours, 0)]:
-            sock.close()
-        _serve(theirs, cpu)
+    if pid == 0:  # the child never returns into the caller's code, whatever happens
+        code = 1
+        try:
+            for sock, _ in [*earlier, (ours, 0)]:
+                sock.close()
+            _serve(theirs, cpu)
+            code = 0
+        finally:
+            os._exit(code)
     theirs.close()
     return ours, pid
 
@@ -69,12 +73,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="calls a block")
     ap.add_argument("--rounds", type=int, default=20)
     a = ap.parse_args()
+    holds = [int(h) for h in a.holds.split(",")]
+    if a.calls < 1 or a.rounds < 1 or any(h < 0 for h in holds):
+        ap.error("--calls and --rounds are at least 1, every hold at least 0")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("needs two CPUs to compare a hand-over on one CPU with one across two")
     mine, other = cpus[0], cpus[1]
     os.sched_setaffinity(0, {mine})
-    holds = [int(h) for h in a.holds.split(",")]
     pairs = [(where, cpu, hold) for hold in holds for where, cpu in (("same CPU", mine), ("other CPU", other))]
     servers: list[tuple[socket.socket, int]] = []
     for _, cpu, _ in pairs:
@@ -82,7 +88,7 @@ def main() -> None:
     buf = bytearray(_MSG.size)
     times: list[list[float]] = [[] for _ in pairs]
     try:
-        for i, (sock, _) in enumerate(servers):  # warm each once
+        for i, (sock, _) in enumerate(servers):  # a block each to warm up
             for _ in range(a.calls):
                 _call(sock, _MSG.pack(pairs[i][2]), buf)
         for r in range(a.rounds):
